@@ -1,0 +1,144 @@
+"""Checks on the composed run config that the schemas alone cannot express.
+
+`validate(cfg)` turns a composed DictConfig into a typed `RunConfig` or raises `ConfigError` with a
+message naming the key and what to change. It runs before any worker process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, get_args, get_origin, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+
+from dpipe.config.schema import (
+    PartitionMethod,
+    Precision,
+    RunConfig,
+    TrainMode,
+)
+from dpipe.errors import ConfigError
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
+    """Type-check, resolve and cross-check a composed config.
+
+    `world_size` is the number of processes the run will have (known inside a distributed
+    environment); None when dpipe will start the processes itself.
+    """
+    plain = {k: v for k, v in cfg.items() if k != "hydra"} if isinstance(cfg, DictConfig) else cfg
+    container = OmegaConf.create(plain)
+    unknown = list(_unknown_keys(container, RunConfig, prefix=""))
+    if unknown:
+        raise ConfigError(
+            "unknown config key(s): "
+            + ", ".join(unknown)
+            + ". Check the spelling against `dpipe-train --cfg job`; keys cannot be added with `+`."
+        )
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
+        OmegaConf.resolve(typed)
+        run: RunConfig = OmegaConf.to_object(typed)  # type: ignore[assignment]
+    except Exception as err:  # omegaconf's messages name the full key
+        raise ConfigError(f"invalid config: {err}") from None
+    _check_cross_fields(run, world_size)
+    return run
+
+
+def _unknown_keys(node: Any, schema: type, prefix: str):
+    hints = get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in names:
+            yield f"'{full}' (valid keys of '{prefix.rstrip('.') or 'the run'}': {', '.join(sorted(names))})"
+            continue
+        child_type = _dataclass_of(hints[key])
+        value = node._get_node(key)
+        if child_type is not None and isinstance(value, DictConfig) and not value._is_missing():
+            yield from _unknown_keys(value, child_type, prefix=f"{full}.")
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if get_origin(hint) is not None:  # Optional[X]
+        for arg in get_args(hint):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
+    p, t, m, o = run.pipeline, run.train, run.model, run.optim
+
+    positive = {
+        "pipeline.stages": p.stages,
+        "pipeline.micro_batch_size": p.micro_batch_size,
+        "pipeline.micro_batches": p.micro_batches,
+        "train.max_steps": t.max_steps,
+        "train.log_every": t.log_every,
+        "model.lora.rank": m.lora.rank,
+        "dataset.resolution": run.dataset.resolution,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+    if o.warmup_steps < 0 or o.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    if not 0 <= m.lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {m.lora.dropout}")
+
+    if p.data_parallel is not None and p.data_parallel < 1:
+        raise ConfigError(f"pipeline.data_parallel must be >= 1 or null (auto), got {p.data_parallel}")
+    if world_size is not None:
+        if world_size % p.stages:
+            raise ConfigError(
+                f"pipeline.stages={p.stages} must divide the number of processes ({world_size}); "
+                f"use a stage count that divides {world_size}"
+            )
+        if p.data_parallel is not None and p.data_parallel * p.stages != world_size:
+            raise ConfigError(
+                f"pipeline.stages x pipeline.data_parallel = {p.stages} x {p.data_parallel} "
+                f"= {p.stages * p.data_parallel} processes, but this environment has {world_size}; "
+                "set pipeline.data_parallel=null to derive it"
+            )
+
+    if p.zero_stage not in (0, 1):
+        raise ConfigError(
+            f"pipeline.zero_stage={p.zero_stage}: DeepSpeed pipelines support ZeRO stage 0 or 1 only"
+        )
+    if t.precision == Precision.bf16 and m.mode == TrainMode.full and p.zero_stage == 0:
+        raise ConfigError(
+            "train.precision=bf16 with model.mode=full needs pipeline.zero_stage=1 (DeepSpeed's "
+            "bf16 optimizer cannot reload its checkpoints at ZeRO stage 0)"
+        )
+    if p.partition == PartitionMethod.explicit:
+        split = p.split or []
+        if len(split) != p.stages - 1:
+            raise ConfigError(
+                f"pipeline.partition=explicit needs pipeline.split with {p.stages - 1} layer "
+                f"indices (where stages 2..{p.stages} start), got {p.split}"
+            )
+        if any(b <= a for a, b in zip([0, *split], split)):
+            raise ConfigError(f"pipeline.split must be strictly increasing and > 0, got {split}")
+    elif p.split is not None:
+        raise ConfigError("pipeline.split is only used with pipeline.partition=explicit")
+    if p.activation_checkpoint_interval < 0:
+        raise ConfigError("pipeline.activation_checkpoint_interval must be >= 0")
+
+    if p.stages > 1 and p.micro_batches < p.stages:
+        warnings.warn(
+            f"pipeline.micro_batches={p.micro_batches} < pipeline.stages={p.stages}: most of each "
+            f"step is pipeline bubble; use micro_batches >= {2 * p.stages} for throughput",
+            stacklevel=2,
+        )
+    if t.checkpoint_every_steps < 0 or t.checkpoint_every_minutes < 0 or t.keep_checkpoints < 1:
+        raise ConfigError(
+            "train.checkpoint_every_steps/minutes must be >= 0 and train.keep_checkpoints >= 1"
+        )

@@ -1,0 +1,142 @@
+"""A content-addressed store of tensor dicts (cached latents, text embeddings) on disk.
+
+An entry's key is a hash of everything that determines its content (`cache_key`): the source
+file's fingerprint, the encoder, the resolution, ... A changed input therefore gives a new key
+and is recomputed; nothing is ever invalidated in place. Entries are safetensors files (no
+pickle), written atomically, so any number of processes may fill the same store at once and a
+killed writer never leaves a partial file under an entry's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+# Part of every key. Bump it whenever the encoding of entries changes (what is stored, how
+# images are preprocessed or encoded, tensor names or layouts): old entries then stop matching
+# and are recomputed, instead of being loaded as if they were made by the new code.
+CACHE_FORMAT_VERSION = 1
+
+SUFFIX = ".safetensors"
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def cache_key(**parts: Any) -> str:
+    """The sha256 hex digest of the parts (and CACHE_FORMAT_VERSION) as canonical JSON.
+
+    Values may be str, int, float, bool, None, lists (tuples count as lists) and dicts with str
+    keys, nested; the order of dict keys does not matter.
+    """
+    _check_json_value(parts, "parts")
+    canonical = json.dumps(
+        {"cache_format_version": CACHE_FORMAT_VERSION, "parts": parts},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,  # NaN and inf have no JSON form; a key must never depend on one
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+class TensorStore:
+    """Entries at `root/<first 2 key chars>/<key>.safetensors`; the prefix folders keep each
+    directory small enough to list quickly on cluster filesystems."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path_for(self, key: str) -> Path:
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"not a cache key (64 lower-case hex digits from cache_key): {key!r}")
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def has(self, key: str) -> bool:
+        return self.path_for(key).is_file()
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors, or None if it is absent or unreadable (then it is removed)."""
+        path = self.path_for(key)
+        try:
+            return load_file(path)
+        except FileNotFoundError:
+            return None
+        except SafetensorError as error:
+            # Only possible from outside dpipe (a disk fault, a copy cut short, a manual edit):
+            # our writes are atomic. Removing it lets the next `put` recompute the entry.
+            warnings.warn(
+                f"cache entry {path} is unreadable ({error}); removed it, it will be recomputed.",
+                stacklevel=2,
+            )
+            path.unlink(missing_ok=True)
+            return None
+
+    def put(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """Store `tensors` under `key`, replacing any entry there (same key, same content)."""
+        path = self.path_for(key)
+        prepared = {name: _own_contiguous_cpu(name, tensor) for name, tensor in tensors.items()}
+        if metadata is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise TypeError(f"safetensors metadata must map str to str, got {metadata!r}")
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Hidden and unique per writer: concurrent writers never share a temp file, and a listing
+        # of `*.safetensors` never shows one.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            save_file(prepared, tmp, metadata=metadata)
+            # Flush to disk before the rename: otherwise a power cut can leave the new name
+            # pointing at a file whose data never reached the disk.
+            with open(tmp, "r+b") as file:
+                os.fsync(file.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _own_contiguous_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy with storage of its own.
+
+    safetensors refuses tensors that share storage (two names for one tensor, views of one
+    buffer); a copy costs little for cache-sized tensors and makes every input valid.
+    """
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"a cache entry maps str to torch.Tensor, got {name!r}: {type(tensor)}")
+    return tensor.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _check_json_value(value: Any, where: str) -> None:
+    """Refuse values whose JSON form would be ambiguous or that json.dumps would not take."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_json_value(item, f"{where}[{index}]")
+        return
+    if isinstance(value, dict):
+        for name, item in value.items():
+            # json.dumps would turn 1 into "1", so {1: x} and {"1": x} would share a key.
+            if not isinstance(name, str):
+                raise TypeError(f"cache key part {where} has a non-str key {name!r}")
+            _check_json_value(item, f"{where}[{name!r}]")
+        return
+    raise TypeError(
+        f"cache key part {where} is a {type(value).__name__}; use str, int, float, bool, None, "
+        "list or dict (e.g. str() a Path, a file_fingerprint() for a file's content)."
+    )

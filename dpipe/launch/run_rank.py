@@ -1,0 +1,51 @@
+"""Runs training on one rank and turns user errors into a message instead of a traceback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from dpipe.config.checks import validate
+from dpipe.config.schema import RunConfig
+from dpipe.errors import UserError
+from dpipe.io import atomic_write_text
+
+RUN_CONFIG = "run.yaml"  # the resolved config the run was started with
+
+
+def save_run_config(run: RunConfig, run_dir: Path) -> None:
+    atomic_write_text(run_dir / RUN_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(run)))
+
+
+def load_run_config(path: Path) -> RunConfig:
+    return validate(OmegaConf.load(path), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[%(asctime)s %(name)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def run_rank(run: RunConfig, run_dir: Path) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
+    from dpipe.train.loop import run_training
+
+    try:
+        run_training(run, run_dir)
+    except UserError as err:
+        # The launcher prints each distinct message once; a rank on its own prints it itself.
+        errors = run_dir / ".errors"
+        atomic_write_text(errors / f"rank{rank:05d}.txt", str(err))
+        if "DPIPE_LAUNCHER" not in os.environ:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,85 @@
+"""FLUX.1's transformer as pipeline layers: embed -> double blocks -> single blocks -> head.
+
+Every layer passes the tuple (hidden, text_hidden, temb, ids). Rotary embeddings are recomputed
+per block from the integer position ids: floats crossing a stage boundary must receive gradients,
+integers travel free (see docs on stage I/O).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.spec import PipelineLayer
+
+
+def _needs_grad(t: torch.Tensor) -> torch.Tensor:
+    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
+    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
+    if torch.is_grad_enabled() and not t.requires_grad:
+        return t.detach().requires_grad_()
+    return t
+
+
+class FluxEmbed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("x_embedder", "time_text_embed", "context_embedder"):
+            self.adopt(name, getattr(transformer, name), name)
+        self.has_guidance = bool(transformer.config.guidance_embeds)
+
+    def forward(self, inputs):
+        packed, t, text, pooled, guidance, txt_ids, img_ids = inputs
+        hidden = self.x_embedder(packed)
+        timestep = t.to(hidden.dtype) * 1000
+        if self.has_guidance:
+            temb = self.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled)
+        else:
+            temb = self.time_text_embed(timestep, pooled)
+        text_hidden = self.context_embedder(text)
+        ids = torch.cat([txt_ids, img_ids], dim=0).long()
+        return _needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb), ids
+
+
+class FluxBlock(PipelineLayer):
+    """A double-stream or single-stream block; both take and return (text, image) streams."""
+
+    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("pos_embed", pos_embed, "pos_embed")  # parameter-free
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, ids = inputs
+        rotary = self.pos_embed(ids)
+        text_hidden, hidden = self.block(
+            hidden_states=hidden,
+            encoder_hidden_states=text_hidden,
+            temb=temb,
+            image_rotary_emb=rotary,
+        )
+        return hidden, text_hidden, temb, ids
+
+
+class FluxHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, _ids = inputs
+        out = self.proj_out(self.norm_out(hidden, temb))
+        # The text stream ends unused here; when the head is alone on the last stage, the text
+        # tensor it received still needs a gradient for the pipeline's backward pass.
+        return out + 0.0 * text_hidden.sum()
+
+
+def flux_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    layers: list[PipelineLayer] = [FluxEmbed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(FluxBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
+    for i, block in enumerate(transformer.single_transformer_blocks):
+        layers.append(FluxBlock(block, transformer.pos_embed, f"single_transformer_blocks.{i}"))
+    layers.append(FluxHead(transformer))
+    return layers

@@ -1,0 +1,183 @@
+"""FLUX.1 (dev / schnell): FluxTransformer2DModel + AutoencoderKL (16 ch) + CLIP-L + T5-XXL.
+
+Loads the diffusers folder layout users download; text and image encoding go through diffusers'
+own `FluxPipeline` so prompts are tokenised and embedded exactly as at inference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.flux.layers import flux_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                  "tokenizer", "tokenizer_2")
+
+# What the community trains for FLUX LoRAs: every Linear of both kinds of blocks (attention,
+# MLPs, modulation), none outside them. A peft regex over diffusers' module names.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
+]
+LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class FluxSpec(ModelSpec):
+    family = "flux"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.flux.tiny import make_tiny_flux
+
+            make_tiny_flux(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a FLUX.1 model in "
+                "diffusers format (e.g. a download of black-forest-labs/FLUX.1-dev)"
+            )
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete FLUX.1 diffusers folder: missing "
+                f"{', '.join(missing)}"
+            )
+        self._vae_config()  # reads the VAE's scale now, so a broken folder fails before training
+
+    def _vae_config(self) -> dict[str, Any]:
+        path = self.path / "vae" / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downscale (x8 for FLUX.1), then 2x2 patch packing.
+        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * 2
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import FluxPipeline
+
+        try:
+            pipe = FluxPipeline.from_pretrained(self.path, transformer=None, torch_dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        try:
+            model = FluxTransformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", torch_dtype=dtype
+            )
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        return model
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"),
+                "shift_factor": vae.get("shift_factor"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            "clip": folder_fingerprint(self.path / "text_encoder"),
+            "t5": folder_fingerprint(self.path / "text_encoder_2"),
+            "tokenizers": [folder_fingerprint(self.path / f) for f in ("tokenizer", "tokenizer_2")],
+            "max_text_tokens": self.cfg.max_text_tokens,
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, pooled, _ids = encoders.encode_prompt(
+            prompts, prompt_2=None, device=encoders.vae.device,
+            max_sequence_length=self.cfg.max_text_tokens,
+        )
+        return {"t5": text, "pooled": pooled}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return flux_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, c, h, w = batch.latents.shape
+        packed = _pack(batch.noisy)
+        text = batch.text["t5"]
+        txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
+        img_ids = _image_ids(h // 2, w // 2)
+        guidance = torch.full((b,), float(self.cfg.guidance))
+        inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
+        return inputs, (_pack(batch.target),)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        (target,) = labels
+        return F.mse_loss(outputs.float(), target.float())
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import FluxPipeline
+
+        # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        FluxPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
+        )
+        return [out_dir / "pytorch_lora_weights.safetensors"]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json"
+        )
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): FLUX's 2x2 patch packing (as FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def _image_ids(h: int, w: int) -> torch.Tensor:
+    ids = torch.zeros(h, w, 3, dtype=torch.long)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)

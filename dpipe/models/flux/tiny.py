@@ -1,0 +1,127 @@
+"""A tiny random FLUX.1-dev, written in exactly the layout of black-forest-labs/FLUX.1-dev.
+
+Tests and CI cannot download the real 12B checkpoint, so they run the real loading code
+(`FluxPipeline.from_pretrained`, `FluxTransformer2DModel.from_pretrained(subfolder=...)`) on this
+folder instead. Everything the loaders look at is kept as in the real repo: the same classes in
+model_index.json, the scheduler config, tokenizer files, bf16 safetensors, sharded transformer and
+T5 weights with their index files; only the sizes shrink.
+
+Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents -> Flux's 2x2 packing
+-> 64 image tokens of 16 channels; text: CLIP (77 tokens, hidden 32 = pooled size) and T5 (d_model
+32, up to 512 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.tiny_parts import (
+    round_up, save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+
+LATENT_CHANNELS = 4
+TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
+CLIP_MAX_LENGTH = 77  # FluxPipeline pads CLIP prompts to tokenizer.model_max_length
+T5_MAX_LENGTH = 512  # FLUX.1-dev's tokenizer_2 limit; pipelines ask for less (max_sequence_length)
+# The real repo stores every component in bf16; loaders must pass the compute dtype themselves.
+DTYPE = torch.bfloat16
+
+
+def make_tiny_flux(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random FLUX.1-dev diffusers folder at `path` and return `path`.
+
+    An existing complete folder is returned untouched; the build happens in a temporary sibling
+    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_flux; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write_tiny_flux(tmp, seed))
+    return path
+
+
+def _write_tiny_flux(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
+    from transformers import (
+        CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast)
+
+    clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH)
+    t5_vocab = save_t5_tokenizer(out / "tokenizer_2", model_max_length=T5_MAX_LENGTH)
+
+    # FLUX.1-dev's scheduler config: the shift grows with the image token count.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+
+    # Each component gets its own seed, so resizing one leaves the others' weights unchanged.
+    with seeded(seed):
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=clip_vocab, hidden_size=TEXT_DIM, intermediate_size=4 * TEXT_DIM,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+            hidden_act="quick_gelu", projection_dim=TEXT_DIM,
+            # The real config's legacy ids: eos_token_id=2 makes CLIP pool at argmax(input_ids),
+            # i.e. at the first <|endoftext|>, which the tokenizer puts at the top of its vocab.
+            bos_token_id=0, eos_token_id=2, pad_token_id=1))
+    with seeded(seed + 1):
+        text_encoder_2 = T5EncoderModel(T5Config(
+            # Padded past the tokenizer as t5-v1_1-xxl is (32100 tokens, 32128 rows).
+            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
+            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0))
+    with seeded(seed + 2):
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * LATENT_CHANNELS,  # 2x2 latent patches packed per token
+            num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+    with seeded(seed + 3):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            # Three levels downscale 4x (the real VAE: four levels, 8x).
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
+            # FLUX's latent normalisation, and no 1x1 quant convs, as in the real VAE.
+            scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+
+    scheduler.save_pretrained(out / "scheduler")
+    # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
+    # so code that reads the weight files finds the same names as on the real repo.
+    _save(transformer, out / "transformer", shards=3)
+    _save(text_encoder_2, out / "text_encoder_2", shards=2)
+    _save(text_encoder, out / "text_encoder", shards=1)
+    _save(vae, out / "vae", shards=1)
+
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+        tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
+        tokenizer_2=T5TokenizerFast.from_pretrained(out / "tokenizer_2"), transformer=transformer)
+    pipe.save_config(out)  # model_index.json, as FluxPipeline.save_pretrained writes it
+    index = json.loads((out / "model_index.json").read_text())
+    # transformers 5 folds T5TokenizerFast into T5Tokenizer; the real repo names the Fast class,
+    # which every transformers version can load.
+    index["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
+    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules, which these have none of.
+    torch.nn.Module.to(model, DTYPE)
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    # One entry per storage: tied weights (T5's shared / embed_tokens) are written once.
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
+    sizes = [t.numel() * t.element_size() for t in unique]
+    # Shards are filled greedily with whole tensors: a cap of one share plus the largest tensor
+    # makes each shard hold at least one share, so exactly `shards` files come out.
+    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

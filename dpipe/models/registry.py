@@ -1,0 +1,24 @@
+"""Maps `model.family` names to their `ModelSpec` classes."""
+
+from __future__ import annotations
+
+import importlib
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import ConfigError
+from dpipe.models.spec import ModelSpec
+
+# family name -> "module:Class"; imported lazily so one family's imports never slow another's.
+FAMILIES: dict[str, str] = {
+    "flux": "dpipe.models.flux.spec:FluxSpec",
+}
+
+
+def build_spec(cfg: ModelConfig) -> ModelSpec:
+    if cfg.family not in FAMILIES:
+        raise ConfigError(
+            f"model.family={cfg.family!r} is not known; choose one of: {', '.join(sorted(FAMILIES))}"
+        )
+    module_name, class_name = FAMILIES[cfg.family].split(":")
+    spec_class = getattr(importlib.import_module(module_name), class_name)
+    return spec_class(cfg)

@@ -1,0 +1,138 @@
+"""The model interface: everything family-specific, and the only thing the trainer knows of a model.
+
+A family (Flux, Wan, SDXL, ...) subclasses `ModelSpec` and registers it in `registry.py`. The
+trainer then:
+
+1. caches: `load_encoders` once, `encode_images` / `encode_prompts` per item (stored by the cache);
+2. trains: `load_denoiser`, `lora_targets`, `pipeline_layers` (an ordered list of modules that pass
+   a tuple of tensors from one to the next, split across pipeline stages), `make_inputs` (the first
+   layer's input tuple and the loss's label tuple for one micro-batch), `loss`;
+3. exports: `export_lora` / `export_full` in the family's public formats.
+
+Tensor conventions: images are float tensors in [-1, 1], shape (B, 3, H, W). Cached entries are
+dicts of tensors without the batch dimension; the loader stacks them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dpipe.config.schema import ModelConfig
+from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+
+
+@dataclass(frozen=True)
+class NoisedBatch:
+    """One micro-batch after noising: what the denoiser sees and what it must predict."""
+
+    latents: torch.Tensor  # clean latents x0
+    noise: torch.Tensor
+    timesteps: torch.Tensor  # t in [0, 1], shape (B,)
+    noisy: torch.Tensor  # x_t
+    target: torch.Tensor  # what the model predicts (e.g. noise - x0 for flow matching)
+    text: dict[str, torch.Tensor]  # cached text embeddings, batched
+
+
+class PipelineLayer(nn.Module):
+    """One pipeline layer, built from submodules of the denoiser.
+
+    Submodules are attached with `adopt(attr, module, source_name)`, which records where they live
+    in the denoiser, so weights gathered from every stage can be exported under their public names.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.source_names: dict[str, str] = {}
+
+    def adopt(self, attr: str, module: nn.Module, source_name: str) -> None:
+        setattr(self, attr, module)
+        self.source_names[attr] = source_name
+
+    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            attr, rest = name.split(".", 1)
+            out[f"{self.source_names[attr]}.{rest}"] = param.detach()
+        return out
+
+
+class ModelSpec(abc.ABC):
+    family: ClassVar[str]
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.path = Path(cfg.path).expanduser()
+
+    # ---- components -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def ensure_available(self) -> None:
+        """Check the model folder is complete (or create the tiny model); raise ModelLoadError."""
+
+    @abc.abstractmethod
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """VAE and text encoders, frozen, for caching."""
+
+    @abc.abstractmethod
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        """The diffusion transformer/UNet that is trained, on CPU."""
+
+    @property
+    @abc.abstractmethod
+    def pixel_multiple(self) -> int:
+        """Image sides must be multiples of this (VAE downscale x patch size)."""
+
+    @abc.abstractmethod
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        """All that shapes cached `kind` ("image" or "text") tensors besides the input itself:
+        the encoder weights' identity, latent scaling/shift, sequence length, ..."""
+
+    # ---- caching -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels (B, 3, H, W) in [-1, 1] -> normalised latents (B, C, h, w)."""
+
+    @abc.abstractmethod
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Prompts -> named embedding tensors with a leading batch dimension."""
+
+    # ---- training ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def lora_targets(self) -> list[str] | str:
+        """Default peft `target_modules` for LoRA (a list of names or a full-match regex)."""
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        """(noisy input, prediction target). Default: flow matching; epsilon models override."""
+        return noisy_latents(x0, noise, t), velocity_target(x0, noise)
+
+    @abc.abstractmethod
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        """The denoiser as an ordered list of layers exchanging tuples of tensors."""
+
+    @abc.abstractmethod
+    def make_inputs(self, batch: NoisedBatch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(first layer's input tuple, labels tuple given to `loss`) for one micro-batch."""
+
+    @abc.abstractmethod
+    def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Relative compute cost per layer, for balancing stages. Default: parameter count."""
+        return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+
+    # ---- export ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        """Write LoRA weights (peft names relative to the denoiser) in the public formats."""
+
+    @abc.abstractmethod
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        """Turn per-stage safetensors shards of the denoiser into the family's model folder."""

@@ -1,0 +1,128 @@
+"""Builds the DeepSpeed pipeline engine from a model's layers and the run config."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.pipeline.partition import stage_bounds
+from dpipe.train.schedule import lr_lambda
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(backend: str) -> None:
+    import deepspeed
+
+    # DeepSpeed JIT-compiles a shared-memory op at init (~30 s on a fresh machine) that gloo on
+    # CPU does not need. `import deepspeed.comm.torch as m` returns the wrong module, hence this.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def _pipeline_module_class():
+    from deepspeed.pipe import PipelineModule
+
+    class StagedPipelineModule(PipelineModule):
+        """A PipelineModule whose stage bounds come from dpipe's partitioner, with autocast."""
+
+        def __init__(self, layers, bounds, autocast_dtype, **kwargs):
+            self._dpipe_bounds = bounds
+            self._autocast_dtype = autocast_dtype
+            super().__init__(layers, partition_method="dpipe", **kwargs)
+
+        def _partition_layers(self, method="dpipe"):
+            self.parts = list(self._dpipe_bounds)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def forward(self, forward_input):
+            if self._autocast_dtype is None:
+                return super().forward(forward_input)
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            with torch.autocast(device_type, dtype=self._autocast_dtype):
+                return super().forward(forward_input)
+
+    return StagedPipelineModule
+
+
+@dataclass
+class BuiltEngine:
+    engine: object  # deepspeed.runtime.pipe.engine.PipelineEngine
+    bounds: list[int]
+    stage: int
+    trainable_parameters: int
+
+
+def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
+    p, t = run.pipeline, run.train
+    full_bf16 = t.precision == Precision.bf16 and run.model.mode == TrainMode.full
+    return {
+        "train_micro_batch_size_per_gpu": p.micro_batch_size,
+        "gradient_accumulation_steps": p.micro_batches,
+        "train_batch_size": p.micro_batch_size * p.micro_batches * data_parallel,
+        "gradient_clipping": run.optim.grad_clip,
+        "zero_optimization": {"stage": p.zero_stage},
+        "bf16": {"enabled": full_bf16},
+        "steps_per_print": 1 << 30,  # dpipe reports progress itself
+        "wall_clock_breakdown": False,
+        "pipeline": {"activation_checkpoint_interval": p.activation_checkpoint_interval},
+    }
+
+
+def build_engine(
+    layers: list[nn.Module], costs: list[float], loss_fn, run: RunConfig, data_parallel: int
+) -> BuiltEngine:
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    p = run.pipeline
+    bounds = stage_bounds(costs, p.stages, p.partition, p.split)
+    # Full bf16 fine-tunes use DeepSpeed's bf16 mode (fp32 master weights in the optimizer); LoRA
+    # keeps fp32 adapters over bf16 frozen weights and runs the layers under autocast.
+    lora_bf16 = run.train.precision == Precision.bf16 and run.model.mode == TrainMode.lora
+    module = _pipeline_module_class()(
+        layers,
+        bounds,
+        torch.bfloat16 if lora_bf16 else None,
+        topology=PipeDataParallelTopology(num_pp=p.stages, num_dp=data_parallel),
+        loss_fn=loss_fn,
+        activation_checkpoint_interval=p.activation_checkpoint_interval,
+    )
+    trainable = [q for q in module.parameters() if q.requires_grad]
+    from dpipe.train.optim import build_optimizer
+
+    optimizer = build_optimizer(trainable, run.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(run.optim, run.train.max_steps)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(run, data_parallel),
+    )
+    return BuiltEngine(
+        engine=engine,
+        bounds=bounds,
+        stage=engine.stage_id,
+        trainable_parameters=sum(q.numel() for q in trainable),
+    )
+
+
+@contextlib.contextmanager
+def quiet_deepspeed():
+    """DeepSpeed logs every engine detail at INFO; users see dpipe's summary instead."""
+    ds_logger = logging.getLogger("DeepSpeed")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ds_logger.setLevel(level)

@@ -1,0 +1,131 @@
+"""The training job of one rank: model-agnostic, it sees a model only through its `ModelSpec`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.data import prepare
+from dpipe.data.batches import step_micro_batches
+from dpipe.data.plan import BatchPlan
+from dpipe.models.registry import build_spec
+from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
+from dpipe.train import checkpoint
+from dpipe.train.export import export
+from dpipe.train.lora import frozen_dtype, make_trainable
+
+log = logging.getLogger("dpipe")
+
+
+def run_training(run: RunConfig, run_dir: Path) -> Path | None:
+    """Trains on this rank (RANK/WORLD_SIZE/MASTER_* already set). Returns the export on rank 0."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    data_parallel = world // run.pipeline.stages
+    lora = run.model.mode == TrainMode.lora
+    bf16 = run.train.precision == Precision.bf16
+
+    spec = build_spec(run.model)
+    if rank == 0:
+        spec.ensure_available()  # may create the tiny model once, for every rank
+    dist.barrier()
+    spec.ensure_available()
+
+    dataset = prepare.prepare(spec, run.dataset, device, torch.bfloat16 if bf16 and cuda else torch.float32)
+    plan = BatchPlan(len(dataset), run.pipeline.micro_batch_size, run.pipeline.micro_batches,
+                     data_parallel, run.train.seed)
+
+    torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
+    denoiser = spec.load_denoiser(torch.float32)
+    make_trainable(denoiser, run.model, spec.lora_targets())
+    if bf16 and lora:
+        frozen_dtype(denoiser, torch.bfloat16)
+    layers = spec.pipeline_layers(denoiser)
+    with quiet_deepspeed():
+        built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
+    engine = built.engine
+    dp_rank = engine.grid.get_data_parallel_rank()
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))
+
+    step = 0
+    resumed = checkpoint.newest_complete(run_dir) if run.train.resume else None
+    if resumed is not None:
+        step = checkpoint.load(engine, run_dir, resumed[1], lora)
+    if rank == 0:
+        _summary(run, built, plan, len(layers), world, resumed)
+
+    reporter = None
+    if rank == 0:
+        from dpipe.train.metrics import Reporter
+
+        reporter = Reporter(run_dir, step, run.train.max_steps, plan.global_batch,
+                            run.train.progress_bar)
+    last_save_time, last_saved = time.monotonic(), step
+    while step < run.train.max_steps:
+        # Dropout and other module randomness: the same at step k whether or not the run resumed.
+        torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
+        batches = step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed,
+                                     step, dp_rank)
+        loss = engine.train_batch(data_iter=batches)
+        step += 1
+        if reporter is not None and (step % run.train.log_every == 0 or step == run.train.max_steps):
+            grad_norm = engine.get_global_grad_norm()
+            reporter.step(step, float(loss), engine.get_lr()[0],
+                          None if grad_norm is None else float(grad_norm))
+        if _checkpoint_due(run, step, last_saved, last_save_time):
+            checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
+            last_save_time, last_saved = time.monotonic(), step
+    if step != last_saved:
+        checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
+    if reporter is not None:
+        reporter.close()
+
+    local_layers = [f for f in engine.module.forward_funcs]
+    out = export(local_layers, spec, lora, run_dir, built.stage, run.pipeline.stages, dp_rank)
+    if rank == 0:
+        log.info("exported %s", out)
+    dist.barrier()
+    return out
+
+
+def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float) -> bool:
+    t = run.train
+    if step == last_saved:
+        return False
+    by_steps = t.checkpoint_every_steps and step % t.checkpoint_every_steps == 0
+    by_time = False
+    if t.checkpoint_every_minutes:
+        # Every rank must agree, or the collective save would hang: rank 0's clock decides.
+        flag = torch.tensor([time.monotonic() - last_time >= 60 * t.checkpoint_every_minutes],
+                            dtype=torch.int32)
+        if torch.cuda.is_available():
+            flag = flag.cuda()
+        dist.broadcast(flag, src=0)
+        by_time = bool(flag.item())
+    return bool(by_steps or by_time)
+
+
+def _summary(run, built, plan, num_layers, world, resumed) -> None:
+    bounds = built.bounds
+    stages = ", ".join(f"stage {i}: layers {bounds[i]}-{bounds[i + 1] - 1}"
+                       for i in range(len(bounds) - 1))
+    log.info("model %s (%s), %d pipeline layers; %s", run.model.family, run.model.mode.value,
+             num_layers, stages)
+    log.info("%d processes = %d stages x %d data-parallel; %d samples per step "
+             "(%d micro-batches of %d); %d steps per epoch, %d items left over per epoch",
+             world, run.pipeline.stages, world // run.pipeline.stages, plan.global_batch,
+             plan.micro_batches, plan.micro_batch_size, plan.steps_per_epoch,
+             plan.left_over_per_epoch)
+    if resumed is not None:
+        log.info("resumed from %s (step %d)", resumed[1], resumed[0])

@@ -1,0 +1,48 @@
+"""Makes a denoiser trainable: LoRA adapters via peft, or every weight for a full fine-tune."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.config.schema import ModelConfig, TrainMode
+from dpipe.errors import ConfigError
+
+
+def make_trainable(denoiser: nn.Module, cfg: ModelConfig, default_targets) -> None:
+    if cfg.mode == TrainMode.full:
+        denoiser.requires_grad_(True)
+        return
+    from peft import LoraConfig, inject_adapter_in_model
+
+    denoiser.requires_grad_(False)
+    lora = cfg.lora
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets) if lora.targets else default_targets,
+        init_lora_weights=True,
+    )
+    try:
+        inject_adapter_in_model(config, denoiser, adapter_name="default")
+    except ValueError as err:  # peft: "Target modules ... not found in the base model"
+        raise ConfigError(f"model.lora.targets: {err}") from None
+    for name, param in denoiser.named_parameters():
+        if "lora_" in name:
+            # Adapters train in fp32 even over bf16 base weights: their updates are tiny.
+            param.data = param.data.float()
+            param.requires_grad_(True)
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    params = list(module.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params)
+
+
+def frozen_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts frozen weights (the base model under LoRA) to `dtype` to halve their memory."""
+    for param in module.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)

@@ -1,0 +1,36 @@
+"""What rank 0 shows and records: a progress bar and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+class Reporter:
+    def __init__(self, run_dir: Path, start_step: int, max_steps: int, samples_per_step: int,
+                 progress_bar: bool):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.samples_per_step = samples_per_step
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
+                        disable=not progress_bar, dynamic_ncols=True)
+        self.last = time.perf_counter()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
+        now = time.perf_counter()
+        step_time, self.last = now - self.last, now
+        samples_per_s = self.samples_per_step / step_time
+        self.writer.add_scalar("train/loss", loss, step)
+        self.writer.add_scalar("train/lr", lr, step)
+        if grad_norm is not None:
+            self.writer.add_scalar("train/grad_norm", grad_norm, step)
+        self.writer.add_scalar("perf/step_time_s", step_time, step)
+        self.writer.add_scalar("perf/samples_per_s", samples_per_s, step)
+        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.2f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()

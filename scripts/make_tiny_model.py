@@ -1,0 +1,40 @@
+#!/usr/bin/env python
+"""Write a tiny random model in the on-disk layout of a real one, for tests and dry runs.
+
+    python scripts/make_tiny_model.py flux /tmp/tiny-flux [--seed 0]
+
+The folder then stands in for the real checkpoint (e.g. `model.path=/tmp/tiny-flux`). An existing
+complete folder is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+# family -> "module:factory", each factory `(path: Path, seed: int) -> Path`; imported lazily so a
+# family's heavy imports are paid only when it is asked for.
+FACTORIES: dict[str, str] = {
+    "flux": "dpipe.models.flux.tiny:make_tiny_flux",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=sorted(FACTORIES), help="model family to imitate")
+    parser.add_argument("out_dir", type=Path, help="folder to write (left as is if complete)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    args = parser.parse_args(argv)
+    # Everything is built locally; never let a hub lookup stall on retries.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    module_name, func_name = FACTORIES[args.family].split(":")
+    factory = getattr(importlib.import_module(module_name), func_name)
+    print(factory(args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
