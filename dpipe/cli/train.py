@@ -23,6 +23,7 @@ from dpipe.config.checks import validate
 from dpipe.config.store import register_schemas
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
+from dpipe.launch.quiet import quiet_libraries
 from dpipe.launch.local import launch_workers, world_size_for
 from dpipe.launch.run_rank import run_rank, save_run_config
 
@@ -62,6 +63,7 @@ def _exit_on_failure(code: int) -> int:
 
 
 def main() -> None:
+    quiet_libraries()
     register_schemas()
     if os.environ.get("RANK", "0") != "0":
         # Under torchrun every rank composes the config, but only rank 0 owns the run dir.

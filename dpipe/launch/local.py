@@ -37,6 +37,12 @@ def world_size_for(run: RunConfig, gpus: int) -> int:
     return stages * dp
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,14 +55,17 @@ def launch_workers(run_dir: Path, world_size: int) -> int:
     for old in errors.glob("*.txt") if errors.exists() else []:
         old.unlink()
     port = free_port()
+    base_env = dict(os.environ)
+    if not any(k in base_env for k in ("DS_ACCELERATOR",)) and not _has_gpu():
+        base_env["DS_ACCELERATOR"] = "cpu"  # skips DeepSpeed's probing (and its warning)
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, DPIPE_LAUNCHER="local", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        env = dict(base_env, DPIPE_LAUNCHER="local", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "dpipe.launch.worker", str(run_dir)],
-            env=env, start_new_session=True,  # own process group: stopped together on failure
+            env=env,
         ))
     try:
         code = _wait(procs)
@@ -83,13 +92,13 @@ def _wait(procs) -> int:
 def _stop(procs) -> None:
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            p.kill()
             p.wait()
 
 

@@ -13,6 +13,7 @@ from dpipe.config.checks import validate
 from dpipe.config.schema import RunConfig
 from dpipe.errors import UserError
 from dpipe.io import atomic_write_text
+from dpipe.launch.quiet import disable_library_progress_bars
 
 RUN_CONFIG = "run.yaml"  # the resolved config the run was started with
 
@@ -37,6 +38,7 @@ def setup_logging(rank: int) -> None:
 def run_rank(run: RunConfig, run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
+    disable_library_progress_bars()
     from dpipe.train.loop import run_training
 
     try:

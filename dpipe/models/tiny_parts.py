@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import string
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
-from tokenizers.models import BPE, Unigram
+from tokenizers import Regex, normalizers, pre_tokenizers
 
 _COLOURS = ["red", "green", "blue", "yellow", "orange", "purple", "pink", "black", "white", "gray",
             "brown", "cyan", "magenta", "golden", "silver"]
@@ -42,8 +43,8 @@ T5_EXTRA_IDS = 100  # the sentinel tokens every T5 tokenizer (and FLUX's tokeniz
 
 
 def tiny_corpus() -> list[str]:
-    """Caption-like sentences covering the words of test datasets ("a red circle on a blue
-    background") and every letter and digit, so test captions tokenize without unknown tokens."""
+    """Caption-like sentences with the words of test datasets ("a red circle on a blue
+    background"), so test captions tokenize into whole-word tokens as real captions do."""
     lines = []
     for i, shape in enumerate(_SHAPES):
         for j, colour in enumerate(_COLOURS):
@@ -69,29 +70,60 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 @lru_cache(maxsize=4)
 def train_clip_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """Train a byte-level BPE with CLIP's normalizer, splits and "</w>" word-end suffix.
+    """Learn a byte-level BPE on `tiny_corpus()`, split exactly as CLIP splits text.
 
     Returns (vocab, merges) with vocab laid out as CLIP's: the 256 byte symbols, the same with
     "</w>", one token per merge in merge order, then <|startoftext|> and <|endoftext|> last. Keeping
     the special tokens at the top matters: CLIPTextModel configs with eos_token_id=2 (FLUX's among
     them) pool the hidden state at argmax(input_ids), which is the first eos only with this layout.
     """
-    tok = Tokenizer(BPE(continuing_subword_prefix="", end_of_word_suffix="</w>"))
-    tok.normalizer = normalizers.Sequence(
+    # The normalizer and splits transformers' CLIPTokenizer rebuilds on load, so the learnt merges
+    # apply to the same words when the saved vocab/merges are read back.
+    normalizer = normalizers.Sequence(
         [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    splitter = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
+    words = Counter(word for line in tiny_corpus()
+                    for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
+    merges = _learn_bpe({(*w[:-1], w[-1] + "</w>"): n for w, n in words.items()}, num_merges)
     alphabet = list(_bytes_to_unicode().values())
-    trainer = trainers.BpeTrainer(
-        vocab_size=2 * len(alphabet) + num_merges, show_progress=False, initial_alphabet=alphabet,
-        continuing_subword_prefix="", end_of_word_suffix="</w>")
-    tok.train_from_iterator(tiny_corpus(), trainer)
-    merges = tuple(tuple(m.split(" ") if isinstance(m, str) else m)
-                   for m in json.loads(tok.to_str())["model"]["merges"])
     vocab = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
     return tuple(vocab + [CLIP_BOS, CLIP_EOS]), merges
+
+
+def _learn_bpe(words: dict[tuple[str, ...], int], num_merges: int) -> tuple[tuple[str, str], ...]:
+    """Textbook BPE: merge the most frequent adjacent pair, again and again.
+
+    Written out rather than using `tokenizers.trainers.BpeTrainer`, which breaks ties between
+    equally frequent pairs in hash order and so learns different merges in different processes;
+    here ties go to the smallest pair, so every process writes the same tokenizer.
+    """
+    merges = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for symbols, n in words.items():
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] += n
+        best = min(pairs, key=lambda p: (-pairs[p], p), default=None)
+        if best is None or pairs[best] < 2:
+            break
+        merges.append(best)
+        words = {_apply_merge(symbols, best): n for symbols, n in words.items()}
+    return tuple(merges)
+
+
+def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(symbols):
+        if symbols[i:i + 2] == pair:
+            out.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
 
 
 def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
@@ -112,8 +144,11 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
     })
     _write_json(directory / "tokenizer_config.json", {
         "add_prefix_space": False,
-        "added_tokens_decoder": {str(vocab.index(t)): {"content": t, **special, "special": True}
-                                 for t in (CLIP_BOS, CLIP_EOS)},
+        "added_tokens_decoder": {  # the real file has exactly this normalized true/false mix
+            str(len(vocab) - 2): {"content": CLIP_BOS, **special, "special": True},
+            str(len(vocab) - 1): {"content": CLIP_EOS, **special, "normalized": False,
+                                  "special": True},
+        },
         "bos_token": CLIP_BOS,
         "clean_up_tokenization_spaces": True,
         "do_lower_case": True,
@@ -128,28 +163,35 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
 
 
 @lru_cache(maxsize=4)
-def train_t5_unigram(vocab_size: int = 400) -> tuple[tuple[str, float], ...]:
-    """Train a SentencePiece-style Unigram (Metaspace "▁" word starts) as T5 uses.
+def train_t5_unigram() -> tuple[tuple[str, float], ...]:
+    """Estimate a SentencePiece-style Unigram vocabulary on `tiny_corpus()`, split as T5 splits.
 
     T5's tokenizer is Unigram, not BPE, and transformers 5's T5Tokenizer rebuilds a Unigram model
     from tokenizer.json's vocab whatever that file says, so a BPE tokenizer.json cannot be used.
-    Returns [(piece, log-prob)] in T5's order: <pad>=0, </s>=1, <unk>=2, the pieces, then
-    <extra_id_99> ... <extra_id_0>.
+    The pieces are the corpus's words ("▁red") and single characters, scored by their log
+    frequency: a plain count, not `tokenizers.trainers.UnigramTrainer`, whose output depends on
+    hash order and differs between processes. Returns [(piece, log-prob)] in T5's order:
+    <pad>=0, </s>=1, <unk>=2, pieces by falling score, then <extra_id_99> ... <extra_id_0>.
     """
-    tok = Tokenizer(Unigram())
-    # The same splits T5Tokenizer puts in front of the model when it loads the folder.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    # The splits T5Tokenizer puts in front of the model when it loads the folder.
+    splitter = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(),
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
     ])
-    # Unigram only keeps characters it saw; seed it with what captions use so none maps to <unk>.
-    alphabet = sorted(set(string.ascii_letters + string.digits + string.punctuation))
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, show_progress=False, special_tokens=["<pad>", "</s>", "<unk>"],
-        unk_token="<unk>", initial_alphabet=alphabet)
-    tok.train_from_iterator(tiny_corpus(), trainer)
-    pieces = [tuple(p) for p in json.loads(tok.to_str())["model"]["vocab"]]
-    return tuple(pieces + [(f"<extra_id_{i}>", 0.0) for i in reversed(range(T5_EXTRA_IDS))])
+    words = Counter(w for line in tiny_corpus() for w, _ in splitter.pre_tokenize_str(line))
+    chars: Counter[str] = Counter()
+    for word, n in words.items():
+        for c in word:
+            chars[c] += n
+    # Unigram cannot spell a character it has no piece for: give every printable ASCII one, so no
+    # caption character maps to <unk>.
+    chars.update(set(string.ascii_letters + string.digits + string.punctuation) - set(chars))
+    counts = words + chars  # disjoint: every word starts with "▁" and has a character after it
+    total = sum(counts.values())
+    pieces = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    extras = [(f"<extra_id_{i}>", 0.0) for i in reversed(range(T5_EXTRA_IDS))]
+    return tuple(specials + [(p, math.log(n / total)) for p, n in pieces] + extras)
 
 
 def save_t5_tokenizer(directory: Path, model_max_length: int = 512) -> int:

@@ -12,6 +12,8 @@ from torch import nn
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.pipeline.partition import stage_bounds
+from dpipe.train.grad_clip import install_clipping
+from dpipe.train.optim import build_optimizer
 from dpipe.train.schedule import lr_lambda
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,12 @@ class BuiltEngine:
     trainable_parameters: int
 
 
+def _deepspeed_wraps_optimizer(run: RunConfig) -> bool:
+    """Whether DeepSpeed puts its own optimizer (bf16 or ZeRO) around ours; it then clips."""
+    full_bf16 = run.train.precision == Precision.bf16 and run.model.mode == TrainMode.full
+    return full_bf16 or run.pipeline.zero_stage > 0
+
+
 def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
     p, t = run.pipeline, run.train
     full_bf16 = t.precision == Precision.bf16 and run.model.mode == TrainMode.full
@@ -67,7 +75,7 @@ def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.micro_batches,
         "train_batch_size": p.micro_batch_size * p.micro_batches * data_parallel,
-        "gradient_clipping": run.optim.grad_clip,
+        "gradient_clipping": run.optim.grad_clip if _deepspeed_wraps_optimizer(run) else 0.0,
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": full_bf16},
         "steps_per_print": 1 << 30,  # dpipe reports progress itself
@@ -96,8 +104,6 @@ def build_engine(
         activation_checkpoint_interval=p.activation_checkpoint_interval,
     )
     trainable = [q for q in module.parameters() if q.requires_grad]
-    from dpipe.train.optim import build_optimizer
-
     optimizer = build_optimizer(trainable, run.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(run.optim, run.train.max_steps)
@@ -108,6 +114,8 @@ def build_engine(
         lr_scheduler=scheduler,
         config=deepspeed_config(run, data_parallel),
     )
+    if not _deepspeed_wraps_optimizer(run):
+        install_clipping(optimizer, run.optim.grad_clip, engine.grid.get_pipe_parallel_group())
     return BuiltEngine(
         engine=engine,
         bounds=bounds,

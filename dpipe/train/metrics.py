@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +14,8 @@ class Reporter:
         from tqdm import tqdm
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # One JSON line per logged step: easy to read for scripts, sweep summaries and tests.
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.samples_per_step = samples_per_step
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                         disable=not progress_bar, dynamic_ncols=True)
@@ -28,9 +31,14 @@ class Reporter:
             self.writer.add_scalar("train/grad_norm", grad_norm, step)
         self.writer.add_scalar("perf/step_time_s", step_time, step)
         self.writer.add_scalar("perf/samples_per_s", samples_per_s, step)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "step_time_s": step_time, "samples_per_s": samples_per_s}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
         self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.2f}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
         self.writer.close()
+        self.jsonl.close()

@@ -41,7 +41,7 @@ cleanup() { if [ "$created_policy" = 1 ]; then "${SUDO[@]}" rm -f "$POLICY"; fi;
 trap cleanup EXIT
 
 export DEBIAN_FRONTEND=noninteractive
-APT=("${SUDO[@]}" apt-get -y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
+APT=("${SUDO[@]}" apt-get -y -q -o DPkg::Lock::Timeout=300 -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold)
 
 # apt-get update only when needed: no package lists, or the candidates are unknown.
 need_update=0

@@ -25,10 +25,6 @@ log() { echo "slurm start: $*"; }
 case "$ROOT" in
   *[[:space:]@\|\\\"\'\$]*) echo "slurm start: ERROR: ROOT must not contain spaces or @|\\\"'\$: $ROOT" >&2; exit 2 ;;
 esac
-# unix socket paths are limited to 107 bytes (munge and MariaDB sockets live under ROOT)
-if [ $(( ${#ROOT} + 24 )) -gt 107 ]; then
-  echo "slurm start: ERROR: ROOT is too long for unix socket paths (${#ROOT} chars, max 83): $ROOT" >&2; exit 2
-fi
 for b in munged mungekey mariadbd mariadb-install-db mariadb mariadb-admin slurmdbd slurmctld slurmd sinfo sacctmgr scontrol; do
   command -v "$b" >/dev/null || { echo "slurm start: ERROR: $b not found; run $HERE/install.sh first" >&2; exit 1; }
 done
@@ -49,6 +45,12 @@ for v in DPIPE_SLURM_CPUS DPIPE_SLURM_MEM_MB DPIPE_SLURM_DEF_MEM DPIPE_SLURM_POR
 done
 HOST=$(hostname -s)
 [ -n "$HOST" ] || { echo "slurm start: ERROR: empty hostname" >&2; exit 1; }
+# unix socket paths are limited to 107 bytes; the longest one under ROOT is a job step's
+# socket ROOT/state/d/<host>_<jobid>.<stepid> (stepid of a batch step: 10 digits)
+if [ $(( ${#ROOT} + ${#HOST} + 30 )) -gt 107 ]; then
+  echo "slurm start: ERROR: ROOT is too long for unix socket paths (${#ROOT} chars, max $((77 - ${#HOST})) with host $HOST): $ROOT" >&2
+  exit 2
+fi
 USER_NAME=$(id -un)
 CLUSTER=dpipe
 PARTITION=debug

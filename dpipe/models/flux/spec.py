@@ -71,7 +71,7 @@ class FluxSpec(ModelSpec):
         from diffusers import FluxPipeline
 
         try:
-            pipe = FluxPipeline.from_pretrained(self.path, transformer=None, torch_dtype=dtype)
+            pipe = FluxPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
         pipe.to(device)
@@ -84,7 +84,7 @@ class FluxSpec(ModelSpec):
 
         try:
             model = FluxTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", torch_dtype=dtype
+                self.path, subfolder="transformer", dtype=dtype
             )
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None

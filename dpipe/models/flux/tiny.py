@@ -4,7 +4,11 @@ Tests and CI cannot download the real 12B checkpoint, so they run the real loadi
 (`FluxPipeline.from_pretrained`, `FluxTransformer2DModel.from_pretrained(subfolder=...)`) on this
 folder instead. Everything the loaders look at is kept as in the real repo: the same classes in
 model_index.json, the scheduler config, tokenizer files, bf16 safetensors, sharded transformer and
-T5 weights with their index files; only the sizes shrink.
+T5 weights with their index files; only the sizes shrink. Not reproduced: tokenizer_2/spiece.model
+(tokenizer.json suffices) and the transformers/diffusers versions recorded in the configs.
+
+As with the real repo, pass a dtype when loading (`torch_dtype=torch.float32` on CPU): without one,
+transformers 5 keeps the text encoders in their stored bf16 while diffusers loads fp32.
 
 Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents -> Flux's 2x2 packing
 -> 64 image tokens of 16 channels; text: CLIP (77 tokens, hidden 32 = pooled size) and T5 (d_model

@@ -1,0 +1,156 @@
+"""End to end through `dpipe-train`: real Hydra, real DeepSpeed pipelines in real processes (gloo).
+
+One 2-stage LoRA run is shared by several tests; each other run is one `dpipe-train` call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.cli import REPO, dpipe_train, metrics, train_args
+from tests.integration.trained import (
+    fixed_inputs, run_config, run_diffusers, run_layers, trained_layers,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+# A learning rate large enough that 6 steps move the adapters measurably.
+BASE = ["model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3", f"train.max_steps={STEPS}",
+        "train.checkpoint_every_steps=2", "pipeline.micro_batches=4"]
+
+
+def _train(run_dir: Path, *overrides: str, timeout: float = 240):
+    result = dpipe_train(*train_args(run_dir, *BASE, *overrides), timeout=timeout)
+    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_stage_lora(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two-stage") / "run"
+    _train(run_dir, "pipeline.stages=2")
+    return run_dir
+
+
+def test_run_leaves_real_outputs(two_stage_lora):
+    run = two_stage_lora
+    assert (run / "run.yaml").is_file() and (run / ".hydra" / "config.yaml").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    steps = metrics(run)
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    assert all(m["grad_norm"] > 0 and m["samples_per_s"] > 0 for m in steps)
+    checkpoints = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert checkpoints == ["step_00000004", "step_00000006"]  # keep_checkpoints=2
+    assert (run / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
+    assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_two_stages_match_one_stage(two_stage_lora, tmp_path):
+    one = tmp_path / "one-stage"
+    _train(one, "pipeline.stages=1")
+    loss_1 = torch.tensor([m["loss"] for m in metrics(one)])
+    loss_2 = torch.tensor([m["loss"] for m in metrics(two_stage_lora)])
+    torch.testing.assert_close(loss_2, loss_1, rtol=1e-5, atol=1e-6)
+    a = load_file(one / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(two_stage_lora / "lora" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(two_stage_lora):
+    from diffusers import FluxPipeline
+
+    spec, layers = trained_layers(two_stage_lora)
+    inputs = fixed_inputs(spec)
+    trained = run_layers(layers, inputs)
+
+    pipe = FluxPipeline.from_pretrained(run_config(two_stage_lora).model.path)
+    base = run_diffusers(pipe.transformer, inputs)
+    pipe.load_lora_weights(str(two_stage_lora / "lora"))
+    with_lora = run_diffusers(pipe.transformer, inputs)
+
+    assert (with_lora - base).abs().max() > 1e-4, "training left the LoRA without effect"
+    torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+    # Every Linear of every block has an adapter, and nothing outside the blocks.
+    keys = load_file(two_stage_lora / "lora" / "pytorch_lora_weights.safetensors").keys()
+    assert all(k.startswith(("transformer.transformer_blocks.", "transformer.single_transformer"))
+               for k in keys)
+    assert any(".ff.net.2.lora_B." in k for k in keys) and any(".proj_mlp.lora_A." in k for k in keys)
+
+
+def test_full_fine_tune_exports_a_diffusers_transformer(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    run_dir = tmp_path / "full"
+    _train(run_dir, "pipeline.stages=2", "model.mode=full", "train.max_steps=2")
+    folder = run_dir / "model" / "transformer"
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    model = FluxTransformer2DModel.from_pretrained(folder)
+    spec, layers = trained_layers(run_dir)
+    inputs = fixed_inputs(spec)
+    torch.testing.assert_close(run_diffusers(model, inputs), run_layers(layers, inputs),
+                               rtol=1e-5, atol=1e-6)
+    base = FluxTransformer2DModel.from_pretrained(run_config(run_dir).model.path,
+                                                  subfolder="transformer")
+    changed = [n for n, p in model.named_parameters()
+               if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert len(changed) > 10, "a full fine-tune should update weights outside any adapter"
+
+
+def test_killed_run_resumes_to_identical_weights(two_stage_lora, tmp_path):
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpipe.cli.train", *train_args(run_dir, *BASE, "pipeline.stages=2")],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker, with no warning
+    proc.wait()
+    assert not (run_dir / "lora").exists(), "the run finished before the kill; nothing resumed"
+    # A newer checkpoint that was cut off mid-write must never be picked.
+    broken = run_dir / "checkpoints" / "step_00000005"
+    broken.mkdir(parents=True, exist_ok=True)
+    (broken / "layer_00-model_states.pt").write_bytes(b"truncated")
+
+    result = _train(run_dir, "pipeline.stages=2")
+    assert "resumed from" in result.err + result.out
+    straight = metrics(two_stage_lora)
+    resumed = metrics(run_dir)
+    assert resumed[-1]["step"] == STEPS
+    by_step = {m["step"]: m["loss"] for m in resumed}
+    for m in straight:
+        if m["step"] > 2:
+            assert by_step[m["step"]] == m["loss"], f"step {m['step']} differs after resume"
+    a = load_file(two_stage_lora / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_sweep_runs_each_point_in_its_own_run_dir(tmp_path):
+    result = dpipe_train("-m", f"hydra.sweep.dir={tmp_path}", "train.progress_bar=false",
+                         *BASE[:-3], "train.max_steps=2", "optim.lr=1e-4,5e-5", timeout=300)
+    assert result.code == 0, result.err
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(runs) == 2, runs
+    lrs = sorted(run_config(r).optim.lr for r in runs)
+    assert lrs == [5e-5, 1e-4]
+    for r in runs:
+        assert (r / "lora" / "pytorch_lora_weights.safetensors").is_file()
+        assert metrics(r)[-1]["step"] == 2

@@ -1,0 +1,160 @@
+"""The tiny FLUX.1-dev folder loads and runs through diffusers' real loading code."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import importlib.util
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
+from safetensors import safe_open
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+from dpipe.models.flux.tiny import make_tiny_flux
+from dpipe.models.tiny_parts import train_clip_bpe, train_t5_unigram, write_atomically
+
+CAPTION = "a red circle on a blue background"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory) -> Path:
+    return make_tiny_flux(tmp_path_factory.mktemp("models") / "flux")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux) -> FluxPipeline:
+    # Weights are stored in bf16 like the real repo; compute in fp32 on CPU.
+    return FluxPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+               max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np")
+    image = out.images
+    assert image.shape == (1, 64, 64, 3)
+    assert np.isfinite(image).all()
+
+
+def test_components_and_layout(tiny_flux, pipe):
+    expected = {
+        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
+        "text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer,
+        "text_encoder_2": T5EncoderModel, "tokenizer_2": T5TokenizerFast,
+        "transformer": FluxTransformer2DModel,
+    }
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny_flux / "model_index.json").read_text())
+    assert index["_class_name"] == "FluxPipeline"
+    assert index["tokenizer"] == ["transformers", "CLIPTokenizer"]
+    assert index["tokenizer_2"] == ["transformers", "T5TokenizerFast"]
+    # Same files as black-forest-labs/FLUX.1-dev: CLIP vocab/merges, sharded weights with an index.
+    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer_2/tokenizer.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder_2/model.safetensors.index.json", "text_encoder/model.safetensors",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny_flux / rel).is_file(), rel
+    assert len(list((tiny_flux / "transformer").glob("*-of-00003.safetensors"))) == 3
+    with safe_open(tiny_flux / "text_encoder/model.safetensors", "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
+
+
+def test_shapes_match_the_declared_config(pipe):
+    assert pipe.vae_scale_factor == 4
+    latents = pipe.vae.encode(torch.zeros(1, 3, 64, 64)).latent_dist.mode()
+    assert latents.shape == (1, 4, 16, 16)
+    assert pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift == 3.0
+    assert pipe.tokenizer.model_max_length == 77 and pipe.tokenizer_2.model_max_length == 512
+    prompt_embeds, pooled, text_ids = pipe.encode_prompt(CAPTION, None, max_sequence_length=32)
+    assert prompt_embeds.shape == (1, 32, 32) and pooled.shape == (1, 32)
+    # Test captions must not fall back to unknown tokens in either tokenizer.
+    assert pipe.tokenizer_2.unk_token_id not in pipe.tokenizer_2(CAPTION).input_ids
+    clip_ids = pipe.tokenizer(CAPTION).input_ids
+    assert len(clip_ids) == len(CAPTION.split()) + 2  # every word is one token, plus bos/eos
+
+
+def test_idempotent_and_deterministic(tmp_path, tiny_flux):
+    stamps = {p: p.stat().st_mtime_ns for p in tiny_flux.rglob("*")}
+    assert make_tiny_flux(tiny_flux) == tiny_flux
+    assert {p: p.stat().st_mtime_ns for p in tiny_flux.rglob("*")} == stamps
+
+    again = make_tiny_flux(tmp_path / "again", seed=0)
+    files = sorted(p.relative_to(tiny_flux) for p in tiny_flux.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (tiny_flux / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+    other = make_tiny_flux(tmp_path / "other", seed=1)
+    shard = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
+    assert (other / shard).read_bytes() != (tiny_flux / shard).read_bytes()
+
+
+def test_tokenizers_are_the_same_in_every_process():
+    # Hash-order tie-breaking (as in tokenizers' own trainers) would differ under another seed.
+    code = ("from dpipe.models.tiny_parts import train_clip_bpe, train_t5_unigram;"
+            "print(repr((train_clip_bpe(), train_t5_unigram())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert out.strip() == repr((train_clip_bpe(), train_t5_unigram()))
+
+
+def _make_after(barrier, path):
+    # Forked from a parent whose OpenMP pool is warm: one thread avoids libgomp's fork hazards.
+    torch.set_num_threads(1)
+    barrier.wait()
+    make_tiny_flux(path, seed=0)
+
+
+def test_concurrent_creation_leaves_one_valid_folder(tmp_path):
+    # fork: the children inherit the imports (spawn would re-import diffusers, ~6 s each).
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    target = tmp_path / "flux"
+    procs = [ctx.Process(target=_make_after, args=(barrier, target)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["flux"]  # the loser's temp copy is gone
+    FluxPipeline.from_pretrained(target, dtype=torch.float32)
+
+
+def test_write_atomically_discards_the_copy_of_a_lost_race(tmp_path):
+    target = tmp_path / "model"
+
+    def writer(tmp):
+        (tmp / "mine.txt").write_text("loser")
+        target.mkdir()  # another process finishes first
+        (target / "theirs.txt").write_text("winner")
+
+    assert write_atomically(target, writer) == target
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in target.iterdir()] == ["theirs.txt"]
+
+
+def test_refuses_a_foreign_folder(tmp_path):
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "notes.txt").write_text("not a model")
+    with pytest.raises(FileExistsError, match="model_index.json"):
+        make_tiny_flux(tmp_path / "flux")
+
+
+def test_cli_writes_the_folder(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model", REPO_ROOT / "scripts" / "make_tiny_model.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["flux", str(tmp_path / "cli"), "--seed", "2"]) == 0
+    assert (tmp_path / "cli" / "model_index.json").is_file()
