@@ -136,3 +136,18 @@ class ModelSpec(abc.ABC):
     @abc.abstractmethod
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """Turn per-stage safetensors shards of the denoiser into the family's model folder."""
+
+    # ---- using exported weights (sampling, checks) -------------------------------------------
+    @abc.abstractmethod
+    def denoiser_forward(self, denoiser: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The denoiser's own (diffusers) forward on `make_inputs`' input tuple: what the
+        pipeline layers must reproduce."""
+
+    @abc.abstractmethod
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        """The base denoiser with an exported LoRA loaded the way users load it (diffusers'
+        pipeline `load_lora_weights`)."""
+
+    @abc.abstractmethod
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        """The denoiser from a full fine-tune's export folder, via `from_pretrained`."""

@@ -50,12 +50,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     plan = BatchPlan(len(dataset), run.pipeline.micro_batch_size, run.pipeline.micro_batches,
                      data_parallel, run.train.seed)
 
-    torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
-    denoiser = spec.load_denoiser(torch.float32)
-    make_trainable(denoiser, run.model, spec.lora_targets())
-    if bf16 and lora:
-        frozen_dtype(denoiser, torch.bfloat16)
-    layers = spec.pipeline_layers(denoiser)
+    layers = trainable_layers(spec, run)
     with quiet_deepspeed():
         built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
     engine = built.engine
@@ -101,6 +96,16 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         log.info("exported %s", out)
     dist.barrier()
     return out
+
+
+def trainable_layers(spec, run: RunConfig) -> list:
+    """The denoiser, made trainable (LoRA or full), as pipeline layers; the same on every rank."""
+    torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
+    denoiser = spec.load_denoiser(torch.float32)
+    make_trainable(denoiser, run.model, spec.lora_targets())
+    if run.train.precision == Precision.bf16 and run.model.mode == TrainMode.lora:
+        frozen_dtype(denoiser, torch.bfloat16)
+    return spec.pipeline_layers(denoiser)
 
 
 def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float) -> bool:

@@ -17,9 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.cli import REPO, dpipe_train, metrics, train_args
-from tests.integration.trained import (
-    fixed_inputs, run_config, run_diffusers, run_layers, trained_layers,
-)
+from tests.integration.trained import run_config
 
 pytestmark = pytest.mark.slow
 
@@ -68,44 +66,13 @@ def test_two_stages_match_one_stage(two_stage_lora, tmp_path):
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
 
 
-def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(two_stage_lora):
-    from diffusers import FluxPipeline
-
-    spec, layers = trained_layers(two_stage_lora)
-    inputs = fixed_inputs(spec)
-    trained = run_layers(layers, inputs)
-
-    pipe = FluxPipeline.from_pretrained(run_config(two_stage_lora).model.path)
-    base = run_diffusers(pipe.transformer, inputs)
-    pipe.load_lora_weights(str(two_stage_lora / "lora"))
-    with_lora = run_diffusers(pipe.transformer, inputs)
-
-    assert (with_lora - base).abs().max() > 1e-4, "training left the LoRA without effect"
-    torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
-    # Every Linear of every block has an adapter, and nothing outside the blocks.
+def test_lora_covers_every_linear_of_the_blocks_and_nothing_else(two_stage_lora):
     keys = load_file(two_stage_lora / "lora" / "pytorch_lora_weights.safetensors").keys()
     assert all(k.startswith(("transformer.transformer_blocks.", "transformer.single_transformer"))
                for k in keys)
-    assert any(".ff.net.2.lora_B." in k for k in keys) and any(".proj_mlp.lora_A." in k for k in keys)
-
-
-def test_full_fine_tune_exports_a_diffusers_transformer(tmp_path):
-    from diffusers import FluxTransformer2DModel
-
-    run_dir = tmp_path / "full"
-    _train(run_dir, "pipeline.stages=2", "model.mode=full", "train.max_steps=2")
-    folder = run_dir / "model" / "transformer"
-    assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    model = FluxTransformer2DModel.from_pretrained(folder)
-    spec, layers = trained_layers(run_dir)
-    inputs = fixed_inputs(spec)
-    torch.testing.assert_close(run_diffusers(model, inputs), run_layers(layers, inputs),
-                               rtol=1e-5, atol=1e-6)
-    base = FluxTransformer2DModel.from_pretrained(run_config(run_dir).model.path,
-                                                  subfolder="transformer")
-    changed = [n for n, p in model.named_parameters()
-               if not torch.equal(p, dict(base.named_parameters())[n])]
-    assert len(changed) > 10, "a full fine-tune should update weights outside any adapter"
+    for name in (".attn.to_q.", ".attn.add_k_proj.", ".ff.net.2.", ".ff_context.net.0.proj.",
+                 ".norm1.linear.", ".proj_mlp.", ".norm.linear."):
+        assert any(name in k for k in keys), name
 
 
 def test_killed_run_resumes_to_identical_weights(two_stage_lora, tmp_path):

@@ -11,7 +11,6 @@ import torch
 from omegaconf import OmegaConf
 
 from dpipe.config.checks import validate
-from dpipe.data.batches import noised_batch
 from dpipe.models.registry import build_spec
 from dpipe.train.checkpoint import newest_complete
 from dpipe.train.lora import make_trainable
@@ -36,16 +35,17 @@ def trained_layers(run_dir: Path):
     return spec, layers
 
 
-def fixed_inputs(spec, seed: int = 0, size: int = 8, text_tokens: int = 32):
-    """One deterministic micro-batch of model inputs (latents 4 x size x size, as the tiny VAE)."""
-    gen = torch.Generator().manual_seed(seed)
-    latents = torch.randn(2, 4, size, size, generator=gen)
-    text = {"t5": torch.randn(2, text_tokens, 32, generator=gen),
-            "pooled": torch.randn(2, 32, generator=gen)}
-    from dpipe.config.schema import TimestepConfig
+def cached_dataset(run_dir: Path):
+    """The run's dataset (from its cache) and batch plan, in this process, without DeepSpeed."""
+    from dpipe.data.plan import BatchPlan
+    from dpipe.data.prepare import prepare
 
-    batch = noised_batch(spec, latents, text, TimestepConfig(), seed, 0, range(2))
-    return spec.make_inputs(batch)[0]
+    run = run_config(run_dir)
+    spec = build_spec(run.model)
+    dataset = prepare(spec, run.dataset, torch.device("cpu"), torch.float32)
+    plan = BatchPlan(len(dataset), run.pipeline.micro_batch_size, run.pipeline.micro_batches,
+                     1, run.train.seed)
+    return dataset, plan
 
 
 @torch.no_grad()
@@ -54,12 +54,3 @@ def run_layers(layers, inputs):
     for layer in layers:
         x = layer(x)
     return x
-
-
-@torch.no_grad()
-def run_diffusers(transformer, inputs):
-    packed, t, text, pooled, guidance, txt_ids, img_ids = inputs
-    return transformer(
-        hidden_states=packed, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
-        img_ids=img_ids.float(), txt_ids=txt_ids.float(), guidance=guidance, return_dict=False,
-    )[0]

@@ -168,6 +168,28 @@ class FluxSpec(ModelSpec):
             shards, out_dir / "transformer", self.path / "transformer" / "config.json"
         )
 
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        packed, t, text, pooled, guidance, txt_ids, img_ids = inputs
+        return denoiser(
+            hidden_states=packed, encoder_hidden_states=text, pooled_projections=pooled,
+            timestep=t, img_ids=img_ids.float(), txt_ids=txt_ids.float(),
+            guidance=guidance if denoiser.config.guidance_embeds else None, return_dict=False,
+        )[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(self.path, text_encoder=None, text_encoder_2=None,
+                                            vae=None, tokenizer=None, tokenizer_2=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel.from_pretrained(export_dir / "transformer")
+
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, H/2 * W/2, 4C): FLUX's 2x2 patch packing (as FluxPipeline._pack_latents)."""
