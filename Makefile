@@ -1,0 +1,18 @@
+# The two commands of the quick start (see README.md). Both set everything up first.
+.PHONY: setup demo test test-fast
+
+setup:
+	@bash scripts/setup.sh
+
+# Trains the tiny FLUX-architecture model on a generated dataset, 2 pipeline stages in 2 CPU
+# processes; outputs land in outputs/tiny_flux-synthetic/.
+demo: setup
+	HF_HUB_OFFLINE=1 .venv/bin/dpipe-train train=demo
+
+# The whole suite, as CI runs it (starts a local SLURM for the SLURM tests when it can).
+test: setup
+	bash scripts/test.sh
+
+# Unit tests only: seconds.
+test-fast: setup
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q
