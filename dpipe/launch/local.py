@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dpipe.config.schema import RunConfig
 from dpipe.errors import ConfigError
+from dpipe.launch.run_rank import USER_ERROR_SIGNAL
 
 ERRORS_DIR = ".errors"
 
@@ -67,19 +68,25 @@ def launch_workers(run_dir: Path, world_size: int) -> int:
             [sys.executable, "-m", "dpipe.launch.worker", str(run_dir)],
             env=env,
         ))
+    user_error = []
+    previous = signal.signal(USER_ERROR_SIGNAL, lambda *_: user_error.append(True))
     try:
-        code = _wait(procs)
+        code = _wait(procs, user_error)
     except BaseException:
         _stop(procs)
         raise
+    finally:
+        signal.signal(USER_ERROR_SIGNAL, previous)
     if code:
         _stop(procs)
         _report_errors(errors)
     return code
 
 
-def _wait(procs) -> int:
+def _wait(procs, user_error: list) -> int:
     while True:
+        if user_error:
+            return 2
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
@@ -92,7 +99,7 @@ def _wait(procs) -> int:
 def _stop(procs) -> None:
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGKILL)  # they may be blocked in a collective: no grace needed
     deadline = time.monotonic() + 10
     for p in procs:
         try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -15,7 +17,8 @@ from dpipe.errors import UserError
 from dpipe.io import atomic_write_text
 from dpipe.launch.quiet import disable_library_progress_bars
 
-RUN_CONFIG = "run.yaml"  # the resolved config the run was started with
+RUN_CONFIG = "run.yaml"
+USER_ERROR_SIGNAL = signal.SIGUSR1  # worker -> local launcher: "I recorded a user error"  # the resolved config the run was started with
 
 
 def save_run_config(run: RunConfig, run_dir: Path) -> None:
@@ -49,5 +52,10 @@ def run_rank(run: RunConfig, run_dir: Path) -> int:
         atomic_write_text(errors / f"rank{rank:05d}.txt", str(err))
         if "DPIPE_LAUNCHER" not in os.environ:
             print(f"error: {err}", file=sys.stderr)
+            return 2
+        # Tell the launcher before exiting: it stops every worker at once, before the others
+        # notice this one's sockets closing and print tracebacks of a lost peer.
+        os.kill(os.getppid(), USER_ERROR_SIGNAL)
+        time.sleep(30)
         return 2
     return 0
