@@ -19,6 +19,7 @@ from pathlib import Path
 # family's heavy imports are paid only when it is asked for.
 FACTORIES: dict[str, str] = {
     "flux": "dpipe.models.flux.tiny:make_tiny_flux",
+    "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",
 }
 
 

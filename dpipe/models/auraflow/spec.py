@@ -1,0 +1,172 @@
+"""AuraFlow (fal/AuraFlow v0.1-v0.3): AuraFlowTransformer2DModel + SDXL's AutoencoderKL +
+Pile-T5-XL (UMT5EncoderModel).
+
+A rectified-flow model like SD3 and FLUX.1: x_t = (1 - t) x0 + t noise, the transformer predicts
+noise - x0. `AuraFlowPipeline` hands the transformer sigma in [0, 1] (`t / 1000` of its scheduler's
+timesteps) and the transformer scales it by 1000 itself, so dpipe's t goes in as it is. Its
+scheduler samples with shift 1.73: set `train.timesteps.shift` to train at the same noise levels.
+Prompts are encoded by `AuraFlowPipeline.encode_prompt` (padded to `max_text_tokens`, padding
+zeroed), exactly as at inference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.auraflow.layers import auraflow_layers
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                  "scheduler")
+
+# Every Linear of both kinds of blocks (attention incl. the text stream's projections, the SwiGLU
+# MLPs, the AdaLN modulations), none outside them, as AuraFlow LoRAs are trained.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.linear_1", r"ff\.linear_2", r"ff\.out_projection",
+    r"ff_context\.linear_1", r"ff_context\.linear_2", r"ff_context\.out_projection",
+    r"norm1\.linear", r"norm1_context\.linear",
+]
+LORA_TARGETS = r"(?:joint|single)_transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class AuraFlowSpec(ModelSpec):
+    family = "auraflow"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.auraflow.tiny import make_tiny_auraflow
+
+            make_tiny_auraflow(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of an AuraFlow model in "
+                "diffusers format (e.g. a download of fal/AuraFlow-v0.3)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete AuraFlow diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._config("vae")
+        self._config("transformer")
+
+    def _config(self, part: str) -> dict[str, Any]:
+        path = self.path / part / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        vae_scale = 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
+        return vae_scale * int(self._config("transformer").get("patch_size", 2))
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import AuraFlowPipeline
+
+        try:
+            pipe = AuraFlowPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import AuraFlowTransformer2DModel
+
+        try:
+            return AuraFlowTransformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._config("vae")
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "scaling_factor": vae.get("scaling_factor"),
+                    "shift_factor": vae.get("shift_factor"), "latent": "mode"}
+        return {"family": self.family, "t5": folder_fingerprint(self.path / "text_encoder"),
+                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+                "max_text_tokens": self.cfg.max_text_tokens}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        shift = vae.config.shift_factor or 0.0  # the SDXL VAE has none
+        return (latents - shift) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _mask, _neg, _neg_mask = encoders.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=encoders.vae.device,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return {"t5": embeds}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return auraflow_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        return (batch.noisy, batch.timesteps, batch.text["t5"]), (batch.target,)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        (target,) = labels
+        return F.mse_loss(outputs.float(), target.float())
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import AuraFlowPipeline
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        AuraFlowPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        return [out_dir / "pytorch_lora_weights.safetensors"]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t, text = inputs
+        return denoiser(latents, encoder_hidden_states=text, timestep=t, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import AuraFlowPipeline
+
+        pipe = AuraFlowPipeline.from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import AuraFlowTransformer2DModel
+
+        return AuraFlowTransformer2DModel.from_pretrained(export_dir / "transformer")

@@ -1,0 +1,155 @@
+"""A tiny random AuraFlow, written in the layout of fal/AuraFlow (v0.1-v0.3).
+
+The real repo: `AuraFlowPipeline` in model_index.json, a FlowMatchEulerDiscreteScheduler (shift
+1.73), an `AuraFlowTransformer2DModel` (4 joint MMDiT blocks + 32 single DiT blocks, patch 2), the
+SDXL VAE (`AutoencoderKL`, 4 latent channels, scaling 0.13025, no shift) and Pile-T5-XL as a
+`UMT5EncoderModel` with a SentencePiece-style Llama tokenizer (`LlamaTokenizerFast`, 32k pieces plus
+T5's sentinels). Everything the loaders look at is kept; only the sizes shrink.
+
+Not reproduced: the real tokenizer's exact pieces and files (tokenizer.model) -- this one is a
+byte-fallback BPE learnt on the test captions, saved as tokenizer.json, with the special-token ids
+of Pile-T5 (`</s>`=2 ends a prompt, `<pad>`=1 pads it); the fp16 `variant` files of v0.3.
+
+Sizes: 64x64 images -> VAE (4x downscale, 4 channels) -> 16x16 latents -> 2x2 patches -> 64 image
+tokens of width 32, plus 8 register tokens and the prompt's tokens (UMT5 d_model 32).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from dpipe.models.tiny_parts import round_up, seeded, tiny_corpus, write_atomically
+
+LATENT_CHANNELS = 4
+TEXT_DIM = 32  # UMT5 d_model = transformer joint_attention_dim
+HEADS, HEAD_DIM = 2, 16  # inner dim 32 = caption_projection_dim (register tokens share it)
+MAX_TOKENS = 256  # AuraFlowPipeline's default max_sequence_length
+SP = "\u2581"  # SentencePiece's word-start marker
+
+
+def make_tiny_auraflow(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random AuraFlow diffusers folder at `path` and return `path`.
+
+    An existing complete folder is returned untouched; the build is atomic (see
+    `tiny_parts.write_atomically`), so concurrent callers are safe.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_auraflow; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AuraFlowPipeline, AuraFlowTransformer2DModel, AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler)
+    from transformers import LlamaTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    vocab_size = save_sentencepiece_bpe_tokenizer(out / "tokenizer", MAX_TOKENS)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.73)
+    with seeded(seed):
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=round_up(vocab_size, 128), d_model=TEXT_DIM, d_kv=16, d_ff=64,
+            num_layers=2, num_heads=2, feed_forward_proj="gated-silu", layer_norm_epsilon=1e-6,
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            pad_token_id=1, eos_token_id=2, decoder_start_token_id=0))
+    with seeded(seed + 1):
+        transformer = AuraFlowTransformer2DModel(
+            sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
+            num_mmdit_layers=2, num_single_dit_layers=2, attention_head_dim=HEAD_DIM,
+            num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
+            caption_projection_dim=HEADS * HEAD_DIM,
+            pos_embed_max_size=256)  # a 16x16 grid of patch positions: up to 128x128 pixels
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
+            sample_size=64, force_upcast=True,
+            scaling_factor=0.13025)  # the SDXL VAE's scale; it has quant convs and no shift
+
+    scheduler.save_pretrained(out / "scheduler")
+    transformer.save_pretrained(out / "transformer", max_shard_size=_half(transformer))
+    text_encoder.save_pretrained(out / "text_encoder")
+    vae.save_pretrained(out / "vae")
+    pipe = AuraFlowPipeline(
+        tokenizer=LlamaTokenizerFast.from_pretrained(out / "tokenizer"), text_encoder=text_encoder,
+        vae=vae, transformer=transformer, scheduler=scheduler)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]  # as the real repo names it
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _half(model: torch.nn.Module) -> int:
+    """A shard size that splits the weights into two files, as the real transformer is sharded."""
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    return -(-sum(sizes) // 2) + max(sizes)
+
+
+# ---- a SentencePiece-style BPE tokenizer (Llama / Pile-T5 layout) ------------------------------
+
+@lru_cache(maxsize=2)
+def train_sentencepiece_bpe(num_merges: int = 400) -> tuple[list[str], list[tuple[str, str]]]:
+    """(vocab, merges) of a byte-fallback BPE over `tiny_corpus()` words written as "▁word".
+
+    Layout as Llama/Pile-T5's: <unk>=0, <pad>=1, </s>=2, the 256 byte pieces <0x00>..<0xFF>, single
+    characters, then one piece per merge. Ties between equally frequent pairs go to the smallest
+    pair, so every process learns the same tokenizer.
+    """
+    words = Counter(SP + w for line in tiny_corpus() for w in line.split())
+    chars = sorted({c for w in words for c in w} | set(map(chr, range(33, 127))))
+    symbols = {tuple(w): n for w, n in words.items()}
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, n in symbols.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += n
+        best = min(pairs, key=lambda p: (-pairs[p], p), default=None)
+        if best is None or pairs[best] < 2:
+            break
+        merges.append(best)
+        symbols = {_merge(word, best): n for word, n in symbols.items()}
+    vocab = ["<unk>", "<pad>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars
+    seen = set(vocab)
+    for a, b in merges:
+        if a + b not in seen:
+            vocab.append(a + b)
+            seen.add(a + b)
+    return vocab, merges
+
+
+def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if word[i:i + 2] == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def save_sentencepiece_bpe_tokenizer(directory: Path, model_max_length: int) -> int:
+    """Write a LlamaTokenizerFast folder (tokenizer.json + configs) that ends each prompt with
+    </s> and pads with <pad>, as AuraFlow's Pile-T5 tokenizer does. Returns the vocabulary size."""
+    from transformers import LlamaTokenizerFast
+
+    vocab, merges = train_sentencepiece_bpe()
+    tok = LlamaTokenizerFast(
+        vocab={t: i for i, t in enumerate(vocab)}, merges=list(merges), unk_token="<unk>",
+        bos_token=None, eos_token="</s>", pad_token="<pad>", add_bos_token=False,
+        add_eos_token=True, model_max_length=model_max_length, padding_side="right")
+    tok.save_pretrained(directory)
+    return len(vocab)

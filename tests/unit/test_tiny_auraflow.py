@@ -1,0 +1,77 @@
+"""The tiny AuraFlow folder loads and runs through diffusers' real loading code."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
+from transformers import LlamaTokenizerFast, UMT5EncoderModel
+
+from dpipe.models.auraflow.spec import LORA_TARGETS
+from dpipe.models.auraflow.tiny import make_tiny_auraflow
+
+CAPTION = "a red circle on a blue background"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_auraflow(tmp_path_factory.mktemp("models") / "auraflow")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> AuraFlowPipeline:
+    return AuraFlowPipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, max_sequence_length=32,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_layout_and_components(tiny, pipe):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "AuraFlowPipeline"
+    assert index["tokenizer"] == ["transformers", "LlamaTokenizerFast"]
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
+    assert isinstance(pipe.text_encoder, UMT5EncoderModel)
+    assert isinstance(pipe.tokenizer, LlamaTokenizerFast)
+    assert isinstance(pipe.transformer, AuraFlowTransformer2DModel)
+    assert len(list((tiny / "transformer").glob("*-of-00002.safetensors"))) == 2
+    assert pipe.scheduler.config.shift == pytest.approx(1.73)
+    assert pipe.vae.config.scaling_factor == pytest.approx(0.13025)
+
+
+def test_prompt_tokens(pipe):
+    ids = pipe.tokenizer(CAPTION).input_ids
+    # One piece per word, then </s>; no <unk>, no bos (Pile-T5's convention).
+    assert len(ids) == len(CAPTION.split()) + 1 and ids[-1] == 2
+    assert pipe.tokenizer.unk_token_id not in ids
+    embeds, mask, _, _ = pipe.encode_prompt(CAPTION, do_classifier_free_guidance=False,
+                                            max_sequence_length=32)
+    assert embeds.shape == (1, 32, 32)
+    assert (embeds[0, len(ids):] == 0).all()  # the pipeline zeroes the padding's embeddings
+    assert int(mask.sum()) == len(ids) * 32  # its mask comes back expanded over the width
+
+
+def test_lora_targets_cover_every_block_linear(pipe):
+    pattern = re.compile(LORA_TARGETS)
+    linears = [n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    in_blocks = [n for n in linears if "transformer_blocks." in n]
+    assert in_blocks and all(pattern.fullmatch(n) for n in in_blocks)
+    assert not any(pattern.fullmatch(n) for n in set(linears) - set(in_blocks))
+
+
+def test_deterministic(tmp_path, tiny):
+    again = make_tiny_auraflow(tmp_path / "again", seed=0)
+    for rel in ["transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
+                "text_encoder/model.safetensors", "tokenizer/tokenizer.json"]:
+        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
