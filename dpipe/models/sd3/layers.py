@@ -1,0 +1,83 @@
+"""SD3's transformer (MMDiT) as pipeline layers: embed -> joint blocks -> head.
+
+Between layers travels (hidden, text_hidden, temb, size): `size` is the latent (height, width) as
+an int64 tensor (integers cross stage boundaries without gradients), which the head needs to
+unpatchify. SD3 has no rotary embeddings: positions are added once, by the patch embedding. The last
+joint block is `context_pre_only` (it reads the text stream but returns none), so from there on
+the tuple is (hidden, temb, size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.flux.layers import _needs_grad
+from dpipe.models.spec import PipelineLayer
+
+
+class SD3Embed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("pos_embed", "time_text_embed", "context_embedder"):
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        latents, t, text, pooled = inputs
+        size = torch.tensor(latents.shape[-2:], dtype=torch.long)
+        # PatchEmbed's output is a non-contiguous view (as in SD3Transformer2DModel.forward).
+        hidden = self.pos_embed(latents).contiguous()
+        # StableDiffusion3Pipeline passes the scheduler's timesteps, t * 1000, unscaled.
+        temb = self.time_text_embed(t.to(hidden.dtype) * 1000, pooled)
+        text_hidden = self.context_embedder(text)
+        return _needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb), size
+
+    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        out = super().denoiser_state_dict(trainable_only)
+        if not trainable_only:
+            # The cropped sin-cos table is a persistent buffer of the real checkpoints: a full
+            # export keeps it, so the folder holds every key `from_pretrained` expects.
+            out["pos_embed.pos_embed"] = self.pos_embed.pos_embed.detach()
+        return out
+
+
+class SD3Block(PipelineLayer):
+    def __init__(self, block: nn.Module, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.last = bool(block.context_pre_only)
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, size = inputs
+        text_hidden, hidden = self.block(
+            hidden_states=hidden, encoder_hidden_states=text_hidden, temb=temb)
+        if self.last:
+            return hidden, temb, size
+        return hidden, text_hidden, temb, size
+
+
+class SD3Head(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        self.patch = int(transformer.config.patch_size)
+        self.channels = int(transformer.out_channels)
+
+    def forward(self, inputs):
+        hidden, temb, size = inputs
+        out = self.proj_out(self.norm_out(hidden, temb))
+        p, c = self.patch, self.channels
+        h, w = int(size[0]) // p, int(size[1]) // p
+        # Unpatchify as SD3Transformer2DModel does: (B, h*w, p*p*C) -> (B, C, h*p, w*p).
+        out = out.reshape(out.shape[0], h, w, p, p, c)
+        out = torch.einsum("nhwpqc->nchpwq", out)
+        return out.reshape(out.shape[0], c, h * p, w * p)
+
+
+def sd3_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    layers: list[PipelineLayer] = [SD3Embed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(SD3Block(block, f"transformer_blocks.{i}"))
+    layers.append(SD3Head(transformer))
+    return layers

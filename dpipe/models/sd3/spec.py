@@ -1,0 +1,191 @@
+"""Stable Diffusion 3 / 3.5 (medium, large, large-turbo): SD3Transformer2DModel (MMDiT) +
+AutoencoderKL (16 ch, shift and scale) + CLIP-L + CLIP-G + T5-XXL.
+
+Loads the diffusers folder layout users download (stabilityai/stable-diffusion-3.5-large, ...).
+Prompts are embedded by diffusers' own `StableDiffusion3Pipeline.encode_prompt`, exactly as at
+inference: the penultimate hidden states of both CLIPs, concatenated and zero-padded to the T5
+width, followed by T5's tokens along the sequence; the pooled input is both CLIPs' projections.
+Objective: rectified flow (x_t = (1 - t) x0 + t noise, predict noise - x0), the model seeing the
+timestep as t * 1000, as the SD3 paper trains it and the pipeline samples it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.sd3.layers import sd3_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3",
+              "tokenizer", "tokenizer_2", "tokenizer_3")
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", *TEXT_PARTS)
+
+# Every Linear of the joint blocks: attention (and SD3.5-medium's second attention, attn2), both
+# MLPs and the adaLN modulations; nothing outside the blocks. The last block has no text output
+# projections (context_pre_only): the regex simply matches fewer modules there.
+_BLOCK_LINEARS = [
+    r"attn2?\.to_q", r"attn2?\.to_k", r"attn2?\.to_v", r"attn2?\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"norm1\.linear", r"norm1_context\.linear",
+]
+LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class SD3Spec(ModelSpec):
+    family = "sd3"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.sd3.tiny import make_tiny_sd3
+
+            make_tiny_sd3(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a Stable Diffusion 3 "
+                "model in diffusers format (e.g. a download of "
+                "stabilityai/stable-diffusion-3.5-large)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete SD3 diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        path = self.path / "vae" / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    def _transformer_config(self) -> dict[str, Any]:
+        path = self.path / "transformer" / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downscale (x8 for the real VAE), then the transformer's patch size (2).
+        vae_scale = 2 ** (len(self._vae_config()["block_out_channels"]) - 1)
+        return vae_scale * int(self._transformer_config().get("patch_size", 2))
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import StableDiffusion3Pipeline
+
+        try:
+            pipe = StableDiffusion3Pipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import SD3Transformer2DModel
+
+        try:
+            return SD3Transformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"),
+                "shift_factor": vae.get("shift_factor"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            **{part: folder_fingerprint(self.path / part) for part in TEXT_PARTS},
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "clip_layer": "penultimate",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, _neg, pooled, _neg_pooled = encoders.encode_prompt(
+            prompts, None, None, device=encoders.vae.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return {"text": text, "pooled": pooled}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return sd3_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        # SD3 patchifies inside its embedding: the first layer takes (B, C, H, W) latents.
+        inputs = (batch.noisy, batch.timesteps, batch.text["text"], batch.text["pooled"])
+        return inputs, (batch.target,)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        (target,) = labels
+        return F.mse_loss(outputs.float(), target.float())
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import StableDiffusion3Pipeline
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        StableDiffusion3Pipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        return [out_dir / "pytorch_lora_weights.safetensors"]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t, text, pooled = inputs
+        return denoiser(hidden_states=latents, encoder_hidden_states=text,
+                        pooled_projections=pooled, timestep=t * 1000, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            self.path, text_encoder=None, text_encoder_2=None, text_encoder_3=None, vae=None,
+            tokenizer=None, tokenizer_2=None, tokenizer_3=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel.from_pretrained(export_dir / "transformer")
