@@ -71,6 +71,14 @@ class ModelConfig:
     guidance: float = 1.0
     # Longest text-encoder sequence (T5 tokens for Flux).
     max_text_tokens: int = 512
+    # The range of t (0: clean, 1: noise) this model trains on: sampled t is mapped linearly into
+    # [min_t, max_t]. Wan 2.2 A14B trains each expert on its own range (e.g. min_t=0.875: the
+    # high-noise expert). Only families that support it accept a range other than [0, 1].
+    min_t: float = 0.0
+    max_t: float = 1.0
+    # Condition on the first frame (image-to-video). null: the checkpoint's own task (i2v for
+    # image-to-video checkpoints); true/false where a checkpoint does both (Wan 2.2 TI2V-5B).
+    i2v: Optional[bool] = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch import nn
 
 from dpipe.config.schema import ModelConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,24 @@ class PipelineLayer(nn.Module):
 
 class ModelSpec(abc.ABC):
     family: ClassVar[str]
+    # Whether the family trains on `model.min_t`/`max_t` (it maps t with `train_timesteps` where
+    # it noises and where it builds the denoiser's inputs); others refuse a range.
+    supports_timestep_range: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.path = Path(cfg.path).expanduser()
+        lo, hi = getattr(cfg, "min_t", 0.0), getattr(cfg, "max_t", 1.0)
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ConfigError(f"model.min_t={lo}, model.max_t={hi}: need 0 <= min_t < max_t <= 1")
+        if (lo, hi) != (0.0, 1.0) and not self.supports_timestep_range:
+            raise ConfigError(f"model.family={self.family} trains on every t: leave model.min_t=0 "
+                              "and model.max_t=1")
+
+    def train_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """Sampled t in [0, 1] -> the t this model trains on, linearly in [min_t, max_t]."""
+        lo, hi = getattr(self.cfg, "min_t", 0.0), getattr(self.cfg, "max_t", 1.0)
+        return t if (lo, hi) == (0.0, 1.0) else lo + (hi - lo) * t
 
     # ---- components -------------------------------------------------------------------------
     @abc.abstractmethod
