@@ -129,8 +129,13 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             raise ConfigError(f"pipeline.split must be strictly increasing and > 0, got {split}")
     elif p.split is not None:
         raise ConfigError("pipeline.split is only used with pipeline.partition=explicit")
-    if p.activation_checkpoint_interval < 0:
-        raise ConfigError("pipeline.activation_checkpoint_interval must be >= 0")
+    ac = p.activation_checkpointing
+    if ac not in ("none", "all", "auto") and not (ac.isdigit()):
+        raise ConfigError(
+            f"pipeline.activation_checkpointing={ac!r}: use none, all, auto, or a number of blocks"
+        )
+    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+        raise ConfigError("pipeline.memory_budget_gb must be > 0, or null for the device's memory")
 
     if p.stages > 1 and p.micro_batches < p.stages:
         warnings.warn(

@@ -50,7 +50,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_workers(run_dir: Path, world_size: int) -> int:
+def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.worker") -> int:
     """Runs the workers to completion; returns 0, or the exit code of the first that failed."""
     errors = run_dir / ERRORS_DIR
     for old in errors.glob("*.txt") if errors.exists() else []:
@@ -65,7 +65,7 @@ def launch_workers(run_dir: Path, world_size: int) -> int:
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dpipe.launch.worker", str(run_dir)],
+            [sys.executable, "-m", module, str(run_dir)],
             env=env,
         ))
     user_error = []

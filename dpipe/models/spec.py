@@ -139,6 +139,19 @@ class ModelSpec(abc.ABC):
     def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
 
+    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The denoiser at a published size with random weights (benchmarks; no download)."""
+        raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
+
+    def random_sample(self, size: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One sample's (latents, text embeddings) at the size's training resolution, random."""
+        raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """Model FLOPs of one training step on `inputs` (a micro-batch): 6 x params x tokens for
+        a full fine-tune, 4 x for LoRA (no weight gradients), plus attention; no recompute."""
+        raise NotImplementedError(f"{self.family}: no FLOP count")
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Relative compute cost per layer, for balancing stages. Default: parameter count."""
         return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.train.grad_clip import install_clipping
 from dpipe.train.optim import build_optimizer
@@ -32,11 +34,14 @@ def _pipeline_module_class():
     from deepspeed.pipe import PipelineModule
 
     class StagedPipelineModule(PipelineModule):
-        """A PipelineModule whose stage bounds come from dpipe's partitioner, with autocast."""
+        """A PipelineModule with dpipe's stage bounds, autocast and per-layer activation
+        checkpointing (with a one-off measurement of each layer's activations for "auto")."""
 
         def __init__(self, layers, bounds, autocast_dtype, **kwargs):
             self._dpipe_bounds = bounds
             self._autocast_dtype = autocast_dtype
+            self.checkpointed: set[int] = set()  # local layer indices that recompute
+            self.probe: ActivationProbe | None = None
             super().__init__(layers, partition_method="dpipe", **kwargs)
 
         def _partition_layers(self, method="dpipe"):
@@ -44,12 +49,19 @@ def _pipeline_module_class():
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-        def forward(self, forward_input):
-            if self._autocast_dtype is None:
-                return super().forward(forward_input)
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            with torch.autocast(device_type, dtype=self._autocast_dtype):
-                return super().forward(forward_input)
+        def forward(self, x):
+            cast = (torch.autocast(x[0].device.type, dtype=self._autocast_dtype)
+                    if self._autocast_dtype is not None else contextlib.nullcontext())
+            probe, self.probe = self.probe, None  # measures one micro-batch only
+            with cast:
+                for i, layer in enumerate(self.forward_funcs):
+                    if probe is not None:
+                        probe.measure(i, layer, x)
+                    if i in self.checkpointed and torch.is_grad_enabled():
+                        x = checkpoint(layer, x, use_reentrant=False)
+                    else:
+                        x = layer(x)
+            return x
 
     return StagedPipelineModule
 
@@ -80,7 +92,6 @@ def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
         "bf16": {"enabled": full_bf16},
         "steps_per_print": 1 << 30,  # dpipe reports progress itself
         "wall_clock_breakdown": False,
-        "pipeline": {"activation_checkpoint_interval": p.activation_checkpoint_interval},
     }
 
 
@@ -101,8 +112,12 @@ def build_engine(
         torch.bfloat16 if lora_bf16 else None,
         topology=PipeDataParallelTopology(num_pp=p.stages, num_dp=data_parallel),
         loss_fn=loss_fn,
-        activation_checkpoint_interval=p.activation_checkpoint_interval,
+        dynamic_shape=True,  # buckets change tensor shapes between micro-batches
     )
+    _release_other_stages(layers, module)
+    if p.compile:
+        for layer in module.forward_funcs:
+            layer.compile()
     trainable = [q for q in module.parameters() if q.requires_grad]
     optimizer = build_optimizer(trainable, run.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -116,12 +131,32 @@ def build_engine(
     )
     if not _deepspeed_wraps_optimizer(run):
         install_clipping(optimizer, run.optim.grad_clip, engine.grid.get_pipe_parallel_group())
+    module.checkpointed = _fixed_checkpointing(p.activation_checkpointing,
+                                               len(module.forward_funcs))
     return BuiltEngine(
         engine=engine,
         bounds=bounds,
         stage=engine.stage_id,
         trainable_parameters=sum(q.numel() for q in trainable),
     )
+
+
+def _release_other_stages(layers: list[nn.Module], module) -> None:
+    """Frees the weights of layers that other stages own: each rank keeps only its share."""
+    local = {id(layer) for layer in module.forward_funcs}
+    for layer in layers:
+        if id(layer) not in local:
+            layer.to("meta")
+
+
+def _fixed_checkpointing(setting: str, num_local: int) -> set[int]:
+    """The checkpointed local layers for a fixed setting; "auto" starts from none (and is planned
+    from measurements by `dpipe.pipeline.memory`)."""
+    if setting == "all":
+        return set(range(num_local))
+    if setting.isdigit():
+        return set(range(min(int(setting), num_local)))
+    return set()
 
 
 @contextlib.contextmanager

@@ -190,6 +190,35 @@ class FluxSpec(ModelSpec):
 
         return FluxTransformer2DModel.from_pretrained(export_dir / "transformer")
 
+    # ---- benchmarks -------------------------------------------------------------------------
+    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        from dpipe.models.flux.sizes import SIZES
+
+        with torch.device(device):
+            model = FluxTransformer2DModel.from_config(SIZES[size])
+        return model.to(dtype)
+
+    def random_sample(self, size: str):
+        from dpipe.models.flux.sizes import SAMPLE_SHAPES
+
+        shapes = SAMPLE_SHAPES[size]
+        latents = torch.randn(shapes["latents"])
+        text = {"t5": torch.randn(shapes["t5"]), "pooled": torch.randn(shapes["pooled"])}
+        return latents, text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        packed, _t, text = inputs[:3]
+        batch, seq = packed.shape[0], packed.shape[1] + text.shape[1]
+        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
+        c = denoiser.config
+        width = c.num_attention_heads * c.attention_head_dim
+        blocks = c.num_layers + c.num_single_layers
+        # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
+        attention = 3 * 2 * 2 * seq * seq * width * blocks
+        return batch * ((6 if full else 4) * params * seq + attention)
+
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, H/2 * W/2, 4C): FLUX's 2x2 patch packing (as FluxPipeline._pack_latents)."""

@@ -1,0 +1,112 @@
+"""One rank of a benchmark: the real layers, engine and train_batch, on a real-size model with
+random weights and random (fixed) micro-batches. `python -m dpipe.bench.worker DIR`."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dpipe.config.schema import Precision, TimestepConfig, TrainMode
+from dpipe.data.batches import noised_batch
+from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
+from dpipe.models.registry import build_spec
+from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
+from dpipe.pipeline.memory import AutoCheckpointing
+
+
+def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
+    """The step's micro-batches, made once: timing the model, not random number generation."""
+    torch.manual_seed(seed)  # the same on the first and the last stage
+    batches = []
+    for micro in range(micro_batches):
+        samples = [spec.random_sample(size) for _ in range(micro_batch_size)]
+        latents = torch.stack([s[0] for s in samples])
+        text = {k: torch.stack([s[1][k] for s in samples]) for k in samples[0][1]}
+        slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
+        batch = noised_batch(spec, latents, text, TimestepConfig(), seed, 0, slots)
+        inputs, labels = spec.make_inputs(batch)
+        pin = lambda ts: tuple(t.pin_memory() if torch.cuda.is_available() else t for t in ts)
+        batches.append((pin(inputs), pin(labels)))
+    return batches
+
+
+def main() -> int:
+    from dpipe.bench.timing import StageTiming
+    from dpipe.train.loop import trainable_layers
+
+    bench_dir = Path(sys.argv[1])
+    opts = json.loads((bench_dir / "bench.json").read_text())
+    run = load_run_config(bench_dir / RUN_CONFIG)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    setup_logging(rank)
+    cuda = torch.cuda.is_available()  # without: a CPU smoke test of this very path (no timings)
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # its SDPA backward fails for Flux shapes here
+    init_distributed("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    spec = build_spec(run.model)
+    bf16 = run.train.precision == Precision.bf16
+    full = run.model.mode == TrainMode.full
+    denoiser = spec.random_denoiser(opts["size"], torch.bfloat16 if bf16 else torch.float32, device)
+    layers = trainable_layers(spec, run, denoiser)
+    batches = fixed_micro_batches(spec, opts["size"], run.pipeline.micro_batches,
+                                  run.pipeline.micro_batch_size, run.train.seed)
+    flops_per_step = sum(spec.train_flops(denoiser, inputs, full) for inputs, _ in batches)
+    data_parallel = dist.get_world_size() // run.pipeline.stages
+    flops_per_step *= data_parallel
+    with quiet_deepspeed():
+        built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
+    engine = built.engine
+    auto = None
+    if run.pipeline.activation_checkpointing == "auto" and cuda:
+        auto = AutoCheckpointing(engine.module, built.stage, run.pipeline.stages,
+                                 run.pipeline.micro_batches, run.pipeline.memory_budget_gb)
+    timing = StageTiming(engine) if cuda else None
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step_s, work = [], []
+    for step in range(opts["warmup"] + opts["steps"]):
+        if step == opts["warmup"] and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        engine.train_batch(data_iter=iter(batches))
+        sync()
+        elapsed = time.perf_counter() - start
+        spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        if auto is not None:
+            auto.after_first_step()
+            auto = None
+        if step >= opts["warmup"]:
+            step_s.append(elapsed)
+            work.append(spans)
+        if rank == 0:
+            print(f"[bench] step {step} {elapsed:.3f}s {spans}", flush=True)
+    result = {
+        "rank": rank,
+        "stage": built.stage,
+        "layers": [built.bounds[built.stage], built.bounds[built.stage + 1]],
+        "step_s": statistics.median(step_s),
+        "forward_ms": statistics.median(w["forward"] for w in work),
+        "backward_ms": statistics.median(w["backward"] for w in work),
+        "optimizer_ms": statistics.median(w["optimizer"] for w in work),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "flops_per_step": flops_per_step,
+        "images_per_step": run.pipeline.micro_batch_size * run.pipeline.micro_batches * data_parallel,
+        "checkpointed_layers": len(engine.module.checkpointed),
+        "local_layers": len(engine.module.forward_funcs),
+    }
+    (bench_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`dpipe-bench`: time training configurations of a real-size model with random weights.
+
+    dpipe-bench --size dev --plain \
+        --run "lora-1gpu: pipeline=single pipeline.micro_batches=8 train.precision=bf16 \
+               model.lora.rank=32 pipeline.compile=true"
+
+Each `--run NAME: OVERRIDES` is composed like `dpipe-train OVERRIDES` (model=flux by default) and
+runs through the same layers, pipeline engine and `train_batch` as training, in its own worker
+processes, on fixed random micro-batches. `--plain` adds the reference: a plain one-GPU loop
+(compiled blocks, no checkpointing) on the first run's model and batch. Prints s/step, images/s,
+model TFLOP/s and MFU per GPU, peak memory, per-stage compute and idle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dpipe.config.compose import compose_run
+from dpipe.launch.local import launch_workers, world_size_for
+from dpipe.launch.quiet import quiet_libraries
+from dpipe.launch.run_rank import save_run_config
+
+PEAK_TFLOPS = 790.0  # measured bf16 dense matmul rate of an H200 here (see docs/performance.md)
+DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "train.progress_bar=false"]
+
+
+def main() -> None:
+    quiet_libraries()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--size", default="dev", help="the model size (flux: dev, schnell)")
+    parser.add_argument("--run", action="append", required=True, metavar="NAME: OVERRIDES")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--plain", action="store_true", help="also time the plain reference loop")
+    parser.add_argument("--out", default="outputs/bench", help="results folder")
+    args = parser.parse_args()
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0 and args.size != "tiny":
+        sys.exit("error: dpipe-bench measures GPU training; no CUDA device is visible "
+                 "(--size tiny runs a CPU smoke test of the same path)")
+    out = Path(args.out)
+    rows = []
+    for spec in args.run:
+        name, _, overrides = spec.partition(":")
+        name = name.strip()
+        run = compose_run(DEFAULTS + overrides.split())
+        world = world_size_for(run, gpus)
+        run_dir = out / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for old in run_dir.glob("rank*.json"):
+            old.unlink()
+        save_run_config(run, run_dir)
+        (run_dir / "bench.json").write_text(json.dumps(
+            {"size": args.size, "warmup": args.warmup, "steps": args.steps}))
+        print(f"== {name}: {overrides.strip()} ({world} GPUs)", flush=True)
+        code = launch_workers(run_dir, world, module="dpipe.bench.worker")
+        if code:
+            rows.append({"name": name, "error": f"exit {code}"})
+            continue
+        ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
+        rows.append(_row(name, overrides.strip(), ranks))
+        if args.plain and len(rows) == 1:
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+            subprocess.run([sys.executable, "-m", "dpipe.bench.plain", str(run_dir)], check=True, env=env)
+            plain = json.loads((run_dir / "plain.json").read_text())
+            rows.append(_row("plain loop (reference)", "diffusers forward, compiled blocks, "
+                             "no checkpointing", [dict(plain, rank=0, stage=0, peak_gib=plain["peak_gib"])]))
+    table = _table(rows)
+    print(table)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+
+
+def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
+    step_s = max(r["step_s"] for r in ranks)
+    gpus = len(ranks)
+    tflops = ranks[0]["flops_per_step"] / step_s / gpus / 1e12
+    stages = sorted({r["stage"] for r in ranks})
+    per_stage = []
+    for stage in stages:
+        r = next(x for x in ranks if x["stage"] == stage)
+        if "forward_ms" in r:
+            compute = (r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]) / 1000
+            per_stage.append({"stage": stage, "layers": r["layers"], "compute_s": compute,
+                              "idle_s": step_s - compute, "peak_gib": r["peak_gib"],
+                              "checkpointed": f'{r["checkpointed_layers"]}/{r["local_layers"]}'})
+        else:
+            per_stage.append({"stage": stage, "peak_gib": r["peak_gib"]})
+    return {"name": name, "overrides": overrides, "gpus": gpus, "step_s": step_s,
+            "images_per_s": ranks[0]["images_per_step"] / step_s,
+            "s_per_image": step_s / ranks[0]["images_per_step"], "tflops_per_gpu": tflops,
+            "mfu": tflops / PEAK_TFLOPS, "stages": per_stage}
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB / recomputed layers |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            continue
+        stages = "; ".join(
+            f"{s['stage']}: {s.get('compute_s', float('nan')):.2f} / {s.get('idle_s', float('nan')):.2f} / "
+            f"{s['peak_gib']:.1f} / {s.get('checkpointed', '-')}" for s in r["stages"])
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['step_s']:.3f} | {r['images_per_s']:.2f} | "
+                     f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | {stages} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
