@@ -1,0 +1,193 @@
+"""Chroma (Chroma1-HD / Chroma1-Base / Chroma1-Flash, and the v-numbered checkpoints in diffusers
+format): ChromaTransformer2DModel + FLUX.1's AutoencoderKL (16 ch, shift and scale) + T5-XXL only.
+
+A FLUX.1-schnell derivative: the per-block modulation layers are replaced by one small network
+(the "approximator", `distilled_guidance_layer`) that maps the timestep to every block's
+modulation vectors; there is no CLIP, no pooled text and no guidance embedding. Prompts are
+embedded by diffusers' own `ChromaPipeline.encode_prompt`: T5 with its attention mask, and a mask
+for the transformer that keeps the prompt's tokens plus exactly one padding token (Chroma's
+training recipe). Objective: rectified flow, timestep t in [0, 1] (the model scales it by 1000).
+
+Attention mask: training passes the mask to the transformer as booleans (True = attend), as Chroma
+was trained and as ComfyUI runs it. diffusers 0.42.1's ChromaPipeline passes it as a float tensor,
+which scaled_dot_product_attention adds to the scores instead of masking (huggingface/diffusers
+issue #12116); a LoRA trained here therefore matches ComfyUI and the original model exactly, and
+diffusers' pipeline only up to that masking difference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.chroma.layers import chroma_layers
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.flux.spec import _image_ids, _pack
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+
+# Every Linear of both kinds of blocks: attention (image and text projections), the MLPs, and the
+# single blocks' fused MLP in/out. Chroma's blocks have no modulation Linears (the approximator
+# outside the blocks produces them), so none are listed.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"proj_mlp", r"proj_out",
+]
+LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class ChromaSpec(ModelSpec):
+    family = "chroma"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.chroma.tiny import make_tiny_chroma
+
+            make_tiny_chroma(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a Chroma model in "
+                "diffusers format (e.g. a download of lodestones/Chroma1-HD)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete Chroma diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        path = self.path / "vae" / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * 2
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import ChromaPipeline
+
+        try:
+            pipe = ChromaPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import ChromaTransformer2DModel
+
+        try:
+            return ChromaTransformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"),
+                "shift_factor": vae.get("shift_factor"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            "t5": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "mask": "prompt+1 pad",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, _ids, mask, *_negative = encoders.encode_prompt(
+            prompts, device=encoders.vae.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return {"t5": text, "mask": mask}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return chroma_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, _c, h, w = batch.latents.shape
+        packed = _pack(batch.noisy)
+        text = batch.text["t5"]
+        # The transformer's mask covers text then image tokens; every image token is attended.
+        mask = torch.cat([batch.text["mask"] > 0.5,
+                          torch.ones(b, packed.shape[1], dtype=torch.bool)], dim=1).long()
+        txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
+        inputs = (packed, batch.timesteps, text, mask, txt_ids, _image_ids(h // 2, w // 2))
+        return inputs, (_pack(batch.target),)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        (target,) = labels
+        return F.mse_loss(outputs.float(), target.float())
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import ChromaPipeline
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        ChromaPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        return [out_dir / "pytorch_lora_weights.safetensors"]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        packed, t, text, mask, txt_ids, img_ids = inputs
+        return denoiser(hidden_states=packed, encoder_hidden_states=text, timestep=t,
+                        img_ids=img_ids.float(), txt_ids=txt_ids.float(),
+                        attention_mask=mask.bool(), return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import ChromaPipeline
+
+        pipe = ChromaPipeline.from_pretrained(self.path, text_encoder=None, vae=None,
+                                              tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import ChromaTransformer2DModel
+
+        return ChromaTransformer2DModel.from_pretrained(export_dir / "transformer")

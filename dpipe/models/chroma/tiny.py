@@ -1,0 +1,97 @@
+"""A tiny random Chroma, in the diffusers layout of lodestones/Chroma1-HD.
+
+CI cannot download the real checkpoint, so tests run the real loading code
+(`ChromaPipeline.from_pretrained`, `ChromaTransformer2DModel.from_pretrained(subfolder=...)`) on
+this folder. Kept as in the real repo: the component classes in model_index.json (with the unused
+`image_encoder` / `feature_extractor` slots as nulls), FLUX.1's scheduler config and VAE (16
+channels with shift and scale in the real one), one T5 tokenizer and encoder (sharded with an
+index), and a transformer sharded with an index. Only the sizes shrink; the modulation
+approximator (`distilled_guidance_layer`) keeps its structure (input = 4 x the timestep channels).
+
+Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents -> 2x2 packing ->
+64 image tokens of 16 channels; text: T5 (d_model 32, up to 512 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+
+LATENT_CHANNELS = 4
+TEXT_DIM = 32
+T5_MAX_LENGTH = 512
+DTYPE = torch.bfloat16
+
+
+def make_tiny_chroma(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Chroma diffusers folder at `path` and return `path` (an existing
+    complete folder is left untouched; concurrent callers are safe)."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_chroma; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
+    # Chroma1-HD ships FLUX.1's scheduler config.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    with seeded(seed):
+        text_encoder = T5EncoderModel(T5Config(
+            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
+            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0))
+    with seeded(seed + 1):
+        transformer = ChromaTransformer2DModel(
+            patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
+            axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
+            approximator_layers=2)
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
+            scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+
+    scheduler.save_pretrained(out / "scheduler")
+    _save(transformer, out / "transformer", shards=2)
+    _save(text_encoder, out / "text_encoder", shards=2)
+    _save(vae, out / "vae", shards=1)
+    pipe = ChromaPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+        tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"), transformer=transformer)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
+    index.setdefault("image_encoder", [None, None])
+    index.setdefault("feature_extractor", [None, None])
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
+    torch.nn.Module.to(model, DTYPE)
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
+    sizes = [t.numel() * t.element_size() for t in unique]
+    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

@@ -1,0 +1,112 @@
+"""The tiny Chroma folder loads and runs through diffusers' real loading code; Chroma specifics."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
+from transformers import T5EncoderModel, T5TokenizerFast
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
+from dpipe.models.chroma.tiny import make_tiny_chroma
+from dpipe.models.spec import NoisedBatch
+
+CAPTION = "a red circle on a blue background"
+
+
+@pytest.fixture(scope="module")
+def tiny_chroma(tmp_path_factory) -> Path:
+    return make_tiny_chroma(tmp_path_factory.mktemp("models") / "chroma")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_chroma) -> ChromaPipeline:
+    return ChromaPipeline.from_pretrained(tiny_chroma, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_chroma) -> ChromaSpec:
+    return ChromaSpec(ModelConfig(family="chroma", path=str(tiny_chroma), max_text_tokens=32))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTION, negative_prompt="", height=64, width=64, num_inference_steps=2,
+               guidance_scale=3.0, max_sequence_length=32,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny_chroma, pipe):
+    expected = {
+        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
+        "text_encoder": T5EncoderModel, "tokenizer": T5TokenizerFast,
+        "transformer": ChromaTransformer2DModel,
+    }
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny_chroma / "model_index.json").read_text())
+    assert index["_class_name"] == "ChromaPipeline"
+    assert index["tokenizer"] == ["transformers", "T5TokenizerFast"]
+    for rel in ["tokenizer/tokenizer.json", "text_encoder/model.safetensors.index.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny_chroma / rel).is_file(), rel
+
+
+def test_lora_targets_cover_every_block_linear(pipe):
+    linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_blocks = {n for n in linears if re.match(r"(single_)?transformer_blocks\.", n)}
+    assert {n for n in linears if re.fullmatch(LORA_TARGETS, n)} == in_blocks
+    assert any(n.startswith("distilled_guidance_layer.") for n in linears - in_blocks)
+
+
+def test_prompt_mask_keeps_one_padding_token(spec, pipe):
+    embeds = spec.encode_prompts(pipe, [CAPTION, "a star"])
+    tokens = [len(pipe.tokenizer(p).input_ids) for p in (CAPTION, "a star")]  # with </s>
+    assert embeds["mask"].sum(dim=1).tolist() == [n + 1 for n in tokens]
+
+
+def test_padding_tokens_do_not_reach_the_image(spec, pipe):
+    """The transformer masks padding (as booleans): changing the masked text tokens' embeddings
+    leaves the prediction unchanged, while changing an attended token changes it."""
+    latents = torch.randn(1, 4, 16, 16)
+    text = spec.encode_prompts(pipe, ["a star"])
+    t = torch.tensor([0.5])
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=t, noisy=latents,
+                        target=latents, text=text)
+    inputs, _ = spec.make_inputs(batch)
+    denoiser = pipe.transformer
+    with torch.no_grad():
+        base = spec.denoiser_forward(denoiser, inputs)
+        masked = text["mask"][0] == 0
+        changed = inputs[2].clone()
+        changed[0, masked] += 10.0
+        same = spec.denoiser_forward(denoiser, (*inputs[:2], changed, *inputs[3:]))
+        changed[0, 0] += 10.0
+        different = spec.denoiser_forward(denoiser, (*inputs[:2], changed, *inputs[3:]))
+    torch.testing.assert_close(same, base)
+    assert (different - base).abs().max() > 1e-4
+
+
+def test_layers_reproduce_the_transformer(spec, pipe):
+    latents = torch.randn(2, 4, 16, 16)
+    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
+                        noisy=latents, target=latents, text=text)
+    inputs, _ = spec.make_inputs(batch)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(pipe.transformer):
+            x = layer(x)
+        expected = spec.denoiser_forward(pipe.transformer, inputs)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
