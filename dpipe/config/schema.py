@@ -7,9 +7,9 @@ key's full name. Cross-field rules live in `checks.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, get_type_hints
 
 from omegaconf import MISSING
 
@@ -47,7 +47,19 @@ class OptimizerName(str, Enum):
 
 class DatasetKind(str, Enum):
     synthetic = "synthetic"  # coloured shapes generated reproducibly into `path`
-    folder = "folder"  # images with same-stem .txt captions
+    folder = "folder"  # images and videos in `path` and/or `directories`
+
+
+class MissingCaption(str, Enum):
+    empty = "empty"  # train with an empty caption (the caption_prefix still applies)
+    skip = "skip"  # leave the file out (listed in the dataset report)
+    error = "error"  # refuse to start, listing the files
+
+
+class ClipSelection(str, Enum):
+    beginning = "beginning"  # one clip from the first frame
+    middle = "middle"  # one clip centred in the video
+    multiple = "multiple"  # `clips_per_video` clips spread evenly over the video
 
 
 @dataclass
@@ -82,13 +94,172 @@ class ModelConfig:
 
 
 @dataclass
-class DatasetConfig:
-    kind: DatasetKind = MISSING
-    path: str = MISSING  # image folder (for `synthetic`: where the images are generated)
-    resolution: int = 512  # images are resized and centre-cropped to resolution x resolution
+class DataSettings:
+    """How the files of a directory become training samples. Set on the dataset, these apply to
+    every directory; each entry of `directories` may override any of them."""
+
+    # Target areas, as the side of a square of that area: 512 -> about 512*512 pixels, whatever
+    # the aspect ratio. Every file is trained at each listed resolution.
+    resolutions: list[int] = field(default_factory=lambda: [512])
+    # Aspect-ratio buckets (width / height). An explicit list, e.g. [0.75, 1.0, 1.333]; or, when
+    # null, `num_aspect_buckets` ratios spaced evenly in log scale from min to max (1: square only).
+    aspect_ratios: Optional[list[float]] = None
+    min_aspect_ratio: float = 0.5
+    max_aspect_ratio: float = 2.0
+    num_aspect_buckets: int = 7
+    # Frame counts of video buckets; a clip goes to the longest bucket it fills. Images have 1.
+    frame_buckets: list[int] = field(default_factory=lambda: [1])
+    clip_selection: ClipSelection = ClipSelection.beginning
+    clips_per_video: int = 3  # with clip_selection=multiple
+    video_fps: Optional[float] = None  # resample videos to this frame rate; null keeps theirs
+    num_repeats: int = 1  # each file counts this many times per epoch
+    # A JSON ({"cat.jpg": "a cat"} or {"cat.jpg": ["a cat", "a tabby"]}) or JSONL file
+    # ({"file": "cat.jpg", "caption": ...} per line) of captions, relative to the directory.
+    # Files it does not name fall back to a same-stem .txt (cat.jpg -> cat.txt).
+    captions_file: Optional[str] = None
+    caption_prefix: str = ""  # put before every caption, e.g. a trigger word "sks style, "
+    missing_caption: MissingCaption = MissingCaption.error
+    # Shuffle comma-separated tags: `tag_variants` shuffled captions are cached per caption and
+    # one is drawn each time the file is used; the first `keep_tags` tags stay in place.
+    shuffle_tags: bool = False
+    tag_variants: int = 4
+    keep_tags: int = 0
+    tag_separator: str = ","
+    caption_dropout: float = 0.0  # probability of training a sample on the empty caption
+    # Same-stem files (any image format) weighting the loss per pixel: white 1, black 0.
+    mask_dir: Optional[str] = None
+    # Same-stem control/reference images (edit models), cached and delivered with each sample.
+    control_dir: Optional[str] = None
+
+    def __post_init__(self):
+        _check_settings(self, "dataset")
+
+
+def _check_settings(s, where: str) -> None:
+    """Value checks of DataSettings fields; `None` (inherit) is always fine."""
+    from dpipe.errors import ConfigError
+
+    def bad(key, value, need):
+        raise ConfigError(f"{where}.{key}={value!r}: {need}")
+
+    for key in ("resolutions", "frame_buckets"):
+        values = getattr(s, key)
+        if values is not None and (not values or any(v < 1 for v in values)):
+            bad(key, values, "give one or more whole numbers >= 1")
+    if s.aspect_ratios is not None and (not s.aspect_ratios or min(s.aspect_ratios) <= 0):
+        bad("aspect_ratios", s.aspect_ratios, "give one or more ratios > 0, or null")
+    lo, hi = s.min_aspect_ratio, s.max_aspect_ratio
+    if lo is not None and lo <= 0 or hi is not None and hi <= 0:
+        bad("min_aspect_ratio/max_aspect_ratio", (lo, hi), "must be > 0")
+    if lo is not None and hi is not None and lo > hi:
+        bad("min_aspect_ratio", lo, f"must not exceed max_aspect_ratio={hi}")
+    for key in ("num_aspect_buckets", "clips_per_video", "num_repeats", "tag_variants"):
+        value = getattr(s, key)
+        if value is not None and value < 1:
+            bad(key, value, "must be >= 1")
+    if s.keep_tags is not None and s.keep_tags < 0:
+        bad("keep_tags", s.keep_tags, "must be >= 0")
+    if s.video_fps is not None and s.video_fps <= 0:
+        bad("video_fps", s.video_fps, "must be > 0, or null to keep each video's own rate")
+    if s.caption_dropout is not None and not 0 <= s.caption_dropout < 1:
+        bad("caption_dropout", s.caption_dropout, "must be in [0, 1)")
+    if s.tag_separator is not None and not s.tag_separator.strip():
+        bad("tag_separator", s.tag_separator, "must contain a visible character")
+
+
+def _directory_post_init(self):
+    from dpipe.errors import ConfigError
+
+    if not self.path:
+        raise ConfigError("every entry of dataset.directories needs a `path`")
+    _check_settings(self, f"dataset.directories[path={self.path}]")
+
+
+_SETTINGS_HINTS = get_type_hints(DataSettings)
+# A directory: a `path` plus any DataSettings field to override (null: the dataset's value).
+# Generated from DataSettings so the two can never drift apart.
+DirectoryConfig = make_dataclass(
+    "DirectoryConfig",
+    [("path", str, MISSING)]
+    + [(f.name, Optional[_SETTINGS_HINTS[f.name]], None) for f in fields(DataSettings)],
+    namespace={"__post_init__": _directory_post_init, "__module__": __name__,
+               "__doc__": "A dataset directory: `path` and any DataSettings to override."},
+)
+
+
+@dataclass
+class BucketBatchSize:
+    """Micro-batch size of the buckets of one resolution (and frame count)."""
+
+    resolution: int = MISSING
+    frames: Optional[int] = None  # null: every frame count
+    micro_batch_size: int = MISSING
+
+
+@dataclass
+class EvalSetConfig:
+    name: str = MISSING  # TensorBoard tag: eval/<name>/...
+    # Directories inheriting the dataset's settings (repeats, tag shuffling and caption dropout
+    # are not applied: eval sees each file once with its first caption).
+    directories: list[DirectoryConfig] = field(default_factory=list)  # type: ignore[valid-type]
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # 0: no eval during training
+    before_training: bool = True  # also at the run's first step (a baseline)
+    # Eval loss is measured at these quantiles of the training timestep distribution, each with
+    # fixed noise, so successive evals differ only by the model.
+    quantiles: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    sets: list[EvalSetConfig] = field(default_factory=list)
+
+
+@dataclass
+class DatasetConfig(DataSettings):
+    kind: DatasetKind = DatasetKind.folder
+    # A single directory (for `synthetic`: where the images are generated). Use `directories`
+    # for several, or to override settings per directory; both may be given.
+    path: Optional[str] = None
+    directories: list[DirectoryConfig] = field(default_factory=list)  # type: ignore[valid-type]
     num_images: int = 16  # `synthetic` only: how many images to generate
+    # Per-bucket micro-batch sizes; buckets not listed use pipeline.micro_batch_size.
+    micro_batch_sizes: list[BucketBatchSize] = field(default_factory=list)
+    # Unreadable image/video files: false skips them with a warning listing them; true refuses.
+    strict: bool = False
     # Where cached latents and text embeddings go; outside the dataset so read-only data works.
     cache_dir: str = "${oc.env:DPIPE_CACHE,${oc.env:HOME}/.cache/dpipe}/latents"
+    cache_workers: Optional[int] = None  # processes decoding files for the cache; null: auto
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # Write every rank's micro-batches (step, bucket, files) to <run_dir>/data/batches-rank*.jsonl.
+    log_batches: bool = False
+
+    def __post_init__(self):
+        from dpipe.errors import ConfigError
+
+        super().__post_init__()
+        if self.path is None and not self.directories:
+            raise ConfigError("the dataset has no files: set dataset.path or dataset.directories")
+        if self.kind == DatasetKind.synthetic and self.path is None:
+            raise ConfigError("dataset.kind=synthetic needs dataset.path (where to draw images)")
+        for rule in self.micro_batch_sizes:
+            if rule.micro_batch_size < 1:
+                raise ConfigError(f"dataset.micro_batch_sizes: {rule} needs micro_batch_size >= 1")
+        e = self.eval
+        if e.every_steps < 0 or not e.quantiles or not all(0 < q < 1 for q in e.quantiles):
+            raise ConfigError(
+                f"dataset.eval: every_steps must be >= 0 and quantiles in (0, 1), got "
+                f"{e.every_steps} and {e.quantiles}")
+        names = [s.name for s in e.sets]
+        if len(set(names)) != len(names) or any(not s.directories for s in e.sets):
+            raise ConfigError(f"dataset.eval.sets: names must differ and each needs directories "
+                              f"(got {names})")
+        if e.every_steps and not e.sets:
+            raise ConfigError("dataset.eval.every_steps is set but dataset.eval.sets is empty")
+
+    @property
+    def resolution(self) -> int:
+        """The largest target resolution (synthetic images are drawn at this size)."""
+        return max(self.resolutions)
 
 
 @dataclass

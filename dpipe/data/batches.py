@@ -1,39 +1,135 @@
-"""Turns planned dataset items into the model's micro-batch tuples, with per-sample noise."""
+"""Turns planned samples into the model's micro-batch tuples, with per-sample noise.
+
+Noise, timesteps, the caption variant and caption dropout of a sample all come from random
+streams seeded by (seed, step, slot), so every stage and every resumed run derives the same ones.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from dpipe.config.schema import TimestepConfig
+from dpipe.data.cache_store import TensorStore
+from dpipe.data.manifest import Sample
 from dpipe.data.plan import BatchPlan
 from dpipe.diffusion.noise import sample_generator
 from dpipe.diffusion.timesteps import sample_timesteps
+from dpipe.errors import DataError
 from dpipe.models.spec import ModelSpec, NoisedBatch
+
+
+@dataclass(frozen=True)
+class DataBatch(NoisedBatch):
+    """A NoisedBatch with what some datasets add; None where the dataset has none."""
+
+    # Per-pixel loss weights at latent resolution, (B, 1, h, w) ((B, 1, 1, h, w) for video),
+    # 1 where a sample has no mask. Models multiply their per-element loss by it.
+    loss_weight: torch.Tensor | None = None
+    # Latents of the control/reference images of edit models, shaped as `latents`.
+    control: torch.Tensor | None = None
+
+
+class CachedDataset:
+    """Reads samples' tensors from the cache. `log` (a file or None) records each micro-batch."""
+
+    def __init__(self, store: TensorStore, rank: int = 0, log=None):
+        self.store = store
+        self.rank = rank
+        self.log = log
+
+    def get(self, key: str, sample: Sample) -> dict[str, torch.Tensor]:
+        tensors = self.store.get(key)
+        if tensors is None:
+            raise DataError(
+                f"the cache entry for {sample.source} vanished from {self.store.root} during "
+                "training; do not prune a cache that a run is using")
+        return tensors
+
+    def collate(self, samples: list[Sample], texts: list[str]):
+        """(latents, text dict, loss weights or None, control latents or None) of the samples,
+        with `texts[i]` the text key chosen for sample i."""
+        latents = torch.stack([self.get(s.latent, s)["latents"] for s in samples])
+        embeds = [self.get(k, s) for k, s in zip(texts, samples)]
+        text = {name: torch.stack([e[name] for e in embeds]) for name in embeds[0]}
+        weight = None
+        if any(s.mask for s in samples):
+            weight = torch.stack([self._weight(s, latents.shape[1:]) for s in samples])
+        control = None
+        if any(s.control for s in samples):
+            missing = [s.source for s in samples if not s.control]
+            if missing:
+                raise DataError(f"a batch mixes files with and without control images "
+                                f"({missing[0]}); give every directory of the bucket a "
+                                "control_dir")
+            control = torch.stack([self.get(s.control, s)["latents"] for s in samples])
+        return latents, text, weight, control
+
+    def _weight(self, sample: Sample, latent_shape: torch.Size) -> torch.Tensor:
+        h, w = latent_shape[-2:]
+        lead = (1,) * (len(latent_shape) - 2)  # (1,) for (C, h, w); (1, 1) for (C, F, h, w)
+        if not sample.mask:
+            return torch.ones(*lead, h, w)
+        mask = self.get(sample.mask, sample)["mask"].float().div(255.0)  # (1, H, W) pixels
+        # Area averaging: a latent pixel's weight is the mean of the pixels it covers.
+        pooled = F.interpolate(mask[None], size=(h, w), mode="area")[0]
+        return pooled.view(*lead, h, w)
+
+    def write_log(self, step: int, micro: int, dp_rank: int, batch, latents: torch.Tensor):
+        if self.log is None:
+            return
+        record = {"rank": self.rank, "step": step, "micro": micro, "dp_rank": dp_rank,
+                  "bucket": batch.bucket.name, "shape": list(latents.shape),
+                  "samples": [f"{s.source}@{s.start}" for s in batch.samples]}
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
 
 
 def noised_batch(
     spec: ModelSpec, latents: torch.Tensor, text: dict[str, torch.Tensor],
     timesteps_cfg: TimestepConfig, seed: int, step: int, slots: range,
-) -> NoisedBatch:
+    loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
+    timesteps: torch.Tensor | None = None,
+) -> DataBatch:
+    """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them."""
     noise, t = [], []
     for slot, x0 in zip(slots, latents):
         noise.append(torch.randn(x0.shape, generator=sample_generator(seed, step, slot, "noise")))
-        t.append(sample_timesteps(timesteps_cfg, 1, sample_generator(seed, step, slot, "t")))
+        if timesteps is None:
+            t.append(sample_timesteps(timesteps_cfg, 1, sample_generator(seed, step, slot, "t")))
     noise_t = torch.stack(noise).to(latents.dtype)
-    t_t = torch.cat(t)
+    t_t = torch.cat(t) if timesteps is None else timesteps.to(torch.float32)
     noisy, target = spec.noise(latents, noise_t, t_t)
-    return NoisedBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
-                       text=text)
+    return DataBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
+                     text=text, loss_weight=loss_weight, control=control)
+
+
+def choose_texts(samples: list[Sample], empty_text: str | None, seed: int, step: int,
+                 slots: range) -> list[str]:
+    """Each sample's caption variant, or the empty caption with its dropout probability."""
+    chosen = []
+    for sample, slot in zip(samples, slots):
+        gen = sample_generator(seed, step, slot, "caption")
+        draw = torch.rand(2, generator=gen)
+        if sample.dropout and empty_text and float(draw[0]) < sample.dropout:
+            chosen.append(empty_text)
+        else:
+            chosen.append(sample.texts[int(draw[1] * len(sample.texts)) % len(sample.texts)])
+    return chosen
 
 
 def step_micro_batches(
-    spec: ModelSpec, dataset, plan: BatchPlan, timesteps_cfg: TimestepConfig,
+    spec: ModelSpec, dataset: CachedDataset, plan: BatchPlan, timesteps_cfg: TimestepConfig,
     seed: int, step: int, dp_rank: int,
 ) -> Iterator[tuple[tuple, tuple]]:
     for micro in range(plan.micro_batches):
-        latents, text = dataset.collate(plan.indices(step, micro, dp_rank))
-        batch = noised_batch(spec, latents, text, timesteps_cfg, seed, step,
-                             plan.slots(micro, dp_rank))
-        yield spec.make_inputs(batch)
+        batch = plan.micro_batch(step, micro, dp_rank)
+        texts = choose_texts(batch.samples, batch.empty_text, seed, step, batch.slots)
+        latents, text, weight, control = dataset.collate(batch.samples, texts)
+        dataset.write_log(step, micro, dp_rank, batch, latents)
+        yield spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed, step,
+                                            batch.slots, weight, control))

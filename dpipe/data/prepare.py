@@ -1,134 +1,305 @@
-"""Before training: find the dataset's items and make sure each has cached latents and text.
+"""Before training: find the dataset's files, make sure the cache holds every tensor they need,
+and describe the result (manifests, the batch plan, the dataset report).
+
+Collective over all ranks when distributed. Rank 0 scans the directories (the stat index makes a
+second start read no file) and works out every cache entry the run needs; the missing ones are
+split between all ranks, each decoding with worker processes and encoding on its own device; then
+every rank builds the same manifests from the same facts.
 
 Each cache key covers the source file's content, the preprocessing and the encoder's identity,
-so an entry made from anything else is simply never found. Ranks split the missing entries
-between them, then wait for each other.
+so an entry made from anything else is simply never found.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from dpipe.config.schema import DatasetConfig, DatasetKind
-from dpipe.data.cache_store import TensorStore, cache_key
-from dpipe.data.sources import ImageItem, file_fingerprint, load_image, scan_image_folder
+from dpipe.data import discover as disc
+from dpipe.data.batches import CachedDataset
+from dpipe.data.cache_store import KeyMaker, TensorStore
+from dpipe.data.encode import Failure, LatentJob, MaskJob, TextJob, default_workers, run_jobs
+from dpipe.data.manifest import Bucket, Manifest, Sample
+from dpipe.data.plan import BatchPlan, load_history
+from dpipe.data.report import DataReport
+from dpipe.data.sources import list_files
 from dpipe.data.synthetic import generate_shapes
-from dpipe.errors import DataError
+from dpipe.errors import DataError, UserError
 from dpipe.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-ENCODE_BATCH = 8
+DATA_DIR = "data"  # in the run dir: history, manifests, report, batch logs
 
 
 @dataclass(frozen=True)
-class CachedItem:
-    source: Path
-    latent_key: str
-    text_key: str
+class Layout:
+    """How samples are batched: fixed by the pipeline config and the number of ranks."""
+
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    data_parallel: int = 1
+    seed: int = 0
+
+    @classmethod
+    def of(cls, run, data_parallel: int) -> "Layout":
+        return cls(run.pipeline.micro_batch_size, run.pipeline.micro_batches, data_parallel,
+                   run.train.seed)
 
 
-class CachedDataset:
-    def __init__(self, store: TensorStore, items: list[CachedItem]):
-        self.store = store
-        self.items = items
+@dataclass
+class _Set:
+    """One dataset (train, or an eval set) between discovery and its manifest."""
 
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def collate(self, indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        latents, texts = [], []
-        for i in indices:
-            item = self.items[i]
-            latents.append(self._get(item.latent_key, item)["latents"])
-            texts.append(self._get(item.text_key, item))
-        text = {name: torch.stack([t[name] for t in texts]) for name in texts[0]}
-        return torch.stack(latents), text
-
-    def _get(self, key: str, item: CachedItem) -> dict[str, torch.Tensor]:
-        tensors = self.store.get(key)
-        if tensors is None:
-            raise DataError(
-                f"the cache entry for {item.source} vanished from {self.store.root} during "
-                "training; do not prune a cache that a run is using"
-            )
-        return tensors
+    name: str
+    discovery: disc.Discovery
+    placements: list[disc.Placement]
+    sample_keys: list[tuple[str, tuple[str, ...], str | None, str | None]]
+    dropped: list[tuple[str, str]]
+    trimmed: list[tuple[str, str]]
 
 
-def dataset_items(cfg: DatasetConfig) -> list[ImageItem]:
-    folder = Path(cfg.path).expanduser()
-    if cfg.kind == DatasetKind.synthetic:
-        generate_shapes(folder, cfg.num_images, cfg.resolution)
-    return scan_image_folder(folder)
+@dataclass
+class _Work:
+    sets: list[_Set]
+    jobs: list = field(default_factory=list)
+    texts: list[TextJob] = field(default_factory=list)
+    empty_text: str | None = None
+    total_keys: int = 0
+    history: tuple = (None, {})
+    reads: int = 0
 
 
-def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device,
-            dtype: torch.dtype) -> CachedDataset:
-    """Collective over all ranks (when distributed): returns the same dataset on every rank."""
+def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: torch.dtype,
+            layout: Layout | None = None, run_dir: Path | None = None) -> CachedDataset:
+    """The cached dataset, with `.plan` (training batches), `.evals` (name -> manifest),
+    `.reports` and `.stats`. The same on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if cfg.resolution % spec.pixel_multiple:
-        raise DataError(
-            f"dataset.resolution={cfg.resolution} must be a multiple of {spec.pixel_multiple} for "
-            f"model.family={spec.family}"
-        )
-    if rank == 0:
-        items = dataset_items(cfg)  # rank 0 generates a synthetic dataset once, for everyone
-    _barrier()
-    if rank != 0:
-        items = dataset_items(cfg)
-    image_fp = spec.encoder_fingerprint("image")
-    text_fp = spec.encoder_fingerprint("text")
-    cached = [
-        CachedItem(
-            source=item.path,
-            latent_key=cache_key(kind="latents", source=file_fingerprint(item.path),
-                                 resolution=cfg.resolution, crop="center", encoder=image_fp,
-                                 dtype=str(dtype)),
-            text_key=cache_key(kind="text", caption=item.caption, encoder=text_fp,
-                               dtype=str(dtype)),
-        )
-        for item in items
-    ]
+    layout = layout or Layout()
     store = TensorStore(Path(cfg.cache_dir).expanduser())
-    by_key = {c.latent_key: (item, "image") for c, item in zip(cached, items)}
-    by_key.update({c.text_key: (item, "text") for c, item in zip(cached, items)})
-    missing = sorted(k for k in by_key if not store.has(k))
+    data_dir = Path(run_dir) / DATA_DIR if run_dir is not None else None
+
+    work = _broadcast(lambda: _plan_work(spec, cfg, dtype, store, data_dir) if rank == 0 else None)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    workers = cfg.cache_workers if cfg.cache_workers is not None else default_workers(local_world)
+    failures, counts = run_jobs(spec, store, work.jobs[rank::world], work.texts[rank::world],
+                                device, dtype, workers, show=rank == 0)
+    failures = _gather(failures)
+    gathered = _gather([counts])
+    counts = {k: sum(c[k] for c in gathered) for k in counts}
+    fatal = [f for f in failures if f.role != "image"]
+    if fatal:
+        raise DataError(f"{len(fatal)} mask/control file(s) cannot be read:"
+                        + list_files([f"{f.path}: {f.error}" for f in fatal]))
+    if failures and cfg.strict:
+        raise DataError(f"{len(failures)} file(s) cannot be decoded (dataset.strict=true):"
+                        + list_files([f"{f.path}: {f.error}" for f in failures])
+                        + "\nReplace or delete them, or set dataset.strict=false to skip them.")
+
+    failed = {f.key: f.error for f in failures}
+    made = sum(counts.values())
+    cache_note = (f"cache: {work.total_keys - len(work.jobs) - len(work.texts)} of "
+                  f"{work.total_keys} entries were present, {made} made now ({store.root})")
+    manifests, reports = {}, {}
+    for s in work.sets:
+        manifest, report = _manifest(s, cfg, layout, work.empty_text, failed)
+        report.cache = cache_note
+        manifests[s.name], reports[s.name] = manifest, report
+
+    dataset = CachedDataset(store, rank)
+    dataset.evals = {k[len("eval "):]: m for k, m in manifests.items() if k != "train"}
+    dataset.reports = reports
+    dataset.stats = {"files_read": work.reads, **counts, "failed": len(failures),
+                     "entries": work.total_keys}
     if rank == 0:
-        log.info("cache: %d of %d entries present in %s", len(by_key) - len(missing), len(by_key),
-                 store.root)
-    mine = missing[rank::world]
-    if mine:
-        _encode(spec, store, [(k, *by_key[k]) for k in mine], cfg.resolution, device, dtype,
-                show=rank == 0)
+        for report in reports.values():
+            for line in report.lines():
+                log.info("%s", line)
+        if failures:
+            log.warning("skipped %d unreadable file(s) (set dataset.strict=true to refuse):%s",
+                        len(failures), list_files([f"{f.path}: {f.error}" for f in failures]))
+        if data_dir is not None:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            for name, report in reports.items():
+                report.write(data_dir / f"report-{name.replace(' ', '-')}.txt")
+    history, saved = work.history
+    dataset.plan = BatchPlan(manifests["train"], layout.micro_batch_size, layout.micro_batches,
+                             layout.data_parallel, layout.seed, history, saved)
+    if cfg.log_batches and data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        dataset.log = open(data_dir / f"batches-rank{rank:03d}.jsonl", "a")
     _barrier()
-    return CachedDataset(store, cached)
+    return dataset
 
 
-def _encode(spec, store, work, resolution, device, dtype, show: bool) -> None:
-    encoders = spec.load_encoders(device, dtype)
-    images = [(k, item) for k, item, kind in work if kind == "image"]
-    texts = [(k, item) for k, item, kind in work if kind == "text"]
-    bar = tqdm(total=len(work), desc="caching", unit="entry", disable=not show)
-    for i in range(0, len(images), ENCODE_BATCH):
-        chunk = images[i:i + ENCODE_BATCH]
-        pixels = torch.stack([load_image(item.path, resolution) for _, item in chunk])
-        latents = spec.encode_images(encoders, pixels).float().cpu()
-        for (key, item), lat in zip(chunk, latents):
-            store.put(key, {"latents": lat}, metadata={"source": str(item.path)})
-        bar.update(len(chunk))
-    for i in range(0, len(texts), ENCODE_BATCH):
-        chunk = texts[i:i + ENCODE_BATCH]
-        embeds = spec.encode_prompts(encoders, [item.caption for _, item in chunk])
-        for j, (key, item) in enumerate(chunk):
-            store.put(key, {name: t[j].float().cpu() for name, t in embeds.items()},
-                      metadata={"caption": item.caption})
-        bar.update(len(chunk))
-    bar.close()
+def resume_plan(dataset: CachedDataset, step: int, run_dir: Path) -> None:
+    """Sets the batch plan for a run (re)starting at `step` (see `BatchPlan.resume`); rank 0
+    says what changed in the data and saves the run's data history. Every rank must call it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    keys = _broadcast(lambda: dataset.store.keys() if rank == 0 else None)
+    note = dataset.plan.resume(step, keys)
+    if rank == 0:
+        if note:
+            log.warning("%s", note)
+        dataset.plan.save_history(Path(run_dir) / DATA_DIR)
+    _barrier()
+
+
+def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bool]]:
+    """(name, directories, eval mode) of the training set and each eval set."""
+    sets = [("train", disc.directories(cfg), False)]
+    sets += [(f"eval {e.name}", disc.directories(cfg, e.directories), True)
+             for e in cfg.eval.sets]
+    return sets
+
+
+def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: TensorStore,
+               data_dir: Path | None) -> _Work:
+    if cfg.kind == DatasetKind.synthetic:
+        generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
+    multiple = spec.pixel_multiple
+    image_fp, text_fp = spec.encoder_fingerprint("image"), spec.encoder_fingerprint("text")
+    latent_key = KeyMaker(kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre")
+    mask_key = KeyMaker(kind="mask", crop="centre")
+    text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype))
+    jobs: dict[str, object] = {}
+    texts: dict[str, TextJob] = {}
+    work = _Work(sets=[])
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    dropout = False
+    for name, dirs, eval_mode in dataset_sets(cfg):
+        found = disc.discover(dirs, cache_dir, cfg.strict, eval_mode)
+        work.reads += found.reads
+        videos = [i.path for i in found.items if i.kind == "video"]
+        if videos and not hasattr(spec, "encode_videos"):
+            raise DataError(f"model family {spec.family} trains on images, but the dataset "
+                            f"({name}) has {len(videos)} video(s):" + list_files(videos)
+                            + "\nRemove them or choose a video model.")
+        places, dropped, trimmed = disc.placements(found, multiple)
+        keys = []
+        for p in places:
+            item = found.items[p.item]
+            s = found.directories[item.directory].settings
+            size = dict(size=[p.shape.width, p.shape.height], frames=p.shape.frames,
+                        start=p.start)
+            fps = s.video_fps if item.kind == "video" else None
+            latent = latent_key(source=item.sha256, media=item.kind, fps=fps, **size)
+            jobs.setdefault(latent, LatentJob(latent, item.path, item.kind, p.shape.width,
+                                              p.shape.height, p.shape.frames, p.start, fps))
+            text_keys = []
+            for caption in item.captions:
+                k = text_key(caption=caption)
+                texts.setdefault(k, TextJob(k, caption))
+                text_keys.append(k)
+            mask = control = None
+            if item.mask:
+                mask = mask_key(source=item.mask[1], size=size["size"])
+                jobs.setdefault(mask, MaskJob(mask, item.mask[0], p.shape.width, p.shape.height))
+            if item.control:
+                control = latent_key(source=item.control[1], media="image", fps=None,
+                                     **{**size, "frames": 1, "start": 0})
+                jobs.setdefault(control, LatentJob(control, item.control[0], "image",
+                                                   p.shape.width, p.shape.height, role="control"))
+            dropout |= not eval_mode and s.caption_dropout > 0
+            keys.append((latent, tuple(text_keys), mask, control))
+        work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
+    if dropout:
+        work.empty_text = text_key(caption="")
+        texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
+    present = store.keys()
+    work.total_keys = len(jobs) + len(texts)
+    work.jobs = [j for k, j in jobs.items() if k not in present]
+    work.texts = [t for k, t in texts.items() if k not in present]
+    if data_dir is not None:
+        work.history = load_history(data_dir)
+    return work
+
+
+def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | None,
+              failed: dict[str, str]) -> tuple[Manifest, DataReport]:
+    eval_mode = s.name != "train"
+    dropped, trimmed = list(s.discovery.dropped) + s.dropped, s.trimmed
+    buckets: dict[str, Bucket] = {}
+    reported: set[str] = set()
+    for p, (latent, texts, mask, control) in zip(s.placements, s.sample_keys):
+        item = s.discovery.items[p.item]
+        settings = s.discovery.directories[item.directory].settings
+        bad = failed.get(latent) or failed.get(control or "")
+        if bad:
+            if item.path not in reported:
+                dropped.append((item.path, f"unreadable: {bad}"))
+                reported.add(item.path)
+            continue
+        bucket = buckets.get(p.shape.name)
+        if bucket is None:
+            bucket = buckets[p.shape.name] = Bucket(
+                p.shape.name, p.shape.width, p.shape.height, p.shape.frames, p.resolution,
+                _micro_batch_size(cfg, p.resolution, p.shape.frames, layout.micro_batch_size))
+        bucket.samples.append(Sample(
+            item.path, p.start, latent, texts, mask, control,
+            1 if eval_mode else settings.num_repeats,
+            0.0 if eval_mode else settings.caption_dropout))
+    ordered = [buckets[k] for k in sorted(buckets, key=lambda n: (buckets[n].frames,
+                                                                   buckets[n].resolution, n))]
+    report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
+                        layout.micro_batches, layout.data_parallel)
+    for b in ordered:
+        batch = b.micro_batch_size * layout.data_parallel
+        if b.size < batch and not eval_mode:  # eval batches the rest smaller (evaluate.py)
+            report.warnings.append(
+                f"bucket {b.name} has {b.size} sample(s), fewer than one batch of {batch} "
+                f"(micro-batch {b.micro_batch_size} x {layout.data_parallel} data-parallel "
+                f"rank(s)): they are never trained. Fix: add "
+                f"files of this shape, raise num_repeats of their directories, add "
+                f"{{resolution: {b.resolution}, micro_batch_size: 1}} to "
+                f"dataset.micro_batch_sizes, or change the aspect buckets so they join a "
+                f"neighbouring bucket.")
+            dropped += [(src, f"bucket {b.name} is smaller than one batch (see the warning)")
+                        for src in sorted({x.source for x in b.samples})]
+    trainable = [b for b in ordered if b.size >= b.micro_batch_size * layout.data_parallel]
+    if not trainable and not eval_mode:
+        report.manifest = Manifest(ordered, empty_text)
+        lines = "\n".join(report.lines())
+        raise DataError(f"no bucket holds enough samples for one batch:\n{lines}")
+    report.manifest = Manifest(ordered, empty_text if not eval_mode else None)
+    report.dropped, report.trimmed = dropped, trimmed
+    return report.manifest, report
+
+
+def _micro_batch_size(cfg: DatasetConfig, resolution: int, frames: int, default: int) -> int:
+    for rule in cfg.micro_batch_sizes:
+        if rule.resolution == resolution and rule.frames in (None, frames):
+            return rule.micro_batch_size
+    return default
+
+
+def _broadcast(make):
+    """Runs `make` on rank 0 (the others pass a no-op) and gives its result, or its user error,
+    to every rank."""
+    try:
+        value = make()
+    except UserError as error:
+        value = error
+    if dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    if isinstance(value, UserError):
+        raise value
+    return value
+
+
+def _gather(values: list) -> list:
+    if not dist.is_initialized():
+        return list(values)
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(values))
+    return [v for part in out for v in part]
 
 
 def _barrier() -> None:

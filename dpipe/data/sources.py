@@ -1,14 +1,16 @@
-"""Dataset files: finding images and their captions, decoding an image, fingerprinting a file.
+"""Dataset files: finding media files, decoding and fitting an image, fingerprinting a file.
 
-A folder dataset is every image under a folder (recursively) with a same-stem `.txt` caption next
-to it (`cat.png` -> `cat.txt`). Hidden files and folders (names starting with ".") are skipped:
-they are editor, OS or tool leftovers (macOS `._cat.png`, `.ipynb_checkpoints/`), not data.
+A directory holds images (every format Pillow opens) and videos (see `video.py`), mixed, found
+recursively. Hidden files and folders (names starting with ".") are skipped: they are editor, OS
+or tool leftovers (macOS `._cat.png`, `.ipynb_checkpoints/`), not data. Captions are in
+`captions.py`; masks and control images are same-stem files in folders of their own.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +21,36 @@ from PIL import Image, ImageOps
 from dpipe.errors import DataError
 
 CAPTION_SUFFIX = ".txt"
+VIDEO_EXTENSIONS = frozenset({".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v", ".mpg", ".mpeg",
+                              ".wmv", ".flv", ".ts", ".3gp", ".ogv"})
 _MAX_LISTED = 10  # files named in one error message
+# EXIF orientations that turn the picture by 90 degrees (the stored width is the shown height).
+_TRANSPOSED = {5, 6, 7, 8}
 
 
 @dataclass(frozen=True)
-class ImageItem:
+class FoundFile:
+    """A file seen by a directory walk, with the stat fields that tell whether it changed."""
+
     path: Path
-    caption: str
+    rel: str  # POSIX path relative to the walked directory
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @property
+    def stamp(self) -> tuple[int, int, int]:
+        return self.size, self.mtime_ns, self.ctime_ns
+
+
+@dataclass
+class Listing:
+    """A directory walk: media files by kind, and every same-stem candidate (captions, ...)."""
+
+    root: Path
+    images: list[FoundFile]
+    videos: list[FoundFile]
+    texts: dict[str, FoundFile]  # rel path without suffix -> its .txt file
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,80 +60,151 @@ def image_extensions() -> frozenset[str]:
     readable = {ext for ext, fmt in extensions.items() if fmt in Image.OPEN}
     # MPO (multi-picture JPEG) has no opener of its own: Pillow's JPEG opener reads it.
     readable |= {ext for ext, fmt in extensions.items() if fmt == "MPO"}
-    return frozenset(ext.lower() for ext in readable)
+    return frozenset(ext.lower() for ext in readable) - VIDEO_EXTENSIONS
 
 
-def scan_image_folder(folder: Path) -> list[ImageItem]:
-    """Every image under `folder` with its caption, sorted by path."""
-    folder = Path(folder)
+def check_directory(folder: Path, what: str = "dataset directory") -> Path:
+    folder = Path(folder).expanduser()
     if not folder.exists():
-        raise DataError(f"dataset folder {folder} does not exist: check dataset.path.")
+        raise DataError(f"{what} {folder} does not exist: check the path in the dataset config.")
     if not folder.is_dir():
-        raise DataError(f"dataset.path {folder} is a file: set it to a folder of images.")
-
-    extensions = image_extensions()
-    images = sorted(
-        (
-            path
-            for path in folder.rglob("*")
-            if path.suffix.lower() in extensions
-            and not _is_hidden(path.relative_to(folder))
-            and path.is_file()
-        ),
-        key=lambda path: path.relative_to(folder).as_posix(),
-    )
-    if not images:
-        raise DataError(
-            f"dataset folder {folder} has no images. Accepted extensions: "
-            + " ".join(sorted(extensions))
-        )
-
-    uncaptioned = [path for path in images if not path.with_suffix(CAPTION_SUFFIX).is_file()]
-    if uncaptioned:
-        listed = "\n  ".join(str(path) for path in uncaptioned[:_MAX_LISTED])
-        more = len(uncaptioned) - _MAX_LISTED
-        raise DataError(
-            f"{len(uncaptioned)} image(s) in {folder} have no caption:\n  {listed}"
-            + (f"\n  ... and {more} more" if more > 0 else "")
-            + f"\nAdd a same-stem {CAPTION_SUFFIX} file next to each (e.g. cat.png -> cat.txt)."
-        )
-    return [ImageItem(path, _read_caption(path.with_suffix(CAPTION_SUFFIX))) for path in images]
+        raise DataError(f"{what} {folder} is a file: give a folder of images or videos.")
+    return folder
 
 
-def load_image(path: Path, resolution: int) -> torch.Tensor:
-    """The image at `path` as a float32 tensor (3, resolution, resolution) in [-1, 1].
+def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
+    """Every visible file under `folder`, sorted by relative path, one stat per file.
 
-    The shorter side is scaled to `resolution` (Lanczos) and the centre square kept.
+    `exclude` names folders inside `folder` that are not data (a mask folder kept next to the
+    images, say).
     """
+    folder = check_directory(folder)
+    excluded = {os.path.realpath(p) for p in exclude}
+    images, videos, texts = [], [], {}
+    image_ext = image_extensions()
+    stack = [(str(folder), "")]
+    while stack:
+        path, prefix = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except OSError as error:
+            raise DataError(f"cannot list {path} ({error}): check its permissions.") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            rel = prefix + entry.name
+            if entry.is_dir():
+                if os.path.realpath(entry.path) not in excluded:
+                    stack.append((entry.path, rel + "/"))
+                continue
+            suffix = os.path.splitext(entry.name)[1].lower()
+            kind = ("image" if suffix in image_ext else "video" if suffix in VIDEO_EXTENSIONS
+                    else "text" if suffix == CAPTION_SUFFIX else None)
+            if kind is None or not entry.is_file():
+                continue
+            st = entry.stat()
+            found = FoundFile(Path(entry.path), rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if kind == "text":
+                texts[rel[: -len(CAPTION_SUFFIX)]] = found
+            else:
+                (images if kind == "image" else videos).append(found)
+    images.sort(key=lambda f: f.rel)
+    videos.sort(key=lambda f: f.rel)
+    return Listing(folder, images, videos, texts)
+
+
+def same_stem_files(folder: Path) -> dict[str, FoundFile]:
+    """Images in a mask/control folder by relative path without suffix (`sub/cat`)."""
+    listing = walk(folder)
+    found: dict[str, FoundFile] = {}
+    for f in listing.images:
+        found.setdefault(os.path.splitext(f.rel)[0], f)
+    return found
+
+
+def list_files(files: list[Path]) -> str:
+    """Up to _MAX_LISTED paths, one per line, and how many more."""
+    listed = "\n  ".join(str(p) for p in files[:_MAX_LISTED])
+    more = len(files) - _MAX_LISTED
+    return "\n  " + listed + (f"\n  ... and {more} more" if more > 0 else "")
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def probe_image(path: Path) -> dict:
+    """{"w", "h"} as shown (EXIF rotation applied), from the header only; raises DataError."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            if image.getexif().get(0x0112) in _TRANSPOSED:
+                width, height = height, width
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise DataError(f"cannot read image {path} ({error}): replace or delete the file.") from error
+    return {"w": width, "h": height}
+
+
+def open_rgb(path: Path) -> Image.Image:
+    """The decoded image, upright, as 8-bit RGB; raises DataError naming the file."""
     try:
         with Image.open(path) as image:
             image.load()  # decode now, so a truncated file fails here rather than later
             image = ImageOps.exif_transpose(image)  # phone photos store rotation in EXIF
-            rgb = _to_rgb(image)
+            return _to_rgb(image)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise DataError(
-            f"cannot read image {path} ({error}): replace or delete the file."
-        ) from error
+        raise DataError(f"cannot read image {path} ({error}): replace or delete the file.") from error
 
-    # Crop the centre square in source pixels and resize it in one step: the same result as
-    # resizing the shorter side then cropping, with a single resampling and no rounding of
-    # the intermediate size.
-    width, height = rgb.size
-    side = min(width, height)
-    left, top = (width - side) / 2, (height - side) / 2
-    box = (left, top, left + side, top + side)
-    square = rgb.resize((resolution, resolution), Image.Resampling.LANCZOS, box=box)
 
-    pixels = torch.from_numpy(np.array(square, dtype=np.uint8))  # (H, W, 3), a writable copy
+def open_mask(path: Path) -> Image.Image:
+    """A mask image as 8-bit grey (white: full weight), upright."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "RGBA", "LA", "P"):
+                image = _to_rgb(image)
+            return image.convert("L")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise DataError(f"cannot read mask {path} ({error}): replace or delete the file.") from error
+
+
+def fit(image: Image.Image, width: int, height: int,
+        resample: Image.Resampling = Image.Resampling.LANCZOS) -> Image.Image:
+    """Scale to cover width x height, keeping the aspect ratio, and keep the centre.
+
+    The crop box is taken in source pixels and resized in one step: the same result as resizing
+    then cropping, with a single resampling and no rounding of an intermediate size.
+    """
+    src_w, src_h = image.size
+    scale = max(width / src_w, height / src_h)
+    box_w, box_h = width / scale, height / scale
+    left, top = (src_w - box_w) / 2, (src_h - box_h) / 2
+    return image.resize((width, height), resample, box=(left, top, left + box_w, top + box_h))
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB image -> float32 (3, H, W) in [-1, 1]."""
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (H, W, 3), a writable copy
     return (pixels.permute(2, 0, 1).float() / 127.5 - 1.0).contiguous()
 
 
-def file_fingerprint(path: Path) -> str:
-    """The sha256 hex digest of the file's bytes.
+def load_image(path: Path, width: int, height: int | None = None) -> torch.Tensor:
+    """The image at `path` fitted to width x height (square if no height), (3, H, W) in [-1, 1]."""
+    return to_tensor(fit(open_rgb(path), width, width if height is None else height))
 
-    The one place that decides when a source file counts as changed (cache keys use it), so a
-    faster scheme (e.g. a stat index) can replace hashing here without touching the callers.
-    """
+
+def crop_fraction(src_w: int, src_h: int, width: int, height: int) -> float:
+    """The share of the source image that `fit` to width x height cuts away."""
+    a, b = src_w / src_h, width / height
+    return 1.0 - min(a, b) / max(a, b)
+
+
+# --- fingerprints ------------------------------------------------------------------------------
+
+
+def file_fingerprint(path: Path) -> str:
+    """The sha256 hex digest of the file's bytes (the index in `index.py` avoids re-hashing
+    files whose size, mtime and ctime are unchanged)."""
     digest = hashlib.sha256()
     try:
         with open(path, "rb") as file:
@@ -132,17 +228,3 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def _read_caption(path: Path) -> str:
-    try:
-        # utf-8-sig: drops the byte-order mark some Windows editors write.
-        return path.read_text(encoding="utf-8-sig").strip()
-    except UnicodeDecodeError as error:
-        raise DataError(f"caption {path} is not UTF-8 text ({error}): save it as UTF-8.")
-    except OSError as error:
-        raise DataError(f"cannot read caption {path} ({error}): check its permissions.")
-
-
-def _is_hidden(relative: Path) -> bool:
-    return any(part.startswith(".") for part in relative.parts)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.data import prepare
 from dpipe.data.batches import step_micro_batches
-from dpipe.data.plan import BatchPlan
+from dpipe.data.evaluate import Evaluator
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.train import checkpoint
@@ -46,9 +46,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     dist.barrier()
     spec.ensure_available()
 
-    dataset = prepare.prepare(spec, run.dataset, device, torch.bfloat16 if bf16 and cuda else torch.float32)
-    plan = BatchPlan(len(dataset), run.pipeline.micro_batch_size, run.pipeline.micro_batches,
-                     data_parallel, run.train.seed)
+    dataset = prepare.prepare(spec, run.dataset, device, torch.bfloat16 if bf16 and cuda else torch.float32,
+                              prepare.Layout.of(run, data_parallel), run_dir)
+    plan = dataset.plan
 
     layers = trainable_layers(spec, run)
     with quiet_deepspeed():
@@ -61,6 +61,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     resumed = checkpoint.newest_complete(run_dir) if run.train.resume else None
     if resumed is not None:
         step = checkpoint.load(engine, run_dir, resumed[1], lora)
+    prepare.resume_plan(dataset, step, run_dir)  # the data order continues exactly; logs changes
     if rank == 0:
         _summary(run, built, plan, len(layers), world, resumed)
 
@@ -71,6 +72,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         reporter = Reporter(run_dir, step, run.train.max_steps, plan.global_batch,
                             run.train.progress_bar)
     last_save_time, last_saved = time.monotonic(), step
+    evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
+                          dp_rank, run.train.seed, run_dir)
+    evaluator.maybe_run(engine, step, reporter)
     while step < run.train.max_steps:
         # Dropout and other module randomness: the same at step k whether or not the run resumed.
         torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
@@ -78,6 +82,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                                      step, dp_rank)
         loss = engine.train_batch(data_iter=batches)
         step += 1
+        evaluator.maybe_run(engine, step, reporter)
         if reporter is not None and (step % run.train.log_every == 0 or step == run.train.max_steps):
             grad_norm = engine.get_global_grad_norm()
             reporter.step(step, float(loss), engine.get_lr()[0],

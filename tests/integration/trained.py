@@ -37,15 +37,12 @@ def trained_layers(run_dir: Path):
 
 def cached_dataset(run_dir: Path):
     """The run's dataset (from its cache) and batch plan, in this process, without DeepSpeed."""
-    from dpipe.data.plan import BatchPlan
-    from dpipe.data.prepare import prepare
+    from dpipe.data.prepare import Layout, prepare
 
     run = run_config(run_dir)
     spec = build_spec(run.model)
-    dataset = prepare(spec, run.dataset, torch.device("cpu"), torch.float32)
-    plan = BatchPlan(len(dataset), run.pipeline.micro_batch_size, run.pipeline.micro_batches,
-                     1, run.train.seed)
-    return dataset, plan
+    dataset = prepare(spec, run.dataset, torch.device("cpu"), torch.float32, Layout.of(run, 1))
+    return dataset, dataset.plan
 
 
 @torch.no_grad()

@@ -12,13 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dpipe.data.sources import (
-    ImageItem,
-    file_fingerprint,
-    image_extensions,
-    load_image,
-    scan_image_folder,
-)
+from dpipe.data.discover import directories, discover
+from dpipe.data.sources import file_fingerprint, image_extensions, load_image
 from dpipe.data.synthetic import COLOURS, MANIFEST_NAME, SHAPES, generate_shapes
 from dpipe.errors import DataError
 
@@ -99,6 +94,13 @@ def _write_image(path: Path, mode: str = "RGB", size=(8, 8), colour=0) -> Path:
     return path
 
 
+def _discover(folder, **settings):
+    from tests.unit.test_data_support import dataset_config
+
+    cfg = dataset_config(path=str(folder), **settings)
+    return discover(directories(cfg), Path(cfg.cache_dir), cfg.strict)
+
+
 def test_scan_reads_captions_sorted_and_recursive(tmp_path):
     _write_image(tmp_path / "b.png")
     (tmp_path / "b.txt").write_text("  second  \n")
@@ -107,49 +109,51 @@ def test_scan_reads_captions_sorted_and_recursive(tmp_path):
     _write_image(tmp_path / ".ipynb_checkpoints" / "b.png")  # hidden: skipped
     (tmp_path / "notes.md").write_text("not an image")
 
-    assert scan_image_folder(tmp_path) == [
-        ImageItem(tmp_path / "a" / "z.JPG", "first"),
-        ImageItem(tmp_path / "b.png", "second"),
+    items = _discover(tmp_path).items
+    assert [(Path(i.path), i.captions) for i in items] == [
+        (tmp_path / "a" / "z.JPG", ["first"]),
+        (tmp_path / "b.png", ["second"]),
     ]
 
 
 def test_scan_accepts_what_pillow_opens():
     assert {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif"} <= image_extensions()
     assert ".txt" not in image_extensions() and ".pdf" not in image_extensions()
+    assert ".mp4" not in image_extensions()
 
 
 def test_scan_synthetic_folder(tmp_path):
     folder = generate_shapes(tmp_path / "shapes", num_images=3, resolution=32)
-    items = scan_image_folder(folder)
-    assert [item.path.name for item in items] == ["00000.png", "00001.png", "00002.png"]
-    assert all(item.caption.startswith("a ") for item in items)
+    items = _discover(folder).items
+    assert [Path(item.path).name for item in items] == ["00000.png", "00001.png", "00002.png"]
+    assert all(item.captions[0].startswith("a ") for item in items)
 
 
 def test_scan_lists_images_without_captions(tmp_path):
     for i in range(12):
         _write_image(tmp_path / f"img{i:02d}.png")
     (tmp_path / "img00.txt").write_text("captioned")
-    with pytest.raises(DataError, match="same-stem .txt") as info:
-        scan_image_folder(tmp_path)
+    with pytest.raises(DataError, match="no caption") as info:
+        _discover(tmp_path)
     message = str(info.value)
-    assert "11 image(s)" in message and str(tmp_path / "img01.png") in message
+    assert "11 problem(s)" in message and str(tmp_path / "img01.png") in message
     assert str(tmp_path / "img10.png") in message and "img11.png" not in message
     assert "1 more" in message
 
 
 def test_scan_empty_folder_says_which_extensions(tmp_path):
     (tmp_path / "readme.txt").write_text("no images here")
-    with pytest.raises(DataError, match="no images") as info:
-        scan_image_folder(tmp_path)
+    with pytest.raises(DataError, match="no images or videos") as info:
+        _discover(tmp_path)
     assert str(tmp_path) in str(info.value) and ".png" in str(info.value)
 
 
 def test_scan_missing_folder_or_file(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        scan_image_folder(tmp_path / "nope")
+        _discover(tmp_path / "nope")
     (tmp_path / "file.png").write_bytes(b"")
     with pytest.raises(DataError, match="is a file"):
-        scan_image_folder(tmp_path / "file.png")
+        _discover(tmp_path / "file.png")
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -138,11 +138,17 @@ class FluxSpec(ModelSpec):
         img_ids = _image_ids(h // 2, w // 2)
         guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
-        return inputs, (_pack(batch.target),)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (_pack(batch.target),)
+        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
+        return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        (target,) = labels
-        return F.mse_loss(outputs.float(), target.float())
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-element loss weights (masks)
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

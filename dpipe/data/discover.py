@@ -1,0 +1,236 @@
+"""From the dataset config to a list of usable files: directories, captions, masks, controls.
+
+Everything that can be wrong with the input is found here, before any encoding: a missing or
+empty directory, captions missing (per `missing_caption`), unreadable files (skipped and listed,
+or an error in strict mode), masks and control images missing or of another size than their
+image (an error naming the files). Nothing is dropped without a line in the dataset report.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from dpipe.config.schema import DataSettings, DatasetConfig, MissingCaption
+from dpipe.data.buckets import (
+    Shape, aspect_ratios, bucket_sizes, clip_starts, frame_bucket, nearest_size)
+from dpipe.data.captions import caption_variants, load_captions_file, match_captions
+from dpipe.data.index import FileIndex
+from dpipe.data.sources import (
+    FoundFile, check_directory, crop_fraction, image_extensions, list_files, same_stem_files, walk)
+from dpipe.data.video import timeline_length
+from dpipe.errors import DataError
+
+# Crops that cut away more than this share of a file are listed one by one in the report.
+CROP_REPORTED = 0.10
+
+
+@dataclass(frozen=True)
+class Directory:
+    path: Path
+    settings: DataSettings
+
+
+@dataclass
+class Item:
+    """One usable media file and everything its samples need."""
+
+    path: str
+    kind: str  # "image" or "video"
+    sha256: str
+    info: dict  # w, h (as shown); videos: frames, fps, duration
+    captions: list[str]  # every caption variant, final (prefix, shuffled tags)
+    directory: int
+    mask: tuple[str, str] | None = None  # (path, sha256)
+    control: tuple[str, str] | None = None
+
+
+@dataclass
+class Discovery:
+    directories: list[Directory]
+    items: list[Item] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # (file, why)
+    reads: int = 0  # files read this time (0 when every file is known to the index)
+    files: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One sample of an item: its bucket, resolution and (videos) first frame."""
+
+    item: int
+    shape: Shape
+    resolution: int
+    start: int = 0
+
+
+def directories(cfg: DatasetConfig, entries: list | None = None) -> list[Directory]:
+    """The dataset's directories with their settings resolved (the eval set's if `entries`)."""
+    base = {f.name: getattr(cfg, f.name) for f in fields(DataSettings)}
+    if entries is None:
+        entries = ([{"path": cfg.path}] if cfg.path else []) + list(cfg.directories)
+    out = []
+    for entry in entries:
+        get = entry.get if isinstance(entry, dict) else lambda k, d=None, e=entry: getattr(e, k, d)
+        overrides = {k: get(k) for k in base if get(k) is not None}
+        path = Path(get("path")).expanduser()
+        out.append(Directory(path, DataSettings(**{**base, **overrides})))
+    return out
+
+
+def _inside(root: Path, sub: str | None) -> Path | None:
+    return None if sub is None else (root / Path(sub).expanduser())
+
+
+def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bool = False,
+             workers: int = 8) -> Discovery:
+    result = Discovery(dirs)
+    problems: list[str] = []  # mask/control/caption errors: always fatal, reported together
+    unreadable: list[tuple[str, str]] = []
+    for number, d in enumerate(dirs):
+        s = d.settings
+        root = check_directory(d.path)
+        mask_dir, control_dir = _inside(root, s.mask_dir), _inside(root, s.control_dir)
+        listing = walk(root, exclude=tuple(p for p in (mask_dir, control_dir) if p))
+        media = [(f, "image") for f in listing.images] + [(f, "video") for f in listing.videos]
+        media.sort(key=lambda fk: fk[0].rel)
+        if not media:
+            raise DataError(
+                f"dataset directory {root} has no images or videos. Accepted: "
+                + " ".join(sorted(image_extensions())) + " and videos (.mp4 .mov .webm .mkv ...)"
+                + "; remove the directory from the config or add files.")
+        index = FileIndex(cache_dir, root)
+        records = dict(zip((f.rel for f in listing.images),
+                           index.records(listing.images, "image", workers)))
+        records.update(zip((f.rel for f in listing.videos),
+                           index.records(listing.videos, "video", workers)))
+        stems = [os.path.splitext(f.rel)[0] for f, _ in media]
+        texts = [listing.texts[st] for st in stems if st in listing.texts]
+        text_records = dict(zip((t.rel for t in texts), index.records(texts, "text", workers)))
+        table = (load_captions_file(root / s.captions_file) if s.captions_file else {})
+        masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
+        controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
+        result.reads += index.reads
+        result.files += len(media)
+
+        for (f, kind), stem in zip(media, stems):
+            record = records[f.rel]
+            if "error" in record:
+                unreadable.append((str(f.path), record["error"]))
+                continue
+            captions = match_captions(table, f.rel)
+            if captions is None and stem in listing.texts:
+                text = text_records[listing.texts[stem].rel]
+                if "error" in text:
+                    problems.append(text["error"])
+                    continue
+                captions = [text["text"]]
+            if captions is None:
+                if s.missing_caption == MissingCaption.error:
+                    problems.append(f"{f.path}: no caption (no {stem}.txt"
+                                    + (f", not in {s.captions_file}" if table else "") + ")")
+                    continue
+                if s.missing_caption == MissingCaption.skip:
+                    result.dropped.append((str(f.path), "no caption (missing_caption=skip)"))
+                    continue
+                captions = [""]
+            item = Item(str(f.path), kind, record["sha256"], _shape_info(record), [], number)
+            item.captions = (caption_variants(captions[:1], s.caption_prefix, False, 1, 0, ",")
+                             if eval_mode else
+                             caption_variants(captions, s.caption_prefix, s.shuffle_tags,
+                                              s.tag_variants, s.keep_tags, s.tag_separator))
+            item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
+            item.control = _companion(controls, stem, f, item, "control image", control_dir,
+                                      problems)
+            result.items.append(item)
+        index.save()
+
+    if problems:
+        raise DataError(f"{len(problems)} problem(s) with the dataset's files:"
+                        + list_files(problems) + "\nFix or remove these files, then start again.")
+    if unreadable:
+        if strict:
+            raise DataError(
+                f"{len(unreadable)} file(s) cannot be read (dataset.strict=true):"
+                + list_files([f"{p}: {why}" for p, why in unreadable])
+                + "\nReplace or delete them, or set dataset.strict=false to skip them.")
+        result.dropped.extend((p, f"unreadable: {why}") for p, why in unreadable)
+    return result
+
+
+def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tuple[str, str]],
+                                                        list[tuple[str, str]]]:
+    """Every sample of every item, plus (file, why) of files dropped and of files trimmed."""
+    out: list[Placement] = []
+    dropped: list[tuple[str, str]] = []
+    trimmed: list[tuple[str, str]] = []
+    sizes_cache: dict[tuple, list[tuple[int, int]]] = {}
+    for number, item in enumerate(disc.items):
+        s = disc.directories[item.directory].settings
+        ratios = aspect_ratios(s)
+        w, h = item.info["w"], item.info["h"]
+        for resolution in s.resolutions:
+            key = (resolution, tuple(ratios))
+            if key not in sizes_cache:
+                sizes_cache[key] = bucket_sizes(resolution, ratios, multiple)
+            bw, bh = nearest_size(sizes_cache[key], w, h)
+            cut = crop_fraction(w, h, bw, bh)
+            if cut > CROP_REPORTED:
+                trimmed.append((item.path, f"{cut:.0%} cropped away to fit {bw}x{bh} "
+                                f"(aspect {w / h:.2f}; buckets {min(ratios):.2f}-{max(ratios):.2f})"))
+            if item.kind == "image":
+                out.append(Placement(number, Shape(bw, bh, 1), resolution))
+                continue
+            available = timeline_length(item.info, s.video_fps)
+            frames = frame_bucket(available, s.frame_buckets)
+            rate = f" at {s.video_fps:g} fps" if s.video_fps else ""
+            if frames is None:
+                dropped.append((item.path, f"{available} frames{rate}, shorter than every frame "
+                                f"bucket {sorted(s.frame_buckets)}"))
+                break
+            starts = clip_starts(available, frames, s.clip_selection, s.clips_per_video)
+            used = len({f for st in starts for f in range(st, st + frames)})
+            if used < available:
+                trimmed.append((item.path, f"uses {used} of its {available} frames{rate} "
+                                f"({len(starts)} clip(s) of {frames}, {s.clip_selection.value})"))
+            out.extend(Placement(number, Shape(bw, bh, frames), resolution, st) for st in starts)
+    return out, dropped, trimmed
+
+
+def _shape_info(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("sha256",)}
+
+
+def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,
+                problems: list[str]) -> dict[str, tuple[FoundFile, dict]] | None:
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        problems.append(f"{folder}: the {key} folder does not exist")
+        return {}
+    found = same_stem_files(folder)
+    index = FileIndex(cache_dir, folder)
+    files = list(found.values())
+    records = index.records(files, "image", workers)
+    index.save()
+    return {stem: (f, r) for (stem, f), r in zip(found.items(), records)}
+
+
+def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Path | None,
+               problems: list[str]) -> tuple[str, str] | None:
+    if table is None:
+        return None
+    hit = table.get(stem)
+    if hit is None:
+        problems.append(f"{f.path}: no {what} in {folder} (expected {stem}.<image extension>)")
+        return None
+    other, record = hit
+    if "error" in record:
+        problems.append(record["error"])
+        return None
+    if (record["w"], record["h"]) != (item.info["w"], item.info["h"]):
+        problems.append(f"{other.path}: the {what} is {record['w']}x{record['h']} but its image "
+                        f"{f.path} is {item.info['w']}x{item.info['h']}; they must match")
+        return None
+    return str(other.path), record["sha256"]

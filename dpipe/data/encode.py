@@ -1,0 +1,177 @@
+"""Filling the cache: decode and fit files in worker processes, encode on this rank's device,
+write entries from a thread pool. Each entry is written as soon as it is made, so a crashed or
+killed run redoes only what it had not written."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from dpipe.data.cache_store import TensorStore
+from dpipe.data.sources import fit, load_image, open_mask
+from dpipe.data.video import load_clip
+from dpipe.errors import DataError
+from dpipe.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+ENCODE_BATCH = 8  # images per VAE call
+TEXT_BATCH = 32  # captions per text-encoder call
+MIN_JOBS_PER_WORKER = 32  # below this, decoding in-process beats starting workers
+
+
+@dataclass(frozen=True)
+class LatentJob:
+    """Encode a file (image, video clip, or control image) fitted to a bucket."""
+
+    key: str
+    path: str
+    media: str  # "image" or "video"
+    width: int
+    height: int
+    frames: int = 1
+    start: int = 0
+    fps: float | None = None
+    role: str = "image"  # "image" or "control": what a failure means
+
+    @property
+    def group(self) -> tuple:
+        return ("latent", self.width, self.height, self.frames)
+
+
+@dataclass(frozen=True)
+class MaskJob:
+    key: str
+    path: str
+    width: int
+    height: int
+    role: str = "mask"
+
+    @property
+    def group(self) -> tuple:
+        return ("mask", self.width, self.height)
+
+
+@dataclass(frozen=True)
+class TextJob:
+    key: str
+    caption: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    key: str
+    path: str
+    role: str
+    error: str
+
+
+def decode(job: LatentJob | MaskJob) -> torch.Tensor:
+    """Pixels of a job: (3, H, W) or (3, F, H, W) in [-1, 1]; masks (1, H, W) uint8."""
+    if isinstance(job, MaskJob):
+        image = fit(open_mask(job.path), job.width, job.height, Image.Resampling.BILINEAR)
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(
+            1, job.height, job.width).clone()
+    if job.media == "video":
+        return load_clip(job.path, job.start, job.frames, job.fps, job.width, job.height)
+    return load_image(job.path, job.width, job.height)
+
+
+class _Decoding(torch.utils.data.Dataset):
+    def __init__(self, jobs):
+        self.jobs = jobs
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, i):
+        try:
+            return i, decode(self.jobs[i]), None
+        except DataError as error:
+            return i, None, str(error)
+
+
+def _identity(x):
+    return x
+
+
+def _one_thread(_worker: int) -> None:
+    torch.set_num_threads(1)  # the workers already use every core between them
+
+
+def default_workers(local_world: int = 1) -> int:
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJob],
+             device: torch.device, dtype: torch.dtype, workers: int,
+             show: bool) -> tuple[list[Failure], dict[str, int]]:
+    """Makes every job's entry; returns the files that could not be decoded and counts."""
+    counts = {"latents": 0, "masks": 0, "texts": 0}
+    failures: list[Failure] = []
+    if not jobs and not texts:
+        return failures, counts
+    needs_encoders = texts or any(isinstance(j, LatentJob) for j in jobs)
+    encoders = spec.load_encoders(device, dtype) if needs_encoders else None
+    bar = tqdm(total=len(jobs) + len(texts), desc="caching", unit="entry", disable=not show,
+               dynamic_ncols=True)
+    jobs = sorted(jobs, key=lambda j: (j.group, j.key))  # runs of one shape batch together
+    use = workers if len(jobs) >= MIN_JOBS_PER_WORKER * 2 else 0
+    loader = torch.utils.data.DataLoader(
+        _Decoding(jobs), batch_size=None, num_workers=use, collate_fn=_identity,
+        worker_init_fn=_one_thread if use else None, prefetch_factor=8 if use else None)
+    with store.writer() as writer:
+        pending: list[tuple[Any, torch.Tensor]] = []
+
+        def flush():
+            if pending:
+                _encode_latents(spec, encoders, pending, writer, counts)
+                pending.clear()
+
+        for i, pixels, error in loader:
+            job = jobs[i]
+            bar.update(1)
+            if error is not None:
+                failures.append(Failure(job.key, job.path, job.role, error))
+                continue
+            if isinstance(job, MaskJob):
+                writer.put(job.key, {"mask": pixels}, {"kind": "mask", "source": job.path})
+                counts["masks"] += 1
+                continue
+            if pending and (pending[0][0].group != job.group or len(pending) >= ENCODE_BATCH):
+                flush()
+            pending.append((job, pixels))
+        flush()
+        for start in range(0, len(texts), TEXT_BATCH):
+            chunk = texts[start:start + TEXT_BATCH]
+            embeds = spec.encode_prompts(encoders, [t.caption for t in chunk])
+            for j, t in enumerate(chunk):
+                writer.put(t.key, {name: e[j].float().cpu() for name, e in embeds.items()},
+                           {"kind": "text", "caption": t.caption[:500]})
+            counts["texts"] += len(chunk)
+            bar.update(len(chunk))
+    bar.close()
+    return failures, counts
+
+
+def _encode_latents(spec, encoders, pending, writer, counts) -> None:
+    pixels = torch.stack([p for _, p in pending])
+    encode_videos = getattr(spec, "encode_videos", None)
+    if encode_videos is not None:
+        # Video models take (B, 3, F, H, W); images are one-frame clips.
+        latents = encode_videos(encoders, pixels if pixels.ndim == 5 else pixels.unsqueeze(2))
+    else:
+        latents = spec.encode_images(encoders, pixels)
+    latents = latents.float().cpu()
+    for (job, _), latent in zip(pending, latents):
+        writer.put(job.key, {"latents": latent},
+                   {"kind": "latents", "source": job.path, "role": job.role,
+                    "shape": f"{job.width}x{job.height}x{job.frames}",
+                    "start": str(job.start)})
+    counts["latents"] += len(pending)
+

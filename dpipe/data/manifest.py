@@ -1,0 +1,124 @@
+"""What a run trains on: every sample in its bucket, by the cache keys of its tensors.
+
+A manifest is fixed data (JSON), identified by its digest. The batch plan is a pure function of a
+manifest, the seed and the step, so saving a manifest in the run dir is enough to replay an epoch
+exactly later, even after the dataset's files have changed (the cache keeps the old entries).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from dpipe.io import atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class Sample:
+    source: str  # the file
+    start: int  # first frame of the clip (0 for images)
+    latent: str  # cache keys ...
+    texts: tuple[str, ...]  # ... one per caption variant
+    mask: str | None = None
+    control: str | None = None
+    repeats: int = 1
+    dropout: float = 0.0  # probability of using the empty caption instead
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        return self.source, self.start
+
+
+@dataclass
+class Bucket:
+    name: str  # "512x768", "512x512x33f"
+    width: int
+    height: int
+    frames: int
+    resolution: int
+    micro_batch_size: int
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """Samples per epoch (repeats counted)."""
+        return sum(s.repeats for s in self.samples)
+
+
+@dataclass
+class Manifest:
+    buckets: list[Bucket]
+    empty_text: str | None = None  # key of the empty caption, if any sample drops captions
+
+    def to_json(self) -> bytes:
+        data = {"empty_text": self.empty_text, "buckets": [
+            {**{k: v for k, v in asdict(b).items() if k != "samples"},
+             "samples": [[s.source, s.start, s.latent, list(s.texts), s.mask, s.control,
+                          s.repeats, s.dropout] for s in b.samples]}
+            for b in self.buckets]}
+        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Manifest":
+        data = json.loads(raw)
+        buckets = []
+        for b in data["buckets"]:
+            samples = [Sample(src, start, lat, tuple(texts), mask, ctrl, rep, drop)
+                       for src, start, lat, texts, mask, ctrl, rep, drop in b.pop("samples")]
+            buckets.append(Bucket(**b, samples=samples))
+        return cls(buckets, data["empty_text"])
+
+    @cached_property
+    def digest(self) -> str:
+        """Identifies the manifest (computed once: a manifest is not changed once built)."""
+        return hashlib.sha256(self.to_json()).hexdigest()
+
+    def keys(self) -> set[str]:
+        """Every cache entry the manifest uses."""
+        out = {self.empty_text} if self.empty_text else set()
+        for b in self.buckets:
+            for s in b.samples:
+                out.add(s.latent)
+                out.update(s.texts)
+                out.update(k for k in (s.mask, s.control) if k)
+        return out
+
+    def save(self, folder: Path) -> Path:
+        path = folder / f"manifest-{self.digest[:16]}.json.gz"
+        if not path.exists():
+            atomic_write_bytes(path, gzip.compress(self.to_json(), compresslevel=1))
+        return path
+
+    @classmethod
+    def load(cls, folder: Path, digest: str) -> "Manifest | None":
+        path = folder / f"manifest-{digest[:16]}.json.gz"
+        try:
+            return cls.from_json(gzip.decompress(path.read_bytes()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def describe_changes(old: Manifest, new: Manifest, listed: int = 5) -> str:
+    """What differs between two manifests, in words: files added, removed, changed, moved."""
+    def index(m: Manifest):
+        return {s.identity: (b.name, s) for b in m.buckets for s in b.samples}
+
+    a, b = index(old), index(new)
+    added = sorted(set(b) - set(a))
+    removed = sorted(set(a) - set(b))
+    changed = sorted(k for k in set(a) & set(b) if a[k][1] != b[k][1])
+    moved = sorted(k for k in set(a) & set(b) if a[k][0] != b[k][0])
+    parts = []
+    for what, keys in (("added", added), ("removed", removed), ("changed", changed),
+                       ("moved to another bucket", moved)):
+        if keys:
+            names = ", ".join(src + (f"@{start}" if start else "") for src, start in keys[:listed])
+            more = f" and {len(keys) - listed} more" if len(keys) > listed else ""
+            parts.append(f"{len(keys)} sample(s) {what} ({names}{more})")
+    if not parts and old.digest != new.digest:
+        parts.append("bucket settings changed (micro-batch sizes or caption settings)")
+    return "; ".join(parts) or "nothing"
