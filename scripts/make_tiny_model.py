@@ -19,6 +19,7 @@ from pathlib import Path
 # family's heavy imports are paid only when it is asked for.
 FACTORIES: dict[str, str] = {
     "flux": "dpipe.models.flux.tiny:make_tiny_flux",
+    "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",

@@ -1,0 +1,80 @@
+"""LoRA weights in the key layout ComfyUI loads for video models.
+
+ComfyUI's LoRA loader accepts `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` (and an
+optional `.alpha`; without it the scale is 1) where `<module>` is a weight of the original
+(non-diffusers) checkpoint. Those checkpoints often fuse what diffusers keeps apart (HunyuanVideo:
+one `img_attn_qkv` for `to_q`, `to_k`, `to_v`). A LoRA on the parts becomes an exact LoRA on the
+fused weight: the A matrices stacked (rank n*r), the B matrices block-diagonal. The LoRA scale
+alpha/r is folded into B, so no alpha is written and every loader applies scale 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+COMFY_PREFIX = "diffusion_model."
+
+
+def peft_pairs(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{diffusers module name: (A, B)} from peft/diffusers LoRA weights (adapter names removed)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        key = key.replace(".default.", ".")
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.weight"
+            if key.endswith(marker):
+                pairs.setdefault(key[: -len(marker)], {})[part] = value
+    return {name: (ab["lora_A"], ab["lora_B"]) for name, ab in pairs.items()}
+
+
+def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (A, B) for a weight that stacks `parts` along its output dimension. A part without a
+    LoRA (None) contributes zero rows of its `out_dims` size."""
+    present = [p for p in parts if p is not None]
+    a = torch.cat([p[0] for p in present], dim=0)
+    b = torch.zeros(sum(out_dims), a.shape[0], dtype=present[0][1].dtype)
+    row = col = 0
+    for part, rows in zip(parts, out_dims):
+        if part is not None:
+            r = part[0].shape[0]
+            b[row:row + rows, col:col + r] = part[1] * scale
+            col += r
+        row += rows
+    return a.contiguous(), b.contiguous()
+
+
+def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
+               mapping: Iterable[tuple[str, list[str], list[int]]]) -> dict[str, torch.Tensor]:
+    """ComfyUI LoRA weights from diffusers-named ones. `mapping` lists (original module name,
+    the diffusers modules it stacks, their output sizes); diffusers modules with a LoRA that no
+    entry covers raise, so a trained weight is never dropped silently."""
+    pairs = peft_pairs(state_dict)
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for original, parts, out_dims in mapping:
+        found = [pairs.get(p) for p in parts]
+        if all(f is None for f in found):
+            continue
+        used.update(p for p in parts if p in pairs)
+        a, b = fused_pair(found, out_dims, scale)
+        out[f"{COMFY_PREFIX}{original}.lora_A.weight"] = a
+        out[f"{COMFY_PREFIX}{original}.lora_B.weight"] = b
+    left = sorted(set(pairs) - used)
+    if left:
+        raise ValueError(f"no ComfyUI name known for the LoRA on {', '.join(left[:5])}"
+                         + (" ..." if len(left) > 5 else ""))
+    return out
+
+
+def renamed(state_dict: dict[str, torch.Tensor], scale: float,
+            rename=lambda name: name) -> dict[str, torch.Tensor]:
+    """ComfyUI LoRA weights for models whose original module names are the diffusers ones (up to
+    `rename`): one entry per module, scale folded into B."""
+    out = {}
+    for name, (a, b) in peft_pairs(state_dict).items():
+        out[f"{COMFY_PREFIX}{rename(name)}.lora_A.weight"] = a.contiguous()
+        out[f"{COMFY_PREFIX}{rename(name)}.lora_B.weight"] = (b * scale).contiguous()
+    return out

@@ -1,0 +1,115 @@
+"""HunyuanVideo's transformer as pipeline layers: embed -> double blocks -> single blocks -> head.
+
+Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) and `grid`
+(the post-patch latent size f, h, w) are int64 and travel between stages without gradients; the
+joint attention mask and the rotary embedding are rebuilt from them in each block, as the
+diffusers forward builds them once. Float tensors crossing a stage boundary all get gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.spec import PipelineLayer
+
+
+def needs_grad(t: torch.Tensor) -> torch.Tensor:
+    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
+    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
+    if torch.is_grad_enabled() and not t.requires_grad:
+        return t.detach().requires_grad_()
+    return t
+
+
+def rotary(rope: nn.Module, grid: torch.Tensor, patch: int, patch_t: int, device) -> tuple:
+    """HunyuanVideoRotaryPosEmbed reads only the latent's shape: give it a zero-size stand-in."""
+    f, h, w = (int(v) for v in grid.tolist())
+    stand_in = torch.empty((), device=device).expand(1, 1, f * patch_t, h * patch, w * patch)
+    return rope(stand_in)
+
+
+def joint_attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """(B, 1, 1, N) bool over [image tokens, text tokens]: the diffusers forward's mask (text
+    padding is at the end, so the valid tokens are a prefix of the joint sequence)."""
+    valid = image_tokens + text_mask.sum(dim=1, dtype=torch.int)
+    length = image_tokens + text_mask.shape[1]
+    mask = torch.arange(length, device=text_mask.device)[None, :] < valid[:, None]
+    return mask[:, None, None, :]
+
+
+def unpatchify(x: torch.Tensor, grid: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
+    """(B, f*h*w, C*pt*p*p) -> (B, C, F, H, W), as HunyuanVideoTransformer3DModel.forward ends."""
+    f, h, w = (int(v) for v in grid.tolist())
+    x = x.reshape(x.shape[0], f, h, w, -1, patch_t, patch, patch)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+class HunyuanVideoEmbed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("x_embedder", "context_embedder", "time_text_embed"):
+            self.adopt(name, getattr(transformer, name), name)
+        self.guidance = bool(transformer.config.guidance_embeds)
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+
+    def forward(self, inputs):
+        latents, t, text, text_mask, pooled, guidance = inputs
+        timestep = t * 1000  # the pipeline passes the scheduler's timesteps, sigma * 1000
+        temb, _token_replace = self.time_text_embed(
+            timestep, pooled, guidance * 1000 if self.guidance else None)
+        hidden = self.x_embedder(latents)
+        text_hidden = self.context_embedder(text, timestep, text_mask)
+        _, _, f, h, w = latents.shape
+        grid = torch.tensor([f // self.patch_t, h // self.patch, w // self.patch],
+                            dtype=torch.long, device=latents.device)
+        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_mask.long(), grid
+
+
+class HunyuanVideoBlock(PipelineLayer):
+    """A double-stream or single-stream block: both take and return (image, text) streams."""
+
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
+                 patch_t: int):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("rope", rope, "rope")  # parameter-free
+        self.patch, self.patch_t = patch, patch_t
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, text_mask, grid = inputs
+        rope = rotary(self.rope, grid, self.patch, self.patch_t, hidden.device)
+        mask = joint_attention_mask(text_mask, hidden.shape[1])
+        hidden, text_hidden = self.block(hidden, text_hidden, temb, mask, rope)
+        # Single-stream blocks return slices of one joint tensor; stage boundaries send only
+        # contiguous tensors (a no-op for double-stream blocks).
+        return hidden.contiguous(), text_hidden.contiguous(), temb, text_mask, grid
+
+
+class HunyuanVideoHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, _text_mask, grid = inputs
+        out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
+        # The text stream ends unused; it still needs a gradient when the head is alone on a stage.
+        return out + 0.0 * text_hidden.sum()
+
+
+def hunyuan_video_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    if transformer.config.image_condition_type is not None:
+        raise NotImplementedError(
+            "HunyuanVideo image-to-video transformers (image_condition_type="
+            f"{transformer.config.image_condition_type!r}) are not supported yet; use the "
+            "text-to-video model")
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    layers: list[PipelineLayer] = [HunyuanVideoEmbed(transformer)]
+    for kind in ("transformer_blocks", "single_transformer_blocks"):
+        for i, block in enumerate(getattr(transformer, kind)):
+            layers.append(HunyuanVideoBlock(block, transformer.rope, f"{kind}.{i}", patch, patch_t))
+    layers.append(HunyuanVideoHead(transformer))
+    return layers

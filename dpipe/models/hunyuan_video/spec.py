@@ -1,0 +1,271 @@
+"""HunyuanVideo (text-to-video, 13B): HunyuanVideoTransformer3DModel + AutoencoderKLHunyuanVideo
+(16 channels, 8x spatial, 4x temporal) + a LLaMA-3 text encoder (llava-llama-3-8b) + CLIP-L.
+
+Loads the diffusers folder users download (hunyuanvideo-community/HunyuanVideo). Prompts go
+through `HunyuanVideoPipeline.encode_prompt` with its system template, so text is embedded as at
+inference; the one deviation is the tokenizer, loaded so that transformers 5 keeps its byte-level
+pre-tokenizer (see tokenizers.py). Images train as 1-frame videos; clips need 4k+1 frames.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hunyuan_video.comfyui import to_comfyui
+from dpipe.models.hunyuan_video.layers import hunyuan_video_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                  "tokenizer", "tokenizer_2", "scheduler")
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "hunyuan_video_lora_comfyui.safetensors"
+# Bump when the way prompts or images are encoded changes, so old cache entries are not reused.
+ENCODING_VERSION = 1
+
+# What the community trains for HunyuanVideo LoRAs: every Linear of the double- and single-stream
+# blocks (attention, MLPs, modulation), none outside them.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
+]
+LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+def frames_ok(frames: int, temporal_ratio: int) -> bool:
+    """Causal video VAEs encode the first frame alone, then groups of `temporal_ratio`."""
+    return frames >= 1 and (frames - 1) % temporal_ratio == 0
+
+
+def as_video(pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) images -> (B, 3, 1, H, W) one-frame videos; (B, 3, F, H, W) as is."""
+    if pixels.ndim == 4:
+        return pixels.unsqueeze(2)
+    if pixels.ndim == 5:
+        return pixels
+    raise ValueError(f"expected pixels of shape (B, 3, H, W) or (B, 3, F, H, W), got {tuple(pixels.shape)}")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+
+class HunyuanVideoSpec(ModelSpec):
+    family = "hunyuan_video"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
+
+            make_tiny_hunyuan_video(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of HunyuanVideo in "
+                "diffusers format (e.g. a download of hunyuanvideo-community/HunyuanVideo)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete HunyuanVideo diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._vae_config()
+        self._transformer_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_config(self.path / "vae" / "config.json")
+
+    def _transformer_config(self) -> dict[str, Any]:
+        return read_config(self.path / "transformer" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self._vae_config()["spatial_compression_ratio"] * self._transformer_config()["patch_size"]
+
+    @property
+    def temporal_ratio(self) -> int:
+        return self._vae_config()["temporal_compression_ratio"]
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import HunyuanVideoPipeline
+
+        from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+
+        try:
+            # HunyuanVideo pads prompts on the right and crops its template off the front.
+            tokenizer = load_byte_level_tokenizer(self.path / "tokenizer", padding_side="right")
+            pipe = HunyuanVideoPipeline.from_pretrained(
+                self.path, transformer=None, tokenizer=tokenizer, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        try:
+            return HunyuanVideoTransformer3DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family, "encoding": ENCODING_VERSION,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"), "latent": "mode",
+            }
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+        return {
+            "family": self.family, "encoding": ENCODING_VERSION,
+            "llama": folder_fingerprint(self.path / "text_encoder"),
+            "clip": folder_fingerprint(self.path / "text_encoder_2"),
+            "tokenizers": [folder_fingerprint(self.path / f) for f in ("tokenizer", "tokenizer_2")],
+            "template": DEFAULT_PROMPT_TEMPLATE["template"],
+            "max_text_tokens": self.cfg.max_text_tokens,
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w); images are 1 frame."""
+        video = as_video(pixels)
+        if not frames_ok(video.shape[2], self.temporal_ratio):
+            raise DataError(
+                f"HunyuanVideo's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        vae = encoders.vae
+        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+        return latents * vae.config.scaling_factor
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
+        return self.encode_images(encoders, pixels)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, pooled, mask = encoders.encode_prompt(
+            prompts, prompt_template=prompt_template(encoders.tokenizer),
+            device=encoders.vae.device, max_sequence_length=self.cfg.max_text_tokens)
+        return {"llama": embeds, "mask": mask, "pooled": pooled}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return hunyuan_video_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b = batch.latents.shape[0]
+        guidance = torch.full((b,), float(self.cfg.guidance))
+        inputs = (batch.noisy, batch.timesteps, batch.text["llama"], batch.text["mask"].long(),
+                  batch.text["pooled"], guidance)
+        return inputs, (batch.target,)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        (target,) = labels
+        return F.mse_loss(outputs.float(), target.float())
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import HunyuanVideoPipeline
+        from safetensors.torch import save_file
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        metadata = {"r": rank, "lora_alpha": alpha,
+                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
+        HunyuanVideoPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        comfy = to_comfyui(weights, alpha / rank, comfyui_mapping(self._transformer_config(), weights))
+        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t, text, text_mask, pooled, guidance = inputs
+        return denoiser(
+            hidden_states=latents, timestep=t * 1000, encoder_hidden_states=text,
+            encoder_attention_mask=text_mask, pooled_projections=pooled,
+            guidance=guidance * 1000 if denoiser.config.guidance_embeds else None,
+            return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import HunyuanVideoPipeline
+
+        pipe = HunyuanVideoPipeline.from_pretrained(
+            self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
+            tokenizer_2=None)
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
+
+
+def prompt_template(tokenizer) -> dict[str, Any]:
+    """diffusers' HunyuanVideo template, cropped where the user's prompt starts.
+
+    The pipeline's default `crop_start` (95) is the template's length in the real Llama-3
+    tokenizer; counting it with the tokenizer at hand gives that same number there, and the right
+    one for any other tokenizer (tiny test models)."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    template = DEFAULT_PROMPT_TEMPLATE["template"]
+    prefix = template.split("{}")[0]
+    return {"template": template, "crop_start": len(tokenizer(prefix).input_ids)}
+
+
+def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
+    """(original HunyuanVideo module, diffusers modules it stacks, their output sizes) for every
+    block that has LoRA weights: the names ComfyUI (and diffusion-pipe, musubi-tuner) use."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    mlp = int(hidden * config.get("mlp_ratio", 4.0))
+    blocks = {tuple(k.split(".")[:2]) for k in weights if k.split(".")[0].endswith("transformer_blocks")}
+    for kind, index in sorted(blocks):
+        d = f"{kind}.{index}"
+        if kind == "transformer_blocks":
+            o = f"double_blocks.{index}"
+            yield f"{o}.img_attn_qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
+            yield f"{o}.txt_attn_qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                                        f"{d}.attn.add_v_proj"], [hidden] * 3
+            for original, part, size in [
+                ("img_attn_proj", "attn.to_out.0", hidden), ("txt_attn_proj", "attn.to_add_out", hidden),
+                ("img_mlp.fc1", "ff.net.0.proj", mlp), ("img_mlp.fc2", "ff.net.2", hidden),
+                ("txt_mlp.fc1", "ff_context.net.0.proj", mlp), ("txt_mlp.fc2", "ff_context.net.2", hidden),
+                ("img_mod.linear", "norm1.linear", 6 * hidden),
+                ("txt_mod.linear", "norm1_context.linear", 6 * hidden),
+            ]:
+                yield f"{o}.{original}", [f"{d}.{part}"], [size]
+        else:
+            o = f"single_blocks.{index}"
+            yield (f"{o}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
+                   [hidden, hidden, hidden, mlp])
+            yield f"{o}.linear2", [f"{d}.proj_out"], [hidden]
+            yield f"{o}.modulation.linear", [f"{d}.norm.linear"], [3 * hidden]

@@ -1,0 +1,118 @@
+"""A tiny random HunyuanVideo, written in exactly the layout of hunyuanvideo-community/HunyuanVideo.
+
+The real folder: model_index.json (HunyuanVideoPipeline), scheduler/ (flow matching, shift 7),
+transformer/ (HunyuanVideoTransformer3DModel, 3 bf16 shards + index), vae/
+(AutoencoderKLHunyuanVideo), text_encoder/ (LlamaModel, sharded + index), tokenizer/ (a Llama-3
+byte-level BPE tokenizer.json), text_encoder_2/ (CLIPTextModel) and tokenizer_2/ (CLIP vocab/merges).
+Only the sizes shrink; the loaders are the ones that load the real checkpoint.
+
+Sizes: 64x64 images (or 4k+1 frames of them) -> VAE (4x spatial, 4x temporal, 4 channels) -> 16x16
+latents per latent frame -> 2x2 patches -> 64 tokens of width 32 per latent frame. LLaMA: hidden 32,
+3 layers (the pipeline reads the third-from-last hidden state); CLIP: hidden 32 = pooled size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.hunyuan_video.tokenizers import LLAMA3_SPECIALS, save_llama3_tokenizer
+from dpipe.models.tiny_parts import round_up, save_clip_tokenizer, seeded, write_atomically
+
+LATENT_CHANNELS = 4
+TEXT_DIM = 32  # LLaMA hidden size (text_embed_dim) and CLIP hidden size (pooled_projection_dim)
+CLIP_MAX_LENGTH = 77
+DTYPE = torch.bfloat16  # as the real repo stores the transformer; loaders pass the compute dtype
+
+
+def make_tiny_hunyuan_video(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random HunyuanVideo diffusers folder at `path` and return `path`.
+
+    An existing complete folder is returned untouched; concurrent callers are safe (the folder is
+    built in a temporary sibling and renamed into place)."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_hunyuan_video; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel)
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
+
+    from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+
+    llama_vocab = save_llama3_tokenizer(out / "tokenizer",
+                                        extra_text=(DEFAULT_PROMPT_TEMPLATE["template"],))
+    clip_vocab = save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_MAX_LENGTH)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0)
+
+    with seeded(seed):
+        text_encoder = LlamaModel(LlamaConfig(
+            vocab_size=round_up(llama_vocab, 64), hidden_size=TEXT_DIM, intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0,
+            bos_token_id=llama_vocab - len(LLAMA3_SPECIALS),
+            eos_token_id=llama_vocab - len(LLAMA3_SPECIALS) + 1, tie_word_embeddings=False))
+    with seeded(seed + 1):
+        text_encoder_2 = CLIPTextModel(CLIPTextConfig(
+            vocab_size=clip_vocab, hidden_size=TEXT_DIM, intermediate_size=4 * TEXT_DIM,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+            hidden_act="quick_gelu", projection_dim=TEXT_DIM, bos_token_id=0, eos_token_id=2,
+            pad_token_id=1))
+    with seeded(seed + 2):
+        transformer = HunyuanVideoTransformer3DModel(
+            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=2,
+            attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
+            mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
+            text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, rope_theta=256.0,
+            rope_axes_dim=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+    with seeded(seed + 3):
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            # Three levels: 4x spatial (the real VAE: four levels, 8x); 4x temporal as the real one,
+            # so clips have 4k+1 frames exactly as with the real model.
+            block_out_channels=(8, 16, 16), layers_per_block=1, norm_num_groups=4,
+            scaling_factor=0.476986, spatial_compression_ratio=4, temporal_compression_ratio=4,
+            mid_block_add_attention=True)
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_sharded(transformer, out / "transformer", shards=3)
+    save_sharded(text_encoder, out / "text_encoder", shards=2, dtype=torch.float16)
+    save_sharded(text_encoder_2, out / "text_encoder_2", shards=1, dtype=torch.float16)
+    save_sharded(vae, out / "vae", shards=1, dtype=torch.float32)
+
+    pipe = HunyuanVideoPipeline(
+        text_encoder=text_encoder, tokenizer=load_byte_level_tokenizer(out / "tokenizer"),
+        transformer=transformer, vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
+        tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"))
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    # The real folder names LlamaTokenizerFast (which transformers 5 loads wrongly; see tokenizers.py).
+    index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
+                 dtype: torch.dtype = DTYPE) -> None:
+    """`save_pretrained` in `dtype`, split into exactly `shards` files (+ index) when > 1, as the
+    real checkpoints are, so code reading the weight files meets the same layout."""
+    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
+    sizes = [t.numel() * t.element_size() for t in unique]
+    # Greedy filling with a cap of one share plus the largest tensor gives exactly `shards` files.
+    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

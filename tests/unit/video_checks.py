@@ -1,0 +1,83 @@
+"""Checks shared by the video families' unit tests (HunyuanVideo, LTX-Video, ...): the pipeline
+layers against the diffusers forward on video-shaped latents, activation checkpointing, and the
+exactness of exported LoRA files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dpipe.config.schema import LoraConfig, TrainMode
+from dpipe.models.spec import NoisedBatch
+from dpipe.models.tiny_parts import seeded
+from dpipe.train.lora import make_trainable
+
+CAPTIONS = ["a red circle on a blue background", "two green stars"]
+
+
+def lora_denoiser(spec, rank: int = 4, alpha: float = 8.0, seed: int = 0):
+    """The spec's denoiser with LoRA on its default targets and random (non-zero) B matrices,
+    so that the adapters change the output."""
+    denoiser = spec.load_denoiser(torch.float32)
+    cfg = dataclasses.replace(spec.cfg, mode=TrainMode.lora, lora=LoraConfig(rank=rank, alpha=alpha))
+    make_trainable(denoiser, cfg, spec.lora_targets())
+    with seeded(seed):
+        for name, param in denoiser.named_parameters():
+            if "lora_B" in name:
+                param.data = torch.randn_like(param) * 0.1
+    return denoiser
+
+
+def lora_state_dict(denoiser) -> dict[str, torch.Tensor]:
+    """The adapters under peft's names, as pipeline stages hand them to `export_lora`."""
+    return {n: p.detach().clone() for n, p in denoiser.named_parameters() if "lora_" in n}
+
+
+def micro_batch(spec, encoders, pixels: torch.Tensor, t=(0.3, 0.8), seed: int = 0):
+    """make_inputs' (inputs, labels) for encoded `pixels` and the test captions."""
+    latents = spec.encode_images(encoders, pixels).float()
+    text = {k: v.float() for k, v in spec.encode_prompts(encoders, CAPTIONS[:len(pixels)]).items()}
+    with seeded(seed):
+        noise = torch.randn_like(latents)
+    t = torch.tensor(t[:len(pixels)])
+    noisy, target = spec.noise(latents, noise, t)
+    return spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy,
+                                        target=target, text=text))
+
+
+def run(layers, inputs, checkpointed: bool = False):
+    x = inputs
+    for layer in layers:
+        # As dpipe's engine checkpoints a layer (pipeline.activation_checkpointing).
+        x = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+    return x
+
+
+def assert_layers_match(spec, denoiser, inputs, rtol=1e-5, atol=1e-5) -> torch.Tensor:
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        got = run(spec.pipeline_layers(denoiser), inputs)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    return got
+
+
+def assert_checkpointing_matches(spec, denoiser, inputs, labels) -> None:
+    """Per-layer activation checkpointing gives the same loss and LoRA gradients."""
+    layers = spec.pipeline_layers(denoiser)
+    grads = []
+    for checkpointed in (False, True):
+        denoiser.zero_grad(set_to_none=True)
+        loss = spec.loss(run(layers, inputs, checkpointed), labels)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in denoiser.named_parameters()
+                      if p.requires_grad and p.grad is not None})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def deltas(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0):
+    """{module: scale * B @ A}: the weight change each LoRA makes."""
+    return {name: scale * (b.float() @ a.float()) for name, (a, b) in pairs.items()}
