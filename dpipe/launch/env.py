@@ -1,14 +1,26 @@
 """Where this process sits in the job: its rank, the world size and the rendezvous address.
 
-Three sources, in order: variables set by dpipe's own local launcher or torchrun (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a SLURM task (through submitit, which derives
-the same from SLURM's variables); else a single process that still has to start the workers.
+Three cases, in order:
+1. A task of a SLURM job step started by submitit (`SUBMITIT_EXECUTOR=slurm`) or by a plain
+   `srun` with several tasks: one process per GPU, ranks from SLURM's variables. The batch script
+   itself also has SLURM_PROCID=0 and SLURM_NTASKS, but it is no job step: it is not a rank.
+2. Variables set by dpipe's own local launcher or by torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+   MASTER_ADDR, MASTER_PORT).
+3. Else None: a single process that still has to start the workers itself.
+
+`slurm_env` is a pure function of the environment so that tests can feed it a fake two-node job.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from typing import Mapping
+
+# Rendezvous ports derived from the job id, below Linux's ephemeral range (32768-60999) so that
+# no outgoing connection holds them; consecutive job ids on one node get different ports.
+PORT_BASE, PORT_SPAN = 15000, 15000
 
 
 @dataclass(frozen=True)
@@ -18,38 +30,140 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int = 0  # 0: all ranks on this machine (world_size)
+    node_rank: int = 0
+    num_nodes: int = 1
+    # The CUDA device index this rank uses among the GPUs it can see: its local rank when every
+    # task of a node sees all of the node's GPUs, 0 when SLURM binds each task to its own GPU.
+    device: int | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def from_environ() -> DistEnv | None:
-    """The distributed environment this process was started in, or None if there is none."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return DistEnv(
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("MASTER_PORT", "29500")),
-        )
-    if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ:
-        import submitit
+def in_slurm_step(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one task of a multi-task SLURM job step (so one rank of a run)."""
+    e = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" not in e or "SLURM_PROCID" not in e:
+        return False
+    if e.get("SUBMITIT_EXECUTOR") == "slurm":
+        return True
+    # A plain `srun -n N dpipe-train ...`: only a job step (not the batch script) has SLURM_STEP_ID.
+    # A torchrun started by srun sets RANK itself and wins.
+    return "SLURM_STEP_ID" in e and int(e.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "RANK" not in e
 
-        dist_env = submitit.helpers.TorchDistributedEnvironment()
-        # One task per GPU: each task sees only its own GPU, so it uses device 0.
-        dist_env.export(set_cuda_visible_devices=True, overwrite=True)
-        return from_environ()
+
+def from_environ(environ: Mapping[str, str] | None = None) -> DistEnv | None:
+    """The distributed environment this process was started in, or None if there is none."""
+    e = os.environ if environ is None else environ
+    if in_slurm_step(e):
+        return slurm_env(e)
+    if "RANK" in e and "WORLD_SIZE" in e:
+        world = int(e["WORLD_SIZE"])
+        return DistEnv(
+            rank=int(e["RANK"]),
+            world_size=world,
+            local_rank=int(e.get("LOCAL_RANK", "0")),
+            master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(e.get("MASTER_PORT", "29500")),
+            local_world_size=int(e.get("LOCAL_WORLD_SIZE", world)),
+        )
     return None
 
 
+def process_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank, 0 outside any distributed environment (cheap: no export)."""
+    env = from_environ(environ)
+    return env.rank if env is not None else 0
+
+
+def slurm_env(environ: Mapping[str, str]) -> DistEnv:
+    """Ranks of a SLURM task: one process per GPU, `nodes x tasks_per_node` of them.
+
+    Global rank = SLURM_PROCID (SLURM numbers the tasks node by node), the master is the first
+    node of the step (where rank 0 runs), the port comes from the job id, so every task of the job
+    computes the same one and concurrent jobs on a node do not collide. DPIPE_MASTER_PORT
+    overrides it (MASTER_PORT is not used: sbatch copies the submitting shell's environment into
+    every job of an array, so one inherited value would collide).
+    """
+    e = environ
+    world = int(e.get("SLURM_STEP_NUM_TASKS") or e["SLURM_NTASKS"])
+    nodes = int(e.get("SLURM_STEP_NUM_NODES") or e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES") or 1)
+    node_rank = int(e.get("SLURM_NODEID", "0"))
+    local_rank = int(e.get("SLURM_LOCALID", "0"))
+    per_node = e.get("SLURM_STEP_TASKS_PER_NODE") or e.get("SLURM_TASKS_PER_NODE")
+    local_world = tasks_on_node(per_node, node_rank) if per_node else world // nodes
+    hosts = expand_nodelist(e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST") or "")
+    if "DPIPE_MASTER_PORT" in e:
+        port = int(e["DPIPE_MASTER_PORT"])
+    else:
+        port = PORT_BASE + int(e["SLURM_JOB_ID"]) % PORT_SPAN
+    return DistEnv(
+        rank=int(e["SLURM_PROCID"]),
+        world_size=world,
+        local_rank=local_rank,
+        master_addr=hosts[0] if hosts else "127.0.0.1",
+        master_port=port,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=nodes,
+        device=cuda_device(e.get("CUDA_VISIBLE_DEVICES"), local_rank, local_world),
+    )
+
+
+def cuda_device(visible: str | None, local_rank: int, local_world: int) -> int:
+    """Which visible GPU a task uses: each task of a node either sees all the node's GPUs (SLURM's
+    default with --gpus-per-node: pick the local rank's) or only its own (--gpus-per-task=1 or
+    --gpu-bind: device 0)."""
+    if visible is None or visible.strip() in ("", "NoDevFiles"):
+        return local_rank
+    count = len([d for d in visible.split(",") if d.strip()])
+    if count == 1 and local_world > 1:
+        return 0
+    return local_rank
+
+
+def tasks_on_node(spec: str, node: int) -> int:
+    """Tasks on node `node` from SLURM's compressed list, e.g. "4(x2),2" -> 4, 4, 2."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ValueError(f"cannot read the SLURM task list {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[min(node, len(counts) - 1)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list, e.g. "gpu[01-03,7],login1" -> gpu01 gpu02 gpu03 gpu7 login1."""
+    hosts: list[str] = []
+    for group in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", group)
+        if m is None:
+            hosts.append(group)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+    return hosts
+
+
 def export(env: DistEnv) -> None:
-    """Sets the variables torch.distributed and DeepSpeed read."""
+    """Sets the variables torch.distributed and DeepSpeed read.
+
+    LOCAL_RANK is the CUDA device index to use (what torch and DeepSpeed do with it); it equals
+    the task's local rank unless SLURM gave each task a single GPU of its own.
+    """
     os.environ.update(
         RANK=str(env.rank),
         WORLD_SIZE=str(env.world_size),
-        LOCAL_RANK=str(env.local_rank),
+        LOCAL_RANK=str(env.local_rank if env.device is None else env.device),
+        LOCAL_WORLD_SIZE=str(env.local_world_size or env.world_size),
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(env.master_port),
+        DPIPE_NODE_RANK=str(env.node_rank),
+        DPIPE_NUM_NODES=str(env.num_nodes),
     )

@@ -17,7 +17,7 @@ from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
-from dpipe.train import checkpoint
+from dpipe.train import checkpoint, preemption
 from dpipe.train.export import export
 from dpipe.train.lora import frozen_dtype, make_trainable
 
@@ -90,6 +90,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         if _checkpoint_due(run, step, last_saved, last_save_time):
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step
+        if preemption.stop_agreed() and step < run.train.max_steps:
+            preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
     if step != last_saved:
         checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
     if reporter is not None:
@@ -118,16 +120,12 @@ def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float
     if step == last_saved:
         return False
     by_steps = t.checkpoint_every_steps and step % t.checkpoint_every_steps == 0
-    by_time = False
-    if t.checkpoint_every_minutes:
-        # Every rank must agree, or the collective save would hang: rank 0's clock decides.
-        flag = torch.tensor([time.monotonic() - last_time >= 60 * t.checkpoint_every_minutes],
-                            dtype=torch.int32)
-        if torch.cuda.is_available():
-            flag = flag.cuda()
-        dist.broadcast(flag, src=0)
-        by_time = bool(flag.item())
-    return bool(by_steps or by_time)
+    # Every rank must agree, or the collective save would hang: rank 0's clock decides the timed
+    # checkpoints, and a time-limit signal on any rank stops them all (one all-reduce).
+    time_due = bool(t.checkpoint_every_minutes) and (
+        time.monotonic() - last_time >= 60 * t.checkpoint_every_minutes)
+    by_time, stop = preemption.agree(time_due, bool(t.checkpoint_every_minutes))
+    return bool(by_steps or by_time or stop)
 
 
 def _summary(run, built, plan, num_layers, world, resumed) -> None:
