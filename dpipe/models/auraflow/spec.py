@@ -126,11 +126,15 @@ class AuraFlowSpec(ModelSpec):
         return auraflow_layers(denoiser)
 
     def make_inputs(self, batch: NoisedBatch):
-        return (batch.noisy, batch.timesteps, batch.text["t5"]), (batch.target,)
+        inputs = (batch.noisy, batch.timesteps, batch.text["t5"])
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        (target,) = labels
-        return F.mse_loss(outputs.float(), target.float())
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
