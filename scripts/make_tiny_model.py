@@ -19,6 +19,11 @@ from pathlib import Path
 # family's heavy imports are paid only when it is asked for.
 FACTORIES: dict[str, str] = {
     "flux": "dpipe.models.flux.tiny:make_tiny_flux",
+    "wan": "dpipe.models.wan.tiny:make_tiny_wan",
+    "wan_i2v": "dpipe.models.wan.tiny:make_tiny_wan_i2v",
+    "wan22_ti2v": "dpipe.models.wan.tiny:make_tiny_wan22_ti2v",
+    "wan22_a14b": "dpipe.models.wan.tiny:make_tiny_wan22_a14b",
+    "wan22_i2v_a14b": "dpipe.models.wan.tiny:make_tiny_wan22_i2v_a14b",
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",

@@ -1,0 +1,50 @@
+"""Wan weights under the original (Wan-Video) module names, as ComfyUI and musubi/diffusion-pipe
+users hold them.
+
+A Wan LoRA for ComfyUI names each module as the original checkpoint does, prefixed with
+`diffusion_model.`: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` / `.lora_B.weight`.
+diffusers' `WanPipeline.load_lora_weights` reads that layout too (it converts it back). The
+mapping is one to one: Wan's original blocks keep q, k, v, o apart, as diffusers does.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+COMFY_PREFIX = "diffusion_model."
+
+# diffusers module name -> original Wan module name, for every Linear of a block.
+_BLOCK_RENAMES = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+_BLOCK_MODULE = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def original_module_name(diffusers_name: str) -> str:
+    """The original Wan name of a Linear in a transformer block ("blocks.3.attn1.to_q" ->
+    "blocks.3.self_attn.q"); raises KeyError for a module outside the mapping, so a trained weight
+    is never dropped or misnamed silently."""
+    match = _BLOCK_MODULE.fullmatch(diffusers_name)
+    if match is None or match.group(2) not in _BLOCK_RENAMES:
+        raise KeyError(f"no ComfyUI name for Wan module {diffusers_name!r}")
+    return f"blocks.{match.group(1)}.{_BLOCK_RENAMES[match.group(2)]}"
+
+
+def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """ComfyUI LoRA weights from diffusers-format ones (`<module>.lora_A.weight`, ...). The LoRA
+    scale alpha/rank is folded into B and no `.alpha` is written: every loader then applies 1."""
+    out = {}
+    for key, value in weights.items():
+        module, part = key.rsplit(".lora_", 1)
+        if not part.startswith(("A.", "B.")):
+            raise KeyError(f"not a LoRA weight: {key!r}")
+        value = value * scale if part.startswith("B.") else value
+        out[f"{COMFY_PREFIX}{original_module_name(module)}.lora_{part}"] = value.contiguous()
+    return out

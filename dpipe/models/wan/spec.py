@@ -1,0 +1,436 @@
+"""Wan 2.1 and 2.2 (text-to-video, image-to-video, TI2V-5B, the two A14B experts):
+WanTransformer3DModel + AutoencoderKLWan + UMT5 (+ a CLIP image encoder for 2.1 i2v).
+
+One family for every Wan checkpoint in diffusers format; what a folder is comes from its configs:
+- Wan 2.1 t2v, Wan 2.2 T2V-A14B: the latents alone.
+- i2v (Wan 2.1 I2V, Wan 2.2 I2V-A14B): the transformer takes 2z+4 channels, the noisy latents,
+  4 mask channels (1 on the first latent frame) and the latents of [first frame, zeros...]; Wan
+  2.1 i2v also attends to 257 CLIP tokens of the first frame (`image_dim` in its config).
+- Wan 2.2 TI2V-5B (`expand_timesteps`): one timestep per token; with `model.i2v=true` the first
+  latent frame is the clean frame at t = 0 and the loss leaves it out (videos only: a one-frame
+  item has nothing left to predict, so it trains text-to-image).
+- Wan 2.2 A14B (`boundary_ratio`, a `transformer_2`): two experts, the high-noise `transformer`
+  for t >= boundary and the low-noise `transformer_2` below. Each is trained as its own model:
+  `model.min_t`/`max_t` pick the expert (the range must lie on one side of the boundary) and the
+  sampled t is mapped into the range (`ModelSpec.train_timesteps`), where latents are noised
+  and where the transformer gets its timestep.
+
+Objective: flow matching, x_t = (1 - t) x0 + t noise, the transformer predicts noise - x0 and is
+given t * 1000 (the diffusers pipelines pass the scheduler's timesteps, sigma * 1000). Latents
+are the VAE mean, normalised as the pipelines do: (z - latents_mean) / latents_std. Prompts are
+embedded by `WanPipeline.encode_prompt`: UMT5 states, zeroed after the prompt, padded to
+`max_text_tokens` (512 as Wan trains; the i2v attention needs exactly 512).
+
+Video latents are (B, C, F, h, w), F = (frames - 1) / 4 + 1: clips need 4k+1 frames; an image is
+a 1-frame video.
+
+Cached latents of i2v checkpoints carry their conditioning after the z latent channels (the
+cache holds one tensor per item): the latents of [first frame, zeros...] (z channels) and, for
+Wan 2.1 i2v, the CLIP image tokens flattened and zero-padded into as many more channels as they
+fill (`_pack` / `_unpack`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.wan.comfyui import lora_to_comfyui
+from dpipe.models.wan.layers import wan_layers
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                  "scheduler")
+COMFYUI_LORA = "wan_lora_comfyui.safetensors"
+# Bump when the layout of cached latents changes (the conditioning channels), so old entries are
+# never read as new ones.
+_CACHE_LAYOUT = 1
+
+# What the community trains for Wan LoRAs: every Linear of the blocks (self- and cross-attention
+# incl. the i2v image projections, the MLP), none outside them. A peft regex over diffusers names.
+_BLOCK_LINEARS = [
+    r"attn1\.to_q", r"attn1\.to_k", r"attn1\.to_v", r"attn1\.to_out\.0",
+    r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0",
+    r"attn2\.add_k_proj", r"attn2\.add_v_proj", r"ffn\.net\.0\.proj", r"ffn\.net\.2",
+]
+LORA_TARGETS = r"blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+@dataclass(frozen=True)
+class WanVariant:
+    """What a Wan folder is, read from its configs."""
+
+    pipeline: str  # WanPipeline or WanImageToVideoPipeline
+    z_dim: int  # latent channels
+    spatial: int  # VAE downscale (8 for 2.1, 16 for 2.2)
+    temporal: int  # VAE temporal compression (4): clips have 4k+1 frames
+    patch: tuple[int, int, int]
+    concat_condition: bool  # 2z+4 input channels: mask + first-frame latents (i2v)
+    clip_tokens: int  # CLIP image tokens (Wan 2.1 i2v), 0 without an image encoder
+    image_dim: int
+    expand_timesteps: bool  # per-token timesteps (Wan 2.2 TI2V-5B)
+    boundary: float | None  # two experts split at this t (Wan 2.2 A14B)
+
+
+@dataclass
+class WanEncoders:
+    text: Any  # WanPipeline holding the tokenizer, UMT5 and the VAE
+    image: Any | None  # WanImageToVideoPipeline with the CLIP image encoder (Wan 2.1 i2v)
+
+
+class WanSpec(ModelSpec):
+    family = "wan"
+    supports_timestep_range = True
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.wan.tiny import VARIANTS, make_tiny_wan
+
+            # The tiny variant is named by the folder: .../tiny-wan22_ti2v
+            variant = self.path.name.removeprefix("tiny-")
+            if variant not in VARIANTS:
+                raise ConfigError(f"model.path={self.path}: a tiny Wan folder is named tiny-<variant>"
+                                  f" with a variant in {sorted(VARIANTS)}")
+            make_tiny_wan(self.path, variant=variant)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a Wan model in diffusers "
+                "format (e.g. a download of Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if self.variant.clip_tokens:
+            missing += [p for p in ("image_encoder", "image_processor")
+                        if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(f"model.path={self.path} is not a complete Wan diffusers folder: "
+                                 f"missing {', '.join(missing)}")
+        if not (self.path / self.expert).is_dir():
+            raise ModelLoadError(f"model.path={self.path} has no {self.expert}/ folder")
+        if self.variant.clip_tokens and self.cfg.max_text_tokens != 512:
+            raise ConfigError(
+                f"model.max_text_tokens={self.cfg.max_text_tokens}: Wan 2.1 i2v's attention splits "
+                "its context at 512 text tokens; set model.max_text_tokens=512")
+        self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
+
+    # ---- what the folder is ------------------------------------------------------------------
+    def _config(self, name: str) -> dict[str, Any]:
+        path = self.path / name
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @cached_property
+    def variant(self) -> WanVariant:
+        index = self._config("model_index.json")
+        transformer = self._config("transformer/config.json")
+        vae = self._config("vae/config.json")
+        z_dim = vae.get("z_dim", 16)
+        clip_tokens = 0
+        if transformer.get("image_dim"):
+            vision = self._config("image_encoder/config.json")
+            clip_tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+        two_experts = index.get("transformer_2", [None])[0] is not None
+        return WanVariant(
+            pipeline=index["_class_name"], z_dim=z_dim,
+            spatial=vae.get("scale_factor_spatial") or 8,
+            temporal=vae.get("scale_factor_temporal") or 4,
+            patch=tuple(transformer.get("patch_size", (1, 2, 2))),
+            concat_condition=transformer.get("in_channels", z_dim) == 2 * z_dim + 4,
+            clip_tokens=clip_tokens, image_dim=transformer.get("image_dim") or 0,
+            expand_timesteps=bool(index.get("expand_timesteps")),
+            boundary=index.get("boundary_ratio") if two_experts else None,
+        )
+
+    @cached_property
+    def expert(self) -> str:
+        """The transformer subfolder this run trains: `transformer`, or for a two-expert model
+        the one whose t range holds [min_t, max_t]."""
+        boundary = self.variant.boundary
+        if boundary is None:
+            return "transformer"
+        lo, hi = self.cfg.min_t, self.cfg.max_t
+        if lo >= boundary:
+            return "transformer"  # high noise
+        if hi <= boundary:
+            return "transformer_2"  # low noise
+        raise ConfigError(
+            f"model.min_t={lo}, model.max_t={hi} spans both experts of this Wan 2.2 model "
+            f"(boundary t={boundary}): train the high-noise expert with model.min_t={boundary} "
+            f"(transformer/) or the low-noise one with model.max_t={boundary} (transformer_2/)")
+
+    @cached_property
+    def i2v(self) -> bool:
+        v, wanted = self.variant, self.cfg.i2v
+        if v.concat_condition:  # image-to-video checkpoints need their image
+            if wanted is False:
+                raise ConfigError(f"{self.path} is an image-to-video Wan model: leave model.i2v "
+                                  "unset (or true)")
+            return True
+        if v.expand_timesteps:  # TI2V-5B does both
+            return bool(wanted)
+        if wanted:
+            raise ConfigError(f"{self.path} is a text-to-video Wan model and takes no first "
+                              "frame: leave model.i2v unset (or false)")
+        return False
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.variant.spatial * self.variant.patch[1]
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> WanEncoders:
+        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+            text_encoder = UMT5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=dtype)
+            vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        for module in (text_encoder, vae):
+            module.requires_grad_(False).eval().to(device)
+        # WanPipeline's encode_prompt (WanImageToVideoPipeline's needs ftfy installed).
+        text = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None)
+        image = None
+        if self.variant.clip_tokens:
+            import transformers
+
+            # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
+            index = self._config("model_index.json")
+            try:
+                processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
+                    self.path / "image_processor")
+                encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
+                    self.path / "image_encoder", dtype=dtype)
+            except (OSError, ValueError) as err:
+                raise ModelLoadError(f"cannot load the image encoder of {self.path}: {err}") from None
+            encoder.requires_grad_(False).eval().to(device)
+            image = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                                            scheduler=None, image_processor=processor,
+                                            image_encoder=encoder)
+        return WanEncoders(text=text, image=image)
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import WanTransformer3DModel
+
+        try:
+            return WanTransformer3DModel.from_pretrained(self.path, subfolder=self.expert,
+                                                         dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / self.expert}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._config("vae/config.json")
+            fp = {"family": self.family, "layout": _CACHE_LAYOUT,
+                  "vae": folder_fingerprint(self.path / "vae"),
+                  "latents_mean": vae.get("latents_mean"), "latents_std": vae.get("latents_std"),
+                  "latent": "mode", "condition": self.variant.concat_condition}
+            if self.variant.clip_tokens:
+                fp["clip"] = [folder_fingerprint(self.path / p)
+                              for p in ("image_encoder", "image_processor")]
+            return fp
+        ftfy = importlib.util.find_spec("ftfy")  # Wan's prompt cleaning uses it when installed
+        return {
+            "family": self.family,
+            "umt5": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "ftfy": _version("ftfy") if ftfy else None,
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels (B, 3, H, W) (an image: one frame) or (B, 3, F, H, W) in [-1, 1] -> normalised
+        latents (B, z, F', h, w), followed by the conditioning channels of i2v checkpoints."""
+        v = self.variant
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)
+        frames = pixels.shape[2]
+        if frames % v.temporal != 1:
+            raise DataError(
+                f"Wan's VAE takes 4k+1 frames; got a clip of {frames}: use frame buckets of the "
+                "form 4k+1 (1, 5, 9, ..., 81) in dataset.frame_buckets")
+        vae = encoders.text.vae
+        latents = self._vae_encode(vae, pixels)
+        parts = [latents]
+        if v.concat_condition:
+            if frames == 1:  # the condition video is the image itself
+                parts.append(latents)
+            else:  # the first frame, then black (zeros in [-1, 1]) as WanImageToVideoPipeline
+                condition = torch.cat([pixels[:, :, :1], pixels.new_zeros(
+                    pixels.shape[0], 3, frames - 1, *pixels.shape[3:])], dim=2)
+                parts.append(self._vae_encode(vae, condition))
+        if v.clip_tokens:
+            parts.append(_pack(self._clip_tokens(encoders.image, pixels[:, :, 0]), latents.shape))
+        return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
+
+    def encode_videos(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
+        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
+        return self.encode_images(encoders, pixels)
+
+    @staticmethod
+    def _vae_encode(vae, pixels: torch.Tensor) -> torch.Tensor:
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
+        return (latents - mean) * inv_std
+
+    @staticmethod
+    def _clip_tokens(pipe, first_frames: torch.Tensor) -> torch.Tensor:
+        # As the user's image reaches the image encoder at inference: 8-bit RGB through the
+        # pipeline's CLIPImageProcessor, the penultimate hidden states (WanImageToVideoPipeline).
+        rgb = ((first_frames.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        images = list(rgb.permute(0, 2, 3, 1).cpu().numpy())
+        return pipe.encode_image(images, device=pipe.image_encoder.device).float()
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: WanEncoders, prompts: list[str]) -> dict[str, torch.Tensor]:
+        pipe = encoders.text
+        embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
+                                       max_sequence_length=self.cfg.max_text_tokens,
+                                       device=pipe.text_encoder.device)
+        return {"umt5": embeds}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        # Only the z latent channels are noised; i2v conditioning channels stay as cached.
+        z = self.variant.z_dim
+        x, n = x0[:, :z], noise[:, :z]
+        return noisy_latents(x, n, self.train_timesteps(t)), velocity_target(x, n)
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return wan_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        v, z = self.variant, self.variant.z_dim
+        latents = batch.latents
+        t = self.train_timesteps(batch.timesteps).to(latents.dtype)
+        hidden, target = batch.noisy, batch.target
+        frames = latents.shape[2]
+        # Per-element loss weights: masks from the dataset, (B, 1, 1, h, w), or None.
+        weight = getattr(batch, "loss_weight", None)
+        if v.concat_condition:
+            mask = torch.zeros_like(latents[:, :4])
+            mask[:, :, 0] = 1  # the first latent frame is given
+            hidden = torch.cat([hidden, mask, latents[:, z:2 * z]], dim=1)
+        elif self.i2v and frames > 1:  # TI2V: the clean first frame at t = 0, left out of the loss
+            hidden = hidden.clone()
+            hidden[:, :, 0] = latents[:, :z, 0]
+            t = t[:, None].repeat(1, frames)
+            t[:, 0] = 0
+            # The mean over the predicted frames only: 0 on the first, F / (F - 1) on the others.
+            given = torch.full((1, 1, frames, 1, 1), frames / (frames - 1), dtype=target.dtype)
+            given[:, :, 0] = 0
+            weight = given if weight is None else weight * given
+        inputs = (hidden, t, batch.text["umt5"])
+        if v.clip_tokens:
+            inputs += (_unpack(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
+        return inputs, (target,) if weight is None else (target, weight)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # weights broadcast over the elements (masks, given frames)
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import WanPipeline
+        from safetensors.torch import save_file
+
+        # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        metadata = {"r": rank, "lora_alpha": alpha,
+                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
+        WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=weights,
+                                      transformer_lora_adapter_metadata=metadata)
+        save_file(lora_to_comfyui(weights, alpha / rank), out_dir / COMFYUI_LORA,
+                  metadata={"format": "comfyui", "expert": self.expert})
+        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / self.expert, self.path / self.expert / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        """As the diffusers pipelines call the transformer (per-token timesteps for TI2V)."""
+        latents, t, text, *image = inputs
+        timestep = t * 1000
+        if self.variant.expand_timesteps:
+            _, _, frames, height, width = latents.shape
+            _, p_h, p_w = self.variant.patch
+            if timestep.ndim == 1:
+                timestep = timestep[:, None].expand(-1, frames)
+            timestep = timestep.repeat_interleave((height // p_h) * (width // p_w), dim=1)
+        return denoiser(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
+                        encoder_hidden_states_image=image[0] if image else None,
+                        return_dict=False)[0]
+
+    def _pipeline(self, **components):
+        import diffusers
+
+        cls = getattr(diffusers, self.variant.pipeline)
+        skip = {"text_encoder": None, "tokenizer": None, "vae": None}
+        if self.variant.pipeline == "WanImageToVideoPipeline":
+            skip.update(image_encoder=None, image_processor=None)
+        return cls.from_pretrained(self.path, **{**skip, **components})
+
+    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
+        """The way users load a Wan LoRA: `pipe.load_lora_weights(...)`, with
+        `load_into_transformer_2=True` for a LoRA of Wan 2.2's low-noise expert. `weight_name`
+        picks the file (e.g. the ComfyUI one, which diffusers converts)."""
+        pipe = self._pipeline()
+        kwargs = {"weight_name": weight_name} if weight_name else {}
+        if self.expert == "transformer_2":
+            kwargs["load_into_transformer_2"] = True
+        pipe.load_lora_weights(str(lora_dir), **kwargs)
+        return getattr(pipe, self.expert)
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel.from_pretrained(export_dir / self.expert)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def _pack(tokens: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
+    """(B, N, D) image tokens -> (B, K, F, h, w) channels: flattened, zero-padded to whole
+    channels of the latents' F * h * w positions."""
+    b, positions = tokens.shape[0], math.prod(latent_shape[2:])
+    flat = tokens.reshape(b, -1)
+    channels = -(-flat.shape[1] // positions)
+    flat = F.pad(flat, (0, channels * positions - flat.shape[1]))
+    return flat.view(b, channels, *latent_shape[2:])
+
+
+def _unpack(channels: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
+    return channels.reshape(channels.shape[0], -1)[:, :tokens * dim].reshape(-1, tokens, dim)
