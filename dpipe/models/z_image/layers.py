@@ -1,0 +1,187 @@
+"""Z-Image's single-stream transformer as pipeline layers.
+
+    embed -> noise_refiner blocks (image tokens) -> context_refiner blocks (caption tokens)
+          -> join (parameter-free: [image, caption] per item) -> main blocks -> head
+
+This follows `ZImageTransformer2DModel.forward` (basic, non-omni mode) step by step: captions and
+images are each padded to a multiple of 32 tokens with their own pad token, and the image's RoPE
+positions start after the caption's. Two differences in form, not in result:
+
+* Shapes are fixed for the run (DeepSpeed's pipeline sizes its receive buffers once): captions are
+  padded to the cached length (`model.max_text_tokens`, rounded up to 32) and the extra positions
+  are masked out of attention, where diffusers pads only to the longest caption of the batch.
+* RoPE frequencies are recomputed in each block from integer position ids (integers cross stage
+  boundaries without gradients); token counts travel as int64 tensors, masks are built from them.
+
+Tuples: before the join (x, cap, adaln, x_ids, cap_ids, lens, grid); after it (unified, adaln,
+ids, lens, grid), where lens holds per item (image tokens, caption tokens) and grid the latent
+(frames, height, width).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.qwen_image.shared import key_mask, needs_grad, round_up
+from dpipe.models.spec import PipelineLayer
+
+SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF
+
+
+def _grid_ids(f: int, h: int, w: int, start: tuple[int, int, int]) -> torch.Tensor:
+    axes = [torch.arange(s, s + n) for s, n in zip(start, (f, h, w))]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+class ZImageEmbed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        cfg = transformer.config
+        self.patch, self.f_patch = cfg.all_patch_size[0], cfg.all_f_patch_size[0]
+        key = f"{self.patch}-{self.f_patch}"
+        self.adopt("x_embedder", transformer.all_x_embedder[key], f"all_x_embedder.{key}")
+        self.adopt("t_embedder", transformer.t_embedder, "t_embedder")
+        self.adopt("cap_embedder", transformer.cap_embedder, "cap_embedder")
+        # The pad tokens are Parameters at the denoiser's top level: same names here.
+        self.x_pad_token = transformer.x_pad_token
+        self.cap_pad_token = transformer.cap_pad_token
+        self.t_scale = float(cfg.t_scale)
+
+    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            attr, dot, rest = name.partition(".")
+            out[f"{self.source_names[attr]}.{rest}" if dot else name] = param.detach()
+        return out
+
+    def forward(self, inputs):
+        latents, t, cap, cap_len = inputs
+        b, c, h, w = latents.shape
+        p, pf = self.patch, self.f_patch
+        adaln = self.t_embedder(t * self.t_scale).type_as(latents)
+
+        # Image: (B, C, 1, H, W) -> patches ordered (f, h, w), features (pf, ph, pw, c).
+        f_t, h_t, w_t = 1 // pf, h // p, w // p
+        x = latents.view(b, c, f_t, pf, h_t, p, w_t, p).permute(0, 2, 4, 6, 3, 5, 7, 1)
+        x = x.reshape(b, f_t * h_t * w_t, pf * p * p * c)
+        x_len = x.shape[1]
+        x_pad = round_up(x_len, SEQ_MULTI_OF) - x_len
+        if x_pad:  # diffusers repeats the last patch, then swaps in the pad token after embedding
+            x = torch.cat([x, x[:, -1:].expand(b, x_pad, x.shape[2])], dim=1)
+        x = self.x_embedder(x)
+        if x_pad:
+            is_pad = (torch.arange(x.shape[1]) >= x_len)[None, :, None]
+            x = torch.where(is_pad, self.x_pad_token, x)
+
+        # Captions: item i has cap_len[i] tokens, padded to a multiple of 32 (`cap_tokens`), then to
+        # the run's fixed length; the item-level padding repeats the last token as diffusers does.
+        lc = round_up(cap.shape[1], SEQ_MULTI_OF)
+        cap_len = cap_len.long()
+        cap_tokens = torch.tensor([round_up(int(n), SEQ_MULTI_OF) for n in cap_len])
+        pos = torch.arange(lc)
+        last = (cap_len - 1).clamp(min=0)
+        gather = torch.minimum(pos[None, :], last[:, None])  # repeat the last real token
+        cap = torch.cat([cap, cap.new_zeros(b, lc - cap.shape[1], cap.shape[2])], dim=1)
+        cap = torch.gather(cap, 1, gather[..., None].expand(b, lc, cap.shape[2]))
+        cap = self.cap_embedder(cap)
+        in_pad = (pos[None, :] >= cap_len[:, None]) & (pos[None, :] < cap_tokens[:, None])
+        cap = torch.where(in_pad[..., None], self.cap_pad_token, cap)
+        beyond = (pos[None, :] >= cap_tokens[:, None])[..., None]
+        cap = cap.masked_fill(beyond, 0.0)  # batch padding, as pad_sequence fills it
+
+        cap_ids = torch.zeros(b, lc, 3, dtype=torch.long)
+        cap_ids[..., 0] = torch.where(pos[None, :] < cap_tokens[:, None], pos[None, :] + 1, 0)
+        x_ids = torch.zeros(b, x.shape[1], 3, dtype=torch.long)
+        for i in range(b):
+            x_ids[i, :x_len] = _grid_ids(f_t, h_t, w_t, (int(cap_tokens[i]) + 1, 0, 0))
+        lens = torch.stack([torch.full((b,), x.shape[1]), cap_tokens], dim=1).long()
+        grid = torch.tensor([[f_t * pf, h, w]] * b, dtype=torch.long)
+        return (needs_grad(x), needs_grad(cap), needs_grad(adaln), x_ids, cap_ids, lens, grid)
+
+
+class ZImageRefiner(PipelineLayer):
+    """A noise_refiner block (image tokens, modulated by t) or a context_refiner block (caption)."""
+
+    def __init__(self, block: nn.Module, rope, source_name: str, stream: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.rope = rope  # diffusers' RopeEmbedder: not a Module, no weights
+        self.stream = stream
+
+    def forward(self, inputs):
+        x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
+        if self.stream == "image":
+            x = self.block(x, key_mask(lens[:, 0], x.shape[1]), _freqs(self.rope, x_ids), adaln)
+        else:
+            cap = self.block(cap, key_mask(lens[:, 1], cap.shape[1]), _freqs(self.rope, cap_ids))
+        return x, cap, adaln, x_ids, cap_ids, lens, grid
+
+
+class ZImageJoin(PipelineLayer):
+    """Per item: [image tokens, caption tokens], then the fixed-length batch padding."""
+
+    def forward(self, inputs):
+        x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
+        lx = x.shape[1]
+        unified = torch.cat([x, cap], dim=1)
+        ids = torch.cat([x_ids, cap_ids], dim=1)
+        # Tokens past an item's caption are already zero with ids 0: the layout is the same as
+        # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has lx image tokens.
+        total = (lens[:, 0] + lens[:, 1]).long()
+        assert bool((lens[:, 0] == lx).all())
+        return unified, adaln, ids, total, grid
+
+
+class ZImageBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, rope, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.rope = rope
+
+    def forward(self, inputs):
+        unified, adaln, ids, total, grid = inputs
+        unified = self.block(unified, key_mask(total, unified.shape[1]), _freqs(self.rope, ids),
+                             adaln)
+        return unified, adaln, ids, total, grid
+
+
+class ZImageHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        cfg = transformer.config
+        self.patch, self.f_patch = cfg.all_patch_size[0], cfg.all_f_patch_size[0]
+        key = f"{self.patch}-{self.f_patch}"
+        self.adopt("final_layer", transformer.all_final_layer[key], f"all_final_layer.{key}")
+        self.out_channels = transformer.out_channels
+
+    def forward(self, inputs):
+        unified, adaln, _ids, _total, grid = inputs
+        out = self.final_layer(unified, c=adaln)
+        f, h, w = (int(v) for v in grid[0])
+        p, pf, c = self.patch, self.f_patch, self.out_channels
+        n = (f // pf) * (h // p) * (w // p)
+        out = out[:, :n].reshape(out.shape[0], f // pf, h // p, w // p, pf, p, p, c)
+        out = out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(out.shape[0], c, f, h, w)
+        return out[:, :, 0] if f == 1 else out
+
+
+def _freqs(rope, ids: torch.Tensor) -> torch.Tensor:
+    b, n, _ = ids.shape
+    return rope(ids.reshape(b * n, 3)).reshape(b, n, -1)
+
+
+def z_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    rope = transformer.rope_embedder
+    layers: list[PipelineLayer] = [ZImageEmbed(transformer)]
+    for i, block in enumerate(transformer.noise_refiner):
+        layers.append(ZImageRefiner(block, rope, f"noise_refiner.{i}", "image"))
+    for i, block in enumerate(transformer.context_refiner):
+        layers.append(ZImageRefiner(block, rope, f"context_refiner.{i}", "caption"))
+    layers.append(ZImageJoin())
+    for i, block in enumerate(transformer.layers):
+        layers.append(ZImageBlock(block, rope, f"layers.{i}"))
+    layers.append(ZImageHead(transformer))
+    return layers

@@ -1,0 +1,237 @@
+"""Z-Image (Turbo / base): ZImageTransformer2DModel + AutoencoderKL (FLUX's VAE) + Qwen3 text encoder.
+
+Loads the diffusers folder layout of Tongyi-MAI/Z-Image-Turbo; prompts go through diffusers'
+own `ZImagePipeline.encode_prompt` (Qwen3 chat template, second-to-last hidden state, padding
+dropped), so training sees exactly what inference sees.
+
+Conventions of the family, from `ZImagePipeline.__call__`: the transformer is given
+t_model = 1 - sigma (1 = clean image) and its output is the negated flow velocity, x0 - noise
+(the pipeline steps with `-output`). `noise` below sets the target to match, so the loss is the
+usual flow-matching MSE.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.qwen_image.shared import (
+    check_folder, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
+    save_comfy_lora, weighted_labels, weighted_mse)
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.z_image.layers import z_image_layers
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+
+# Every Linear of every ZImageTransformerBlock (main layers and both refiners): attention,
+# SwiGLU MLP and the adaLN modulation, as the community's Z-Image LoRAs target them.
+_BLOCK_LINEARS = [r"attention\.to_q", r"attention\.to_k", r"attention\.to_v", r"attention\.to_out\.0",
+                  r"feed_forward\.w1", r"feed_forward\.w2", r"feed_forward\.w3", r"adaLN_modulation\.0"]
+LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFY_LORA = "comfyui_lora.safetensors"
+
+
+class ZImageSpec(ModelSpec):
+    family = "z_image"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.z_image.tiny import make_tiny_z_image
+
+            make_tiny_z_image(self.path)
+        check_folder(self.path, REQUIRED_PARTS, "Z-Image", "Tongyi-MAI/Z-Image-Turbo")
+        self._vae_config()  # a broken folder fails before training
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    def _transformer_config(self) -> dict[str, Any]:
+        return read_json(self.path / "transformer" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downscale (x8 for the real model), then 2x2 patches.
+        patch = self._transformer_config().get("all_patch_size", [2])[0]
+        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * patch
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import ZImagePipeline
+
+        pipe = load_or_fail(lambda: ZImagePipeline.from_pretrained(
+            self.path, transformer=None, dtype=dtype), self.path)
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import ZImageTransformer2DModel
+
+        return load_or_fail(lambda: ZImageTransformer2DModel.from_pretrained(
+            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"),
+                "shift_factor": vae.get("shift_factor"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "chat template, hidden_states[-2], padding dropped, zero-padded + length",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = encoders.encode_prompt(
+            list(prompts), device=encoders.vae.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.cfg.max_text_tokens)
+        # Variable-length per prompt: cached zero-padded to max_text_tokens with the length, so
+        # every entry has one shape; the layers drop the padding again.
+        length = self.cfg.max_text_tokens
+        padded = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
+        for i, e in enumerate(embeds):
+            padded[i, : e.shape[0]] = e
+        lengths = torch.tensor([[e.shape[0]] for e in embeds], dtype=torch.float32)
+        return {"cap": padded, "cap_len": lengths}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        # Z-Image predicts x0 - noise (the pipeline negates its output before stepping).
+        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return z_image_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        # Parameter counts, less the timestep embedder's: it runs once per sample, not per token,
+        # and its hard-coded 1024-wide MLP would outweigh whole blocks of a small model.
+        costs = super().layer_costs(layers)
+        t_params = sum(p.numel() for p in layers[0].t_embedder.parameters())
+        return [costs[0] - t_params, *costs[1:]]
+
+    def make_inputs(self, batch: NoisedBatch):
+        t_model = 1.0 - batch.timesteps  # the pipeline's (1000 - t) / 1000
+        cap_len = batch.text["cap_len"].reshape(-1).round().long()
+        inputs = (batch.noisy, t_model, batch.text["cap"], cap_len)
+        return inputs, weighted_labels(batch)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mse(outputs, labels)
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import ZImagePipeline
+
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        ZImagePipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        comfy = save_comfy_lora(comfy_lora_pairs(weights, metadata["lora_alpha"]),
+                                out_dir / COMFY_LORA)
+        return [out_dir / DIFFUSERS_LORA, comfy]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t_model, cap, cap_len = inputs
+        x = [lat.unsqueeze(1) for lat in latents]  # (C, F=1, H, W) per item
+        caps = [c[: int(n)] for c, n in zip(cap, cap_len)]
+        out = denoiser(x, t_model, caps, return_dict=False)[0]
+        return torch.stack(out).squeeze(2)
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import ZImagePipeline
+
+        pipe = ZImagePipeline.from_pretrained(self.path, text_encoder=None, vae=None,
+                                              tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import ZImageTransformer2DModel
+
+        return ZImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+# ---- ComfyUI ------------------------------------------------------------------------------------
+# ComfyUI runs Z-Image with the original checkpoint's module names (those of the single-file
+# `z_image_turbo_bf16.safetensors`): fused attention.qkv, attention.out, x_embedder, final_layer.
+# diffusers' `convert_z_image_transformer_checkpoint_to_diffusers` maps them the other way.
+_TO_NATIVE = {".attention.to_out.0": ".attention.out", "all_final_layer.2-1.": "final_layer.",
+              "all_x_embedder.2-1.": "x_embedder."}
+
+
+def native_module_name(name: str) -> str:
+    for diffusers_name, native in _TO_NATIVE.items():
+        name = name.replace(diffusers_name, native)
+    return name
+
+
+def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers ZImageTransformer2DModel state dict under the original (ComfyUI) names: the
+    inverse of diffusers' single-file conversion (q/k/v fused into qkv, norm_q -> q_norm, ...)."""
+    out = {}
+    for key, value in state_dict.items():
+        if ".attention.to_k." in key or ".attention.to_v." in key:
+            continue
+        if ".attention.to_q." in key:
+            base, _, tail = key.partition(".attention.to_q.")
+            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
+                [state_dict[f"{base}.attention.to_{n}.{tail}"] for n in "qkv"], dim=0)
+            continue
+        key = native_module_name(key).replace(".attention.norm_q.", ".attention.q_norm.")
+        out[key.replace(".attention.norm_k.", ".attention.k_norm.")] = value
+    return out
+
+
+def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
+    """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
+    from dpipe.models.qwen_image.shared import fuse_lora
+
+    pairs = lora_pairs(weights)
+    out = {}
+    for module, (a, b) in pairs.items():
+        if module.endswith((".attention.to_k", ".attention.to_v")):
+            continue
+        if module.endswith(".attention.to_q"):
+            base = module[: -len(".to_q")]
+            parts = [pairs.get(f"{base}.{n}") for n in ("to_q", "to_k", "to_v")]
+            if any(p is None for p in parts):
+                raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
+                                 "(ComfyUI's Z-Image has one fused qkv Linear)")
+            fa, fb = fuse_lora(parts)
+            out[f"{base}.qkv"] = (fa, fb, alpha * 3)  # alpha / rank stays as it was
+        else:
+            out[native_module_name(module)] = (a, b, alpha)
+    return out

@@ -1,0 +1,92 @@
+"""A tiny random Z-Image, written in the layout of Tongyi-MAI/Z-Image-Turbo.
+
+Same components and classes as the real repo's model_index.json (ZImagePipeline:
+FlowMatchEulerDiscreteScheduler, AutoencoderKL, Qwen3Model, Qwen2Tokenizer,
+ZImageTransformer2DModel), bf16 safetensors, the transformer and text encoder sharded with index
+files; only the sizes shrink. The tokenizer is a small byte-level BPE with Qwen's added tokens and a
+chat template reduced to text turns (see `dpipe.models.qwen_image.tiny_tokenizer`).
+
+Sizes: 64x64 images -> VAE (4x, 4 latent channels) -> 16x16 latents -> 2x2 patches -> 64 image
+tokens of width 32; text: Qwen3 (hidden 32, 2 layers; the pipeline takes the second-to-last hidden
+state). 2 noise-refiner, 2 context-refiner and 2 main blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.qwen_image.shared import round_up, save_component
+from dpipe.models.qwen_image.tiny_tokenizer import save_qwen_tokenizer
+from dpipe.models.tiny_parts import seeded, write_atomically
+
+LATENT_CHANNELS = 4
+DIM = 32  # transformer width
+TEXT_DIM = 32  # Qwen3 hidden size = the transformer's cap_feat_dim (2560 for Qwen3-4B)
+DTYPE = torch.bfloat16  # as the real repo stores its weights
+
+
+def make_tiny_z_image(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Z-Image diffusers folder at `path` and return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_z_image; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=40960)
+    vocab = max(added.values()) + 1
+
+    # Z-Image-Turbo's scheduler: a fixed shift of 3, no resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
+                                                use_dynamic_shifting=False)
+    with seeded(seed):
+        text_encoder = Qwen3Model(Qwen3Config(
+            vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"]))
+    with seeded(seed + 1):
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=DIM,
+            n_layers=2, n_refiner_layers=2, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
+            cap_feat_dim=TEXT_DIM, rope_theta=256.0, t_scale=1000.0,
+            axes_dims=[4, 6, 6],  # sums to the head dim 16, as [32, 48, 48] sums to 128
+            axes_lens=[1536, 512, 512])
+        # Zero-initialised in the real class: random here, so tests see them at work.
+        torch.nn.init.normal_(transformer.x_pad_token, std=0.5)
+        torch.nn.init.normal_(transformer.cap_pad_token, std=0.5)
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
+            # FLUX's VAE and latent normalisation, which Z-Image uses.
+            scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_component(text_encoder, out / "text_encoder", shards=3, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                          tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),
+                          transformer=transformer)
+    pipe.save_config(out)  # model_index.json, as save_pretrained writes it
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index
+    assert index["text_encoder"] == ["transformers", "Qwen3Model"], index

@@ -1,0 +1,197 @@
+"""The tiny Z-Image loads and runs through diffusers' real code; Z-Image specifics of the spec."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
+from safetensors.torch import load_file
+from transformers import Qwen2Tokenizer, Qwen3Model
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.qwen_image.shared import apply_comfy_lora
+from dpipe.models.spec import NoisedBatch
+from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
+from dpipe.models.z_image.tiny import make_tiny_z_image
+
+CAPTIONS = ["a red circle on a blue background", "a cat",
+            "A photo of two green stars, a painting of a dog in the park, an illustration"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_z_image(tmp_path_factory.mktemp("models") / "z_image")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> ZImagePipeline:
+    return ZImagePipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+def _spec(path: Path, **overrides) -> ZImageSpec:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "z_image", "path": str(path), "max_text_tokens": 40,
+                           **overrides})
+    return ZImageSpec(OmegaConf.to_object(cfg))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, guidance_scale=0.0,
+               max_sequence_length=32, generator=torch.Generator().manual_seed(0),
+               output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny, pipe):
+    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
+                "text_encoder": Qwen3Model, "tokenizer": Qwen2Tokenizer,
+                "transformer": ZImageTransformer2DModel}
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "ZImagePipeline"
+    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer/tokenizer.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny / rel).is_file(), rel
+    # The prompt format: Qwen3's chat template, every caption word a whole token.
+    text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": CAPTIONS[0]}],
+                                              tokenize=False, add_generation_prompt=True)
+    assert text == f"<|im_start|>user\n{CAPTIONS[0]}<|im_end|>\n<|im_start|>assistant\n"
+    words = pipe.tokenizer.tokenize(" " + CAPTIONS[0])
+    assert len(words) == len(CAPTIONS[0].split())
+
+
+def test_idempotent_and_deterministic(tmp_path, tiny):
+    again = make_tiny_z_image(tmp_path / "again", seed=0)
+    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+
+def _inputs(spec, encoders, captions, seed=0):
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+
+
+def test_layers_match_the_forward_for_captions_of_any_length(tiny):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    (inputs, (target,)) = _inputs(spec, encoders, CAPTIONS)
+    lengths = inputs[3].tolist()
+    # Shorter than, equal to, and longer than one 32-token unit; the last is cut at 40.
+    assert len(set(lengths)) == 3 and max(lengths) == 40 and min(lengths) < 32
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
+                 for i in range(len(CAPTIONS))]
+    assert x.shape == target.shape
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    # Padding to the batch's or the run's length leaves each item's result as computed alone.
+    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=1e-6)
+
+
+def test_target_and_timestep_follow_the_pipeline(tiny):
+    spec = _spec(tiny)
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.25, 0.9])
+    noisy, target = spec.noise(x0, noise, t)
+    # The pipeline steps with -output as the velocity (noise - x0): the model predicts x0 - noise,
+    # at t_model = 1 - sigma.
+    torch.testing.assert_close(target, x0 - noise)
+    text = {"cap": torch.zeros(2, 40, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
+    inputs, _ = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    torch.testing.assert_close(inputs[1], 1 - t)
+
+
+def test_pipeline_split_and_lora_targets(tiny):
+    spec = _spec(tiny)
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    kinds = [type(layer).__name__ for layer in layers]
+    assert kinds == ["ZImageEmbed"] + ["ZImageRefiner"] * 4 + ["ZImageJoin"] + ["ZImageBlock"] * 2 \
+        + ["ZImageHead"]
+    # Exported names cover the denoiser exactly.
+    names = set()
+    for layer in layers:
+        names |= set(layer.denoiser_state_dict(trainable_only=False))
+    assert names == set(denoiser.state_dict())
+    import re
+
+    targets = [n for n, m in denoiser.named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(spec.lora_targets(), n)]
+    blocks = [n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)
+              and n.split(".")[0] in ("layers", "noise_refiner", "context_refiner")]
+    assert sorted(targets) == sorted(blocks)  # every Linear of every block, nothing else
+
+
+def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
+    """The ComfyUI file, merged into the original-layout weights as ComfyUI merges it and
+    converted back by diffusers' own single-file code, gives the diffusers LoRA's model."""
+    from diffusers.loaders.single_file_utils import (
+        convert_z_image_transformer_checkpoint_to_diffusers)
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    spec = _spec(tiny, lora={"rank": 2, "alpha": 3})
+    denoiser = spec.load_denoiser(torch.float32)
+    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
+                                       init_lora_weights=False), denoiser)
+    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFY_LORA]
+    comfy = load_file(tmp_path / COMFY_LORA)
+    assert all(k.startswith("diffusion_model.") for k in comfy)
+    assert "diffusion_model.layers.0.attention.qkv.lora_A.weight" in comfy
+
+    merged = apply_comfy_lora(native_state_dict(base), comfy)
+    converted = convert_z_image_transformer_checkpoint_to_diffusers(merged)
+    from_comfy = spec.load_denoiser(torch.float32)
+    from_comfy.load_state_dict(converted, strict=True)
+    with_lora = spec.load_denoiser_with_lora(tmp_path)
+
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, CAPTIONS[:2])
+    with torch.no_grad():
+        plain = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
+        a = spec.denoiser_forward(with_lora, inputs)
+        b = spec.denoiser_forward(from_comfy, inputs)
+    assert (a - plain).abs().max() > 1e-3
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_mask_weights_the_loss(tiny):
+    from dpipe.data.batches import DataBatch
+
+    spec = _spec(tiny)
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.6])
+    noisy, target = spec.noise(x0, noise, t)
+    text = {"cap": torch.zeros(2, 40, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
+    weight = torch.ones(2, 1, 8, 8)
+    weight[:, :, :4] = 0.0  # the top half does not count
+    _, labels = spec.make_inputs(DataBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
+    out = target.clone()
+    out[:, :, :4] += 5.0  # wrong only where the mask is 0
+    assert spec.loss(out, labels).item() == 0.0
+    _, plain = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    assert len(plain) == 1 and spec.loss(out, plain).item() > 1.0
