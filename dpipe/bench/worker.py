@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from dpipe.config.schema import Precision, TimestepConfig, TrainMode
-from dpipe.data.batches import noised_batch
+from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
 from dpipe.models.registry import build_spec
+from dpipe.models.spec import NoisedBatch
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
 
@@ -29,9 +30,11 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
         samples = [spec.random_sample(size) for _ in range(micro_batch_size)]
         latents = torch.stack([s[0] for s in samples])
         text = {k: torch.stack([s[1][k] for s in samples]) for k in samples[0][1]}
-        slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
-        batch = noised_batch(spec, latents, text, TimestepConfig(), seed, 0, slots)
-        inputs, labels = spec.make_inputs(batch)
+        noise = torch.randn(latents.shape)
+        t = sample_timesteps(TimestepConfig(), len(latents), torch.Generator().manual_seed(micro))
+        noisy, target = spec.noise(latents, noise, t)
+        inputs, labels = spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t,
+                                                      noisy=noisy, target=target, text=text))
         pin = lambda ts: tuple(t.pin_memory() if torch.cuda.is_available() else t for t in ts)
         batches.append((pin(inputs), pin(labels)))
     return batches
@@ -39,7 +42,7 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
 
 def main() -> int:
     from dpipe.bench.timing import StageTiming
-    from dpipe.train.loop import trainable_layers
+    from dpipe.train.trainable import trainable_layers
 
     bench_dir = Path(sys.argv[1])
     opts = json.loads((bench_dir / "bench.json").read_text())

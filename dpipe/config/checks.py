@@ -113,10 +113,12 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
         raise ConfigError(
             f"pipeline.zero_stage={p.zero_stage}: DeepSpeed pipelines support ZeRO stage 0 or 1 only"
         )
-    if t.precision == Precision.bf16 and m.mode == TrainMode.full and p.zero_stage == 0:
+    if (t.precision == Precision.bf16 and m.mode == TrainMode.full and o.master_weights
+            and p.zero_stage == 0):
         raise ConfigError(
             "train.precision=bf16 with model.mode=full needs pipeline.zero_stage=1 (DeepSpeed's "
-            "bf16 optimizer cannot reload its checkpoints at ZeRO stage 0)"
+            "bf16 optimizer cannot reload its checkpoints at ZeRO stage 0), or "
+            "optim.master_weights=false"
         )
     if p.partition == PartitionMethod.explicit:
         split = p.split or []

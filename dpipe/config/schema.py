@@ -91,6 +91,15 @@ class ModelConfig:
     # Condition on the first frame (image-to-video). null: the checkpoint's own task (i2v for
     # image-to-video checkpoints); true/false where a checkpoint does both (Wan 2.2 TI2V-5B).
     i2v: Optional[bool] = None
+    # Noise-prediction models (SDXL): what the denoiser predicts, "epsilon" or "v_prediction".
+    # null: the checkpoint's own (its scheduler config's prediction_type).
+    prediction_type: Optional[str] = None
+    # Noise-prediction models (SDXL): min-SNR-gamma loss weighting (5.0 is the usual gamma); 0: off.
+    min_snr_gamma: float = 0.0
+    # With `path` naming a single-file checkpoint (.safetensors, as SDXL fine-tunes are shared):
+    # a diffusers folder or hub id holding the matching configs and tokenizers. null: diffusers'
+    # default for the checkpoint's type (fetched from the hub once, then from its cache).
+    single_file_config: Optional[str] = None
 
 
 @dataclass
@@ -272,6 +281,10 @@ class OptimConfig:
     schedule: LrSchedule = LrSchedule.constant
     warmup_steps: int = 0
     grad_clip: float = 1.0  # 0 disables clipping
+    # bf16 full fine-tunes: keep fp32 master weights and optimizer states (DeepSpeed's bf16
+    # optimizer, ~16 bytes per parameter); false trains the bf16 weights directly with AdamW
+    # states in bf16 (~8 bytes per parameter, as most trainers do), when memory is short.
+    master_weights: bool = True
 
 
 @dataclass
@@ -284,8 +297,15 @@ class PipelineConfig:
     micro_batches: int = 1
     partition: PartitionMethod = PartitionMethod.parameters
     split: Optional[list[int]] = None  # with partition=explicit
-    # Recompute every N-th layer group's activations in backward (0: keep all activations).
-    activation_checkpoint_interval: int = 0
+    # Which layers recompute their activations in backward instead of keeping them:
+    # "none", "all", "auto" (as few as the GPU memory budget needs; none on CPU), or a number N
+    # (the first N blocks of each stage).
+    activation_checkpointing: str = "none"
+    # GPU memory that "auto" plans for, in GiB; null: 92% of the device's memory.
+    memory_budget_gb: Optional[float] = None
+    # torch.compile each pipeline layer (each transformer block): ~1.3-1.5x faster on GPU after a
+    # one-off compile of about a minute.
+    compile: bool = False
     zero_stage: int = 0
 
 

@@ -74,15 +74,20 @@ class BuiltEngine:
     trainable_parameters: int
 
 
+def deepspeed_bf16(run: RunConfig) -> bool:
+    """bf16 full fine-tunes with fp32 master weights run in DeepSpeed's bf16 mode."""
+    return (run.train.precision == Precision.bf16 and run.model.mode == TrainMode.full
+            and run.optim.master_weights)
+
+
 def _deepspeed_wraps_optimizer(run: RunConfig) -> bool:
     """Whether DeepSpeed puts its own optimizer (bf16 or ZeRO) around ours; it then clips."""
-    full_bf16 = run.train.precision == Precision.bf16 and run.model.mode == TrainMode.full
-    return full_bf16 or run.pipeline.zero_stage > 0
+    return deepspeed_bf16(run) or run.pipeline.zero_stage > 0
 
 
 def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
-    p, t = run.pipeline, run.train
-    full_bf16 = t.precision == Precision.bf16 and run.model.mode == TrainMode.full
+    p = run.pipeline
+    full_bf16 = deepspeed_bf16(run)
     return {
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.micro_batches,
@@ -103,13 +108,14 @@ def build_engine(
 
     p = run.pipeline
     bounds = stage_bounds(costs, p.stages, p.partition, p.split)
-    # Full bf16 fine-tunes use DeepSpeed's bf16 mode (fp32 master weights in the optimizer); LoRA
-    # keeps fp32 adapters over bf16 frozen weights and runs the layers under autocast.
-    lora_bf16 = run.train.precision == Precision.bf16 and run.model.mode == TrainMode.lora
+    # Full bf16 fine-tunes with master weights use DeepSpeed's bf16 mode (fp32 copies in the
+    # optimizer); every other bf16 run (LoRA's fp32 adapters over bf16 frozen weights, bf16
+    # weights trained directly) runs the layers under autocast.
+    autocast = run.train.precision == Precision.bf16 and not deepspeed_bf16(run)
     module = _pipeline_module_class()(
         layers,
         bounds,
-        torch.bfloat16 if lora_bf16 else None,
+        torch.bfloat16 if autocast else None,
         topology=PipeDataParallelTopology(num_pp=p.stages, num_dp=data_parallel),
         loss_fn=loss_fn,
         dynamic_shape=True,  # buckets change tensor shapes between micro-batches

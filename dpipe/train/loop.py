@@ -17,9 +17,10 @@ from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
+from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train import checkpoint, preemption
 from dpipe.train.export import export
-from dpipe.train.lora import frozen_dtype, make_trainable
+from dpipe.train.trainable import trainable_layers
 
 log = logging.getLogger("dpipe")
 
@@ -72,6 +73,10 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         reporter = Reporter(run_dir, step, run.train.max_steps, plan.global_batch,
                             run.train.progress_bar)
     last_save_time, last_saved = time.monotonic(), step
+    auto_ckpt = None
+    if run.pipeline.activation_checkpointing == "auto" and cuda:
+        auto_ckpt = AutoCheckpointing(engine.module, built.stage, run.pipeline.stages,
+                                      run.pipeline.micro_batches, run.pipeline.memory_budget_gb)
     evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
                           dp_rank, run.train.seed, run_dir)
     evaluator.maybe_run(engine, step, reporter)
@@ -83,6 +88,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         loss = engine.train_batch(data_iter=batches)
         step += 1
         evaluator.maybe_run(engine, step, reporter)
+        if auto_ckpt is not None:
+            auto_ckpt.after_first_step()
+            auto_ckpt = None
         if reporter is not None and (step % run.train.log_every == 0 or step == run.train.max_steps):
             grad_norm = engine.get_global_grad_norm()
             reporter.step(step, float(loss), engine.get_lr()[0],
@@ -103,16 +111,6 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         log.info("exported %s", out)
     dist.barrier()
     return out
-
-
-def trainable_layers(spec, run: RunConfig) -> list:
-    """The denoiser, made trainable (LoRA or full), as pipeline layers; the same on every rank."""
-    torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
-    denoiser = spec.load_denoiser(torch.float32)
-    make_trainable(denoiser, run.model, spec.lora_targets())
-    if run.train.precision == Precision.bf16 and run.model.mode == TrainMode.lora:
-        frozen_dtype(denoiser, torch.bfloat16)
-    return spec.pipeline_layers(denoiser)
 
 
 def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float) -> bool:

@@ -18,8 +18,8 @@ import torch
 from tests.cli import dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_auraflow", "tiny_sd3", "tiny_chroma",
-            "tiny_wan", "tiny_z_image"]
+FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_auraflow", "tiny_sdxl", "tiny_sd3", "tiny_chroma", "tiny_z_image",
+            "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b"]
 
 
 def _run(run_dir: Path, model: str, *overrides: str) -> Path:
@@ -61,7 +61,7 @@ def test_layers_reproduce_the_denoiser(model, tmp_path):
 def test_two_stage_loss_equals_one_stage_loss(lora_run):
     from dpipe.data.batches import step_micro_batches
     from dpipe.models.registry import build_spec
-    from dpipe.train.loop import trainable_layers
+    from dpipe.train.trainable import trainable_layers
 
     run = run_config(lora_run)
     spec = build_spec(run.model)
