@@ -189,3 +189,21 @@ def test_full_export_loads(spec, tmp_path):
     loaded = HunyuanVideoTransformer3DModel.from_pretrained(folder)
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, state[k])
+
+
+def test_mask_weights_the_loss(spec):
+    from dpipe.data.batches import DataBatch
+
+    x0 = torch.randn(2, 4, 2, 16, 16)
+    noise, t = torch.randn_like(x0), torch.tensor([0.2, 0.9])
+    noisy, target = spec.noise(x0, noise, t)
+    text = {"llama": torch.zeros(2, 16, 32), "mask": torch.ones(2, 16), "pooled": torch.zeros(2, 32)}
+    weight = torch.zeros(2, 1, 1, 16, 16)
+    weight[..., :8] = 1.0  # the left half counts
+    batch = DataBatch(latents=x0, noise=noise, timesteps=t, noisy=noisy, target=target, text=text,
+                      loss_weight=weight)
+    _, labels = spec.make_inputs(batch)
+    out = target + torch.randn_like(target)
+    out[..., :8] = target[..., :8]  # perfect where the mask is 1
+    assert spec.loss(out, labels).item() == 0.0
+    assert spec.loss(out, labels[:1]).item() > 0.1

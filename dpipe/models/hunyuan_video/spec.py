@@ -177,11 +177,10 @@ class HunyuanVideoSpec(ModelSpec):
         guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (batch.noisy, batch.timesteps, batch.text["llama"], batch.text["mask"].long(),
                   batch.text["pooled"], guidance)
-        return inputs, (batch.target,)
+        return inputs, loss_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        (target,) = labels
-        return F.mse_loss(outputs.float(), target.float())
+        return video_loss(outputs, labels)
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
@@ -227,6 +226,21 @@ class HunyuanVideoSpec(ModelSpec):
         from diffusers import HunyuanVideoTransformer3DModel
 
         return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
+
+
+def loss_labels(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:
+    """(target,) or, when the dataset has masks, (target, per-pixel weight (B, 1, 1, h, w))."""
+    weight = getattr(batch, "loss_weight", None)
+    return (batch.target,) if weight is None else (batch.target, weight)
+
+
+def video_loss(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """MSE against the target of (B, C, F, h, w) latents; mask weights broadcast over C and F."""
+    if len(labels) == 1:
+        return F.mse_loss(outputs.float(), labels[0].float())
+    target, weight = labels
+    weight = weight.float().view(weight.shape[0], 1, 1, *weight.shape[-2:])
+    return (weight * (outputs.float() - target.float()).square()).mean()
 
 
 def prompt_template(tokenizer) -> dict[str, Any]:

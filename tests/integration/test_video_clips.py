@@ -1,0 +1,109 @@
+"""Video families on a real mixed dataset: clips (decoded with PyAV, put in frame buckets) and
+images in one run, 2 pipeline stages, LoRA exported and reloaded.
+
+The generic harness (test_families.py) trains every family on images; this adds what only video
+families do: clips whose frame count the family's VAE takes (4k+1 for HunyuanVideo, ...) in the
+same run as 1-frame images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.cli import dpipe_train, metrics, train_args
+from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+
+# tiny config -> a clip length (frame bucket) its VAE takes.
+FAMILIES = {"tiny_hunyuan_video": 5}
+
+
+def _write_clip(path: Path, frames: int, seed: int, size: int = 64) -> None:
+    """A square moving across a coloured background: frames differ, as in real clips."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    back, fore = rng.integers(0, 255, 3), rng.integers(0, 255, 3)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            image = np.empty((size, size, 3), np.uint8)
+            image[:] = back
+            x = 4 + 4 * i
+            image[20:40, x:x + 20] = fore
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("mixed")
+    for i in range(3):
+        _write_clip(folder / f"clip{i}.mp4", frames=9, seed=i)
+        (folder / f"clip{i}.txt").write_text(f"a red square moving right, clip {i}")
+        pixels = np.random.default_rng(10 + i).integers(0, 255, (64, 64, 3), np.uint8)
+        Image.fromarray(pixels).save(folder / f"image{i}.png")
+        (folder / f"image{i}.txt").write_text("a blue circle on a green background")
+    return folder
+
+
+def _train(run_dir: Path, model: str, folder: Path, frames: int, *overrides: str) -> Path:
+    result = dpipe_train(*train_args(
+        run_dir, f"model={model}", "dataset=folder", f"dataset.path={folder}",
+        "dataset.resolutions=[64]", f"dataset.frame_buckets=[1,{frames}]",
+        "pipeline.stages=2", "pipeline.micro_batches=2", "optim.lr=1e-3",
+        "train.checkpoint_every_steps=0", *overrides,
+    ), timeout=400)
+    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
+    return run_dir
+
+
+def _micro_batches(spec, run, dataset, plan, step):
+    from dpipe.data.batches import step_micro_batches
+
+    return list(step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed,
+                                   step, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_clips_and_images_train_in_one_run(model, mixed_folder, tmp_path):
+    from dpipe.models.registry import build_spec
+    from dpipe.train.loop import trainable_layers
+
+    frames = FAMILIES[model]
+    run_dir = _train(tmp_path / "run", model, mixed_folder, frames, "train.max_steps=3")
+    run = run_config(run_dir)
+    spec = build_spec(run.model)
+    dataset, plan = cached_dataset(run_dir)
+
+    # 9-frame clips go to the `frames` bucket, images to the 1-frame one; both are trained.
+    buckets = {(step, micro): plan.micro_batch(step, micro, 0).bucket.frames
+               for step in range(plan.steps_per_epoch) for micro in range(plan.micro_batches)}
+    assert set(buckets.values()) == {1, frames}
+
+    # The 2-stage run's first loss is the 1-stage loss of the same micro-batches.
+    layers = trainable_layers(spec, run)
+    with torch.no_grad():
+        losses = [spec.loss(run_layers(layers, inputs), labels)
+                  for inputs, labels in _micro_batches(spec, run, dataset, plan, 0)]
+    assert metrics(run_dir)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+                                                        rel=1e-5, abs=1e-7)
+
+    # The exported LoRA, loaded as users load it, reproduces the trained model on a clip.
+    spec, trained = trained_layers(run_dir)
+    step, micro = next(k for k, f in buckets.items() if f == frames)
+    clip_inputs, _ = _micro_batches(spec, run, dataset, plan, step)[micro]
+    with torch.no_grad():
+        want = run_layers(trained, clip_inputs)
+        got = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), clip_inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
