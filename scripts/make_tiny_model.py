@@ -28,6 +28,7 @@ FACTORIES: dict[str, str] = {
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",
+    "sdxl": "dpipe.models.sdxl.tiny:make_tiny_sdxl",
     "z_image": "dpipe.models.z_image.tiny:make_tiny_z_image",
 }
 

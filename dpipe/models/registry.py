@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",
+    "sdxl": "dpipe.models.sdxl.spec:SDXLSpec",
     "z_image": "dpipe.models.z_image.spec:ZImageSpec",
 }
 

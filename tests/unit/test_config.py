@@ -20,6 +20,8 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["model", "dataset", "optim", "pipeline", "train"]
 # Options that need a user-given path to validate.
 NEEDS = {("model", "flux"): ["model.path=/models/FLUX.1-dev"],
+         ("model", "auraflow"): ["model.path=/models/AuraFlow-v0.3"],
+         ("model", "sdxl"): ["model.path=/models/sd_xl_base_1.0.safetensors"],
          ("dataset", "folder"): ["dataset.path=/data/photos"]}
 
 

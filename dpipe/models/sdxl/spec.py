@@ -1,0 +1,292 @@
+"""SDXL base (and its fine-tunes): UNet2DConditionModel + AutoencoderKL + CLIP-L + OpenCLIP-bigG.
+
+`model.path` is either the diffusers folder (stabilityai/stable-diffusion-xl-base-1.0 layout) or a
+single-file checkpoint (`.safetensors` in Stability's names, as fine-tunes are shared); for a single
+file, `model.single_file_config` may name a diffusers folder or hub id with the configs and
+tokenizers (default: diffusers' SDXL base config from the hub cache).
+
+Objective: discrete DDPM (see `ddpm.py`): epsilon or v-prediction (`model.prediction_type`, default:
+the scheduler config's), optional min-SNR-gamma weighting (`model.min_snr_gamma`). SDXL was trained
+on uniformly sampled timesteps: use `train.timesteps.sampling=uniform` (and shift 1).
+Conditioning: both encoders' penultimate hidden states (concatenated, 77 tokens) and CLIP-G's pooled
+projection through `StableDiffusionXLPipeline.encode_prompt`, plus SDXL's six size/crop numbers
+(original size, crop top-left, target size), taken here as (size, (0, 0), size) of the trained
+image: the cache keeps no original size or crop offset (see docs/models.md).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
+from dpipe.models.sdxl import ddpm
+from dpipe.models.sdxl.layers import sdxl_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "unet", "vae", "text_encoder", "text_encoder_2",
+                  "tokenizer", "tokenizer_2", "scheduler")
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+KOHYA_FILE = "lora_kohya.safetensors"
+
+# kohya's default for SDXL LoRAs (what ComfyUI/A1111 users train and share): every Linear of the
+# UNet's transformer blocks -- attention projections, feed-forwards, proj_in/out -- and no conv.
+LORA_TARGETS = (r"(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)\.attentions\.\d+\.(?:proj_in|proj_out"
+                r"|transformer_blocks\.\d+\.(?:attn[12]\.(?:to_q|to_k|to_v|to_out\.0)"
+                r"|ff\.net\.0\.proj|ff\.net\.2))")
+
+
+class SDXLSpec(ModelSpec):
+    family = "sdxl"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg.prediction_type not in (None, *ddpm.PREDICTION_TYPES):
+            raise ConfigError(f"model.prediction_type={cfg.prediction_type!r}: SDXL predicts "
+                              f"{' or '.join(ddpm.PREDICTION_TYPES)} (null: the checkpoint's own)")
+        if cfg.min_snr_gamma < 0:
+            raise ConfigError(f"model.min_snr_gamma={cfg.min_snr_gamma} must be >= 0 (0: off)")
+        self.single_file = self.path.suffix in SINGLE_FILE_SUFFIXES
+        if cfg.single_file_config is not None and not self.single_file:
+            raise ConfigError("model.single_file_config is only used when model.path is a single-"
+                              f"file checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)})")
+        self._schedule: tuple[torch.Tensor, str] | None = None
+        self._unet_config: dict[str, Any] | None = None
+
+    # ---- where the configs live ---------------------------------------------------------------
+    @property
+    def _config_dir(self) -> Path | None:
+        """A local diffusers folder with the component configs, if there is one."""
+        if not self.single_file:
+            return self.path
+        if self.cfg.single_file_config and Path(self.cfg.single_file_config).expanduser().is_dir():
+            return Path(self.cfg.single_file_config).expanduser()
+        return None
+
+    def _json(self, part: str, name: str = "config.json") -> dict[str, Any] | None:
+        folder = self._config_dir
+        if folder is None:
+            return None
+        path = folder / part / name
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.sdxl.tiny import SINGLE_FILE, make_tiny_sdxl
+
+            make_tiny_sdxl(self.path.parent if self.path.name == SINGLE_FILE else self.path)
+        if not self.path.exists():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give an SDXL model: its diffusers folder "
+                "(e.g. stabilityai/stable-diffusion-xl-base-1.0) or a single .safetensors file")
+        config = self.cfg.single_file_config
+        if self.single_file:
+            # A hub id ("org/name") is fine; a path that names no folder is a typo.
+            if config and config.startswith(("/", ".", "~")) and self._config_dir is None:
+                raise ModelLoadError(f"model.single_file_config={config} is not a folder")
+        else:
+            missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+            if missing:
+                raise ModelLoadError(
+                    f"model.path={self.path} is not a complete SDXL diffusers folder: missing "
+                    f"{', '.join(missing)}")
+        self._json("vae")
+        self._json("unet")
+
+    @property
+    def pixel_multiple(self) -> int:
+        vae, unet = self._json("vae"), self._json("unet")
+        if vae is None or unet is None:
+            return 32  # SDXL's own: the VAE's 8x times the UNet's two 2x downsamplings
+        return 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet["down_block_types"]) - 1)
+
+    # ---- components -------------------------------------------------------------------------
+    def _pipeline(self, dtype: torch.dtype | None = None, **components):
+        from diffusers import StableDiffusionXLPipeline
+
+        try:
+            if self.single_file:
+                return StableDiffusionXLPipeline.from_single_file(
+                    str(self.path), config=self.cfg.single_file_config, torch_dtype=dtype,
+                    **components)
+            return StableDiffusionXLPipeline.from_pretrained(self.path, dtype=dtype, **components)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load SDXL from {self.path}: {err}") from None
+
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        pipe = self._pipeline(dtype, unet=None)
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import UNet2DConditionModel
+
+        try:
+            if self.single_file:
+                unet = UNet2DConditionModel.from_single_file(
+                    str(self.path), config=self.cfg.single_file_config, subfolder="unet",
+                    torch_dtype=dtype)
+            else:
+                unet = UNet2DConditionModel.from_pretrained(self.path, subfolder="unet",
+                                                            dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the SDXL UNet from {self.path}: {err}") from None
+        self._unet_config = dict(unet.config)
+        return unet
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        base = {"family": self.family, "single_file_config": self.cfg.single_file_config}
+        if self.single_file:
+            # One file holds every component: its identity covers the VAE and both encoders.
+            base["checkpoint"] = file_fingerprint(self.path)
+            if self._config_dir is not None:
+                base["configs"] = [folder_fingerprint(self._config_dir / p) for p in
+                                   ("vae", "text_encoder", "text_encoder_2", "tokenizer",
+                                    "tokenizer_2")]
+            if kind == "image":
+                base["latent"] = "mode"
+            return base
+        if kind == "image":
+            vae = self._json("vae")
+            return {**base, "vae": folder_fingerprint(self.path / "vae"), "latent": "mode",
+                    "scaling_factor": vae.get("scaling_factor")}
+        return {**base, **{p: folder_fingerprint(self.path / p) for p in
+                           ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return latents * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, _neg, pooled, _neg_pooled = encoders.encode_prompt(
+            prompts, device=encoders.vae.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=False)
+        return {"text": text, "pooled": pooled}
+
+    # ---- objective ---------------------------------------------------------------------------
+    def _objective(self) -> tuple[torch.Tensor, str]:
+        """(alphas_cumprod, prediction type) of this checkpoint."""
+        if self._schedule is None:
+            config = self._json("scheduler", "scheduler_config.json")
+            if config is None:  # a single file with hub configs: read them through diffusers
+                config = dict(self._pipeline_scheduler_config())
+            prediction = self.cfg.prediction_type or config.get("prediction_type", "epsilon")
+            if prediction not in ddpm.PREDICTION_TYPES:
+                raise ConfigError(f"the scheduler of {self.path} predicts {prediction!r}; dpipe "
+                                  f"trains SDXL on {' or '.join(ddpm.PREDICTION_TYPES)}")
+            self._schedule = (ddpm.alphas_cumprod(config), prediction)
+        return self._schedule
+
+    def _pipeline_scheduler_config(self):
+        from diffusers import EulerDiscreteScheduler
+
+        repo = self.cfg.single_file_config or "stabilityai/stable-diffusion-xl-base-1.0"
+        return EulerDiscreteScheduler.load_config(repo, subfolder="scheduler")
+
+    def _abar(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        alphas, _ = self._objective()
+        steps = ddpm.discrete_timesteps(t, len(alphas))
+        return steps, alphas[steps]
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        _, prediction = self._objective()
+        _, abar = self._abar(t)
+        return ddpm.noisy_and_target(x0, noise, abar, prediction)
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return sdxl_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        steps, abar = self._abar(batch.timesteps)
+        b, _, h, w = batch.latents.shape
+        scale = self._vae_scale()
+        size = [h * scale, w * scale]
+        # SDXL's micro-conditioning: (original h, w), (crop top, left), (target h, w).
+        time_ids = torch.tensor([size + [0, 0] + size], dtype=batch.noisy.dtype).expand(b, -1)
+        _, prediction = self._objective()
+        weights = ddpm.loss_weights(abar, prediction, self.cfg.min_snr_gamma)
+        inputs = (batch.noisy, steps, batch.text["text"], batch.text["pooled"], time_ids)
+        mask = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        return inputs, (batch.target, weights) if mask is None else (batch.target, weights, mask)
+
+    def _vae_scale(self) -> int:
+        vae = self._json("vae")
+        return 8 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        target, weights, *mask = labels  # per-sample (min-SNR) weights; per-pixel mask weights
+        error = (outputs.float() - target.float()).square()
+        if mask:
+            error = error * mask[0].float()
+        return (error.flatten(1).mean(1) * weights.float()).mean()
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import StableDiffusionXLPipeline
+        from safetensors.torch import save_file
+
+        from dpipe.models.sdxl.ldm import kohya_lora
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        metadata = {"r": rank, "lora_alpha": alpha,
+                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
+        StableDiffusionXLPipeline.save_lora_weights(
+            out_dir, unet_lora_layers=weights, unet_lora_adapter_metadata=metadata)
+        kohya = out_dir / KOHYA_FILE
+        save_file(kohya_lora(weights, self._unet_config_dict(), alpha), kohya,
+                  metadata={"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
+                            "ss_network_alpha": str(alpha), "ss_base_model_version": "sdxl_base_v1-0"})
+        return [out_dir / "pytorch_lora_weights.safetensors", kohya]
+
+    def _unet_config_dict(self) -> dict[str, Any]:
+        if self._unet_config is None:
+            self._unet_config = self._json("unet") or dict(self.load_denoiser(torch.float32).config)
+        return self._unet_config
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        config = self._config_dir / "unet" / "config.json" if self._config_dir else None
+        with tempfile.TemporaryDirectory() as tmp:
+            if config is None:  # a single file with hub configs: the loaded UNet's own config
+                config = Path(tmp) / "config.json"
+                config.write_text(json.dumps(self._unet_config_dict(), indent=2, default=list))
+            return write_sharded_diffusers_model(shards, out_dir / "unet", config)
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        sample, steps, text, pooled, time_ids = inputs
+        return denoiser(sample, steps, encoder_hidden_states=text, return_dict=False,
+                        added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        pipe = self._pipeline(None, vae=None, text_encoder=None, text_encoder_2=None,
+                              tokenizer=None, tokenizer_2=None)
+        pipe.load_lora_weights(str(lora_dir))  # picks pytorch_lora_weights.safetensors
+        return pipe.unet
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel.from_pretrained(export_dir / "unet")

@@ -1,0 +1,119 @@
+"""A tiny random SDXL base, written in the layout of stabilityai/stable-diffusion-xl-base-1.0.
+
+The real repo holds the diffusers folders (`StableDiffusionXLPipeline`: EulerDiscreteScheduler with
+SDXL's scaled-linear DDPM betas and epsilon prediction, UNet2DConditionModel, the SDXL VAE, CLIP-L
+and OpenCLIP-bigG as CLIPTextModel / CLIPTextModelWithProjection, two CLIP tokenizers -- the second
+pads with "!") and, at its root, the same weights as one single file `sd_xl_base_1.0.safetensors`
+in Stability's own names. Both are written here, from the same weights, so single-file loading can
+be checked against folder loading.
+
+The UNet keeps SDXL's shape: three levels (DownBlock2D, then two CrossAttnDownBlock2D; up blocks
+mirrored), two resnets per down block, more transformer layers deeper down, linear projections,
+`text_time` conditioning on the pooled CLIP-G embedding and six size/crop numbers. The two text
+encoders differ in width (32 and 48) as the real ones do (768 and 1280): diffusers' single-file
+loader tells them apart by width.
+
+Not reproduced: the fp16 `variant` files, the 0.9 VAE file, the real tokenizers' vocabularies.
+
+Sizes: 64x64 images -> VAE (4x, 4 channels) -> 16x16 latents -> UNet levels 16, 8, 4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
+from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_atomically
+
+SINGLE_FILE = "sd_xl_base_1.0.safetensors"
+CLIP_L_DIM, CLIP_G_DIM = 32, 48
+TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
+
+
+def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random SDXL folder (diffusers + single file) at `path`; return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_sdxl; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
+    from safetensors.torch import save_file
+    from transformers import (
+        CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer)
+
+    vocab = save_clip_tokenizer(out / "tokenizer")
+    save_clip_tokenizer(out / "tokenizer_2")
+    _pad_with_bang(out / "tokenizer_2")
+    scheduler = EulerDiscreteScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+        beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
+        timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False)
+
+    def clip(width: int, heads: int, act: str, **extra) -> CLIPTextConfig:
+        return CLIPTextConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act,
+            bos_token_id=0, eos_token_id=2, pad_token_id=1, **extra)
+
+    with seeded(seed):
+        text_encoder = CLIPTextModel(clip(CLIP_L_DIM, 2, "quick_gelu", projection_dim=CLIP_L_DIM))
+    with seeded(seed + 1):
+        text_encoder_2 = CLIPTextModelWithProjection(
+            clip(CLIP_G_DIM, 3, "gelu", projection_dim=CLIP_G_DIM))
+    with seeded(seed + 2):
+        unet = UNet2DConditionModel(
+            sample_size=16, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64, 64), layers_per_block=2, norm_num_groups=8,
+            transformer_layers_per_block=(1, 1, 2), attention_head_dim=(2, 4, 4),
+            cross_attention_dim=CLIP_L_DIM + CLIP_G_DIM, use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=TIME_DIM,
+            projection_class_embeddings_input_dim=6 * TIME_DIM + CLIP_G_DIM)
+    with seeded(seed + 3):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
+            sample_size=64, force_upcast=True, scaling_factor=0.13025)
+
+    scheduler.save_pretrained(out / "scheduler")
+    unet.save_pretrained(out / "unet")
+    vae.save_pretrained(out / "vae")
+    for name, model in (("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2)):
+        model.save_pretrained(out / name)
+        # As published (by transformers 4): names under `text_model.`, which transformers 5's
+        # CLIP classes no longer write but still read.
+        save_file(with_text_model_prefix(model.state_dict()), out / name / "model.safetensors",
+                  metadata={"format": "pt"})
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+        tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"), unet=unet,
+        scheduler=scheduler, force_zeros_for_empty_prompt=True)
+    pipe.save_config(out)
+
+    # The real file is fp16; the tiny keeps fp32 so folder and file compare exactly.
+    save_file(single_file_state_dict(unet, vae, text_encoder, text_encoder_2), out / SINGLE_FILE)
+
+
+def _pad_with_bang(directory: Path) -> None:
+    """SDXL's tokenizer_2 (OpenCLIP's) pads with "!" (id 0), not with <|endoftext|>."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = directory / name
+        data = json.loads(path.read_text())
+        data["pad_token"] = "!" if name == "tokenizer_config.json" else {
+            "content": "!", "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False}
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
