@@ -168,6 +168,20 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
     sizes_cache: dict[tuple, list[tuple[int, int]]] = {}
     for number, item in enumerate(disc.items):
         s = disc.directories[item.directory].settings
+        frames, starts = 1, [0]
+        if item.kind == "video":
+            available = timeline_length(item.info, s.video_fps)
+            rate = f" at {s.video_fps:g} fps" if s.video_fps else ""
+            frames = frame_bucket(available, s.frame_buckets)
+            if frames is None:
+                dropped.append((item.path, f"{available} frames{rate}, shorter than every frame "
+                                f"bucket {sorted(s.frame_buckets)}"))
+                continue
+            starts = clip_starts(available, frames, s.clip_selection, s.clips_per_video)
+            used = len({f for st in starts for f in range(st, st + frames)})
+            if used < available:
+                trimmed.append((item.path, f"uses {used} of its {available} frames{rate} "
+                                f"({len(starts)} clip(s) of {frames}, {s.clip_selection.value})"))
         ratios = aspect_ratios(s)
         w, h = item.info["w"], item.info["h"]
         for resolution in s.resolutions:
@@ -179,21 +193,6 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
             if cut > CROP_REPORTED:
                 trimmed.append((item.path, f"{cut:.0%} cropped away to fit {bw}x{bh} "
                                 f"(aspect {w / h:.2f}; buckets {min(ratios):.2f}-{max(ratios):.2f})"))
-            if item.kind == "image":
-                out.append(Placement(number, Shape(bw, bh, 1), resolution))
-                continue
-            available = timeline_length(item.info, s.video_fps)
-            frames = frame_bucket(available, s.frame_buckets)
-            rate = f" at {s.video_fps:g} fps" if s.video_fps else ""
-            if frames is None:
-                dropped.append((item.path, f"{available} frames{rate}, shorter than every frame "
-                                f"bucket {sorted(s.frame_buckets)}"))
-                break
-            starts = clip_starts(available, frames, s.clip_selection, s.clips_per_video)
-            used = len({f for st in starts for f in range(st, st + frames)})
-            if used < available:
-                trimmed.append((item.path, f"uses {used} of its {available} frames{rate} "
-                                f"({len(starts)} clip(s) of {frames}, {s.clip_selection.value})"))
             out.extend(Placement(number, Shape(bw, bh, frames), resolution, st) for st in starts)
     return out, dropped, trimmed
 

@@ -154,28 +154,39 @@ class BatchPlan:
         old = self._manifests[last.manifest]
         same_layout = (last.micro_batches, last.data_parallel, last.seed) == (
             self.micro_batches, self.data_parallel, self.seed)
-        if last.manifest == self.manifest.digest and same_layout:
+        spe = steps_per_epoch(old, last.micro_batches, last.data_parallel)
+        boundary = step + (spe - position if position else 0)
+        missing = store_keys is not None and not old.keys() <= store_keys
+        current = last.manifest == self.manifest.digest and same_layout
+        if current:
+            plan = history
+        elif position and same_layout and not missing:
+            plan = history + [self._segment(boundary, epoch + 1)]  # replay, then the new data
+        elif position:
+            plan = history + [self._segment(step, epoch + 1)]  # cannot replay the rest
+        else:
+            plan = [s for s in history if s.start_step < step] + [self._segment(step, epoch)]
+        # A plan already saved by an earlier resume continues silently.
+        if plan == self._history[:len(plan)] and len(plan) == len(
+                [s for s in self._history if s.start_step <= max(step, plan[-1].start_step)]):
+            self.segments = plan
             return None
+        self.segments = plan
         what = describe_changes(old, self.manifest)
         if not same_layout:
             what = (f"the batch layout changed (micro_batches {last.micro_batches} -> "
                     f"{self.micro_batches}, data_parallel {last.data_parallel} -> "
                     f"{self.data_parallel}, seed {last.seed} -> {self.seed})"
                     + ("" if what == "nothing" else f"; data: {what}"))
-        if position == 0:
-            self.segments = [s for s in history if s.start_step < step] + [
-                self._segment(step, epoch)]
+        if current:
+            return None
+        if not position:
             return f"dataset changed since the last run: {what}. Epoch {epoch} uses the new data."
-        missing = store_keys is not None and not old.keys() <= store_keys
         if not same_layout or missing:
             why = ("cache entries it needs were pruned" if missing and same_layout
                    else "the batch layout changed")
-            self.segments = history + [self._segment(step, epoch + 1)]
             return (f"{what}. The rest of epoch {epoch} cannot be replayed ({why}): "
                     f"epoch {epoch + 1} starts now, at step {step}.")
-        spe = steps_per_epoch(old, last.micro_batches, last.data_parallel)
-        boundary = step + spe - position
-        self.segments = history + [self._segment(boundary, epoch + 1)]
         return (f"dataset changed since the last run: {what}. Epoch {epoch} continues in its "
                 f"saved order until step {boundary}; epoch {epoch + 1} then uses the new data.")
 

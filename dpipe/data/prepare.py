@@ -71,6 +71,7 @@ class _Work:
     texts: list[TextJob] = field(default_factory=list)
     empty_text: str | None = None
     total_keys: int = 0
+    keys: set[str] = field(default_factory=set)  # every entry the datasets use
     history: tuple = (None, {})
     reads: int = 0
 
@@ -120,9 +121,11 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
         for report in reports.values():
             for line in report.lines():
                 log.info("%s", line)
-        if failures:
-            log.warning("skipped %d unreadable file(s) (set dataset.strict=true to refuse):%s",
-                        len(failures), list_files([f"{f.path}: {f.error}" for f in failures]))
+        unreadable = [f"{path}: {why}" for r in reports.values() for path, why in r.dropped
+                      if why.startswith("unreadable")]
+        if unreadable:
+            log.warning("skipped %d unreadable file(s) (dataset.strict=true refuses them):%s",
+                        len(unreadable), list_files(unreadable))
         if data_dir is not None:
             data_dir.mkdir(parents=True, exist_ok=True)
             for name, report in reports.items():
@@ -150,6 +153,13 @@ def resume_plan(dataset: CachedDataset, step: int, run_dir: Path) -> None:
     _barrier()
 
 
+def needed_entries(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype) -> tuple[set[str], int]:
+    """(every cache key the datasets use, how many of them are missing), encoding nothing."""
+    work = _plan_work(spec, cfg, dtype, TensorStore(Path(cfg.cache_dir).expanduser()), None,
+                      keep_keys=True)
+    return work.keys, len(work.jobs) + len(work.texts)
+
+
 def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bool]]:
     """(name, directories, eval mode) of the training set and each eval set."""
     sets = [("train", disc.directories(cfg), False)]
@@ -159,7 +169,7 @@ def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bo
 
 
 def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: TensorStore,
-               data_dir: Path | None) -> _Work:
+               data_dir: Path | None, keep_keys: bool = False) -> _Work:
     if cfg.kind == DatasetKind.synthetic:
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
@@ -213,6 +223,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)
+    if keep_keys:  # not in training: rank 0 would send them all to every rank for nothing
+        work.keys = set(jobs) | set(texts)
     work.jobs = [j for k, j in jobs.items() if k not in present]
     work.texts = [t for k, t in texts.items() if k not in present]
     if data_dir is not None:

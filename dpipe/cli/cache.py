@@ -1,0 +1,212 @@
+"""`dpipe-cache`: fill, inspect and prune the latent/text cache of a run config.
+
+    dpipe-cache build dataset=folder dataset.path=/data/photos model=flux model.path=/m/FLUX.1-dev
+    dpipe-cache show  dataset=folder dataset.path=/data/photos ...   # what the cache holds
+    dpipe-cache prune dataset=folder dataset.path=/data/photos ...   # what no dataset uses
+    dpipe-cache prune --delete --keep-run outputs/my-run ...           # ... and delete it
+
+The overrides are those of `dpipe-train` (same config files), so `build` makes exactly the entries
+that training with the same overrides will look for; training then starts without encoding.
+`build` uses every visible GPU (one process each) or, without a GPU, this CPU, with worker
+processes decoding files. It can be stopped at any time: the next run continues where it stopped.
+
+`prune` removes entries that the composed config's datasets (training and eval sets) do not use.
+A cache shared by several datasets needs them all: prune with each config's dry run first, or
+keep the runs whose interrupted epochs still need older entries with `--keep-run RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+log = logging.getLogger("dpipe")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+STALE_TEMP_SECONDS = 3600  # temp files of writers killed this long ago are removed by prune
+
+
+def compose(overrides: list[str]):
+    """The validated RunConfig for `dpipe-train`-style overrides."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from dpipe.config.checks import validate
+    from dpipe.config.store import register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # `name` interpolates Hydra's runtime choices
+    return validate(cfg)
+
+
+def _dtype(run, cuda: bool):
+    import torch
+
+    from dpipe.config.schema import Precision
+
+    # The rule training uses (dpipe.train.loop): the cache key includes the encoder dtype.
+    return torch.bfloat16 if run.train.precision == Precision.bf16 and cuda else torch.float32
+
+
+def build(run, gpus: int) -> None:
+    from dpipe.models.registry import build_spec
+
+    build_spec(run.model).ensure_available()
+    if gpus > 1:
+        import torch.multiprocessing as mp
+
+        from dpipe.launch.local import free_port
+
+        port = free_port()
+        mp.spawn(_build_rank, args=(gpus, port, run), nprocs=gpus, join=True)
+    else:
+        _build_rank(0, 1, None, run)
+
+
+def _build_rank(rank: int, world: int, port: int | None, run) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dpipe.data.prepare import Layout, prepare
+    from dpipe.models.registry import build_spec
+
+    _logging(rank)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    if world > 1:
+        os.environ.update(LOCAL_WORLD_SIZE=str(world))
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+    spec = build_spec(run.model)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    start = time.perf_counter()
+    dataset = prepare(spec, run.dataset, device, _dtype(run, cuda),
+                      Layout.of(run, max(1, world // run.pipeline.stages)))
+    if rank == 0:
+        s = dataset.stats
+        made = s["latents"] + s["masks"] + s["texts"]
+        log.info("cache ready in %.1f s: %d entries, %d made now (%d latents, %d masks, %d texts), "
+                 "%d file(s) read, %d unreadable", time.perf_counter() - start, s["entries"], made,
+                 s["latents"], s["masks"], s["texts"], s["files_read"], s["failed"])
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def show(run) -> None:
+    import torch
+
+    from dpipe.data.cache_store import TensorStore
+    from dpipe.data.prepare import needed_entries
+    from dpipe.models.registry import build_spec
+
+    store = TensorStore(Path(run.dataset.cache_dir).expanduser())
+    keys = store.keys()
+    kinds: Counter = Counter()
+    sizes: Counter = Counter()
+    for key in keys:
+        try:
+            kind = store.metadata(key).get("kind", "unknown")
+        except Exception:  # unreadable header: prune removes it with the other unused entries
+            kind = "unreadable"
+        kinds[kind] += 1
+        sizes[kind] += store.path_for(key).stat().st_size
+    print(f"cache {store.root}: {len(keys)} entries, {_size(sum(sizes.values()))}")
+    for kind in sorted(kinds):
+        print(f"  {kind:<10} {kinds[kind]:>9}  {_size(sizes[kind]):>10}")
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    needed, missing = needed_entries(spec, run.dataset, _dtype(run, torch.cuda.is_available()))
+    print(f"this config's datasets use {len(needed)} entries: {len(needed) - missing} cached, "
+          f"{missing} missing (dpipe-cache build makes them)")
+    print(f"{len(keys - needed)} entries are not used by this config (dpipe-cache prune)")
+
+
+def prune(run, delete: bool, keep_runs: list[str]) -> None:
+    import torch
+
+    from dpipe.data.cache_store import TensorStore
+    from dpipe.data.plan import load_history
+    from dpipe.data.prepare import DATA_DIR, needed_entries
+    from dpipe.models.registry import build_spec
+
+    store = TensorStore(Path(run.dataset.cache_dir).expanduser())
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    needed, _ = needed_entries(spec, run.dataset, _dtype(run, torch.cuda.is_available()))
+    for run_dir in keep_runs:
+        _, manifests = load_history(Path(run_dir) / DATA_DIR)
+        if not manifests:
+            print(f"warning: {run_dir} has no data history ({DATA_DIR}/history.json)")
+        for manifest in manifests.values():
+            needed |= manifest.keys()
+    unused = sorted(store.keys() - needed)
+    total = sum(store.path_for(k).stat().st_size for k in unused)
+    temps = [p for p in store.root.glob("??/.*.tmp")
+             if time.time() - p.stat().st_mtime > STALE_TEMP_SECONDS]
+    if not delete:
+        print(f"{len(unused)} unused entries ({_size(total)}) and {len(temps)} stale temp files "
+              f"in {store.root}; run again with --delete to remove them")
+        return
+    freed = sum(store.remove(k) for k in unused)
+    for p in temps:
+        p.unlink(missing_ok=True)
+    print(f"removed {len(unused)} unused entries ({_size(freed)}) and {len(temps)} stale temp "
+          f"files from {store.root}")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dpipe.errors import UserError
+    from dpipe.launch.quiet import disable_library_progress_bars, quiet_libraries
+
+    parser = argparse.ArgumentParser(
+        prog="dpipe-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["build", "show", "prune"])
+    parser.add_argument("--delete", action="store_true", help="prune: delete (default: dry run)")
+    parser.add_argument("--keep-run", action="append", default=[], metavar="RUN_DIR",
+                        help="prune: also keep the entries this run's data history uses")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for dpipe-train")
+    args = parser.parse_args(argv)
+    quiet_libraries()
+    _logging(0)
+    try:
+        import torch
+
+        disable_library_progress_bars()
+        run = compose(args.overrides)
+        if args.command == "build":
+            build(run, torch.cuda.device_count())
+        elif args.command == "show":
+            show(run)
+        else:
+            prune(run, args.delete, args.keep_run)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The cache can never go stale: a key covers the file's content, the preprocessing, the encoder
+and the format version; unchanged inputs hit 100%; an interrupted fill resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from dpipe.config.schema import ModelConfig
+from dpipe.data import cache_store
+from dpipe.data.prepare import Layout, prepare
+from dpipe.models.registry import build_spec
+from tests.unit.test_data_support import FakeSpec, dataset_config, tiny_flux_spec, write_image
+
+
+def _dataset(tmp_path, n=4, **settings):
+    data = tmp_path / "data"
+    for i in range(n):
+        write_image(data / f"{i:02d}.png", (32, 32), seed=i, caption=f"picture {i}")
+    return dataset_config(path=str(data), cache_dir=str(tmp_path / "cache"), resolutions=[32],
+                          **settings)
+
+
+def _prepare(spec, cfg, dtype=torch.float32):
+    return prepare(spec, cfg, torch.device("cpu"), dtype, Layout())
+
+
+def test_same_inputs_hit_every_entry_and_read_no_file(tmp_path):
+    cfg = _dataset(tmp_path)
+    first = _prepare(FakeSpec(), cfg)
+    assert first.stats["latents"] == 4 and first.stats["texts"] == 4
+    assert first.stats["files_read"] == 8  # 4 images + 4 captions
+    spec = FakeSpec()
+    again = _prepare(spec, cfg)
+    assert spec.encoded == [] and again.stats["files_read"] == 0
+    assert again.stats["latents"] + again.stats["texts"] == 0
+    assert again.plan.manifest.digest == first.plan.manifest.digest
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == sorted(
+        [f"{i:02d}.png" for i in range(4)] + [f"{i:02d}.txt" for i in range(4)])  # untouched
+
+
+def test_editing_one_image_re_encodes_that_image_only(tmp_path):
+    cfg = _dataset(tmp_path)
+    _prepare(FakeSpec(), cfg)
+    path = tmp_path / "data" / "02.png"
+    before = os.stat(path)
+    # Same size, same mtime (as `cp -p` or rsync -t would leave it): only ctime shows the edit.
+    pixels = np.array(Image.open(path))
+    pixels[0, 0] = 255 - pixels[0, 0]
+    Image.fromarray(pixels).save(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    spec = FakeSpec()
+    dataset = _prepare(spec, cfg)
+    assert spec.encoded == [("image", 1)]
+    assert dataset.stats["files_read"] == 1
+    edited = [s for s in dataset.plan.manifest.buckets[0].samples if s.source == str(path)]
+    assert torch.equal(dataset.store.get(edited[0].latent)["latents"],
+                       FakeSpec().encode_images(None, torch.stack(
+                           [_load(path)]))[0])
+
+
+def _load(path):
+    from dpipe.data.sources import load_image
+
+    return load_image(path, 32, 32)
+
+
+def test_a_new_resolution_adds_entries_and_keeps_the_old(tmp_path):
+    cfg = _dataset(tmp_path)
+    _prepare(FakeSpec(), cfg)
+    spec = FakeSpec()
+    dataset = _prepare(spec, dataset_config(**{**OmegaConf.to_container(
+        OmegaConf.structured(cfg)), "resolutions": [32, 48]}))
+    assert spec.count("image") == 4 and spec.count("text") == 0
+    assert sorted(b.name for b in dataset.plan.manifest.buckets) == ["32x32", "48x48"]
+
+
+@pytest.mark.parametrize("change", ["encoder", "dtype", "format_version", "crop_settings"])
+def test_anything_that_shapes_an_entry_changes_its_key(tmp_path, monkeypatch, change):
+    cfg = _dataset(tmp_path, n=2)
+    _prepare(FakeSpec(), cfg)
+    spec, dtype = FakeSpec(), torch.float32
+    if change == "encoder":
+        spec = FakeSpec(version="2")
+    elif change == "dtype":
+        dtype = torch.bfloat16
+    elif change == "format_version":
+        monkeypatch.setattr(cache_store, "CACHE_FORMAT_VERSION", cache_store.CACHE_FORMAT_VERSION + 1)
+    else:  # another bucket for the same files
+        cfg = dataset_config(**{**OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                "aspect_ratios": [1.5]})
+    _prepare(spec, cfg, dtype)
+    assert spec.count("image") == 2
+
+
+def test_an_interrupted_fill_resumes_without_redoing_work(tmp_path):
+    cfg = _dataset(tmp_path, n=20)
+
+    class Crashing(FakeSpec):
+        def encode_images(self, encoders, pixels):
+            if self.count("image") >= 8:
+                raise KeyboardInterrupt  # e.g. Ctrl-C or a killed job, after one batch of 8
+            return super().encode_images(encoders, pixels)
+
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(Crashing(), cfg)
+    spec = FakeSpec()
+    _prepare(spec, cfg)
+    assert spec.count("image") == 12  # the first batch's 8 entries were kept
+    assert not list((tmp_path / "cache").glob("??/.*.tmp"))
+
+
+def test_changing_the_vae_config_or_weights_re_encodes(tmp_path):
+    model = tmp_path / "flux"
+    shutil.copytree(tiny_flux_spec().path, model)
+
+    def spec():
+        cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                              {"family": "flux", "path": str(model), "max_text_tokens": 32})
+        return build_spec(OmegaConf.to_object(cfg))
+
+    cfg = _dataset(tmp_path, n=2)
+    cfg = dataset_config(**{**OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            "resolutions": [64]})
+    first = _prepare(spec(), cfg)
+    assert first.stats["latents"] == 2 and first.stats["texts"] == 2
+    old = first.store.get(first.plan.manifest.buckets[0].samples[0].latent)["latents"]
+
+    vae_config = model / "vae" / "config.json"
+    values = json.loads(vae_config.read_text())
+    values["scaling_factor"] = 0.5
+    vae_config.write_text(json.dumps(values))
+    second = _prepare(spec(), cfg)
+    assert second.stats["latents"] == 2 and second.stats["texts"] == 0
+    new = second.store.get(second.plan.manifest.buckets[0].samples[0].latent)["latents"]
+    assert new.shape == old.shape and not torch.equal(new, old)
+
+    weights = next((model / "vae").glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("conv_in.weight"))
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    third = _prepare(spec(), cfg)
+    assert third.stats["latents"] == 2 and third.stats["texts"] == 0
