@@ -30,6 +30,7 @@ FACTORIES: dict[str, str] = {
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",
     "sdxl": "dpipe.models.sdxl.tiny:make_tiny_sdxl",
     "z_image": "dpipe.models.z_image.tiny:make_tiny_z_image",
+    "lumina2": "dpipe.models.lumina2.tiny:make_tiny_lumina2",
 }
 
 

@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",
     "sdxl": "dpipe.models.sdxl.spec:SDXLSpec",
     "z_image": "dpipe.models.z_image.spec:ZImageSpec",
+    "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
 }
 
 

@@ -1,0 +1,230 @@
+"""Lumina-Image 2.0: Lumina2Transformer2DModel + AutoencoderKL (FLUX's VAE) + Gemma-2 2B.
+
+Loads the diffusers folder layout of Alpha-VLLM/Lumina-Image-2.0. Prompts go through diffusers'
+own `Lumina2Pipeline.encode_prompt`: the system prompt, " <Prompt Start> ", the caption; Gemma's
+second-to-last hidden state padded to `model.max_text_tokens` (256 in the pipeline) with its mask.
+
+Conventions of the family, from `Lumina2Pipeline.__call__`: the transformer gets
+t_model = 1 - sigma (1 = clean image) and predicts x0 - noise (the pipeline steps with -output).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lumina2.layers import lumina2_layers
+from dpipe.models.qwen_image.shared import (
+    check_folder, fuse_lora, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers,
+    read_json, save_comfy_lora, weighted_labels, weighted_mse)
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+
+# Every Linear of every Lumina2TransformerBlock (main layers and both refiners): attention, the
+# SwiGLU MLP and the adaLN modulation (norm1.linear; the context refiner has none).
+_BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+                  r"feed_forward\.linear_1", r"feed_forward\.linear_2", r"feed_forward\.linear_3",
+                  r"norm1\.linear"]
+LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFY_LORA = "comfyui_lora.safetensors"
+
+
+class Lumina2Spec(ModelSpec):
+    family = "lumina2"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.lumina2.tiny import make_tiny_lumina2
+
+            make_tiny_lumina2(self.path)
+        check_folder(self.path, REQUIRED_PARTS, "Lumina-Image 2.0", "Alpha-VLLM/Lumina-Image-2.0")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # Lumina2Pipeline assumes an 8x VAE whatever the VAE says; then 2x2 patches.
+        patch = read_json(self.path / "transformer" / "config.json").get("patch_size", 2)
+        return 8 * patch
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import Lumina2Pipeline
+
+        pipe = load_or_fail(lambda: Lumina2Pipeline.from_pretrained(
+            self.path, transformer=None, dtype=dtype), self.path)
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import Lumina2Transformer2DModel
+
+        return load_or_fail(lambda: Lumina2Transformer2DModel.from_pretrained(
+            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),
+                "scaling_factor": vae.get("scaling_factor"),
+                "shift_factor": vae.get("shift_factor"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "pipeline system prompt, hidden_states[-2], padded + mask",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask, _, _ = encoders.encode_prompt(
+            list(prompts), do_classifier_free_guidance=False, device=encoders.vae.device,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return {"cap": embeds, "cap_mask": mask.float()}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        # Lumina 2 predicts x0 - noise (the pipeline negates its output before stepping).
+        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return lumina2_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        t_model = 1.0 - batch.timesteps  # the pipeline's 1 - t / 1000
+        mask = batch.text["cap_mask"] > 0.5
+        # The tokenizer pads on the right, so the mask is a prefix: its length says it all.
+        cap_len = mask.sum(dim=1).long()
+        return (batch.noisy, t_model, batch.text["cap"], cap_len), weighted_labels(batch)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mse(outputs, labels)
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import Lumina2Pipeline
+
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        Lumina2Pipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        comfy = save_comfy_lora(comfy_lora_pairs(weights, metadata["lora_alpha"]),
+                                out_dir / COMFY_LORA)
+        return [out_dir / DIFFUSERS_LORA, comfy]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t_model, cap, cap_len = inputs
+        mask = torch.arange(cap.shape[1])[None, :] < cap_len[:, None]
+        return denoiser(latents, t_model, cap, mask, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import Lumina2Pipeline
+
+        pipe = Lumina2Pipeline.from_pretrained(self.path, text_encoder=None, vae=None,
+                                               tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import Lumina2Transformer2DModel
+
+        return Lumina2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+# ---- ComfyUI ------------------------------------------------------------------------------------
+# ComfyUI runs Lumina 2 with the original checkpoint's names (diffusers'
+# `convert_lumina2_to_diffusers` maps them the other way): attention.qkv (fused), attention.out,
+# feed_forward.w1/w2/w3, adaLN_modulation.1 for the modulation.
+_TO_NATIVE = [(".attn.to_out.0", ".attention.out"), (".feed_forward.linear_1", ".feed_forward.w1"),
+              (".feed_forward.linear_2", ".feed_forward.w2"),
+              (".feed_forward.linear_3", ".feed_forward.w3"), (".norm1.linear", ".adaLN_modulation.1")]
+
+
+def native_module_name(name: str) -> str:
+    for diffusers_name, native in _TO_NATIVE:
+        name = name.replace(diffusers_name, native)
+    return name
+
+
+_TO_NATIVE_WEIGHTS = [
+    ("time_caption_embed.caption_embedder", "cap_embedder"),
+    ("time_caption_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+    ("time_caption_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
+    ("norm_out.linear_1", "final_layer.adaLN_modulation.1"), ("norm_out.linear_2", "final_layer.linear"),
+    (".norm1.norm.", ".attention_norm1."), (".norm2.", ".attention_norm2."),
+    (".attn.norm_q.", ".attention.q_norm."), (".attn.norm_k.", ".attention.k_norm."),
+]
+
+
+def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers Lumina2Transformer2DModel state dict under the original (ComfyUI) names: the
+    inverse of diffusers' `convert_lumina2_to_diffusers` (q/k/v fused into attention.qkv)."""
+    out = {}
+    for key, value in state_dict.items():
+        if ".attn.to_k." in key or ".attn.to_v." in key:
+            continue
+        if ".attn.to_q." in key:
+            base, _, tail = key.partition(".attn.to_q.")
+            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
+                [state_dict[f"{base}.attn.to_{n}.{tail}"] for n in "qkv"], dim=0)
+            continue
+        if key.startswith("context_refiner.") and ".norm1." in key:
+            key = key.replace(".norm1.", ".attention_norm1.")  # no modulation: a plain RMSNorm
+        for diffusers_name, native in _TO_NATIVE_WEIGHTS:
+            key = key.replace(diffusers_name, native)
+        out[native_module_name(key)] = value
+    return out
+
+
+def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
+    """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
+    pairs = lora_pairs(weights)
+    out = {}
+    for module, (a, b) in pairs.items():
+        if module.endswith((".attn.to_k", ".attn.to_v")):
+            continue
+        if module.endswith(".attn.to_q"):
+            base = module[: -len(".attn.to_q")]
+            parts = [pairs.get(f"{base}.attn.{n}") for n in ("to_q", "to_k", "to_v")]
+            if any(p is None for p in parts):
+                raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
+                                 "(ComfyUI's Lumina 2 has one fused qkv Linear)")
+            fa, fb = fuse_lora(parts)
+            out[f"{base}.attention.qkv"] = (fa, fb, alpha * 3)  # alpha / rank unchanged
+        else:
+            out[native_module_name(module)] = (a, b, alpha)
+    return out

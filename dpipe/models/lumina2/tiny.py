@@ -1,0 +1,142 @@
+"""A tiny random Lumina-Image 2.0, written in the layout of Alpha-VLLM/Lumina-Image-2.0.
+
+Same components and classes as the real model_index.json (Lumina2Pipeline:
+FlowMatchEulerDiscreteScheduler, AutoencoderKL, Gemma2Model, GemmaTokenizerFast,
+Lumina2Transformer2DModel), bf16 safetensors with the large parts sharded; only the sizes shrink.
+The tokenizer is a small BPE with byte fallback in Gemma's form ("▁" for spaces, <bos> first,
+<pad>/<eos>/<bos>/<unk>/<mask> at ids 0-4), whose merges are learnt on the test captions and the
+pipeline's system prompt. Not reproduced: tokenizer.model (tokenizer.json suffices to load).
+
+Sizes: 64x64 images -> VAE (8x, as Lumina2Pipeline assumes; 4 latent channels) -> 8x8 latents ->
+2x2 patches -> 16 image tokens of width 48 (2 heads of 24, 1 key/value head as the real model's
+grouped-query attention); text: Gemma 2 (hidden 32, 2 layers). 2 context-refiner, 2 noise-refiner
+and 2 main blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dpipe.models.qwen_image.shared import round_up, save_component
+from dpipe.models.tiny_parts import _learn_bpe, seeded, tiny_corpus, write_atomically
+
+LATENT_CHANNELS = 4
+DIM = 48
+TEXT_DIM = 32  # Gemma hidden size = the transformer's cap_feat_dim (2304 for Gemma-2 2B)
+DTYPE = torch.bfloat16
+# Lumina2Pipeline's default system prompt: in the tokenizer's corpus so that it costs few tokens.
+SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree"
+                 " of image-text alignment based on textual prompts or user prompts.")
+_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def make_tiny_lumina2(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Lumina 2 diffusers folder at `path` and return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_lumina2; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
+    """A Gemma-style tokenizer folder (tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json), loadable by GemmaTokenizer(Fast). Returns the vocabulary size."""
+    from transformers import GemmaTokenizer
+
+    # Gemma turns spaces into "▁" and does not split words; merges are learnt within "▁word"
+    # pieces here, so that tokens stay word-sized as Gemma's are.
+    lines = tiny_corpus() + [SYSTEM_PROMPT + " <Prompt Start> "] * 4
+    seqs = Counter(tuple(w) for line in lines
+                   for w in line.replace(" ", " ▁").split(" ") if w)
+    merges = _learn_bpe(dict(seqs), 600)
+    vocab = {t: i for i, t in enumerate(_SPECIAL)}
+    for b in range(256):  # byte fallback pieces, as in Gemma's vocab
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for ch in sorted({c for s in seqs for c in s}):
+        vocab.setdefault(ch, len(vocab))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = GemmaTokenizer(vocab=vocab, merges=list(merges), add_bos_token=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    plain = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    _write_json(directory / "special_tokens_map.json", {
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        "bos_token": {"content": "<bos>", **plain}, "eos_token": {"content": "<eos>", **plain},
+        "pad_token": {"content": "<pad>", **plain}, "unk_token": {"content": "<unk>", **plain},
+    })
+    _write_json(directory / "tokenizer_config.json", {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": {str(i): {"content": t, **plain, "special": True}
+                                 for i, t in enumerate(_SPECIAL)},
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        "bos_token": "<bos>",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<eos>",
+        "model_max_length": model_max_length,
+        "pad_token": "<pad>",
+        "padding_side": "left",  # as Gemma's; Lumina2Pipeline sets "right"
+        "sp_model_kwargs": {},
+        "spaces_between_special_tokens": False,
+        "tokenizer_class": "GemmaTokenizer",
+        "unk_token": "<unk>",
+        "use_default_system_prompt": False,
+    })
+    return len(vocab)
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
+
+    vocab = save_gemma_tokenizer(out / "tokenizer")
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
+    with seeded(seed):
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            max_position_embeddings=8192, query_pre_attn_scalar=16, sliding_window=64,
+            pad_token_id=0, eos_token_id=1, bos_token_id=2))
+    with seeded(seed + 1):
+        transformer = Lumina2Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=LATENT_CHANNELS, hidden_size=DIM,
+            num_layers=2, num_refiner_layers=2, num_attention_heads=2, num_kv_heads=1,
+            multiple_of=16, norm_eps=1e-5, axes_dim_rope=(8, 8, 8),  # sums to the head dim 24
+            axes_lens=(300, 512, 512), cap_feat_dim=TEXT_DIM)
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            # Four levels, 8x, as the real (FLUX) VAE: Lumina2Pipeline hard-codes that factor.
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
+            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
+            scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+
+    pipe = Lumina2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                           tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),
+                           transformer=transformer)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    # The real repo names the Fast class (transformers 5 folds it into GemmaTokenizer).
+    index["tokenizer"] = ["transformers", "GemmaTokenizerFast"]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,193 @@
+"""The tiny Lumina 2 loads and runs through diffusers' real code; Lumina 2 specifics of the spec."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
+from safetensors.torch import load_file
+from transformers import Gemma2Model, GemmaTokenizer
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, native_state_dict
+from dpipe.models.lumina2.tiny import make_tiny_lumina2
+from dpipe.models.qwen_image.shared import apply_comfy_lora
+from dpipe.models.spec import NoisedBatch
+
+CAPTIONS = ["a red circle on a blue background", "a cat",
+            "A photo of two green stars, a painting of a dog in the park, an illustration"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_lumina2(tmp_path_factory.mktemp("models") / "lumina2")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> Lumina2Pipeline:
+    return Lumina2Pipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+def _spec(path: Path, **overrides) -> Lumina2Spec:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "lumina2", "path": str(path), "max_text_tokens": 48,
+                           **overrides})
+    return Lumina2Spec(OmegaConf.to_object(cfg))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+               max_sequence_length=64, generator=torch.Generator().manual_seed(0),
+               output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny, pipe):
+    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
+                "text_encoder": Gemma2Model, "tokenizer": GemmaTokenizer,
+                "transformer": Lumina2Transformer2DModel}
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "Lumina2Pipeline"
+    assert index["tokenizer"] == ["transformers", "GemmaTokenizerFast"]
+    for rel in ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny / rel).is_file(), rel
+    # Gemma's form: <bos> first, "▁" for spaces, whole words; the VAE downscales 8x as the
+    # pipeline assumes.
+    tokens = pipe.tokenizer.convert_ids_to_tokens(pipe.tokenizer(CAPTIONS[0]).input_ids)
+    assert tokens == ["<bos>", "a", "▁red", "▁circle", "▁on", "▁a", "▁blue", "▁background"]
+    assert pipe.vae.encode(torch.zeros(1, 3, 64, 64)).latent_dist.mode().shape == (1, 4, 8, 8)
+
+
+def test_idempotent_and_deterministic(tmp_path, tiny):
+    again = make_tiny_lumina2(tmp_path / "again", seed=0)
+    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+
+def _inputs(spec, encoders, captions, seed=0):
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+
+
+def test_layers_match_the_forward_for_captions_of_any_length(tiny):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, (target,) = _inputs(spec, encoders, CAPTIONS)
+    lengths = inputs[3].tolist()
+    assert len(set(lengths)) == 3 and max(lengths) == 48  # the last is cut at max_text_tokens
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
+                 for i in range(len(CAPTIONS))]
+    assert x.shape == target.shape
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+
+
+def test_target_and_timestep_follow_the_pipeline(tiny):
+    spec = _spec(tiny)
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.25, 0.9])
+    noisy, target = spec.noise(x0, noise, t)
+    torch.testing.assert_close(target, x0 - noise)  # the pipeline steps with -output
+    mask = torch.zeros(2, 48)
+    mask[0, :7], mask[1, :30] = 1, 1
+    text = {"cap": torch.zeros(2, 48, 32), "cap_mask": mask}
+    inputs, _ = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    torch.testing.assert_close(inputs[1], 1 - t)  # the pipeline's 1 - t / 1000
+    assert inputs[3].tolist() == [7, 30]
+
+
+def test_pipeline_split_and_lora_targets(tiny):
+    spec = _spec(tiny)
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    kinds = [type(layer).__name__ for layer in layers]
+    assert kinds == ["Lumina2Embed"] + ["Lumina2Refiner"] * 4 + ["Lumina2Join"] \
+        + ["Lumina2Block"] * 2 + ["Lumina2Head"]
+    names = set()
+    for layer in layers:
+        names |= set(layer.denoiser_state_dict(trainable_only=False))
+    assert names == set(denoiser.state_dict())
+    targets = [n for n, m in denoiser.named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(spec.lora_targets(), n)]
+    blocks = [n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)
+              and n.split(".")[0] in ("layers", "noise_refiner", "context_refiner")]
+    assert sorted(targets) == sorted(blocks)
+
+
+def _split_qkv(native: dict, denoiser) -> dict:
+    """diffusers' converter splits qkv at the real model's sizes (2304/768/768); at the tiny
+    model's sizes the split is done here, everything else by diffusers."""
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    native = dict(native)
+    out = {}
+    for key in [k for k in native if ".attention.qkv." in k]:
+        base = key.split(".attention.qkv.")[0]
+        attn = denoiser.get_submodule(base).attn
+        sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
+        for name, part in zip(("to_q", "to_k", "to_v"), native.pop(key).split(sizes, dim=0)):
+            out[f"{base}.attn.{name}.weight"] = part
+    out.update(convert_lumina2_to_diffusers(native))
+    return out
+
+
+def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
+    """The ComfyUI file, merged into the original-layout weights as ComfyUI merges it and
+    converted back by diffusers' single-file code, gives the diffusers LoRA's model."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    spec = _spec(tiny, lora={"rank": 2, "alpha": 3})
+    denoiser = spec.load_denoiser(torch.float32)
+    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
+    # Every original name maps back onto the diffusers model through diffusers' converter.
+    assert set(_split_qkv(native_state_dict(base), denoiser)) == set(base)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
+                                       init_lora_weights=False), denoiser)
+    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFY_LORA]
+    comfy = load_file(tmp_path / COMFY_LORA)
+    assert "diffusion_model.layers.0.attention.qkv.lora_A.weight" in comfy
+    assert "diffusion_model.layers.0.adaLN_modulation.1.lora_B.weight" in comfy
+
+    plain = spec.load_denoiser(torch.float32)
+    from_comfy = spec.load_denoiser(torch.float32)
+    from_comfy.load_state_dict(_split_qkv(apply_comfy_lora(native_state_dict(base), comfy), plain),
+                               strict=True)
+    with_lora = spec.load_denoiser_with_lora(tmp_path)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, CAPTIONS[:2])
+    with torch.no_grad():
+        reference = spec.denoiser_forward(plain, inputs)
+        a = spec.denoiser_forward(with_lora, inputs)
+        b = spec.denoiser_forward(from_comfy, inputs)
+    assert (a - reference).abs().max() > 1e-3
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
