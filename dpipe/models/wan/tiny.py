@@ -129,7 +129,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
                 added_kv_proj_dim=HEADS * HEAD_DIM if v.get("clip") else None))
 
     scheduler.save_pretrained(out / "scheduler")
-    _save(text_encoder, out / "text_encoder", torch.bfloat16, shards=5)
+    _save(text_encoder, out / "text_encoder", torch.bfloat16, shards=2)
     _save(vae, out / "vae", torch.float32, shards=1)
     for name, model in zip(("transformer", "transformer_2"), transformers):
         _save(model, out / name, torch.float32, shards=3)
