@@ -90,7 +90,7 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     start = time.perf_counter()
     dataset = prepare(spec, run.dataset, device, _dtype(run, cuda),
-                      Layout.of(run, max(1, world // run.pipeline.stages)))
+                      Layout.of(run, max(1, world // run.pipeline.stages)), make_plan=False)
     if rank == 0:
         s = dataset.stats
         made = s["latents"] + s["masks"] + s["texts"]
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-run", action="append", default=[], metavar="RUN_DIR",
                         help="prune: also keep the entries this run's data history uses")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for dpipe-train")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags may come after the overrides
     quiet_libraries()
     _logging(0)
     try:

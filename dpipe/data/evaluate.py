@@ -76,6 +76,7 @@ class Evaluator:
                             "than the %d data-parallel ranks): %s", name, len(left_out),
                             data_parallel, ", ".join(s.source for s in left_out[:10]))
         self.jsonl = Path(run_dir) / "eval.jsonl" if run_dir is not None else None
+        self._started = False
 
     def due(self, step: int) -> bool:
         if not self.sets:
@@ -85,8 +86,10 @@ class Evaluator:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
     def maybe_run(self, engine, step: int, reporter=None) -> dict[str, float] | None:
-        """Runs the evals if they are due at `step` (the same answer on every rank)."""
-        if not self.due(step):
+        """Runs the evals if they are due at `step` (the same answer on every rank). A resumed
+        run does not repeat the eval of the step it resumes at: it ran before the checkpoint."""
+        first, self._started = not self._started, True
+        if not self.due(step) or (first and step != 0):
             return None
         return self.run(engine, step, getattr(reporter, "writer", None))
 

@@ -77,9 +77,10 @@ class _Work:
 
 
 def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: torch.dtype,
-            layout: Layout | None = None, run_dir: Path | None = None) -> CachedDataset:
-    """The cached dataset, with `.plan` (training batches), `.evals` (name -> manifest),
-    `.reports` and `.stats`. The same on every rank."""
+            layout: Layout | None = None, run_dir: Path | None = None,
+            make_plan: bool = True) -> CachedDataset:
+    """The cached dataset, with `.plan` (training batches; None without `make_plan`), `.evals`
+    (name -> manifest), `.reports` and `.stats`. The same on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     layout = layout or Layout()
     store = TensorStore(Path(cfg.cache_dir).expanduser())
@@ -108,7 +109,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
                   f"{work.total_keys} entries were present, {made} made now ({store.root})")
     manifests, reports = {}, {}
     for s in work.sets:
-        manifest, report = _manifest(s, cfg, layout, work.empty_text, failed)
+        manifest, report = _manifest(s, cfg, layout, work.empty_text, failed, make_plan)
         report.cache = cache_note
         manifests[s.name], reports[s.name] = manifest, report
 
@@ -132,7 +133,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
                 report.write(data_dir / f"report-{name.replace(' ', '-')}.txt")
     history, saved = work.history
     dataset.plan = BatchPlan(manifests["train"], layout.micro_batch_size, layout.micro_batches,
-                             layout.data_parallel, layout.seed, history, saved)
+                             layout.data_parallel, layout.seed, history, saved) if make_plan else None
     if cfg.log_batches and data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         dataset.log = open(data_dir / f"batches-rank{rank:03d}.jsonl", "a")
@@ -233,7 +234,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
 
 
 def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | None,
-              failed: dict[str, str]) -> tuple[Manifest, DataReport]:
+              failed: dict[str, str], training: bool) -> tuple[Manifest, DataReport]:
     eval_mode = s.name != "train"
     dropped, trimmed = list(s.discovery.dropped) + s.dropped, s.trimmed
     buckets: dict[str, Bucket] = {}
@@ -274,7 +275,7 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             dropped += [(src, f"bucket {b.name} is smaller than one batch (see the warning)")
                         for src in sorted({x.source for x in b.samples})]
     trainable = [b for b in ordered if b.size >= b.micro_batch_size * layout.data_parallel]
-    if not trainable and not eval_mode:
+    if not trainable and not eval_mode and training:
         report.manifest = Manifest(ordered, empty_text)
         lines = "\n".join(report.lines())
         raise DataError(f"no bucket holds enough samples for one batch:\n{lines}")

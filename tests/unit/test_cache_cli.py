@@ -1,0 +1,44 @@
+"""`dpipe-cache build | show | prune` on the tiny FLUX.1 and a small folder."""
+
+from __future__ import annotations
+
+import re
+
+from dpipe.cli.cache import main
+from dpipe.data.cache_store import TensorStore
+from tests.unit.test_data_support import write_image
+
+
+def _overrides(tmp_path):
+    return ["model=tiny_flux", "dataset=folder", f"dataset.path={tmp_path / 'data'}",
+            f"dataset.cache_dir={tmp_path / 'cache'}", "dataset.resolutions=[32]"]
+
+
+def test_build_show_prune(tmp_path, capsys):
+    for i in range(3):
+        write_image(tmp_path / "data" / f"{i}.png", (32, 32), seed=i, caption=f"shape {i}")
+    args = _overrides(tmp_path)
+
+    assert main(["show", *args]) == 0
+    assert "use 6 entries: 0 cached, 6 missing" in capsys.readouterr().out
+
+    assert main(["build", *args]) == 0
+    store = TensorStore(tmp_path / "cache")
+    assert len(store.keys()) == 6
+    assert main(["show", *args]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"latents\s+3", out) and re.search(r"text\s+3", out)
+    assert "6 cached, 0 missing" in out and "0 entries are not used" in out
+
+    (tmp_path / "data" / "2.png").unlink()  # its latent and caption are now unused
+    (tmp_path / "data" / "2.txt").unlink()
+    assert main(["prune", *args]) == 0
+    assert "2 unused entries" in capsys.readouterr().out and len(store.keys()) == 6  # dry run
+    assert main(["prune", "--delete", *args]) == 0
+    assert "removed 2 unused entries" in capsys.readouterr().out
+    assert len(store.keys()) == 4
+
+
+def test_errors_are_messages(tmp_path, capsys):
+    assert main(["show", *_overrides(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
