@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,7 +167,10 @@ class _SweepLauncher(Launcher):
                                   run.pipeline.stages * (run.pipeline.data_parallel or 1))
                     self._check_point(point, cfg)
                 except ConfigError as err:
-                    raise ConfigError(f"sweep point #{first + i} ({' '.join(overrides)}): {err}") from None
+                    # before anything runs or is queued; no traceback: the message says it all
+                    print(f"error: sweep point #{first + i} ({' '.join(overrides)}): {err}",
+                          file=sys.stderr)
+                    sys.exit(2)
                 points.append(point)
         finally:
             HydraConfig.instance().cfg = saved
@@ -306,8 +310,6 @@ class LocalLauncher(_SweepLauncher):
                         free += devices
                         del running[num]
                 if running:
-                    import time
-
                     time.sleep(self.params["poll_interval_s"])
         except BaseException:
             for t, _ in running.values():

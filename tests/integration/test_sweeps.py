@@ -1,0 +1,53 @@
+"""Sweeps on this machine through `dpipe-train -m`: the sweep summary, a failed point that does not
+stop the others, and points run in parallel by the submitit_local launcher."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.cli import dpipe_train
+
+pytestmark = pytest.mark.slow
+
+BASE = ["model=tiny_flux", "dataset=synthetic", "pipeline.stages=2", "pipeline.micro_batches=4",
+        "train.max_steps=2", "train.progress_bar=false"]
+
+
+def summary(sweep_dir) -> list[dict]:
+    return json.loads((sweep_dir / "sweep_summary.json").read_text())["points"]
+
+
+def test_a_failed_point_is_reported_and_the_sweep_goes_on(tmp_path):
+    # point 0 finds no model at model.path; point 1 creates the tiny model there and trains
+    result = dpipe_train("-m", f"hydra.sweep.dir={tmp_path}", *BASE,
+                         f"model.path={tmp_path}/model", "model.tiny=false,true", timeout=400)
+    assert result.code == 1, result.out + result.err
+    points = summary(tmp_path)
+    assert [p["status"] for p in points] == ["failed", "completed"]
+    assert f"{tmp_path}/model" in points[0]["message"]
+    assert points[1]["metrics"]["step"] == 2 and points[1]["metrics"]["loss"] > 0
+    md = (tmp_path / "sweep_summary.md").read_text()
+    assert "| 1 | model.tiny=true | completed | 2 |" in md and "#0: failed:" in md
+    assert md.strip() in result.out  # printed too
+    assert "1 of 2 sweep points did not complete" in result.err
+
+
+def test_local_parallel_sweep_runs_points_at_once(tmp_path):
+    result = dpipe_train(f"hydra.sweep.dir={tmp_path}", "cluster=local_parallel",
+                         "hydra.launcher.max_parallel=2", *BASE, "optim.lr=1e-4,5e-5", timeout=400)
+    assert result.code == 0, result.out + result.err
+    log = result.out + result.err
+    assert "2 at a time on CPU" in log
+    # both points were started before either ended
+    lines = log.splitlines()
+    submitted = [i for i, line in enumerate(lines) if re.search(r"sweep point #\d \(job \d+\): optim", line)]
+    finished = [i for i, line in enumerate(lines) if re.search(r"sweep point #\d .*: FINISHED", line)]
+    assert len(submitted) == 2 and finished and max(submitted) < min(finished), log
+    points = summary(tmp_path)
+    assert [p["status"] for p in points] == ["completed", "completed"]
+    assert all((Path(p["run_dir"]) / "lora").is_dir() for p in points)
+    assert [p["metrics"]["step"] for p in points] == [2, 2]

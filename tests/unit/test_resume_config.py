@@ -1,0 +1,127 @@
+"""Resuming with a changed config: what a checkpoint cannot follow fails clearly, the rest is
+allowed and logged. Also: the launcher and cluster presets compose as documented."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from dpipe.config.checks import validate
+from dpipe.config.store import register_schemas
+from dpipe.errors import ConfigError
+from dpipe.launch.summary import PointResult, write_summary
+from dpipe.launch.sweep import register_launchers
+from dpipe.train.checkpoint import MARKER, check_resume, resume_changes, tag_for
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def compose_run(*overrides: str):
+    register_schemas()
+    register_launchers()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # `name` interpolates Hydra's runtime choices
+    return cfg
+
+
+def run_yaml(*overrides: str) -> str:
+    cfg = compose_run(*overrides)
+    return OmegaConf.to_yaml(OmegaConf.structured(validate(cfg)))
+
+
+def fake_checkpoint(run_dir: Path, step: int, config_yaml: str | None) -> Path:
+    path = run_dir / "checkpoints" / tag_for(step)
+    path.mkdir(parents=True)
+    if config_yaml is not None:
+        (path / "config.yaml").write_text(config_yaml)
+    (path / MARKER).write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_incompatible_changes_fail_naming_each_key(tmp_path):
+    fake_checkpoint(tmp_path, 40, run_yaml("model.lora.rank=4", "pipeline.stages=2"))
+    with pytest.raises(ConfigError) as err:
+        check_resume(tmp_path, run_yaml("model.lora.rank=8", "pipeline.stages=1",
+                                         "optim.lr=5e-5"))
+    message = str(err.value)
+    assert "model.lora.rank: 4 in the checkpoint, 8 now" in message
+    assert "pipeline.stages: 2 in the checkpoint, 1 now" in message
+    assert "optim.lr" not in message  # harmless: not listed among the blockers
+    assert "name=" in message and "train.resume=false" in message and "step_00000040" in message
+
+
+def test_harmless_changes_are_allowed_and_logged(tmp_path, caplog):
+    fake_checkpoint(tmp_path, 10, run_yaml())
+    fake_checkpoint(tmp_path, 20, run_yaml())
+    with caplog.at_level(logging.INFO, logger="dpipe"):
+        step, path = check_resume(tmp_path, run_yaml("optim.lr=5e-5", "train.max_steps=500",
+                                                     "train.log_every=5"))
+    assert step == 20 and path.name == "step_00000020"
+    logged = caplog.text
+    assert "optim.lr 0.0001 -> 5e-05" in logged and "train.max_steps" in logged
+    assert "train.log_every 1 -> 5" in logged
+
+
+def test_mode_and_family_and_precision_of_full_fine_tunes(tmp_path):
+    incompatible, _ = resume_changes(run_yaml(), run_yaml("model.mode=full"))
+    assert set(incompatible) == {"model.mode"}
+    # precision only matters to full fine-tunes (DeepSpeed's bf16 optimizer state)
+    incompatible, harmless = resume_changes(run_yaml(), run_yaml("train.precision=bf16"))
+    assert not incompatible and "train.precision" in harmless
+    full = ("model.mode=full", "pipeline.zero_stage=1")
+    incompatible, _ = resume_changes(run_yaml(*full), run_yaml(*full, "train.precision=bf16"))
+    assert set(incompatible) == {"train.precision"}
+
+
+def test_no_checkpoint_or_no_saved_config(tmp_path, caplog):
+    assert check_resume(tmp_path, run_yaml()) is None
+    fake_checkpoint(tmp_path, 5, None)
+    with caplog.at_level(logging.WARNING, logger="dpipe"):
+        assert check_resume(tmp_path, run_yaml("model.lora.rank=64"))[0] == 5
+    assert "without checking" in caplog.text
+
+
+def test_launchers_and_cluster_presets_compose():
+    cfg = compose_run("hydra/launcher=submitit_slurm")
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.dpipe.SlurmLauncher"
+    assert cfg.hydra.launcher.signal_delay_s == 90 and cfg.hydra.launcher.tasks_per_node is None
+    cfg = compose_run("cluster=slurm_gpu_2nodes")
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.timeout_min) == (2, 8, 240)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert compose_run("cluster=local_parallel").hydra.launcher._target_.endswith(
+        "LocalLauncher")
+    assert compose_run().hydra.launcher._target_ == "hydra_plugins.dpipe.BasicLauncher"
+    with pytest.raises(Exception, match="partiton"):
+        compose_run("cluster=slurm_cpu", "hydra.launcher.partiton=gpu")
+
+
+def test_sweep_summary(tmp_path):
+    runs = []
+    for i, losses in enumerate([[1.0, 0.5], [1.0, 0.75]]):
+        run = tmp_path / f"{i}_lr"
+        run.mkdir()
+        lines = [json.dumps({"step": s + 1, "loss": v}) for s, v in enumerate(losses)]
+        if i == 0:
+            lines.append(json.dumps({"step": 2, "eval_loss": 0.6}))
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        runs.append(run)
+    md = write_summary(tmp_path, [
+        PointResult(0, ["train.max_steps=2", "optim.lr=1e-4"], str(runs[0])),
+        PointResult(1, ["train.max_steps=2", "optim.lr=5e-5"], str(runs[1]), "cancelled",
+                    "SLURM state CANCELLED by 0", "77_1"),
+    ])
+    assert "All points: train.max_steps=2" in md
+    assert "| 0 | optim.lr=1e-4 | completed | 2 | 0.5 | 0.6 | 0_lr |" in md
+    assert "| 1 | optim.lr=5e-5 | cancelled | 2 | 0.75 |  | 1_lr |" in md
+    assert "#1 (job 77_1): cancelled: SLURM state CANCELLED by 0" in md
+    points = json.loads((tmp_path / "sweep_summary.json").read_text())["points"]
+    assert points[0]["metrics"] == {"step": 2, "loss": 0.5, "eval_loss": 0.6}
+    assert (tmp_path / "sweep_summary.md").read_text() == md
