@@ -30,6 +30,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # cuDNN's attention backward fails or returns NaN for FLUX-like shapes with torch 2.11 on
+        # H200 (seen here); the flash and memory-efficient kernels are as fast for training.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     else:
         # Workers on one machine share its cores; more threads than cores makes them spin.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

@@ -33,6 +33,10 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
+# Measured time of a double-stream block relative to a single-stream block (see layer_costs).
+DOUBLE_BLOCK_TIME = 1.67
+
+
 class FluxSpec(ModelSpec):
     family = "flux"
 
@@ -131,17 +135,18 @@ class FluxSpec(ModelSpec):
         return flux_layers(denoiser)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Compute per layer in parameter-equivalents: a block's matmuls cost 2 x params FLOPs
-        per token, its attention 4 x seq x width more, which is a fifth of a single block's cost
-        at 1024x1024 (4096 image + 512 text tokens). Balancing parameters alone ignores that."""
-        tokens = 4608
+        """Time per layer relative to a single-stream block, as measured on H200s at 1024x1024
+        (bf16, compiled, LoRA and full fine-tune alike): a double-stream block takes 1.67x a
+        single-stream one, although its modelled FLOPs are about equal (two narrower streams,
+        per-stream kernels). Balancing parameters (2.4x) or FLOPs (1.0x) left one stage 25-40%
+        slower than the other (docs/performance.md)."""
         costs = []
         for layer in layers:
-            params = float(sum(p.numel() for n, p in layer.named_parameters() if "lora_" not in n))
             if isinstance(layer, FluxBlock):
-                attn = layer.block.attn
-                params += 2 * tokens * attn.inner_dim
-            costs.append(params)
+                double = any(n.endswith("ff_context") for n, _ in layer.named_modules())
+                costs.append(DOUBLE_BLOCK_TIME if double else 1.0)
+            else:
+                costs.append(0.02)  # embedding and head: a few small Linears
         return costs
 
     def make_inputs(self, batch: NoisedBatch):
