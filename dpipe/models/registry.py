@@ -11,6 +11,7 @@ from dpipe.models.spec import ModelSpec
 # family name -> "module:Class"; imported lazily so one family's imports never slow another's.
 FAMILIES: dict[str, str] = {
     "flux": "dpipe.models.flux.spec:FluxSpec",
+    "flux2": "dpipe.models.flux2.spec:Flux2Spec",
     "wan": "dpipe.models.wan.spec:WanSpec",
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",

@@ -110,3 +110,46 @@ def test_layers_reproduce_the_transformer(spec, pipe):
             x = layer(x)
         expected = spec.denoiser_forward(pipe.transformer, inputs)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def test_mask_weights_follow_the_packing(spec):
+    """A per-pixel weight map is packed like the latents: zeroing the top half of the map removes
+    exactly the top half's latent error from the loss."""
+    from types import SimpleNamespace
+
+    latents = torch.randn(1, 4, 16, 16)
+    text = {"t5": torch.zeros(1, 8, 32), "mask": torch.ones(1, 8)}
+    weight = torch.ones(1, 1, 16, 16)
+    weight[:, :, :8] = 0
+    batch = SimpleNamespace(latents=latents, noisy=latents, target=latents, text=text,
+                            timesteps=torch.tensor([0.5]), loss_weight=weight)
+    inputs, labels = spec.make_inputs(batch)
+    error = torch.randn(1, 4, 16, 16)
+    from dpipe.models.flux.spec import _pack
+
+    out = labels[0] + _pack(error)
+    expected = error[:, :, 8:].square().sum() / error.numel()
+    torch.testing.assert_close(spec.loss(out, labels), expected)
+
+
+def test_comfyui_lora_folds_the_scale(spec, tmp_path):
+    """The ComfyUI copy has diffusers' `transformer.` names (ComfyUI maps them for Flux-derived
+    models, Chroma among them) and alpha / rank folded into lora_B, as ComfyUI reads no alpha."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from dpipe.config.schema import LoraConfig
+
+    spec = ChromaSpec(replace(spec.cfg, lora=LoraConfig(rank=2, alpha=6.0)))
+    weights = {"transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.randn(2, 32),
+               "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.randn(32, 2)}
+    files = spec.export_lora(weights, tmp_path)
+    diffusers_file, comfy_file = (load_file(f) for f in files)
+    assert diffusers_file.keys() == comfy_file.keys() == {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight"}
+    a, b = "transformer.transformer_blocks.0.attn.to_q.lora_A.weight", \
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight"
+    torch.testing.assert_close(comfy_file[a], diffusers_file[a])
+    torch.testing.assert_close(comfy_file[b], 3.0 * diffusers_file[b])

@@ -43,6 +43,17 @@ _BLOCK_LINEARS = [
     r"proj_mlp", r"proj_out",
 ]
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+# For ComfyUI: its Chroma model class subclasses its Flux class, whose LoRA loader maps
+# diffusers' `transformer.<module>` names onto its own fused layout (q/k/v and the single blocks'
+# linear1 included). ComfyUI applies such files at strength 1 (it reads no alpha from the
+# metadata), so this copy has alpha / rank folded into lora_B; the diffusers file keeps them apart.
+COMFYUI_LORA = "chroma_lora_comfyui.safetensors"
+
+
+def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """diffusers-named LoRA weights (no prefix) -> `transformer.`-prefixed, scale folded in."""
+    return {f"transformer.{k}": (v * scale if ".lora_B." in k else v).contiguous()
+            for k, v in weights.items()}
 
 
 class ChromaSpec(ModelSpec):
@@ -137,7 +148,7 @@ class ChromaSpec(ModelSpec):
         return chroma_layers(denoiser)
 
     def make_inputs(self, batch: NoisedBatch):
-        b, _c, h, w = batch.latents.shape
+        b, c, h, w = batch.latents.shape
         packed = _pack(batch.noisy)
         text = batch.text["t5"]
         # The transformer's mask covers text then image tokens; every image token is attended.
@@ -145,11 +156,17 @@ class ChromaSpec(ModelSpec):
                           torch.ones(b, packed.shape[1], dtype=torch.bool)], dim=1).long()
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
         inputs = (packed, batch.timesteps, text, mask, txt_ids, _image_ids(h // 2, w // 2))
-        return inputs, (_pack(batch.target),)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (_pack(batch.target),)
+        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
+        return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        (target,) = labels
-        return F.mse_loss(outputs.float(), target.float())
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-element loss weights (masks)
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
@@ -164,7 +181,10 @@ class ChromaSpec(ModelSpec):
         }
         ChromaPipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        return [out_dir / "pytorch_lora_weights.safetensors"]
+        from safetensors.torch import save_file
+
+        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank), out_dir / COMFYUI_LORA)
+        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

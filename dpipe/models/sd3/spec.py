@@ -12,6 +12,7 @@ timestep as t * 1000, as the SD3 paper trains it and the pipeline samples it.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+log = logging.getLogger(__name__)
 
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3",
               "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -38,6 +41,8 @@ _BLOCK_LINEARS = [
     r"norm1\.linear", r"norm1_context\.linear",
 ]
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+# The LoRA in the original MMDiT key names, which ComfyUI loads (see comfyui.py).
+COMFYUI_LORA = "sd3_lora_comfyui.safetensors"
 
 
 class SD3Spec(ModelSpec):
@@ -143,11 +148,16 @@ class SD3Spec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         # SD3 patchifies inside its embedding: the first layer takes (B, C, H, W) latents.
         inputs = (batch.noisy, batch.timesteps, batch.text["text"], batch.text["pooled"])
-        return inputs, (batch.target,)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (batch.target,)
+        return inputs, (batch.target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        (target,) = labels
-        return F.mse_loss(outputs.float(), target.float())
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
@@ -162,7 +172,19 @@ class SD3Spec(ModelSpec):
         }
         StableDiffusion3Pipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        return [out_dir / "pytorch_lora_weights.safetensors"]
+        from safetensors.torch import save_file
+
+        from dpipe.models.sd3.comfyui import comfyui_lora
+
+        written = [out_dir / "pytorch_lora_weights.safetensors"]
+        try:
+            comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank,
+                                 self._transformer_config()["num_layers"])
+        except ValueError as err:  # custom targets without an original-layout equivalent
+            log.warning("no ComfyUI LoRA file written: %s", err)
+            return written
+        save_file(comfy, out_dir / COMFYUI_LORA)
+        return [*written, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -1,0 +1,116 @@
+"""FLUX.2's transformer as pipeline layers: embed -> double blocks -> single blocks -> head.
+
+FLUX.2 computes the blocks' modulations once, outside the blocks, from the timestep (and
+guidance) embedding `temb`: one set shared by all double blocks' image streams, one by their text
+streams, one by all single blocks. The embed layer computes them (their Linears live there, once,
+so a full fine-tune trains each on one stage only), and they travel in the tuple:
+
+    double blocks: (hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids)
+    single blocks: (hidden, text_hidden, temb, mod_single, ids)
+
+The first single block drops the double-block modulations (giving them a zero gradient path, as a
+float received across a stage boundary needs one). `ids` holds the text then the image (and
+reference image) position ids, 4 axes each, as int64; rotary embeddings are recomputed per block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.flux.layers import _needs_grad
+from dpipe.models.spec import PipelineLayer
+
+
+def _rotary(pos_embed: nn.Module, ids: torch.Tensor, text_len: int):
+    # As Flux2Transformer2DModel.forward: text and image rotary tables computed apart, then joined.
+    txt_cos, txt_sin = pos_embed(ids[:text_len])
+    img_cos, img_sin = pos_embed(ids[text_len:])
+    return torch.cat([txt_cos, img_cos], dim=0), torch.cat([txt_sin, img_sin], dim=0)
+
+
+class Flux2Embed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("x_embedder", "context_embedder", "time_guidance_embed",
+                     "double_stream_modulation_img", "double_stream_modulation_txt",
+                     "single_stream_modulation"):
+            self.adopt(name, getattr(transformer, name), name)
+        self.has_guidance = bool(transformer.config.guidance_embeds)
+
+    def forward(self, inputs):
+        packed, t, text, guidance, txt_ids, img_ids = inputs
+        hidden = self.x_embedder(packed)
+        # The pipeline passes t in [0, 1] (its timesteps / 1000); the model scales both by 1000.
+        timestep = t.to(hidden.dtype) * 1000
+        guidance = guidance.to(hidden.dtype) * 1000 if self.has_guidance else None
+        temb = self.time_guidance_embed(timestep, guidance)
+        mods = (self.double_stream_modulation_img(temb), self.double_stream_modulation_txt(temb),
+                self.single_stream_modulation(temb))
+        text_hidden = self.context_embedder(text)
+        ids = torch.cat([txt_ids, img_ids], dim=0).long()
+        return (_needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb),
+                *(_needs_grad(m) for m in mods), ids)
+
+
+class Flux2DoubleBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("pos_embed", pos_embed, "pos_embed")  # parameter-free
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids = inputs
+        text_hidden, hidden = self.block(
+            hidden_states=hidden, encoder_hidden_states=text_hidden, temb_mod_img=mod_img,
+            temb_mod_txt=mod_txt, image_rotary_emb=_rotary(self.pos_embed, ids,
+                                                           text_hidden.shape[1]))
+        return hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids
+
+
+class Flux2SingleBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str, first: bool):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("pos_embed", pos_embed, "pos_embed")
+        self.first = first
+
+    def forward(self, inputs):
+        if self.first:
+            hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids = inputs
+            # The double-block modulations end here (see the module docstring).
+            hidden = hidden + 0.0 * (mod_img.sum() + mod_txt.sum())
+        else:
+            hidden, text_hidden, temb, mod_single, ids = inputs
+        text_hidden, hidden = self.block(
+            hidden_states=hidden, encoder_hidden_states=text_hidden, temb_mod=mod_single,
+            image_rotary_emb=_rotary(self.pos_embed, ids, text_hidden.shape[1]),
+            split_hidden_states=True)
+        return hidden, text_hidden, temb, mod_single, ids
+
+
+class Flux2Head(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, mod_single, _ids = inputs
+        out = self.proj_out(self.norm_out(hidden, temb))
+        # Text stream and single-block modulations end unused here; when the head starts a
+        # stage, what it received still needs a gradient.
+        return out + 0.0 * (text_hidden.sum() + mod_single.sum())
+
+
+def flux2_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    if not len(transformer.single_transformer_blocks):
+        raise ValueError("FLUX.2 transformers without single-stream blocks are not supported")
+    layers: list[PipelineLayer] = [Flux2Embed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(Flux2DoubleBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
+    for i, block in enumerate(transformer.single_transformer_blocks):
+        layers.append(Flux2SingleBlock(block, transformer.pos_embed,
+                                       f"single_transformer_blocks.{i}", first=i == 0))
+    layers.append(Flux2Head(transformer))
+    return layers

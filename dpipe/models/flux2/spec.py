@@ -1,0 +1,239 @@
+"""FLUX.2 (dev, and the Klein variants): Flux2Transformer2DModel + AutoencoderKLFlux2 + an LLM text
+encoder (FLUX.2-dev: Mistral Small 3.1 as Mistral3ForConditionalGeneration; Klein: Qwen3).
+
+Loads the diffusers folder layout users download (black-forest-labs/FLUX.2-dev, or a FLUX.2
+[klein] folder: the pipeline class is read from model_index.json). Text and images are encoded by
+the diffusers pipeline's own code: prompts through its chat template and the LLM, whose hidden
+states of three layers are stacked (dev: 10, 20, 30); images through the VAE (distribution mode),
+2x2-patchified to 4x the latent channels and normalised by the VAE's BatchNorm statistics. The
+transformer sees those latents as one token per position (no further packing), with 4-axis
+position ids (t, h, w, l). Objective: rectified flow, t in [0, 1] (the model scales it by 1000);
+FLUX.2-dev embeds `model.guidance` as its distilled guidance.
+
+Edit training (reference images): when a batch carries control latents (`batch.control`, from
+the dataset's `control_dir`), they are appended after the noisy image tokens with their own ids
+(t = 10, as Flux2Pipeline gives its first reference image), the model predicts for all tokens and
+the loss reads only the target's. Without control latents it trains text-to-image.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.flux2.layers import flux2_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
+REFERENCE_T = 10  # Flux2Pipeline._prepare_image_ids: reference image i gets t = 10 + 10 * i
+
+# Every Linear of both kinds of blocks. FLUX.2's modulations are computed outside the blocks (three
+# shared Linears), so, as in the community's FLUX.2 LoRAs, they are not adapted.
+_DOUBLE_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.linear_in", r"ff\.linear_out", r"ff_context\.linear_in", r"ff_context\.linear_out",
+]
+# Single blocks fuse q, k, v and the MLP input into one Linear, and attention out + MLP out into
+# another (there `attn.to_out` is a Linear; in double blocks it is a ModuleList).
+_SINGLE_LINEARS = [r"attn\.to_qkv_mlp_proj", r"attn\.to_out"]
+LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:" + "|".join(_DOUBLE_LINEARS) + ")"
+                + r"|single_transformer_blocks\.\d+\.(?:" + "|".join(_SINGLE_LINEARS) + ")")
+
+
+class Flux2Spec(ModelSpec):
+    family = "flux2"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.flux2.tiny import make_tiny_flux2
+
+            make_tiny_flux2(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a FLUX.2 model in "
+                "diffusers format (e.g. a download of black-forest-labs/FLUX.2-dev)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete FLUX.2 diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._pipeline_class()
+        self._vae_config()
+
+    def _read_json(self, path: Path) -> dict[str, Any]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    def _vae_config(self) -> dict[str, Any]:
+        return self._read_json(self.path / "vae" / "config.json")
+
+    def _pipeline_class(self):
+        name = self._read_json(self.path / "model_index.json").get("_class_name")
+        if name not in PIPELINES:
+            raise ModelLoadError(
+                f"model.path={self.path} holds a {name}, not a FLUX.2 pipeline "
+                f"({' or '.join(PIPELINES)})")
+        import diffusers
+
+        return getattr(diffusers, name)
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downscale (x8 for the real VAE), then the 2x2 patchify of the latents.
+        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * 2
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        # FLUX.2-dev names a PixtralProcessor as its tokenizer; building one needs torchvision,
+        # while only its text tokenizer (and chat template) is ever used here: load that alone.
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+            pipe = self._pipeline_class().from_pretrained(
+                self.path, transformer=None, tokenizer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        if tokenizer.chat_template is None:
+            raise ModelLoadError(f"{self.path / 'tokenizer'} has no chat template "
+                                 "(chat_template.jinja), which FLUX.2 prompts are built with")
+        pipe.tokenizer = tokenizer
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import Flux2Transformer2DModel
+
+        try:
+            return Flux2Transformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return {
+                "family": self.family,
+                "vae": folder_fingerprint(self.path / "vae"),  # includes the BatchNorm stats
+                "latent": "mode, 2x2 patchified, batch-norm normalised",
+            }
+        return {
+            "family": self.family,
+            "pipeline": self._read_json(self.path / "model_index.json").get("_class_name"),
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        # The pipeline's own reference-image encoder: VAE mode, patchify, BatchNorm-normalise.
+        return encoders._encode_vae_image(pixels.to(vae.device, vae.dtype), generator=None)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, _ids = encoders.encode_prompt(prompts, device=encoders.vae.device,
+                                            max_sequence_length=self.cfg.max_text_tokens)
+        return {"text": text}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return flux2_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, c, h, w = batch.latents.shape
+        text = batch.text["text"]
+        packed = _pack(batch.noisy)
+        img_ids = _ids(t=0, h=h, w=w)
+        control = getattr(batch, "control", None)  # (B, C, h', w') reference latents, or None
+        if control is not None:
+            packed = torch.cat([packed, _pack(control.to(packed.dtype))], dim=1)
+            img_ids = torch.cat([img_ids, _ids(t=REFERENCE_T, h=control.shape[-2],
+                                               w=control.shape[-1])], dim=0)
+        txt_ids = torch.zeros(text.shape[1], 4, dtype=torch.long)
+        txt_ids[:, 3] = torch.arange(text.shape[1])
+        guidance = torch.full((b,), float(self.cfg.guidance))
+        inputs = (packed, batch.timesteps, text, guidance, txt_ids, img_ids)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (_pack(batch.target),)
+        return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)))
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        target = labels[0]
+        pred = outputs[:, :target.shape[1]]  # reference image tokens (edit training) carry no loss
+        if len(labels) == 1:
+            return F.mse_loss(pred.float(), target.float())
+        weight = labels[1]  # per-token loss weights (masks), broadcast over channels
+        return (weight.float() * (pred.float() - target.float()).square()).mean()
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import Flux2Pipeline
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        Flux2Pipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        return [out_dir / "pytorch_lora_weights.safetensors"]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        packed, t, text, guidance, txt_ids, img_ids = inputs
+        return denoiser(
+            hidden_states=packed, encoder_hidden_states=text, timestep=t,
+            guidance=guidance if denoiser.config.guidance_embeds else None,
+            txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        pipe = self._pipeline_class().from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h*w, C), as Flux2Pipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+def _ids(t: int, h: int, w: int) -> torch.Tensor:
+    """(h*w, 4) position ids (t, row, column, 0), as Flux2Pipeline._prepare_latent_ids and
+    _prepare_image_ids build them."""
+    return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w),
+                                torch.tensor([0]))

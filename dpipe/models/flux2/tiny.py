@@ -1,0 +1,186 @@
+"""A tiny random FLUX.2-dev, in the diffusers layout of black-forest-labs/FLUX.2-dev.
+
+CI cannot download the real checkpoint, so tests run the real loading code
+(`Flux2Pipeline.from_pretrained`, `Flux2Transformer2DModel.from_pretrained(subfolder=...)`) on this
+folder. Kept as in the real repo: the component classes in model_index.json; the text encoder is a
+`Mistral3ForConditionalGeneration` (Mistral language model + Pixtral vision tower, as Mistral Small
+3.1) whose `tokenizer` is a `PixtralProcessor` with a Mistral-style chat template ([SYSTEM_PROMPT],
+[INST], [IMG] tokens); the language model has 30 layers, because Flux2Pipeline stacks the hidden
+states of layers 10, 20 and 30; the VAE is an `AutoencoderKLFlux2` whose latents are 2x2-patchified
+and normalised by its BatchNorm running statistics (random here, so the normalisation is not an
+identity); transformer and text encoder weights are sharded with index files.
+
+Not reproduced: the real tokenizer is Mistral's "tekken" byte-level BPE with 131k tokens; this one
+is a byte-level BPE learnt on the test captions and the pipeline's system message, saved as a
+tokenizers `tokenizer.json` (loaded by PreTrainedTokenizerFast), so prompts go through the same
+chat template, special tokens, padding and truncation code.
+
+Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 -> 2x2 patches -> 8x8
+latents of 16 channels -> 64 image tokens; text: hidden 16 x 3 stacked layers = 48 channels.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dpipe.models.tiny_parts import seeded, tiny_corpus, write_atomically
+
+LATENT_CHANNELS = 4
+TEXT_HIDDEN = 16
+TEXT_LAYERS = 30  # Flux2Pipeline reads hidden_states[10], [20] and [30]
+DTYPE = torch.bfloat16
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                  "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+# Mistral Small 3.1's chat format for the messages Flux2Pipeline builds (a system message, then
+# user messages whose content is a list of text/image parts).
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}"
+    "{%- set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{%- else %}{%- set parts = message['content'] %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}"
+    "{{- '[SYSTEM_PROMPT]' }}{%- for p in parts %}{{- p['text'] }}{%- endfor %}"
+    "{{- '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}"
+    "{{- '[INST]' }}{%- for p in parts %}"
+    "{%- if p['type'] == 'text' %}{{- p['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}{{- '[/INST]' }}"
+    "{%- else %}"
+    "{%- for p in parts %}{{- p['text'] }}{%- endfor %}{{- eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def make_tiny_flux2(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random FLUX.2-dev diffusers folder at `path` and return `path` (an
+    existing complete folder is left untouched; concurrent callers are safe)."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_flux2; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline,
+        Flux2Transformer2DModel)
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = save_processor(out / "tokenizer")
+    vocab_size = len(tokenizer)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    with seeded(seed):
+        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config={
+                "model_type": "mistral", "vocab_size": vocab_size, "hidden_size": TEXT_HIDDEN,
+                "intermediate_size": 32, "num_hidden_layers": TEXT_LAYERS,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000000.0, "sliding_window": None,
+                "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
+                "pad_token_id": ids["<pad>"], "tie_word_embeddings": False},
+            vision_config={
+                "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
+                "patch_size": 8, "num_channels": 3, "head_dim": 8},
+            image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1,
+            projector_hidden_act="gelu", multimodal_projector_bias=False,
+            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]))
+    with seeded(seed + 1):
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * TEXT_HIDDEN,
+            timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),
+            rope_theta=2000, guidance_embeds=True)
+    with seeded(seed + 2):
+        vae = AutoencoderKLFlux2(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
+        # The real BatchNorm statistics normalise the patchified latents; random ones here make
+        # a missing or wrong normalisation show.
+        vae.bn.running_mean.copy_(0.3 * torch.randn(4 * LATENT_CHANNELS))
+        vae.bn.running_var.copy_(0.5 + torch.rand(4 * LATENT_CHANNELS))
+
+    scheduler.save_pretrained(out / "scheduler")
+    _save(transformer, out / "transformer", shards=3)
+    _save(text_encoder, out / "text_encoder", shards=2)
+    _save(vae, out / "vae", shards=1)
+    Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                  transformer=transformer).save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]  # as the real repo names it
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def save_processor(directory: Path):
+    """Write a PixtralProcessor folder (tokenizer files, chat_template.jinja, processor and image
+    processor configs) around a byte-level BPE tokenizer with Mistral's special tokens, and return
+    the tokenizer. The processor's own files are written as JSON: building a PixtralProcessor
+    object needs torchvision, which dpipe does not require (it only ever encodes text with it)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe
+
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # The system message starts every prompt: weighted so that its words become single tokens
+    # (as in the real vocabulary) and a short max_sequence_length still reaches the caption.
+    lines = tiny_corpus() + SYSTEM_MESSAGE.splitlines() * 8
+    words = Counter(w for line in lines for w, _ in split.pre_tokenize_str(line))
+    merges = _learn_bpe({tuple(w): n for w, n in words.items()}, 600)
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for token in list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]:
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False))
+    backend.pre_tokenizer = split
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", model_max_length=131072, padding_side="right")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)  # tokenizer.json, configs, chat_template.jinja
+    _write_json(directory / "processor_config.json", {
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+        "image_token": "[IMG]", "patch_size": 8, "processor_class": "PixtralProcessor",
+        "spatial_merge_size": 2})
+    _write_json(directory / "preprocessor_config.json", {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "PixtralImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": {"height": 8, "width": 8}, "resample": 3,
+        "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 64}})
+    return tokenizer
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
+    torch.nn.Module.to(model, DTYPE)
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
+    sizes = [t.numel() * t.element_size() for t in unique]
+    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

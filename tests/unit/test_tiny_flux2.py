@@ -1,0 +1,151 @@
+"""The tiny FLUX.2-dev folder loads and runs through diffusers' real loading code; FLUX.2
+specifics: chat-formatted prompts, BatchNorm-normalised patchified latents, reference images."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+from transformers import Mistral3ForConditionalGeneration
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.flux2.spec import LORA_TARGETS, Flux2Spec
+from dpipe.models.flux2.tiny import make_tiny_flux2
+from dpipe.models.spec import NoisedBatch
+
+CAPTION = "a red circle on a blue background"
+
+
+@pytest.fixture(scope="module")
+def tiny_flux2(tmp_path_factory) -> Path:
+    return make_tiny_flux2(tmp_path_factory.mktemp("models") / "flux2")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_flux2) -> Flux2Spec:
+    return Flux2Spec(ModelConfig(family="flux2", path=str(tiny_flux2), max_text_tokens=64,
+                                 guidance=2.5))
+
+
+@pytest.fixture(scope="module")
+def pipe(spec) -> Flux2Pipeline:
+    spec.ensure_available()
+    pipe = spec.load_encoders(torch.device("cpu"), torch.float32)
+    pipe.transformer = spec.load_denoiser(torch.float32)
+    return pipe
+
+
+def test_generates_an_image_and_an_edit(pipe):
+    out = pipe(prompt=CAPTION, height=64, width=64, num_inference_steps=2, guidance_scale=2.5,
+               max_sequence_length=64, generator=torch.Generator().manual_seed(0),
+               output_type="pil")
+    image = out.images[0]
+    assert image.size == (64, 64)
+    edit = pipe(prompt="make it green", image=[image], height=64, width=64,
+                num_inference_steps=2, max_sequence_length=64, output_type="np")
+    assert edit.images.shape == (1, 64, 64, 3) and np.isfinite(edit.images).all()
+
+
+def test_components_and_layout(tiny_flux2, pipe):
+    assert isinstance(pipe.text_encoder, Mistral3ForConditionalGeneration)
+    assert isinstance(pipe.vae, AutoencoderKLFlux2)
+    assert isinstance(pipe.transformer, Flux2Transformer2DModel)
+    index = json.loads((tiny_flux2 / "model_index.json").read_text())
+    assert index["_class_name"] == "Flux2Pipeline"
+    assert index["tokenizer"] == ["transformers", "PixtralProcessor"]
+    assert index["text_encoder"] == ["transformers", "Mistral3ForConditionalGeneration"]
+    for rel in ["tokenizer/tokenizer.json", "tokenizer/chat_template.jinja",
+                "tokenizer/processor_config.json", "tokenizer/preprocessor_config.json",
+                "text_encoder/model.safetensors.index.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny_flux2 / rel).is_file(), rel
+
+
+def test_prompt_format(spec, pipe):
+    # System message, then the caption, in Mistral's chat format; the caption survives truncation.
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    ids = pipe.tokenizer.apply_chat_template(
+        format_input([CAPTION], pipe.system_message), tokenize=True, return_dict=True,
+        padding="max_length", truncation=True, max_length=64)["input_ids"][0]
+    tokens = pipe.tokenizer.convert_ids_to_tokens(ids)
+    assert tokens[:2] == ["<s>", "[SYSTEM_PROMPT]"] and "[/INST]" in tokens
+    assert pipe.tokenizer.decode(ids[tokens.index("[INST]") + 1:tokens.index("[/INST]")]) == CAPTION
+    text = spec.encode_prompts(pipe, [CAPTION])["text"]
+    assert text.shape == (1, 64, 3 * pipe.text_encoder.config.text_config.hidden_size)
+
+
+def test_latents_are_patchified_and_normalised(spec, pipe):
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    latents = spec.encode_images(pipe, pixels)
+    raw = pipe.vae.encode(pixels).latent_dist.mode()  # (1, 4, 16, 16)
+    patched = Flux2Pipeline._patchify_latents(raw)
+    bn = pipe.vae.bn
+    expected = (patched - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(
+        bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    assert latents.shape == (1, 16, 8, 8) and spec.pixel_multiple == 8
+    torch.testing.assert_close(latents, expected)
+
+
+def test_lora_targets_cover_every_block_linear(pipe):
+    linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_blocks = {n for n in linears if re.match(r"(single_)?transformer_blocks\.", n)}
+    assert {n for n, _ in pipe.transformer.named_modules()
+            if re.fullmatch(LORA_TARGETS, n)} == in_blocks
+
+
+def test_reference_image_inputs_match_the_pipeline(spec, pipe):
+    """Edit training builds the transformer input as Flux2Pipeline does for one reference image:
+    the reference tokens after the noisy ones, with ids whose t is 10; layers == diffusers."""
+    torch.manual_seed(0)
+    target, control = torch.randn(2, 16, 8, 8), torch.randn(2, 16, 8, 8)
+    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
+    t = torch.tensor([0.3, 0.7])
+    noisy = (1 - t.view(-1, 1, 1, 1)) * target + t.view(-1, 1, 1, 1) * torch.randn_like(target)
+    batch = SimpleNamespace(latents=target, noise=None, timesteps=t, noisy=noisy,
+                            target=target, text=text, loss_weight=None, control=control)
+    inputs, labels = spec.make_inputs(batch)
+    packed, _t, _text, guidance, txt_ids, img_ids = inputs
+
+    latents, latent_ids = pipe.prepare_latents(2, 4, 64, 64, torch.float32, "cpu", None,
+                                               latents=noisy)
+    ref_ids = pipe._prepare_image_ids([control[:1]])[0]
+    torch.testing.assert_close(packed, torch.cat([latents, Flux2Pipeline._pack_latents(control)], 1))
+    assert torch.equal(img_ids, torch.cat([latent_ids[0], ref_ids]))
+    assert torch.equal(txt_ids, pipe._prepare_text_ids(text["text"])[0])
+    assert guidance.tolist() == [2.5, 2.5]
+
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(pipe.transformer):
+            x = layer(x)
+        expected = spec.denoiser_forward(pipe.transformer, inputs)
+    assert x.shape == (2, 128, 16)  # 64 target + 64 reference tokens
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    # Only the target's tokens count.
+    loss = spec.loss(x, labels)
+    torch.testing.assert_close(loss, torch.nn.functional.mse_loss(x[:, :64], labels[0]))
+
+
+def test_mask_weights_scale_the_loss(spec):
+    latents = torch.randn(1, 16, 8, 8)
+    plain = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.5]),
+                        noisy=latents, target=latents, text={"text": torch.zeros(1, 4, 48)})
+    _, labels = spec.make_inputs(plain)
+    weighted = SimpleNamespace(latents=latents, noisy=latents, target=latents,
+                               timesteps=torch.tensor([0.5]), text=plain.text, control=None,
+                               loss_weight=torch.ones(1, 1, 8, 8))
+    out = torch.randn(1, 64, 16)
+    torch.testing.assert_close(spec.loss(out, spec.make_inputs(weighted)[1]),
+                               spec.loss(out, labels))
+    weighted.loss_weight = torch.zeros(1, 1, 8, 8)
+    assert spec.loss(out, spec.make_inputs(weighted)[1]) == 0
