@@ -10,14 +10,13 @@ one their timeline fills, and one or more clips of that length.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from dpipe.config.schema import ClipSelection, DataSettings
 from dpipe.errors import ConfigError
 
 
-@dataclass(frozen=True, order=True)
-class Shape:
+class Shape(NamedTuple):
     width: int
     height: int
     frames: int = 1  # 1 for images

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 from dpipe.config.schema import DataSettings, DatasetConfig, MissingCaption
 from dpipe.data.buckets import (
@@ -39,7 +40,7 @@ class Item:
     path: str
     kind: str  # "image" or "video"
     sha256: str
-    info: dict  # w, h (as shown); videos: frames, fps, duration
+    info: dict  # the index record: w, h (as shown); videos: frames, fps, duration
     captions: list[str]  # every caption variant, final (prefix, shuffled tags)
     directory: int
     mask: tuple[str, str] | None = None  # (path, sha256)
@@ -55,8 +56,7 @@ class Discovery:
     files: int = 0
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """One sample of an item: its bucket, resolution and (videos) first frame."""
 
     item: int
@@ -117,7 +117,7 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         for (f, kind), stem in zip(media, stems):
             record = records[f.rel]
             if "error" in record:
-                unreadable.append((str(f.path), record["error"]))
+                unreadable.append((f.path, record["error"]))
                 continue
             captions = match_captions(table, f.rel)
             if captions is None and stem in listing.texts:
@@ -132,10 +132,10 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                                     + (f", not in {s.captions_file}" if table else "") + ")")
                     continue
                 if s.missing_caption == MissingCaption.skip:
-                    result.dropped.append((str(f.path), "no caption (missing_caption=skip)"))
+                    result.dropped.append((f.path, "no caption (missing_caption=skip)"))
                     continue
                 captions = [""]
-            item = Item(str(f.path), kind, record["sha256"], _shape_info(record), [], number)
+            item = Item(f.path, kind, record["sha256"], record, [], number)
             item.captions = (caption_variants(captions[:1], s.caption_prefix, False, 1, 0, ",")
                              if eval_mode else
                              caption_variants(captions, s.caption_prefix, s.shuffle_tags,
@@ -165,7 +165,8 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
     out: list[Placement] = []
     dropped: list[tuple[str, str]] = []
     trimmed: list[tuple[str, str]] = []
-    sizes_cache: dict[tuple, list[tuple[int, int]]] = {}
+    ratio_cache: dict[int, tuple[float, ...]] = {}
+    fit_cache: dict[tuple, tuple[int, int, float]] = {}
     for number, item in enumerate(disc.items):
         s = disc.directories[item.directory].settings
         frames, starts = 1, [0]
@@ -182,23 +183,23 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
             if used < available:
                 trimmed.append((item.path, f"uses {used} of its {available} frames{rate} "
                                 f"({len(starts)} clip(s) of {frames}, {s.clip_selection.value})"))
-        ratios = aspect_ratios(s)
+        ratios = ratio_cache.get(item.directory)
+        if ratios is None:
+            ratios = ratio_cache[item.directory] = tuple(aspect_ratios(s))
         w, h = item.info["w"], item.info["h"]
         for resolution in s.resolutions:
-            key = (resolution, tuple(ratios))
-            if key not in sizes_cache:
-                sizes_cache[key] = bucket_sizes(resolution, ratios, multiple)
-            bw, bh = nearest_size(sizes_cache[key], w, h)
-            cut = crop_fraction(w, h, bw, bh)
+            # Most datasets have few distinct sizes: fit each (size, buckets) once.
+            key = (w, h, resolution, ratios)
+            if key not in fit_cache:
+                sizes = bucket_sizes(resolution, list(ratios), multiple)
+                bw, bh = nearest_size(sizes, w, h)
+                fit_cache[key] = bw, bh, crop_fraction(w, h, bw, bh)
+            bw, bh, cut = fit_cache[key]
             if cut > CROP_REPORTED:
                 trimmed.append((item.path, f"{cut:.0%} cropped away to fit {bw}x{bh} "
                                 f"(aspect {w / h:.2f}; buckets {min(ratios):.2f}-{max(ratios):.2f})"))
             out.extend(Placement(number, Shape(bw, bh, frames), resolution, st) for st in starts)
     return out, dropped, trimmed
-
-
-def _shape_info(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in ("sha256",)}
 
 
 def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,
@@ -232,4 +233,4 @@ def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Pa
         problems.append(f"{other.path}: the {what} is {record['w']}x{record['h']} but its image "
                         f"{f.path} is {item.info['w']}x{item.info['h']}; they must match")
         return None
-    return str(other.path), record["sha256"]
+    return other.path, record["sha256"]

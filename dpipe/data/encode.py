@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
@@ -25,8 +25,7 @@ TEXT_BATCH = 32  # captions per text-encoder call
 MIN_JOBS_PER_WORKER = 32  # below this, decoding in-process beats starting workers
 
 
-@dataclass(frozen=True)
-class LatentJob:
+class LatentJob(NamedTuple):
     """Encode a file (image, video clip, or control image) fitted to a bucket."""
 
     key: str
@@ -44,8 +43,7 @@ class LatentJob:
         return ("latent", self.width, self.height, self.frames)
 
 
-@dataclass(frozen=True)
-class MaskJob:
+class MaskJob(NamedTuple):
     key: str
     path: str
     width: int
@@ -57,8 +55,7 @@ class MaskJob:
         return ("mask", self.width, self.height)
 
 
-@dataclass(frozen=True)
-class TextJob:
+class TextJob(NamedTuple):
     key: str
     caption: str
 

@@ -28,8 +28,8 @@ INDEX_VERSION = 1
 INDEX_DIR = "sources"
 
 
-def _probe_text(path: Path) -> dict:
-    return {"text": read_caption(path)}
+def _probe_text(path: str) -> dict:
+    return {"text": read_caption(Path(path))}
 
 
 PROBES: dict[str, Callable[[Path], dict]] = {
@@ -66,7 +66,7 @@ class FileIndex:
         for i, f in enumerate(files):
             self._seen.add(f.rel)
             cached = self._records.get(f.rel)
-            if cached is not None and cached[0] == [f.size, f.mtime_ns, f.ctime_ns]:
+            if cached is not None and cached[0] == f.stamp:
                 out.append(cached[1])
             else:
                 out.append(None)
@@ -76,7 +76,7 @@ class FileIndex:
                 fresh = list(pool.map(lambda i: _read(files[i], kind), todo))
             for i, record in zip(todo, fresh):
                 out[i] = record
-                self._records[files[i].rel] = [list(files[i].stamp), record]
+                self._records[files[i].rel] = [files[i].stamp, record]
             self._changed = True
             self.reads += len(todo)
         return out  # type: ignore[return-value]

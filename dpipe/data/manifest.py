@@ -10,15 +10,15 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 from pathlib import Path
 
 from dpipe.io import atomic_write_bytes
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     source: str  # the file
     start: int  # first frame of the clip (0 for images)
     latent: str  # cache keys ...
@@ -56,8 +56,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         data = {"empty_text": self.empty_text, "buckets": [
-            {**{k: v for k, v in asdict(b).items() if k != "samples"},
-             "samples": [[s.source, s.start, s.latent, list(s.texts), s.mask, s.control,
+            {"name": b.name, "width": b.width, "height": b.height, "frames": b.frames,
+             "resolution": b.resolution, "micro_batch_size": b.micro_batch_size,
+             "samples": [[s.source, s.start, s.latent, s.texts, s.mask, s.control,
                           s.repeats, s.dropout] for s in b.samples]}
             for b in self.buckets]}
         return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()

@@ -175,11 +175,12 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
     image_fp, text_fp = spec.encoder_fingerprint("image"), spec.encoder_fingerprint("text")
-    latent_key = KeyMaker(kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre")
-    mask_key = KeyMaker(kind="mask", crop="centre")
-    text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype))
+    latent_key = KeyMaker(True, kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre")
+    mask_key = KeyMaker(True, kind="mask", crop="centre")
+    text_key = KeyMaker(True, kind="text", encoder=text_fp, dtype=str(dtype))
     jobs: dict[str, object] = {}
     texts: dict[str, TextJob] = {}
+    caption_keys: dict[str, str] = {}
     work = _Work(sets=[])
     cache_dir = Path(cfg.cache_dir).expanduser()
     dropout = False
@@ -204,8 +205,10 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
                                               p.shape.height, p.shape.frames, p.start, fps))
             text_keys = []
             for caption in item.captions:
-                k = text_key(caption=caption)
-                texts.setdefault(k, TextJob(k, caption))
+                k = caption_keys.get(caption)
+                if k is None:
+                    k = caption_keys[caption] = text_key(caption=caption)
+                    texts[k] = TextJob(k, caption)
                 text_keys.append(k)
             mask = control = None
             if item.mask:
@@ -220,7 +223,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             keys.append((latent, tuple(text_keys), mask, control))
         work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
     if dropout:
-        work.empty_text = text_key(caption="")
+        work.empty_text = caption_keys.get("") or text_key(caption="")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)

@@ -13,6 +13,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,19 +29,19 @@ _MAX_LISTED = 10  # files named in one error message
 _TRANSPOSED = {5, 6, 7, 8}
 
 
-@dataclass(frozen=True)
-class FoundFile:
-    """A file seen by a directory walk, with the stat fields that tell whether it changed."""
+class FoundFile(NamedTuple):
+    """A file seen by a directory walk, with the stat fields that tell whether it changed.
+    (A tuple, and `path` a str: a start-up builds one per file, 100k of them.)"""
 
-    path: Path
+    path: str
     rel: str  # POSIX path relative to the walked directory
     size: int
     mtime_ns: int
     ctime_ns: int
 
     @property
-    def stamp(self) -> tuple[int, int, int]:
-        return self.size, self.mtime_ns, self.ctime_ns
+    def stamp(self) -> list[int]:
+        return [self.size, self.mtime_ns, self.ctime_ns]
 
 
 @dataclass
@@ -97,13 +98,14 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
                 if os.path.realpath(entry.path) not in excluded:
                     stack.append((entry.path, rel + "/"))
                 continue
-            suffix = os.path.splitext(entry.name)[1].lower()
+            dot = entry.name.rfind(".")
+            suffix = entry.name[dot:].lower() if dot > 0 else ""
             kind = ("image" if suffix in image_ext else "video" if suffix in VIDEO_EXTENSIONS
                     else "text" if suffix == CAPTION_SUFFIX else None)
             if kind is None or not entry.is_file():
                 continue
             st = entry.stat()
-            found = FoundFile(Path(entry.path), rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            found = FoundFile(entry.path, rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             if kind == "text":
                 texts[rel[: -len(CAPTION_SUFFIX)]] = found
             else:
