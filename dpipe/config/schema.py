@@ -25,7 +25,9 @@ class Precision(str, Enum):
 
 
 class PartitionMethod(str, Enum):
-    parameters = "parameters"  # balance the number of parameters (frozen ones included)
+    # Balance the model's per-layer cost: its measured or modelled time where the family gives
+    # one (FLUX.1), else the parameter count (frozen ones included).
+    balanced = "balanced"
     uniform = "uniform"  # the same number of layers per stage
     explicit = "explicit"  # `pipeline.split` gives the first layer of every stage after the first
 
@@ -295,7 +297,7 @@ class PipelineConfig:
     micro_batch_size: int = 1
     # Micro-batches per optimizer step (gradient accumulation); the pipeline interleaves them.
     micro_batches: int = 1
-    partition: PartitionMethod = PartitionMethod.parameters
+    partition: PartitionMethod = PartitionMethod.balanced
     split: Optional[list[int]] = None  # with partition=explicit
     # Which layers recompute their activations in backward instead of keeping them:
     # "none", "all", "auto" (as few as the GPU memory budget needs; none on CPU), or a number N

@@ -118,6 +118,16 @@ class ModelSpec(abc.ABC):
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Prompts -> named embedding tensors with a leading batch dimension."""
 
+    # Edit models whose text encoder reads the control image with the prompt (Qwen-Image-Edit):
+    # their text entries depend on (caption, control image) and are made by
+    # `encode_prompts_with_controls`, not `encode_prompts`.
+    text_sees_control: ClassVar[bool] = False
+
+    def encode_prompts_with_controls(self, encoders: Any, prompts: list[str],
+                                     controls: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prompts, each with its control image (B, 3, H, W) in [-1, 1] -> as `encode_prompts`."""
+        raise NotImplementedError(f"model.family={self.family} encodes prompts without images")
+
     # ---- training ----------------------------------------------------------------------------
     @abc.abstractmethod
     def lora_targets(self) -> list[str] | str:
@@ -153,7 +163,8 @@ class ModelSpec(abc.ABC):
         raise NotImplementedError(f"{self.family}: no FLOP count")
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Relative compute cost per layer, for balancing stages. Default: parameter count."""
+        """Relative time per layer, for balancing stages (`pipeline.partition=balanced`).
+        Default: the parameter count; families override it with measured or modelled times."""
         return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
     # ---- export ------------------------------------------------------------------------------

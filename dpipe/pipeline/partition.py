@@ -41,7 +41,7 @@ def stage_bounds(
         raise ConfigError(f"pipeline.stages={stages} but the model has only {n} pipeline layers")
     if method == PartitionMethod.uniform:
         return balanced_bounds([1.0] * n, stages)
-    if method == PartitionMethod.parameters:
+    if method == PartitionMethod.balanced:
         return balanced_bounds(costs, stages)
     assert split is not None  # checked at config time
     if split[-1] >= n:
