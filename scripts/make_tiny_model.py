@@ -25,6 +25,8 @@ FACTORIES: dict[str, str] = {
     "wan22_ti2v": "dpipe.models.wan.tiny:make_tiny_wan22_ti2v",
     "wan22_a14b": "dpipe.models.wan.tiny:make_tiny_wan22_a14b",
     "wan22_i2v_a14b": "dpipe.models.wan.tiny:make_tiny_wan22_i2v_a14b",
+    "cosmos_predict2": "dpipe.models.cosmos_predict2.tiny:make_tiny_cosmos_predict2",
+    "cosmos_predict2_v2w": "dpipe.models.cosmos_predict2.tiny:make_tiny_cosmos_predict2_v2w",
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",

@@ -13,6 +13,7 @@ FAMILIES: dict[str, str] = {
     "flux": "dpipe.models.flux.spec:FluxSpec",
     "flux2": "dpipe.models.flux2.spec:Flux2Spec",
     "wan": "dpipe.models.wan.spec:WanSpec",
+    "cosmos_predict2": "dpipe.models.cosmos_predict2.spec:CosmosPredict2Spec",
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",

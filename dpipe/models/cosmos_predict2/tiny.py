@@ -1,0 +1,119 @@
+"""Tiny random Cosmos-Predict2 models, written in the layout of the nvidia/Cosmos-Predict2-*
+diffusers repos.
+
+Tests and CI cannot download the real checkpoints, so they run the real loading code
+(`CosmosTransformer3DModel.from_pretrained(subfolder=...)`, `Cosmos2TextToImagePipeline` /
+`Cosmos2VideoToWorldPipeline.from_pretrained`) on these folders. Kept as in the real repos: the
+pipeline class and components in model_index.json, the FlowMatchEulerDiscreteScheduler config
+(Karras sigmas; the pipelines set sigma_max 80 / sigma_min 0.002 themselves), a T5 encoder (the
+real one is T5-11B's, d_model 1024) with a T5 tokenizer, the Wan 2.1 VAE with its latent
+normalisation, a transformer with the padding-mask channel (`concat_padding_mask`), no learnable
+position embedding, Predict2's rope scales (Text2Image (1, 4, 4), Video2World (1, 3, 3)) and, for
+Video2World, the condition-mask input channel (17 = 16 + 1); sharded transformer and T5 weights
+with index files, stored in bf16. Only the sizes shrink. No safety checker is stored: the
+pipelines build `CosmosSafetyChecker` (the cosmos_guardrail package) themselves.
+
+Variants (`VARIANTS`): text2image (Cosmos-Predict2-2B-Text2Image), video2world
+(Cosmos-Predict2-2B-Video2World). Sizes: 64x64 images -> 8x8 latents -> 2x2 patches -> 16 tokens
+per latent frame; 5 frames -> 2 latent frames.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+
+TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
+TEXT_MAX_LENGTH = 512
+DTYPE = torch.bfloat16
+
+VARIANTS: dict[str, dict] = {
+    "text2image": dict(pipeline="Cosmos2TextToImagePipeline", in_channels=16,
+                       rope_scale=(1.0, 4.0, 4.0)),
+    "video2world": dict(pipeline="Cosmos2VideoToWorldPipeline", in_channels=17,
+                        rope_scale=(1.0, 3.0, 3.0)),
+}
+
+
+def make_tiny_cosmos_predict2(path: Path, seed: int = 0, variant: str = "text2image") -> Path:
+    """Write (once) a tiny random Cosmos-Predict2 folder of `variant` at `path`; return `path`.
+
+    An existing complete folder is returned untouched; the build happens in a temporary sibling
+    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny Cosmos-Predict2 variant {variant!r}; choose one of "
+                         f"{sorted(VARIANTS)}")
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_cosmos_predict2; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed, variant))
+    return path
+
+
+def make_tiny_cosmos_predict2_v2w(path: Path, seed: int = 0) -> Path:
+    return make_tiny_cosmos_predict2(path, seed, "video2world")
+
+
+def _write(out: Path, seed: int, variant: str) -> None:
+    import json
+
+    from diffusers import (AutoencoderKLWan, CosmosTransformer3DModel,
+                           FlowMatchEulerDiscreteScheduler)
+    from transformers import T5Config, T5EncoderModel
+
+    v = VARIANTS[variant]
+    vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, use_karras_sigmas=True,
+        base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    with seeded(seed):
+        # T5-11B's encoder is a T5 v1.0 one: ReLU feed-forward, tied embeddings.
+        text_encoder = T5EncoderModel(T5Config(
+            vocab_size=round_up(vocab, 128), d_model=TEXT_DIM, d_ff=64, d_kv=16, num_heads=2,
+            num_layers=2, feed_forward_proj="relu", relative_attention_num_buckets=32,
+            relative_attention_max_distance=128, layer_norm_epsilon=1e-6, pad_token_id=0,
+            eos_token_id=1, decoder_start_token_id=0))
+    with seeded(seed + 1):
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+    with seeded(seed + 2):
+        transformer = CosmosTransformer3DModel(
+            in_channels=v["in_channels"], out_channels=16, num_attention_heads=2,
+            attention_head_dim=16, num_layers=2, mlp_ratio=2.0, text_embed_dim=TEXT_DIM,
+            adaln_lora_dim=8, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+            rope_scale=v["rope_scale"], concat_padding_mask=True, extra_pos_embed_type=None)
+        # diffusers zero-initialises nothing here; random adaLN weights keep every path alive.
+
+    scheduler.save_pretrained(out / "scheduler")
+    _save(text_encoder, out / "text_encoder", shards=2)
+    _save(vae, out / "vae", shards=1)
+    _save(transformer, out / "transformer", shards=2)
+    index = {
+        "_class_name": v["pipeline"],
+        "_diffusers_version": "0.34.0.dev0",
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "CosmosTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
+    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules.
+    torch.nn.Module.to(model, DTYPE)
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
+    sizes = [t.numel() * t.element_size() for t in unique]
+    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
