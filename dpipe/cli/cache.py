@@ -85,7 +85,8 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
     if world > 1:
         os.environ.update(LOCAL_WORLD_SIZE=str(world))
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
+                                rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank) if cuda else None)
     spec = build_spec(run.model)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     start = time.perf_counter()

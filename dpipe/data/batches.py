@@ -131,5 +131,9 @@ def step_micro_batches(
         texts = choose_texts(batch.samples, batch.empty_text, seed, step, batch.slots)
         latents, text, weight, control = dataset.collate(batch.samples, texts)
         dataset.write_log(step, micro, dp_rank, batch, latents)
-        yield spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed, step,
-                                            batch.slots, weight, control))
+        inputs, labels = spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed,
+                                                       step, batch.slots, weight, control))
+        if weight is not None and len(labels) < 2:  # never ignore masks silently
+            raise DataError(f"model family {spec.family} does not apply per-pixel loss weights "
+                            "yet: remove mask_dir from the dataset config")
+        yield inputs, labels

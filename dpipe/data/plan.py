@@ -22,6 +22,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -137,9 +138,10 @@ class BatchPlan:
                           manifest.empty_text)
 
     # ---- history and resume --------------------------------------------------------------------
-    def resume(self, step: int, store_keys: set[str] | None = None) -> str | None:
+    def resume(self, step: int, cached: Callable[[set[str]], bool] | None = None) -> str | None:
         """Sets the plan for a run (re)starting at `step` from the run's history; returns what
-        changed since the history was written, in words, or None if nothing did."""
+        changed since the history was written, in words, or None if nothing did. `cached(keys)`
+        says whether the cache still holds those entries (asked only to replay an epoch)."""
         history = [s for s in self._history if s.start_step <= step]
         if not history or history[-1].manifest not in self._manifests:
             note = None
@@ -156,8 +158,9 @@ class BatchPlan:
             self.micro_batches, self.data_parallel, self.seed)
         spe = steps_per_epoch(old, last.micro_batches, last.data_parallel)
         boundary = step + (spe - position if position else 0)
-        missing = store_keys is not None and not old.keys() <= store_keys
         current = last.manifest == self.manifest.digest and same_layout
+        missing = (not current and bool(position) and same_layout and cached is not None
+                   and not cached(old.keys()))
         if current:
             plan = history
         elif position and same_layout and not missing:

@@ -110,7 +110,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
     manifests, reports = {}, {}
     for s in work.sets:
         manifest, report = _manifest(s, cfg, layout, work.empty_text, failed, make_plan)
-        report.cache = cache_note
+        report.cache = cache_note if s.name == "train" else "cached with the training set"
         manifests[s.name], reports[s.name] = manifest, report
 
     dataset = CachedDataset(store, rank)
@@ -145,8 +145,11 @@ def resume_plan(dataset: CachedDataset, step: int, run_dir: Path) -> None:
     """Sets the batch plan for a run (re)starting at `step` (see `BatchPlan.resume`); rank 0
     says what changed in the data and saves the run's data history. Every rank must call it."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    keys = _broadcast(lambda: dataset.store.keys() if rank == 0 else None)
-    note = dataset.plan.resume(step, keys)
+
+    def cached(keys: set[str]) -> bool:  # collective: every rank asks at the same point
+        return _broadcast(lambda: keys <= dataset.store.keys() if rank == 0 else None)
+
+    note = dataset.plan.resume(step, cached)
     if rank == 0:
         if note:
             log.warning("%s", note)

@@ -93,7 +93,7 @@ def test_resume_after_the_dataset_changed_finishes_the_epoch_in_its_saved_order(
     new = _manifest({"64x64": 10, "88x48": 8})  # two files added
     history, saved = load_history(tmp_path)
     resumed = _plan(new, history=history, saved=saved)
-    note = resumed.resume(2, store_keys=old.keys() | new.keys())
+    note = resumed.resume(2, lambda keys: keys <= old.keys() | new.keys())
     assert "2 sample(s) added" in note and "continues in its saved order until step 4" in note
     assert _order(resumed, [2, 3]) == _order(straight, [2, 3])
     # From the next epoch on, the new data (and its own epoch length) applies.
@@ -127,11 +127,11 @@ def test_resume_that_cannot_replay_starts_a_new_epoch_and_says_why(tmp_path, why
     history, saved = load_history(tmp_path)
     if why == "layout":
         resumed = _plan(new, micro=1, history=history, saved=saved)
-        note = resumed.resume(1, store_keys=old.keys())
+        note = resumed.resume(1, lambda keys: keys <= old.keys())
         assert "batch layout changed" in note
     else:
         resumed = _plan(new, history=history, saved=saved)
-        note = resumed.resume(1, store_keys=new.keys())  # the old entries are gone
+        note = resumed.resume(1, lambda keys: keys <= new.keys())  # the old entries are gone
         assert "were pruned" in note
     assert "epoch 1 starts now, at step 1" in note
     assert resumed.locate(1)[1:] == (1, 0)
