@@ -32,6 +32,7 @@ FACTORIES: dict[str, str] = {
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",
     "sdxl": "dpipe.models.sdxl.tiny:make_tiny_sdxl",
+    "hunyuan_image": "dpipe.models.hunyuan_image.tiny:make_tiny_hunyuan_image",
     "z_image": "dpipe.models.z_image.tiny:make_tiny_z_image",
     "lumina2": "dpipe.models.lumina2.tiny:make_tiny_lumina2",
 }

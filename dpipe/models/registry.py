@@ -19,6 +19,7 @@ FAMILIES: dict[str, str] = {
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",
     "sdxl": "dpipe.models.sdxl.spec:SDXLSpec",
+    "hunyuan_image": "dpipe.models.hunyuan_image.spec:HunyuanImageSpec",
     "z_image": "dpipe.models.z_image.spec:ZImageSpec",
     "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
 }

@@ -75,3 +75,29 @@ def test_deterministic(tmp_path, tiny):
     for rel in ["transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
                 "text_encoder/model.safetensors", "tokenizer/tokenizer.json"]:
         assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+
+def test_layers_reproduce_the_transformer(tiny):
+    from dpipe.config.schema import LoraConfig, ModelConfig
+    from dpipe.models.auraflow.spec import AuraFlowSpec
+    from dpipe.train.lora import make_trainable
+
+    spec = AuraFlowSpec(ModelConfig(family="auraflow", path=str(tiny), lora=LoraConfig(rank=4)))
+    transformer = spec.load_denoiser(torch.float32)
+    make_trainable(transformer, spec.cfg, spec.lora_targets())
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 4, 16, 8, generator=gen), torch.tensor([0.3, 0.9]),
+              torch.randn(2, 32, 32, generator=gen))  # a non-square latent
+    x = inputs
+    for layer in spec.pipeline_layers(transformer):
+        x = layer(x)
+        # DeepSpeed sends stage outputs as they are: they must be contiguous.
+        assert all(t.is_contiguous() for t in (x if isinstance(x, tuple) else (x,)))
+    with torch.no_grad():
+        expected = spec.denoiser_forward(transformer, inputs)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    x.square().mean().backward()
+    assert all(p.grad is not None for n, p in transformer.named_parameters() if "lora_" in n)

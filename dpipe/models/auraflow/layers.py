@@ -40,7 +40,7 @@ class AuraFlowEmbed(PipelineLayer):
         registers = self.register_tokens.to(text_hidden.dtype)
         text_hidden = torch.cat([registers.expand(text_hidden.shape[0], -1, -1), text_hidden], 1)
         size = torch.tensor([h, w], dtype=torch.long)
-        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), size
+        return needs_grad(hidden.contiguous()), needs_grad(text_hidden), needs_grad(temb), size
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
         out = {}
@@ -76,7 +76,8 @@ class AuraFlowSingleBlock(PipelineLayer):
         hidden, text_hidden, temb, size = inputs
         n_text = text_hidden.shape[1]
         combined = self.block(hidden_states=torch.cat([text_hidden, hidden], 1), temb=temb)
-        return combined[:, n_text:], combined[:, :n_text], temb, size
+        # Slices of the joint sequence; tensors sent between stages must be contiguous.
+        return combined[:, n_text:].contiguous(), combined[:, :n_text].contiguous(), temb, size
 
 
 class AuraFlowHead(PipelineLayer):

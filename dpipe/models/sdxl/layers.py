@@ -82,7 +82,7 @@ class SDXLDown(PipelineLayer):
             hidden = self.resnet(hidden, emb)
             if self.attention is not None:
                 hidden = self.attention(hidden, encoder_hidden_states=text, return_dict=False)[0]
-        return (emb, text, *stack, hidden)
+        return (emb, text, *stack, hidden.contiguous())
 
 
 class SDXLMid(PipelineLayer):
@@ -93,7 +93,7 @@ class SDXLMid(PipelineLayer):
     def forward(self, inputs):
         emb, text, *stack = inputs
         hidden = self.mid(stack[-1], emb, encoder_hidden_states=text)
-        return (emb, text, *stack, hidden)
+        return (emb, text, *stack, hidden.contiguous())
 
 
 class SDXLUp(PipelineLayer):
@@ -121,7 +121,7 @@ class SDXLUp(PipelineLayer):
             hidden = self.resnet(torch.cat([hidden, stack.pop()], dim=1), emb)
             if self.attention is not None:
                 hidden = self.attention(hidden, encoder_hidden_states=text, return_dict=False)[0]
-        return (emb, text, *stack, hidden)
+        return (emb, text, *stack, hidden.contiguous())
 
 
 class SDXLHead(PipelineLayer):

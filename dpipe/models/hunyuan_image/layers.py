@@ -1,0 +1,128 @@
+"""HunyuanImage 2.1's transformer as pipeline layers: embed (+ the first dual-stream block) ->
+dual-stream blocks -> single-stream blocks -> head.
+
+Every layer passes (hidden, text_hidden, temb, text_mask, size). The embed layer runs the token
+refiner on the Qwen embeddings, projects the ByT5 glyph embeddings and orders the text tokens as
+diffusers does (valid ByT5, valid Qwen, then the padding of each); `text_mask` (int64, 1 = a real
+token) and `size` (the latent height and width, int64) cross stage boundaries without gradients.
+Each block rebuilds the attention mask and the rotary embedding from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.spec import PipelineLayer
+
+
+def needs_grad(t: torch.Tensor) -> torch.Tensor:
+    # Frozen embedders (LoRA) give outputs without grad; DeepSpeed's backward of the first stage
+    # needs a leaf that requires one (see docs: "Pipeline stage I/O").
+    if torch.is_grad_enabled() and not t.requires_grad:
+        return t.detach().requires_grad_()
+    return t
+
+
+def order_text(text, mask, glyph, glyph_mask):
+    """diffusers' order of the joint text tokens: valid glyph, valid text, glyph padding, text
+    padding (per sample, as HunyuanImageTransformer2DModel.forward)."""
+    tokens, masks = [], []
+    for t, m, g, gm in zip(text, mask, glyph, glyph_mask):
+        tokens.append(torch.cat([g[gm], t[m], g[~gm], t[~m]]))
+        masks.append(torch.cat([gm[gm], m[m], gm[~gm], m[~m]]))
+    return torch.stack(tokens), torch.stack(masks)
+
+
+class HunyuanImageEmbed(PipelineLayer):
+    """The embedders, followed by the first dual-stream block: under LoRA the embedders are frozen,
+    and a stage holding them alone would have nothing to train (the ByT5 projection's fixed
+    2048-wide MLP outweighs every block of a small model)."""
+
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("block", transformer.transformer_blocks[0], "transformer_blocks.0")
+        self.rope = transformer.rope  # parameter-free
+        for name in ("x_embedder", "context_embedder", "time_guidance_embed"):
+            self.adopt(name, getattr(transformer, name), name)
+        if transformer.context_embedder_2 is not None:
+            self.adopt("context_embedder_2", transformer.context_embedder_2, "context_embedder_2")
+        else:
+            self.context_embedder_2 = None
+        self.guidance = bool(transformer.config.guidance_embeds)
+        self.meanflow = bool(transformer.config.use_meanflow)
+
+    def forward(self, inputs):
+        latents, timestep, text, mask, glyph, glyph_mask, guidance = inputs
+        h, w = latents.shape[-2:]
+        mask = mask.bool()
+        # Meanflow (distilled) models take the interval [r, t]; r = t is the plain flow velocity.
+        temb = self.time_guidance_embed(
+            timestep, guidance=guidance if self.guidance else None,
+            timestep_r=timestep if self.meanflow else None)
+        hidden = self.x_embedder(latents)
+        text_hidden = self.context_embedder(text, timestep, mask)
+        if self.context_embedder_2 is not None:
+            text_hidden, mask = order_text(text_hidden, mask, self.context_embedder_2(glyph),
+                                           glyph_mask.bool())
+        size = torch.tensor([h, w], dtype=torch.long)
+        hidden, text_hidden, temb, mask, size = run_block(
+            self.block, self.rope, (hidden, text_hidden, temb, mask.long(), size))
+        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), mask, size
+
+
+def run_block(block: nn.Module, rope: nn.Module, inputs):
+    hidden, text_hidden, temb, mask, size = inputs
+    rotary = rope(hidden.new_empty((1, 1, int(size[0]), int(size[1]))))
+    attention_mask = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
+    hidden, text_hidden = block(hidden, text_hidden, temb,
+                                attention_mask=attention_mask[:, None, None],
+                                image_rotary_emb=rotary)
+    # Single blocks return slices of the joint sequence; tensors sent between stages must be
+    # contiguous.
+    return hidden.contiguous(), text_hidden.contiguous(), temb, mask, size
+
+
+class HunyuanImageBlock(PipelineLayer):
+    """A dual-stream or single-stream block; both take and return (image, text) streams."""
+
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.rope = rope  # parameter-free
+
+    def forward(self, inputs):
+        return run_block(self.block, self.rope, inputs)
+
+
+class HunyuanImageHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        self.patch = tuple(int(p) for p in transformer.config.patch_size)
+        self.out_channels = int(transformer.config.out_channels)
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, _mask, size = inputs
+        out = self.proj_out(self.norm_out(hidden, temb))
+        (ph, pw), c = self.patch, self.out_channels
+        h, w = int(size[0]) // ph, int(size[1]) // pw
+        out = out.reshape(out.shape[0], h, w, c, ph, pw).permute(0, 3, 1, 4, 2, 5)
+        out = out.reshape(out.shape[0], c, h * ph, w * pw).contiguous()  # a view when p = 1
+        # The text stream ends unused; it still needs a gradient when it crossed a stage boundary.
+        return out + 0.0 * text_hidden.sum()
+
+
+def hunyuan_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    if len(transformer.config.patch_size) != 2:
+        raise ValueError("dpipe's hunyuan_image family trains image (2-D patch) transformers only")
+    layers: list[PipelineLayer] = [HunyuanImageEmbed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        if i == 0:
+            continue  # runs in the embed layer
+        layers.append(HunyuanImageBlock(block, transformer.rope, f"transformer_blocks.{i}"))
+    for i, block in enumerate(transformer.single_transformer_blocks):
+        layers.append(HunyuanImageBlock(block, transformer.rope, f"single_transformer_blocks.{i}"))
+    layers.append(HunyuanImageHead(transformer))
+    return layers

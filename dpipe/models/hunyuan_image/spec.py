@@ -1,0 +1,196 @@
+"""HunyuanImage 2.1 (hunyuanvideo-community/HunyuanImage-2.1-Diffusers and its distilled variant):
+HunyuanImageTransformer2DModel + AutoencoderKLHunyuanImage + Qwen2.5-VL-7B + Glyph-ByT5.
+
+Rectified flow: x_t = (1 - t) x0 + t noise, the transformer predicts noise - x0. The pipeline hands
+the transformer its scheduler's timesteps, sigma * 1000, so dpipe's t goes in times 1000 (also to
+the token refiner). Prompts go through `HunyuanImagePipeline.encode_prompt`: Qwen2.5-VL's
+third-to-last hidden states after the 34-token system template (padded to 1000 tokens; dpipe keeps
+the first `model.max_text_tokens`, which drops only padding for shorter prompts: padding is masked
+everywhere, so the output is the same), and ByT5 embeddings of quoted text in the prompt (glyph
+rendering; zeros and an empty mask when there is none). The distilled checkpoint (guidance and
+meanflow embedders) trains with guidance `model.guidance` and r = t (the instantaneous velocity).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hunyuan_image.layers import hunyuan_image_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+log = logging.getLogger(__name__)
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                  "tokenizer", "tokenizer_2", "scheduler")
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+# Every Linear of both kinds of blocks (attention incl. the text stream's, MLPs, AdaLN
+# modulations), none outside them: the token refiner, embedders and head stay frozen.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
+]
+LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class HunyuanImageSpec(ModelSpec):
+    family = "hunyuan_image"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
+
+            make_tiny_hunyuan_image(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of HunyuanImage 2.1 in "
+                "diffusers format (e.g. hunyuanvideo-community/HunyuanImage-2.1-Diffusers)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete HunyuanImage diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._config("vae")
+        self._config("transformer")
+
+    def _config(self, part: str) -> dict[str, Any]:
+        path = self.path / part / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        patch = self._config("transformer").get("patch_size", [1, 1])
+        return int(self._config("vae")["spatial_compression_ratio"]) * int(max(patch))
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import HunyuanImagePipeline
+
+        try:
+            pipe = HunyuanImagePipeline.from_pretrained(
+                self.path, transformer=None, guider=None, ocr_guider=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import HunyuanImageTransformer2DModel
+
+        try:
+            return HunyuanImageTransformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._config("vae")
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "scaling_factor": vae.get("scaling_factor"), "latent": "mode"}
+        return {"family": self.family,
+                **{p: folder_fingerprint(self.path / p) for p in
+                   ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")},
+                "max_text_tokens": self.cfg.max_text_tokens}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return latents * vae.config.scaling_factor  # the pipeline decodes latents / scale
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, mask, glyph, glyph_mask = encoders.encode_prompt(
+            prompts, device=encoders.vae.device, batch_size=len(prompts))
+        n = self.cfg.max_text_tokens
+        if mask[:, n:].any():
+            longest = int(mask.sum(1).max())
+            log.warning("a prompt has %d Qwen tokens; model.max_text_tokens=%d keeps the first %d",
+                        longest, n, n)
+        return {"text": text[:, :n], "text_mask": mask[:, :n], "glyph": glyph,
+                "glyph_mask": glyph_mask}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return hunyuan_image_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b = batch.latents.shape[0]
+        text = batch.text
+        guidance = torch.full((b,), float(self.cfg.guidance) * 1000.0)
+        inputs = (batch.noisy, batch.timesteps * 1000.0, text["text"], text["text_mask"].long(),
+                  text["glyph"], text["glyph_mask"].long(), guidance)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        return inputs, (batch.target,) if weight is None else (batch.target, weight)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        # diffusers 0.42 gives HunyuanImagePipeline no LoRA loader mixin; the file is written in
+        # the diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
+        # metadata), which the transformer's own `load_lora_adapter` reads.
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        metadata = {
+            "r": rank,
+            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
+            "target_modules": self.cfg.lora.targets or self.lora_targets(),
+        }
+        LoraBaseMixin._save_lora_weights(
+            out_dir, lora_layers={"transformer": weights}, lora_metadata={"transformer": metadata},
+            weight_name=LORA_FILE)
+        return [out_dir / LORA_FILE]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, timestep, text, mask, glyph, glyph_mask, guidance = inputs
+        c = denoiser.config
+        return denoiser(
+            latents, timestep, encoder_hidden_states=text, encoder_attention_mask=mask,
+            encoder_hidden_states_2=glyph, encoder_attention_mask_2=glyph_mask,
+            guidance=guidance if c.guidance_embeds else None,
+            timestep_r=timestep if c.use_meanflow else None, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        transformer = self.load_denoiser(torch.float32)
+        transformer.load_lora_adapter(str(lora_dir), weight_name=LORA_FILE, prefix="transformer")
+        return transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import HunyuanImageTransformer2DModel
+
+        return HunyuanImageTransformer2DModel.from_pretrained(export_dir / "transformer")

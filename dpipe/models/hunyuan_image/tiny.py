@@ -1,0 +1,157 @@
+"""A tiny random HunyuanImage 2.1, written in the layout of
+hunyuanvideo-community/HunyuanImage-2.1-Diffusers.
+
+The real repo: `HunyuanImagePipeline` in model_index.json, a FlowMatchEulerDiscreteScheduler, the
+`HunyuanImageTransformer2DModel` (20 dual-stream + 40 single-stream blocks, 2 token-refiner blocks,
+patch 1, 64 latent channels, a ByT5 projection for glyph text), `AutoencoderKLHunyuanImage` (32x
+spatial compression, 64 channels, scale 0.75289, no shift), Qwen2.5-VL-7B-Instruct as
+`Qwen2_5_VLForConditionalGeneration` with its `Qwen2Tokenizer`, and a ByT5 glyph encoder
+(`T5EncoderModel` + `ByT5Tokenizer`), plus the guider configs (adaptive projected guidance).
+
+The tiny Qwen tokenizer is learnt on the test captions plus the pipeline's system prompt, so that
+prompt's words are single tokens and its prefix is 34 tokens long, as with the real tokenizer: the
+pipeline cuts exactly 34 tokens off the front (`prompt_template_encode_start_idx`).
+
+Not reproduced: the Glyph-ByT5 tokenizer's added color/font tokens (plain ByT5 here), the real
+vocabularies, the VAE's 32x compression (4x here, so 64x64 images give 16x16 latents).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe, seeded, tiny_corpus, write_atomically
+
+LATENT_CHANNELS = 16
+QWEN_DIM, BYT5_DIM = 32, 24
+HEADS, HEAD_DIM = 2, 16
+# HunyuanImagePipeline.prompt_template_encode: its first 34 tokens are cut off the embeddings.
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+            "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+            "<|im_start|>user\n{}<|im_end|>")
+TEMPLATE_TOKENS = 34
+
+
+def make_tiny_hunyuan_image(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random HunyuanImage 2.1 diffusers folder at `path`; return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_hunyuan_image; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline,
+        HunyuanImageTransformer2DModel)
+    from diffusers.guiders import AdaptiveProjectedMixGuidance
+    from transformers import (
+        ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
+        T5Config, T5EncoderModel)
+
+    ids = save_qwen_tokenizer_with(out / "tokenizer", TEMPLATE.format(""))
+    byt5 = ByT5Tokenizer()
+    byt5.save_pretrained(out / "tokenizer_2")
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    with seeded(seed):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=max(ids.values()) + 1, hidden_size=QWEN_DIM, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
+            vision_config=dict(
+                depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                out_hidden_size=QWEN_DIM, fullatt_block_indexes=[1], patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2, window_size=112),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"]))
+    with seeded(seed + 1):
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(byt5), d_model=BYT5_DIM, d_kv=12, d_ff=48, num_layers=2, num_heads=2,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0,
+            eos_token_id=1, decoder_start_token_id=0))
+    with seeded(seed + 2):
+        transformer = HunyuanImageTransformer2DModel(
+            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=HEADS,
+            attention_head_dim=HEAD_DIM, num_layers=2, num_single_layers=2, num_refiner_layers=2,
+            mlp_ratio=4.0, patch_size=(1, 1), qk_norm="rms_norm", guidance_embeds=False,
+            text_embed_dim=QWEN_DIM, text_embed_2_dim=BYT5_DIM, rope_theta=256.0,
+            rope_axes_dim=(8, 8), use_meanflow=False)
+    with seeded(seed + 3):
+        vae = AutoencoderKLHunyuanImage(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            block_out_channels=(32, 32, 64), layers_per_block=1, spatial_compression_ratio=4,
+            sample_size=64, scaling_factor=0.75289)
+    guider = AdaptiveProjectedMixGuidance(guidance_scale=3.5)
+    ocr_guider = AdaptiveProjectedMixGuidance(guidance_scale=3.5)
+
+    scheduler.save_pretrained(out / "scheduler")
+    transformer.save_pretrained(out / "transformer")
+    vae.save_pretrained(out / "vae")
+    text_encoder.save_pretrained(out / "text_encoder")
+    text_encoder_2.save_pretrained(out / "text_encoder_2")
+    guider.save_pretrained(out / "guider")
+    ocr_guider.save_pretrained(out / "ocr_guider")
+    pipe = HunyuanImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+        tokenizer=Qwen2Tokenizer.from_pretrained(out / "tokenizer"), text_encoder_2=text_encoder_2,
+        tokenizer_2=ByT5Tokenizer.from_pretrained(out / "tokenizer_2"), transformer=transformer,
+        guider=guider, ocr_guider=ocr_guider)
+    pipe.save_config(out)
+
+
+def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
+    """A Qwen2.5-VL tokenizer folder as `dpipe.models.qwen_image.tiny_tokenizer` writes it, with
+    merges learnt on the test captions plus `template` (so its words are whole tokens).
+    Returns {added token: id}."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    from dpipe.models.qwen_image import tiny_tokenizer as qt
+
+    splitter = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(qt._QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    specials = [t for t, _ in qt._QWEN2_ADDED]
+    plain = template
+    for s in specials:
+        plain = plain.replace(s, "\n")  # split there, as the added tokens split the text
+    lines = tiny_corpus() + [plain] * 4  # seen often enough for every word to merge fully
+    words = Counter(w for line in lines
+                    for w, _ in splitter.pre_tokenize_str(normalizers.NFC().normalize_str(line)))
+    merges = _learn_bpe({tuple(w): n for w, n in words.items()}, 768)
+    vocab = list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    ids = {t: len(vocab) + i for i, t in enumerate(specials)}
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab_ids = {t: i for i, t in enumerate(vocab)}
+    _write_json(directory / "vocab.json", vocab_ids)
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    tok = Qwen2Tokenizer(vocab=vocab_ids, merges=list(merges))
+    tok.add_tokens(specials)
+    tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    _write_json(directory / "tokenizer_config.json", {
+        "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": {str(ids[t]): {"content": t, **entry, "special": s}
+                                 for t, s in qt._QWEN2_ADDED},
+        "bos_token": None, "chat_template": qt.QWEN2_VL_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    })
+    return ids
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
