@@ -143,58 +143,46 @@ class BatchPlan:
         changed since the history was written, in words, or None if nothing did. `cached(keys)`
         says whether the cache still holds those entries (asked only to replay an epoch)."""
         history = [s for s in self._history if s.start_step <= step]
-        if not history or history[-1].manifest not in self._manifests:
-            note = None
-            if history:
-                note = (f"the data plan saved at step {history[-1].start_step} is missing; "
-                        f"steps from {step} follow the current dataset")
-            self.segments = [self._segment(step, self._epoch_after(history, step))] if step else \
-                [self._segment(0, 0)]
-            return note
+        if not history:
+            self.segments = [self._segment(0, 0)]
+            return None
+        if history[-1].manifest not in self._manifests:
+            self.segments = history[:-1] + [self._segment(step, history[-1].start_epoch + 1)]
+            return (f"the data plan saved at step {history[-1].start_step} is missing from the "
+                    f"run dir; steps from {step} follow the current dataset")
         self.segments = history
         last, epoch, position = self.locate(step)
         old = self._manifests[last.manifest]
         same_layout = (last.micro_batches, last.data_parallel, last.seed) == (
             self.micro_batches, self.data_parallel, self.seed)
-        spe = steps_per_epoch(old, last.micro_batches, last.data_parallel)
-        boundary = step + (spe - position if position else 0)
-        current = last.manifest == self.manifest.digest and same_layout
-        missing = (not current and bool(position) and same_layout and cached is not None
-                   and not cached(old.keys()))
-        if current:
-            plan = history
-        elif position and same_layout and not missing:
-            plan = history + [self._segment(boundary, epoch + 1)]  # replay, then the new data
-        elif position:
-            plan = history + [self._segment(step, epoch + 1)]  # cannot replay the rest
-        else:
-            plan = [s for s in history if s.start_step < step] + [self._segment(step, epoch)]
-        # A plan already saved by an earlier resume continues silently.
-        if plan == self._history[:len(plan)] and len(plan) == len(
-                [s for s in self._history if s.start_step <= max(step, plan[-1].start_step)]):
-            self.segments = plan
+        if last.manifest == self.manifest.digest and same_layout:
             return None
-        self.segments = plan
         what = describe_changes(old, self.manifest)
         if not same_layout:
             what = (f"the batch layout changed (micro_batches {last.micro_batches} -> "
                     f"{self.micro_batches}, data_parallel {last.data_parallel} -> "
                     f"{self.data_parallel}, seed {last.seed} -> {self.seed})"
                     + ("" if what == "nothing" else f"; data: {what}"))
-        if current:
-            return None
-        if not position:
-            return f"dataset changed since the last run: {what}. Epoch {epoch} uses the new data."
-        if not same_layout or missing:
-            why = ("cache entries it needs were pruned" if missing and same_layout
-                   else "the batch layout changed")
-            return (f"{what}. The rest of epoch {epoch} cannot be replayed ({why}): "
+        if position == 0:  # at an epoch boundary: the new data starts now
+            self.segments = [s for s in history if s.start_step < step] + [
+                self._segment(step, epoch)]
+            note = f"dataset changed since the last run: {what}. Epoch {epoch} uses the new data."
+        elif same_layout and (cached is None or cached(old.keys())):
+            # Mid-epoch: finish the epoch in its saved order, then use the new data.
+            boundary = step + steps_per_epoch(old, last.micro_batches, last.data_parallel) \
+                - position
+            self.segments = history + [self._segment(boundary, epoch + 1)]
+            note = (f"dataset changed since the last run: {what}. Epoch {epoch} continues in its "
+                    f"saved order until step {boundary}; epoch {epoch + 1} then uses the new "
+                    "data.")
+        else:
+            why = "the batch layout changed" if not same_layout else \
+                "cache entries it needs were pruned"
+            self.segments = history + [self._segment(step, epoch + 1)]
+            note = (f"{what}. The rest of epoch {epoch} cannot be replayed ({why}): "
                     f"epoch {epoch + 1} starts now, at step {step}.")
-        return (f"dataset changed since the last run: {what}. Epoch {epoch} continues in its "
-                f"saved order until step {boundary}; epoch {epoch + 1} then uses the new data.")
-
-    def _epoch_after(self, history: list[Segment], step: int) -> int:
-        return 0 if not history else history[-1].start_epoch + 1
+        # An earlier resume may have planned exactly this already: nothing new to say then.
+        return None if self.segments == self._history[:len(self.segments)] else note
 
     def save_history(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
