@@ -150,3 +150,19 @@ def test_changing_the_vae_config_or_weights_re_encodes(tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     third = _prepare(spec(), cfg)
     assert third.stats["latents"] == 2 and third.stats["texts"] == 0
+
+
+def test_decode_workers_make_the_same_entries_as_in_process_decoding(tmp_path):
+    data = tmp_path / "data"
+    for i in range(70):  # enough for worker processes (below 64 jobs decoding stays in-process)
+        write_image(data / f"{i:03d}.png", (24, 40), seed=i, caption=f"picture {i}")
+    entries = []
+    for workers in (0, 2):
+        cfg = dataset_config(path=str(data), cache_dir=str(tmp_path / f"cache{workers}"),
+                             resolutions=[32], cache_workers=workers)
+        dataset = _prepare(FakeSpec(), cfg)
+        assert dataset.stats["latents"] == 70
+        entries.append({s.latent: dataset.store.get(s.latent)["latents"]
+                        for b in dataset.plan.manifest.buckets for s in b.samples})
+    assert entries[0].keys() == entries[1].keys()
+    assert all(torch.equal(entries[0][k], entries[1][k]) for k in entries[0])
