@@ -1,0 +1,92 @@
+"""FLUX.1 Kontext [dev]: image editing with FLUX.1's components (FluxTransformer2DModel,
+AutoencoderKL 16 ch, CLIP-L + T5-XXL), trained on (target, reference image, instruction) triples.
+
+Kept as its own family (`flux_kontext`) rather than a switch on `flux`: its checkpoints load with
+FluxKontextPipeline (which is what users load its LoRAs with), its training samples need a
+reference image, and everything else is FLUX.1's, inherited from `FluxSpec` unchanged (text and
+image encoding, pipeline layers, LoRA targets, export), so the FLUX.1 code stays untouched.
+
+The reference image is encoded by the same VAE as the target (the dataset's `control_dir`
+delivers it as `batch.control`, latents shaped as the target's). As FluxKontextPipeline does, its
+packed tokens are appended after the noisy target tokens, with position ids (1, row, column)
+where the target's are (0, row, column); the reference stays clean (never noised) and the
+transformer predicts all tokens, of which the loss reads the target's only.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.flux.spec import FluxSpec, _image_ids, _pack
+from dpipe.models.spec import NoisedBatch
+
+PIPELINE = "FluxKontextPipeline"
+
+
+class FluxKontextSpec(FluxSpec):
+    family = "flux_kontext"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.flux_kontext.tiny import make_tiny_flux_kontext
+
+            make_tiny_flux_kontext(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of FLUX.1 Kontext in "
+                "diffusers format (e.g. a download of black-forest-labs/FLUX.1-Kontext-dev)")
+        super().ensure_available()
+        try:
+            name = json.loads((self.path / "model_index.json").read_text()).get("_class_name")
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {self.path / 'model_index.json'}: {err}") from None
+        if name != PIPELINE:
+            raise ModelLoadError(
+                f"model.path={self.path} holds a {name}, not FLUX.1 Kontext ({PIPELINE}); "
+                "for FLUX.1-dev or schnell use model=flux")
+
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import FluxKontextPipeline
+
+        try:
+            pipe = FluxKontextPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def make_inputs(self, batch: NoisedBatch):
+        inputs, labels = super().make_inputs(batch)
+        control = getattr(batch, "control", None)  # (B, C, h, w) reference latents, or None
+        if control is None:
+            warnings.warn("FLUX.1 Kontext trains without reference images: give the dataset a "
+                          "control_dir to train edits", stacklevel=2)
+            return inputs, labels
+        packed, t, text, pooled, guidance, txt_ids, img_ids = inputs
+        ref_ids = _image_ids(control.shape[-2] // 2, control.shape[-1] // 2)
+        ref_ids[:, 0] = 1
+        packed = torch.cat([packed, _pack(control.to(packed.dtype))], dim=1)
+        img_ids = torch.cat([img_ids, ref_ids], dim=0)
+        return (packed, t, text, pooled, guidance, txt_ids, img_ids), labels
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        # The reference image's tokens come last and carry no loss.
+        return super().loss(outputs[:, :labels[0].shape[1]], labels)
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import FluxKontextPipeline
+
+        pipe = FluxKontextPipeline.from_pretrained(
+            self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
+            tokenizer_2=None)
+        pipe.load_lora_weights(str(lora_dir))
+        return pipe.transformer
