@@ -53,9 +53,15 @@ def test_run_leaves_real_outputs(two_stage_lora):
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
-def test_two_stages_match_one_stage(two_stage_lora, tmp_path):
-    one = tmp_path / "one-stage"
-    _train(one, "pipeline.stages=1")
+@pytest.fixture(scope="module")
+def one_stage_lora(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("one-stage") / "run"
+    _train(run_dir, "pipeline.stages=1")
+    return run_dir
+
+
+def test_two_stages_match_one_stage(two_stage_lora, one_stage_lora):
+    one = one_stage_lora
     loss_1 = torch.tensor([m["loss"] for m in metrics(one)])
     loss_2 = torch.tensor([m["loss"] for m in metrics(two_stage_lora)])
     torch.testing.assert_close(loss_2, loss_1, rtol=1e-5, atol=1e-6)
@@ -121,3 +127,26 @@ def test_sweep_runs_each_point_in_its_own_run_dir(tmp_path):
     for r in runs:
         assert (r / "lora" / "pytorch_lora_weights.safetensors").is_file()
         assert metrics(r)[-1]["step"] == 2
+
+
+def test_four_stages_match_one_stage(one_stage_lora, tmp_path):
+    """Four stages in four processes: the same losses and weights as one stage (fp32)."""
+    four = tmp_path / "four"
+    _train(four, "pipeline.stages=4", timeout=400)
+    loss_1 = torch.tensor([m["loss"] for m in metrics(one_stage_lora)])
+    loss_4 = torch.tensor([m["loss"] for m in metrics(four)])
+    torch.testing.assert_close(loss_4, loss_1, rtol=1e-5, atol=1e-6)
+    a = load_file(one_stage_lora / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(four / "lora" / "pytorch_lora_weights.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+def test_four_bf16_stages_with_mixed_dtypes_do_not_deadlock(one_stage_lora, tmp_path):
+    """bf16 activations, fp32 adapters and int64 position ids cross three stage boundaries
+    (DeepSpeed's buffer reuse once deadlocked such pipelines); losses stay near fp32's."""
+    four = tmp_path / "four-bf16"
+    _train(four, "pipeline.stages=4", "train.precision=bf16", "train.max_steps=2", timeout=400)
+    loss_1 = torch.tensor([m["loss"] for m in metrics(one_stage_lora)][:2])
+    loss_4 = torch.tensor([m["loss"] for m in metrics(four)])
+    torch.testing.assert_close(loss_4, loss_1, rtol=3e-2, atol=1e-2)
