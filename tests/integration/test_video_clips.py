@@ -17,12 +17,15 @@ import torch
 from tests.cli import dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-# tiny config -> (a clip length (frame bucket) its VAE takes, extra overrides).
-FAMILIES = {"tiny_hunyuan_video": (5, ()),
+# tiny config -> (a clip length (frame bucket) its VAE takes, extra overrides). LTX-Video trains
+# image-to-video here (first-frame conditioning on the clips; images stay text-to-image).
+FAMILIES = {"tiny_hunyuan_video": (5, ()), "tiny_ltx_video": (9, ("model.i2v=true",)),
             # Wan: i2v conditioning (CLIP tokens + first-frame latents), TI2V's first frame,
             # the A14B low-noise expert on its t range.
             "tiny_wan": (5, ()), "tiny_wan_i2v": (5, ()),
-            "tiny_wan22_ti2v": (5, ("model.i2v=true",)), "tiny_wan22_a14b": (5, ())}
+            "tiny_wan22_ti2v": (5, ("model.i2v=true",)), "tiny_wan22_a14b": (5, ()),
+            # Cosmos-Predict2 Video2World: first latent frame given, condition-mask channel.
+            "tiny_cosmos_predict2_v2w": (5, ())}
 
 
 def _write_clip(path: Path, frames: int, seed: int, size: int = 64) -> None:
@@ -82,7 +85,7 @@ def _micro_batches(spec, run, dataset, plan, step):
 @pytest.mark.parametrize("model", sorted(FAMILIES))
 def test_clips_and_images_train_in_one_run(model, mixed_folder, tmp_path):
     from dpipe.models.registry import build_spec
-    from dpipe.train.loop import trainable_layers
+    from dpipe.train.trainable import trainable_layers
 
     frames, extra = FAMILIES[model]
     run_dir = _train(tmp_path / "run", model, mixed_folder, frames, "train.max_steps=3", *extra)

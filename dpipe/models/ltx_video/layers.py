@@ -1,0 +1,97 @@
+"""LTX-Video's transformer as pipeline layers: embed -> blocks -> head.
+
+Every layer passes (hidden, text_hidden, temb, embedded_t, text_mask, grid): `temb` and
+`embedded_t` are per token (B, N, .) when the first frame is a clean condition (its tokens have
+t = 0) and (B, 1, .) otherwise; `text_mask` (B, L) and `grid` (latent frames, height, width) are
+int64 and travel between stages without gradients. Rotary embeddings and the text attention bias
+are rebuilt in each block from them, as the diffusers forward builds them once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.hunyuan_video.layers import needs_grad
+from dpipe.models.spec import PipelineLayer
+
+
+def text_bias(text_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive cross-attention bias LTXVideoTransformer3DModel.forward makes of a 0/1 mask."""
+    return ((1 - text_mask.to(dtype)) * -10000.0).unsqueeze(1)
+
+
+class LTXEmbed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("proj_in", "time_embed", "caption_projection"):
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        packed, t, text, text_mask, grid = inputs
+        b = packed.shape[0]
+        hidden = self.proj_in(packed)
+        # The pipeline passes the scheduler's timesteps (sigma * 1000), per token when the first
+        # frame is a condition: t has shape (B, 1) or (B, N).
+        temb, embedded = self.time_embed((t * 1000).flatten(), batch_size=b,
+                                         hidden_dtype=hidden.dtype)
+        temb = temb.view(b, -1, temb.shape[-1])
+        embedded = embedded.view(b, -1, embedded.shape[-1])
+        text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
+        return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded),
+                text_mask.long(), grid)
+
+
+class LTXBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, rope_scale: tuple):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("rope", rope, "rope")  # parameter-free
+        self.rope_scale = rope_scale
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, embedded, text_mask, grid = inputs
+        f, h, w = (int(v) for v in grid.tolist())
+        rope = self.rope(hidden, f, h, w, self.rope_scale)
+        hidden = self.block(hidden_states=hidden, encoder_hidden_states=text_hidden, temb=temb,
+                            image_rotary_emb=rope,
+                            encoder_attention_mask=text_bias(text_mask, hidden.dtype))
+        return hidden, text_hidden, temb, embedded, text_mask, grid
+
+
+class LTXHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        # A bare parameter of the transformer, kept under its own (dot-free) name.
+        self.scale_shift_table = transformer.scale_shift_table
+
+    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            if "." not in name:  # a top-level parameter of the denoiser: the same name there
+                out[name] = param.detach()
+            else:
+                attr, rest = name.split(".", 1)
+                out[f"{self.source_names[attr]}.{rest}"] = param.detach()
+        return out
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, embedded, _text_mask, _grid = inputs
+        values = self.scale_shift_table[None, None] + embedded[:, :, None]
+        shift, scale = values[:, :, 0], values[:, :, 1]
+        out = self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)
+        # The text stream and temb end unused here; they still need a gradient when the head is
+        # alone on the last stage.
+        return out + 0.0 * (text_hidden.sum() + temb.sum())
+
+
+def ltx_layers(transformer: nn.Module, rope_scale: tuple) -> list[PipelineLayer]:
+    layers: list[PipelineLayer] = [LTXEmbed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(LTXBlock(block, transformer.rope, f"transformer_blocks.{i}", rope_scale))
+    layers.append(LTXHead(transformer))
+    return layers

@@ -1,0 +1,264 @@
+"""LTX-Video (0.9.x, 2B/13B): LTXVideoTransformer3DModel + AutoencoderKLLTXVideo (128 channels,
+32x spatial, 8x temporal, per-channel latent mean/std) + T5-XXL.
+
+Loads the diffusers folder (Lightricks/LTX-Video). Prompts go through `LTXPipeline.encode_prompt`.
+Images train as 1-frame videos; clips need 8k+1 frames. With `model.i2v=true`, clips train
+image-to-video as `LTXImageToVideoPipeline` samples: the first latent frame is the clean image
+latent with t = 0 on its tokens, and the loss covers the other frames only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hunyuan_video.comfyui import renamed
+from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
+from dpipe.models.ltx_video.layers import ltx_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
+ENCODING_VERSION = 1
+# LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps).
+FRAME_RATE = 25
+
+# Every Linear of the transformer blocks: self-attention, cross-attention and feed-forward.
+LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn1\.to_q|attn1\.to_k|attn1\.to_v|attn1\.to_out\.0"
+                r"|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)")
+
+
+def pack(latents: torch.Tensor, p: int, pt: int) -> torch.Tensor:
+    """(B, C, F, H, W) -> (B, F/pt * H/p * W/p, C*pt*p*p), as LTXPipeline._pack_latents."""
+    b, c, f, h, w = latents.shape
+    x = latents.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
+    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+
+
+def unpack(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int) -> torch.Tensor:
+    """The inverse of `pack`, as LTXPipeline._unpack_latents."""
+    f, h, w = grid
+    x = tokens.reshape(tokens.shape[0], f, h, w, -1, pt, p, p)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def ltx_loss(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """MSE over the tokens that are denoised. Labels: (target,) or (target, weight, trained):
+    `weight` multiplies each element (mask weights, 0 on condition tokens), `trained` (B, N, 1)
+    marks the tokens that count, so the mean is over them alone."""
+    if len(labels) == 1:
+        return F.mse_loss(outputs.float(), labels[0].float())
+    target, weight, trained = labels
+    error = weight.float() * (outputs.float() - target.float()).square()
+    return error.sum() / (trained.float().sum() * target.shape[-1]).clamp(min=1)
+
+
+class LTXVideoSpec(ModelSpec):
+    family = "ltx_video"
+    pipeline_class = "LTXPipeline"
+    transformer_class = "LTXVideoTransformer3DModel"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
+
+            make_tiny_ltx_video(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of LTX-Video in diffusers "
+                "format (e.g. a download of Lightricks/LTX-Video)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete LTX-Video diffusers folder: missing "
+                f"{', '.join(missing)}")
+        self._vae_config()
+        self._transformer_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_config(self.path / "vae" / "config.json")
+
+    def _transformer_config(self) -> dict[str, Any]:
+        return read_config(self.path / "transformer" / "config.json")
+
+    def _ratios(self) -> tuple[int, int]:
+        """(spatial, temporal) compression of the VAE, as AutoencoderKLLTXVideo derives them."""
+        vae = self._vae_config()
+        levels = 2 ** sum(vae.get("spatio_temporal_scaling", (True, True, True, False)))
+        spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * levels
+        temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * levels
+        return spatial, temporal
+
+    @property
+    def _patches(self) -> tuple[int, int]:
+        t = self._transformer_config()
+        return t.get("patch_size", 1), t.get("patch_size_t", 1)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self._ratios()[0] * self._patches[0]
+
+    @property
+    def temporal_ratio(self) -> int:
+        return self._ratios()[1]
+
+    @property
+    def rope_scale(self) -> tuple[float, float, float]:
+        spatial, temporal = self._ratios()
+        return (temporal / FRAME_RATE, spatial, spatial)
+
+    @property
+    def i2v(self) -> bool:
+        return bool(getattr(self.cfg, "i2v", None))
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        import diffusers
+
+        try:
+            pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
+                self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        import diffusers
+
+        try:
+            return getattr(diffusers, self.transformer_class).from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return {"family": self.family, "encoding": ENCODING_VERSION,
+                    "vae": folder_fingerprint(self.path / "vae"), "latent": "mode",
+                    "scaling_factor": self._vae_config().get("scaling_factor")}
+        return {"family": self.family, "encoding": ENCODING_VERSION,
+                "t5": folder_fingerprint(self.path / "text_encoder"),
+                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+                "max_text_tokens": self.cfg.max_text_tokens}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> normalised (B, C, f, h, w) latents."""
+        video = as_video(pixels)
+        if not frames_ok(video.shape[2], self.temporal_ratio):
+            raise DataError(
+                f"the {self.family} VAE takes {self.temporal_ratio}k+1 frames (1, "
+                f"{self.temporal_ratio + 1}, {2 * self.temporal_ratio + 1}, ...); got {video.shape[2]}")
+        vae = encoders.vae
+        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
+        return (latents - mean) * vae.config.scaling_factor / std
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
+        return self.encode_images(encoders, pixels)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask, _, _ = encoders.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=encoders.vae.device,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return {"t5": embeds, "mask": mask.long()}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return ltx_layers(denoiser, self.rope_scale)
+
+    def make_inputs(self, batch: NoisedBatch):
+        p, pt = self._patches
+        x0, noisy, t = batch.latents, batch.noisy, batch.timesteps
+        b, c, f, h, w = x0.shape
+        grid = (f // pt, h // p, w // p)
+        frame_tokens, tokens = grid[1] * grid[2], grid[0] * grid[1] * grid[2]
+        condition = self.i2v and grid[0] > 1
+        if condition:  # the first latent frame is the clean image (LTXImageToVideoPipeline)
+            noisy = torch.cat([x0[:, :, :pt], noisy[:, :, pt:]], dim=2)
+            clean = torch.zeros(tokens)
+            clean[:frame_tokens] = 1.0
+            t_tokens = t[:, None] * (1 - clean)[None]
+        else:
+            t_tokens = t[:, None]
+        inputs = (pack(noisy, p, pt), t_tokens, batch.text["t5"], batch.text["mask"].long(),
+                  torch.tensor(grid, dtype=torch.long))
+        target = pack(batch.target, p, pt)
+        mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
+        if not condition and mask_weight is None:
+            return inputs, (target,)
+        trained = torch.ones(b, tokens, 1)
+        if condition:
+            trained[:, :frame_tokens] = 0
+        weight = trained.expand_as(target).clone()
+        if mask_weight is not None:
+            per_pixel = mask_weight.view(b, 1, 1, h, w).expand(b, 1, f, h, w)
+            weight = weight * pack(per_pixel, p, pt).repeat(1, 1, c)
+        return inputs, (target, weight, trained)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return ltx_loss(outputs, labels)
+
+    # ---- export ------------------------------------------------------------------------------
+    def _lora_scale_and_metadata(self):
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        return alpha / rank, {"r": rank, "lora_alpha": alpha,
+                              "target_modules": self.cfg.lora.targets or self.lora_targets()}
+
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        import diffusers
+        from safetensors.torch import save_file
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        scale, metadata = self._lora_scale_and_metadata()
+        getattr(diffusers, self.pipeline_class).save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        # ComfyUI's LTX-Video model uses diffusers' module names under `diffusion_model.`.
+        save_file(renamed(weights, scale), out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        packed, t, text, text_mask, grid = inputs
+        f, h, w = (int(v) for v in grid.tolist())
+        return denoiser(
+            hidden_states=packed, encoder_hidden_states=text, timestep=t * 1000,
+            encoder_attention_mask=text_mask, num_frames=f, height=h, width=w,
+            rope_interpolation_scale=self.rope_scale, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+        import diffusers
+
+        pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None)
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        import diffusers
+
+        return getattr(diffusers, self.transformer_class).from_pretrained(export_dir / "transformer")

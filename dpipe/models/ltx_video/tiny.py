@@ -1,0 +1,91 @@
+"""A tiny random LTX-Video, written in the diffusers layout of Lightricks/LTX-Video.
+
+The real folder: model_index.json (LTXPipeline), scheduler/ (flow matching with resolution-
+dependent shift), transformer/ (LTXVideoTransformer3DModel, sharded bf16 + index), vae/
+(AutoencoderKLLTXVideo with per-channel `latents_mean`/`latents_std` buffers), text_encoder/
+(T5EncoderModel, sharded + index) and tokenizer/ (T5). Only the sizes shrink. Not reproduced: the
+tokenizer's spiece.model (a tokenizer.json stands in, as for FLUX's T5).
+
+Sizes: 64x64 images (or 8k+1 frames of them, the real VAE's rule) -> VAE (8x spatial, 8x temporal,
+8 channels; the real one: 32x, 8x, 128) -> 8x8 latents per latent frame -> 64 tokens of width 16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.hunyuan_video.tiny import save_sharded
+from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+
+LATENT_CHANNELS = 8
+TEXT_DIM = 32  # T5 d_model (caption_channels)
+T5_MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
+
+
+def make_tiny_ltx_video(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random LTX-Video diffusers folder at `path` and return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_ltx_video; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+        LTXVideoTransformer3DModel)
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
+    # LTX-Video's scheduler config: the shift grows with the video token count.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.95,
+        max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
+    with seeded(seed):
+        text_encoder = T5EncoderModel(T5Config(
+            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
+            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0))
+    with seeded(seed + 1):
+        transformer = LTXVideoTransformer3DModel(
+            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, patch_size=1,
+            patch_size_t=1, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            # 4 blocks: with 2 the embedder alone outweighs a block and a 2-stage split leaves
+            # the first stage without LoRA weights.
+            num_layers=4, caption_channels=TEXT_DIM, qk_norm="rms_norm_across_heads")
+    with seeded(seed + 2):
+        vae = AutoencoderKLLTXVideo(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+            # Three 2x spatio-temporal levels and no pixel patching: 8x spatial, 8x temporal
+            # (the real VAE: a 4x4 pixel patch in front, so 32x spatial).
+            spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False),
+            decoder_inject_noise=(False,) * 5, patch_size=1, patch_size_t=1,
+            timestep_conditioning=False, scaling_factor=1.0)
+        # Per-channel statistics as the real VAE has them, so normalisation is exercised.
+        vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS) * 0.1)
+        vae.latents_std.copy_(torch.rand(LATENT_CHANNELS) + 0.5)
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_sharded(transformer, out / "transformer", shards=2)
+    save_sharded(text_encoder, out / "text_encoder", shards=2)
+    save_sharded(vae, out / "vae", shards=1)
+
+    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                       tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),
+                       transformer=transformer)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]  # as the real folder names it
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,185 @@
+"""The tiny LTX-Video folder loads through diffusers' real loading code (text-to-video and
+image-to-video pipelines); layers, encoders, first-frame conditioning and LoRA exports."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import LTXImageToVideoPipeline, LTXPipeline, LTXVideoTransformer3DModel
+from omegaconf import OmegaConf
+from PIL import Image
+from safetensors.torch import load_file
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import DataError
+from dpipe.models.hunyuan_video.comfyui import peft_pairs
+from dpipe.models.ltx_video.spec import COMFYUI_LORA, DIFFUSERS_LORA, LTXVideoSpec
+from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
+from tests.unit.video_checks import (
+    CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
+    lora_state_dict, micro_batch)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_ltx_video(tmp_path_factory.mktemp("models") / "ltx_video")
+
+
+def make_spec(tiny, **values) -> LTXVideoSpec:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "family": "ltx_video", "path": str(tiny), "max_text_tokens": 16,
+        "lora": {"rank": 4, "alpha": 8}, **values}))
+    spec = LTXVideoSpec(cfg)
+    spec.ensure_available()
+    return spec
+
+
+@pytest.fixture(scope="module")
+def spec(tiny) -> LTXVideoSpec:
+    return make_spec(tiny)
+
+
+@pytest.fixture(scope="module")
+def i2v_spec(tiny) -> LTXVideoSpec:
+    return make_spec(tiny, i2v=True)
+
+
+@pytest.fixture(scope="module")
+def encoders(spec):
+    return spec.load_encoders(torch.device("cpu"), torch.float32)
+
+
+def test_generates_text_and_image_to_video(tiny):
+    pipe = LTXPipeline.from_pretrained(tiny, dtype=torch.float32)
+    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=9, num_inference_steps=2,
+               max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.frames.shape == (1, 9, 64, 64, 3) and np.isfinite(out.frames).all()
+    i2v = LTXImageToVideoPipeline.from_pretrained(tiny, dtype=torch.float32)
+    out = i2v(image=Image.new("RGB", (64, 64), (200, 20, 20)), prompt=CAPTIONS[0], height=64,
+              width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16,
+              generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.frames.shape == (1, 9, 64, 64, 3) and np.isfinite(out.frames).all()
+
+
+def test_layout_as_the_real_repo(tiny):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "LTXPipeline"
+    assert index["tokenizer"] == ["transformers", "T5TokenizerFast"]
+    for rel in ["tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json", "vae/diffusion_pytorch_model.safetensors"]:
+        assert (tiny / rel).is_file(), rel
+    assert "latents_mean" in load_file(tiny / "vae/diffusion_pytorch_model.safetensors")
+
+
+def test_encode_normalises_as_the_pipeline(spec, encoders):
+    pixels = torch.rand(1, 3, 9, 64, 64) * 2 - 1
+    latents = spec.encode_videos(encoders, pixels)
+    assert latents.shape == (1, 8, 2, 8, 8)  # 8k+1 frames -> k+1 latent frames
+    raw = encoders.vae.encode(pixels).latent_dist.mode()
+    want = LTXPipeline._normalize_latents(raw, encoders.vae.latents_mean, encoders.vae.latents_std,
+                                          encoders.vae.config.scaling_factor)
+    torch.testing.assert_close(latents, want)
+    assert spec.encode_images(encoders, torch.zeros(2, 3, 64, 64)).shape == (2, 8, 1, 8, 8)
+    with pytest.raises(DataError, match="8k\\+1"):
+        spec.encode_videos(encoders, torch.zeros(1, 3, 5, 64, 64))
+    text = spec.encode_prompts(encoders, CAPTIONS)
+    assert text["t5"].shape == (2, 16, 32) and text["mask"].dtype == torch.long
+
+
+@pytest.mark.parametrize("frames", [1, 9, 17])
+@pytest.mark.parametrize("i2v", [False, True])
+def test_layers_match_diffusers_on_video_latents(tiny, encoders, frames, i2v):
+    spec = make_spec(tiny, i2v=i2v)
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
+    assert inputs[0].shape == (2, ((frames - 1) // 8 + 1) * 64, 8)
+    assert inputs[1].shape[1] == (inputs[0].shape[1] if i2v and frames > 1 else 1)
+    assert_layers_match(spec, lora_denoiser(spec), inputs)
+
+
+def test_first_frame_conditioning_as_the_i2v_pipeline(i2v_spec, encoders):
+    pixels = torch.rand(2, 3, 17, 64, 64) * 2 - 1
+    (packed, t_tokens, *_), labels = micro_batch(i2v_spec, encoders, pixels, t=(0.3, 0.8))
+    latents = i2v_spec.encode_videos(encoders, pixels)
+    # The pipeline's conditioning mask: 1 on the first latent frame, packed to tokens.
+    mask = torch.zeros(2, 1, 3, 8, 8)
+    mask[:, :, 0] = 1.0
+    mask = LTXImageToVideoPipeline._pack_latents(mask, 1, 1).squeeze(-1)
+    torch.testing.assert_close(t_tokens, torch.tensor([[0.3], [0.8]]) * (1 - mask))
+    # The condition tokens carry the clean first frame; the others are noised.
+    clean = LTXImageToVideoPipeline._pack_latents(latents, 1, 1)
+    torch.testing.assert_close(packed[:, :64], clean[:, :64])
+    assert (packed[:, 64:] - clean[:, 64:]).abs().mean() > 0.1
+    # The loss ignores the condition tokens and averages over the others.
+    target = labels[0]
+    out = target.clone()
+    out[:, :64] += 5.0
+    assert i2v_spec.loss(out, labels).item() == 0.0
+    out[:, 64:] += 1.0
+    assert i2v_spec.loss(out, labels).item() == pytest.approx(1.0)
+    # Images (one latent frame) have nothing to condition on: they train text-to-image.
+    (_, t_image, *_), image_labels = micro_batch(i2v_spec, encoders, torch.zeros(2, 3, 1, 64, 64))
+    assert t_image.shape == (2, 1) and len(image_labels) == 1
+
+
+def test_activation_checkpointing_gives_the_same_gradients(i2v_spec, encoders):
+    inputs, labels = micro_batch(i2v_spec, encoders, torch.rand(2, 3, 9, 64, 64) * 2 - 1)
+    assert_checkpointing_matches(i2v_spec, lora_denoiser(i2v_spec), inputs, labels)
+
+
+@pytest.fixture(scope="module")
+def exported(spec, tmp_path_factory):
+    denoiser = lora_denoiser(spec)
+    out = tmp_path_factory.mktemp("lora")
+    assert spec.export_lora(lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
+                                                                 out / COMFYUI_LORA]
+    return denoiser, out
+
+
+@pytest.mark.parametrize("weight_name", [DIFFUSERS_LORA, COMFYUI_LORA])
+def test_both_lora_files_load_with_the_pipeline(spec, encoders, exported, weight_name):
+    # diffusers reads ComfyUI's `diffusion_model.` layout for LTX-Video as ComfyUI does: the
+    # same module names under another prefix.
+    denoiser, out = exported
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64) * 2 - 1)
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        loaded = spec.denoiser_forward(spec.load_denoiser_with_lora(out, weight_name), inputs)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_keys(exported):
+    denoiser, out = exported
+    comfy = load_file(out / COMFYUI_LORA)
+    assert "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight" in comfy
+    assert "diffusion_model.transformer_blocks.1.ff.net.2.lora_B.weight" in comfy
+    assert not any(k.endswith(".alpha") for k in comfy)
+    got = deltas({k.removeprefix("diffusion_model."): v for k, v in peft_pairs(comfy).items()})
+    want = deltas(peft_pairs(lora_state_dict(denoiser)), scale=8 / 4)
+    assert got.keys() == want.keys() and len(want) == 4 * 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+
+
+def test_full_export_loads(spec, tmp_path):
+    from safetensors.torch import save_file
+
+    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
+    shards = []
+    for i, part in enumerate((layers[:2], layers[2:])):  # as two pipeline stages write them
+        state = {}
+        for layer in part:
+            state.update(layer.denoiser_state_dict(trainable_only=False))
+        shards.append(tmp_path / f"stage-{i}.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
+    loaded = LTXVideoTransformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "out"))
+    base = spec.load_denoiser(torch.float32).state_dict()
+    assert loaded.state_dict().keys() == base.keys()  # scale_shift_table included
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, base[k])
