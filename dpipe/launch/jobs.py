@@ -83,7 +83,8 @@ def check(t: Tracked) -> bool:
     """Updates `t` from its job's state and result files; True once the job is over."""
     state = job_state(t.job)
     if state != t.state:
-        log.info("sweep point #%d (job %s): %s", t.num, t.job.job_id, state or "submitted")
+        if base_state(state) not in ("", "UNKNOWN"):  # UNKNOWN: not in SLURM's accounting yet
+            log.info("sweep point #%d (job %s): %s", t.num, t.job.job_id, state)
         t.state = state
     paths = _result_paths(t.job)
     have = [p.exists() for p in paths]
