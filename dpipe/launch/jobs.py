@@ -25,6 +25,9 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESI
 # How long a job may look ended without its result before it counts as failed (shared
 # filesystems show new files late).
 RESULT_GRACE_S = 3.0
+# A preempted job is normally requeued at once (PreemptMode=REQUEUE); one still PREEMPTED after
+# this long was not (PreemptMode=CANCEL) and will not run again.
+PREEMPTED_GRACE_S = 300.0
 ERRORS_DIR = ".errors"
 
 
@@ -35,6 +38,7 @@ class Tracked:
     run_dir: Path
     state: str = ""
     ended_at: float | None = None  # when SLURM first said it ended without all results
+    preempted_at: float | None = None  # since when SLURM says PREEMPTED
     status: str = ""  # set when done: completed | failed | cancelled | timed out
     message: str = ""
     job_return: Any = None  # hydra's JobReturn of rank 0
@@ -89,6 +93,11 @@ def check(t: Tracked) -> bool:
     paths = _result_paths(t.job)
     have = [p.exists() for p in paths]
     ended = base_state(state) not in ACTIVE
+    if base_state(state) == "PREEMPTED":
+        t.preempted_at = t.preempted_at or time.monotonic()
+        ended = time.monotonic() - t.preempted_at > PREEMPTED_GRACE_S
+    else:
+        t.preempted_at = None
     if not all(have) and not ended:
         return False
     if not have[0]:
@@ -115,8 +124,8 @@ def check(t: Tracked) -> bool:
 
 def _no_result(t: Tracked, state: str) -> None:
     base = base_state(state)
-    t.status = {"CANCELLED": "cancelled", "TIMEOUT": "timed out", "DEADLINE": "timed out"}.get(
-        base, "failed")
+    t.status = {"CANCELLED": "cancelled", "TIMEOUT": "timed out", "DEADLINE": "timed out",
+                "PREEMPTED": "preempted"}.get(base, "failed")
     why = [f"SLURM state {state}" if base not in ("FINISHED", "INTERRUPTED") else
            f"job process {state.lower()}"]
     error = _first_error(t.run_dir)

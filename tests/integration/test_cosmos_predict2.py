@@ -136,7 +136,8 @@ def test_lora_files(models, tmp_path):
     """The diffusers file loads with transformer.load_lora_adapter and reproduces the model; the
     ComfyUI file holds the same weights (scale folded into B) under NVIDIA's names, which diffusers'
     single-file converter maps back to the trained modules."""
-    from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_cosmos_transformer_checkpoint_to_diffusers)
     from safetensors.torch import load_file
 
     spec = _spec(models, "video2world", lora=LoraConfig(rank=4, alpha=8))
@@ -149,8 +150,9 @@ def test_lora_files(models, tmp_path):
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFYUI_LORA]
     inputs, _ = spec.make_inputs(_batch(spec, 5))
     with torch.no_grad():
-        torch.testing.assert_close(spec.denoiser_forward(spec.load_denoiser_with_lora(tmp_path), inputs),
-                                   _run(layers, inputs), rtol=1e-4, atol=1e-5)
+        loaded = spec.load_denoiser_with_lora(tmp_path)
+        torch.testing.assert_close(spec.denoiser_forward(loaded, inputs), _run(layers, inputs),
+                                   rtol=1e-4, atol=1e-5)
     comfy = load_file(tmp_path / COMFYUI_LORA)
     assert all(k.startswith(COMFY_PREFIX) for k in comfy)
     # original module (checkpoint key without ".weight") -> the diffusers module it converts to

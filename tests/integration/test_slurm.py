@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,11 @@ def sacct(job_id: str, fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line]
 
 
+def stamp(text: str) -> float:
+    """Seconds since the epoch of a log time stamp like 2026-11-30 04:21:39,207."""
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def same_weights(a: Path, b: Path) -> None:
     wa, wb = load_file(a / LORA), load_file(b / LORA)
     assert wa.keys() == wb.keys()
@@ -178,10 +184,14 @@ def test_sweep_runs_as_a_job_array_of_two_task_jobs(array_sweep):
         assert "2 processes = 2 stages x 1 data-parallel" in sweep.job_log(job, 0)
         # Hydra's files in the run dir come from rank 0 (whose job id they record)
         assert re.search(rf"\bid: '?{job}'?\n", (run_dir / ".hydra" / "hydra.yaml").read_text())
-    # submit-to-start latency, as SLURM accounted it (1 s resolution)
+    # submit-to-start latency: SLURM's accounting (1 s resolution), and from the launcher's
+    # "submitted" line to the first line the job's rank 0 logged (its Python up and running)
+    submitted = stamp(re.search(r"\[([\d-]+ [\d:,]+)\]\S* submitted SLURM", sweep.output).group(1))
     for job in ids.values():
         submit, start = sacct(job, "Submit,Start")[0]
-        print(f"job {job}: submitted {submit}, started {start}")
+        first = re.search(r"\(([\d-]+ [\d:,]+)\) - Starting with", sweep.job_log(job, 0)).group(1)
+        print(f"job {job}: SLURM submit {submit}, start {start}; rank 0 running "
+              f"{stamp(first) - submitted:.1f} s after submission")
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes_identically(array_sweep, tmp_path):

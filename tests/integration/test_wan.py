@@ -289,3 +289,94 @@ def test_full_export_is_the_expert_the_pipeline_loads(models, tmp_path):
     assert set(loaded.state_dict()) == set(denoiser.state_dict())
     for name, value in denoiser.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value)
+
+
+def _single_file(models: Path, tmp_path: Path, case: str, dtype=torch.float32) -> Path:
+    """The tiny transformer in the original / ComfyUI single-file layout."""
+    from safetensors.torch import save_file
+
+    from dpipe.models.wan.comfyui import original_state_dict
+
+    state = _spec(models, case).load_denoiser(torch.float32).state_dict()
+    file = tmp_path / f"wan_{case}_tiny.safetensors"
+    save_file({k: v.to(dtype).contiguous() for k, v in original_state_dict(state).items()}, file)
+    return file
+
+
+def test_single_file_transformer_loads_as_the_folder_one(models, tmp_path):
+    """A ComfyUI-layout transformer file (model.path) with the diffusers folder of the same model
+    (model.single_file_config) gives the folder's transformer: diffusers' single-file converter
+    reads the original names our full export writes."""
+    for case in ("i2v", "a14b_low"):
+        folder = _spec(models, case)
+        file = _single_file(models, tmp_path, case)
+        spec = WanSpec(ModelConfig(family="wan", path=str(file),
+                                   single_file_config=str(folder.root), **CASES[case][1]))
+        spec.ensure_available()
+        assert spec.variant == folder.variant and spec.expert == folder.expert
+        want, got = folder.load_denoiser(torch.float32).state_dict(), spec.load_denoiser(
+            torch.float32).state_dict()
+        assert set(got) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value)
+    with pytest.raises(ConfigError, match="single_file_config"):
+        WanSpec(ModelConfig(family="wan", path=str(file)))
+
+
+def test_full_export_of_a_single_file_model_writes_that_layout_too(models, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from diffusers import WanTransformer3DModel
+
+    file = _single_file(models, tmp_path, "t2v", dtype=torch.bfloat16)
+    spec = WanSpec(ModelConfig(family="wan", path=str(file), mode=TrainMode.full,
+                               single_file_config=str(models / "wan21_t2v")))
+    spec.ensure_available()
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        for param in denoiser.parameters():
+            param.add_(0.01)  # "trained"
+    weights = {}
+    for layer in spec.pipeline_layers(denoiser):
+        weights.update(layer.denoiser_state_dict(trainable_only=False))
+    shard = tmp_path / "stage-0.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, shard)
+    spec.export_full([shard], tmp_path / "model")
+    exported = tmp_path / "model" / file.name
+    with safe_open(exported, "pt") as f:
+        assert f.get_tensor("blocks.0.self_attn.q.weight").dtype == torch.bfloat16
+    reloaded = WanTransformer3DModel.from_single_file(
+        str(exported), config=str(models / "wan21_t2v"), subfolder="transformer",
+        torch_dtype=torch.float32)
+    for name, value in denoiser.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value.to(torch.bfloat16).float())
+    folder = spec.load_exported_full(tmp_path / "model")
+    for name, value in denoiser.state_dict().items():
+        torch.testing.assert_close(folder.state_dict()[name], value)
+
+
+@pytest.mark.slow
+def test_trains_from_a_single_file_transformer(models, tmp_path):
+    """2 stages from a ComfyUI-layout transformer file; the exported LoRA, loaded into a pipeline
+    whose transformer comes from that file, reproduces the trained model."""
+    from dpipe.data.batches import step_micro_batches
+    from tests.cli import dpipe_train, train_args
+    from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+
+    file = _single_file(models, tmp_path, "t2v")
+    run_dir = tmp_path / "run"
+    result = dpipe_train(*train_args(
+        run_dir, "model=tiny_wan", f"model.path={file}", "model.tiny=false",
+        f"model.single_file_config={models / 'wan21_t2v'}", "dataset=synthetic",
+        "pipeline.stages=2", "pipeline.micro_batches=2", "optim.lr=1e-3",
+        "train.checkpoint_every_steps=0", "train.max_steps=2"))
+    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
+    spec, layers = trained_layers(run_dir)
+    assert spec.single_file
+    dataset, plan = cached_dataset(run_dir)
+    inputs, _ = next(step_micro_batches(spec, dataset, plan, run_config(run_dir).train.timesteps,
+                                        1, 0, 0))
+    with torch.no_grad():
+        got = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), inputs)
+    torch.testing.assert_close(got, run_layers(layers, inputs), rtol=1e-4, atol=1e-5)

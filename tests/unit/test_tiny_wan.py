@@ -81,7 +81,8 @@ def test_layouts_match_the_real_repos(folders):
     with safe_open(root / "vae/diffusion_pytorch_model.safetensors", "pt") as f:
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float32
     scheduler = UniPCMultistepScheduler.from_pretrained(root, subfolder="scheduler")
-    assert scheduler.config.use_flow_sigmas and scheduler.config.prediction_type == "flow_prediction"
+    assert scheduler.config.use_flow_sigmas
+    assert scheduler.config.prediction_type == "flow_prediction"
 
 
 def test_shapes_match_the_declared_configs(folders):
@@ -90,7 +91,8 @@ def test_shapes_match_the_declared_configs(folders):
         vae = AutoencoderKLWan.from_pretrained(folders[variant], subfolder="vae")
         latents = vae.encode(torch.zeros(1, 3, 5, 64, 64)).latent_dist.mode()
         assert latents.shape == (1, z, 2, h, h), variant
-    transformer = WanTransformer3DModel.from_pretrained(folders["wan21_i2v"], subfolder="transformer")
+    transformer = WanTransformer3DModel.from_pretrained(folders["wan21_i2v"],
+                                                        subfolder="transformer")
     assert transformer.config.in_channels == 36 and transformer.config.image_dim == 32
     text_encoder = UMT5EncoderModel.from_pretrained(folders["wan21_t2v"] / "text_encoder")
     assert text_encoder.config.d_model == WanTransformer3DModel.from_pretrained(
@@ -114,7 +116,8 @@ def test_idempotent_and_deterministic(tmp_path, folders):
         assert (root / rel).read_bytes() == (again / rel).read_bytes(), rel
     # The two experts are different models.
     shard = "diffusion_pytorch_model-00001-of-00003.safetensors"
-    assert (root / "transformer" / shard).read_bytes() != (root / "transformer_2" / shard).read_bytes()
+    high, low = (root / "transformer" / shard), (root / "transformer_2" / shard)
+    assert high.read_bytes() != low.read_bytes()
 
 
 def test_refuses_a_foreign_folder_and_an_unknown_variant(tmp_path):

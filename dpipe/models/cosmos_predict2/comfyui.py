@@ -21,8 +21,10 @@ _BLOCK_RENAMES = {
     "attn2.to_q": "cross_attn.q_proj", "attn2.to_k": "cross_attn.k_proj",
     "attn2.to_v": "cross_attn.v_proj", "attn2.to_out.0": "cross_attn.output_proj",
     "ff.net.0.proj": "mlp.layer1", "ff.net.2": "mlp.layer2",
-    "norm1.linear_1": "adaln_modulation_self_attn.1", "norm1.linear_2": "adaln_modulation_self_attn.2",
-    "norm2.linear_1": "adaln_modulation_cross_attn.1", "norm2.linear_2": "adaln_modulation_cross_attn.2",
+    "norm1.linear_1": "adaln_modulation_self_attn.1",
+    "norm1.linear_2": "adaln_modulation_self_attn.2",
+    "norm2.linear_1": "adaln_modulation_cross_attn.1",
+    "norm2.linear_2": "adaln_modulation_cross_attn.2",
     "norm3.linear_1": "adaln_modulation_mlp.1", "norm3.linear_2": "adaln_modulation_mlp.2",
 }
 _BLOCK_MODULE = re.compile(r"transformer_blocks\.(\d+)\.(.+)")

@@ -88,7 +88,8 @@ class CosmosBlock(PipelineLayer):
         block_temb, block_embedded = temb, embedded
         if temb.ndim == 3:  # one timestep per latent frame: the block wants one per token
             per_frame = hidden.shape[1] // temb.shape[1]
-            block_temb, block_embedded = _per_token(temb, per_frame), _per_token(embedded, per_frame)
+            block_temb = _per_token(temb, per_frame)
+            block_embedded = _per_token(embedded, per_frame)
         hidden = self.block(hidden, text, block_embedded, block_temb, rotary)
         return hidden, text, temb, embedded, grid
 

@@ -84,8 +84,9 @@ class CosmosPredict2Spec(ModelSpec):
             make_tiny_cosmos_predict2(self.path, variant=variant)
         if not self.path.is_dir():
             raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a Cosmos-Predict2 model "
-                "in diffusers format (e.g. a download of nvidia/Cosmos-Predict2-2B-Text2Image)")
+                f"model.path={self.path} does not exist. Give the folder of a Cosmos-Predict2 "
+                "model in diffusers format (e.g. a download of "
+                "nvidia/Cosmos-Predict2-2B-Text2Image)")
         missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
         if missing:
             raise ModelLoadError(f"model.path={self.path} is not a complete Cosmos-Predict2 "
@@ -171,7 +172,8 @@ class CosmosPredict2Spec(ModelSpec):
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels (B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> normalised latents (B, 16, F', h, w)."""
+        """Pixels (B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> normalised latents
+        (B, 16, F', h, w)."""
         v = self.variant
         if pixels.ndim == 4:
             pixels = pixels.unsqueeze(2)
@@ -278,8 +280,9 @@ class CosmosPredict2Spec(ModelSpec):
         if self.variant.video2world:
             kwargs["condition_mask"] = hidden[:, z:]
             t = (t[:, None].expand(-1, frames) if t.ndim == 1 else t)[:, None, :, None, None]
-        height, width = hidden.shape[-2] * self.variant.spatial, hidden.shape[-1] * self.variant.spatial
-        padding_mask = hidden.new_zeros(1, 1, height, width)
+        spatial = self.variant.spatial
+        padding_mask = hidden.new_zeros(1, 1, hidden.shape[-2] * spatial,
+                                        hidden.shape[-1] * spatial)
         with _nearest_resize_without_torchvision():
             return denoiser(hidden_states=hidden[:, :z], timestep=t, encoder_hidden_states=text,
                             fps=fps or None, padding_mask=padding_mask, return_dict=False,

@@ -5,6 +5,10 @@ A Wan LoRA for ComfyUI names each module as the original checkpoint does, prefix
 `diffusion_model.`: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` / `.lora_B.weight`.
 diffusers' `WanPipeline.load_lora_weights` reads that layout too (it converts it back). The
 mapping is one to one: Wan's original blocks keep q, k, v, o apart, as diffusers does.
+
+Single-file transformers (wan2.1_t2v_14B_bf16.safetensors, ...) hold the whole state dict under
+those names without a prefix; `original_state_dict` writes it (diffusers'
+`WanTransformer3DModel.from_single_file` reads it back).
 """
 
 from __future__ import annotations
@@ -48,3 +52,54 @@ def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str,
         value = value * scale if part.startswith("B.") else value
         out[f"{COMFY_PREFIX}{original_module_name(module)}.lora_{part}"] = value.contiguous()
     return out
+
+
+# Whole-transformer names (a full fine-tune in the original / ComfyUI single-file layout): the
+# inverse of diffusers' `convert_wan_transformer_to_diffusers`.
+_TOP_RENAMES = {
+    "patch_embedding": "patch_embedding",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+    "proj_out": "head.head",
+}
+_BLOCK_PARTS = {  # diffusers module in a block -> original module (its .weight/.bias follow)
+    **_BLOCK_RENAMES,
+    "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k",
+    "attn2.norm_q": "cross_attn.norm_q", "attn2.norm_k": "cross_attn.norm_k",
+    "attn2.norm_added_k": "cross_attn.norm_k_img",
+    "norm2": "norm3",  # the cross-attention norm; the other norms carry no weights
+}
+
+
+def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers WanTransformer3DModel state dict under the original Wan names, as single-file
+    (ComfyUI) checkpoints hold it. Raises KeyError for a weight it has no name for."""
+    out = {}
+    for key, value in weights.items():
+        out[_original_key(key)] = value
+    return out
+
+
+def _original_key(key: str) -> str:
+    if key == "scale_shift_table":
+        return "head.modulation"
+    block = _BLOCK_MODULE.fullmatch(key)
+    if block is not None:
+        index, rest = block.groups()
+        if rest == "scale_shift_table":
+            return f"blocks.{index}.modulation"
+        module, param = rest.rsplit(".", 1)
+        if module in _BLOCK_PARTS:
+            return f"blocks.{index}.{_BLOCK_PARTS[module]}.{param}"
+    else:
+        module, param = key.rsplit(".", 1)
+        if module in _TOP_RENAMES:
+            return f"{_TOP_RENAMES[module]}.{param}"
+    raise KeyError(f"no original Wan name for {key!r}")

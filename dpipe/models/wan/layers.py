@@ -1,4 +1,5 @@
-"""Wan's transformer (WanTransformer3DModel, 2.1 and 2.2) as pipeline layers: embed -> blocks -> head.
+"""Wan's transformer (WanTransformer3DModel, 2.1 and 2.2) as pipeline layers: embed -> blocks ->
+head.
 
 Every layer passes the tuple (hidden, context, timestep_proj, temb, grid):
   hidden         (B, tokens, dim) video tokens, tokens = F' * h' * w' after the (1, 2, 2) patches

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -48,12 +47,14 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
-from dpipe.models.wan.comfyui import lora_to_comfyui
-from dpipe.models.wan.layers import wan_layers
+from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
+from dpipe.models.wan.layers import WanBlock, wan_layers
+from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
 COMFYUI_LORA = "wan_lora_comfyui.safetensors"
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
 # Bump when the layout of cached latents changes (the conditioning channels), so old entries are
 # never read as new ones.
 _CACHE_LAYOUT = 1
@@ -68,22 +69,6 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-@dataclass(frozen=True)
-class WanVariant:
-    """What a Wan folder is, read from its configs."""
-
-    pipeline: str  # WanPipeline or WanImageToVideoPipeline
-    z_dim: int  # latent channels
-    spatial: int  # VAE downscale (8 for 2.1, 16 for 2.2)
-    temporal: int  # VAE temporal compression (4): clips have 4k+1 frames
-    patch: tuple[int, int, int]
-    concat_condition: bool  # 2z+4 input channels: mask + first-frame latents (i2v)
-    clip_tokens: int  # CLIP image tokens (Wan 2.1 i2v), 0 without an image encoder
-    image_dim: int
-    expand_timesteps: bool  # per-token timesteps (Wan 2.2 TI2V-5B)
-    boundary: float | None  # two experts split at this t (Wan 2.2 A14B)
-
-
 @dataclass
 class WanEncoders:
     text: Any  # WanPipeline holding the tokenizer, UMT5 and the VAE
@@ -94,29 +79,49 @@ class WanSpec(ModelSpec):
     family = "wan"
     supports_timestep_range = True
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # A single-file transformer (the original / ComfyUI layout, e.g.
+        # wan2.1_t2v_14B_bf16.safetensors) trains with everything else from a diffusers folder.
+        self.single_file = self.path.suffix in SINGLE_FILE_SUFFIXES
+        folder = getattr(cfg, "single_file_config", None)
+        if self.single_file and not folder:
+            raise ConfigError(
+                f"model.path={self.path} is a single-file Wan transformer: set "
+                "model.single_file_config to the Wan diffusers folder of the same model (its text "
+                "encoder, VAE, tokenizer and configs are read from there)")
+        if folder and not self.single_file:
+            raise ConfigError("model.single_file_config is only used when model.path is a single-"
+                              "file (.safetensors) transformer")
+        # The diffusers folder: everything but a single-file transformer comes from it.
+        self.root = Path(folder).expanduser() if self.single_file else self.path
+        self.root_key = "model.single_file_config" if self.single_file else "model.path"
+
     def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
+        if self.single_file and not self.path.is_file():
+            raise ModelLoadError(f"model.path={self.path} does not exist")
+        if self.cfg.tiny and not self.root.exists():
             from dpipe.models.wan.tiny import VARIANTS, make_tiny_wan
 
             # The tiny variant is named by the folder: .../tiny-wan22_ti2v
-            variant = self.path.name.removeprefix("tiny-")
+            variant = self.root.name.removeprefix("tiny-")
             if variant not in VARIANTS:
-                raise ConfigError(f"model.path={self.path}: a tiny Wan folder is named tiny-<variant>"
-                                  f" with a variant in {sorted(VARIANTS)}")
-            make_tiny_wan(self.path, variant=variant)
-        if not self.path.is_dir():
+                raise ConfigError(f"{self.root_key}={self.root}: a tiny Wan folder is named "
+                                  f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
+            make_tiny_wan(self.root, variant=variant)
+        if not self.root.is_dir():
             raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a Wan model in diffusers "
-                "format (e.g. a download of Wan-AI/Wan2.1-T2V-14B-Diffusers)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if self.variant.clip_tokens:
-            missing += [p for p in ("image_encoder", "image_processor")
-                        if not (self.path / p).exists()]
+                f"{self.root_key}={self.root} does not exist. Give the folder of a Wan model in "
+                "diffusers format (e.g. a download of Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+        missing = [p for p in REQUIRED_PARTS if not (self.root / p).exists()]
+        if not missing and self.variant.clip_tokens:
+            missing = [p for p in ("image_encoder", "image_processor")
+                       if not (self.root / p).exists()]
         if missing:
-            raise ModelLoadError(f"model.path={self.path} is not a complete Wan diffusers folder: "
-                                 f"missing {', '.join(missing)}")
-        if not (self.path / self.expert).is_dir():
-            raise ModelLoadError(f"model.path={self.path} has no {self.expert}/ folder")
+            raise ModelLoadError(f"{self.root_key}={self.root} is not a complete Wan diffusers "
+                                 f"folder: missing {', '.join(missing)}")
+        if not (self.root / self.expert).is_dir():
+            raise ModelLoadError(f"{self.root_key}={self.root} has no {self.expert}/ folder")
         if self.variant.clip_tokens and self.cfg.max_text_tokens != 512:
             raise ConfigError(
                 f"model.max_text_tokens={self.cfg.max_text_tokens}: Wan 2.1 i2v's attention splits "
@@ -125,7 +130,7 @@ class WanSpec(ModelSpec):
 
     # ---- what the folder is ------------------------------------------------------------------
     def _config(self, name: str) -> dict[str, Any]:
-        path = self.path / name
+        path = self.root / name
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError) as err:
@@ -133,25 +138,7 @@ class WanSpec(ModelSpec):
 
     @cached_property
     def variant(self) -> WanVariant:
-        index = self._config("model_index.json")
-        transformer = self._config("transformer/config.json")
-        vae = self._config("vae/config.json")
-        z_dim = vae.get("z_dim", 16)
-        clip_tokens = 0
-        if transformer.get("image_dim"):
-            vision = self._config("image_encoder/config.json")
-            clip_tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
-        two_experts = index.get("transformer_2", [None])[0] is not None
-        return WanVariant(
-            pipeline=index["_class_name"], z_dim=z_dim,
-            spatial=vae.get("scale_factor_spatial") or 8,
-            temporal=vae.get("scale_factor_temporal") or 4,
-            patch=tuple(transformer.get("patch_size", (1, 2, 2))),
-            concat_condition=transformer.get("in_channels", z_dim) == 2 * z_dim + 4,
-            clip_tokens=clip_tokens, image_dim=transformer.get("image_dim") or 0,
-            expand_timesteps=bool(index.get("expand_timesteps")),
-            boundary=index.get("boundary_ratio") if two_experts else None,
-        )
+        return read_variant(self._config)
 
     @cached_property
     def expert(self) -> str:
@@ -175,13 +162,13 @@ class WanSpec(ModelSpec):
         v, wanted = self.variant, self.cfg.i2v
         if v.concat_condition:  # image-to-video checkpoints need their image
             if wanted is False:
-                raise ConfigError(f"{self.path} is an image-to-video Wan model: leave model.i2v "
+                raise ConfigError(f"{self.root} is an image-to-video Wan model: leave model.i2v "
                                   "unset (or true)")
             return True
         if v.expand_timesteps:  # TI2V-5B does both
             return bool(wanted)
         if wanted:
-            raise ConfigError(f"{self.path} is a text-to-video Wan model and takes no first "
+            raise ConfigError(f"{self.root} is a text-to-video Wan model and takes no first "
                               "frame: leave model.i2v unset (or false)")
         return False
 
@@ -195,11 +182,11 @@ class WanSpec(ModelSpec):
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-            text_encoder = UMT5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=dtype)
-            vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(self.root / "tokenizer")
+            text_encoder = UMT5EncoderModel.from_pretrained(self.root / "text_encoder", dtype=dtype)
+            vae = AutoencoderKLWan.from_pretrained(self.root, subfolder="vae", dtype=dtype)
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+            raise ModelLoadError(f"cannot load the encoders from {self.root}: {err}") from None
         for module in (text_encoder, vae):
             module.requires_grad_(False).eval().to(device)
         # WanPipeline's encode_prompt (WanImageToVideoPipeline's needs ftfy installed).
@@ -212,11 +199,12 @@ class WanSpec(ModelSpec):
             index = self._config("model_index.json")
             try:
                 processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
-                    self.path / "image_processor")
+                    self.root / "image_processor")
                 encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
-                    self.path / "image_encoder", dtype=dtype)
+                    self.root / "image_encoder", dtype=dtype)
             except (OSError, ValueError) as err:
-                raise ModelLoadError(f"cannot load the image encoder of {self.path}: {err}") from None
+                raise ModelLoadError(
+                    f"cannot load the image encoder of {self.root}: {err}") from None
             encoder.requires_grad_(False).eval().to(device)
             image = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
                                             scheduler=None, image_processor=processor,
@@ -227,27 +215,31 @@ class WanSpec(ModelSpec):
         from diffusers import WanTransformer3DModel
 
         try:
-            return WanTransformer3DModel.from_pretrained(self.path, subfolder=self.expert,
+            if self.single_file:  # diffusers converts the original names; configs from the folder
+                return WanTransformer3DModel.from_single_file(
+                    str(self.path), config=str(self.root), subfolder=self.expert, torch_dtype=dtype)
+            return WanTransformer3DModel.from_pretrained(self.root, subfolder=self.expert,
                                                          dtype=dtype)
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / self.expert}: {err}") from None
+            source = self.path if self.single_file else self.root / self.expert
+            raise ModelLoadError(f"cannot load {source}: {err}") from None
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
             vae = self._config("vae/config.json")
             fp = {"family": self.family, "layout": _CACHE_LAYOUT,
-                  "vae": folder_fingerprint(self.path / "vae"),
+                  "vae": folder_fingerprint(self.root / "vae"),
                   "latents_mean": vae.get("latents_mean"), "latents_std": vae.get("latents_std"),
                   "latent": "mode", "condition": self.variant.concat_condition}
             if self.variant.clip_tokens:
-                fp["clip"] = [folder_fingerprint(self.path / p)
+                fp["clip"] = [folder_fingerprint(self.root / p)
                               for p in ("image_encoder", "image_processor")]
             return fp
         ftfy = importlib.util.find_spec("ftfy")  # Wan's prompt cleaning uses it when installed
         return {
             "family": self.family,
-            "umt5": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "umt5": folder_fingerprint(self.root / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.root / "tokenizer"),
             "max_text_tokens": self.cfg.max_text_tokens,
             "ftfy": _version("ftfy") if ftfy else None,
         }
@@ -276,7 +268,8 @@ class WanSpec(ModelSpec):
                     pixels.shape[0], 3, frames - 1, *pixels.shape[3:])], dim=2)
                 parts.append(self._vae_encode(vae, condition))
         if v.clip_tokens:
-            parts.append(_pack(self._clip_tokens(encoders.image, pixels[:, :, 0]), latents.shape))
+            tokens = self._clip_tokens(encoders.image, pixels[:, :, 0])
+            parts.append(pack_tokens(tokens, latents.shape))
         return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
 
     def encode_videos(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
@@ -320,6 +313,12 @@ class WanSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return wan_layers(denoiser)
 
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Time per layer relative to a block: the blocks are identical, and the embedding and
+        head are a few Linears over the tokens (parameter counts would weigh the embedding's large
+        timestep and text projections as half a block)."""
+        return [1.0 if isinstance(layer, WanBlock) else 0.02 for layer in layers]
+
     def make_inputs(self, batch: NoisedBatch):
         v, z = self.variant, self.variant.z_dim
         latents = batch.latents
@@ -343,7 +342,7 @@ class WanSpec(ModelSpec):
             weight = given if weight is None else weight * given
         inputs = (hidden, t, batch.text["umt5"])
         if v.clip_tokens:
-            inputs += (_unpack(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
+            inputs += (unpack_tokens(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
         return inputs, (target,) if weight is None else (target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
@@ -370,10 +369,23 @@ class WanSpec(ModelSpec):
         return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
-            shards, out_dir / self.expert, self.path / self.expert / "config.json")
+        folder = write_sharded_diffusers_model(
+            shards, out_dir / self.expert, self.root / self.expert / "config.json")
+        if self.single_file:  # also in the layout it came in, named and typed as the source
+            with safe_open(self.path, "pt") as source:
+                dtype = source.get_tensor(next(iter(source.keys()))).dtype
+            weights = {}
+            for shard in sorted(folder.glob("*.safetensors")):
+                weights.update(load_file(shard))
+            original = original_state_dict(weights)
+            save_file({k: v.to(dtype).contiguous() for k, v in original.items()},
+                      out_dir / self.path.name, metadata={"format": "pt"})
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -397,7 +409,9 @@ class WanSpec(ModelSpec):
         skip = {"text_encoder": None, "tokenizer": None, "vae": None}
         if self.variant.pipeline == "WanImageToVideoPipeline":
             skip.update(image_encoder=None, image_processor=None)
-        return cls.from_pretrained(self.path, **{**skip, **components})
+        if self.single_file:  # the trained expert from its file, as the user loads it
+            components.setdefault(self.expert, self.load_denoiser(torch.float32))
+        return cls.from_pretrained(self.root, **{**skip, **components})
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         """The way users load a Wan LoRA: `pipe.load_lora_weights(...)`, with
@@ -420,17 +434,3 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
-
-
-def _pack(tokens: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
-    """(B, N, D) image tokens -> (B, K, F, h, w) channels: flattened, zero-padded to whole
-    channels of the latents' F * h * w positions."""
-    b, positions = tokens.shape[0], math.prod(latent_shape[2:])
-    flat = tokens.reshape(b, -1)
-    channels = -(-flat.shape[1] // positions)
-    flat = F.pad(flat, (0, channels * positions - flat.shape[1]))
-    return flat.view(b, channels, *latent_shape[2:])
-
-
-def _unpack(channels: torch.Tensor, tokens: int, dim: int) -> torch.Tensor:
-    return channels.reshape(channels.shape[0], -1)[:, :tokens * dim].reshape(-1, tokens, dim)
