@@ -37,6 +37,8 @@ FACTORIES: dict[str, str] = {
     "hunyuan_image": "dpipe.models.hunyuan_image.tiny:make_tiny_hunyuan_image",
     "z_image": "dpipe.models.z_image.tiny:make_tiny_z_image",
     "lumina2": "dpipe.models.lumina2.tiny:make_tiny_lumina2",
+    "qwen_image": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image",
+    "qwen_image_edit": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image_edit",
 }
 
 

@@ -24,6 +24,8 @@ FAMILIES: dict[str, str] = {
     "hunyuan_image": "dpipe.models.hunyuan_image.spec:HunyuanImageSpec",
     "z_image": "dpipe.models.z_image.spec:ZImageSpec",
     "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
+    "qwen_image": "dpipe.models.qwen_image.spec:QwenImageSpec",
+    "qwen_image_edit": "dpipe.models.qwen_image.edit:QwenImageEditSpec",
 }
 
 

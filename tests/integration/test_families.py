@@ -20,7 +20,7 @@ from tests.integration.trained import cached_dataset, run_config, run_layers, tr
 
 FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_sd3", "tiny_chroma", "tiny_z_image",
             "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
-            "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w", "tiny_lumina2", "tiny_flux2", "tiny_flux_kontext"]
+            "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w", "tiny_lumina2", "tiny_flux2", "tiny_flux_kontext", "tiny_qwen_image"]
 
 
 def _run(run_dir: Path, model: str, *overrides: str) -> Path:

@@ -40,7 +40,7 @@ def _spec(path: Path, **overrides) -> ZImageSpec:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "z_image", "path": str(path), "max_text_tokens": 40,
+                          {"family": "z_image", "path": str(path), "max_text_tokens": 34,
                            **overrides})
     return ZImageSpec(OmegaConf.to_object(cfg))
 
@@ -97,8 +97,8 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
     (inputs, (target,)) = _inputs(spec, encoders, CAPTIONS)
     lengths = inputs[3].tolist()
-    # Shorter than, equal to, and longer than one 32-token unit; the last is cut at 40.
-    assert len(set(lengths)) == 3 and max(lengths) == 40 and min(lengths) < 32
+    # Within one 32-token unit, and past it: the last is cut at max_text_tokens=34.
+    assert len(set(lengths)) == 3 and max(lengths) == 34 and min(lengths) < 32
     denoiser = spec.load_denoiser(torch.float32)
     with torch.no_grad():
         x = inputs
@@ -120,7 +120,7 @@ def test_target_and_timestep_follow_the_pipeline(tiny):
     # The pipeline steps with -output as the velocity (noise - x0): the model predicts x0 - noise,
     # at t_model = 1 - sigma.
     torch.testing.assert_close(target, x0 - noise)
-    text = {"cap": torch.zeros(2, 40, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
+    text = {"cap": torch.zeros(2, 34, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
     inputs, _ = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
     torch.testing.assert_close(inputs[1], 1 - t)
 
@@ -186,7 +186,7 @@ def test_mask_weights_the_loss(tiny):
     spec = _spec(tiny)
     x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.6])
     noisy, target = spec.noise(x0, noise, t)
-    text = {"cap": torch.zeros(2, 40, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
+    text = {"cap": torch.zeros(2, 34, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
     weight = torch.ones(2, 1, 8, 8)
     weight[:, :, :4] = 0.0  # the top half does not count
     _, labels = spec.make_inputs(DataBatch(x0, noise, t, noisy, target, text, loss_weight=weight))

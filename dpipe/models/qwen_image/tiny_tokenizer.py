@@ -65,6 +65,20 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 
+# QwenImagePipeline's and QwenImageEditPipeline's prompt templates, and Qwen3 chat turns.
+TEMPLATES = [
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+    "<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+    "objects, background), then explain how the user's text instruction should alter or modify the "
+    "image. Generate a new image that meets the user's requirements while maintaining consistency "
+    "with the original input where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+    "<|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n",
+    "You are a helpful assistant.",
+]
+
+
 @lru_cache(maxsize=2)
 def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """(vocab, merges): the 256 byte symbols, then one token per merge, learnt on `tiny_corpus()`
@@ -74,8 +88,10 @@ def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     normalizer = normalizers.NFC()
-    lines = tiny_corpus() + ["system\nuser\nassistant\nDescribe the image", "You are a helpful "
-                             "assistant. Describe the key features of the input image."]
+    # The pipelines' prompt templates, twice (BPE merges need a pair to occur twice): each of their
+    # words becomes one token as in the real vocab, so the templates have their real token counts,
+    # which the pipelines rely on (they drop the first 34 or 64 tokens of the encoding).
+    lines = tiny_corpus() + [t.replace("{}", "") for t in TEMPLATES] * 2
     words = Counter(word for line in lines
                     for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
     merges = _learn_bpe({tuple(w): n for w, n in words.items()}, num_merges)

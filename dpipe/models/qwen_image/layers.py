@@ -1,0 +1,89 @@
+"""Qwen-Image's double-stream (MMDiT) transformer as pipeline layers: embed -> blocks -> head.
+
+Every layer passes (image, text, temb, text_len, shapes): the image and text streams, the timestep
+embedding, each item's text length (int64) and the latent grids (int64, (B, n_images, 3): frames,
+height, width in 2x2 patches; the target first, then Qwen-Image-Edit's reference image). RoPE is
+recomputed per block from the grids with the transformer's own `pos_embed`, the text mask from the
+lengths: integers cross stage boundaries without gradients. The text is padded to a fixed length
+for the run (DeepSpeed sizes its receive buffers once) and masked, where diffusers pads to the
+longest prompt of the batch; RoPE of a text token does not depend on the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.qwen_image.shared import key_mask, needs_grad
+from dpipe.models.spec import PipelineLayer
+
+
+def grids(shapes: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """The int64 grids as diffusers' `img_shapes` (one list of (f, h, w) per item)."""
+    return [[tuple(int(v) for v in s) for s in item] for item in shapes]
+
+
+class QwenImageEmbed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("img_in", "txt_norm", "txt_in", "time_text_embed"):
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        image, t, text, text_len, shapes = inputs[:5]
+        if len(inputs) > 5:  # Qwen-Image-Edit: the reference image's tokens follow the target's
+            image = torch.cat([image, inputs[5]], dim=1)
+        hidden = self.img_in(image)
+        text_hidden = self.txt_in(self.txt_norm(text))
+        temb = self.time_text_embed(t.to(hidden.dtype), hidden)
+        return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_len.long(),
+                shapes.long())
+
+
+class QwenImageBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("pos_embed", pos_embed, "pos_embed")  # no weights
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, text_len, shapes = inputs
+        rotary = self.pos_embed(grids(shapes), max_txt_seq_len=text_hidden.shape[1],
+                                device=hidden.device)
+        text_hidden, hidden = self.block(
+            hidden_states=hidden, encoder_hidden_states=text_hidden,
+            encoder_hidden_states_mask=key_mask(text_len, text_hidden.shape[1]), temb=temb,
+            image_rotary_emb=rotary)
+        return hidden, text_hidden, temb, text_len, shapes
+
+
+class QwenImageHead(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+
+    def forward(self, inputs):
+        hidden, text_hidden, temb, _text_len, shapes = inputs
+        out = self.proj_out(self.norm_out(hidden, temb))
+        n = int(shapes[0, 0].prod())  # the target's tokens (an edit's reference tokens follow)
+        # The text stream ends unused here; alone on the last stage it still needs a gradient.
+        return out[:, :n] + 0.0 * text_hidden.sum()
+
+
+def qwen_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    cfg = transformer.config
+    unsupported = [k for k in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+                   if cfg.get(k)]
+    if unsupported or cfg.get("guidance_embeds"):
+        from dpipe.errors import ModelLoadError
+
+        raise ModelLoadError(
+            f"this QwenImageTransformer2DModel sets {', '.join(unsupported) or 'guidance_embeds'} "
+            "(Qwen-Image-Edit-2511 / Layered variants), which dpipe does not train yet; "
+            "Qwen-Image and Qwen-Image-Edit are supported")
+    layers: list[PipelineLayer] = [QwenImageEmbed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(QwenImageBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
+    layers.append(QwenImageHead(transformer))
+    return layers

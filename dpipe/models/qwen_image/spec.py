@@ -1,0 +1,214 @@
+"""Qwen-Image: QwenImageTransformer2DModel + AutoencoderKLQwenImage + Qwen2.5-VL-7B text encoder.
+
+Loads the diffusers folder layout of Qwen/Qwen-Image. Prompts go through diffusers' own
+`QwenImagePipeline.encode_prompt` (its system template, whose 34 tokens are dropped; the last
+hidden state of the valid tokens), so training sees what inference sees.
+
+Conventions, from `QwenImagePipeline.__call__`: latents are normalised per channel with the VAE's
+latents_mean / latents_std and packed in 2x2 patches; the transformer gets sigma in [0, 1] and
+predicts the flow velocity noise - x0 (dpipe's default objective).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.qwen_image.layers import grids, qwen_image_layers
+from dpipe.models.qwen_image.shared import (
+    check_folder, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
+    save_comfy_lora, weighted_mse)
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+
+# Every Linear of every QwenImageTransformerBlock: both streams' attention projections, MLPs and
+# modulations, as the community's Qwen-Image LoRAs target them.
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"img_mlp\.net\.0\.proj", r"img_mlp\.net\.2", r"txt_mlp\.net\.0\.proj", r"txt_mlp\.net\.2",
+    r"img_mod\.1", r"txt_mod\.1",
+]
+LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFY_LORA = "comfyui_lora.safetensors"
+
+
+class QwenImageSpec(ModelSpec):
+    family = "qwen_image"
+    pipeline_class = "QwenImagePipeline"
+    what, example = "Qwen-Image", "Qwen/Qwen-Image"
+    required_parts = REQUIRED_PARTS
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            self._make_tiny()
+        check_folder(self.path, self.required_parts, self.what, self.example)
+        self._vae_config()
+
+    def _make_tiny(self) -> None:
+        from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
+
+        make_tiny_qwen_image(self.path)
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # The pipelines' VAE factor 2 ** len(temperal_downsample) (8 for the real VAE), then 2x2.
+        return 2 ** len(self._vae_config()["temperal_downsample"]) * 2
+
+    def _pipeline(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        pipe = load_or_fail(lambda: self._pipeline().from_pretrained(
+            self.path, transformer=None, dtype=dtype, **self._extra_components()), self.path)
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return pipe
+
+    def _extra_components(self) -> dict[str, Any]:
+        return {}
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        return load_or_fail(lambda: QwenImageTransformer2DModel.from_pretrained(
+            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._vae_config()
+            return {
+                "family": "qwen_image",
+                "vae": folder_fingerprint(self.path / "vae"),
+                "latents_mean": vae.get("latents_mean"),
+                "latents_std": vae.get("latents_std"),
+                "latent": "mode",
+            }
+        return {
+            "family": self.family,
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "pipeline template, hidden_states[-1], template dropped, zero-padded + length",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        # The VAE is a video VAE: one frame. Normalised as the pipelines normalise latents.
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mode()
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+        return ((latents - mean.to(latents.dtype)) / std.to(latents.dtype))[:, :, 0]
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask = encoders.encode_prompt(
+            list(prompts), device=encoders.vae.device,
+            max_sequence_length=self.cfg.max_text_tokens)
+        return self._padded(embeds, mask)
+
+    def _padded(self, embeds: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        # Cached at one length for every prompt (zero-padded, with each prompt's length); the
+        # pipeline's mask marks a prefix of valid tokens.
+        b, n, d = embeds.shape
+        length = self.cfg.max_text_tokens
+        if n > length:
+            from dpipe.errors import ConfigError
+
+            raise ConfigError(
+                f"a prompt encodes to {n} tokens, more than model.max_text_tokens={length}, the "
+                "fixed length text is padded to in training; raise model.max_text_tokens")
+        padded = embeds.new_zeros(b, length, d)
+        padded[:, :n] = embeds
+        lengths = mask.sum(dim=1) if mask is not None else torch.full((b,), n)
+        return {"text": padded, "text_len": lengths.float().view(b, 1)}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return qwen_image_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, c, h, w = batch.latents.shape
+        text_len = batch.text["text_len"].reshape(-1).round().long()
+        shapes = torch.tensor([[[1, h // 2, w // 2]]] * b, dtype=torch.long)
+        inputs = (pack(batch.noisy), batch.timesteps, batch.text["text"], text_len, shapes)
+        return inputs, self._labels(batch)
+
+    def _labels(self, batch) -> tuple[torch.Tensor, ...]:
+        b, c, h, w = batch.latents.shape
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return (pack(batch.target),)
+        return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mse(outputs, labels)
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        self._pipeline().save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
+        pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in lora_pairs(weights).items()}
+        return [out_dir / DIFFUSERS_LORA, save_comfy_lora(pairs, out_dir / COMFY_LORA)]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        image, t, text, text_len, shapes = inputs[:5]
+        if len(inputs) > 5:
+            image = torch.cat([image, inputs[5]], dim=1)
+        # As the pipeline calls it: text cut to the batch's longest prompt, no mask if all full.
+        n = int(text_len.max())
+        mask = torch.arange(n)[None, :] < text_len[:, None]
+        out = denoiser(hidden_states=image, encoder_hidden_states=text[:, :n],
+                       encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                       timestep=t, img_shapes=grids(shapes), return_dict=False)[0]
+        return out[:, : int(shapes[0, 0].prod())]
+
+    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+        pipe = self._pipeline().from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None, **self._no_processor())
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
+        return pipe.transformer
+
+    def _no_processor(self) -> dict[str, Any]:
+        return {}
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): the pipelines' `_pack_latents`."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)

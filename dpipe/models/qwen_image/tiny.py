@@ -1,0 +1,131 @@
+"""Tiny random Qwen-Image and Qwen-Image-Edit, written in the layouts of Qwen/Qwen-Image and
+Qwen/Qwen-Image-Edit.
+
+The same components and classes as the real model_index.json files: QwenImagePipeline
+(FlowMatchEulerDiscreteScheduler, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration,
+Qwen2Tokenizer, QwenImageTransformer2DModel) and QwenImageEditPipeline (the same, plus a
+Qwen2VLProcessor in processor/, whose image processor feeds the reference image to the
+vision-language encoder). bf16 safetensors with the large parts sharded; only the sizes shrink.
+The tokenizer's merges make every word of the pipelines' prompt templates one token, as in the real
+vocabulary, so the pipelines' fixed template lengths (34 and 64 tokens, which they cut off) hold.
+
+Sizes: 64x64 images -> VAE (4x, 4 latent channels; the real one: 8x, 16) -> 16x16 latents -> 2x2
+packing -> 64 image tokens of 16 channels; transformer 2 blocks of 2 heads x 16; text: Qwen2.5-VL
+(hidden 32 = joint_attention_dim, 2 layers, a 2-block vision tower with the real 14-pixel patches).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.qwen_image.shared import round_up, save_component
+from dpipe.models.qwen_image.tiny_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
+from dpipe.models.tiny_parts import seeded, write_atomically
+
+Z_DIM = 4  # latent channels (16 in the real VAE)
+TEXT_DIM = 32  # Qwen2.5-VL hidden size = joint_attention_dim (3584 for Qwen2.5-VL-7B)
+DTYPE = torch.bfloat16
+# The real Qwen-Image scheduler: resolution-dependent (exponential) shift.
+SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                 max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+                 shift_terminal=0.02, time_shift_type="exponential")
+
+
+def make_tiny_qwen_image(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Qwen-Image (text-to-image) diffusers folder at `path`."""
+    return _make(Path(path), seed, edit=False)
+
+
+def make_tiny_qwen_image_edit(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Qwen-Image-Edit diffusers folder at `path`."""
+    return _make(Path(path), seed, edit=True)
+
+
+def _make(path: Path, seed: int, edit: bool) -> Path:
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_qwen_image; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed, edit))
+    return path
+
+
+def _write(out: Path, seed: int, edit: bool) -> None:
+    from diffusers import (
+        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+        QwenImagePipeline, QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl", model_max_length=131072)
+    vocab = max(added.values()) + 1
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    with seeded(seed):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                 "mrope_section": [2, 3, 3]},  # sums to head_dim / 2 = 8
+                bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"],
+                pad_token_id=added["<|endoftext|>"]),
+            vision_config=dict(
+                depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_DIM,
+                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                fullatt_block_indexes=[1]),
+            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
+            vision_start_token_id=added["<|vision_start|>"],
+            vision_end_token_id=added["<|vision_end|>"]))
+    with seeded(seed + 1):
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
+            axes_dims_rope=(4, 6, 6))  # sums to the head dim, as (16, 56, 56) sums to 128
+    with seeded(seed + 2):
+        vae = AutoencoderKLQwenImage(
+            base_dim=16, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
+            temperal_downsample=[False, True],  # two levels: 4x (the real VAE: three, 8x)
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],  # the real first four channels'
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558])
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_component(transformer, out / "transformer", shards=3, dtype=DTYPE)
+    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
+    parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                 transformer=transformer)
+    if edit:
+        parts["processor"] = _save_processor(out / "processor")
+        pipe = QwenImageEditPipeline(**parts)
+    else:
+        pipe = QwenImagePipeline(**parts)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"], index
+    if edit:  # named as in the real repo, whichever processor object stood in while writing
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save_processor(directory: Path):
+    """processor/ as Qwen-Image-Edit ships it: the tokenizer files, the image processor's
+    preprocessor_config.json (the real Qwen2.5-VL pixel limits) and the chat template. Not
+    reproduced: video_preprocessor_config.json (written by a video processor, which needs
+    torchvision). Returns the processor as `load_processor` loads it."""
+    from transformers import Qwen2VLImageProcessor
+
+    from dpipe.models.qwen_image.edit import load_processor
+
+    save_qwen_tokenizer(directory, "qwen2.5-vl", model_max_length=131072)
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711])
+    image_processor.save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    return load_processor(directory)

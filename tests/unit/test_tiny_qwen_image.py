@@ -1,0 +1,193 @@
+"""The tiny Qwen-Image loads and runs through diffusers' real code; Qwen-Image specifics."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+    QwenImageTransformer2DModel)
+from safetensors.torch import load_file
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSpec, pack
+from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
+from dpipe.models.qwen_image.tiny_tokenizer import TEMPLATES
+from dpipe.models.spec import NoisedBatch
+
+CAPTIONS = ["a red circle on a blue background", "a cat",
+            "A photo of two green stars, a painting of a dog in the park, an illustration"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_qwen_image(tmp_path_factory.mktemp("models") / "qwen_image")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> QwenImagePipeline:
+    return QwenImagePipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+def _spec(path: Path, **overrides) -> QwenImageSpec:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "qwen_image", "path": str(path), "max_text_tokens": 24,
+                           **overrides})
+    return QwenImageSpec(OmegaConf.to_object(cfg))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, true_cfg_scale=1.0,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny, pipe):
+    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKLQwenImage,
+                "text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": Qwen2Tokenizer,
+                "transformer": QwenImageTransformer2DModel}
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImagePipeline"
+    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer/tokenizer.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
+        assert (tiny / rel).is_file(), rel
+    assert pipe.vae_scale_factor == 4 and pipe.scheduler.config.use_dynamic_shifting
+
+
+def test_templates_have_their_real_token_counts(pipe):
+    # The pipelines cut a fixed number of template tokens off every encoding: 34 (text-to-image)
+    # and 64 (edit, up to the image's vision tokens), as the real vocabulary tokenizes them.
+    t2i = pipe.tokenizer.tokenize(TEMPLATES[0].split("{}")[0])
+    assert len(t2i) == 34 and t2i[-2:] == ["user", "Ċ"]
+    edit = pipe.tokenizer.tokenize(TEMPLATES[1].split("{}")[0])
+    assert edit[64] == "<|vision_start|>"  # after the 64 dropped tokens come the vision tokens
+    words = pipe.tokenizer.tokenize(" " + CAPTIONS[0])
+    assert len(words) == len(CAPTIONS[0].split())
+
+
+def test_idempotent_and_deterministic(tmp_path, tiny):
+    again = make_tiny_qwen_image(tmp_path / "again", seed=0)
+    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+
+def _inputs(spec, encoders, captions, seed=0):
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+
+
+def test_latents_and_prompts_as_the_pipeline_makes_them(tiny, pipe):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    latents = spec.encode_images(encoders, pixels)
+    # The edit pipeline's reference-image encoding is the normalised argmax latent: the same.
+    from diffusers import QwenImageEditPipeline
+
+    expected = QwenImageEditPipeline._encode_vae_image(
+        type("P", (), {"vae": pipe.vae, "latent_channels": 4})(), pixels[:, :, None], None)
+    torch.testing.assert_close(latents, expected[:, :, 0])
+    text = spec.encode_prompts(encoders, CAPTIONS[:2])
+    embeds, mask = pipe.encode_prompt(CAPTIONS[:2], max_sequence_length=24)
+    n = embeds.shape[1]
+    assert text["text"].shape == (2, 24, 32)
+    torch.testing.assert_close(text["text"][:, :n], embeds)
+    assert text["text_len"].view(-1).tolist() == mask.sum(1).tolist()
+
+
+def test_layers_match_the_forward_for_prompts_of_any_length(tiny):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, (target,) = _inputs(spec, encoders, CAPTIONS)
+    assert len(set(inputs[3].tolist())) == 3 and max(inputs[3].tolist()) == 24
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
+                 for i in range(len(CAPTIONS))]
+    assert x.shape == target.shape == (3, 64, 16)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+
+
+def test_mask_weights_follow_the_packing(tiny):
+    from dpipe.data.batches import DataBatch
+
+    spec = _spec(tiny)
+    x0, noise, t = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8), torch.tensor([0.5])
+    noisy, target = spec.noise(x0, noise, t)
+    weight = torch.ones(1, 1, 8, 8)
+    weight[..., :4, :] = 0
+    text = {"text": torch.zeros(1, 24, 32), "text_len": torch.tensor([[5.0]])}
+    _, labels = spec.make_inputs(DataBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
+    wrong = target.clone()
+    wrong[..., :4, :] += 3.0
+    assert spec.loss(pack(wrong), labels).item() == 0.0
+
+
+def test_lora_targets_and_both_lora_files_load_in_diffusers(tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    spec = _spec(tiny, lora={"rank": 2, "alpha": 3})
+    denoiser = spec.load_denoiser(torch.float32)
+    targets = [n for n, m in denoiser.named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(spec.lora_targets(), n)]
+    blocks = [n for n, m in denoiser.named_modules()
+              if isinstance(m, torch.nn.Linear) and n.startswith("transformer_blocks.")]
+    assert sorted(targets) == sorted(blocks)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
+                                       init_lora_weights=False), denoiser)
+    spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    comfy = load_file(tmp_path / COMFY_LORA)
+    assert "diffusion_model.transformer_blocks.0.img_mod.1.lora_A.weight" in comfy
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, CAPTIONS[:2])
+    with torch.no_grad():
+        trained = spec.denoiser_forward(denoiser, inputs)
+        plain = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
+        a = spec.denoiser_forward(spec.load_denoiser_with_lora(tmp_path, DIFFUSERS_LORA), inputs)
+        # diffusers reads the ComfyUI file too (its Qwen converter takes "diffusion_model." keys)
+        b = spec.denoiser_forward(spec.load_denoiser_with_lora(tmp_path, COMFY_LORA), inputs)
+    assert (a - plain).abs().max() > 1e-3
+    torch.testing.assert_close(a, trained, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_single_file_layout_is_the_diffusers_one(tiny, tmp_path):
+    """ComfyUI / single-file Qwen-Image transformers use the diffusers names: diffusers'
+    from_single_file reads one file of the tiny weights back unchanged."""
+    from safetensors.torch import save_file
+
+    denoiser = QwenImageTransformer2DModel.from_pretrained(tiny / "transformer")
+    save_file({k: v.contiguous() for k, v in denoiser.state_dict().items()},
+              tmp_path / "qwen_image_tiny.safetensors")
+    loaded = QwenImageTransformer2DModel.from_single_file(
+        tmp_path / "qwen_image_tiny.safetensors", config=str(tiny), subfolder="transformer")
+    for k, v in denoiser.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
