@@ -35,6 +35,7 @@ FACTORIES: dict[str, str] = {
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",
     "sdxl": "dpipe.models.sdxl.tiny:make_tiny_sdxl",
     "hunyuan_image": "dpipe.models.hunyuan_image.tiny:make_tiny_hunyuan_image",
+    "hidream": "dpipe.models.hidream.tiny:make_tiny_hidream",
     "z_image": "dpipe.models.z_image.tiny:make_tiny_z_image",
     "lumina2": "dpipe.models.lumina2.tiny:make_tiny_lumina2",
     "qwen_image": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image",

@@ -22,6 +22,7 @@ FAMILIES: dict[str, str] = {
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",
     "sdxl": "dpipe.models.sdxl.spec:SDXLSpec",
     "hunyuan_image": "dpipe.models.hunyuan_image.spec:HunyuanImageSpec",
+    "hidream": "dpipe.models.hidream.spec:HiDreamSpec",
     "z_image": "dpipe.models.z_image.spec:ZImageSpec",
     "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
     "qwen_image": "dpipe.models.qwen_image.spec:QwenImageSpec",

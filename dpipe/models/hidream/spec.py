@@ -1,0 +1,220 @@
+"""HiDream-I1 (Full / Dev / Fast): HiDreamImageTransformer2DModel (sparse MoE) + the FLUX VAE +
+two long-context CLIPs, T5-XXL and Llama-3.1-8B-Instruct.
+
+`model.path` is the diffusers folder (HiDream-ai/HiDream-I1-Full layout). Llama-3.1-8B-Instruct is
+not part of that repo: put it (a copy or a symlink of the Llama folder) at `text_encoder_4/` and
+`tokenizer_4/` inside the model folder.
+
+Rectified flow with HiDream's sign: the pipeline negates the transformer's output before its
+scheduler step, so the transformer predicts x0 - noise (the negated velocity), and that is the
+target here. Timesteps go in as the scheduler's (t * 1000). Prompts go through
+`HiDreamImagePipeline.encode_prompt` (all four encoders padded to `model.max_text_tokens`): pooled
+CLIP-L + CLIP-G projections, T5 states, and the stack of every Llama layer's hidden states, each
+block reading its own. MoE routing runs as diffusers' training path; its auxiliary load-balancing
+loss is not added (diffusers computes and drops it too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hidream.layers import hidream_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
+                  "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
+LLAMA_PARTS = ("text_encoder_4", "tokenizer_4")
+COMFYUI_FILE = "hidream_lora_comfyui.safetensors"
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "tokenizer",
+              "tokenizer_2", "tokenizer_3", "tokenizer_4")
+
+# Every Linear of both kinds of blocks: attention (image and text projections), every expert and
+# the shared expert of the MoE feed-forwards, the text feed-forward, the AdaLN modulation. Not the
+# routers (plain parameters), embedders, caption projections or the head.
+LORA_TARGETS = (r"(?:double|single)_stream_blocks\.\d+\.block\.(?:"
+                r"attn1\.(?:to_q|to_k|to_v|to_out)(?:_t)?"
+                r"|ff_i\.(?:experts\.\d+|shared_experts)\.w[123]|ff_t\.w[123]|adaLN_modulation\.1)")
+
+
+class HiDreamSpec(ModelSpec):
+    family = "hidream"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.hidream.tiny import make_tiny_hidream
+
+            make_tiny_hidream(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of a HiDream-I1 model in "
+                "diffusers format (e.g. HiDream-ai/HiDream-I1-Full)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(f"model.path={self.path} is not a complete HiDream-I1 diffusers "
+                                 f"folder: missing {', '.join(missing)}")
+        missing = [p for p in LLAMA_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"{self.path} has no {' and no '.join(missing)}: HiDream's fourth text encoder, "
+                "Llama-3.1-8B-Instruct, is not part of its repo. Link your copy in: "
+                f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'text_encoder_4'} && "
+                f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'tokenizer_4'}")
+        self._config("vae")
+        self._config("transformer")
+
+    def _config(self, part: str) -> dict[str, Any]:
+        path = self.path / part / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    @property
+    def pixel_multiple(self) -> int:
+        vae_scale = 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
+        return vae_scale * int(self._config("transformer")["patch_size"])
+
+    # ---- components -------------------------------------------------------------------------
+    def _pipeline(self, dtype: torch.dtype | None, text: bool):
+        from diffusers import HiDreamImagePipeline
+        from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+        try:
+            if text:
+                # Llama-3's tokenizer.json is byte-level BPE: load it as written (transformers 5's
+                # LlamaTokenizerFast would rebuild it SentencePiece-style and drop spaces).
+                extra = {
+                    "tokenizer_4": PreTrainedTokenizerFast.from_pretrained(
+                        self.path / "tokenizer_4"),
+                    "text_encoder_4": LlamaForCausalLM.from_pretrained(
+                        self.path / "text_encoder_4", dtype=dtype),
+                }
+            else:
+                extra = {name: None for name in TEXT_PARTS}
+                extra["vae"] = None
+            return HiDreamImagePipeline.from_pretrained(self.path, dtype=dtype, **extra)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load HiDream from {self.path}: {err}") from None
+
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        pipe = self._pipeline(dtype, text=True)
+        pipe.transformer = None
+        pipe.to(device)
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
+            getattr(pipe, name).requires_grad_(False).eval()
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import HiDreamImageTransformer2DModel
+
+        try:
+            return HiDreamImageTransformer2DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self._config("vae")
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "scaling_factor": vae.get("scaling_factor"),
+                    "shift_factor": vae.get("shift_factor"), "latent": "mode"}
+        return {"family": self.family, "max_text_tokens": self.cfg.max_text_tokens,
+                **{p: folder_fingerprint(self.path / p) for p in TEXT_PARTS}}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        t5, _, llama, _, pooled, _ = encoders.encode_prompt(
+            prompts, device=encoders.vae.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.cfg.max_text_tokens)
+        # Llama's stack is (layers, B, L, D); the cache wants the batch first.
+        return {"t5": t5, "llama": llama.transpose(0, 1), "pooled": pooled}
+
+    # ---- training ----------------------------------------------------------------------------
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        return noisy_latents(x0, noise, t), x0 - noise  # HiDream predicts the negated velocity
+
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return hidream_layers(denoiser)
+
+    def make_inputs(self, batch: NoisedBatch):
+        text = batch.text
+        inputs = (batch.noisy, batch.timesteps * 1000.0, text["t5"],
+                  text["llama"].transpose(0, 1).contiguous(), text["pooled"])
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        return inputs, (batch.target,) if weight is None else (batch.target, weight)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        if len(labels) == 1:
+            return F.mse_loss(outputs.float(), labels[0].float())
+        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
+        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import HiDreamImagePipeline
+        from safetensors.torch import save_file
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        metadata = {"r": rank, "lora_alpha": alpha,
+                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
+        HiDreamImagePipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        # ComfyUI (and diffusion-pipe) name HiDream LoRAs after the original model, whose module
+        # names diffusers kept: `diffusion_model.<module>.lora_A/lora_B.weight`, no alpha, so the
+        # scale alpha / rank is folded into lora_B.
+        scale = alpha / rank
+        comfy = {f"diffusion_model.{k}": (v * scale if ".lora_B." in k else v).contiguous()
+                 for k, v in weights.items()}
+        save_file(comfy, out_dir / COMFYUI_FILE)
+        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_FILE]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, timesteps, t5, llama, pooled = inputs
+        # diffusers unpatchifies to images only outside training mode.
+        training = denoiser.training
+        denoiser.eval()
+        try:
+            return denoiser(hidden_states=latents, timesteps=timesteps, encoder_hidden_states_t5=t5,
+                            encoder_hidden_states_llama3=llama, pooled_embeds=pooled,
+                            return_dict=False)[0]
+        finally:
+            denoiser.train(training)
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        pipe = self._pipeline(None, text=False)
+        pipe.load_lora_weights(str(lora_dir))  # picks pytorch_lora_weights.safetensors
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import HiDreamImageTransformer2DModel
+
+        return HiDreamImageTransformer2DModel.from_pretrained(export_dir / "transformer")
