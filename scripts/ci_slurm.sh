@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (scripts/test.sh does the same for `make test` when run as root.)
 # CI: make sure a local SLURM can run here, then run the given command (e.g. `make test`) with
 # DPIPE_REQUIRE_SLURM=1, so that the SLURM tests run instead of skipping. They start their own
 # single-node SLURM for the session (scripts/slurm/start.sh) and stop it by PID at the end
