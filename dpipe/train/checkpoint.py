@@ -131,7 +131,8 @@ def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
         return newest
     incompatible, harmless = resume_changes((path / CONFIG).read_text(), current_yaml)
     if incompatible:
-        lines = "\n".join(f"  {k}: {_show(old)} in the checkpoint, {_show(new)} now ({INCOMPATIBLE.get(k) or INCOMPATIBLE_FULL[k]})"
+        why = {**INCOMPATIBLE, **INCOMPATIBLE_FULL}
+        lines = "\n".join(f"  {k}: {_show(old)} in the checkpoint, {_show(new)} now ({why[k]})"
                           for k, (old, new) in incompatible.items())
         raise ConfigError(
             f"cannot resume {run_dir} from its checkpoint {path.name} (step {step}): these settings "
@@ -140,8 +141,8 @@ def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
             "`train.resume=false` to train from scratch in this run dir."
         )
     if harmless:
-        log.info("resuming from %s with changed settings: %s", path.name,
-                 ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, (old, new) in harmless.items()))
+        changes = ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, (old, new) in harmless.items())
+        log.info("resuming from %s with changed settings: %s", path.name, changes)
     return newest
 
 
