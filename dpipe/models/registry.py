@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "cosmos_predict2": "dpipe.models.cosmos_predict2.spec:CosmosPredict2Spec",
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",
+    "hunyuan_video15": "dpipe.models.hunyuan_video15.spec:HunyuanVideo15Spec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",

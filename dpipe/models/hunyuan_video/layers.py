@@ -58,7 +58,7 @@ class HunyuanVideoEmbed(PipelineLayer):
         timestep = t * 1000  # the pipeline passes the scheduler's timesteps, sigma * 1000
         temb, _token_replace = self.time_text_embed(
             timestep, pooled, guidance * 1000 if self.guidance else None)
-        hidden = self.x_embedder(latents)
+        hidden = self.x_embedder(latents).contiguous()  # a transposed view: stages send contiguous
         text_hidden = self.context_embedder(text, timestep, text_mask)
         _, _, f, h, w = latents.shape
         grid = torch.tensor([f // self.patch_t, h // self.patch, w // self.patch],

@@ -106,7 +106,7 @@ def _write(out: Path, seed: int) -> None:
 
 def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
                  dtype: torch.dtype = DTYPE) -> None:
-    """`save_pretrained` in `dtype`, split into exactly `shards` files (+ index) when > 1, as the
+    """`save_pretrained` in `dtype`, split into about `shards` files (+ index) when > 1, as the
     real checkpoints are, so code reading the weight files meets the same layout."""
     torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
     if shards == 1:
@@ -114,5 +114,6 @@ def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
         return
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
     sizes = [t.numel() * t.element_size() for t in unique]
-    # Greedy filling with a cap of one share plus the largest tensor gives exactly `shards` files.
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+    # Greedy filling up to one share (or the largest tensor, if bigger): at least `shards` files,
+    # and more when one tensor dominates (as the ByT5 projection does in tiny HunyuanVideo 1.5).
+    model.save_pretrained(directory, max_shard_size=max(-(-sum(sizes) // shards), max(sizes)))

@@ -1,0 +1,100 @@
+"""HunyuanVideo 1.5's transformer as pipeline layers: embed -> double-stream blocks -> head.
+
+The embedder does what the diffusers forward does before its blocks: the Qwen2.5-VL text through
+the token refiner, the ByT5 glyph text and the (zero, for text-to-video) SigLIP image tokens
+through their projections, each tagged with its `cond_type_embed`, then per sample the valid tokens
+moved to the front. Layers pass (hidden, text, temb, text_mask, grid): `text_mask` (B, L) and
+`grid` (f, h, w) are int64 and travel without gradients; the rotary embedding is rebuilt per block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.hunyuan_video.layers import needs_grad, rotary, unpatchify
+from dpipe.models.spec import PipelineLayer
+
+# HunyuanVideo15Pipeline.vision_num_semantic_tokens: the SigLIP tokens the pipeline always passes
+# (zeros for text-to-video).
+IMAGE_TOKENS = 729
+
+
+class HunyuanVideo15Embed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        for name in ("x_embedder", "image_embedder", "context_embedder", "context_embedder_2",
+                     "time_embed", "cond_type_embed"):
+            self.adopt(name, getattr(transformer, name), name)
+        self.image_dim = transformer.config.image_embed_dim
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+
+    def forward(self, inputs):
+        x, t, text, text_mask, glyph, glyph_mask = inputs
+        b = x.shape[0]
+        timestep = t * 1000  # the pipeline passes the scheduler's timesteps, sigma * 1000
+        temb = self.time_embed(timestep)
+        hidden = self.x_embedder(x).contiguous()  # a transposed view: stages send contiguous
+        text = self.context_embedder(text, timestep, text_mask)
+        text = text + self.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
+        glyph = self.context_embedder_2(glyph)
+        glyph = glyph + self.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
+        # Text-to-video: the pipeline's all-zero image embeddings, zeroed and masked out.
+        image = self.image_embedder(x.new_zeros(b, IMAGE_TOKENS, self.image_dim)) * 0.0
+        image = image + self.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
+        image_mask = torch.zeros(b, IMAGE_TOKENS, dtype=torch.bool, device=x.device)
+        text_mask, glyph_mask = text_mask.bool(), glyph_mask.bool()
+        tokens, masks = [], []
+        for txt, tm, gly, gm, img, im in zip(text, text_mask, glyph, glyph_mask, image, image_mask):
+            # Valid tokens first (image, glyph, text), then the invalid ones, as diffusers orders them.
+            tokens.append(torch.cat([img[im], gly[gm], txt[tm], img[~im], torch.zeros_like(gly[~gm]),
+                                     torch.zeros_like(txt[~tm])]))
+            masks.append(torch.cat([im[im], gm[gm], tm[tm], im[~im], gm[~gm], tm[~tm]]))
+        _, _, f, h, w = x.shape
+        grid = torch.tensor([f // self.patch_t, h // self.patch, w // self.patch],
+                            dtype=torch.long, device=x.device)
+        return (needs_grad(hidden), needs_grad(torch.stack(tokens)), needs_grad(temb),
+                torch.stack(masks).long(), grid)
+
+
+class HunyuanVideo15Block(PipelineLayer):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
+                 patch_t: int):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("rope", rope, "rope")  # parameter-free
+        self.patch, self.patch_t = patch, patch_t
+
+    def forward(self, inputs):
+        hidden, text, temb, text_mask, grid = inputs
+        rope = rotary(self.rope, grid, self.patch, self.patch_t, hidden.device)
+        hidden, text = self.block(hidden, text, temb, text_mask.bool(), rope)
+        return hidden, text, temb, text_mask, grid
+
+
+class HunyuanVideo15Head(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+
+    def forward(self, inputs):
+        hidden, text, temb, _text_mask, grid = inputs
+        out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
+        # A gradient path for the unused text stream, through its first token, which is always a
+        # valid one (masked tokens may hold non-finite values that `0 * x` would not cancel).
+        return out + 0.0 * text[:, 0].sum()
+
+
+def hunyuan_video15_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    if transformer.config.use_meanflow:
+        raise NotImplementedError("HunyuanVideo 1.5 MeanFlow (super-resolution) transformers are "
+                                  "not supported; use a 480p/720p text-to-video checkpoint")
+    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
+    layers: list[PipelineLayer] = [HunyuanVideo15Embed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(HunyuanVideo15Block(block, transformer.rope, f"transformer_blocks.{i}",
+                                          patch, patch_t))
+    layers.append(HunyuanVideo15Head(transformer))
+    return layers

@@ -1,0 +1,264 @@
+"""HunyuanVideo 1.5 (8.3B, text-to-video): HunyuanVideo15Transformer3DModel +
+AutoencoderKLHunyuanVideo15 (32 channels, 16x spatial, 4x temporal) + Qwen2.5-VL-7B text +
+ByT5 glyph text.
+
+Loads the diffusers folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v or 720p_t2v). Prompts
+go through `HunyuanVideo15Pipeline.encode_prompt` (chat template, quoted text to ByT5). The
+transformer takes [noisy latents, condition latents, condition mask] on its channels; for
+text-to-video the pipeline passes zeros for both, and all-zero SigLIP image tokens: so do we.
+Images train as 1-frame videos; clips need 4k+1 frames.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hunyuan_video.comfyui import to_comfyui
+from dpipe.models.hunyuan_video.spec import (
+    as_video, frames_ok, loss_labels, read_config, video_loss)
+from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                  "tokenizer", "tokenizer_2", "scheduler")
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "hunyuan_video15_lora_comfyui.safetensors"
+ENCODING_VERSION = 1
+BYT5_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
+# A typical training clip (480p, 121 frames: 31 x 30 x 53 latent tokens), for `layer_costs`.
+NOMINAL_VIDEO_TOKENS = 31 * 30 * 53
+
+# Every Linear of the double-stream blocks (attention, MLPs, modulation).
+_BLOCK_LINEARS = [
+    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
+    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
+    r"norm1\.linear", r"norm1_context\.linear",
+]
+LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+class HunyuanVideo15Spec(ModelSpec):
+    family = "hunyuan_video15"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
+
+            make_tiny_hunyuan_video15(self.path)
+        if not self.path.is_dir():
+            raise ModelLoadError(
+                f"model.path={self.path} does not exist. Give the folder of HunyuanVideo 1.5 in "
+                "diffusers format (e.g. a download of hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v)")
+        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+        if missing:
+            raise ModelLoadError(
+                f"model.path={self.path} is not a complete HunyuanVideo 1.5 diffusers folder: "
+                f"missing {', '.join(missing)}")
+        config = self._transformer_config()
+        if config.get("task_type", "t2v") != "t2v":
+            raise ModelLoadError(
+                f"{self.path / 'transformer'} is an image-to-video HunyuanVideo 1.5 (task_type="
+                f"{config.get('task_type')!r}); dpipe trains the text-to-video checkpoints")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_config(self.path / "vae" / "config.json")
+
+    def _transformer_config(self) -> dict[str, Any]:
+        return read_config(self.path / "transformer" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self._vae_config()["spatial_compression_ratio"] * self._transformer_config()["patch_size"]
+
+    @property
+    def temporal_ratio(self) -> int:
+        return self._vae_config()["temporal_compression_ratio"]
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import HunyuanVideo15Pipeline
+
+        try:
+            pipe = HunyuanVideo15Pipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        pipe.to(device)
+        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(False).eval()
+        # The pipeline crops its chat template at a fixed 108 tokens (the real Qwen2.5-VL
+        # tokenizer's count); count it with the tokenizer at hand, and pad to max_text_tokens.
+        pipe.prompt_template_encode_start_idx = template_length(pipe.tokenizer, pipe.system_message)
+        pipe.tokenizer_max_length = self.cfg.max_text_tokens
+        return pipe
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        try:
+            return HunyuanVideo15Transformer3DModel.from_pretrained(
+                self.path, subfolder="transformer", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return {"family": self.family, "encoding": ENCODING_VERSION,
+                    "vae": folder_fingerprint(self.path / "vae"), "latent": "mode",
+                    "scaling_factor": self._vae_config().get("scaling_factor")}
+        return {"family": self.family, "encoding": ENCODING_VERSION,
+                "qwen": folder_fingerprint(self.path / "text_encoder"),
+                "byt5": folder_fingerprint(self.path / "text_encoder_2"),
+                "tokenizers": [folder_fingerprint(self.path / f) for f in ("tokenizer", "tokenizer_2")],
+                "max_text_tokens": self.cfg.max_text_tokens}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w), scaled as the pipeline
+        scales image latents."""
+        video = as_video(pixels)
+        if not frames_ok(video.shape[2], self.temporal_ratio):
+            raise DataError(
+                f"HunyuanVideo 1.5's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        vae = encoders.vae
+        # One clip at a time: the VAE's mid-block attention mask breaks batches > 1 in diffusers
+        # 0.42.1 (a missing unsqueeze; diffusers PR #13133).
+        latents = torch.cat([vae.encode(clip[None].to(vae.device, vae.dtype)).latent_dist.mode()
+                             for clip in video])
+        return latents * vae.config.scaling_factor
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
+        return self.encode_images(encoders, pixels)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        text, mask, glyph, glyph_mask = encoders.encode_prompt(
+            prompts, device=encoders.vae.device, batch_size=len(prompts))
+        return {"qwen": text, "mask": mask.long(), "byt5": glyph, "byt5_mask": glyph_mask.long()}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return hunyuan_video15_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Parameters x the tokens they process in a typical clip: the text-only embedders (the
+        ByT5 projection alone is a 2048-wide MLP) weigh by their few tokens, not their size."""
+        text_tokens = self.cfg.max_text_tokens + BYT5_TOKENS + IMAGE_TOKENS
+        per_module = {"context_embedder": self.cfg.max_text_tokens,
+                      "context_embedder_2": BYT5_TOKENS, "image_embedder": IMAGE_TOKENS,
+                      "time_embed": 1, "cond_type_embed": text_tokens}
+        costs = []
+        for layer in layers:
+            cost = 0.0
+            for name, param in layer.named_parameters():
+                tokens = per_module.get(name.split(".")[0], NOMINAL_VIDEO_TOKENS)
+                if name.startswith("block."):
+                    tokens = NOMINAL_VIDEO_TOKENS + text_tokens
+                cost += param.numel() * tokens
+            costs.append(cost)
+        return costs
+
+    def make_inputs(self, batch: NoisedBatch):
+        noisy = batch.noisy
+        b, _, f, h, w = noisy.shape
+        # Text-to-video: no condition latents and a zero condition mask, as the pipeline passes.
+        x = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1)
+        inputs = (x, batch.timesteps, batch.text["qwen"], batch.text["mask"].long(),
+                  batch.text["byt5"], batch.text["byt5_mask"].long())
+        return inputs, loss_labels(batch)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return video_loss(outputs, labels)
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
+        # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
+        # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
+        from diffusers import HunyuanVideoPipeline
+        from safetensors.torch import save_file
+
+        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+        rank = self.cfg.lora.rank
+        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
+        metadata = {"r": rank, "lora_alpha": alpha,
+                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
+        HunyuanVideoPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        comfy = to_comfyui(weights, alpha / rank, comfyui_mapping(self._transformer_config(), weights))
+        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        return write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        x, t, text, mask, glyph, glyph_mask = inputs
+        image = x.new_zeros(x.shape[0], IMAGE_TOKENS, denoiser.config.image_embed_dim)
+        return denoiser(
+            hidden_states=x, image_embeds=image, timestep=t * 1000, encoder_hidden_states=text,
+            encoder_attention_mask=mask, encoder_hidden_states_2=glyph,
+            encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        model = HunyuanVideo15Transformer3DModel.from_pretrained(self.path, subfolder="transformer")
+        model.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
+        return model
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        return HunyuanVideo15Transformer3DModel.from_pretrained(export_dir / "transformer")
+
+
+def template_length(tokenizer, system_message: str) -> int:
+    """Tokens of HunyuanVideo15Pipeline's chat template before the user's prompt (108 with the
+    real Qwen2.5-VL tokenizer)."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+
+    marker = "\x00PROMPT\x00"
+    text = tokenizer.apply_chat_template(format_text_input([marker], system_message),
+                                         add_generation_prompt=True, tokenize=False)
+    text = text[0] if isinstance(text, list) else text
+    return len(tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids)
+
+
+def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
+    """(ComfyUI module, diffusers modules it stacks, output sizes) per block with LoRA weights.
+
+    ComfyUI runs HunyuanVideo 1.5 on its Flux-style DoubleStreamBlock, whose module names are
+    `img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the same
+    for `txt_`; its LoRA loader accepts `diffusion_model.<those names>`."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    mlp = int(hidden * config.get("mlp_ratio", 4.0))
+    blocks = sorted({int(k.split(".")[1]) for k in weights if k.startswith("transformer_blocks.")})
+    for i in blocks:
+        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        yield f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
+        yield f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                                    f"{d}.attn.add_v_proj"], [hidden] * 3
+        for original, part, size in [
+            ("img_attn.proj", "attn.to_out.0", hidden), ("txt_attn.proj", "attn.to_add_out", hidden),
+            ("img_mlp.0", "ff.net.0.proj", mlp), ("img_mlp.2", "ff.net.2", hidden),
+            ("txt_mlp.0", "ff_context.net.0.proj", mlp), ("txt_mlp.2", "ff_context.net.2", hidden),
+            ("img_mod.lin", "norm1.linear", 6 * hidden), ("txt_mod.lin", "norm1_context.linear", 6 * hidden),
+        ]:
+            yield f"{o}.{original}", [f"{d}.{part}"], [size]

@@ -1,0 +1,102 @@
+"""A tiny random HunyuanVideo 1.5 (text-to-video), in the diffusers layout of
+hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v.
+
+The real folder: model_index.json (HunyuanVideo15Pipeline), scheduler/ (flow matching, shift 5),
+transformer/ (HunyuanVideo15Transformer3DModel, task_type t2v, 65 = 2*32+1 input channels: noisy
+latents, condition latents, condition mask), vae/ (AutoencoderKLHunyuanVideo15, 16x spatial, 4x
+temporal, 32 channels), text_encoder/ (Qwen2_5_VLTextModel) + tokenizer/ (Qwen2Tokenizer with its
+chat template), text_encoder_2/ (the Glyph ByT5 T5EncoderModel) + tokenizer_2/ (ByT5Tokenizer) and
+guider/ (ClassifierFreeGuidance). Only the sizes shrink.
+
+Sizes: 64x64 images (or 4k+1 frames) -> VAE (8x spatial, 4x temporal, 4 channels) -> 8x8 latents
+per latent frame -> 64 tokens of width 32. Qwen2.5-VL text: hidden 32, 3 layers (the pipeline
+reads the third-from-last hidden state); ByT5: d_model 24.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.hunyuan_video.tiny import save_sharded
+from dpipe.models.tiny_parts import round_up, seeded, write_atomically
+
+LATENT_CHANNELS = 4
+TEXT_DIM = 32  # Qwen2.5-VL hidden size (text_embed_dim; 3584 for the 7B)
+BYT5_DIM = 24  # ByT5 d_model (text_embed_2_dim; 1472 for Glyph-SDXL-v2's byt5-small)
+IMAGE_DIM = 16  # SigLIP width (image_embed_dim; 1152), unused by text-to-video but part of the model
+
+
+def make_tiny_hunyuan_video15(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random HunyuanVideo 1.5 t2v diffusers folder at `path`; return it."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_hunyuan_video15; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import (
+        ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
+        T5EncoderModel)
+
+    from dpipe.models.qwen_image.tiny_tokenizer import save_qwen_tokenizer
+
+    added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl")
+    ByT5Tokenizer().save_pretrained(out / "tokenizer_2")
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    guider = ClassifierFreeGuidance(guidance_scale=6.0)
+
+    with seeded(seed):
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+            vocab_size=round_up(max(added.values()) + 1, 128), hidden_size=TEXT_DIM,
+            intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                             "mrope_section": [2, 3, 3]},  # sums to head_dim / 2, as [16, 24, 24]
+            tie_word_embeddings=False, bos_token_id=added["<|endoftext|>"],
+            eos_token_id=added["<|im_end|>"]))
+    with seeded(seed + 1):
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=384, d_model=BYT5_DIM, d_ff=48, d_kv=12, num_heads=2, num_layers=2,
+            feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+            relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+            tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    with seeded(seed + 2):
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS,
+            num_attention_heads=2, attention_head_dim=16, num_layers=4, num_refiner_layers=1,
+            mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
+            text_embed_dim=TEXT_DIM, text_embed_2_dim=BYT5_DIM, image_embed_dim=IMAGE_DIM,
+            rope_theta=256.0, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",
+            use_meanflow=False)
+    with seeded(seed + 3):
+        vae = AutoencoderKLHunyuanVideo15(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            # Four levels: 8x spatial (the real VAE: five levels, 16x); 4x temporal as the real one.
+            block_out_channels=(8, 16, 16, 16), layers_per_block=1, spatial_compression_ratio=8,
+            temporal_compression_ratio=4, scaling_factor=1.03682)
+
+    scheduler.save_pretrained(out / "scheduler")
+    guider.save_pretrained(out / "guider")
+    save_sharded(transformer, out / "transformer", shards=2)
+    save_sharded(text_encoder, out / "text_encoder", shards=2)
+    save_sharded(text_encoder_2, out / "text_encoder_2", shards=1)
+    save_sharded(vae, out / "vae", shards=1)
+
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=Qwen2Tokenizer.from_pretrained(out / "tokenizer"),
+        transformer=transformer, vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
+        tokenizer_2=ByT5Tokenizer.from_pretrained(out / "tokenizer_2"), guider=guider)
+    pipe.save_config(out)
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index

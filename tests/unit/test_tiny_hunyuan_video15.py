@@ -1,0 +1,164 @@
+"""The tiny HunyuanVideo 1.5 (t2v) folder loads through diffusers' real loading code; layers,
+encoders (chat template crop, ByT5 glyph text), balanced split and LoRA exports."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import DataError
+from dpipe.models.hunyuan_video.comfyui import peft_pairs
+from dpipe.models.hunyuan_video15.spec import (
+    COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideo15Spec, comfyui_mapping, template_length)
+from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
+from dpipe.pipeline.partition import stage_bounds
+from tests.unit.video_checks import (
+    CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
+    lora_state_dict, micro_batch)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "hunyuan_video15")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny) -> HunyuanVideo15Spec:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "family": "hunyuan_video15", "path": str(tiny), "max_text_tokens": 16,
+        "lora": {"rank": 4, "alpha": 8}}))
+    spec = HunyuanVideo15Spec(cfg)
+    spec.ensure_available()
+    return spec
+
+
+@pytest.fixture(scope="module")
+def encoders(spec):
+    return spec.load_encoders(torch.device("cpu"), torch.float32)
+
+
+def test_generates_a_video(tiny, encoders):
+    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny, dtype=torch.float32)
+    pipe.prompt_template_encode_start_idx = encoders.prompt_template_encode_start_idx
+    pipe.tokenizer_max_length = 16
+    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=5, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert np.asarray(out.frames).shape == (1, 5, 64, 64, 3)
+    assert np.isfinite(np.asarray(out.frames)).all()
+
+
+def test_layout_as_the_real_repo(tiny):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "HunyuanVideo15Pipeline"
+    assert index["text_encoder"] == ["transformers", "Qwen2_5_VLTextModel"]
+    assert index["tokenizer_2"] == ["transformers", "ByT5Tokenizer"]
+    assert index["guider"] == ["diffusers", "ClassifierFreeGuidance"]
+    config = json.loads((tiny / "transformer/config.json").read_text())
+    assert config["task_type"] == "t2v" and config["in_channels"] == 2 * config["out_channels"] + 1
+    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer/tokenizer_config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json", "guider/guider_config.json"]:
+        assert (tiny / rel).is_file(), rel
+
+
+def test_template_crop_and_glyph_text(spec, encoders):
+    tok = encoders.tokenizer
+    crop = template_length(tok, encoders.system_message)
+    assert encoders.prompt_template_encode_start_idx == crop
+    text = tok.apply_chat_template([[{"role": "system", "content": encoders.system_message},
+                                     {"role": "user", "content": CAPTIONS[0]}]],
+                                   add_generation_prompt=True, tokenize=False)[0]
+    ids = tok(text, add_special_tokens=False).input_ids
+    prompt = tok(CAPTIONS[0], add_special_tokens=False).input_ids
+    assert ids[crop:crop + len(prompt)] == prompt
+    out = spec.encode_prompts(encoders, [CAPTIONS[0], 'a sign that reads "OPEN"'])
+    assert out["qwen"].shape == (2, 16, 32) and out["byt5"].shape == (2, 256, 24)
+    assert out["byt5_mask"][0].sum() == 0 and out["byt5_mask"][1].sum() > 0  # quoted text only
+
+
+def test_encode_images_and_clips(spec, encoders):
+    assert spec.encode_images(encoders, torch.zeros(2, 3, 64, 64)).shape == (2, 4, 1, 8, 8)
+    assert spec.encode_videos(encoders, torch.zeros(2, 3, 9, 64, 64)).shape == (2, 4, 3, 8, 8)
+    with pytest.raises(DataError, match="4k\\+1"):
+        spec.encode_videos(encoders, torch.zeros(1, 3, 6, 64, 64))
+
+
+@pytest.mark.parametrize("frames", [1, 9])
+def test_layers_match_diffusers_on_video_latents(spec, encoders, frames):
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
+    assert inputs[0].shape == (2, 9, (frames - 1) // 4 + 1, 8, 8)  # noisy, condition, mask
+    assert_layers_match(spec, lora_denoiser(spec), inputs)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):
+    inputs, labels = micro_batch(spec, encoders, torch.rand(2, 3, 5, 64, 64) * 2 - 1)
+    assert_checkpointing_matches(spec, lora_denoiser(spec), inputs, labels)
+
+
+def test_two_stages_each_get_blocks(spec):
+    # The ByT5 projection (a 2048-wide MLP) outweighs a tiny block by parameters; costs count
+    # parameters x tokens, so the first stage still gets transformer blocks (LoRA weights).
+    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
+    from dpipe.config.schema import PipelineConfig
+
+    bounds = stage_bounds(spec.layer_costs(layers), 2, PipelineConfig().partition, None)
+    assert bounds[1] >= 2
+
+
+@pytest.fixture(scope="module")
+def exported(spec, tmp_path_factory):
+    denoiser = lora_denoiser(spec)
+    out = tmp_path_factory.mktemp("lora")
+    assert spec.export_lora(lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
+                                                                 out / COMFYUI_LORA]
+    return denoiser, out
+
+
+def test_diffusers_lora_loads_into_the_transformer(spec, encoders, exported):
+    denoiser, out = exported
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, 5, 64, 64) * 2 - 1)
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        loaded = spec.denoiser_forward(spec.load_denoiser_with_lora(out), inputs)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_lora_keys_and_weights(spec, exported):
+    denoiser, out = exported
+    comfy = load_file(out / COMFYUI_LORA)
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in comfy
+    assert "diffusion_model.double_blocks.3.txt_mod.lin.lora_B.weight" in comfy
+    assert "diffusion_model.double_blocks.1.img_mlp.2.lora_A.weight" in comfy
+    config = json.loads((spec.path / "transformer/config.json").read_text())
+    names = {k.replace(".default", ""): v for k, v in lora_state_dict(denoiser).items()}
+    parts = deltas(peft_pairs(names), scale=8 / 4)
+    fused = deltas({k.removeprefix("diffusion_model."): v for k, v in peft_pairs(comfy).items()})
+    mapping = list(comfyui_mapping(config, names))
+    assert len(fused) == len(mapping) == 4 * 10
+    for original, modules, sizes in mapping:
+        want = torch.cat([parts[m] for m in modules])
+        torch.testing.assert_close(fused[original], want, rtol=1e-5, atol=1e-6)
+
+
+def test_full_export_loads(spec, tmp_path):
+    from safetensors.torch import save_file
+
+    state = spec.load_denoiser(torch.float32).state_dict()
+    keys = sorted(state)
+    shards = []
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        shards.append(tmp_path / f"stage-{i}.safetensors")
+        save_file({k: state[k].contiguous() for k in part}, shards[-1])
+    loaded = HunyuanVideo15Transformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "o"))
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, state[k])
