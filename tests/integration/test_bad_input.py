@@ -34,11 +34,13 @@ def test_empty_dataset_folder(tmp_path):
     empty = tmp_path / "photos"
     empty.mkdir()
     result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={empty}",
-                                     "dataset.resolution=64"))
+                                     "dataset.resolutions=[64]"))
     _assert_user_error(result, str(empty))
 
 
-def test_unreadable_image(tmp_path):
+def test_unreadable_image_in_strict_mode(tmp_path):
+    """(Without dataset.strict, unreadable files are skipped with a warning listing them:
+    tests/unit/test_data_bad_input.py.)"""
     folder = tmp_path / "photos"
     folder.mkdir()
     for i in range(4):
@@ -47,10 +49,5 @@ def test_unreadable_image(tmp_path):
     (folder / "broken.png").write_bytes(b"this is not an image")
     (folder / "broken.txt").write_text("a broken file")
     result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={folder}",
-                                     "dataset.resolution=64"))
+                                     "dataset.resolutions=[64]", "dataset.strict=true"))
     _assert_user_error(result, "broken.png")
-
-
-def test_resolution_not_a_multiple_of_the_model_patch(tmp_path):
-    result = dpipe_train(*train_args(tmp_path / "run", "dataset.resolution=60"))
-    _assert_user_error(result, "dataset.resolution=60", "multiple of 8")
