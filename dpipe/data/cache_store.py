@@ -30,6 +30,7 @@ CACHE_FORMAT_VERSION = 2  # 2: aspect/frame buckets, masks, controls
 
 SUFFIX = ".safetensors"
 _KEY = re.compile(r"[0-9a-f]{64}")
+_NAME_LENGTH = 64 + len(SUFFIX)
 
 
 def cache_key(**parts: Any) -> str:
@@ -49,19 +50,25 @@ class KeyMaker:
     both the shared and the own parts are equal; `cache_key(**p)` is `KeyMaker()(**p)`.
     """
 
-    def __init__(self, _trusted: bool = False, **shared: Any):
+    def __init__(self, **shared: Any):
         _check_json_value(shared, "shared")
         self._prefix = hashlib.sha256(
             _canonical({"cache_format_version": CACHE_FORMAT_VERSION, "shared": shared}))
-        # Callers that build the parts from known types (str, int, lists) may skip the check.
-        self._check = not _trusted
 
     def __call__(self, **parts: Any) -> str:
-        if self._check:
-            _check_json_value(parts, "parts")
+        _check_json_value(parts, "parts")
         digest = self._prefix.copy()
         digest.update(b"\0")
         digest.update(_canonical(parts))
+        return digest.hexdigest()
+
+    def fields(self, *values: str | int | float | None) -> str:
+        """A key from values in a fixed order (for callers that make many keys of one kind):
+        the same uniqueness as `__call__`, at a fraction of the cost, as long as no value but
+        the last contains the separator "\\x1f" (hex digests, names and numbers do not)."""
+        digest = self._prefix.copy()
+        digest.update(b"\0fields\0")
+        digest.update("\x1f".join(map(str, values)).encode("utf-8"))
         return digest.hexdigest()
 
 
@@ -145,10 +152,9 @@ class TensorStore:
         except FileNotFoundError:
             return found
         for prefix in prefixes:
-            for entry in os.scandir(prefix.path):
-                name = entry.name
-                if name.endswith(SUFFIX) and _KEY.fullmatch(name[: -len(SUFFIX)]):
-                    found.add(name[: -len(SUFFIX)])
+            # Names are "<64 hex>.safetensors"; temp files start with "." and are skipped.
+            found.update(name[:64] for name in os.listdir(prefix.path)
+                         if len(name) == _NAME_LENGTH and name[0] != "." and name.endswith(SUFFIX))
         return found
 
     def metadata(self, key: str) -> dict[str, str]:

@@ -71,6 +71,8 @@ def match_captions(table: dict[str, list[str]], rel: str) -> list[str] | None:
 def caption_variants(captions: list[str], prefix: str, shuffle: bool, variants: int,
                      keep: int, separator: str) -> list[str]:
     """The distinct strings a sample is trained with, in a fixed order."""
+    if not shuffle and len(captions) == 1:
+        return [prefix + captions[0]]
     out: list[str] = []
     for caption in captions:
         if not shuffle:

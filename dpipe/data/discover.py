@@ -119,7 +119,7 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
             if "error" in record:
                 unreadable.append((f.path, record["error"]))
                 continue
-            captions = match_captions(table, f.rel)
+            captions = match_captions(table, f.rel) if table else None
             if captions is None and stem in listing.texts:
                 text = text_records[listing.texts[stem].rel]
                 if "error" in text:
@@ -198,7 +198,9 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
             if cut > CROP_REPORTED:
                 trimmed.append((item.path, f"{cut:.0%} cropped away to fit {bw}x{bh} "
                                 f"(aspect {w / h:.2f}; buckets {min(ratios):.2f}-{max(ratios):.2f})"))
-            out.extend(Placement(number, Shape(bw, bh, frames), resolution, st) for st in starts)
+            shape = Shape(bw, bh, frames)
+            for start in starts:
+                out.append(Placement(number, shape, resolution, start))
     return out, dropped, trimmed
 
 

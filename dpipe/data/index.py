@@ -24,8 +24,13 @@ from dpipe.data.video import probe_video
 from dpipe.errors import DataError
 from dpipe.io import atomic_write_text
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 INDEX_DIR = "sources"
+# A record is stored flat, as [size, mtime_ns, ctime_ns, error or null, *FIELDS[kind]]: a 100k-file
+# index then parses twice as fast as one small JSON object per file.
+FIELDS = {"image": ("sha256", "w", "h"),
+          "video": ("sha256", "w", "h", "frames", "fps", "duration"),
+          "text": ("text",)}
 
 
 def _probe_text(path: str) -> dict:
@@ -63,11 +68,13 @@ class FileIndex:
         changed files, in a thread pool (hashing and decoding headers release the GIL)."""
         out: list[dict | None] = []
         todo: list[int] = []
+        fields = FIELDS[kind]
         for i, f in enumerate(files):
             self._seen.add(f.rel)
             cached = self._records.get(f.rel)
-            if cached is not None and cached[0] == f.stamp:
-                out.append(cached[1])
+            if cached is not None and cached[:3] == f.stamp:
+                out.append({"error": cached[3]} if cached[3] is not None
+                           else dict(zip(fields, cached[4:])))
             else:
                 out.append(None)
                 todo.append(i)
@@ -76,7 +83,8 @@ class FileIndex:
                 fresh = list(pool.map(lambda i: _read(files[i], kind), todo))
             for i, record in zip(todo, fresh):
                 out[i] = record
-                self._records[files[i].rel] = [files[i].stamp, record]
+                self._records[files[i].rel] = files[i].stamp + [record.get("error")] + (
+                    [] if "error" in record else [record[k] for k in fields])
             self._changed = True
             self.reads += len(todo)
         return out  # type: ignore[return-value]

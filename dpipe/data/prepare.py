@@ -178,9 +178,12 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
     image_fp, text_fp = spec.encoder_fingerprint("image"), spec.encoder_fingerprint("text")
-    latent_key = KeyMaker(True, kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre")
-    mask_key = KeyMaker(True, kind="mask", crop="centre")
-    text_key = KeyMaker(True, kind="text", encoder=text_fp, dtype=str(dtype))
+    # Key parts, in order: latents (source sha256, media, fps, width, height, frames, first
+    # frame), masks (source sha256, width, height), texts (the caption).
+    latent_key = KeyMaker(kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre",
+                          fields=["source", "media", "fps", "width", "height", "frames", "start"])
+    mask_key = KeyMaker(kind="mask", crop="centre", fields=["source", "width", "height"])
+    text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype), fields=["caption"])
     jobs: dict[str, object] = {}
     texts: dict[str, TextJob] = {}
     caption_keys: dict[str, str] = {}
@@ -200,33 +203,31 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         for p in places:
             item = found.items[p.item]
             s = found.directories[item.directory].settings
-            size = dict(size=[p.shape.width, p.shape.height], frames=p.shape.frames,
-                        start=p.start)
+            w, h, frames = p.shape
             fps = s.video_fps if item.kind == "video" else None
-            latent = latent_key(source=item.sha256, media=item.kind, fps=fps, **size)
+            latent = latent_key.fields(item.sha256, item.kind, fps, w, h, frames, p.start)
             jobs.setdefault(latent, LatentJob(latent, item.path, item.kind, p.shape.width,
                                               p.shape.height, p.shape.frames, p.start, fps))
             text_keys = []
             for caption in item.captions:
                 k = caption_keys.get(caption)
                 if k is None:
-                    k = caption_keys[caption] = text_key(caption=caption)
+                    k = caption_keys[caption] = text_key.fields(caption)
                     texts[k] = TextJob(k, caption)
                 text_keys.append(k)
             mask = control = None
             if item.mask:
-                mask = mask_key(source=item.mask[1], size=size["size"])
+                mask = mask_key.fields(item.mask[1], w, h)
                 jobs.setdefault(mask, MaskJob(mask, item.mask[0], p.shape.width, p.shape.height))
             if item.control:
-                control = latent_key(source=item.control[1], media="image", fps=None,
-                                     **{**size, "frames": 1, "start": 0})
+                control = latent_key.fields(item.control[1], "image", None, w, h, 1, 0)
                 jobs.setdefault(control, LatentJob(control, item.control[0], "image",
                                                    p.shape.width, p.shape.height, role="control"))
             dropout |= not eval_mode and s.caption_dropout > 0
             keys.append((latent, tuple(text_keys), mask, control))
         work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
     if dropout:
-        work.empty_text = caption_keys.get("") or text_key(caption="")
+        work.empty_text = caption_keys.get("") or text_key.fields("")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)
@@ -254,17 +255,16 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
                 dropped.append((item.path, f"unreadable: {bad}"))
                 reported.add(item.path)
             continue
-        bucket = buckets.get(p.shape.name)
+        bucket = buckets.get(p.shape)
         if bucket is None:
-            bucket = buckets[p.shape.name] = Bucket(
+            bucket = buckets[p.shape] = Bucket(
                 p.shape.name, p.shape.width, p.shape.height, p.shape.frames, p.resolution,
                 _micro_batch_size(cfg, p.resolution, p.shape.frames, layout.micro_batch_size))
         bucket.samples.append(Sample(
             item.path, p.start, latent, texts, mask, control,
             1 if eval_mode else settings.num_repeats,
             0.0 if eval_mode else settings.caption_dropout))
-    ordered = [buckets[k] for k in sorted(buckets, key=lambda n: (buckets[n].frames,
-                                                                   buckets[n].resolution, n))]
+    ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)
     for b in ordered:

@@ -187,3 +187,31 @@ def test_put_refuses_non_tensors(tmp_path):
         TensorStore(tmp_path).put(_key(), {"x": [1, 2, 3]})
     with pytest.raises(TypeError):
         TensorStore(tmp_path).put(_key(), {"x": torch.ones(1)}, metadata={"n": 1})
+
+
+def test_key_maker_fields_are_stable_and_distinct(monkeypatch):
+    maker = cache_store.KeyMaker(kind="latents", encoder={"vae": "abc"})
+    key = maker.fields("0" * 64, "image", None, 512, 512, 1, 0)
+    assert key == cache_store.KeyMaker(kind="latents", encoder={"vae": "abc"}).fields(
+        "0" * 64, "image", None, 512, 512, 1, 0)
+    others = {maker.fields("0" * 64, "image", None, 512, 512, 1, 1),
+              maker.fields("0" * 64, "video", None, 512, 512, 1, 0),
+              maker.fields("0" * 64, "image", 16.0, 512, 512, 1, 0),
+              cache_store.KeyMaker(kind="latents", encoder={"vae": "abd"}).fields(
+                  "0" * 64, "image", None, 512, 512, 1, 0),
+              maker(source="0" * 64)}
+    assert key not in others and len(others) == 5
+    monkeypatch.setattr(cache_store, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
+    assert cache_store.KeyMaker(kind="latents", encoder={"vae": "abc"}).fields(
+        "0" * 64, "image", None, 512, 512, 1, 0) != key
+
+
+def test_keys_lists_entries_only(tmp_path):
+    store = TensorStore(tmp_path)
+    keys = {_key(i) for i in range(5)}
+    for k in keys:
+        store.put(k, {"x": torch.zeros(1)})
+    shard = store.path_for(_key(0)).parent
+    (shard / f".{_key(0)}.safetensors.1-a.tmp").write_bytes(b"")  # a killed writer's temp file
+    (shard / "notes.txt").write_text("x")
+    assert store.keys() == keys
