@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.errors import ConfigError
 from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.train.grad_clip import install_clipping
@@ -61,7 +62,8 @@ def _pipeline_module_class():
                         x = checkpoint(layer, x, use_reentrant=False)
                     else:
                         x = layer(x)
-            return x
+            # DeepSpeed sends stage outputs as they are, and refuses non-contiguous tensors.
+            return tuple(t.contiguous() for t in x) if isinstance(x, tuple) else x.contiguous()
 
     return StagedPipelineModule
 
@@ -125,6 +127,13 @@ def build_engine(
         for layer in module.forward_funcs:
             layer.compile()
     trainable = [q for q in module.parameters() if q.requires_grad]
+    if not trainable:
+        stage = module.stage_id
+        raise ConfigError(
+            f"pipeline stage {stage} (layers {bounds[stage]}-{bounds[stage + 1] - 1}) has nothing "
+            "to train: with LoRA its layers hold no adapters. Use fewer pipeline.stages, or "
+            "pipeline.partition=explicit with a pipeline.split that gives every stage a block"
+        )
     optimizer = build_optimizer(trainable, run.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(run.optim, run.train.max_steps)
