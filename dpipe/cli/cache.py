@@ -9,6 +9,8 @@ The overrides are those of `dpipe-train` (same config files), so `build` makes e
 that training with the same overrides will look for; training then starts without encoding.
 `build` uses every visible GPU (one process each) or, without a GPU, this CPU, with worker
 processes decoding files. It can be stopped at any time: the next run continues where it stopped.
+For a large dataset, build the cache before training: ranks waiting for the others' share of a
+long first fill inside training are subject to the process group's collective timeout.
 
 `prune` removes entries that the composed config's datasets (training and eval sets) do not use.
 A cache shared by several datasets needs them all: prune with each config's dry run first, or
@@ -23,6 +25,7 @@ import os
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 log = logging.getLogger("dpipe")
@@ -85,7 +88,7 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
     if world > 1:
         os.environ.update(LOCAL_WORLD_SIZE=str(world))
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world,
+                                rank=rank, world_size=world, timeout=timedelta(hours=24),
                                 device_id=torch.device("cuda", rank) if cuda else None)
     spec = build_spec(run.model)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
