@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import Gemma2Model, GemmaTokenizer
 
 from dpipe.config.schema import ModelConfig
-from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, native_state_dict
+from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, from_native, native_state_dict
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.qwen_image.shared import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
@@ -143,23 +143,6 @@ def test_pipeline_split_and_lora_targets(tiny):
     assert sorted(targets) == sorted(blocks)
 
 
-def _split_qkv(native: dict, denoiser) -> dict:
-    """diffusers' converter splits qkv at the real model's sizes (2304/768/768); at the tiny
-    model's sizes the split is done here, everything else by diffusers."""
-    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
-
-    native = dict(native)
-    out = {}
-    for key in [k for k in native if ".attention.qkv." in k]:
-        base = key.split(".attention.qkv.")[0]
-        attn = denoiser.get_submodule(base).attn
-        sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
-        for name, part in zip(("to_q", "to_k", "to_v"), native.pop(key).split(sizes, dim=0)):
-            out[f"{base}.attn.{name}.weight"] = part
-    out.update(convert_lumina2_to_diffusers(native))
-    return out
-
-
 def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
     """The ComfyUI file, merged into the original-layout weights as ComfyUI merges it and
     converted back by diffusers' single-file code, gives the diffusers LoRA's model."""
@@ -169,7 +152,7 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
     denoiser = spec.load_denoiser(torch.float32)
     base = {k: v.clone() for k, v in denoiser.state_dict().items()}
     # Every original name maps back onto the diffusers model through diffusers' converter.
-    assert set(_split_qkv(native_state_dict(base), denoiser)) == set(base)
+    assert set(from_native(native_state_dict(base), denoiser)) == set(base)
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
     files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
@@ -180,7 +163,7 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
 
     plain = spec.load_denoiser(torch.float32)
     from_comfy = spec.load_denoiser(torch.float32)
-    from_comfy.load_state_dict(_split_qkv(apply_comfy_lora(native_state_dict(base), comfy), plain),
+    from_comfy.load_state_dict(from_native(apply_comfy_lora(native_state_dict(base), comfy), plain),
                                strict=True)
     with_lora = spec.load_denoiser_with_lora(tmp_path)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
@@ -191,3 +174,21 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
         b = spec.denoiser_forward(from_comfy, inputs)
     assert (a - reference).abs().max() > 1e-3
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, prefix):
+    """model.path may name the transformer as one file in the original (ComfyUI) layout, with
+    model.single_file_config naming the diffusers folder for the rest."""
+    from safetensors.torch import save_file
+
+    folder = _spec(tiny).load_denoiser(torch.float32)
+    native = native_state_dict({k: v.to(torch.bfloat16) for k, v in folder.state_dict().items()})
+    assert "layers.0.attention.qkv.weight" in native and "cap_embedder.0.weight" in native
+    path = tmp_path / "lumina_2_model_bf16.safetensors"
+    save_file({prefix + k: v.contiguous() for k, v in native.items()}, path)
+    spec = _spec(path, single_file_config=str(tiny))
+    spec.ensure_available()
+    loaded = spec.load_denoiser(torch.float32)
+    for k, v in folder.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -179,15 +179,18 @@ def test_lora_targets_and_both_lora_files_load_in_diffusers(tiny, tmp_path):
     torch.testing.assert_close(b, trained, rtol=1e-4, atol=1e-5)
 
 
-def test_single_file_layout_is_the_diffusers_one(tiny, tmp_path):
-    """ComfyUI / single-file Qwen-Image transformers use the diffusers names: diffusers'
-    from_single_file reads one file of the tiny weights back unchanged."""
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, prefix):
+    """model.path may name the transformer as one file (ComfyUI's layout: the diffusers names),
+    with model.single_file_config naming the diffusers folder for the rest."""
     from safetensors.torch import save_file
 
-    denoiser = QwenImageTransformer2DModel.from_pretrained(tiny / "transformer")
-    save_file({k: v.contiguous() for k, v in denoiser.state_dict().items()},
-              tmp_path / "qwen_image_tiny.safetensors")
-    loaded = QwenImageTransformer2DModel.from_single_file(
-        tmp_path / "qwen_image_tiny.safetensors", config=str(tiny), subfolder="transformer")
-    for k, v in denoiser.state_dict().items():
+    folder = _spec(tiny).load_denoiser(torch.float32)
+    path = tmp_path / "qwen_image_bf16.safetensors"
+    save_file({prefix + k: v.to(torch.bfloat16).contiguous()
+               for k, v in folder.state_dict().items()}, path)
+    spec = _spec(path, single_file_config=str(tiny))
+    spec.ensure_available()
+    loaded = spec.load_denoiser(torch.float32)
+    for k, v in folder.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k

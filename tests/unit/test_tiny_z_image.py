@@ -195,3 +195,26 @@ def test_mask_weights_the_loss(tiny):
     assert spec.loss(out, labels).item() == 0.0
     _, plain = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
     assert len(plain) == 1 and spec.loss(out, plain).item() > 1.0
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, prefix):
+    """model.path may name the transformer as one file in the original (ComfyUI) layout, with
+    model.single_file_config naming the diffusers folder for the rest."""
+    from safetensors.torch import save_file
+
+    from dpipe.errors import ConfigError
+
+    folder = _spec(tiny).load_denoiser(torch.float32)
+    native = native_state_dict({k: v.to(torch.bfloat16) for k, v in folder.state_dict().items()})
+    assert "layers.0.attention.qkv.weight" in native and "x_embedder.weight" in native
+    path = tmp_path / "z_image_turbo_bf16.safetensors"
+    save_file({prefix + k: v.contiguous() for k, v in native.items()}, path)
+    spec = _spec(path, single_file_config=str(tiny))
+    spec.ensure_available()
+    assert spec.path == tiny and spec.single_file == path
+    loaded = spec.load_denoiser(torch.float32)
+    for k, v in folder.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    with pytest.raises(ConfigError, match="single_file_config"):
+        _spec(path)

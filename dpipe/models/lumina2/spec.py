@@ -20,8 +20,9 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.qwen_image.shared import (
-    check_folder, fuse_lora, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers,
-    read_json, save_comfy_lora, weighted_labels, weighted_mse)
+    check_folder, check_single_file, fuse_lora, load_or_fail, load_transformer_file,
+    lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora, split_path,
+    weighted_labels, weighted_mse)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -40,12 +41,19 @@ COMFY_LORA = "comfyui_lora.safetensors"
 class Lumina2Spec(ModelSpec):
     family = "lumina2"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (ComfyUI's / the original
+        # layout) with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.lumina2.tiny import make_tiny_lumina2
 
             make_tiny_lumina2(self.path)
         check_folder(self.path, REQUIRED_PARTS, "Lumina-Image 2.0", "Alpha-VLLM/Lumina-Image-2.0")
+        check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
@@ -71,8 +79,17 @@ class Lumina2Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import Lumina2Transformer2DModel
 
+        if self.single_file is not None:
+            return load_or_fail(lambda: self._load_single_file(dtype), self.single_file)
         return load_or_fail(lambda: Lumina2Transformer2DModel.from_pretrained(
             self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+
+    def _load_single_file(self, dtype: torch.dtype) -> nn.Module:
+        # Not diffusers' from_single_file: its converter splits qkv at the 2B model's sizes only.
+        from diffusers import Lumina2Transformer2DModel
+
+        return load_transformer_file(Lumina2Transformer2DModel, self.path / "transformer",
+                                     self.single_file, dtype, convert=from_native)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
@@ -155,7 +172,8 @@ class Lumina2Spec(ModelSpec):
         from diffusers import Lumina2Pipeline
 
         pipe = Lumina2Pipeline.from_pretrained(self.path, text_encoder=None, vae=None,
-                                               tokenizer=None)
+                                               tokenizer=None,
+                                               transformer=self.load_denoiser(torch.float32))
         pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 
@@ -207,6 +225,24 @@ def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
         for diffusers_name, native in _TO_NATIVE_WEIGHTS:
             key = key.replace(diffusers_name, native)
         out[native_module_name(key)] = value
+    return out
+
+
+def from_native(native: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Original/ComfyUI-named weights -> `model`'s diffusers names: qkv split at the model's own
+    sizes here, every other name by diffusers' `convert_lumina2_to_diffusers`."""
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    native = {k.removeprefix("model.").removeprefix("diffusion_model."): v
+              for k, v in native.items() if k != "norm_final.weight"}  # unused in the original
+    out = {}
+    for key in [k for k in native if ".attention.qkv." in k]:
+        base = key.split(".attention.qkv.")[0]
+        attn = model.get_submodule(base).attn
+        sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
+        for name, part in zip(("to_q", "to_k", "to_v"), native.pop(key).split(sizes, dim=0)):
+            out[f"{base}.attn.{name}.weight"] = part
+    out.update(convert_lumina2_to_diffusers(native))
     return out
 
 

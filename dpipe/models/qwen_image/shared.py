@@ -31,6 +31,60 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str)
             f"{', '.join(missing)}")
 
 
+SINGLE_FILE_SUFFIXES = (".safetensors",)
+
+
+def split_path(cfg) -> tuple[Path, Path | None]:
+    """(diffusers folder, single-file transformer or None) from model.path and
+    model.single_file_config. A single file (the transformer as ComfyUI and the original
+    releases store it) brings only the denoiser; the VAE, text encoder, tokenizer and configs come
+    from the base model's diffusers folder named by model.single_file_config."""
+    from dpipe.errors import ConfigError
+
+    path = Path(cfg.path).expanduser()
+    config = getattr(cfg, "single_file_config", None)
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        if config is not None:
+            raise ConfigError("model.single_file_config is only used when model.path is a single-"
+                              f"file transformer ({', '.join(SINGLE_FILE_SUFFIXES)})")
+        return path, None
+    if not config:
+        raise ConfigError(
+            f"model.path={path} is a single-file transformer; the VAE, text encoder and configs "
+            "come from the base model's diffusers folder: set model.single_file_config=<folder>")
+    return Path(config).expanduser(), path
+
+
+def check_single_file(single_file: Path | None) -> None:
+    if single_file is not None and not single_file.is_file():
+        raise ModelLoadError(f"model.path={single_file} does not exist")
+
+
+def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
+                          convert: Callable | None = None) -> torch.nn.Module:
+    """A diffusers transformer from one safetensors file: keys stripped of ComfyUI's
+    "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file uses other
+    names, loaded into weights allocated once (no random init of billions of parameters)."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+
+    state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
+             for k, v in load_file(file).items()}
+    with init_empty_weights():
+        model = model_cls.from_config(model_cls.load_config(config_dir))
+    if convert is not None:
+        state = convert(state, model)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads: "
+            f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]})")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(dtype)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())

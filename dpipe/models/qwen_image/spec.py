@@ -20,8 +20,8 @@ from torch import nn
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.layers import grids, qwen_image_layers
 from dpipe.models.qwen_image.shared import (
-    check_folder, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
-    save_comfy_lora, weighted_mse)
+    check_folder, check_single_file, load_or_fail, load_transformer_file, lora_metadata,
+    lora_pairs, peft_to_diffusers, read_json, save_comfy_lora, split_path, weighted_mse)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -46,10 +46,17 @@ class QwenImageSpec(ModelSpec):
     what, example = "Qwen-Image", "Qwen/Qwen-Image"
     required_parts = REQUIRED_PARTS
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (ComfyUI's layout, which
+        # has the diffusers names) with model.single_file_config naming the folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             self._make_tiny()
         check_folder(self.path, self.required_parts, self.what, self.example)
+        check_single_file(self.single_file)
         self._vae_config()
 
     def _make_tiny(self) -> None:
@@ -85,6 +92,10 @@ class QwenImageSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
+        if self.single_file is not None:  # ComfyUI's layout has the diffusers names
+            return load_or_fail(lambda: load_transformer_file(
+                QwenImageTransformer2DModel, self.path / "transformer", self.single_file, dtype),
+                self.single_file)
         return load_or_fail(lambda: QwenImageTransformer2DModel.from_pretrained(
             self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
 
@@ -194,7 +205,8 @@ class QwenImageSpec(ModelSpec):
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         pipe = self._pipeline().from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None, **self._no_processor())
+            self.path, text_encoder=None, vae=None, tokenizer=None,
+            transformer=self.load_denoiser(torch.float32), **self._no_processor())
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return pipe.transformer
 

@@ -21,8 +21,8 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.shared import (
-    check_folder, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
-    save_comfy_lora, weighted_labels, weighted_mse)
+    check_folder, check_single_file, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers,
+    read_json, save_comfy_lora, split_path, weighted_labels, weighted_mse)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.z_image.layers import z_image_layers
 
@@ -41,12 +41,19 @@ COMFY_LORA = "comfyui_lora.safetensors"
 class ZImageSpec(ModelSpec):
     family = "z_image"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (ComfyUI's / the original
+        # layout) with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.z_image.tiny import make_tiny_z_image
 
             make_tiny_z_image(self.path)
         check_folder(self.path, REQUIRED_PARTS, "Z-Image", "Tongyi-MAI/Z-Image-Turbo")
+        check_single_file(self.single_file)
         self._vae_config()  # a broken folder fails before training
 
     def _vae_config(self) -> dict[str, Any]:
@@ -75,6 +82,10 @@ class ZImageSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import ZImageTransformer2DModel
 
+        if self.single_file is not None:  # diffusers converts the original names
+            return load_or_fail(lambda: ZImageTransformer2DModel.from_single_file(
+                str(self.single_file), config=str(self.path), subfolder="transformer",
+                torch_dtype=dtype), self.single_file)
         return load_or_fail(lambda: ZImageTransformer2DModel.from_pretrained(
             self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
 
@@ -174,7 +185,8 @@ class ZImageSpec(ModelSpec):
         from diffusers import ZImagePipeline
 
         pipe = ZImagePipeline.from_pretrained(self.path, text_encoder=None, vae=None,
-                                              tokenizer=None)
+                                              tokenizer=None,
+                                              transformer=self.load_denoiser(torch.float32))
         pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 
