@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.spec:HunyuanVideo15Spec",
+    "ltx2": "dpipe.models.ltx2.spec:LTX2Spec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",

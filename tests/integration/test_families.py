@@ -18,7 +18,7 @@ import torch
 from tests.cli import dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream", "tiny_sd3", "tiny_chroma", "tiny_z_image",
+FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream", "tiny_sd3", "tiny_chroma", "tiny_z_image",
             "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
             "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w", "tiny_lumina2", "tiny_flux2", "tiny_flux_kontext", "tiny_qwen_image"]
 

@@ -20,7 +20,7 @@ from tests.integration.trained import cached_dataset, run_config, run_layers, tr
 # tiny config -> (a clip length (frame bucket) its VAE takes, extra overrides). LTX-Video trains
 # image-to-video here (first-frame conditioning on the clips; images stay text-to-image).
 FAMILIES = {"tiny_hunyuan_video": (5, ()), "tiny_ltx_video": (9, ("model.i2v=true",)),
-            "tiny_hunyuan_video15": (5, ()),
+            "tiny_hunyuan_video15": (5, ()), "tiny_ltx2": (9, ()),  # LTX-2: the video stream
             # Wan: i2v conditioning (CLIP tokens + first-frame latents), TI2V's first frame,
             # the A14B low-noise expert on its t range.
             "tiny_wan": (5, ()), "tiny_wan_i2v": (5, ()),

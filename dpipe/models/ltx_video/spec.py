@@ -64,20 +64,25 @@ class LTXVideoSpec(ModelSpec):
     family = "ltx_video"
     pipeline_class = "LTXPipeline"
     transformer_class = "LTXVideoTransformer3DModel"
+    comfyui_lora = COMFYUI_LORA
+    text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
 
             make_tiny_ltx_video(self.path)
+        self._check_folder(REQUIRED_PARTS, "LTX-Video", "Lightricks/LTX-Video")
+
+    def _check_folder(self, parts: tuple[str, ...], name: str, example: str) -> None:
         if not self.path.is_dir():
             raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of LTX-Video in diffusers "
-                "format (e.g. a download of Lightricks/LTX-Video)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+                f"model.path={self.path} does not exist. Give the folder of {name} in diffusers "
+                f"format (e.g. a download of {example})")
+        missing = [p for p in parts if not (self.path / p).exists()]
         if missing:
             raise ModelLoadError(
-                f"model.path={self.path} is not a complete LTX-Video diffusers folder: missing "
+                f"model.path={self.path} is not a complete {name} diffusers folder: missing "
                 f"{', '.join(missing)}")
         self._vae_config()
         self._transformer_config()
@@ -198,7 +203,7 @@ class LTXVideoSpec(ModelSpec):
             t_tokens = t[:, None] * (1 - clean)[None]
         else:
             t_tokens = t[:, None]
-        inputs = (pack(noisy, p, pt), t_tokens, batch.text["t5"], batch.text["mask"].long(),
+        inputs = (pack(noisy, p, pt), t_tokens, batch.text[self.text_key], batch.text["mask"].long(),
                   torch.tensor(grid, dtype=torch.long))
         target = pack(batch.target, p, pt)
         mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
@@ -232,8 +237,8 @@ class LTXVideoSpec(ModelSpec):
         getattr(diffusers, self.pipeline_class).save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
         # ComfyUI's LTX-Video model uses diffusers' module names under `diffusion_model.`.
-        save_file(renamed(weights, scale), out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+        save_file(renamed(weights, scale), out_dir / self.comfyui_lora, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / self.comfyui_lora]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

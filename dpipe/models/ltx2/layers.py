@@ -1,0 +1,114 @@
+"""LTX-2's transformer, video stream only, as pipeline layers: embed -> blocks -> head.
+
+LTX-2 blocks carry a video and an audio stream with audio<->video cross-attention. dpipe trains
+video only: each block runs its video path as `LTX2VideoTransformerBlock.forward` runs it with the
+audio-to-video cross-attention off (`isolate_modalities=True` in the transformer's forward), where
+the video output does not depend on the audio stream at all; the audio stream is not computed.
+Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid); `temb_prompt` only
+for LTX-2.3-style checkpoints with prompt modulation. Rotary embeddings are rebuilt per block from
+the integer grid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.hunyuan_video.layers import needs_grad
+from dpipe.models.ltx_video.layers import LTXHead, text_bias
+from dpipe.models.spec import PipelineLayer
+
+
+def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, fps: float, device):
+    f, h, w = (int(v) for v in grid.tolist())
+    coords = rope.prepare_video_coords(batch, f, h, w, device, fps=fps)
+    return rope(coords, device=device)
+
+
+class LTX2Embed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.prompt_modulation = bool(transformer.prompt_modulation
+                                      and transformer.config.use_prompt_adaln_single)
+        names = ["proj_in", "time_embed", "caption_projection"]
+        if self.prompt_modulation:
+            names.append("prompt_adaln")
+        for name in names:
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        packed, t, text, text_mask, grid = inputs
+        b = packed.shape[0]
+        hidden = self.proj_in(packed)
+        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep and sigma.
+        timestep = (t * 1000).flatten()
+        temb, embedded = self.time_embed(timestep, batch_size=b, hidden_dtype=hidden.dtype)
+        temb = temb.view(b, -1, temb.shape[-1])
+        embedded = embedded.view(b, -1, embedded.shape[-1])
+        text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
+        out = [needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded)]
+        if self.prompt_modulation:
+            temb_prompt, _ = self.prompt_adaln(timestep, batch_size=b, hidden_dtype=hidden.dtype)
+            out.append(needs_grad(temb_prompt.view(b, -1, temb_prompt.shape[-1])))
+        return (*out, text_mask.long(), grid)
+
+
+class LTX2VideoBlock(PipelineLayer):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, fps: float):
+        super().__init__()
+        self.adopt("block", block, source_name)
+        self.adopt("rope", rope, "rope")  # parameter-free
+        self.fps = fps
+
+    def forward(self, inputs):
+        hidden, text, temb, embedded, *prompt, text_mask, grid = inputs
+        rope = video_rotary(self.rope, grid, hidden.shape[0], self.fps, hidden.device)
+        out = video_path(self.block, hidden, text, temb, prompt[0] if prompt else None, rope,
+                         text_bias(text_mask, hidden.dtype))
+        return (out, text, temb, embedded, *prompt, text_mask, grid)
+
+
+def video_path(block, hidden, text, temb, temb_prompt, rope, mask):
+    """The video half of LTX2VideoTransformerBlock.forward without audio-to-video attention."""
+    b = hidden.shape[0]
+    ada = block.get_mod_params(block.scale_shift_table, temb, b)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada[:6]
+    norm = block.norm1(hidden) * (1 + scale_msa) + shift_msa
+    self_attn = {"hidden_states": norm, "encoder_hidden_states": None, "query_rotary_emb": rope,
+                 "attention_mask": None}
+    if block.perturbed_attn:
+        self_attn.update(perturbation_mask=None, all_perturbed=None)
+    hidden = hidden + block.attn1(**self_attn) * gate_msa
+    norm = block.norm2(hidden)
+    if block.video_cross_attn_adaln:
+        shift_q, scale_q, gate_q = ada[6:9]
+        norm = norm * (1 + scale_q) + shift_q
+    if block.cross_attn_adaln:
+        if temb_prompt is not None:
+            shift_kv, scale_kv = block.get_mod_params(block.prompt_scale_shift_table, temb_prompt, b)
+        else:
+            shift_kv, scale_kv = block.prompt_scale_shift_table[None, None].to(
+                device=hidden.device, dtype=hidden.dtype).unbind(dim=2)
+        text = text * (1 + scale_kv) + shift_kv
+    attn = block.attn2(norm, encoder_hidden_states=text, query_rotary_emb=None,
+                       attention_mask=mask)
+    if block.video_cross_attn_adaln:
+        attn = attn * gate_q
+    hidden = hidden + attn
+    norm = block.norm3(hidden) * (1 + scale_mlp) + shift_mlp
+    return hidden + block.ff(norm) * gate_mlp
+
+
+class LTX2Head(LTXHead):
+    def forward(self, inputs):
+        hidden, text, temb, embedded, *prompt, _mask, grid = inputs
+        out = super().forward((hidden, text, temb, embedded, _mask, grid))
+        return out + 0.0 * prompt[0].sum() if prompt else out
+
+
+def ltx2_layers(transformer: nn.Module, fps: float) -> list[PipelineLayer]:
+    layers: list[PipelineLayer] = [LTX2Embed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(LTX2VideoBlock(block, transformer.rope, f"transformer_blocks.{i}", fps))
+    layers.append(LTX2Head(transformer))
+    return layers

@@ -1,0 +1,170 @@
+"""The tiny LTX-2 folder loads through diffusers' real loading code and generates video + audio;
+dpipe's video-only layers, encoders and LoRA exports match what diffusers does."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import ConfigError, DataError
+from dpipe.models.hunyuan_video.comfyui import peft_pairs
+from dpipe.models.ltx2.spec import COMFYUI_LORA, LTX2Spec
+from dpipe.models.ltx2.tiny import make_tiny_ltx2
+from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
+from tests.unit.video_checks import (
+    CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
+    lora_state_dict, micro_batch)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_ltx2(tmp_path_factory.mktemp("models") / "ltx2")
+
+
+def make_spec(tiny, **values):
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "family": "ltx2", "path": str(tiny), "max_text_tokens": 16,
+        "lora": {"rank": 4, "alpha": 8}, **values}))
+    spec = LTX2Spec(cfg)
+    spec.ensure_available()
+    return spec
+
+
+@pytest.fixture(scope="module")
+def spec(tiny) -> LTX2Spec:
+    return make_spec(tiny)
+
+
+@pytest.fixture(scope="module")
+def encoders(spec):
+    return spec.load_encoders(torch.device("cpu"), torch.float32)
+
+
+def test_generates_video_and_audio(tiny):
+    pipe = LTX2Pipeline.from_pretrained(tiny, dtype=torch.float32)
+    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=9, num_inference_steps=2,
+               guidance_scale=1.0, max_sequence_length=16, output_type="np",
+               generator=torch.Generator().manual_seed(0))
+    frames = np.asarray(out.frames)
+    assert frames.shape == (1, 9, 64, 64, 3) and np.isfinite(frames).all()
+    assert out.audio.shape[:2] == (1, 2)
+
+
+def test_layout_as_the_real_repo(tiny):
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "LTX2Pipeline"
+    assert index["text_encoder"] == ["transformers", "Gemma3ForConditionalGeneration"]
+    for part in ("connectors", "audio_vae", "vocoder", "vae", "scheduler", "tokenizer"):
+        assert (tiny / part).is_dir(), part
+    assert (tiny / "transformer/diffusion_pytorch_model.safetensors.index.json").is_file()
+
+
+def test_i2v_is_refused(tiny):
+    with pytest.raises(ConfigError, match="i2v"):
+        make_spec(tiny, i2v=True)
+
+
+def test_encoders(spec, encoders):
+    assert spec.encode_images(encoders, torch.zeros(2, 3, 64, 64)).shape == (2, 8, 1, 8, 8)
+    assert spec.encode_videos(encoders, torch.zeros(1, 3, 9, 64, 64)).shape == (1, 8, 2, 8, 8)
+    with pytest.raises(DataError, match="8k\\+1"):
+        spec.encode_videos(encoders, torch.zeros(1, 3, 5, 64, 64))
+    text = spec.encode_prompts(encoders, CAPTIONS)
+    # The connectors' video prompt tokens, as LTX2Pipeline hands them to the transformer.
+    embeds, mask, _, _ = encoders.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                                max_sequence_length=16)
+    video, _, mask = encoders.connectors(embeds, mask, padding_side="left")
+    torch.testing.assert_close(text["video_text"], video)
+
+
+@pytest.mark.parametrize("frames", [1, 9, 17])
+def test_layers_match_diffusers_video_stream(spec, encoders, frames):
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
+    assert_layers_match(spec, lora_denoiser(spec), inputs)
+
+
+def test_isolated_video_stream_ignores_the_audio(spec, encoders):
+    denoiser = spec.load_denoiser(torch.float32)
+    packed, t, text, mask, grid = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
+    f, h, w = grid.tolist()
+    outs = []
+    with torch.no_grad():
+        for audio_tokens in (1, 5):
+            audio = torch.randn(1, audio_tokens, denoiser.config.audio_in_channels)
+            outs.append(denoiser(
+                hidden_states=packed, audio_hidden_states=audio, encoder_hidden_states=text,
+                audio_encoder_hidden_states=torch.randn_like(text), timestep=t.flatten() * 1000,
+                sigma=t.flatten() * 1000, encoder_attention_mask=mask,
+                audio_encoder_attention_mask=mask, num_frames=f, height=h, width=w, fps=24.0,
+                audio_num_frames=audio_tokens, isolate_modalities=True, return_dict=False)[0])
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):
+    inputs, labels = micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64) * 2 - 1)
+    assert_checkpointing_matches(spec, lora_denoiser(spec), inputs, labels)
+
+
+def test_lora_targets_are_video_only(spec):
+    names = [n for n, p in lora_denoiser(spec).named_parameters() if "lora_A" in n]
+    assert names and not any("audio" in n or "video_to_audio" in n for n in names)
+    assert {n.split(".")[2] for n in names} == {"attn1", "attn2", "ff"}
+
+
+@pytest.fixture(scope="module")
+def exported(spec, tmp_path_factory):
+    denoiser = lora_denoiser(spec)
+    out = tmp_path_factory.mktemp("lora")
+    assert spec.export_lora(lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
+                                                                 out / COMFYUI_LORA]
+    return denoiser, out
+
+
+@pytest.mark.parametrize("weight_name", [DIFFUSERS_LORA, COMFYUI_LORA])
+def test_both_lora_files_load_with_the_pipeline(spec, encoders, exported, weight_name):
+    denoiser, out = exported
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64) * 2 - 1)
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        loaded = spec.denoiser_forward(spec.load_denoiser_with_lora(out, weight_name), inputs)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_keys(exported):
+    denoiser, out = exported
+    comfy = load_file(out / COMFYUI_LORA)
+    assert "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight" in comfy
+    got = deltas({k.removeprefix("diffusion_model."): v for k, v in peft_pairs(comfy).items()})
+    want = deltas(peft_pairs(lora_state_dict(denoiser)), scale=8 / 4)
+    assert got.keys() == want.keys()
+
+
+def test_full_export_loads(spec, tmp_path):
+    from safetensors.torch import save_file
+
+    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
+    shards = []
+    for i, part in enumerate((layers[:3], layers[3:])):  # as two pipeline stages write them
+        state = {}
+        for layer in part:
+            state.update(layer.denoiser_state_dict(trainable_only=False))
+        shards.append(tmp_path / f"stage-{i}.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
+    # The audio modules outside the blocks are in no layer; the export adds them from the base.
+    base = spec.load_denoiser(torch.float32).state_dict()
+    assert any(k.startswith("audio_proj_in") for k in base)
+    loaded = LTX2VideoTransformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "o"))
+    assert loaded.state_dict().keys() == base.keys()
+    for k, v in loaded.state_dict().items():
+        assert v.device.type == "cpu", k
+        torch.testing.assert_close(v, base[k])
