@@ -27,3 +27,20 @@ def has_gpu() -> bool:
 
 
 gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA GPU")
+
+
+@pytest.hookimpl(wrapper=True)  # runs before xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, keep each module's tests on one worker: their module-scoped fixtures
+    (a training run, a SLURM cluster, a tiny model) then run once, not once per worker. A module
+    may split further by the values of the parameters it names in GROUP_BY_PARAMS."""
+    for item in items:
+        if getattr(item, "module", None) is None:
+            continue
+        group = item.module.__name__
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for name in getattr(item.module, "GROUP_BY_PARAMS", ()):
+            if name in params:
+                group += f":{params[name]}"  # no "]": xdist reads a group after the last "]"
+        item.add_marker(pytest.mark.xdist_group(group))
+    yield

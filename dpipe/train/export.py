@@ -29,11 +29,7 @@ def export(
         tmp.mkdir(parents=True)
     dist.barrier()
     if dp_rank == 0:  # data-parallel replicas hold identical weights
-        weights = {}
-        for layer in local_layers:
-            weights.update(layer.denoiser_state_dict(trainable_only=lora))
-        save_file({k: v.contiguous().cpu() for k, v in weights.items()},
-                  tmp / f"stage-{stage:03d}.safetensors")
+        write_stage_shard(local_layers, lora, tmp / f"stage-{stage:03d}.safetensors")
     dist.barrier()
     if dist.get_rank() != 0:
         dist.barrier()
@@ -53,6 +49,14 @@ def export(
     replace_dir(final_tmp, out_dir)
     dist.barrier()
     return out_dir
+
+
+def write_stage_shard(local_layers: list[PipelineLayer], lora: bool, path: Path) -> None:
+    """One stage's weights under the denoiser's names: LoRA weights only, or everything."""
+    weights = {}
+    for layer in local_layers:
+        weights.update(layer.denoiser_state_dict(trainable_only=lora))
+    save_file({k: v.contiguous().cpu() for k, v in weights.items()}, path)
 
 
 def write_sharded_diffusers_model(shards: list[Path], out_dir: Path, config_path: Path) -> Path:
