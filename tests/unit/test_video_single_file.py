@@ -153,3 +153,42 @@ def test_hunyuan_video15_refuses_single_files(tmp_path):
     with pytest.raises(ConfigError, match="diffusers folder only"):
         _spec("hunyuan_video15", tmp_path / "hunyuanvideo1.5_480p_t2v_fp16.safetensors",
               single_file_config=str(tmp_path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, files, tmp_path,
+                                                                   family):
+    """A full fine-tune trained from a single file is exported as the diffusers folder and as a
+    file laid out as the source (same keys, prefixes and dtypes; LTX's VAE / NVIDIA's buffers
+    kept), which loads back as the trained weights."""
+    from safetensors.torch import save_file
+
+    spec = _spec(family, files[family], single_file_config=str(folders[family]), mode="full")
+    spec.ensure_available()
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        for param in denoiser.parameters():
+            param.add_(0.01 * torch.randn_like(param))  # "trained"
+    weights = {}
+    for layer in spec.pipeline_layers(denoiser):
+        weights.update(layer.denoiser_state_dict(trainable_only=False))
+    shard = tmp_path / "stage-0.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, shard)
+    out = tmp_path / "model"
+    spec.export_full([shard], out)
+
+    exported, source = out / files[family].name, _keys(files[family])
+    got = _keys(exported)
+    assert list(got) == list(source)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in source.items()}
+    changed = [k for k in source if not torch.equal(got[k], source[k])]
+    kept = [k for k in source if k.startswith(("vae.", "net.pos_embedder", "net.accum"))]
+    assert changed and not set(kept) & set(changed)
+    reloaded = _spec(family, exported, single_file_config=str(folders[family]))
+    reloaded.ensure_available()
+    back = reloaded.load_denoiser(torch.float32).state_dict()
+    for name, value in denoiser.state_dict().items():
+        assert torch.equal(back[name], value.to(torch.bfloat16).float()), name
+    folder = spec.load_exported_full(out).state_dict()
+    for name, value in denoiser.state_dict().items():
+        torch.testing.assert_close(folder[name], value)
