@@ -192,3 +192,45 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, file
     folder = spec.load_exported_full(out).state_dict()
     for name, value in denoiser.state_dict().items():
         torch.testing.assert_close(folder[name], value)
+
+
+def _fine_tune(file: Path, out: Path) -> Path:
+    """`file` with every transformer weight changed: someone's fine-tune in the same layout."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {k: v if k.startswith(("vae.", "net.pos_embedder", "net.accum")) else
+               (v.float() + 0.05 * torch.randn(v.shape, generator=generator)).to(v.dtype)
+               for k, v in _keys(file).items()}
+    save_file(tensors, out)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tmp_path, family):
+    """`load_denoiser_with_lora` (the diffusers way of loading the LoRA) puts it on the single
+    file's transformer, not the folder's: with a fine-tuned file, it reproduces the LoRA model."""
+    from tests.unit.video_checks import lora_denoiser, lora_state_dict, micro_batch
+
+    file = _fine_tune(files[family], tmp_path / files[family].name)
+    spec = _spec(family, file, single_file_config=str(folders[family]), lora={"rank": 4, "alpha": 8})
+    spec.ensure_available()
+    denoiser = lora_denoiser(spec)
+    out = tmp_path / "lora"
+    out.mkdir()
+    spec.export_lora(lora_state_dict(denoiser), out)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    frames = {"cosmos_predict2": 1, "ltx_video": 9}.get(family, 5)  # Text2Image: images only
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        loaded = spec.denoiser_forward(spec.load_denoiser_with_lora(out), inputs)
+        on_folder = _spec(family, folders[family]).load_denoiser_with_lora(out)
+        other = spec.denoiser_forward(on_folder, inputs)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+    assert (other - expected).abs().max() > 1e-3
+
+
+def test_ltx2_refuses_single_files(tmp_path):
+    with pytest.raises(ConfigError, match="diffusers folder only"):
+        _spec("ltx2", tmp_path / "ltx-2-19b-dev.safetensors", single_file_config=str(tmp_path))
