@@ -17,6 +17,10 @@ of 4k+1 frames (and images): the first latent frame is given clean, with t = sig
 of the loss, as Cosmos2VideoToWorldPipeline conditions on an image. A one-frame item has nothing
 left to predict there, so it trains unconditioned. The rotary embedding of clips assumes 16 fps
 (the pipeline's default): resample videos with dataset.video_fps=16.
+
+Weights: the diffusers folder (nvidia/Cosmos-Predict2-*), or a single-file transformer in NVIDIA's
+layout (model.path=<file>.safetensors or .pt, `net.` keys, as NVIDIA and ComfyUI's repackaged
+files hold it) with that folder as model.single_file_config for the rest.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
-from dpipe.models.cosmos_predict2.comfyui import lora_to_comfyui
+from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.qwen_image.shared import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -44,6 +50,7 @@ REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tok
 COMFYUI_LORA = "cosmos_predict2_lora_comfyui.safetensors"
 FPS = 16  # Cosmos2VideoToWorldPipeline's default frame rate, which scales the temporal rope
 SIGMA_CONDITIONING = 0.0001  # the pipeline's noise level of the given frames
+SINGLE_FILE_SUFFIXES = (".safetensors", ".pt")  # ComfyUI's files / NVIDIA's checkpoints
 
 # Every Linear of the blocks (attention, MLP and the adaLN-LoRA modulations), as diffusion-pipe
 # and ComfyUI users train Cosmos-Predict2 LoRAs. A peft regex over diffusers' module names.
@@ -73,6 +80,12 @@ class _NoSafetyChecker:
 class CosmosPredict2Spec(ModelSpec):
     family = "cosmos_predict2"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (NVIDIA's names) with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg, SINGLE_FILE_SUFFIXES)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.cosmos_predict2.tiny import VARIANTS, make_tiny_cosmos_predict2
@@ -91,6 +104,7 @@ class CosmosPredict2Spec(ModelSpec):
         if missing:
             raise ModelLoadError(f"model.path={self.path} is not a complete Cosmos-Predict2 "
                                  f"diffusers folder: missing {', '.join(missing)}")
+        check_single_file(self.single_file)
         config = self._config("transformer/config.json")
         if config.get("extra_pos_embed_type") or config.get("img_context_dim_in"):
             raise ModelLoadError(f"{self.path} is not a Cosmos-Predict2 transformer (Cosmos 1.0 "
@@ -153,6 +167,10 @@ class CosmosPredict2Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import CosmosTransformer3DModel
 
+        if self.single_file is not None:  # NVIDIA's names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                CosmosTransformer3DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return CosmosTransformer3DModel.from_pretrained(self.path, subfolder="transformer",
                                                             dtype=dtype)
@@ -266,8 +284,14 @@ class CosmosPredict2Spec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            from dpipe.models.single_file import export_like_source
+            from dpipe.models.cosmos_predict2.comfyui import original_state_dict
+
+            export_like_source(folder, self.single_file, lambda w: original_state_dict(w, prefix=""), out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

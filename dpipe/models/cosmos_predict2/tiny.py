@@ -117,3 +117,30 @@ def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
     sizes = [t.numel() * t.element_size() for t in unique]
     model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+
+
+# Buffers of NVIDIA's training code in its checkpoints, which diffusers' converter drops.
+_TRAINING_BUFFERS = ("pos_embedder.seq", "pos_embedder.dim_spatial_range",
+                     "pos_embedder.dim_temporal_range", "accum_video_sample_counter",
+                     "accum_image_sample_counter", "accum_iteration", "accum_train_in_hours")
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
+    """The tiny folder's transformer in NVIDIA's single-file layout: `net.`-prefixed names (as
+    NVIDIA's checkpoints and ComfyUI's repackaged files hold them; `prefix` changes it) with the
+    training buffers, bf16; a .safetensors file, or a .pt (a plain state dict, torch.save)."""
+    from diffusers import CosmosTransformer3DModel
+    from safetensors.torch import save_file
+
+    from dpipe.models.cosmos_predict2.comfyui import original_state_dict
+
+    model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
+    tensors = {k: v.to(DTYPE).contiguous()
+               for k, v in original_state_dict(model.state_dict(), prefix=prefix).items()}
+    for name in _TRAINING_BUFFERS:
+        tensors[prefix + name] = torch.arange(4, dtype=torch.float32)
+    if file.suffix == ".pt":
+        torch.save(tensors, file)
+    else:
+        save_file(tensors, file)
+    return file

@@ -1,7 +1,9 @@
 """HunyuanVideo (text-to-video, 13B): HunyuanVideoTransformer3DModel + AutoencoderKLHunyuanVideo
 (16 channels, 8x spatial, 4x temporal) + a LLaMA-3 text encoder (llava-llama-3-8b) + CLIP-L.
 
-Loads the diffusers folder users download (hunyuanvideo-community/HunyuanVideo). Prompts go
+Loads the diffusers folder users download (hunyuanvideo-community/HunyuanVideo), or a single-file
+transformer in the original / ComfyUI layout (model.path=<file>.safetensors) with that folder as
+model.single_file_config for the rest (see original.py). Prompts go
 through `HunyuanVideoPipeline.encode_prompt` with its system template, so text is embedded as at
 inference; the one deviation is the tokenizer, loaded so that transformers 5 keeps its byte-level
 pre-tokenizer (see tokenizers.py). Images train as 1-frame videos; clips need 4k+1 frames.
@@ -21,6 +23,9 @@ from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.comfyui import to_comfyui
 from dpipe.models.hunyuan_video.layers import hunyuan_video_layers
+from dpipe.models.hunyuan_video.original import from_original
+from dpipe.models.qwen_image.shared import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -65,6 +70,12 @@ def read_config(path: Path) -> dict[str, Any]:
 class HunyuanVideoSpec(ModelSpec):
     family = "hunyuan_video"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (original / ComfyUI
+        # names) with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
@@ -79,6 +90,7 @@ class HunyuanVideoSpec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete HunyuanVideo diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._vae_config()
         self._transformer_config()
 
@@ -117,6 +129,10 @@ class HunyuanVideoSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanVideoTransformer3DModel
 
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                HunyuanVideoTransformer3DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return HunyuanVideoTransformer3DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -201,8 +217,14 @@ class HunyuanVideoSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            from dpipe.models.single_file import export_like_source
+            from dpipe.models.hunyuan_video.original import original_state_dict
+
+            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -216,9 +238,11 @@ class HunyuanVideoSpec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import HunyuanVideoPipeline
 
+        # From a single file, the base transformer is that file's, as the user loads it.
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         pipe = HunyuanVideoPipeline.from_pretrained(
             self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
-            tokenizer_2=None)
+            tokenizer_2=None, **base)
         pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 

@@ -117,3 +117,18 @@ def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
     # Greedy filling up to one share (or the largest tensor, if bigger): at least `shards` files,
     # and more when one tensor dominates (as the ByT5 projection does in tiny HunyuanVideo 1.5).
     model.save_pretrained(directory, max_shard_size=max(-(-sum(sizes) // shards), max(sizes)))
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in the original layout
+    (hunyuan_video_720_cfgdistill_bf16.safetensors: original names, bf16), keys behind `prefix`
+    ("model.diffusion_model." as ComfyUI saves it)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    from safetensors.torch import save_file
+
+    from dpipe.models.hunyuan_video.original import original_state_dict
+
+    model = HunyuanVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
+    weights = original_state_dict(model.state_dict())
+    save_file({prefix + k: v.to(DTYPE).contiguous() for k, v in weights.items()}, file)
+    return file

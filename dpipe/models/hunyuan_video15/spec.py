@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.comfyui import to_comfyui
 from dpipe.models.hunyuan_video.spec import (
@@ -46,6 +46,17 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 class HunyuanVideo15Spec(ModelSpec):
     family = "hunyuan_video15"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.path.suffix in (".safetensors", ".pt", ".ckpt", ".sft") or getattr(
+                cfg, "single_file_config", None):
+            # diffusers 0.42.1 has no converter for the original layout (its
+            # from_single_file refuses the class); a guessed key map could load wrong weights.
+            raise ConfigError(
+                f"model.path={self.path}: HunyuanVideo 1.5 trains from a diffusers folder only "
+                "(diffusers has no converter for its original single-file layout); give the "
+                "folder, e.g. a download of hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():

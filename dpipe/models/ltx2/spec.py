@@ -40,6 +40,7 @@ class LTX2Spec(LTXVideoSpec):
     transformer_class = "LTX2VideoTransformer3DModel"
     comfyui_lora = COMFYUI_LORA
     text_key = "video_text"
+    single_file_convert = None  # LTX-2 single files (diffusers' LTX-2 converter): not wired yet
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -1,7 +1,9 @@
 """LTX-Video (0.9.x, 2B/13B): LTXVideoTransformer3DModel + AutoencoderKLLTXVideo (128 channels,
 32x spatial, 8x temporal, per-channel latent mean/std) + T5-XXL.
 
-Loads the diffusers folder (Lightricks/LTX-Video). Prompts go through `LTXPipeline.encode_prompt`.
+Loads the diffusers folder (Lightricks/LTX-Video), or the single-file checkpoint users download
+(model.path=ltx-video-2b-v0.9.5.safetensors: its transformer; see original.py) with that folder as
+model.single_file_config for the rest. Prompts go through `LTXPipeline.encode_prompt`.
 Images train as 1-frame videos; clips need 8k+1 frames. With `model.i2v=true`, clips train
 image-to-video as `LTXImageToVideoPipeline` samples: the first latent frame is the clean image
 latent with t = 0 on its tokens, and the loss covers the other frames only.
@@ -16,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.comfyui import renamed
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
 from dpipe.models.ltx_video.layers import ltx_layers
+from dpipe.models.ltx_video.original import from_original
+from dpipe.models.qwen_image.shared import (
+    SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -66,6 +71,17 @@ class LTXVideoSpec(ModelSpec):
     transformer_class = "LTXVideoTransformer3DModel"
     comfyui_lora = COMFYUI_LORA
     text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
+    # Original-layout single files -> diffusers names; None: the family reads diffusers folders only.
+    single_file_convert = staticmethod(from_original)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.single_file_convert is None and self.path.suffix in SINGLE_FILE_SUFFIXES:
+            raise ConfigError(f"model.path={self.path}: {self.family} trains from a diffusers "
+                              "folder only (single-file checkpoints are not read yet)")
+        # model.path: the diffusers folder, or a single-file checkpoint (original / ComfyUI names)
+        # with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -84,6 +100,7 @@ class LTXVideoSpec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete {name} diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._vae_config()
         self._transformer_config()
 
@@ -140,9 +157,13 @@ class LTXVideoSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         import diffusers
 
+        cls = getattr(diffusers, self.transformer_class)
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                cls, self.path / "transformer", self.single_file, dtype,
+                convert=self.single_file_convert), self.single_file)
         try:
-            return getattr(diffusers, self.transformer_class).from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
+            return cls.from_pretrained(self.path, subfolder="transformer", dtype=dtype)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
 
@@ -243,8 +264,14 @@ class LTXVideoSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            from dpipe.models.single_file import export_like_source
+            from dpipe.models.ltx_video.original import original_state_dict
+
+            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -258,8 +285,10 @@ class LTXVideoSpec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         import diffusers
 
+        # From a single file, the base transformer is that file's, as the user loads it.
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None)
+            self.path, text_encoder=None, vae=None, tokenizer=None, **base)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return pipe.transformer
 

@@ -34,19 +34,20 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str)
 SINGLE_FILE_SUFFIXES = (".safetensors",)
 
 
-def split_path(cfg) -> tuple[Path, Path | None]:
+def split_path(cfg, suffixes: tuple[str, ...] = SINGLE_FILE_SUFFIXES) -> tuple[Path, Path | None]:
     """(diffusers folder, single-file transformer or None) from model.path and
     model.single_file_config. A single file (the transformer as ComfyUI and the original
     releases store it) brings only the denoiser; the VAE, text encoder, tokenizer and configs come
-    from the base model's diffusers folder named by model.single_file_config."""
+    from the base model's diffusers folder named by model.single_file_config. `suffixes`: the
+    file types the family's releases use (NVIDIA's Cosmos checkpoints are also .pt)."""
     from dpipe.errors import ConfigError
 
     path = Path(cfg.path).expanduser()
     config = getattr(cfg, "single_file_config", None)
-    if path.suffix not in SINGLE_FILE_SUFFIXES:
+    if path.suffix not in suffixes:
         if config is not None:
             raise ConfigError("model.single_file_config is only used when model.path is a single-"
-                              f"file transformer ({', '.join(SINGLE_FILE_SUFFIXES)})")
+                              f"file transformer ({', '.join(suffixes)})")
         return path, None
     if not config:
         raise ConfigError(
@@ -62,18 +63,24 @@ def check_single_file(single_file: Path | None) -> None:
 
 def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
                           convert: Callable | None = None) -> torch.nn.Module:
-    """A diffusers transformer from one safetensors file: keys stripped of ComfyUI's
+    """A diffusers transformer from one file (read as diffusers' `from_single_file` reads it:
+    safetensors, or a torch pickle loaded weights-only): keys stripped of ComfyUI's
     "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file uses other
     names, loaded into weights allocated once (no random init of billions of parameters)."""
     from accelerate import init_empty_weights
-    from safetensors.torch import load_file
+    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 
     state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
-             for k, v in load_file(file).items()}
+             for k, v in load_single_file_checkpoint(str(file)).items()}
     with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
     if convert is not None:
-        state = convert(state, model)
+        try:
+            state = convert(state, model)
+        except (KeyError, RuntimeError, ValueError) as err:  # names or sizes of another model
+            raise ModelLoadError(
+                f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
+                f"(converting its names failed: {err!r})") from None
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -1,0 +1,236 @@
+"""Single-file transformers of the video families (HunyuanVideo, LTX-Video, Cosmos-Predict2) in
+the layout users download: each tiny transformer written under its original names (the inverse of
+diffusers' converter), loaded through the spec with model.single_file_config naming the diffusers
+folder, gives exactly the folder's weights; the wrong family's file fails naming the file."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.registry import build_spec
+
+FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
+
+
+def _factories():
+    from dpipe.models.cosmos_predict2 import tiny as cosmos
+    from dpipe.models.hunyuan_video import tiny as hunyuan
+    from dpipe.models.ltx_video import tiny as ltx
+
+    return {
+        "hunyuan_video": (hunyuan.make_tiny_hunyuan_video, hunyuan.write_single_file,
+                          "hunyuan_video_720_cfgdistill_bf16.safetensors"),
+        "ltx_video": (ltx.make_tiny_ltx_video, ltx.write_single_file,
+                      "ltx-video-2b-v0.9.5.safetensors"),
+        "cosmos_predict2": (cosmos.make_tiny_cosmos_predict2, cosmos.write_single_file,
+                            "cosmos_predict2_2B_t2i.safetensors"),
+    }
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    names = {"cosmos_predict2": "tiny-cosmos_predict2_text2image"}
+    return {f: _factories()[f][0](root / names.get(f, f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def files(folders, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("single")
+    return {f: _factories()[f][1](folders[f], out / _factories()[f][2]) for f in FAMILIES}
+
+
+def _spec(family: str, path: Path, **values):
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "family": family, "path": str(path), "max_text_tokens": 16, **values}))
+    return build_spec(cfg)
+
+
+def _assert_loads_as_folder(family: str, folder: Path, file: Path) -> None:
+    spec = _spec(family, file, single_file_config=str(folder))
+    spec.ensure_available()
+    assert spec.path == folder and spec.single_file == file
+    want = _spec(family, folder).load_denoiser(torch.float32).state_dict()
+    got = spec.load_denoiser(torch.float32).state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def _keys(file: Path) -> dict[str, torch.Tensor]:
+    with safe_open(file, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_tiny_file_is_in_the_layout_diffusers_recognises(files, family):
+    """diffusers identifies each family's original checkpoints by key names
+    (`infer_diffusers_model_type`); the tiny files are recognised as the same models, and none
+    holds a diffusers name the converter would not have to map."""
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    keys = _keys(files[family])
+    kind = infer_diffusers_model_type(keys)
+    assert kind.startswith({"hunyuan_video": "hunyuan-video", "ltx_video": "ltx-video",
+                            "cosmos_predict2": "cosmos-2.0-t2i"}[family]), kind
+    if family == "hunyuan_video":
+        assert "double_blocks.0.img_attn_qkv.weight" in keys
+        assert "single_blocks.1.linear1.weight" in keys
+        assert not any(k.startswith("transformer_blocks.") for k in keys)
+    elif family == "ltx_video":
+        assert "model.diffusion_model.patchify_proj.weight" in keys
+        assert "model.diffusion_model.transformer_blocks.0.attn1.q_norm.weight" in keys
+        assert any(k.startswith("vae.") for k in keys)
+    else:
+        assert "net.blocks.0.self_attn.q_proj.weight" in keys
+        assert "net.pos_embedder.dim_spatial_range" in keys
+    assert all(v.dtype == torch.bfloat16 for k, v in keys.items()
+               if not k.startswith(("vae.", "net.pos_embedder", "net.accum")))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_file_loads_as_the_folder(folders, files, family):
+    _assert_loads_as_folder(family, folders[family], files[family])
+
+
+@pytest.mark.parametrize("family,prefix", [
+    ("hunyuan_video", "model.diffusion_model."), ("ltx_video", ""),
+    ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model.")])
+def test_other_prefixes_load_too(folders, tmp_path, family, prefix):
+    """ComfyUI saves models behind `model.diffusion_model.`; downloads come with or without it
+    (and Cosmos files with or without NVIDIA's `net.`)."""
+    _, write, name = _factories()[family]
+    file = write(folders[family], tmp_path / name, prefix=prefix)
+    _assert_loads_as_folder(family, folders[family], file)
+
+
+def test_cosmos_loads_from_nvidia_pt_checkpoint(folders, tmp_path):
+    from dpipe.models.cosmos_predict2.tiny import write_single_file
+
+    file = write_single_file(folders["cosmos_predict2"], tmp_path / "model.pt")
+    _assert_loads_as_folder("cosmos_predict2", folders["cosmos_predict2"], file)
+
+
+@pytest.mark.parametrize("family,other", [
+    ("hunyuan_video", "ltx_video"), ("ltx_video", "cosmos_predict2"),
+    ("cosmos_predict2", "hunyuan_video"), ("hunyuan_video", "cosmos_predict2")])
+def test_a_file_of_another_family_fails_naming_it(folders, files, family, other):
+    spec = _spec(family, files[other], single_file_config=str(folders[family]))
+    spec.ensure_available()
+    with pytest.raises(ModelLoadError) as err:
+        spec.load_denoiser(torch.float32)
+    assert str(files[other]) in str(err.value)
+    assert "layout dpipe reads" in str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_file_config_errors(folders, files, tmp_path, family):
+    with pytest.raises(ConfigError, match="single_file_config"):
+        _spec(family, files[family])  # a file alone: where do the VAE and text encoder come from?
+    with pytest.raises(ConfigError, match="single_file_config is only used"):
+        _spec(family, folders[family], single_file_config=str(folders[family]))
+    missing = _spec(family, tmp_path / "missing.safetensors", single_file_config=str(folders[family]))
+    with pytest.raises(ModelLoadError, match="missing.safetensors does not exist"):
+        missing.ensure_available()
+
+
+def test_hunyuan_video15_refuses_single_files(tmp_path):
+    """diffusers 0.42.1 has no converter for HunyuanVideo 1.5's original layout: refused, not
+    guessed."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    assert HunyuanVideo15Transformer3DModel.__name__ not in SINGLE_FILE_LOADABLE_CLASSES
+    with pytest.raises(ConfigError, match="diffusers folder only"):
+        _spec("hunyuan_video15", tmp_path / "hunyuanvideo1.5_480p_t2v_fp16.safetensors",
+              single_file_config=str(tmp_path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, files, tmp_path,
+                                                                   family):
+    """A full fine-tune trained from a single file is exported as the diffusers folder and as a
+    file laid out as the source (same keys, prefixes and dtypes; LTX's VAE / NVIDIA's buffers
+    kept), which loads back as the trained weights."""
+    from safetensors.torch import save_file
+
+    spec = _spec(family, files[family], single_file_config=str(folders[family]), mode="full")
+    spec.ensure_available()
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        for param in denoiser.parameters():
+            param.add_(0.01 * torch.randn_like(param))  # "trained"
+    weights = {}
+    for layer in spec.pipeline_layers(denoiser):
+        weights.update(layer.denoiser_state_dict(trainable_only=False))
+    shard = tmp_path / "stage-0.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, shard)
+    out = tmp_path / "model"
+    spec.export_full([shard], out)
+
+    exported, source = out / files[family].name, _keys(files[family])
+    got = _keys(exported)
+    assert list(got) == list(source)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in source.items()}
+    changed = [k for k in source if not torch.equal(got[k], source[k])]
+    kept = [k for k in source if k.startswith(("vae.", "net.pos_embedder", "net.accum"))]
+    assert changed and not set(kept) & set(changed)
+    reloaded = _spec(family, exported, single_file_config=str(folders[family]))
+    reloaded.ensure_available()
+    back = reloaded.load_denoiser(torch.float32).state_dict()
+    for name, value in denoiser.state_dict().items():
+        assert torch.equal(back[name], value.to(torch.bfloat16).float()), name
+    folder = spec.load_exported_full(out).state_dict()
+    for name, value in denoiser.state_dict().items():
+        torch.testing.assert_close(folder[name], value)
+
+
+def _fine_tune(file: Path, out: Path) -> Path:
+    """`file` with every transformer weight changed: someone's fine-tune in the same layout."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {k: v if k.startswith(("vae.", "net.pos_embedder", "net.accum")) else
+               (v.float() + 0.05 * torch.randn(v.shape, generator=generator)).to(v.dtype)
+               for k, v in _keys(file).items()}
+    save_file(tensors, out)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tmp_path, family):
+    """`load_denoiser_with_lora` (the diffusers way of loading the LoRA) puts it on the single
+    file's transformer, not the folder's: with a fine-tuned file, it reproduces the LoRA model."""
+    from tests.unit.video_checks import lora_denoiser, lora_state_dict, micro_batch
+
+    file = _fine_tune(files[family], tmp_path / files[family].name)
+    spec = _spec(family, file, single_file_config=str(folders[family]), lora={"rank": 4, "alpha": 8})
+    spec.ensure_available()
+    denoiser = lora_denoiser(spec)
+    out = tmp_path / "lora"
+    out.mkdir()
+    spec.export_lora(lora_state_dict(denoiser), out)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    frames = {"cosmos_predict2": 1, "ltx_video": 9}.get(family, 5)  # Text2Image: images only
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+        loaded = spec.denoiser_forward(spec.load_denoiser_with_lora(out), inputs)
+        on_folder = _spec(family, folders[family]).load_denoiser_with_lora(out)
+        other = spec.denoiser_forward(on_folder, inputs)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+    assert (other - expected).abs().max() > 1e-3
+
+
+def test_ltx2_refuses_single_files(tmp_path):
+    with pytest.raises(ConfigError, match="diffusers folder only"):
+        _spec("ltx2", tmp_path / "ltx-2-19b-dev.safetensors", single_file_config=str(tmp_path))
