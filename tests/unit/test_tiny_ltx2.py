@@ -95,7 +95,7 @@ def test_layers_match_diffusers_video_stream(spec, encoders, frames):
 
 def test_isolated_video_stream_ignores_the_audio(spec, encoders):
     denoiser = spec.load_denoiser(torch.float32)
-    packed, t, text, mask, grid = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
+    packed, t, text, mask, grid, _rate = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
     f, h, w = grid.tolist()
     outs = []
     with torch.no_grad():
