@@ -47,18 +47,21 @@ def _edit_dataset(folder: Path, count: int = 4) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=EDIT_FAMILIES)
-def edit_run(request, tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp(request.param)
+def _train(base: Path, model: str, *overrides: str) -> Path:
     data = _edit_dataset(base / "data")
     run_dir = base / "run"
     result = dpipe_train(*train_args(
-        run_dir, f"model={request.param}", "dataset=folder", f"dataset.path={data}",
+        run_dir, f"model={model}", "dataset=folder", f"dataset.path={data}",
         "dataset.control_dir=control", "dataset.resolutions=[64]", "pipeline.stages=2",
         "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-        "train.max_steps=2"))
+        *overrides))
     assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
     return run_dir
+
+
+@pytest.fixture(scope="module", params=EDIT_FAMILIES)
+def edit_run(request, tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp(request.param), request.param, "train.max_steps=2")
 
 
 @pytest.mark.slow
@@ -96,3 +99,25 @@ def test_exported_edit_lora_reproduces_the_trained_model(edit_run):
         with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(edit_run / "lora"), inputs)
     assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_edit_fine_tune_exports_a_loadable_model(tmp_path):
+    """Qwen-Image-Edit only (test_families.py runs the FLUX edit families' full fine-tunes on
+    images alone): a 2-stage full fine-tune on edit pairs, exported, loaded with
+    `from_pretrained`, reproduces the trained layers on an edit batch."""
+    from dpipe.data.batches import step_micro_batches
+
+    run_dir = _train(tmp_path, "tiny_qwen_image_edit", "train.max_steps=1", "model.mode=full")
+    spec, layers = trained_layers(run_dir)
+    dataset, plan = cached_dataset(run_dir)
+    inputs, labels = next(step_micro_batches(spec, dataset, plan,
+                                             run_config(run_dir).train.timesteps, 0, 0, 0))
+    _assert_reference_tokens(spec, inputs, labels)
+    denoiser = spec.load_exported_full(run_dir / "model")
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+    torch.testing.assert_close(run_layers(layers, inputs), expected, rtol=1e-5, atol=1e-6)
+    base = spec.load_denoiser(torch.float32)
+    changed = sum(not torch.equal(p, q) for p, q in zip(base.parameters(), denoiser.parameters()))
+    assert changed > 10, "a full fine-tune should update weights throughout the model"
