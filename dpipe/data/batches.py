@@ -32,6 +32,24 @@ class DataBatch(NoisedBatch):
     loss_weight: torch.Tensor | None = None
     # Latents of the control/reference images of edit models, shaped as `latents`.
     control: torch.Tensor | None = None
+    # How each file was fitted to its bucket (int64, (B, 2)): the source's (height, width) and
+    # the (top, left) of the centre crop, in pixels of the source scaled to cover the bucket.
+    original_size: torch.Tensor | None = None
+    crop_top_left: torch.Tensor | None = None
+    # Each clip's frame rate as trained (float32, (B,)); NaN for images (the model's default).
+    fps: torch.Tensor | None = None
+
+
+def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
+    """The DataBatch fields that come from the manifest alone (no cache read)."""
+    def pairs(name):
+        values = [getattr(s, name) for s in samples]
+        return None if any(v is None for v in values) else torch.tensor(values, dtype=torch.long)
+
+    fps = [s.fps for s in samples]
+    return {"original_size": pairs("original_size"), "crop_top_left": pairs("crop_top_left"),
+            "fps": None if all(f is None for f in fps) else torch.tensor(
+                [float("nan") if f is None else f for f in fps], dtype=torch.float32)}
 
 
 class CachedDataset:
@@ -93,9 +111,10 @@ def noised_batch(
     spec: ModelSpec, latents: torch.Tensor, text: dict[str, torch.Tensor],
     timesteps_cfg: TimestepConfig, seed: int, step: int, slots: range,
     loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
-    timesteps: torch.Tensor | None = None,
+    timesteps: torch.Tensor | None = None, conditions: dict | None = None,
 ) -> DataBatch:
-    """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them."""
+    """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them;
+    `conditions`: `sample_conditions` of the samples."""
     noise, t = [], []
     for slot, x0 in zip(slots, latents):
         noise.append(torch.randn(x0.shape, generator=sample_generator(seed, step, slot, "noise")))
@@ -105,7 +124,7 @@ def noised_batch(
     t_t = torch.cat(t) if timesteps is None else timesteps.to(torch.float32)
     noisy, target = spec.noise(latents, noise_t, t_t)
     return DataBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
-                     text=text, loss_weight=loss_weight, control=control)
+                     text=text, loss_weight=loss_weight, control=control, **(conditions or {}))
 
 
 def choose_texts(samples: list[Sample], empty_text: str | None, seed: int, step: int,
@@ -115,8 +134,9 @@ def choose_texts(samples: list[Sample], empty_text: str | None, seed: int, step:
     for sample, slot in zip(samples, slots):
         gen = sample_generator(seed, step, slot, "caption")
         draw = torch.rand(2, generator=gen)
-        if sample.dropout and empty_text and float(draw[0]) < sample.dropout:
-            chosen.append(empty_text)
+        empty = sample.empty or empty_text  # a caption encoded with its control image has its own
+        if sample.dropout and empty and float(draw[0]) < sample.dropout:
+            chosen.append(empty)
         else:
             chosen.append(sample.texts[int(draw[1] * len(sample.texts)) % len(sample.texts)])
     return chosen
@@ -132,7 +152,8 @@ def step_micro_batches(
         latents, text, weight, control = dataset.collate(batch.samples, texts)
         dataset.write_log(step, micro, dp_rank, batch, latents)
         inputs, labels = spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed,
-                                                       step, batch.slots, weight, control))
+                                                       step, batch.slots, weight, control,
+                                                       conditions=sample_conditions(batch.samples)))
         if weight is not None and len(labels) < 2:  # never ignore masks silently
             raise DataError(f"model family {spec.family} does not apply per-pixel loss weights "
                             "yet: remove mask_dir from the dataset config")

@@ -14,7 +14,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from dpipe.data.cache_store import TensorStore
-from dpipe.data.sources import fit, load_image, open_mask
+from dpipe.data.sources import crop_top_left, fit, load_image, open_mask
 from dpipe.data.video import load_clip
 from dpipe.errors import DataError
 from dpipe.models.spec import ModelSpec
@@ -37,6 +37,7 @@ class LatentJob(NamedTuple):
     start: int = 0
     fps: float | None = None
     role: str = "image"  # "image" or "control": what a failure means
+    source_size: tuple[int, int] | None = None  # the file's (width, height), for the metadata
 
     @property
     def group(self) -> tuple:
@@ -58,6 +59,11 @@ class MaskJob(NamedTuple):
 class TextJob(NamedTuple):
     key: str
     caption: str
+    # For models whose text encoder reads the control image: the control file, fitted to
+    # width x height (the sample's bucket) as its control latents are.
+    control: str | None = None
+    width: int = 0
+    height: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,16 +159,55 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
                 flush()
             pending.append((job, _as_float(pixels)))
         flush()
-        for start in range(0, len(texts), TEXT_BATCH):
-            chunk = texts[start:start + TEXT_BATCH]
+        plain = [t for t in texts if t.control is None]
+        for start in range(0, len(plain), TEXT_BATCH):
+            chunk = plain[start:start + TEXT_BATCH]
             embeds = spec.encode_prompts(encoders, [t.caption for t in chunk])
-            for j, t in enumerate(chunk):
-                writer.put(t.key, {name: e[j].float().cpu() for name, e in embeds.items()},
-                           {"kind": "text", "caption": t.caption[:500]})
+            _put_texts(writer, chunk, embeds)
             counts["texts"] += len(chunk)
             bar.update(len(chunk))
+        failures += _encode_texts_with_controls(
+            spec, encoders, [t for t in texts if t.control is not None], writer, counts, bar)
     bar.close()
     return failures, counts
+
+
+def _put_texts(writer, chunk: list[TextJob], embeds: dict[str, torch.Tensor]) -> None:
+    for j, t in enumerate(chunk):
+        meta = {"kind": "text", "caption": t.caption[:500]}
+        if t.control is not None:
+            meta.update(control=t.control, shape=f"{t.width}x{t.height}")
+        writer.put(t.key, {name: e[j].float().cpu() for name, e in embeds.items()}, meta)
+
+
+def _encode_texts_with_controls(spec, encoders, texts: list[TextJob], writer, counts,
+                                bar) -> list[Failure]:
+    """Captions encoded with their control images, a run of one control size at a time. The
+    controls are decoded here (one small image per caption, next to a VL encoder's cost)."""
+    failures: list[Failure] = []
+    texts = sorted(texts, key=lambda t: (t.width, t.height, t.key))
+    chunks: list[list[TextJob]] = []
+    for t in texts:
+        if chunks and len(chunks[-1]) < ENCODE_BATCH and \
+                (chunks[-1][0].width, chunks[-1][0].height) == (t.width, t.height):
+            chunks[-1].append(t)
+        else:
+            chunks.append([t])
+    for chunk in chunks:
+        ready, pixels = [], []
+        for t in chunk:
+            try:
+                pixels.append(load_image(t.control, t.width, t.height))
+                ready.append(t)
+            except DataError as error:
+                failures.append(Failure(t.key, t.control, "control", str(error)))
+        if ready:
+            embeds = spec.encode_prompts_with_controls(
+                encoders, [t.caption for t in ready], torch.stack(pixels))
+            _put_texts(writer, ready, embeds)
+            counts["texts"] += len(ready)
+        bar.update(len(chunk))
+    return failures
 
 
 def _encode_latents(spec, encoders, pending, writer, counts) -> None:
@@ -175,9 +220,14 @@ def _encode_latents(spec, encoders, pending, writer, counts) -> None:
         latents = spec.encode_images(encoders, pixels)
     latents = latents.float().cpu()
     for (job, _), latent in zip(pending, latents):
-        writer.put(job.key, {"latents": latent},
-                   {"kind": "latents", "source": job.path, "role": job.role,
-                    "shape": f"{job.width}x{job.height}x{job.frames}",
-                    "start": str(job.start)})
+        meta = {"kind": "latents", "source": job.path, "role": job.role,
+                "shape": f"{job.width}x{job.height}x{job.frames}", "start": str(job.start)}
+        if job.source_size is not None:  # how the file was fitted (SDXL's size/crop ids)
+            src_w, src_h = job.source_size
+            top, left = crop_top_left(src_w, src_h, job.width, job.height)
+            meta.update(original_size=f"{src_h},{src_w}", crop_top_left=f"{top},{left}")
+        if job.fps is not None:
+            meta["fps"] = f"{job.fps:g}"
+        writer.put(job.key, {"latents": latent}, meta)
     counts["latents"] += len(pending)
 

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from dpipe.config.schema import EvalConfig, TimestepConfig, TimestepSampling
-from dpipe.data.batches import CachedDataset, noised_batch
+from dpipe.data.batches import CachedDataset, noised_batch, sample_conditions
 from dpipe.data.manifest import Manifest, Sample
 from dpipe.diffusion.timesteps import shift_timesteps
 from dpipe.models.spec import ModelSpec
@@ -102,7 +102,7 @@ class Evaluator:
             batch = noised_batch(
                 self.spec, latents, text, self.timesteps_cfg, self.seed, -1 - number,
                 [i for _, i in members], weight, control,
-                timesteps=torch.full((len(samples),), t))
+                timesteps=torch.full((len(samples),), t), conditions=sample_conditions(samples))
             yield self.spec.make_inputs(batch)
 
     def run(self, engine, step: int, writer=None) -> dict[str, float]:

@@ -27,6 +27,16 @@ class Sample(NamedTuple):
     control: str | None = None
     repeats: int = 1
     dropout: float = 0.0  # probability of using the empty caption instead
+    # The sample's own empty caption (key), for models whose text sees the control image (the
+    # empty caption is then encoded with it); None: the manifest's `empty_text`.
+    empty: str | None = None
+    # How the file was fitted to its bucket, for models conditioned on it (SDXL's size/crop
+    # ids): the source's (height, width) as shown, and the (top, left) offset of the crop in
+    # the source scaled to cover the bucket. Both follow from the latent's key (source content,
+    # bucket size, centre crop).
+    original_size: tuple[int, int] | None = None
+    crop_top_left: tuple[int, int] | None = None
+    fps: float | None = None  # the clip's frame rate as trained (after resampling); None: image
 
     @property
     def identity(self) -> tuple[str, int]:
@@ -58,8 +68,7 @@ class Manifest:
         data = {"empty_text": self.empty_text, "buckets": [
             {"name": b.name, "width": b.width, "height": b.height, "frames": b.frames,
              "resolution": b.resolution, "micro_batch_size": b.micro_batch_size,
-             "samples": [[s.source, s.start, s.latent, s.texts, s.mask, s.control,
-                          s.repeats, s.dropout] for s in b.samples]}
+             "samples": [_row(s) for s in b.samples]}
             for b in self.buckets]}
         return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
 
@@ -68,8 +77,7 @@ class Manifest:
         data = json.loads(raw)
         buckets = []
         for b in data["buckets"]:
-            samples = [Sample(src, start, lat, tuple(texts), mask, ctrl, rep, drop)
-                       for src, start, lat, texts, mask, ctrl, rep, drop in b.pop("samples")]
+            samples = [_sample(row) for row in b.pop("samples")]
             buckets.append(Bucket(**b, samples=samples))
         return cls(buckets, data["empty_text"])
 
@@ -85,7 +93,7 @@ class Manifest:
             for s in b.samples:
                 out.add(s.latent)
                 out.update(s.texts)
-                out.update(k for k in (s.mask, s.control) if k)
+                out.update(k for k in (s.mask, s.control, s.empty) if k)
         return out
 
     def save(self, folder: Path) -> Path:
@@ -101,6 +109,24 @@ class Manifest:
             return cls.from_json(gzip.decompress(path.read_bytes()))
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+_EXTRAS = Sample._fields[8:]  # written only when set: older manifests keep their digest
+
+
+def _row(s: Sample) -> list:
+    row = [s.source, s.start, s.latent, s.texts, s.mask, s.control, s.repeats, s.dropout]
+    extras = {k: getattr(s, k) for k in _EXTRAS if getattr(s, k) is not None}
+    return row + [extras] if extras else row
+
+
+def _sample(row: list) -> Sample:
+    src, start, lat, texts, mask, ctrl, rep, drop, *rest = row
+    extras = rest[0] if rest else {}
+    for k in ("original_size", "crop_top_left"):
+        if extras.get(k) is not None:
+            extras[k] = tuple(extras[k])
+    return Sample(src, start, lat, tuple(texts), mask, ctrl, rep, drop, **extras)
 
 
 def describe_changes(old: Manifest, new: Manifest, listed: int = 5) -> str:

@@ -28,7 +28,7 @@ from dpipe.data.encode import Failure, LatentJob, MaskJob, TextJob, default_work
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport
-from dpipe.data.sources import list_files
+from dpipe.data.sources import crop_top_left, list_files
 from dpipe.data.synthetic import generate_shapes
 from dpipe.errors import DataError, UserError
 from dpipe.models.spec import ModelSpec
@@ -59,7 +59,8 @@ class _Set:
     name: str
     discovery: disc.Discovery
     placements: list[disc.Placement]
-    sample_keys: list[tuple[str, tuple[str, ...], str | None, str | None]]
+    # (latent, text keys, mask, control, own empty caption) of each placement
+    sample_keys: list[tuple[str, tuple[str, ...], str | None, str | None, str | None]]
     dropped: list[tuple[str, str]]
     trimmed: list[tuple[str, str]]
 
@@ -184,6 +185,12 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
                           fields=["source", "media", "fps", "width", "height", "frames", "start"])
     mask_key = KeyMaker(kind="mask", crop="centre", fields=["source", "width", "height"])
     text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype), fields=["caption"])
+    # Models whose text encoder reads the control image (Qwen-Image-Edit): a text entry is made
+    # of the caption and the control image as fitted to the sample's bucket, so its key covers
+    # the control file's content and that preprocessing too.
+    sees_control = getattr(spec, "text_sees_control", False)
+    seen_key = KeyMaker(kind="text+control", encoder=text_fp, dtype=str(dtype), crop="centre",
+                        fields=["control source", "width", "height", "caption"])
     jobs: dict[str, object] = {}
     texts: dict[str, TextJob] = {}
     caption_keys: dict[str, str] = {}
@@ -198,6 +205,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             raise DataError(f"model family {spec.family} trains on images, but the dataset "
                             f"({name}) has {len(videos)} video(s):" + list_files(videos)
                             + "\nRemove them or choose a video model.")
+        if sees_control:
+            _check_controls(spec, name, found)
         places, dropped, trimmed = disc.placements(found, multiple)
         keys = []
         for p in places:
@@ -207,14 +216,26 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             fps = s.video_fps if item.kind == "video" else None
             latent = latent_key.fields(item.sha256, item.kind, fps, w, h, frames, p.start)
             jobs.setdefault(latent, LatentJob(latent, item.path, item.kind, p.shape.width,
-                                              p.shape.height, p.shape.frames, p.start, fps))
-            text_keys = []
-            for caption in item.captions:
-                k = caption_keys.get(caption)
-                if k is None:
-                    k = caption_keys[caption] = text_key.fields(caption)
-                    texts[k] = TextJob(k, caption)
-                text_keys.append(k)
+                                              p.shape.height, p.shape.frames, p.start, fps,
+                                              source_size=(item.info["w"], item.info["h"])))
+            drops = not eval_mode and s.caption_dropout > 0
+            text_keys, empty = [], None
+            if sees_control:
+                path, sha = item.control
+                for caption in item.captions + ([""] if drops else []):
+                    k = seen_key.fields(sha, w, h, caption)
+                    texts.setdefault(k, TextJob(k, caption, path, w, h))
+                    text_keys.append(k)
+                if drops:
+                    empty = text_keys.pop()
+            else:
+                for caption in item.captions:
+                    k = caption_keys.get(caption)
+                    if k is None:
+                        k = caption_keys[caption] = text_key.fields(caption)
+                        texts[k] = TextJob(k, caption)
+                    text_keys.append(k)
+                dropout |= drops
             mask = control = None
             if item.mask:
                 mask = mask_key.fields(item.mask[1], w, h)
@@ -222,9 +243,9 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             if item.control:
                 control = latent_key.fields(item.control[1], "image", None, w, h, 1, 0)
                 jobs.setdefault(control, LatentJob(control, item.control[0], "image",
-                                                   p.shape.width, p.shape.height, role="control"))
-            dropout |= not eval_mode and s.caption_dropout > 0
-            keys.append((latent, tuple(text_keys), mask, control))
+                                                   p.shape.width, p.shape.height, role="control",
+                                                   source_size=(item.info["w"], item.info["h"])))
+            keys.append((latent, tuple(text_keys), mask, control, empty))
         work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
@@ -240,13 +261,23 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     return work
 
 
+def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
+    missing = [i.path for i in found.items if not i.control]
+    if missing:
+        raise DataError(
+            f"model.family={spec.family} encodes each caption together with its control image, "
+            f"but {len(missing)} file(s) of the dataset ({name}) have none:" + list_files(missing)
+            + "\nSet dataset.control_dir (or control_dir of their directory) to a folder of "
+            "same-stem control images.")
+
+
 def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | None,
               failed: dict[str, str], training: bool) -> tuple[Manifest, DataReport]:
     eval_mode = s.name != "train"
     dropped, trimmed = list(s.discovery.dropped) + s.dropped, s.trimmed
     buckets: dict[str, Bucket] = {}
     reported: set[str] = set()
-    for p, (latent, texts, mask, control) in zip(s.placements, s.sample_keys):
+    for p, (latent, texts, mask, control, empty) in zip(s.placements, s.sample_keys):
         item = s.discovery.items[p.item]
         settings = s.discovery.directories[item.directory].settings
         bad = failed.get(latent) or failed.get(control or "")
@@ -260,10 +291,14 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             bucket = buckets[p.shape] = Bucket(
                 p.shape.name, p.shape.width, p.shape.height, p.shape.frames, p.resolution,
                 _micro_batch_size(cfg, p.resolution, p.shape.frames, layout.micro_batch_size))
+        src_w, src_h = item.info["w"], item.info["h"]
+        fps = (settings.video_fps or item.info.get("fps")) if item.kind == "video" else None
         bucket.samples.append(Sample(
             item.path, p.start, latent, texts, mask, control,
             1 if eval_mode else settings.num_repeats,
-            0.0 if eval_mode else settings.caption_dropout))
+            0.0 if eval_mode else settings.caption_dropout, None if eval_mode else empty,
+            (src_h, src_w), crop_top_left(src_w, src_h, p.shape.width, p.shape.height),
+            None if fps is None else float(fps)))
     ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)

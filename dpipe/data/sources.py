@@ -184,6 +184,13 @@ def fit(image: Image.Image, width: int, height: int,
     return image.resize((width, height), resample, box=(left, top, left + box_w, top + box_h))
 
 
+def crop_top_left(src_w: int, src_h: int, width: int, height: int) -> tuple[int, int]:
+    """(top, left) of the window `fit` keeps, in pixels of the source scaled to cover width x
+    height: SDXL's crop coordinates (the image resized to cover the target, then cropped)."""
+    scale = max(width / src_w, height / src_h)
+    return round((src_h * scale - height) / 2), round((src_w * scale - width) / 2)
+
+
 def to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB image -> float32 (3, H, W) in [-1, 1]."""
     pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (H, W, 3), a writable copy

@@ -1,10 +1,14 @@
-"""Edit training end to end, for the edit families (FLUX.1 Kontext, FLUX.2): a folder dataset with
-same-stem reference images in `control/`, cached by the real data pipeline and delivered with
-each sample, trained in 2 pipeline stages over 2 processes.
+"""Edit training end to end, for the edit families (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): a
+folder dataset with same-stem reference images in `control/`, cached by the real data pipeline
+and delivered with each sample, trained in 2 pipeline stages over 2 processes. Qwen-Image-Edit's
+text entries are its instructions encoded with their control images by the Qwen2.5-VL encoder.
 
 Checks: the micro-batches carry the reference tokens; the 2-stage first loss equals the 1-stage
 loss of the same micro-batches; the exported LoRA, loaded with the family's diffusers pipeline,
 reproduces the trained model on an edit batch.
+
+(Qwen-Image-Edit is not in test_families.py: that harness trains on dataset=synthetic, which has
+no control images, and the family refuses to train without them.)
 """
 
 from __future__ import annotations
@@ -17,7 +21,17 @@ import torch
 from tests.cli import dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-EDIT_FAMILIES = ["tiny_flux_kontext", "tiny_flux2"]
+EDIT_FAMILIES = ["tiny_flux_kontext", "tiny_flux2", "tiny_qwen_image_edit"]
+
+
+def _assert_reference_tokens(spec, inputs, labels) -> None:
+    target = labels[0].shape[1]
+    if spec.family == "qwen_image_edit":  # the reference's tokens are an input of their own
+        assert inputs[0].shape[1] == target and inputs[5].shape == inputs[0].shape
+        # ... and the instruction's embedding holds the control image's vision tokens.
+        assert int(inputs[3].min()) > 1000  # ~1300 vision tokens at ~1024x1024
+    else:  # FLUX: appended after the target's, twice the target's count
+        assert inputs[0].shape[1] == 2 * target
 
 
 def _edit_dataset(folder: Path, count: int = 4) -> Path:
@@ -33,18 +47,21 @@ def _edit_dataset(folder: Path, count: int = 4) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=EDIT_FAMILIES)
-def edit_run(request, tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp(request.param)
+def _train(base: Path, model: str, *overrides: str) -> Path:
     data = _edit_dataset(base / "data")
     run_dir = base / "run"
     result = dpipe_train(*train_args(
-        run_dir, f"model={request.param}", "dataset=folder", f"dataset.path={data}",
+        run_dir, f"model={model}", "dataset=folder", f"dataset.path={data}",
         "dataset.control_dir=control", "dataset.resolutions=[64]", "pipeline.stages=2",
         "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-        "train.max_steps=2"))
+        *overrides))
     assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
     return run_dir
+
+
+@pytest.fixture(scope="module", params=EDIT_FAMILIES)
+def edit_run(request, tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp(request.param), request.param, "train.max_steps=2")
 
 
 @pytest.mark.slow
@@ -61,8 +78,7 @@ def test_two_stage_edit_loss_equals_one_stage_loss(edit_run):
     with torch.no_grad():
         for inputs, labels in step_micro_batches(spec, dataset, plan, run.train.timesteps,
                                                  run.train.seed, 0, 0):
-            # The reference image's tokens follow the target's: twice the target's count.
-            assert inputs[0].shape[1] == 2 * labels[0].shape[1]
+            _assert_reference_tokens(spec, inputs, labels)
             losses.append(spec.loss(run_layers(layers, inputs), labels))
     assert metrics(edit_run)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
                                                          rel=1e-5, abs=1e-7)
@@ -76,10 +92,32 @@ def test_exported_edit_lora_reproduces_the_trained_model(edit_run):
     dataset, plan = cached_dataset(edit_run)
     inputs, labels = next(step_micro_batches(spec, dataset, plan,
                                              run_config(edit_run).train.timesteps, 1, 0, 0))
-    assert inputs[0].shape[1] == 2 * labels[0].shape[1]
+    _assert_reference_tokens(spec, inputs, labels)
     trained = run_layers(layers, inputs)
     with torch.no_grad():
         base = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
         with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(edit_run / "lora"), inputs)
     assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_edit_fine_tune_exports_a_loadable_model(tmp_path):
+    """Qwen-Image-Edit only (test_families.py runs the FLUX edit families' full fine-tunes on
+    images alone): a 2-stage full fine-tune on edit pairs, exported, loaded with
+    `from_pretrained`, reproduces the trained layers on an edit batch."""
+    from dpipe.data.batches import step_micro_batches
+
+    run_dir = _train(tmp_path, "tiny_qwen_image_edit", "train.max_steps=1", "model.mode=full")
+    spec, layers = trained_layers(run_dir)
+    dataset, plan = cached_dataset(run_dir)
+    inputs, labels = next(step_micro_batches(spec, dataset, plan,
+                                             run_config(run_dir).train.timesteps, 0, 0, 0))
+    _assert_reference_tokens(spec, inputs, labels)
+    denoiser = spec.load_exported_full(run_dir / "model")
+    with torch.no_grad():
+        expected = spec.denoiser_forward(denoiser, inputs)
+    torch.testing.assert_close(run_layers(layers, inputs), expected, rtol=1e-5, atol=1e-6)
+    base = spec.load_denoiser(torch.float32)
+    changed = sum(not torch.equal(p, q) for p, q in zip(base.parameters(), denoiser.parameters()))
+    assert changed > 10, "a full fine-tune should update weights throughout the model"

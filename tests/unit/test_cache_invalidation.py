@@ -166,3 +166,87 @@ def test_decode_workers_make_the_same_entries_as_in_process_decoding(tmp_path):
                         for b in dataset.plan.manifest.buckets for s in b.samples})
     assert entries[0].keys() == entries[1].keys()
     assert all(torch.equal(entries[0][k], entries[1][k]) for k in entries[0])
+
+
+class SeesControl(FakeSpec):
+    """A FakeSpec whose text encoder reads the control image with the caption, as
+    Qwen-Image-Edit's Qwen2.5-VL does: each embedding depends on both."""
+
+    text_sees_control = True
+
+    def encode_prompts(self, encoders, prompts):
+        raise AssertionError("captions of this model must be encoded with their control images")
+
+    def encode_prompts_with_controls(self, encoders, prompts, controls):
+        self.encoded.append(("text+control", len(prompts)))
+        codes = torch.tensor([[(hash(p) >> s) % 97 / 97 for s in range(8)] for p in prompts])
+        codes = codes + controls.mean(dim=(1, 2, 3))[:, None]
+        return {"t5": codes.view(len(prompts), 1, 8).repeat(1, 4, 1), "pooled": codes}
+
+
+def _edit_dataset(tmp_path, **settings):
+    cfg = _dataset(tmp_path, control_dir="control", **settings)
+    for i in range(4):
+        write_image(tmp_path / "data" / "control" / f"{i:02d}.png", (32, 32), seed=100 + i,
+                    caption=None)
+    return cfg
+
+
+def _by_name(dataset):
+    return {os.path.basename(s.source): s for b in dataset.plan.manifest.buckets
+            for s in b.samples}
+
+
+def test_editing_a_control_image_re_encodes_that_items_text_only(tmp_path):
+    from dpipe.data.sources import load_image
+
+    cfg = _edit_dataset(tmp_path)
+    spec = SeesControl()
+    first = _by_name(_prepare(spec, cfg))
+    assert spec.count("text+control") == 4 and spec.count("text") == 0
+    control = tmp_path / "data" / "control" / "02.png"
+    pixels = np.array(Image.open(control))
+    pixels[:16] = 255 - pixels[:16]
+    Image.fromarray(pixels).save(control)
+    spec = SeesControl()
+    dataset = _prepare(spec, cfg)
+    again = _by_name(dataset)
+    # The edited control's latents and its item's caption entry; no other text entry.
+    assert sorted(spec.encoded) == [("image", 1), ("text+control", 1)]
+    assert again["02.png"].texts != first["02.png"].texts
+    assert {k: s.texts for k, s in again.items() if k != "02.png"} == \
+        {k: s.texts for k, s in first.items() if k != "02.png"}
+    expected = SeesControl().encode_prompts_with_controls(
+        None, ["picture 2"], load_image(control, 32, 32)[None])
+    assert torch.equal(dataset.store.get(again["02.png"].texts[0])["pooled"],
+                       expected["pooled"][0])
+    # Another bucket fits the control image differently: its captions are encoded again.
+    spec = SeesControl()
+    _prepare(spec, dataset_config(**{**OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                     "resolutions": [24]}))
+    assert spec.count("text+control") == 4
+
+
+def test_dropped_captions_are_encoded_with_each_control_image(tmp_path):
+    from dpipe.data.batches import choose_texts
+
+    spec = SeesControl()
+    dataset = _prepare(spec, _edit_dataset(tmp_path, caption_dropout=0.5))
+    assert spec.count("text+control") == 8  # each caption and each empty caption, per control
+    samples = list(_by_name(dataset).values())
+    assert dataset.plan.manifest.empty_text is None
+    assert len({s.empty for s in samples}) == 4 and all(s.empty not in s.texts for s in samples)
+    assert dataset.plan.manifest.keys() >= {s.empty for s in samples}
+    chosen = set()
+    for step in range(20):
+        for sample, key in zip(samples, choose_texts(samples, None, 0, step, range(4))):
+            assert key in (sample.empty, *sample.texts)
+            chosen.add(key == sample.empty)
+    assert chosen == {True, False}
+
+
+def test_a_model_whose_text_sees_the_control_needs_control_images(tmp_path):
+    from dpipe.errors import DataError
+
+    with pytest.raises(DataError, match="control_dir"):
+        _prepare(SeesControl(), _dataset(tmp_path))

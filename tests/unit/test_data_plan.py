@@ -156,3 +156,17 @@ def test_describe_changes_lists_files():
     text = describe_changes(old, new)
     assert "1 sample(s) added (new.png)" in text and "1 sample(s) removed (64x64/2.png)" in text
     assert "1 sample(s) changed (64x64/1.png)" in text
+
+
+def test_manifests_keep_what_the_models_are_conditioned_on():
+    import json
+
+    plain = Sample("a.png", 0, "k", ("t",))
+    rich = Sample("b.mp4", 4, "v", ("t",), None, "c", 1, 0.1, "e", (480, 640), (0, 80), 24.0)
+    manifest = Manifest([Bucket("64x64", 64, 64, 1, 64, 1, [plain, rich])])
+    again = Manifest.from_json(manifest.to_json())
+    assert again.buckets[0].samples == [plain, rich] and again.digest == manifest.digest
+    assert "e" in manifest.keys()
+    # A manifest saved before these fields existed loads unchanged (same digest: resumable).
+    rows = json.loads(manifest.to_json())["buckets"][0]["samples"]
+    assert len(rows[0]) == 8 and len(rows[1]) == 9

@@ -73,3 +73,40 @@ def test_a_model_without_video_support_refuses_videos(tmp_path):
                          resolutions=[32])
     with pytest.raises(DataError, match="(?s)trains on images.*walk.mp4"):
         prepare(FakeSpec(), cfg, torch.device("cpu"), torch.float32)
+
+
+def test_each_clip_s_frame_rate_reaches_the_batch(tmp_path):
+    """The rate a clip is trained at (its own, or video_fps of its directory) rides with each
+    sample into the batch (`DataBatch.fps`); images have none (NaN: the model's default)."""
+    from dpipe.config.schema import TimestepConfig
+    from dpipe.data.batches import noised_batch, sample_conditions
+    from dpipe.models.spec import ModelSpec
+
+    class Noising(FakeSpec):
+        noise = ModelSpec.noise
+
+    native, resampled = tmp_path / "native", tmp_path / "resampled"
+    write_video(native / "eight.mp4", frames=9, fps=8)
+    write_video(native / "twelve.mp4", frames=9, fps=12)
+    write_image(native / "still.png", (32, 24))
+    write_video(resampled / "sixteen.mp4", frames=9, fps=16)
+    cfg = dataset_config(directories=[{"path": str(native)},
+                                      {"path": str(resampled), "video_fps": 20.0}],
+                         cache_dir=str(tmp_path / "cache"), resolutions=[32],
+                         aspect_ratios=[1.0], frame_buckets=[1, 5])
+    spec = Noising(videos=True)
+    dataset = prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout())
+    samples = {s.source.rsplit("/", 1)[-1]: s for b in dataset.plan.manifest.buckets
+               for s in b.samples}
+    assert {k: s.fps for k, s in samples.items()} == {
+        "eight.mp4": 8.0, "twelve.mp4": 12.0, "sixteen.mp4": 20.0, "still.png": None}
+    clips = [samples[k] for k in ("eight.mp4", "twelve.mp4", "sixteen.mp4")]
+    conditions = sample_conditions(clips)
+    assert conditions["fps"].tolist() == [8.0, 12.0, 20.0]
+    latents, text, _, _ = dataset.collate(clips, [s.texts[0] for s in clips])
+    batch = noised_batch(spec, latents, text, TimestepConfig(), 0, 0, range(3),
+                         conditions=conditions)
+    assert batch.fps.tolist() == [8.0, 12.0, 20.0]
+    mixed = sample_conditions([samples["still.png"], samples["eight.mp4"]])["fps"]
+    assert mixed.isnan().tolist() == [True, False] and mixed[1] == 8.0
+    assert sample_conditions([samples["still.png"]])["fps"] is None

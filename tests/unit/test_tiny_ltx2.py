@@ -95,7 +95,7 @@ def test_layers_match_diffusers_video_stream(spec, encoders, frames):
 
 def test_isolated_video_stream_ignores_the_audio(spec, encoders):
     denoiser = spec.load_denoiser(torch.float32)
-    packed, t, text, mask, grid = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
+    packed, t, text, mask, grid, _rate = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
     f, h, w = grid.tolist()
     outs = []
     with torch.no_grad():
@@ -168,3 +168,34 @@ def test_full_export_loads(spec, tmp_path):
     for k, v in loaded.state_dict().items():
         assert v.device.type == "cpu", k
         torch.testing.assert_close(v, base[k])
+
+
+def test_each_clip_trains_at_its_frame_rate(spec, encoders):
+    """LTX-2 divides the temporal positions by the clip's rate: each sample of a mixed batch
+    gets what the transformer's own forward gives that clip alone at its fps (an image, NaN,
+    LTX2Pipeline's default 24)."""
+    from tests.unit.test_tiny_ltx_video import _batch_at
+    from tests.unit.video_checks import run
+
+    assert micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5].tolist() == [24000] * 2
+    inputs, _ = spec.make_inputs(_batch_at(spec, encoders, [30.0, float("nan")]))
+    assert inputs[5].tolist() == [30000, 24000]
+    denoiser = lora_denoiser(spec)
+    mixed = assert_layers_match(spec, denoiser, inputs)
+    cfg = denoiser.config
+    f, h, w = inputs[4].tolist()
+    with torch.no_grad():
+        for i, fps in enumerate([30.0, 24.0]):
+            packed, t, text, mask = (x[i:i + 1] for x in inputs[:4])
+            alone = denoiser(
+                hidden_states=packed, audio_hidden_states=packed.new_zeros(
+                    1, 1, cfg.audio_in_channels), encoder_hidden_states=text,
+                audio_encoder_hidden_states=text.new_zeros(1, text.shape[1], cfg.caption_channels),
+                timestep=t.flatten() * 1000, sigma=t.flatten() * 1000,
+                encoder_attention_mask=mask, audio_encoder_attention_mask=mask, num_frames=f,
+                height=h, width=w, fps=fps, audio_num_frames=1, isolate_modalities=True,
+                return_dict=False)[0]
+            torch.testing.assert_close(mixed[i:i + 1], alone, rtol=1e-5, atol=1e-5)
+        at_24 = run(spec.pipeline_layers(denoiser),
+                    spec.make_inputs(_batch_at(spec, encoders, [24.0, 24.0]))[0])
+    assert (at_24[0] - mixed[0]).abs().max() > 1e-5  # the rate moves the temporal positions

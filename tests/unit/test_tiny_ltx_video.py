@@ -183,3 +183,48 @@ def test_full_export_loads(spec, tmp_path):
     assert loaded.state_dict().keys() == base.keys()  # scale_shift_table included
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, base[k])
+
+
+def _batch_at(spec, encoders, fps, frames=9, seed=0):
+    """A DataBatch of len(fps) clips with those frame rates (NaN: an image's, the default)."""
+    from dpipe.data.batches import DataBatch
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.rand(len(fps), 3, frames, 64, 64, generator=g) * 2 - 1
+    latents = spec.encode_images(encoders, pixels).float()
+    text = {k: v.float() for k, v in spec.encode_prompts(encoders, CAPTIONS[:len(fps)]).items()}
+    noise = torch.randn(latents.shape, generator=g)
+    t = torch.tensor([0.3, 0.8][:len(fps)])
+    noisy, target = spec.noise(latents, noise, t)
+    return DataBatch(latents, noise, t, noisy, target, text, fps=torch.tensor(fps))
+
+
+def test_each_clip_trains_at_its_frame_rate(spec, encoders, tiny):
+    from diffusers import AutoencoderKLLTXVideo
+
+    from dpipe.models.ltx_video.layers import rope_scale
+    from tests.unit.video_checks import run
+
+    # Without a dataset's rates: LTXPipeline's default, 25 fps.
+    assert micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5].tolist() == [25000] * 2
+    batch = _batch_at(spec, encoders, [24.0, float("nan")])
+    inputs, _ = spec.make_inputs(batch)
+    assert inputs[5].tolist() == [24000, 25000]  # the image (NaN) at the default
+    # One rate for the batch: LTXPipeline's rope_interpolation_scale at frame_rate=30.
+    vae = AutoencoderKLLTXVideo.from_pretrained(tiny / "vae")
+    s, tc = vae.spatial_compression_ratio, vae.temporal_compression_ratio
+    assert rope_scale(spec._ratios(), torch.tensor([30000, 30000])) == (tc / 30, s, s)
+    denoiser = lora_denoiser(spec)
+    mixed = assert_layers_match(spec, denoiser, inputs)
+    with torch.no_grad():
+        layers = spec.pipeline_layers(denoiser)
+        for i, fps in enumerate([24.0, 25.0]):
+            one = tuple(x[i:i + 1] if x.ndim and x.shape[0] == 2 else x for x in inputs)
+            f, h, w = inputs[4].tolist()
+            alone = denoiser(hidden_states=one[0], encoder_hidden_states=one[2],
+                             timestep=(one[1] * 1000).flatten(), encoder_attention_mask=one[3],
+                             num_frames=f, height=h, width=w, return_dict=False,
+                             rope_interpolation_scale=(tc / fps, s, s))[0]
+            torch.testing.assert_close(mixed[i:i + 1], alone, rtol=1e-5, atol=1e-5)
+        at_25 = run(layers, spec.make_inputs(_batch_at(spec, encoders, [25.0, 25.0]))[0])
+    assert (at_25[0] - mixed[0]).abs().max() > 1e-5  # the rate moves the temporal positions

@@ -194,3 +194,33 @@ def test_exported_config_roundtrip(tiny, tmp_path):
     out = spec.export_full([shard], tmp_path / "export")
     again = UNet2DConditionModel.from_pretrained(out)
     assert all(torch.equal(v, unet.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_size_and_crop_ids_come_from_the_data(tiny, tmp_path):
+    """SDXL's add_time_ids are (original h, w, crop top, left, target h, w) as diffusers' SDXL
+    training script makes them: the file's size, and the offset of the crop that fitted it to
+    its bucket in the file scaled to cover the bucket."""
+    from dpipe.config.schema import TimestepConfig
+    from dpipe.data.batches import step_micro_batches
+    from dpipe.data.prepare import Layout, prepare
+    from tests.unit.test_data_support import dataset_config, write_image
+
+    write_image(tmp_path / "data" / "wide.png", (96, 64), seed=1)  # 96x64 -> cut 16 px left
+    write_image(tmp_path / "data" / "tall.png", (40, 60), seed=2)  # 64x96 -> cut 16 px top
+    cfg = dataset_config(path=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"),
+                         resolutions=[64], aspect_ratios=[1.0])
+    spec = _spec(tiny)
+    dataset = prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout(2, 1, 1, 0))
+    batch = dataset.plan.micro_batch(0, 0, 0)
+    inputs, _ = next(step_micro_batches(spec, dataset, dataset.plan, TimestepConfig(), 0, 0, 0))
+    time_ids = {Path(s.source).name: row.tolist() for s, row in zip(batch.samples, inputs[4])}
+    assert time_ids == {"wide.png": [64, 96, 0, 16, 64, 64], "tall.png": [60, 40, 16, 0, 64, 64]}
+    # The cached latent records the same, in its metadata.
+    wide = next(s for s in batch.samples if s.source.endswith("wide.png"))
+    meta = dataset.store.metadata(wide.latent)
+    assert (meta["original_size"], meta["crop_top_left"]) == ("64,96", "0,16")
+    # A batch made without a dataset: the trained size, uncropped.
+    latents = dataset.store.get(wide.latent)["latents"][None]  # 64x64 pixels
+    b = NoisedBatch(latents, latents, torch.full((1,), 0.5), latents, latents,
+                    {"text": torch.zeros(1, 77, 64), "pooled": torch.zeros(1, 32)})
+    assert spec.make_inputs(b)[0][4].tolist() == [[64, 64, 0, 0, 64, 64]]

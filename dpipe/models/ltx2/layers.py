@@ -4,9 +4,10 @@ LTX-2 blocks carry a video and an audio stream with audio<->video cross-attentio
 video only: each block runs its video path as `LTX2VideoTransformerBlock.forward` runs it with the
 audio-to-video cross-attention off (`isolate_modalities=True` in the transformer's forward), where
 the video output does not depend on the audio stream at all; the audio stream is not computed.
-Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid); `temb_prompt` only
-for LTX-2.3-style checkpoints with prompt modulation. Rotary embeddings are rebuilt per block from
-the integer grid.
+Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid, rate); `temb_prompt`
+only for LTX-2.3-style checkpoints with prompt modulation; `rate` (B,) is each clip's frame rate
+in thousandths of a frame per second (int64, as LTX-Video's). Rotary embeddings are rebuilt per
+block from the integer grid and rate.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 from torch import nn
 
 from dpipe.models.hunyuan_video.layers import needs_grad
-from dpipe.models.ltx_video.layers import LTXHead, text_bias
+from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 
 
-def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, fps: float, device):
+def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, rate: torch.Tensor, device):
     f, h, w = (int(v) for v in grid.tolist())
-    coords = rope.prepare_video_coords(batch, f, h, w, device, fps=fps)
+    # The temporal coordinates (B, N, 2) are divided by the frame rate: one per sample.
+    coords = rope.prepare_video_coords(batch, f, h, w, device, fps=frame_rate(rate, 3))
     return rope(coords, device=device)
 
 
@@ -37,7 +39,7 @@ class LTX2Embed(PipelineLayer):
             self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
-        packed, t, text, text_mask, grid = inputs
+        packed, t, text, text_mask, grid, rate = inputs
         b = packed.shape[0]
         hidden = self.proj_in(packed)
         # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep and sigma.
@@ -50,22 +52,21 @@ class LTX2Embed(PipelineLayer):
         if self.prompt_modulation:
             temb_prompt, _ = self.prompt_adaln(timestep, batch_size=b, hidden_dtype=hidden.dtype)
             out.append(needs_grad(temb_prompt.view(b, -1, temb_prompt.shape[-1])))
-        return (*out, text_mask.long(), grid)
+        return (*out, text_mask.long(), grid, rate.long())
 
 
 class LTX2VideoBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, fps: float):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str):
         super().__init__()
         self.adopt("block", block, source_name)
         self.adopt("rope", rope, "rope")  # parameter-free
-        self.fps = fps
 
     def forward(self, inputs):
-        hidden, text, temb, embedded, *prompt, text_mask, grid = inputs
-        rope = video_rotary(self.rope, grid, hidden.shape[0], self.fps, hidden.device)
+        hidden, text, temb, embedded, *prompt, text_mask, grid, rate = inputs
+        rope = video_rotary(self.rope, grid, hidden.shape[0], rate, hidden.device)
         out = video_path(self.block, hidden, text, temb, prompt[0] if prompt else None, rope,
                          text_bias(text_mask, hidden.dtype))
-        return (out, text, temb, embedded, *prompt, text_mask, grid)
+        return (out, text, temb, embedded, *prompt, text_mask, grid, rate)
 
 
 def video_path(block, hidden, text, temb, temb_prompt, rope, mask):
@@ -101,14 +102,14 @@ def video_path(block, hidden, text, temb, temb_prompt, rope, mask):
 
 class LTX2Head(LTXHead):
     def forward(self, inputs):
-        hidden, text, temb, embedded, *prompt, _mask, grid = inputs
-        out = super().forward((hidden, text, temb, embedded, _mask, grid))
+        hidden, text, temb, embedded, *prompt, _mask, _grid, _rate = inputs
+        out = super().forward((hidden, text, temb, embedded))
         return out + 0.0 * prompt[0].sum() if prompt else out
 
 
-def ltx2_layers(transformer: nn.Module, fps: float) -> list[PipelineLayer]:
+def ltx2_layers(transformer: nn.Module) -> list[PipelineLayer]:
     layers: list[PipelineLayer] = [LTX2Embed(transformer)]
     for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(LTX2VideoBlock(block, transformer.rope, f"transformer_blocks.{i}", fps))
+        layers.append(LTX2VideoBlock(block, transformer.rope, f"transformer_blocks.{i}"))
     layers.append(LTX2Head(transformer))
     return layers

@@ -19,13 +19,15 @@ from torch import nn
 from dpipe.errors import ConfigError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
+from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
 from dpipe.models.spec import PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "connectors", "scheduler")
 COMFYUI_LORA = "ltx2_lora_comfyui.safetensors"
-# LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on.
+# LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on: for
+# images and batches made without a dataset (a clip trains at its own rate, `DataBatch.fps`).
 FRAME_RATE = 24.0
 
 # The Linears of the video path of every block (self-attention, text cross-attention, MLP); the
@@ -55,9 +57,7 @@ class LTX2Spec(LTXVideoSpec):
             make_tiny_ltx2(self.path)
         self._check_folder(REQUIRED_PARTS, "LTX-2", "Lightricks/LTX-2")
 
-    @property
-    def rope_scale(self):  # LTX-2 positions frames by the frame rate itself (see FRAME_RATE)
-        return None
+    default_fps = FRAME_RATE  # LTX-2 positions frames by the frame rate itself
 
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import LTX2Pipeline
@@ -96,7 +96,7 @@ class LTX2Spec(LTXVideoSpec):
         return LORA_TARGETS
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ltx2_layers(denoiser, FRAME_RATE)
+        return ltx2_layers(denoiser)
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """The pipeline layers hold the video path and whole blocks, not the transformer's
@@ -124,7 +124,7 @@ class LTX2Spec(LTXVideoSpec):
         return super().export_full(shards, out_dir)
 
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        packed, t, text, text_mask, grid = inputs
+        packed, t, text, text_mask, grid, rate = inputs
         f, h, w = (int(v) for v in grid.tolist())
         b = packed.shape[0]
         cfg = denoiser.config
@@ -137,7 +137,7 @@ class LTX2Spec(LTXVideoSpec):
             hidden_states=packed, audio_hidden_states=audio, encoder_hidden_states=text,
             audio_encoder_hidden_states=audio_text, timestep=timestep, sigma=timestep,
             encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
-            num_frames=f, height=h, width=w, fps=FRAME_RATE, audio_num_frames=1,
+            num_frames=f, height=h, width=w, fps=frame_rate(rate, 3), audio_num_frames=1,
             isolate_modalities=True, return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:

@@ -1,10 +1,11 @@
 """LTX-Video's transformer as pipeline layers: embed -> blocks -> head.
 
-Every layer passes (hidden, text_hidden, temb, embedded_t, text_mask, grid): `temb` and
+Every layer passes (hidden, text_hidden, temb, embedded_t, text_mask, grid, rate): `temb` and
 `embedded_t` are per token (B, N, .) when the first frame is a clean condition (its tokens have
-t = 0) and (B, 1, .) otherwise; `text_mask` (B, L) and `grid` (latent frames, height, width) are
-int64 and travel between stages without gradients. Rotary embeddings and the text attention bias
-are rebuilt in each block from them, as the diffusers forward builds them once.
+t = 0) and (B, 1, .) otherwise; `text_mask` (B, L), `grid` (latent frames, height, width) and
+`rate` (B,) (each clip's frame rate in thousandths of a frame per second) are int64 and travel
+between stages without gradients. Rotary embeddings and the text attention bias are rebuilt in
+each block from them, as the diffusers forward builds them once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,21 @@ from torch import nn
 
 from dpipe.models.hunyuan_video.layers import needs_grad
 from dpipe.models.spec import PipelineLayer
+
+
+def frame_rate(rate: torch.Tensor, dims: int):
+    """Frames per second from the int64 `rate` (B,) (thousandths): a float when the whole batch
+    has one rate (as the pipelines take it), else (B, 1, ...) with `dims` dimensions."""
+    fps = rate.double() / 1000
+    if bool((rate == rate[0]).all()):
+        return float(fps[0])
+    return fps.float().view(-1, *([1] * (dims - 1)))
+
+
+def rope_scale(ratios: tuple[int, int], rate: torch.Tensor) -> tuple:
+    """LTXPipeline's rope_interpolation_scale (temporal ratio / frame rate, spatial, spatial)."""
+    spatial, temporal = ratios
+    return (temporal / frame_rate(rate, 5), spatial, spatial)
 
 
 def text_bias(text_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -28,7 +44,7 @@ class LTXEmbed(PipelineLayer):
             self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
-        packed, t, text, text_mask, grid = inputs
+        packed, t, text, text_mask, grid, rate = inputs
         b = packed.shape[0]
         hidden = self.proj_in(packed)
         # The pipeline passes the scheduler's timesteps (sigma * 1000), per token when the first
@@ -39,24 +55,25 @@ class LTXEmbed(PipelineLayer):
         embedded = embedded.view(b, -1, embedded.shape[-1])
         text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
         return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded),
-                text_mask.long(), grid)
+                text_mask.long(), grid, rate.long())
 
 
 class LTXBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, rope_scale: tuple):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str,
+                 ratios: tuple[int, int]):
         super().__init__()
         self.adopt("block", block, source_name)
         self.adopt("rope", rope, "rope")  # parameter-free
-        self.rope_scale = rope_scale
+        self.ratios = ratios  # the VAE's (spatial, temporal) compression
 
     def forward(self, inputs):
-        hidden, text_hidden, temb, embedded, text_mask, grid = inputs
+        hidden, text_hidden, temb, embedded, text_mask, grid, rate = inputs
         f, h, w = (int(v) for v in grid.tolist())
-        rope = self.rope(hidden, f, h, w, self.rope_scale)
+        rope = self.rope(hidden, f, h, w, rope_scale(self.ratios, rate))
         hidden = self.block(hidden_states=hidden, encoder_hidden_states=text_hidden, temb=temb,
                             image_rotary_emb=rope,
                             encoder_attention_mask=text_bias(text_mask, hidden.dtype))
-        return hidden, text_hidden, temb, embedded, text_mask, grid
+        return hidden, text_hidden, temb, embedded, text_mask, grid, rate
 
 
 class LTXHead(PipelineLayer):
@@ -80,7 +97,7 @@ class LTXHead(PipelineLayer):
         return out
 
     def forward(self, inputs):
-        hidden, text_hidden, temb, embedded, _text_mask, _grid = inputs
+        hidden, text_hidden, temb, embedded = inputs[:4]  # then the int64 mask, grid, rate
         values = self.scale_shift_table[None, None] + embedded[:, :, None]
         shift, scale = values[:, :, 0], values[:, :, 1]
         out = self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)
@@ -89,9 +106,9 @@ class LTXHead(PipelineLayer):
         return out + 0.0 * (text_hidden.sum() + temb.sum())
 
 
-def ltx_layers(transformer: nn.Module, rope_scale: tuple) -> list[PipelineLayer]:
+def ltx_layers(transformer: nn.Module, ratios: tuple[int, int]) -> list[PipelineLayer]:
     layers: list[PipelineLayer] = [LTXEmbed(transformer)]
     for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(LTXBlock(block, transformer.rope, f"transformer_blocks.{i}", rope_scale))
+        layers.append(LTXBlock(block, transformer.rope, f"transformer_blocks.{i}", ratios))
     layers.append(LTXHead(transformer))
     return layers

@@ -22,7 +22,7 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.comfyui import renamed
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
-from dpipe.models.ltx_video.layers import ltx_layers
+from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original
 from dpipe.models.qwen_image.shared import (
     SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
@@ -32,7 +32,9 @@ REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tok
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
-# LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps).
+# LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps). A
+# clip trains at its own rate (`DataBatch.fps`, after resampling); images, and batches made
+# without a dataset, at this one.
 FRAME_RATE = 25
 
 # Every Linear of the transformer blocks: self-attention, cross-attention and feed-forward.
@@ -131,10 +133,16 @@ class LTXVideoSpec(ModelSpec):
     def temporal_ratio(self) -> int:
         return self._ratios()[1]
 
-    @property
-    def rope_scale(self) -> tuple[float, float, float]:
-        spatial, temporal = self._ratios()
-        return (temporal / FRAME_RATE, spatial, spatial)
+    default_fps: float = FRAME_RATE
+
+    def frame_rates(self, batch: NoisedBatch) -> torch.Tensor:
+        """Each sample's frame rate in thousandths of a frame per second (int64 (B,), which
+        travels between stages without gradients): the clip's, or the family's default."""
+        b = batch.latents.shape[0]
+        fps = getattr(batch, "fps", None)
+        default = torch.full((b,), float(self.default_fps))
+        fps = default if fps is None else torch.where(torch.isnan(fps), default, fps.float())
+        return (fps.double() * 1000).round().long()
 
     @property
     def i2v(self) -> bool:
@@ -208,7 +216,7 @@ class LTXVideoSpec(ModelSpec):
         return LORA_TARGETS
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ltx_layers(denoiser, self.rope_scale)
+        return ltx_layers(denoiser, self._ratios())
 
     def make_inputs(self, batch: NoisedBatch):
         p, pt = self._patches
@@ -225,7 +233,7 @@ class LTXVideoSpec(ModelSpec):
         else:
             t_tokens = t[:, None]
         inputs = (pack(noisy, p, pt), t_tokens, batch.text[self.text_key], batch.text["mask"].long(),
-                  torch.tensor(grid, dtype=torch.long))
+                  torch.tensor(grid, dtype=torch.long), self.frame_rates(batch))
         target = pack(batch.target, p, pt)
         mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
         if not condition and mask_weight is None:
@@ -275,12 +283,12 @@ class LTXVideoSpec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        packed, t, text, text_mask, grid = inputs
+        packed, t, text, text_mask, grid, rate = inputs
         f, h, w = (int(v) for v in grid.tolist())
         return denoiser(
             hidden_states=packed, encoder_hidden_states=text, timestep=t * 1000,
             encoder_attention_mask=text_mask, num_frames=f, height=h, width=w,
-            rope_interpolation_scale=self.rope_scale, return_dict=False)[0]
+            rope_interpolation_scale=rope_scale(self._ratios(), rate), return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         import diffusers

@@ -10,8 +10,10 @@ the scheduler config's), optional min-SNR-gamma weighting (`model.min_snr_gamma`
 on uniformly sampled timesteps: use `train.timesteps.sampling=uniform` (and shift 1).
 Conditioning: both encoders' penultimate hidden states (concatenated, 77 tokens) and CLIP-G's pooled
 projection through `StableDiffusionXLPipeline.encode_prompt`, plus SDXL's six size/crop numbers
-(original size, crop top-left, target size), taken here as (size, (0, 0), size) of the trained
-image: the cache keeps no original size or crop offset (see docs/models.md).
+(original size, crop top-left, target size): the file's size and the offset of the crop that
+fitted it to its bucket, from the dataset (`DataBatch.original_size` / `crop_top_left`), as
+diffusers' SDXL training script computes them; (size, (0, 0), size) of the trained image for a
+batch made without a dataset.
 """
 
 from __future__ import annotations
@@ -219,9 +221,13 @@ class SDXLSpec(ModelSpec):
         steps, abar = self._abar(batch.timesteps)
         b, _, h, w = batch.latents.shape
         scale = self._vae_scale()
-        size = [h * scale, w * scale]
+        target = torch.tensor([[h * scale, w * scale]], dtype=torch.long).expand(b, 2)
+        original = getattr(batch, "original_size", None)
+        crop = getattr(batch, "crop_top_left", None)
         # SDXL's micro-conditioning: (original h, w), (crop top, left), (target h, w).
-        time_ids = torch.tensor([size + [0, 0] + size], dtype=batch.noisy.dtype).expand(b, -1)
+        time_ids = torch.cat([target if original is None else original,
+                              torch.zeros_like(target) if crop is None else crop, target],
+                             dim=1).to(batch.noisy.dtype)
         _, prediction = self._objective()
         weights = ddpm.loss_weights(abar, prediction, self.cfg.min_snr_gamma)
         inputs = (batch.noisy, steps, batch.text["text"], batch.text["pooled"], time_ids)
