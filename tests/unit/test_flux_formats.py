@@ -224,3 +224,37 @@ def test_comfyui_lora_of_some_projections_only(tiny, tmp_path):
     inner = base["transformer_blocks.0.attn.to_q.weight"].shape[0]
     delta = got[qkv] - to_bfl(base, layout)[qkv]
     assert delta[:inner].abs().max() > 1e-4 and delta[inner:].abs().max() == 0
+
+
+# ---- full fine-tunes of a single-file model ------------------------------------------------------
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_full_export_of_a_single_file_model_writes_that_layout_too(tiny, tmp_path, family):
+    """Next to the diffusers folder, the fine-tune is written as the file it came from: same
+    name, key prefix and dtype; loaded back as a single file it equals the exported folder."""
+    folder = tiny(family)
+    file = write_bfl_single_file(folder, tmp_path / f"{family}-dev.safetensors",
+                                 prefix="model.diffusion_model.")  # stored bf16, as the real ones
+    spec = _spec(family, file, single_file_config=str(folder))
+    spec.ensure_available()
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        for p in denoiser.parameters():
+            p.add_(0.01)  # "trained": differs from the base everywhere
+    keys = sorted(denoiser.state_dict())
+    shards = []
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        shards.append(tmp_path / f"stage-{i}.safetensors")
+        save_file({k: denoiser.state_dict()[k].contiguous() for k in part}, shards[-1])
+    out = tmp_path / "model"
+    assert spec.export_full(shards, out) == out / "transformer"
+    written = load_file(out / file.name)
+    assert all(k.startswith("model.diffusion_model.") for k in written)
+    assert {v.dtype for v in written.values()} == {torch.bfloat16}
+    again = _spec(family, out / file.name, single_file_config=str(folder)).load_denoiser(
+        torch.float32).state_dict()
+    exported = spec.load_exported_full(out).state_dict()
+    base = _spec(family, folder).load_denoiser(torch.float32).state_dict()
+    assert again.keys() == exported.keys()
+    for key, value in exported.items():
+        assert torch.equal(again[key], value.to(torch.bfloat16).float()), key
+        assert not torch.equal(again[key], base[key]), key  # the fine-tune, not the base

@@ -12,11 +12,14 @@ One table per version lists every Linear of the BFL layout with the diffusers mo
   here takes the model's own sizes; a test checks both agree key for key at the real sizes.
   FLUX.2 loads through diffusers' own converter, which has no such sizes);
 - diffusers weights -> BFL file (tiny single-file models for tests; the inverse of diffusers');
-- diffusers LoRA -> ComfyUI LoRA on the fused Linears (see `comfyui_lora`).
+- diffusers LoRA -> ComfyUI LoRA on the fused Linears (see `comfyui_lora`);
+- a full fine-tune of a model that came as a single file -> a file in that layout again
+  (`save_bfl_file`, named, typed and prefixed as the source).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -202,3 +205,41 @@ def _with_sizes(linears: list[Linear], weights: dict[str, torch.Tensor]) -> Iter
 def _rows(weights: dict[str, torch.Tensor], module: str) -> int:
     b = weights.get(f"{module}.lora_B.weight", weights.get(f"{module}.lora_B.default.weight"))
     return 0 if b is None else b.shape[0]
+
+
+COMFYUI_PREFIX = "model.diffusion_model."
+
+
+def layout_for(config: dict[str, Any]):
+    """The layout table of a diffusers transformer config (FLUX.1 / Kontext or FLUX.2)."""
+    return (flux2_layout if config.get("_class_name") == "Flux2Transformer2DModel"
+            else flux1_layout)(config)
+
+
+def save_bfl_file(transformer_dir: Path, file: Path, prefix: str = "",
+                  dtype: torch.dtype | None = None) -> Path:
+    """A diffusers transformer folder (sharded or not) as one BFL-layout safetensors file, each
+    key after `prefix`, in `dtype` (None: as stored)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(transformer_dir) / "config.json").read_text())
+    state = {}
+    for shard in sorted(Path(transformer_dir).glob("*.safetensors")):
+        state.update(load_file(shard))
+    native = to_bfl(state, layout_for(config))
+    save_file({prefix + k: (v if dtype is None else v.to(dtype)).contiguous()
+               for k, v in native.items()}, file, metadata={"format": "pt"})
+    return file
+
+
+def source_format(file: Path) -> tuple[str, torch.dtype]:
+    """(key prefix, dtype) of a single-file transformer: ComfyUI's prefix or none, and the dtype
+    of its first weight."""
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as source:
+        key = next(iter(source.keys()))
+        dtype = source.get_slice(key)[:1].dtype
+    return (COMFYUI_PREFIX if key.startswith(COMFYUI_PREFIX) else ""), dtype

@@ -20,7 +20,8 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.bfl import comfyui_lora, flux1_layout, from_bfl
+from dpipe.models.flux.bfl import (
+    comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format)
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.qwen_image.shared import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
@@ -220,9 +221,13 @@ class FluxSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json"
-        )
+        folder = write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named, typed and
+            # prefixed as the source, so tools that loaded that file load the fine-tune the same way
+            prefix, dtype = source_format(self.single_file)
+            save_bfl_file(folder, out_dir / self.single_file.name, prefix, dtype)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -135,16 +135,6 @@ def write_bfl_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The transformer of a tiny FLUX.1 / Kontext / FLUX.2 diffusers folder as one safetensors file
     in Black Forest Labs' layout (`flux1-dev.safetensors`, `flux2-dev.safetensors`), each key
     after `prefix` ("model.diffusion_model." gives ComfyUI's layout), in the folder's dtype."""
-    from safetensors.torch import load_file, save_file
+    from dpipe.models.flux.bfl import save_bfl_file
 
-    from dpipe.models.flux.bfl import flux1_layout, flux2_layout, to_bfl
-
-    transformer = Path(folder) / "transformer"
-    config = json.loads((transformer / "config.json").read_text())
-    layout = (flux2_layout if config["_class_name"] == "Flux2Transformer2DModel"
-              else flux1_layout)(config)
-    state = {}
-    for shard in sorted(transformer.glob("*.safetensors")):
-        state.update(load_file(shard))
-    save_file({prefix + k: v.contiguous() for k, v in to_bfl(state, layout).items()}, file)
-    return file
+    return save_bfl_file(Path(folder) / "transformer", file, prefix)

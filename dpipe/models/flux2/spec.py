@@ -34,7 +34,7 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.bfl import comfyui_lora, flux2_layout
+from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import flux2_layers
 from dpipe.models.qwen_image.shared import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
@@ -229,8 +229,13 @@ class Flux2Spec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named, typed and
+            # prefixed as the source, so tools that loaded that file load the fine-tune the same way
+            prefix, dtype = source_format(self.single_file)
+            save_bfl_file(folder, out_dir / self.single_file.name, prefix, dtype)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
