@@ -207,13 +207,16 @@ def test_comfyui_lora_merged_into_bfl_weights_equals_the_diffusers_lora(tiny, tm
 
 def test_comfyui_lora_of_some_projections_only(tiny, tmp_path):
     """A LoRA on to_q alone (user-chosen targets) becomes a LoRA on the fused qkv whose k and v
-    rows are zero: merging it changes only the q rows."""
+    rows are zero: merging it changes only the q rows. A LoRA on the final modulation has its
+    output rows swapped as the weight is."""
     spec = _spec("flux", tiny("flux"), lora={"rank": 2, "alpha": 2, "targets": [
-        "transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp"]})
+        "transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp",
+        "norm_out.linear"]})  # the last: rows (scale, shift) in diffusers, (shift, scale) in BFL
     denoiser, base, lora = _lora_denoiser(spec, 2, 2, spec.cfg.lora.targets)
     comfy = load_file(spec.export_lora(lora, tmp_path)[1])
     assert sorted(comfy) == [f"diffusion_model.{m}.lora_{x}.weight"
-                             for m in ("double_blocks.0.img_attn.qkv", "single_blocks.0.linear1")
+                             for m in ("double_blocks.0.img_attn.qkv",
+                                       "final_layer.adaLN_modulation.1", "single_blocks.0.linear1")
                              for x in "AB"]
     layout = _layout("flux", spec)
     got = apply_comfy_lora(to_bfl(base, layout), comfy)
@@ -258,3 +261,60 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(tiny, tmp_pat
     for key, value in exported.items():
         assert torch.equal(again[key], value.to(torch.bfloat16).float()), key
         assert not torch.equal(again[key], base[key]), key  # the fine-tune, not the base
+
+
+# ---- the ComfyUI LoRA read back by diffusers' own converters ----------------------------------------
+def test_flux2_comfyui_lora_loads_in_diffusers_like_the_diffusers_lora(tiny, tmp_path):
+    """diffusers reads `diffusion_model.`-keyed (ai-toolkit / ComfyUI) FLUX.2 LoRAs itself: loaded
+    with Flux2Pipeline.load_lora_weights, the ComfyUI file gives the diffusers file's weights."""
+    from diffusers import Flux2Pipeline
+
+    spec = _spec("flux2", tiny("flux2"), lora={"rank": 2, "alpha": 3})
+    _, _, lora = _lora_denoiser(spec, 2, 3, spec.lora_targets())
+    diffusers_file, comfy_file = spec.export_lora(lora, tmp_path)
+    fused = {}
+    for name in (diffusers_file.name, comfy_file.name):
+        pipe = Flux2Pipeline.from_pretrained(spec.path, text_encoder=None, vae=None, tokenizer=None)
+        pipe.load_lora_weights(str(tmp_path), weight_name=name)
+        pipe.transformer.fuse_lora()
+        fused[name] = {k.replace(".base_layer", ""): v for k, v in
+                       pipe.transformer.state_dict().items() if "lora_" not in k}
+    a, b = fused[diffusers_file.name], fused[comfy_file.name]
+    base = spec.load_denoiser(torch.float32).state_dict()
+    assert a.keys() == b.keys() == base.keys()
+    assert sum(not torch.equal(a[k], base[k]) for k in a) >= 10
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_flux1_comfyui_lora_is_what_diffusers_reads_as_kohya_at_real_sizes():
+    """ComfyUI also accepts each of its keys as kohya's `lora_unet_<module with underscores>`;
+    diffusers' kohya FLUX.1 converter (which has FLUX.1-dev's widths built in) reads the file so
+    renamed back into exactly the per-projection LoRAs it came from, for a LoRA on every Linear
+    of one block of each kind at FLUX.1-dev's sizes."""
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    from dpipe.models.flux.bfl import comfyui_lora
+
+    config = dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                  guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config)
+    gen = torch.Generator().manual_seed(0)
+    lora = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "transformer_blocks" in name:
+            lora[f"{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=gen)
+            lora[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen)
+    comfy = comfyui_lora(lora, 0.5, flux1_layout(config))
+    kohya = {}
+    for key, value in comfy.items():
+        module, _, part = key.removeprefix("diffusion_model.").rpartition(".lora_")
+        kohya[f"lora_unet_{module.replace('.', '_')}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+    back = {k.removeprefix("transformer."): v for k, v in _convert_kohya_flux_lora_to_diffusers(kohya).items()}
+    assert back.keys() == lora.keys()
+    for key, value in lora.items():
+        want = value * 0.5 if ".lora_B." in key else value
+        torch.testing.assert_close(back[key], want, msg=key)
