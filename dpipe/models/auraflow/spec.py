@@ -6,7 +6,8 @@ noise - x0. `AuraFlowPipeline` hands the transformer sigma in [0, 1] (`t / 1000`
 timesteps) and the transformer scales it by 1000 itself, so dpipe's t goes in as it is. Its
 scheduler samples with shift 1.73: set `train.timesteps.shift` to train at the same noise levels.
 Prompts are encoded by `AuraFlowPipeline.encode_prompt` (padded to `max_text_tokens`, padding
-zeroed), exactly as at inference.
+zeroed), exactly as at inference. LoRAs are written for diffusers and, in the original module
+names ComfyUI runs, for ComfyUI (`auraflow/comfyui.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.auraflow.comfyui import comfyui_lora
 from dpipe.models.auraflow.layers import auraflow_layers
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
@@ -36,6 +38,8 @@ _BLOCK_LINEARS = [
     r"ff_context\.linear_1", r"ff_context\.linear_2", r"ff_context\.out_projection",
     r"norm1\.linear", r"norm1_context\.linear",
 ]
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "auraflow_lora_comfyui.safetensors"
 LORA_TARGETS = r"(?:joint|single)_transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
@@ -139,6 +143,7 @@ class AuraFlowSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import AuraFlowPipeline
+        from safetensors.torch import save_file
 
         weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
         rank = self.cfg.lora.rank
@@ -149,7 +154,9 @@ class AuraFlowSpec(ModelSpec):
         }
         AuraFlowPipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        return [out_dir / "pytorch_lora_weights.safetensors"]
+        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank), out_dir / COMFYUI_LORA,
+                  metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
@@ -167,7 +174,7 @@ class AuraFlowSpec(ModelSpec):
 
         pipe = AuraFlowPipeline.from_pretrained(
             self.path, text_encoder=None, vae=None, tokenizer=None)
-        pipe.load_lora_weights(str(lora_dir))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:

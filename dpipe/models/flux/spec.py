@@ -1,7 +1,11 @@
 """FLUX.1 (dev / schnell): FluxTransformer2DModel + AutoencoderKL (16 ch) + CLIP-L + T5-XXL.
 
 Loads the diffusers folder layout users download; text and image encoding go through diffusers'
-own `FluxPipeline` so prompts are tokenised and embedded exactly as at inference.
+own `FluxPipeline` so prompts are tokenised and embedded exactly as at inference. The transformer
+may instead come from one file in Black Forest Labs' layout (`flux1-dev.safetensors`, with or
+without ComfyUI's `model.diffusion_model.` prefix): model.path names the file and
+model.single_file_config the diffusers folder that gives the VAE, text encoders and configs.
+LoRAs are written for diffusers and for ComfyUI (BFL layout, fused q/k/v: see `flux/bfl.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.flux.bfl import (
+    comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format)
 from dpipe.models.flux.layers import FluxBlock, flux_layers
+from dpipe.models.qwen_image.shared import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -31,6 +39,7 @@ _BLOCK_LINEARS = [
     r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
 ]
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 
 
 # Measured time of a double-stream block relative to a single-stream block (see layer_costs).
@@ -39,6 +48,16 @@ DOUBLE_BLOCK_TIME = 1.67
 
 class FluxSpec(ModelSpec):
     family = "flux"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer in BFL's layout with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
+    @property
+    def comfyui_lora_name(self) -> str:
+        return f"{self.family}_lora_comfyui.safetensors"
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -56,14 +75,18 @@ class FluxSpec(ModelSpec):
                 f"model.path={self.path} is not a complete FLUX.1 diffusers folder: missing "
                 f"{', '.join(missing)}"
             )
+        check_single_file(self.single_file)
         self._vae_config()  # reads the VAE's scale now, so a broken folder fails before training
 
-    def _vae_config(self) -> dict[str, Any]:
-        path = self.path / "vae" / "config.json"
+    def _read_config(self, part: str) -> dict[str, Any]:
+        path = self.path / part / "config.json"
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+    def _vae_config(self) -> dict[str, Any]:
+        return self._read_config("vae")
 
     @property
     def pixel_multiple(self) -> int:
@@ -86,6 +109,11 @@ class FluxSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
+        if self.single_file is not None:  # BFL's names, fused Linears split at the model's sizes
+            return load_or_fail(lambda: load_transformer_file(
+                FluxTransformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=lambda state, model: from_bfl(state, flux1_layout(model.config))),
+                self.single_file)
         try:
             model = FluxTransformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype
@@ -172,6 +200,7 @@ class FluxSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import FluxPipeline
+        from safetensors.torch import save_file
 
         # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
         weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
@@ -184,14 +213,21 @@ class FluxSpec(ModelSpec):
         FluxPipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
         )
-        return [out_dir / "pytorch_lora_weights.safetensors"]
+        comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank,
+                             flux1_layout(self._read_config("transformer")))
+        save_file(comfy, out_dir / self.comfyui_lora_name, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / self.comfyui_lora_name]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json"
-        )
+        folder = write_sharded_diffusers_model(
+            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named, typed and
+            # prefixed as the source, so tools that loaded that file load the fine-tune the same way
+            prefix, dtype = source_format(self.single_file)
+            save_bfl_file(folder, out_dir / self.single_file.name, prefix, dtype)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -206,8 +242,9 @@ class FluxSpec(ModelSpec):
         from diffusers import FluxPipeline
 
         pipe = FluxPipeline.from_pretrained(self.path, text_encoder=None, text_encoder_2=None,
-                                            vae=None, tokenizer=None, tokenizer_2=None)
-        pipe.load_lora_weights(str(lora_dir))
+                                            vae=None, tokenizer=None, tokenizer_2=None,
+                                            transformer=self.load_denoiser(torch.float32))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:

@@ -129,3 +129,12 @@ def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
     # Shards are filled greedily with whole tensors: a cap of one share plus the largest tensor
     # makes each shard hold at least one share, so exactly `shards` files come out.
     model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+
+
+def write_bfl_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of a tiny FLUX.1 / Kontext / FLUX.2 diffusers folder as one safetensors file
+    in Black Forest Labs' layout (`flux1-dev.safetensors`, `flux2-dev.safetensors`), each key
+    after `prefix` ("model.diffusion_model." gives ComfyUI's layout), in the folder's dtype."""
+    from dpipe.models.flux.bfl import save_bfl_file
+
+    return save_bfl_file(Path(folder) / "transformer", file, prefix)

@@ -14,6 +14,12 @@ Edit training (reference images): when a batch carries control latents (`batch.c
 the dataset's `control_dir`), they are appended after the noisy image tokens with their own ids
 (t = 10, as Flux2Pipeline gives its first reference image), the model predicts for all tokens and
 the loss reads only the target's. Without control latents it trains text-to-image.
+
+Single files: model.path may name the transformer as one file in Black Forest Labs' layout
+(`flux2-dev.safetensors`, with or without ComfyUI's `model.diffusion_model.` prefix), converted
+by diffusers' own `convert_flux2_transformer_checkpoint_to_diffusers`; model.single_file_config
+then names the diffusers folder for the VAE, text encoder and configs. LoRAs are written for
+diffusers and for ComfyUI (BFL layout, q/k/v fused: see `flux/bfl.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import flux2_layers
+from dpipe.models.qwen_image.shared import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -45,12 +54,20 @@ _DOUBLE_LINEARS = [
 # Single blocks fuse q, k, v and the MLP input into one Linear, and attention out + MLP out into
 # another (there `attn.to_out` is a Linear; in double blocks it is a ModuleList).
 _SINGLE_LINEARS = [r"attn\.to_qkv_mlp_proj", r"attn\.to_out"]
+DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "flux2_lora_comfyui.safetensors"
 LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:" + "|".join(_DOUBLE_LINEARS) + ")"
                 + r"|single_transformer_blocks\.\d+\.(?:" + "|".join(_SINGLE_LINEARS) + ")")
 
 
 class Flux2Spec(ModelSpec):
     family = "flux2"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer in BFL's layout with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -66,6 +83,7 @@ class Flux2Spec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete FLUX.2 diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._pipeline_class()
         self._vae_config()
 
@@ -117,6 +135,10 @@ class Flux2Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import Flux2Transformer2DModel
 
+        if self.single_file is not None:
+            return load_or_fail(lambda: load_transformer_file(
+                Flux2Transformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=_from_bfl), self.single_file)
         try:
             return Flux2Transformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -188,6 +210,7 @@ class Flux2Spec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import Flux2Pipeline
+        from safetensors.torch import save_file
 
         weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
         rank = self.cfg.lora.rank
@@ -198,13 +221,21 @@ class Flux2Spec(ModelSpec):
         }
         Flux2Pipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        return [out_dir / "pytorch_lora_weights.safetensors"]
+        comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank, flux2_layout(
+            self._read_json(self.path / "transformer" / "config.json")))
+        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named, typed and
+            # prefixed as the source, so tools that loaded that file load the fine-tune the same way
+            prefix, dtype = source_format(self.single_file)
+            save_bfl_file(folder, out_dir / self.single_file.name, prefix, dtype)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -216,14 +247,28 @@ class Flux2Spec(ModelSpec):
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         pipe = self._pipeline_class().from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None)
-        pipe.load_lora_weights(str(lora_dir))
+            self.path, text_encoder=None, vae=None, tokenizer=None,
+            transformer=self.load_denoiser(torch.float32))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:
         from diffusers import Flux2Transformer2DModel
 
         return Flux2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+def _from_bfl(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """BFL-named FLUX.2 weights -> diffusers names, by diffusers' own converter (it reads no
+    sizes, so it serves any FLUX.2 width). It fails with a KeyError on a block weight it has no
+    name for: reported as the file not being a FLUX.2 checkpoint."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    try:
+        return convert_flux2_transformer_checkpoint_to_diffusers(dict(state))
+    except KeyError as err:
+        raise ValueError(f"not a FLUX.2 transformer in BFL's layout: no diffusers name for the "
+                         f"block weight {err}") from None
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ AutoencoderKL 16 ch, CLIP-L + T5-XXL), trained on (target, reference image, inst
 Kept as its own family (`flux_kontext`) rather than a switch on `flux`: its checkpoints load with
 FluxKontextPipeline (which is what users load its LoRAs with), its training samples need a
 reference image, and everything else is FLUX.1's, inherited from `FluxSpec` unchanged (text and
-image encoding, pipeline layers, LoRA targets, export), so the FLUX.1 code stays untouched.
+image encoding, pipeline layers, LoRA targets, export incl. the ComfyUI LoRA, single-file loading
+of `flux1-kontext-dev.safetensors` in BFL's layout), so the FLUX.1 code stays untouched.
 
 The reference image is encoded by the same VAE as the target (the dataset's `control_dir`
 delivers it as `batch.control`, latents shaped as the target's). As FluxKontextPipeline does, its
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.flux.spec import FluxSpec, _image_ids, _pack
+from dpipe.models.flux.spec import DIFFUSERS_LORA, FluxSpec, _image_ids, _pack
 from dpipe.models.spec import NoisedBatch
 
 PIPELINE = "FluxKontextPipeline"
@@ -87,6 +88,6 @@ class FluxKontextSpec(FluxSpec):
 
         pipe = FluxKontextPipeline.from_pretrained(
             self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
-            tokenizer_2=None)
-        pipe.load_lora_weights(str(lora_dir))
+            tokenizer_2=None, transformer=self.load_denoiser(torch.float32))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer

@@ -9,6 +9,8 @@ the first `model.max_text_tokens`, which drops only padding for shorter prompts:
 everywhere, so the output is the same), and ByT5 embeddings of quoted text in the prompt (glyph
 rendering; zeros and an empty mask when there is none). The distilled checkpoint (guidance and
 meanflow embedders) trains with guidance `model.guidance` and r = t (the instantaneous velocity).
+LoRAs are written for diffusers and, in the module names ComfyUI runs, for ComfyUI
+(`hunyuan_image/comfyui.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import hunyuan_image_layers
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
 LORA_FILE = "pytorch_lora_weights.safetensors"
+COMFYUI_LORA = "hunyuan_image_lora_comfyui.safetensors"
 
 # Every Linear of both kinds of blocks (attention incl. the text stream's, MLPs, AdaLN
 # modulations), none outside them: the token refiner, embedders and head stay frozen.
@@ -156,6 +160,7 @@ class HunyuanImageSpec(ModelSpec):
         # the diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
         # metadata), which the transformer's own `load_lora_adapter` reads.
         from diffusers.loaders.lora_base import LoraBaseMixin
+        from safetensors.torch import save_file
 
         weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
         rank = self.cfg.lora.rank
@@ -167,7 +172,10 @@ class HunyuanImageSpec(ModelSpec):
         LoraBaseMixin._save_lora_weights(
             out_dir, lora_layers={"transformer": weights}, lora_metadata={"transformer": metadata},
             weight_name=LORA_FILE)
-        return [out_dir / LORA_FILE]
+        config = json.loads((self.path / "transformer" / "config.json").read_text())
+        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank, config),
+                  out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
+        return [out_dir / LORA_FILE, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -1,0 +1,250 @@
+"""FLUX.1 and FLUX.2 in Black Forest Labs' original layout: single files and ComfyUI LoRAs.
+
+Users hold FLUX transformers as one safetensors file in BFL's layout (`flux1-dev.safetensors`,
+`flux2-dev.safetensors`: `double_blocks.N.img_attn.qkv.weight`, ...), often with ComfyUI's
+`model.diffusion_model.` prefix. That layout fuses what diffusers keeps apart: q, k, v into one
+`qkv` Linear per stream, and in FLUX.1's single blocks q, k, v and the MLP input into `linear1`.
+
+One table per version lists every Linear of the BFL layout with the diffusers modules stacked
+(along the output dimension) in it; it drives all three directions:
+- BFL file -> diffusers weights (FLUX.1 loading: diffusers' `convert_flux_transformer_checkpoint_
+  to_diffusers` hard-codes FLUX.1-dev's widths, 3072 and 12288, to split `linear1`, so the split
+  here takes the model's own sizes; a test checks both agree key for key at the real sizes.
+  FLUX.2 loads through diffusers' own converter, which has no such sizes);
+- diffusers weights -> BFL file (tiny single-file models for tests; the inverse of diffusers');
+- diffusers LoRA -> ComfyUI LoRA on the fused Linears (see `comfyui_lora`);
+- a full fine-tune of a model that came as a single file -> a file in that layout again
+  (`save_bfl_file`, named, typed and prefixed as the source).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+# (BFL module, the diffusers modules stacked in it, their output sizes; None where one module
+# maps to one, so nothing is split)
+Linear = tuple[str, list[str], list[int | None]]
+
+# BFL's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
+_SWAPPED = {"final_layer.adaLN_modulation.1"}
+
+
+def _one(bfl: str, diffusers: str) -> Linear:
+    return bfl, [diffusers], [None]
+
+
+def flux1_layout(config: dict[str, Any]) -> tuple[list[Linear], dict[str, str]]:
+    """(Linears, {BFL parameter: diffusers parameter} of the q/k norms) of a FluxTransformer2DModel
+    with this config (FLUX.1 dev / schnell / Kontext)."""
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    mlp = 4 * inner  # FluxSingleTransformerBlock's mlp_ratio, fixed in diffusers
+    t = "time_text_embed"
+    linears = [_one("img_in", "x_embedder"), _one("txt_in", "context_embedder"),
+               _one("time_in.in_layer", f"{t}.timestep_embedder.linear_1"),
+               _one("time_in.out_layer", f"{t}.timestep_embedder.linear_2"),
+               _one("vector_in.in_layer", f"{t}.text_embedder.linear_1"),
+               _one("vector_in.out_layer", f"{t}.text_embedder.linear_2"),
+               _one("final_layer.linear", "proj_out"),
+               _one("final_layer.adaLN_modulation.1", "norm_out.linear")]
+    if config.get("guidance_embeds"):
+        linears += [_one("guidance_in.in_layer", f"{t}.guidance_embedder.linear_1"),
+                    _one("guidance_in.out_layer", f"{t}.guidance_embedder.linear_2")]
+    norms = {}
+    for i in range(config["num_layers"]):
+        o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        linears += [
+            (f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3),
+            (f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                                   f"{d}.attn.add_v_proj"], [inner] * 3),
+            _one(f"{o}.img_attn.proj", f"{d}.attn.to_out.0"),
+            _one(f"{o}.txt_attn.proj", f"{d}.attn.to_add_out"),
+            _one(f"{o}.img_mlp.0", f"{d}.ff.net.0.proj"), _one(f"{o}.img_mlp.2", f"{d}.ff.net.2"),
+            _one(f"{o}.txt_mlp.0", f"{d}.ff_context.net.0.proj"),
+            _one(f"{o}.txt_mlp.2", f"{d}.ff_context.net.2"),
+            _one(f"{o}.img_mod.lin", f"{d}.norm1.linear"),
+            _one(f"{o}.txt_mod.lin", f"{d}.norm1_context.linear")]
+        norms.update(_double_norms(o, d))
+    for i in range(config["num_single_layers"]):
+        o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        linears += [
+            (f"{o}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
+             [inner, inner, inner, mlp]),
+            _one(f"{o}.linear2", f"{d}.proj_out"), _one(f"{o}.modulation.lin", f"{d}.norm.linear")]
+        norms.update(_single_norms(o, d))
+    return linears, norms
+
+
+def flux2_layout(config: dict[str, Any]) -> tuple[list[Linear], dict[str, str]]:
+    """As `flux1_layout`, for a Flux2Transformer2DModel (FLUX.2 dev / klein). Its single blocks
+    are fused in diffusers too (`attn.to_qkv_mlp_proj` is BFL's `linear1`), and the modulations
+    sit outside the blocks, one shared Linear per kind."""
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    t = "time_guidance_embed"
+    linears = [_one("img_in", "x_embedder"), _one("txt_in", "context_embedder"),
+               _one("time_in.in_layer", f"{t}.timestep_embedder.linear_1"),
+               _one("time_in.out_layer", f"{t}.timestep_embedder.linear_2"),
+               _one("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+               _one("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
+               _one("single_stream_modulation.lin", "single_stream_modulation.linear"),
+               _one("final_layer.linear", "proj_out"),
+               _one("final_layer.adaLN_modulation.1", "norm_out.linear")]
+    if config.get("guidance_embeds"):
+        linears += [_one("guidance_in.in_layer", f"{t}.guidance_embedder.linear_1"),
+                    _one("guidance_in.out_layer", f"{t}.guidance_embedder.linear_2")]
+    norms = {}
+    for i in range(config["num_layers"]):
+        o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        linears += [
+            (f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3),
+            (f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                                   f"{d}.attn.add_v_proj"], [inner] * 3),
+            _one(f"{o}.img_attn.proj", f"{d}.attn.to_out.0"),
+            _one(f"{o}.txt_attn.proj", f"{d}.attn.to_add_out"),
+            _one(f"{o}.img_mlp.0", f"{d}.ff.linear_in"), _one(f"{o}.img_mlp.2", f"{d}.ff.linear_out"),
+            _one(f"{o}.txt_mlp.0", f"{d}.ff_context.linear_in"),
+            _one(f"{o}.txt_mlp.2", f"{d}.ff_context.linear_out")]
+        norms.update(_double_norms(o, d))
+    for i in range(config["num_single_layers"]):
+        o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        linears += [_one(f"{o}.linear1", f"{d}.attn.to_qkv_mlp_proj"),
+                    _one(f"{o}.linear2", f"{d}.attn.to_out")]
+        norms.update(_single_norms(o, d))
+    return linears, norms
+
+
+def _double_norms(o: str, d: str) -> dict[str, str]:
+    return {f"{o}.img_attn.norm.query_norm.scale": f"{d}.attn.norm_q.weight",
+            f"{o}.img_attn.norm.key_norm.scale": f"{d}.attn.norm_k.weight",
+            f"{o}.txt_attn.norm.query_norm.scale": f"{d}.attn.norm_added_q.weight",
+            f"{o}.txt_attn.norm.key_norm.scale": f"{d}.attn.norm_added_k.weight"}
+
+
+def _single_norms(o: str, d: str) -> dict[str, str]:
+    return {f"{o}.norm.query_norm.scale": f"{d}.attn.norm_q.weight",
+            f"{o}.norm.key_norm.scale": f"{d}.attn.norm_k.weight"}
+
+
+def _swap(t: torch.Tensor) -> torch.Tensor:
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def to_bfl(state_dict: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+    """A diffusers transformer state dict in BFL's layout (fused Linears concatenated in order)."""
+    linears, norms = layout
+    out, used = {}, set()
+    for bfl, parts, _ in linears:
+        for param in ("weight", "bias"):
+            keys = [f"{p}.{param}" for p in parts]
+            if not all(k in state_dict for k in keys):
+                continue
+            value = torch.cat([state_dict[k] for k in keys], dim=0)
+            out[f"{bfl}.{param}"] = _swap(value) if bfl in _SWAPPED else value
+            used.update(keys)
+    for bfl, diffusers in norms.items():
+        out[bfl] = state_dict[diffusers]
+        used.add(diffusers)
+    left = sorted(set(state_dict) - used)
+    if left:
+        raise ValueError(f"no BFL name for {', '.join(left[:5])}")
+    return out
+
+
+def from_bfl(native: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+    """BFL-named weights -> diffusers names, fused Linears split at the layout's sizes. Names the
+    layout does not know pass through unchanged (a file already in diffusers names loads as it
+    is; anything else is reported by the caller as unexpected)."""
+    linears, norms = layout
+    out = dict(native)
+    for bfl, parts, sizes in linears:
+        for param in ("weight", "bias"):
+            value = out.pop(f"{bfl}.{param}", None)
+            if value is None:
+                continue
+            if bfl in _SWAPPED:
+                value = _swap(value)
+            if len(parts) == 1:
+                out[f"{parts[0]}.{param}"] = value
+                continue
+            if value.shape[0] != sum(sizes):
+                raise ValueError(f"{bfl}.{param} has {value.shape[0]} rows; this model's config "
+                                 f"gives {sum(sizes)} ({' + '.join(map(str, sizes))})")
+            for part, piece in zip(parts, value.split(sizes, dim=0)):
+                out[f"{part}.{param}"] = piece
+    for bfl, diffusers in norms.items():
+        if bfl in out:
+            out[diffusers] = out.pop(bfl)
+    return out
+
+
+def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict[str, torch.Tensor]:
+    """diffusers-named LoRA weights -> a ComfyUI LoRA on the BFL layout.
+
+    ComfyUI runs FLUX in BFL's layout, and its LoRA loader maps `diffusion_model.<module>` onto
+    the model's `diffusion_model.<module>.weight` for any model (keys `.lora_A.weight` /
+    `.lora_B.weight`, optional `.alpha`). A LoRA on the separate diffusers projections of a fused
+    Linear is exactly one LoRA on the fused weight: with W_i += B_i A_i stacked along the output,
+    W_fused += B A where A = the A_i stacked (rank k*r) and B = the B_i block-diagonal (a part
+    without a LoRA contributes zero rows). alpha / rank is folded into B, so no alpha is written
+    and ComfyUI applies scale 1 (what it does without an alpha)."""
+    from dpipe.models.hunyuan_video.comfyui import COMFY_PREFIX, to_comfyui
+
+    out = to_comfyui(weights, scale, _with_sizes(layout[0], weights))
+    for bfl in _SWAPPED:  # W' = swap(W + B A) = swap(W) + swap(B) A
+        key = f"{COMFY_PREFIX}{bfl}.lora_B.weight"
+        if key in out:
+            out[key] = _swap(out[key]).contiguous()
+    return out
+
+
+def _with_sizes(linears: list[Linear], weights: dict[str, torch.Tensor]) -> Iterable[Linear]:
+    # Output sizes matter only where a part has no LoRA (its zero rows); a one-to-one entry takes
+    # its size from its own B when it has one (and is skipped when it has none).
+    for bfl, parts, sizes in linears:
+        yield bfl, parts, [s if s is not None else _rows(weights, p) for p, s in zip(parts, sizes)]
+
+
+def _rows(weights: dict[str, torch.Tensor], module: str) -> int:
+    b = weights.get(f"{module}.lora_B.weight", weights.get(f"{module}.lora_B.default.weight"))
+    return 0 if b is None else b.shape[0]
+
+
+COMFYUI_PREFIX = "model.diffusion_model."
+
+
+def layout_for(config: dict[str, Any]):
+    """The layout table of a diffusers transformer config (FLUX.1 / Kontext or FLUX.2)."""
+    return (flux2_layout if config.get("_class_name") == "Flux2Transformer2DModel"
+            else flux1_layout)(config)
+
+
+def save_bfl_file(transformer_dir: Path, file: Path, prefix: str = "",
+                  dtype: torch.dtype | None = None) -> Path:
+    """A diffusers transformer folder (sharded or not) as one BFL-layout safetensors file, each
+    key after `prefix`, in `dtype` (None: as stored)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(transformer_dir) / "config.json").read_text())
+    state = {}
+    for shard in sorted(Path(transformer_dir).glob("*.safetensors")):
+        state.update(load_file(shard))
+    native = to_bfl(state, layout_for(config))
+    save_file({prefix + k: (v if dtype is None else v.to(dtype)).contiguous()
+               for k, v in native.items()}, file, metadata={"format": "pt"})
+    return file
+
+
+def source_format(file: Path) -> tuple[str, torch.dtype]:
+    """(key prefix, dtype) of a single-file transformer: ComfyUI's prefix or none, and the dtype
+    of its first weight."""
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as source:
+        key = next(iter(source.keys()))
+        dtype = source.get_slice(key)[:1].dtype
+    return (COMFYUI_PREFIX if key.startswith(COMFYUI_PREFIX) else ""), dtype

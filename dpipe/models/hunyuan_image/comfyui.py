@@ -1,0 +1,66 @@
+"""A HunyuanImage 2.1 LoRA in the module names ComfyUI runs the model with.
+
+ComfyUI runs HunyuanImage 2.1 on its HunyuanVideo model (its model detection sends checkpoints
+with `txt_in.individual_token_refiner...` and `byt5_in` there), whose blocks are Flux-style:
+`double_blocks.N.img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`,
+`img_mod.lin` and the same for `txt_`; `single_blocks.N.linear1` (q, k, v and the MLP input
+fused, in that order), `linear2`, `modulation.lin`. kohya's sd-scripts converts its HunyuanImage
+LoRAs to ComfyUI's by exactly these renames (`img_mlp_fc1` -> `img_mlp_0`, `img_mod_linear` ->
+`img_mod_lin`, `modulation_linear` -> `modulation_lin`; its `img_attn_qkv`, `linear1` already
+match). Read in both sources, not run against a ComfyUI build here.
+
+ComfyUI's LoRA loader takes `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` for any
+model. LoRAs on the separate diffusers projections become one exact LoRA on the fused Linear
+(A stacked, B block-diagonal); alpha / rank is folded into B, so no alpha is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from dpipe.models.hunyuan_video.comfyui import to_comfyui
+
+
+def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int]]]:
+    """(ComfyUI module, the diffusers modules stacked in it, their output sizes) for every
+    Linear of both kinds of blocks."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    mlp = int(hidden * config.get("mlp_ratio", 4.0))
+    for i in range(config["num_layers"]):
+        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        yield f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
+        yield f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                                    f"{d}.attn.add_v_proj"], [hidden] * 3
+        for original, part, size in [
+            ("img_attn.proj", "attn.to_out.0", hidden), ("txt_attn.proj", "attn.to_add_out", hidden),
+            ("img_mlp.0", "ff.net.0.proj", mlp), ("img_mlp.2", "ff.net.2", hidden),
+            ("txt_mlp.0", "ff_context.net.0.proj", mlp), ("txt_mlp.2", "ff_context.net.2", hidden),
+            ("img_mod.lin", "norm1.linear", 6 * hidden), ("txt_mod.lin", "norm1_context.linear", 6 * hidden),
+        ]:
+            yield f"{o}.{original}", [f"{d}.{part}"], [size]
+    for i in range(config["num_single_layers"]):
+        d, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        yield (f"{o}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
+               [hidden, hidden, hidden, mlp])
+        yield f"{o}.linear2", [f"{d}.proj_out"], [hidden]
+        yield f"{o}.modulation.lin", [f"{d}.norm.linear"], [3 * hidden]
+
+
+def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
+                 config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return to_comfyui(weights, scale, comfyui_mapping(config))
+
+
+def comfyui_block_weights(state_dict: dict[str, torch.Tensor],
+                          config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The block Linears' weights and biases of a diffusers state dict, fused under ComfyUI's
+    names (what a ComfyUI LoRA is merged into; for checks)."""
+    out = {}
+    for original, parts, _ in comfyui_mapping(config):
+        for param in ("weight", "bias"):
+            keys = [f"{p}.{param}" for p in parts]
+            if all(k in state_dict for k in keys):
+                out[f"{original}.{param}"] = torch.cat([state_dict[k] for k in keys], dim=0)
+    return out
