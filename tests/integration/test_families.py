@@ -122,6 +122,8 @@ def test_full_fine_tune_exports_what_it_trained(lora_run, tmp_path):
         x = layer(x)
     spec.loss(x, labels).backward()
     for i, layer in enumerate(layers):
+        if not any(True for _ in layer.parameters()):
+            continue  # a layer that only rearranges tensors (e.g. Z-Image's join of streams)
         grads = [p.grad for p in layer.parameters() if p.grad is not None]
         assert any(g.abs().sum() > 0 for g in grads), f"no gradient reaches layer {i} ({type(layer).__name__})"
     params = [p for layer in layers for p in layer.parameters()]
