@@ -40,6 +40,26 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
     return batches
 
 
+def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
+    """`make_step` for the training loader: the same fixed random latents and text embeddings
+    (standing for cache reads), with each step's noise and timesteps drawn as training draws them
+    (`noised_batch`, seeded by step and slot) and packed by the model's `make_inputs`."""
+    from dpipe.data.batches import noised_batch
+
+    torch.manual_seed(seed)
+    samples = [[spec.random_sample(size) for _ in range(micro_batch_size)]
+               for _ in range(micro_batches)]
+
+    def make_step(step: int, records):
+        for micro, group in enumerate(samples):
+            latents = torch.stack([s[0] for s in group])
+            text = {k: torch.stack([s[1][k] for s in group]) for k in group[0][1]}
+            slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
+            yield spec.make_inputs(noised_batch(spec, latents, text, TimestepConfig(), seed, step,
+                                                slots))
+    return make_step
+
+
 def main() -> int:
     from dpipe.bench.timing import StageTiming
     from dpipe.train.trainable import trainable_layers
@@ -52,6 +72,9 @@ def main() -> int:
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this very path (no timings)
     if cuda:
         torch.cuda.set_device(local_rank)
+        if opts.get("memory_cap_gb"):  # a smaller card, emulated: allocations past it fail
+            total = torch.cuda.get_device_properties(local_rank).total_memory
+            torch.cuda.set_per_process_memory_fraction(opts["memory_cap_gb"] * 2**30 / total)
         torch.backends.cuda.enable_cudnn_sdp(False)  # its SDPA backward fails for Flux shapes here
     init_distributed("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -72,6 +95,18 @@ def main() -> int:
     if run.pipeline.activation_checkpointing == "auto" and cuda:
         auto = AutoCheckpointing(engine.module, built.stage, run.pipeline.stages,
                                  run.pipeline.micro_batches, run.pipeline.memory_budget_gb)
+    data = lambda step: iter(batches)  # noqa: E731
+    loader = None
+    if opts.get("loader"):
+        from dpipe.data.loader import StepLoader, default_workers
+
+        workers = run.train.loader_workers
+        loader = StepLoader(
+            loader_steps(spec, opts["size"], run.pipeline.micro_batches,
+                         run.pipeline.micro_batch_size, run.train.seed),
+            0, opts["warmup"] + opts["steps"],
+            default_workers(cuda) if workers is None else workers, device)
+        data = loader.next
     timing = StageTiming(engine) if cuda else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     step_s, work = [], []
@@ -80,7 +115,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
-        engine.train_batch(data_iter=iter(batches))
+        engine.train_batch(data_iter=data(step))
         sync()
         elapsed = time.perf_counter() - start
         spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -101,11 +136,14 @@ def main() -> int:
         "backward_ms": statistics.median(w["backward"] for w in work),
         "optimizer_ms": statistics.median(w["optimizer"] for w in work),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "flops_per_step": flops_per_step,
         "images_per_step": run.pipeline.micro_batch_size * run.pipeline.micro_batches * data_parallel,
         "checkpointed_layers": len(engine.module.checkpointed),
         "local_layers": len(engine.module.forward_funcs),
     }
+    if loader is not None:
+        loader.close()
     (bench_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     return 0

@@ -128,3 +128,35 @@ def test_fp8_with_a_full_fine_tune_is_refused():
     with pytest.raises(ConfigError, match="model.base_dtype=fp8.*model.mode=full"):
         compose_run([*BASE, "model.base_dtype=fp8", "model.mode=full",
                      "optim.master_weights=false"])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_backward_keeps_the_fp8_weights_not_an_upcast_copy(compiled):
+    """Only the fp8 weight and its scale are saved for backward, also inside torch.compile (an
+    autograd.Function there had the bf16 upcasts saved: a bf16 copy of every weight held)."""
+    import shutil
+
+    if compiled and not shutil.which("cc"):
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        Fp8Linear(nn.Linear(64, 128).to(torch.bfloat16).requires_grad_(False)),
+        Fp8Linear(nn.Linear(128, 64, bias=False).to(torch.bfloat16).requires_grad_(False)))
+    model = torch.compile(layers) if compiled else layers
+    x = torch.randn(4, 64, requires_grad=True)
+    model(x)  # compiles
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = model(x)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [(str(FP8), (128, 64)), ("torch.float32", (128,)), (str(FP8), (64, 128)),
+         ("torch.float32", (64,))])
+    y.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = x_ref.bfloat16()
+    for layer in layers:
+        ref = torch.nn.functional.linear(ref, layer.dequantized().bfloat16(),
+                                         None if layer.bias is None else layer.bias)
+    ref.sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=2e-2, atol=1e-3)
