@@ -72,9 +72,6 @@ def main() -> int:
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this very path (no timings)
     if cuda:
         torch.cuda.set_device(local_rank)
-        if opts.get("memory_cap_gb"):  # a smaller card, emulated: allocations past it fail
-            total = torch.cuda.get_device_properties(local_rank).total_memory
-            torch.cuda.set_per_process_memory_fraction(opts["memory_cap_gb"] * 2**30 / total)
         torch.backends.cuda.enable_cudnn_sdp(False)  # its SDPA backward fails for Flux shapes here
     init_distributed("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -88,6 +85,12 @@ def main() -> int:
     flops_per_step = sum(spec.train_flops(denoiser, inputs, full) for inputs, _ in batches)
     data_parallel = dist.get_world_size() // run.pipeline.stages
     flops_per_step *= data_parallel
+    if cuda and opts.get("memory_cap_gb"):
+        # A smaller card, emulated from here on: allocations past the cap fail. The random model
+        # is made on the GPU in fp32 first; training loads it on the CPU and converts it there.
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(opts["memory_cap_gb"] * 2**30 / total)
     with quiet_deepspeed():
         built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
     engine = built.engine

@@ -148,9 +148,12 @@ def test_backward_keeps_the_fp8_weights_not_an_upcast_copy(compiled):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = model(x)
-    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
-        [(str(FP8), (128, 64)), ("torch.float32", (128,)), (str(FP8), (64, 128)),
-         ("torch.float32", (64,))])
+    # The two fp8 weights, and otherwise only per-row scales (vectors): no activation-sized or
+    # weight-sized tensor in bf16 (the first layer's input is not needed: its weight is frozen).
+    weights = sorted(tuple(t.shape) for t in saved if t.dtype == FP8)
+    assert weights == [(64, 128), (128, 64)]
+    assert all(t.dim() == 1 for t in saved if t.dtype != FP8), [
+        (t.dtype, tuple(t.shape)) for t in saved]
     y.sum().backward()
     x_ref = x.detach().clone().requires_grad_(True)
     ref = x_ref.bfloat16()
