@@ -40,6 +40,26 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
     return batches
 
 
+def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
+    """`make_step` for the training loader: the same fixed random latents and text embeddings
+    (standing for cache reads), with each step's noise and timesteps drawn as training draws them
+    (`noised_batch`, seeded by step and slot) and packed by the model's `make_inputs`."""
+    from dpipe.data.batches import noised_batch
+
+    torch.manual_seed(seed)
+    samples = [[spec.random_sample(size) for _ in range(micro_batch_size)]
+               for _ in range(micro_batches)]
+
+    def make_step(step: int, records):
+        for micro, group in enumerate(samples):
+            latents = torch.stack([s[0] for s in group])
+            text = {k: torch.stack([s[1][k] for s in group]) for k in group[0][1]}
+            slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
+            yield spec.make_inputs(noised_batch(spec, latents, text, TimestepConfig(), seed, step,
+                                                slots))
+    return make_step
+
+
 def main() -> int:
     from dpipe.bench.timing import StageTiming
     from dpipe.train.trainable import trainable_layers
@@ -65,6 +85,12 @@ def main() -> int:
     flops_per_step = sum(spec.train_flops(denoiser, inputs, full) for inputs, _ in batches)
     data_parallel = dist.get_world_size() // run.pipeline.stages
     flops_per_step *= data_parallel
+    if cuda and opts.get("memory_cap_gb"):
+        # A smaller card, emulated from here on: allocations past the cap fail. The random model
+        # is made on the GPU in fp32 first; training loads it on the CPU and converts it there.
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(opts["memory_cap_gb"] * 2**30 / total)
     with quiet_deepspeed():
         built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
     engine = built.engine
@@ -72,6 +98,18 @@ def main() -> int:
     if run.pipeline.activation_checkpointing == "auto" and cuda:
         auto = AutoCheckpointing(engine.module, built.stage, run.pipeline.stages,
                                  run.pipeline.micro_batches, run.pipeline.memory_budget_gb)
+    data = lambda step: iter(batches)  # noqa: E731
+    loader = None
+    if opts.get("loader"):
+        from dpipe.data.loader import StepLoader, default_workers
+
+        workers = run.train.loader_workers
+        loader = StepLoader(
+            loader_steps(spec, opts["size"], run.pipeline.micro_batches,
+                         run.pipeline.micro_batch_size, run.train.seed),
+            0, opts["warmup"] + opts["steps"],
+            default_workers(cuda) if workers is None else workers, device)
+        data = loader.next
     timing = StageTiming(engine) if cuda else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     step_s, work = [], []
@@ -80,7 +118,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
-        engine.train_batch(data_iter=iter(batches))
+        engine.train_batch(data_iter=data(step))
         sync()
         elapsed = time.perf_counter() - start
         spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -101,11 +139,14 @@ def main() -> int:
         "backward_ms": statistics.median(w["backward"] for w in work),
         "optimizer_ms": statistics.median(w["optimizer"] for w in work),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "flops_per_step": flops_per_step,
         "images_per_step": run.pipeline.micro_batch_size * run.pipeline.micro_batches * data_parallel,
         "checkpointed_layers": len(engine.module.checkpointed),
         "local_layers": len(engine.module.forward_funcs),
     }
+    if loader is not None:
+        loader.close()
     (bench_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     return 0

@@ -38,6 +38,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--plain", action="store_true", help="also time the plain reference loop")
     parser.add_argument("--out", default="outputs/bench", help="results folder")
+    parser.add_argument("--loader", action="store_true",
+                        help="feed the steps through the training data loader (noise drawn per "
+                             "step, train.loader_workers processes) instead of fixed batches")
+    parser.add_argument("--memory-cap-gb", type=float, default=None,
+                        help="emulate a smaller GPU: cap each process's allocations (GiB)")
     args = parser.parse_args()
 
     import torch
@@ -59,7 +64,8 @@ def main() -> None:
             old.unlink()
         save_run_config(run, run_dir)
         (run_dir / "bench.json").write_text(json.dumps(
-            {"size": args.size, "warmup": args.warmup, "steps": args.steps}))
+            {"size": args.size, "warmup": args.warmup, "steps": args.steps,
+             "loader": args.loader, "memory_cap_gb": args.memory_cap_gb}))
         print(f"== {name}: {overrides.strip()} ({world} GPUs)", flush=True)
         code = launch_workers(run_dir, world, module="dpipe.bench.worker")
         if code:
@@ -91,6 +97,7 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
             compute = (r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]) / 1000
             per_stage.append({"stage": stage, "layers": r["layers"], "compute_s": compute,
                               "idle_s": step_s - compute, "peak_gib": r["peak_gib"],
+                              "peak_reserved_gib": r.get("peak_reserved_gib", float("nan")),
                               "checkpointed": f'{r["checkpointed_layers"]}/{r["local_layers"]}'})
         else:
             per_stage.append({"stage": stage, "peak_gib": r["peak_gib"]})
@@ -101,7 +108,7 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB / recomputed layers |",
+    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -109,7 +116,8 @@ def _table(rows: list[dict]) -> str:
             continue
         stages = "; ".join(
             f"{s['stage']}: {s.get('compute_s', float('nan')):.2f} / {s.get('idle_s', float('nan')):.2f} / "
-            f"{s['peak_gib']:.1f} / {s.get('checkpointed', '-')}" for s in r["stages"])
+            f"{s['peak_gib']:.1f} ({s.get('peak_reserved_gib', float('nan')):.1f}) / "
+            f"{s.get('checkpointed', '-')}" for s in r["stages"])
         lines.append(f"| {r['name']} | {r['gpus']} | {r['step_s']:.3f} | {r['images_per_s']:.2f} | "
                      f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | {stages} |")
     return "\n".join(lines)

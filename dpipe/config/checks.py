@@ -13,6 +13,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.schema import (
+    BaseDtype,
     PartitionMethod,
     Precision,
     RunConfig,
@@ -136,6 +137,14 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
         raise ConfigError(
             f"pipeline.activation_checkpointing={ac!r}: use none, all, auto, or a number of blocks"
         )
+    if t.loader_workers is not None and t.loader_workers < 0:
+        raise ConfigError(f"train.loader_workers must be >= 0 (0: no worker processes) or null "
+                          f"(auto), got {t.loader_workers}")
+    if m.base_dtype == BaseDtype.fp8 and m.mode == TrainMode.full:
+        raise ConfigError(
+            "model.base_dtype=fp8 stores the frozen base weights in 8 bits, but model.mode=full "
+            "trains every weight (their updates would be lost to fp8 rounding); use "
+            "model.mode=lora with fp8, or model.base_dtype=auto for a full fine-tune")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError("pipeline.memory_budget_gb must be > 0, or null for the device's memory")
 

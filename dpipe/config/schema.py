@@ -73,6 +73,13 @@ class LoraConfig:
     targets: Optional[list[str]] = None
 
 
+class BaseDtype(str, Enum):
+    auto = "auto"  # the training precision: bf16 under train.precision=bf16, else fp32
+    # LoRA only: the blocks' frozen Linear weights stored as float8_e4m3fn with a scale per
+    # output row, upcast to the compute dtype inside each Linear (half of bf16's memory).
+    fp8 = "fp8"
+
+
 @dataclass
 class ModelConfig:
     family: str = MISSING  # a name in dpipe.models.registry, e.g. "flux"
@@ -81,6 +88,8 @@ class ModelConfig:
     tiny: bool = False
     mode: TrainMode = TrainMode.lora
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # How the frozen base weights are stored under LoRA: auto or fp8 (see BaseDtype).
+    base_dtype: BaseDtype = BaseDtype.auto
     # Guidance value fed to guidance-distilled models (FLUX.1-dev) during training.
     guidance: float = 1.0
     # Longest text-encoder sequence (T5 tokens for Flux).
@@ -334,6 +343,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the newest complete checkpoint in the run dir
     progress_bar: bool = True
+    # Processes per rank that prepare the coming steps' micro-batches (cache reads, noise,
+    # input packing) while the current step trains; 0: in the training process, as each
+    # micro-batch is needed. null: 2 on GPU, 0 on CPU. Never changes what is trained on.
+    loader_workers: Optional[int] = None
 
 
 @dataclass

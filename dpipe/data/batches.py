@@ -97,12 +97,21 @@ class CachedDataset:
         pooled = F.interpolate(mask[None], size=(h, w), mode="area")[0]
         return pooled.view(*lead, h, w)
 
-    def write_log(self, step: int, micro: int, dp_rank: int, batch, latents: torch.Tensor):
+    def write_log(self, step: int, micro: int, dp_rank: int, batch, latents: torch.Tensor,
+                  records: list | None = None):
+        """Writes the micro-batch's log record, or appends it to `records` (a loader's worker
+        process leaves the writing to the main process, which keeps the file in step order)."""
         if self.log is None:
             return
         record = {"rank": self.rank, "step": step, "micro": micro, "dp_rank": dp_rank,
                   "bucket": batch.bucket.name, "shape": list(latents.shape),
                   "samples": [f"{s.source}@{s.start}" for s in batch.samples]}
+        if records is not None:
+            records.append(record)
+        else:
+            self.write_record(record)
+
+    def write_record(self, record: dict) -> None:
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
 
@@ -144,13 +153,15 @@ def choose_texts(samples: list[Sample], empty_text: str | None, seed: int, step:
 
 def step_micro_batches(
     spec: ModelSpec, dataset: CachedDataset, plan: BatchPlan, timesteps_cfg: TimestepConfig,
-    seed: int, step: int, dp_rank: int,
+    seed: int, step: int, dp_rank: int, records: list | None = None,
 ) -> Iterator[tuple[tuple, tuple]]:
+    """The (inputs, labels) of each micro-batch of `step` on data-parallel rank `dp_rank`: a pure
+    function of its arguments (see `dpipe.data.loader` for computing them ahead, in workers)."""
     for micro in range(plan.micro_batches):
         batch = plan.micro_batch(step, micro, dp_rank)
         texts = choose_texts(batch.samples, batch.empty_text, seed, step, batch.slots)
         latents, text, weight, control = dataset.collate(batch.samples, texts)
-        dataset.write_log(step, micro, dp_rank, batch, latents)
+        dataset.write_log(step, micro, dp_rank, batch, latents, records)
         inputs, labels = spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed,
                                                        step, batch.slots, weight, control,
                                                        conditions=sample_conditions(batch.samples)))

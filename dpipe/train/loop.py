@@ -15,6 +15,7 @@ from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.data import prepare
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
+from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
@@ -83,12 +84,19 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
                           dp_rank, run.train.seed, run_dir)
     evaluator.maybe_run(engine, step, reporter)
+
+    def make_step(at: int, records: list | None):
+        return step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, at,
+                                  dp_rank, records)
+
+    workers = run.train.loader_workers
+    loader = StepLoader(make_step, step, run.train.max_steps,
+                        default_workers(cuda) if workers is None else workers, device,
+                        dataset.write_record if dataset.log is not None else None)
     while step < run.train.max_steps:
         # Dropout and other module randomness: the same at step k whether or not the run resumed.
         torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
-        batches = step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed,
-                                     step, dp_rank)
-        loss = engine.train_batch(data_iter=batches)
+        loss = engine.train_batch(data_iter=loader.next(step))
         step += 1
         evaluator.maybe_run(engine, step, reporter)
         if auto_ckpt is not None:
@@ -102,7 +110,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step
         if preemption.stop_agreed() and step < run.train.max_steps:
+            loader.close()
             preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
+    loader.close()
     if step != last_saved:
         checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
     if reporter is not None:

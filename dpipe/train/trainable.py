@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.config.schema import BaseDtype, Precision, RunConfig, TrainMode
 from dpipe.train.lora import frozen_dtype, make_trainable
 
 
@@ -19,4 +19,8 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
         frozen_dtype(denoiser, torch.bfloat16)
     elif bf16 and not run.optim.master_weights:
         denoiser.to(torch.bfloat16)  # trained as is: no fp32 copy anywhere
+    if run.model.base_dtype == BaseDtype.fp8 and run.model.mode == TrainMode.lora:
+        from dpipe.train.fp8 import frozen_linears_to_fp8
+
+        frozen_linears_to_fp8(denoiser)  # after LoRA wrapping: peft's base layers become fp8
     return spec.pipeline_layers(denoiser)

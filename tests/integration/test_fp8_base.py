@@ -1,0 +1,45 @@
+"""`model.base_dtype=fp8` through `dpipe-train`: 2 pipeline stages (gloo processes), checkpoints
+without the base weights, and an exported LoRA that diffusers loads as usual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.cli import dpipe_train, train_args
+from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+
+pytestmark = pytest.mark.slow
+
+
+def test_fp8_lora_on_two_stages_exports_a_lora_diffusers_loads(tmp_path):
+    run_dir = tmp_path / "run"
+    result = dpipe_train(*train_args(
+        run_dir, "model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3", "train.max_steps=3",
+        "train.checkpoint_every_steps=2", "pipeline.micro_batches=2", "pipeline.stages=2",
+        "model.base_dtype=fp8", "train.loader_workers=1"))
+    assert result.code == 0, f"dpipe-train failed:\n{result.out}\n{result.err[-3000:]}"
+
+    # Checkpoints hold the adapters only: the fp8 base weights are frozen parameters.
+    for shard in (run_dir / "checkpoints" / "step_00000003").glob("layer_*-model_states.pt"):
+        state = torch.load(shard, map_location="cpu")
+        assert all("lora_" in k for k in state), [k for k in state if "lora_" not in k][:3]
+
+    exported = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
+    assert exported and all(".lora_A." in k or ".lora_B." in k for k in exported)
+    assert all(v.dtype == torch.float32 for v in exported.values())  # adapters trained in fp32
+
+    # The exported LoRA, loaded by diffusers over the base model, is the trained one.
+    spec, layers = trained_layers(run_dir)
+    dataset, plan = cached_dataset(run_dir)
+    from dpipe.data.batches import step_micro_batches
+
+    inputs, _ = next(step_micro_batches(spec, dataset, plan, run_config(run_dir).train.timesteps,
+                                        1, 0, 0))
+    trained = run_layers(layers, inputs)
+    with torch.no_grad():
+        base = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
+        with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), inputs)
+    assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
+    torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,105 @@
+"""The step loader: worker processes yield exactly the micro-batches (and batch log) that the
+training process makes itself, from any starting step (a resumed run), in order."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dpipe.config.schema import TimestepConfig
+from dpipe.data.batches import step_micro_batches
+from dpipe.data.loader import StepLoader
+from dpipe.data.prepare import Layout, prepare
+from dpipe.errors import DataError
+from tests.unit.test_data_support import dataset_config, tiny_flux_spec, write_image
+
+STEPS = 6
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def flux_data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loader")
+    for i in range(6):  # two aspect buckets, three files each
+        write_image(tmp / "data" / f"{i}.png", (64, 32) if i % 2 else (32, 64), seed=i,
+                    caption=f"tag{i}, red, a photo")
+    # Caption dropout and tag shuffling: every random choice of the step is exercised.
+    cfg = dataset_config(path=str(tmp / "data"), cache_dir=str(tmp / "cache"), resolutions=[32],
+                         aspect_ratios=[0.5, 2.0], caption_dropout=0.3, shuffle_tags=True)
+    spec = tiny_flux_spec()
+    dataset = prepare(spec, cfg, CPU, torch.float32, Layout(1, 2, 1, 0))
+    return spec, dataset
+
+
+def _maker(spec, dataset):
+    def make_step(step, records):
+        return step_micro_batches(spec, dataset, dataset.plan, TimestepConfig(), 7, step, 0,
+                                  records)
+    return make_step
+
+
+def _in_process(spec, dataset, first):
+    dataset.log = io.StringIO()
+    batches = [list(step_micro_batches(spec, dataset, dataset.plan, TimestepConfig(), 7, s, 0))
+               for s in range(first, STEPS)]
+    return batches, dataset.log.getvalue()
+
+
+def _from_workers(spec, dataset, first, workers=2):
+    dataset.log = io.StringIO()
+    loader = StepLoader(_maker(spec, dataset), first, STEPS, workers, CPU, dataset.write_record)
+    try:
+        batches = [list(loader.next(s)) for s in range(first, STEPS)]
+    finally:
+        loader.close()
+    return batches, dataset.log.getvalue()
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for step_a, step_b in zip(a, b):
+        assert len(step_a) == len(step_b) == 2  # micro-batches
+        for (in_a, lab_a), (in_b, lab_b) in zip(step_a, step_b):
+            for x, y in zip(in_a + lab_a, in_b + lab_b, strict=True):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("first", [0, 3], ids=["from-start", "resumed-at-3"])
+def test_workers_yield_exactly_the_in_process_batches(flux_data, first):
+    spec, dataset = flux_data
+    expected, expected_log = _in_process(spec, dataset, first)
+    got, log = _from_workers(spec, dataset, first)
+    _assert_same(got, expected)
+    assert log == expected_log and log.count("\n") == 2 * (STEPS - first)
+    # The steps differ from each other: equality above is not of constants.
+    assert not torch.equal(expected[0][0][0][0], expected[1][0][0][0])
+
+
+def test_in_process_loader_is_the_plain_path(flux_data):
+    spec, dataset = flux_data
+    expected, _ = _in_process(spec, dataset, 0)
+    got, _ = _from_workers(spec, dataset, 0, workers=0)
+    _assert_same(got, expected)
+
+
+def test_a_data_error_in_a_worker_reaches_the_user_unchanged(flux_data):
+    def make_step(step, records):
+        if step == 1:
+            raise DataError("the cache entry for a.png vanished")
+        return iter([((torch.zeros(1),), (torch.zeros(1),))])
+
+    loader = StepLoader(make_step, 0, 3, 1, CPU)
+    try:
+        assert len(list(loader.next(0))) == 1
+        with pytest.raises(DataError, match="the cache entry for a.png vanished"):
+            loader.next(1)
+    finally:
+        loader.close()
+
+
+def test_steps_must_be_asked_for_in_order(flux_data):
+    loader = StepLoader(lambda step, records: iter([]), 2, 5, 0, CPU)
+    with pytest.raises(RuntimeError, match="asked for step 3, expected 2"):
+        loader.next(3)
