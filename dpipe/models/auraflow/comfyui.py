@@ -73,7 +73,7 @@ def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """diffusers-named LoRA weights (no adapter name) -> ComfyUI keys in the original names."""
-    from dpipe.models.hunyuan_video.comfyui import COMFY_PREFIX, peft_pairs
+    from dpipe.models.comfyui import COMFY_PREFIX, peft_pairs
 
     out = {}
     for module, (a, b) in peft_pairs(weights).items():

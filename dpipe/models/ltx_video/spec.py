@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.comfyui import renamed
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.comfyui import renamed
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original
-from dpipe.models.qwen_image.shared import (
+from dpipe.models.single_file import (
     SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
