@@ -93,6 +93,21 @@ def load_or_fail(fn: Callable[[], Any], what: Path):
         raise ModelLoadError(f"cannot load {what}: {err}") from None
 
 
+def write_transformer_file(transformer_dir: Path, file: Path, to_original: Callable,
+                           prefix: str = "", dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The diffusers transformer in `transformer_dir` (its safetensors shards) as one file of the
+    original layout: names mapped by `to_original`, each key after `prefix` ("model.diffusion_model."
+    as ComfyUI saves), in `dtype` (the releases' bf16). The tiny factories' single files."""
+    from safetensors.torch import load_file, save_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(transformer_dir).glob("*.safetensors")):
+        weights.update(load_file(shard))
+    save_file({prefix + k: v.to(dtype).contiguous() for k, v in to_original(weights).items()},
+              file, metadata={"format": "pt"})
+    return file
+
+
 def export_like_source(folder: Path, source: Path, to_original: Callable, out_dir: Path) -> Path:
     """Write the diffusers transformer in `folder` (its safetensors shards) as `out_dir /
     source.name`, laid out as `source`. `to_original` maps diffusers names to the original
