@@ -94,16 +94,17 @@ def load_or_fail(fn: Callable[[], Any], what: Path):
 
 
 def write_transformer_file(transformer_dir: Path, file: Path, to_original: Callable,
-                           prefix: str = "", dtype: torch.dtype = torch.bfloat16) -> Path:
+                           prefix: str = "", dtype: torch.dtype | None = None) -> Path:
     """The diffusers transformer in `transformer_dir` (its safetensors shards) as one file of the
     original layout: names mapped by `to_original`, each key after `prefix` ("model.diffusion_model."
-    as ComfyUI saves), in `dtype` (the releases' bf16). The tiny factories' single files."""
+    as ComfyUI saves), in `dtype` (None: as stored). The tiny factories' single files."""
     from safetensors.torch import load_file, save_file
 
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted(Path(transformer_dir).glob("*.safetensors")):
         weights.update(load_file(shard))
-    save_file({prefix + k: v.to(dtype).contiguous() for k, v in to_original(weights).items()},
+    save_file({prefix + k: (v if dtype is None else v.to(dtype)).contiguous()
+               for k, v in to_original(weights).items()},
               file, metadata={"format": "pt"})
     return file
 
