@@ -28,6 +28,8 @@ from dpipe.models.registry import build_spec
 FAMILIES = {
     "sd3": ("sd3.5_medium.safetensors", "joint_blocks.0.x_block.attn.qkv.weight", None),
     "auraflow": ("aura_flow_0.3.safetensors", "double_layers.0.attn.w2q.weight", "auraflow"),
+    "hidream": ("hidream_i1_full_fp16.safetensors",
+                "double_stream_blocks.0.block.adaLN_modulation.1.bias", "hidream"),
 }
 
 
