@@ -28,6 +28,7 @@ from dpipe.models.registry import build_spec
 FAMILIES = {
     "sd3": ("sd3.5_medium.safetensors", "joint_blocks.0.x_block.attn.qkv.weight", None),
     "auraflow": ("aura_flow_0.3.safetensors", "double_layers.0.attn.w2q.weight", "auraflow"),
+    "chroma": ("Chroma1-HD.safetensors", "single_blocks.0.linear1.weight", "chroma"),
     "hidream": ("hidream_i1_full_fp16.safetensors",
                 "double_stream_blocks.0.block.adaLN_modulation.1.bias", "hidream"),
 }
@@ -73,6 +74,37 @@ def test_the_tiny_file_is_in_the_original_layout(folders, tmp_path, family):
     if kind is not None:  # diffusers' own detection (which some families do without the prefix)
         plain = {k.removeprefix("model.diffusion_model."): v for k, v in keys.items()}
         assert infer_diffusers_model_type(plain) == kind
+
+
+def _labelled(shape) -> torch.Tensor:
+    """A tensor whose every row holds its row index, stored as one column (no memory for the real
+    widths): splits and concatenations along dim 0 show in the values."""
+    rows = torch.arange(shape[0], dtype=torch.int32)
+    return rows.view(-1, *([1] * (len(shape) - 1))).expand(*shape)
+
+
+def test_chroma_split_agrees_with_diffusers_converter_at_real_sizes():
+    """diffusers' Chroma converter splits the single blocks' linear1 at Chroma's width (3072),
+    so dpipe splits at the model's own sizes; at the real sizes both give the same weights for
+    every key (one block of each kind, rows labelled), and the original names written for the
+    tiny files are the ones diffusers reads."""
+    from diffusers import ChromaTransformer2DModel
+    from diffusers.loaders.single_file_utils import (
+        convert_chroma_transformer_checkpoint_to_diffusers)
+
+    from dpipe.models.chroma.original import from_original, original_state_dict
+
+    with torch.device("meta"):  # Chroma1-HD's config (diffusers' defaults), one block per kind
+        model = ChromaTransformer2DModel(num_layers=1, num_single_layers=1)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    native = {k: _labelled(v.shape) for k, v in original_state_dict(
+        {k: torch.empty(s, device="meta") for k, s in shapes.items()}).items()}
+    assert native["single_blocks.0.linear1.weight"].shape == (3 * 3072 + 12288, 3072)
+    theirs = convert_chroma_transformer_checkpoint_to_diffusers(dict(native))
+    ours = from_original(native, model)
+    assert ours.keys() == theirs.keys() == shapes.keys()
+    for key in theirs:
+        assert ours[key].shape == shapes[key] and torch.equal(ours[key], theirs[key]), key
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
