@@ -177,3 +177,33 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, tmp_
     folder = spec.load_exported_full(out).state_dict()
     for name, value in denoiser.state_dict().items():
         torch.testing.assert_close(folder[name], value)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_exported_lora_loads_onto_the_single_file_transformer(folders, tmp_path, family):
+    """`load_denoiser_with_lora` (the diffusers way of loading the LoRA) puts it on the single
+    file's transformer, not the folder's: with someone's fine-tune as the file, the LoRA sits on
+    the fine-tuned weights."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    source = _write(folders, family, tmp_path)
+    generator = torch.Generator().manual_seed(0)
+    file = tmp_path / "fine-tune" / source.name
+    file.parent.mkdir()
+    save_file({k: (v.float() + 0.05 * torch.randn(v.shape, generator=generator)).to(v.dtype)
+               for k, v in _keys(source).items()}, file)
+    spec = _spec(family, file, single_file_config=str(folders(family)), lora={"rank": 2})
+    spec.ensure_available()
+    denoiser = spec.load_denoiser(torch.float32)
+    tuned = {k: v.clone() for k, v in denoiser.state_dict().items()}
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=spec.lora_targets(),
+                                       init_lora_weights=False), denoiser)
+    out = tmp_path / "lora"
+    out.mkdir()
+    spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), out)
+    loaded = spec.load_denoiser_with_lora(out).state_dict()
+    assert any("lora_" in k for k in loaded)
+    base = {k.replace(".base_layer", ""): v for k, v in loaded.items() if "lora_" not in k}
+    assert base.keys() == tuned.keys()
+    for key, value in tuned.items():
+        assert torch.equal(base[key].float(), value), key
