@@ -110,9 +110,10 @@ class ModelConfig:
     # With `path` naming a single-file checkpoint (.safetensors, as SDXL fine-tunes are shared):
     # a diffusers folder or hub id holding the matching configs and tokenizers. null: diffusers'
     # default for the checkpoint's type (fetched from the hub once, then from its cache).
-    # Families whose single files hold the transformer only (Wan, HunyuanVideo, LTX-Video,
-    # Cosmos-Predict2, Z-Image, Qwen-Image, Lumina 2): the diffusers folder of the same model,
-    # required, for the VAE, text encoders, tokenizers and configs.
+    # Families whose single files are read for the transformer only (Wan, HunyuanVideo,
+    # LTX-Video, LTX-2, Cosmos-Predict2, Z-Image, Qwen-Image, Lumina 2, FLUX.1 / Kontext / FLUX.2,
+    # SD3, Chroma, HiDream-I1, AuraFlow): the diffusers folder of the same model, required, for
+    # the VAE, text encoders, tokenizers and configs.
     single_file_config: Optional[str] = None
 
 

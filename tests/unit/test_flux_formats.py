@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.flux.bfl import flux1_layout, flux2_layout, from_bfl, to_bfl
 from dpipe.models.flux.tiny import write_bfl_single_file
-from dpipe.models.qwen_image.shared import apply_comfy_lora
 from dpipe.models.registry import build_spec
 
 FAMILIES = {

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
+from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.hunyuan_image.comfyui import comfyui_block_weights
 from dpipe.models.hunyuan_image.spec import COMFYUI_LORA, LORA_FILE, HunyuanImageSpec
 from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
-from dpipe.models.qwen_image.shared import apply_comfy_lora
 
 
 @pytest.fixture(scope="module")

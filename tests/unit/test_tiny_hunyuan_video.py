@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
-from dpipe.models.hunyuan_video.comfyui import peft_pairs
+from dpipe.models.comfyui import peft_pairs
 from dpipe.models.hunyuan_video.spec import (
     COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideoSpec, comfyui_mapping, prompt_template)
 from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video

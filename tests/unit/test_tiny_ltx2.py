@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, DataError
-from dpipe.models.hunyuan_video.comfyui import peft_pairs
+from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx2.spec import COMFYUI_LORA, LTX2Spec
 from dpipe.models.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA

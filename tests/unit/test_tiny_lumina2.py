@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from transformers import Gemma2Model, GemmaTokenizer
 
 from dpipe.config.schema import ModelConfig
+from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, from_native, native_state_dict
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
-from dpipe.models.qwen_image.shared import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
 
 CAPTIONS = ["a red circle on a blue background", "a cat",

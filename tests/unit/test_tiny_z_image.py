@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer, Qwen3Model
 
 from dpipe.config.schema import ModelConfig
-from dpipe.models.qwen_image.shared import apply_comfy_lora
+from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
 from dpipe.models.z_image.tiny import make_tiny_z_image

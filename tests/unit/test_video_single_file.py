@@ -1,4 +1,4 @@
-"""Single-file transformers of the video families (HunyuanVideo, LTX-Video, Cosmos-Predict2) in
+"""Single-file transformers of the video families (HunyuanVideo, LTX-Video, LTX-2, Cosmos-Predict2) in
 the layout users download: each tiny transformer written under its original names (the inverse of
 diffusers' converter), loaded through the spec with model.single_file_config naming the diffusers
 folder, gives exactly the folder's weights; the wrong family's file fails naming the file."""
@@ -19,11 +19,17 @@ from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
 
 FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
+# With LTX-2, whose files diffusers 0.42.1 does not tell from LTX-Video's (its detection checks
+# LTX-Video's keys first), so the detection test leaves it out.
+LOADED = (*FAMILIES, "ltx2")
+# Keys of the files' other components (VAE, audio VAE, vocoder) and NVIDIA's buffers.
+OTHERS = ("vae.", "audio_vae.", "vocoder.", "net.pos_embedder", "net.accum")
 
 
 def _factories():
     from dpipe.models.cosmos_predict2 import tiny as cosmos
     from dpipe.models.hunyuan_video import tiny as hunyuan
+    from dpipe.models.ltx2 import tiny as ltx2
     from dpipe.models.ltx_video import tiny as ltx
 
     return {
@@ -33,6 +39,7 @@ def _factories():
                       "ltx-video-2b-v0.9.5.safetensors"),
         "cosmos_predict2": (cosmos.make_tiny_cosmos_predict2, cosmos.write_single_file,
                             "cosmos_predict2_2B_t2i.safetensors"),
+        "ltx2": (ltx2.make_tiny_ltx2, ltx2.write_single_file, "ltx-2-19b-dev.safetensors"),
     }
 
 
@@ -40,13 +47,13 @@ def _factories():
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     names = {"cosmos_predict2": "tiny-cosmos_predict2_text2image"}
-    return {f: _factories()[f][0](root / names.get(f, f)) for f in FAMILIES}
+    return {f: _factories()[f][0](root / names.get(f, f)) for f in LOADED}
 
 
 @pytest.fixture(scope="module")
 def files(folders, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("single")
-    return {f: _factories()[f][1](folders[f], out / _factories()[f][2]) for f in FAMILIES}
+    return {f: _factories()[f][1](folders[f], out / _factories()[f][2]) for f in LOADED}
 
 
 def _spec(family: str, path: Path, **values):
@@ -97,14 +104,14 @@ def test_the_tiny_file_is_in_the_layout_diffusers_recognises(files, family):
                if not k.startswith(("vae.", "net.pos_embedder", "net.accum")))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOADED)
 def test_single_file_loads_as_the_folder(folders, files, family):
     _assert_loads_as_folder(family, folders[family], files[family])
 
 
 @pytest.mark.parametrize("family,prefix", [
     ("hunyuan_video", "model.diffusion_model."), ("ltx_video", ""),
-    ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model.")])
+    ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model."), ("ltx2", "")])
 def test_other_prefixes_load_too(folders, tmp_path, family, prefix):
     """ComfyUI saves models behind `model.diffusion_model.`; downloads come with or without it
     (and Cosmos files with or without NVIDIA's `net.`)."""
@@ -122,7 +129,8 @@ def test_cosmos_loads_from_nvidia_pt_checkpoint(folders, tmp_path):
 
 @pytest.mark.parametrize("family,other", [
     ("hunyuan_video", "ltx_video"), ("ltx_video", "cosmos_predict2"),
-    ("cosmos_predict2", "hunyuan_video"), ("hunyuan_video", "cosmos_predict2")])
+    ("cosmos_predict2", "hunyuan_video"), ("hunyuan_video", "cosmos_predict2"),
+    ("ltx2", "ltx_video"), ("ltx_video", "ltx2")])
 def test_a_file_of_another_family_fails_naming_it(folders, files, family, other):
     spec = _spec(family, files[other], single_file_config=str(folders[family]))
     spec.ensure_available()
@@ -132,7 +140,7 @@ def test_a_file_of_another_family_fails_naming_it(folders, files, family, other)
     assert "layout dpipe reads" in str(err.value)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOADED)
 def test_single_file_config_errors(folders, files, tmp_path, family):
     with pytest.raises(ConfigError, match="single_file_config"):
         _spec(family, files[family])  # a file alone: where do the VAE and text encoder come from?
@@ -155,42 +163,48 @@ def test_hunyuan_video15_refuses_single_files(tmp_path):
               single_file_config=str(tmp_path))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOADED)
 def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, files, tmp_path,
                                                                    family):
     """A full fine-tune trained from a single file is exported as the diffusers folder and as a
     file laid out as the source (same keys, prefixes and dtypes; LTX's VAE / NVIDIA's buffers
-    kept), which loads back as the trained weights."""
+    kept), which loads back as the trained weights. The source is someone's fine-tune, so what
+    training leaves alone (LTX-2's top-level audio modules) must come from it, not the folder."""
     from safetensors.torch import save_file
 
-    spec = _spec(family, files[family], single_file_config=str(folders[family]), mode="full")
+    (tmp_path / "source").mkdir()
+    source_file = _fine_tune(files[family], tmp_path / "source" / files[family].name)
+    spec = _spec(family, source_file, single_file_config=str(folders[family]), mode="full")
     spec.ensure_available()
     denoiser = spec.load_denoiser(torch.float32)
+    base = {k: v.clone() for k, v in denoiser.state_dict().items()}
     with torch.no_grad():
         for param in denoiser.parameters():
             param.add_(0.01 * torch.randn_like(param))  # "trained"
     weights = {}
     for layer in spec.pipeline_layers(denoiser):
         weights.update(layer.denoiser_state_dict(trainable_only=False))
+    # What the layers hold is trained; the rest (LTX-2's top-level audio modules) stays the base's.
+    trained = {k: v if k in weights else base[k] for k, v in denoiser.state_dict().items()}
     shard = tmp_path / "stage-0.safetensors"
     save_file({k: v.contiguous() for k, v in weights.items()}, shard)
     out = tmp_path / "model"
     spec.export_full([shard], out)
 
-    exported, source = out / files[family].name, _keys(files[family])
+    exported, source = out / files[family].name, _keys(source_file)
     got = _keys(exported)
     assert list(got) == list(source)
     assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in source.items()}
     changed = [k for k in source if not torch.equal(got[k], source[k])]
-    kept = [k for k in source if k.startswith(("vae.", "net.pos_embedder", "net.accum"))]
+    kept = [k for k in source if k.startswith(OTHERS)]
     assert changed and not set(kept) & set(changed)
     reloaded = _spec(family, exported, single_file_config=str(folders[family]))
     reloaded.ensure_available()
     back = reloaded.load_denoiser(torch.float32).state_dict()
-    for name, value in denoiser.state_dict().items():
+    for name, value in trained.items():
         assert torch.equal(back[name], value.to(torch.bfloat16).float()), name
     folder = spec.load_exported_full(out).state_dict()
-    for name, value in denoiser.state_dict().items():
+    for name, value in trained.items():
         torch.testing.assert_close(folder[name], value)
 
 
@@ -199,14 +213,14 @@ def _fine_tune(file: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(0)
-    tensors = {k: v if k.startswith(("vae.", "net.pos_embedder", "net.accum")) else
+    tensors = {k: v if k.startswith(OTHERS) else
                (v.float() + 0.05 * torch.randn(v.shape, generator=generator)).to(v.dtype)
                for k, v in _keys(file).items()}
     save_file(tensors, out)
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOADED)
 def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tmp_path, family):
     """`load_denoiser_with_lora` (the diffusers way of loading the LoRA) puts it on the single
     file's transformer, not the folder's: with a fine-tuned file, it reproduces the LoRA model."""
@@ -220,7 +234,7 @@ def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tm
     out.mkdir()
     spec.export_lora(lora_state_dict(denoiser), out)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
-    frames = {"cosmos_predict2": 1, "ltx_video": 9}.get(family, 5)  # Text2Image: images only
+    frames = {"cosmos_predict2": 1, "ltx_video": 9, "ltx2": 9}.get(family, 5)  # Text2Image: images only
     inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
     with torch.no_grad():
         expected = spec.denoiser_forward(denoiser, inputs)
@@ -231,6 +245,14 @@ def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tm
     assert (other - expected).abs().max() > 1e-3
 
 
-def test_ltx2_refuses_single_files(tmp_path):
-    with pytest.raises(ConfigError, match="diffusers folder only"):
-        _spec("ltx2", tmp_path / "ltx-2-19b-dev.safetensors", single_file_config=str(tmp_path))
+def test_ltx2_file_has_the_keys_diffusers_reads_as_ltx2(files):
+    """The key diffusers identifies LTX-2 checkpoints by, and the original names of its
+    audio-video modules; the stand-in VAE / audio VAE / vocoder keys are skipped on loading."""
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
+
+    keys = _keys(files["ltx2"])
+    assert CHECKPOINT_KEY_NAMES["ltx2"][0] in keys
+    assert "model.diffusion_model.audio_patchify_proj.weight" in keys
+    assert "model.diffusion_model.transformer_blocks.0.scale_shift_table_a2v_ca_video" in keys
+    assert not any("norm_q" in k or "time_embed" in k for k in keys)
+    assert any(k.startswith("audio_vae.") for k in keys)

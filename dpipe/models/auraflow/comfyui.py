@@ -73,7 +73,7 @@ def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """diffusers-named LoRA weights (no adapter name) -> ComfyUI keys in the original names."""
-    from dpipe.models.hunyuan_video.comfyui import COMFY_PREFIX, peft_pairs
+    from dpipe.models.comfyui import COMFY_PREFIX, peft_pairs
 
     out = {}
     for module, (a, b) in peft_pairs(weights).items():
@@ -84,3 +84,21 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, to
         out[f"{name}.lora_A.weight"] = a.contiguous()
         out[f"{name}.lora_B.weight"] = b.contiguous()
     return out
+
+
+# A key every original AuraFlow transformer has (one of those diffusers detects the family by).
+MARKER = "cond_seq_linear.weight"
+
+
+def from_original(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Original-named weights (a single-file checkpoint) -> diffusers names, through diffusers'
+    own `convert_auraflow_transformer_checkpoint_to_diffusers` (it takes every size from the
+    checkpoint). That converter fills a name it does not find with None; those are dropped, so the
+    loader reports them as missing weights. A file without the original names is returned as is."""
+    from diffusers.loaders.single_file_utils import (
+        convert_auraflow_transformer_checkpoint_to_diffusers)
+
+    if MARKER not in state:
+        return state
+    converted = convert_auraflow_transformer_checkpoint_to_diffusers(dict(state))
+    return {k: v for k, v in converted.items() if v is not None}

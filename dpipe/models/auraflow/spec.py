@@ -7,7 +7,10 @@ timesteps) and the transformer scales it by 1000 itself, so dpipe's t goes in as
 scheduler samples with shift 1.73: set `train.timesteps.shift` to train at the same noise levels.
 Prompts are encoded by `AuraFlowPipeline.encode_prompt` (padded to `max_text_tokens`, padding
 zeroed), exactly as at inference. LoRAs are written for diffusers and, in the original module
-names ComfyUI runs, for ComfyUI (`auraflow/comfyui.py`).
+names ComfyUI runs, for ComfyUI (`auraflow/comfyui.py`). The transformer may instead come from
+one file in the original layout (the transformer keys of ComfyUI's `aura_flow_0.3.safetensors`,
+with or without `model.diffusion_model.`): model.path names the file and model.single_file_config
+the diffusers folder that gives the VAE, text encoder and configs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.auraflow.comfyui import comfyui_lora
+from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import auraflow_layers
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -46,6 +51,12 @@ LORA_TARGETS = r"(?:joint|single)_transformer_blocks\.\d+\.(?:" + "|".join(_BLOC
 class AuraFlowSpec(ModelSpec):
     family = "auraflow"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (original names) with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.auraflow.tiny import make_tiny_auraflow
@@ -60,6 +71,7 @@ class AuraFlowSpec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete AuraFlow diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._config("vae")
         self._config("transformer")
 
@@ -91,6 +103,10 @@ class AuraFlowSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import AuraFlowTransformer2DModel
 
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                AuraFlowTransformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return AuraFlowTransformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -161,8 +177,11 @@ class AuraFlowSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            export_like_source(folder, self.single_file, native_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -172,8 +191,9 @@ class AuraFlowSpec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import AuraFlowPipeline
 
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         pipe = AuraFlowPipeline.from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None)
+            self.path, text_encoder=None, vae=None, tokenizer=None, **base)
         pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
 

@@ -153,3 +153,13 @@ def save_sentencepiece_bpe_tokenizer(directory: Path, model_max_length: int) -> 
         add_eos_token=True, model_max_length=model_max_length, padding_side="right")
     tok.save_pretrained(directory)
     return len(vocab)
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in fal's original layout
+    (the transformer of aura_flow_0.3.safetensors: original names), keys behind `prefix`
+    ("model.diffusion_model." as ComfyUI's checkpoints have them)."""
+    from dpipe.models.auraflow.comfyui import native_state_dict
+    from dpipe.models.single_file import write_transformer_file
+
+    return write_transformer_file(Path(folder) / "transformer", file, native_state_dict, prefix)

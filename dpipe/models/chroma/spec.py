@@ -7,6 +7,9 @@ modulation vectors; there is no CLIP, no pooled text and no guidance embedding. 
 embedded by diffusers' own `ChromaPipeline.encode_prompt`: T5 with its attention mask, and a mask
 for the transformer that keeps the prompt's tokens plus exactly one padding token (Chroma's
 training recipe). Objective: rectified flow, timestep t in [0, 1] (the model scales it by 1000).
+The transformer may instead come from one file in the original layout (`Chroma1-HD.safetensors`,
+with or without ComfyUI's `model.diffusion_model.`): model.path names the file and
+model.single_file_config the diffusers folder that gives the VAE, T5 and configs (original.py).
 
 Attention mask: training passes the mask to the transformer as booleans (True = attend), as Chroma
 was trained and as ComfyUI runs it. diffusers 0.42.1's ChromaPipeline passes it as a float tensor,
@@ -27,8 +30,11 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.chroma.layers import chroma_layers
+from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -59,6 +65,12 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, to
 class ChromaSpec(ModelSpec):
     family = "chroma"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (original names) with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.chroma.tiny import make_tiny_chroma
@@ -73,6 +85,7 @@ class ChromaSpec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete Chroma diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
@@ -102,6 +115,10 @@ class ChromaSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import ChromaTransformer2DModel
 
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                ChromaTransformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return ChromaTransformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -189,8 +206,11 @@ class ChromaSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -202,8 +222,9 @@ class ChromaSpec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import ChromaPipeline
 
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         pipe = ChromaPipeline.from_pretrained(self.path, text_encoder=None, vae=None,
-                                              tokenizer=None)
+                                              tokenizer=None, **base)
         pipe.load_lora_weights(str(lora_dir))
         return pipe.transformer
 

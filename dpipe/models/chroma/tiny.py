@@ -95,3 +95,13 @@ def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
     sizes = [t.numel() * t.element_size() for t in unique]
     model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in the original layout
+    (Chroma1-HD.safetensors: lodestones' FLUX-style names), keys behind `prefix`
+    ("model.diffusion_model." as ComfyUI saves it)."""
+    from dpipe.models.chroma.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
+
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix)

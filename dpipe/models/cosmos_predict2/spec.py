@@ -41,7 +41,7 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.qwen_image.shared import (
+from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 

@@ -190,7 +190,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict
     W_fused += B A where A = the A_i stacked (rank k*r) and B = the B_i block-diagonal (a part
     without a LoRA contributes zero rows). alpha / rank is folded into B, so no alpha is written
     and ComfyUI applies scale 1 (what it does without an alpha)."""
-    from dpipe.models.hunyuan_video.comfyui import COMFY_PREFIX, to_comfyui
+    from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
 
     out = to_comfyui(weights, scale, _with_sizes(layout[0], weights))
     for bfl in _SWAPPED:  # W' = swap(W + B A) = swap(W) + swap(B) A

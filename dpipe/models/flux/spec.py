@@ -23,7 +23,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import (
     comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format)
 from dpipe.models.flux.layers import FluxBlock, flux_layers
-from dpipe.models.qwen_image.shared import (
+from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 

@@ -3,7 +3,10 @@ two long-context CLIPs, T5-XXL and Llama-3.1-8B-Instruct.
 
 `model.path` is the diffusers folder (HiDream-ai/HiDream-I1-Full layout). Llama-3.1-8B-Instruct is
 not part of that repo: put it (a copy or a symlink of the Llama folder) at `text_encoder_4/` and
-`tokenizer_4/` inside the model folder.
+`tokenizer_4/` inside the model folder. The transformer may instead come from one file as
+ComfyUI holds it (`hidream_i1_full_fp16.safetensors`: the original module names, which are
+diffusers', with or without `model.diffusion_model.`): model.path names the file and
+model.single_file_config the diffusers folder for the rest.
 
 Rectified flow with HiDream's sign: the pipeline negates the transformer's output before its
 scheduler step, so the transformer predicts x0 - noise (the negated velocity), and that is the
@@ -28,6 +31,8 @@ from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hidream.layers import hidream_layers
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
@@ -48,6 +53,12 @@ LORA_TARGETS = (r"(?:double|single)_stream_blocks\.\d+\.block\.(?:"
 class HiDreamSpec(ModelSpec):
     family = "hidream"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.hidream.tiny import make_tiny_hidream
@@ -61,6 +72,7 @@ class HiDreamSpec(ModelSpec):
         if missing:
             raise ModelLoadError(f"model.path={self.path} is not a complete HiDream-I1 diffusers "
                                  f"folder: missing {', '.join(missing)}")
+        check_single_file(self.single_file)
         missing = [p for p in LLAMA_PARTS if not (self.path / p).exists()]
         if missing:
             raise ModelLoadError(
@@ -84,7 +96,7 @@ class HiDreamSpec(ModelSpec):
         return vae_scale * int(self._config("transformer")["patch_size"])
 
     # ---- components -------------------------------------------------------------------------
-    def _pipeline(self, dtype: torch.dtype | None, text: bool):
+    def _pipeline(self, dtype: torch.dtype | None, text: bool, **components):
         from diffusers import HiDreamImagePipeline
         from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -101,7 +113,8 @@ class HiDreamSpec(ModelSpec):
             else:
                 extra = {name: None for name in TEXT_PARTS}
                 extra["vae"] = None
-            return HiDreamImagePipeline.from_pretrained(self.path, dtype=dtype, **extra)
+            return HiDreamImagePipeline.from_pretrained(self.path, dtype=dtype, **extra,
+                                                        **components)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot load HiDream from {self.path}: {err}") from None
 
@@ -116,6 +129,10 @@ class HiDreamSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HiDreamImageTransformer2DModel
 
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                HiDreamImageTransformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return HiDreamImageTransformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -193,8 +210,11 @@ class HiDreamSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            export_like_source(folder, self.single_file, dict, out_dir)  # names as they are
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -210,7 +230,8 @@ class HiDreamSpec(ModelSpec):
             denoiser.train(training)
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        pipe = self._pipeline(None, text=False)
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
+        pipe = self._pipeline(None, text=False, **base)
         pipe.load_lora_weights(str(lora_dir))  # picks pytorch_lora_weights.safetensors
         return pipe.transformer
 
@@ -218,3 +239,12 @@ class HiDreamSpec(ModelSpec):
         from diffusers import HiDreamImageTransformer2DModel
 
         return HiDreamImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+
+def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A single file's weights -> diffusers names, through diffusers' own converter: in 0.42.1
+    it only strips ComfyUI's prefix (the original names are diffusers'), which the loader has
+    done already; kept so a future converter's renames apply here too."""
+    from diffusers.loaders.single_file_utils import convert_hidream_transformer_to_diffusers
+
+    return convert_hidream_transformer_to_diffusers(dict(state))

@@ -112,3 +112,12 @@ def _write(out: Path, seed: int) -> None:
     index = json.loads((out / "model_index.json").read_text())
     index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of the tiny folder at `folder` as one file as ComfyUI holds HiDream-I1
+    (hidream_i1_full_fp16.safetensors: the original module names, which are diffusers'), keys
+    behind `prefix` ("model.diffusion_model." as ComfyUI saves it)."""
+    from dpipe.models.single_file import write_transformer_file
+
+    return write_transformer_file(Path(folder) / "transformer", file, dict, prefix)

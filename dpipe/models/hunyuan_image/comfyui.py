@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dpipe.models.hunyuan_video.comfyui import to_comfyui
+from dpipe.models.comfyui import to_comfyui
 
 
 def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int]]]:

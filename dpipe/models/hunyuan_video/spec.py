@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.comfyui import to_comfyui
 from dpipe.models.hunyuan_video.layers import hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original
-from dpipe.models.qwen_image.shared import (
+from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 

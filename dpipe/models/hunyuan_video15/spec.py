@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.comfyui import to_comfyui
 from dpipe.models.hunyuan_video.spec import (
     as_video, frames_ok, loss_labels, read_config, video_loss)
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers

@@ -157,3 +157,23 @@ def _write(out: Path, seed: int) -> None:
     index = json.loads((out / "model_index.json").read_text())
     index["tokenizer"] = ["transformers", "GemmaTokenizerFast"]  # as the real folder names it
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_model.") -> Path:
+    """The tiny folder's transformer as the single file Lightricks releases
+    (ltx-2-19b-dev.safetensors): original names behind `prefix`, bf16, next to `vae.`,
+    `audio_vae.` and `vocoder.` keys. Those are stand-ins (marker keys, not the tiny components
+    in Lightricks' layout): loaders of the transformer must skip them."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from safetensors.torch import save_file
+
+    from dpipe.models.ltx2.original import original_state_dict
+
+    model = LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
+    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
+               for k, v in original_state_dict(model.state_dict()).items()}
+    for key in ("vae.per_channel_statistics.mean-of-means", "audio_vae.per_channel_statistics"
+                ".mean-of-means", "vocoder.conv_pre.weight"):
+        tensors[key] = torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16)
+    save_file(tensors, file)
+    return file

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.comfyui import renamed
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.comfyui import renamed
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
-from dpipe.models.ltx_video.original import from_original
-from dpipe.models.qwen_image.shared import (
+from dpipe.models.ltx_video.original import from_original, original_state_dict
+from dpipe.models.single_file import (
     SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
@@ -75,6 +75,8 @@ class LTXVideoSpec(ModelSpec):
     text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
     # Original-layout single files -> diffusers names; None: the family reads diffusers folders only.
     single_file_convert = staticmethod(from_original)
+    # diffusers names -> the original ones, for writing a full fine-tune back in the file's layout.
+    single_file_names = staticmethod(original_state_dict)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -276,9 +278,8 @@ class LTXVideoSpec(ModelSpec):
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
         if self.single_file is not None:  # also in the layout it came in, named as the source
             from dpipe.models.single_file import export_like_source
-            from dpipe.models.ltx_video.original import original_state_dict
 
-            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+            export_like_source(folder, self.single_file, self.single_file_names, out_dir)
         return folder
 
     # ---- using exported weights ----------------------------------------------------------------

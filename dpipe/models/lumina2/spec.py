@@ -20,9 +20,10 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.qwen_image.shared import (
-    check_folder, check_single_file, fuse_lora, load_or_fail, load_transformer_file,
-    lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora, split_path,
-    weighted_labels, weighted_mse)
+    check_folder, fuse_lora, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
+    save_comfy_lora, weighted_labels, weighted_mse)
+from dpipe.models.single_file import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")

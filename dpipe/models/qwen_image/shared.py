@@ -31,79 +31,11 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str)
             f"{', '.join(missing)}")
 
 
-SINGLE_FILE_SUFFIXES = (".safetensors",)
-
-
-def split_path(cfg, suffixes: tuple[str, ...] = SINGLE_FILE_SUFFIXES) -> tuple[Path, Path | None]:
-    """(diffusers folder, single-file transformer or None) from model.path and
-    model.single_file_config. A single file (the transformer as ComfyUI and the original
-    releases store it) brings only the denoiser; the VAE, text encoder, tokenizer and configs come
-    from the base model's diffusers folder named by model.single_file_config. `suffixes`: the
-    file types the family's releases use (NVIDIA's Cosmos checkpoints are also .pt)."""
-    from dpipe.errors import ConfigError
-
-    path = Path(cfg.path).expanduser()
-    config = getattr(cfg, "single_file_config", None)
-    if path.suffix not in suffixes:
-        if config is not None:
-            raise ConfigError("model.single_file_config is only used when model.path is a single-"
-                              f"file transformer ({', '.join(suffixes)})")
-        return path, None
-    if not config:
-        raise ConfigError(
-            f"model.path={path} is a single-file transformer; the VAE, text encoder and configs "
-            "come from the base model's diffusers folder: set model.single_file_config=<folder>")
-    return Path(config).expanduser(), path
-
-
-def check_single_file(single_file: Path | None) -> None:
-    if single_file is not None and not single_file.is_file():
-        raise ModelLoadError(f"model.path={single_file} does not exist")
-
-
-def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
-                          convert: Callable | None = None) -> torch.nn.Module:
-    """A diffusers transformer from one file (read as diffusers' `from_single_file` reads it:
-    safetensors, or a torch pickle loaded weights-only): keys stripped of ComfyUI's
-    "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file uses other
-    names, loaded into weights allocated once (no random init of billions of parameters)."""
-    from accelerate import init_empty_weights
-    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
-
-    state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
-             for k, v in load_single_file_checkpoint(str(file)).items()}
-    with init_empty_weights():
-        model = model_cls.from_config(model_cls.load_config(config_dir))
-    if convert is not None:
-        try:
-            state = convert(state, model)
-        except (KeyError, RuntimeError, ValueError) as err:  # names or sizes of another model
-            raise ModelLoadError(
-                f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
-                f"(converting its names failed: {err!r})") from None
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads: "
-            f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
-            f"(e.g. {unexpected[:3]})")
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.to(dtype)
-
-
 def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}") from None
-
-
-def load_or_fail(fn: Callable[[], Any], what: Path):
-    try:
-        return fn()
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load {what}: {err}") from None
 
 
 # ---- pipeline stage I/O -------------------------------------------------------------------------
@@ -189,26 +121,6 @@ def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], 
         tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha))
     save_file(tensors, path, metadata={"format": "pt"})
     return path
-
-
-def apply_comfy_lora(native: dict[str, torch.Tensor], lora: dict[str, torch.Tensor],
-                     strength: float = 1.0) -> dict[str, torch.Tensor]:
-    """Merge a ComfyUI LoRA into a state dict with ComfyUI's own key names, as ComfyUI does
-    (W += strength * alpha / rank * B @ A). For tests and for users merging by hand."""
-    out = dict(native)
-    for key, a in lora.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key[: -len(".lora_A.weight")]
-        b = lora[f"{module}.lora_B.weight"]
-        alpha = lora.get(f"{module}.alpha")
-        scale = (alpha.item() / a.shape[0]) if alpha is not None else 1.0
-        name = module.removeprefix("diffusion_model.") + ".weight"
-        if name not in out:
-            raise KeyError(f"the LoRA targets {name}, which the model does not have")
-        w = out[name]
-        out[name] = (w.float() + strength * scale * (b.float() @ a.float())).to(w.dtype)
-    return out
 
 
 # ---- tiny models --------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ from torch import nn
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.layers import grids, qwen_image_layers
 from dpipe.models.qwen_image.shared import (
-    check_folder, check_single_file, load_or_fail, load_transformer_file, lora_metadata,
-    lora_pairs, peft_to_diffusers, read_json, save_comfy_lora, split_path, weighted_mse)
+    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
+    weighted_mse)
+from dpipe.models.single_file import (
+    check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")

@@ -7,6 +7,10 @@ inference: the penultimate hidden states of both CLIPs, concatenated and zero-pa
 width, followed by T5's tokens along the sequence; the pooled input is both CLIPs' projections.
 Objective: rectified flow (x_t = (1 - t) x0 + t noise, predict noise - x0), the model seeing the
 timestep as t * 1000, as the SD3 paper trains it and the pipeline samples it.
+
+The transformer may instead come from one file in Stability AI's layout (`sd3.5_large.safetensors`,
+with or without `model.diffusion_model.`): model.path names the file and model.single_file_config
+the diffusers folder that gives the VAE, text encoders and configs (see original.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.sd3.layers import sd3_layers
+from dpipe.models.sd3.original import from_original, original_state_dict
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,12 @@ COMFYUI_LORA = "sd3_lora_comfyui.safetensors"
 class SD3Spec(ModelSpec):
     family = "sd3"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (original MMDiT names)
+        # with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.sd3.tiny import make_tiny_sd3
@@ -63,6 +76,7 @@ class SD3Spec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete SD3 diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
@@ -101,6 +115,10 @@ class SD3Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import SD3Transformer2DModel
 
+        if self.single_file is not None:  # original names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                SD3Transformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return SD3Transformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -189,8 +207,11 @@ class SD3Spec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -201,9 +222,10 @@ class SD3Spec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import StableDiffusion3Pipeline
 
+        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         pipe = StableDiffusion3Pipeline.from_pretrained(
             self.path, text_encoder=None, text_encoder_2=None, text_encoder_3=None, vae=None,
-            tokenizer=None, tokenizer_2=None, tokenizer_3=None)
+            tokenizer=None, tokenizer_2=None, tokenizer_3=None, **base)
         pipe.load_lora_weights(str(lora_dir))
         return pipe.transformer
 

@@ -139,3 +139,13 @@ def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
     sizes = [t.numel() * t.element_size() for t in unique]
     model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in Stability AI's layout
+    (sd3.5_medium.safetensors: original MMDiT names, bf16), keys behind `prefix`
+    ("model.diffusion_model." as the released files and ComfyUI's saves have them)."""
+    from dpipe.models.sd3.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
+
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix)

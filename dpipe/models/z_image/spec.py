@@ -21,8 +21,9 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.shared import (
-    check_folder, check_single_file, load_or_fail, lora_metadata, lora_pairs, peft_to_diffusers,
-    read_json, save_comfy_lora, split_path, weighted_labels, weighted_mse)
+    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
+    weighted_labels, weighted_mse)
+from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.z_image.layers import z_image_layers
 

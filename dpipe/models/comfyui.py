@@ -1,4 +1,4 @@
-"""LoRA weights in the key layout ComfyUI loads for video models.
+"""LoRA weights in the key layout ComfyUI loads, for every family that exports one.
 
 ComfyUI's LoRA loader accepts `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` (and an
 optional `.alpha`; without it the scale is 1) where `<module>` is a weight of the original
@@ -6,6 +6,7 @@ optional `.alpha`; without it the scale is 1) where `<module>` is a weight of th
 one `img_attn_qkv` for `to_q`, `to_k`, `to_v`). A LoRA on the parts becomes an exact LoRA on the
 fused weight: the A matrices stacked (rank n*r), the B matrices block-diagonal. The LoRA scale
 alpha/r is folded into B, so no alpha is written and every loader applies scale 1.
+`apply_comfy_lora` merges such a file as ComfyUI does, for tests and for merging by hand.
 """
 
 from __future__ import annotations
@@ -77,4 +78,24 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
     for name, (a, b) in peft_pairs(state_dict).items():
         out[f"{COMFY_PREFIX}{rename(name)}.lora_A.weight"] = a.contiguous()
         out[f"{COMFY_PREFIX}{rename(name)}.lora_B.weight"] = (b * scale).contiguous()
+    return out
+
+
+def apply_comfy_lora(native: dict[str, torch.Tensor], lora: dict[str, torch.Tensor],
+                     strength: float = 1.0) -> dict[str, torch.Tensor]:
+    """Merge a ComfyUI LoRA into a state dict with ComfyUI's own key names, as ComfyUI does
+    (W += strength * alpha / rank * B @ A). For tests and for users merging by hand."""
+    out = dict(native)
+    for key, a in lora.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        b = lora[f"{module}.lora_B.weight"]
+        alpha = lora.get(f"{module}.alpha")
+        scale = (alpha.item() / a.shape[0]) if alpha is not None else 1.0
+        name = module.removeprefix("diffusion_model.") + ".weight"
+        if name not in out:
+            raise KeyError(f"the LoRA targets {name}, which the model does not have")
+        w = out[name]
+        out[name] = (w.float() + strength * scale * (b.float() @ a.float())).to(w.dtype)
     return out

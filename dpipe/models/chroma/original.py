@@ -1,0 +1,130 @@
+"""Chroma transformer weights under the original (lodestones, FLUX-style) names, as the single files
+users hold them: Chroma1-HD.safetensors, chroma-unlocked-v48.safetensors, ... with keys
+`double_blocks.N.img_attn.qkv.weight`, `single_blocks.N.linear1.weight`,
+`distilled_guidance_layer.layers.N.in_layer.weight` (ComfyUI's saves put `model.diffusion_model.`
+in front, which the loader strips).
+
+Reading uses diffusers' `convert_chroma_transformer_checkpoint_to_diffusers`, except for one thing
+it cannot do for any model but Chroma's 8.9B one: it splits each single block's fused `linear1`
+(q, k, v, MLP in) at a fixed width of 3072. That split is done here at the model's own sizes;
+every other name goes through diffusers' converter. `original_state_dict` is the inverse (for
+tests and for writing a full fine-tune back in the file's layout), checked against diffusers'
+converter.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+# A key every original Chroma transformer has (diffusers detects the family by it).
+MARKER = "distilled_guidance_layer.in_proj.bias"
+
+_SINGLE_LINEAR1 = re.compile(r"single_blocks\.(\d+)\.linear1\.(weight|bias)")
+_SINGLE_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+# The width diffusers' converter splits linear1 at (Chroma's 3072), and its MLP ratio.
+_CONVERTER_WIDTH, _MLP_RATIO = 3072, 4
+
+
+def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Original-named weights -> `model`'s diffusers names. A file without the original names is
+    returned as is (a transformer saved by diffusers as one file loads; anything else is then
+    reported by the loader as missing / unexpected weights)."""
+    from diffusers.loaders.single_file_utils import (
+        convert_chroma_transformer_checkpoint_to_diffusers)
+
+    if MARKER not in state:
+        return state
+    state, ours = dict(state), {}
+    rows = _CONVERTER_WIDTH * (3 + _MLP_RATIO)
+    for key in [k for k in state if _SINGLE_LINEAR1.fullmatch(k)]:
+        index, param = _SINGLE_LINEAR1.fullmatch(key).groups()
+        block = model.single_transformer_blocks[int(index)]
+        sizes = [block.attn.to_q.out_features, block.attn.to_k.out_features,
+                 block.attn.to_v.out_features, block.proj_mlp.out_features]
+        value = state[key]
+        if value.shape[0] != sum(sizes):
+            raise ValueError(f"{key} has {value.shape[0]} rows; this model's config gives "
+                             f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+        for part, piece in zip(_SINGLE_PARTS, value.split(sizes, dim=0)):
+            ours[f"single_transformer_blocks.{index}.{part}.{param}"] = piece
+        # diffusers' converter pops every linear1 and splits it at its fixed width: give it a
+        # placeholder of that size that costs no memory (meta), and replace what it makes of it.
+        state[key] = torch.empty((rows, *value.shape[1:]), device="meta")
+    converted = convert_chroma_transformer_checkpoint_to_diffusers(state)
+    converted.update(ours)
+    return converted
+
+
+# diffusers -> original, for the weights renamed one to one.
+_TOP = {
+    "distilled_guidance_layer.in_proj": "distilled_guidance_layer.in_proj",
+    "distilled_guidance_layer.out_proj": "distilled_guidance_layer.out_proj",
+    "context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear",
+}
+_APPROXIMATOR = {"linear_1": "in_layer", "linear_2": "out_layer"}
+_DOUBLE = {
+    "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+}
+_SINGLE = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm", "proj_out": "linear2"}
+# (diffusers block prefix, original block prefix, renames, {original fused module: its parts})
+_BLOCKS = [
+    ("transformer_blocks", "double_blocks", _DOUBLE,
+     {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+      "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}),
+    ("single_transformer_blocks", "single_blocks", _SINGLE, {"linear1": _SINGLE_PARTS}),
+]
+
+
+def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers ChromaTransformer2DModel state dict under the original names (fused q/k/v(/mlp)
+    concatenated along the output dimension; RMSNorm weights named `scale`). Raises KeyError for a
+    weight it has no name for, so nothing is dropped silently."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]] = {}
+    for key, value in weights.items():
+        module, _, param = key.rpartition(".")
+        original, parts, part = _original_module(key, module)
+        if original.endswith("_norm") or original.startswith("distilled_guidance_layer.norms."):
+            param = "scale"  # the original RMSNorms call their weight `scale`
+        if parts is None:
+            out[f"{original}.{param}"] = value
+        else:
+            fused.setdefault(f"{original}.{param}", (parts, {}))[1][part] = value
+    for key, (parts, found) in fused.items():
+        missing = [p for p in parts if p not in found]
+        if missing:
+            raise KeyError(f"{key} needs {', '.join(missing)} as well")
+        out[key] = torch.cat([found[p] for p in parts], dim=0)
+    return out
+
+
+def _original_module(key: str, module: str):
+    """(original module, the diffusers parts it fuses or None, which part this one is)."""
+    if module in _TOP:
+        return _TOP[module], None, None
+    match = re.fullmatch(r"distilled_guidance_layer\.(layers|norms)\.(\d+)(?:\.(\w+))?", module)
+    if match is not None:
+        kind, index, linear = match.groups()
+        if kind == "norms":
+            return f"distilled_guidance_layer.norms.{index}", None, None
+        if linear in _APPROXIMATOR:
+            return f"distilled_guidance_layer.layers.{index}.{_APPROXIMATOR[linear]}", None, None
+    for prefix, original, renames, fusions in _BLOCKS:
+        match = re.fullmatch(rf"{prefix}\.(\d+)\.(.+)", module)
+        if match is None:
+            continue
+        index, part = match.groups()
+        if part in renames:
+            return f"{original}.{index}.{renames[part]}", None, None
+        for name, parts in fusions.items():
+            if part in parts:
+                return f"{original}.{index}.{name}", parts, part
+        break
+    raise KeyError(f"no original Chroma name for {key!r}")
