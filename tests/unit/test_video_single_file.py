@@ -1,4 +1,5 @@
-"""Single-file transformers of the video families (HunyuanVideo, LTX-Video, LTX-2, Cosmos-Predict2) in
+"""Single-file transformers of the video families (HunyuanVideo, HunyuanVideo 1.5, LTX-Video, LTX-2,
+Cosmos-Predict2) in
 the layout users download: each tiny transformer written under its original names (the inverse of
 diffusers' converter), loaded through the spec with model.single_file_config naming the diffusers
 folder, gives exactly the folder's weights; the wrong family's file fails naming the file."""
@@ -20,8 +21,9 @@ from dpipe.models.registry import build_spec
 
 FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
 # With LTX-2, whose files diffusers 0.42.1 does not tell from LTX-Video's (its detection checks
-# LTX-Video's keys first), so the detection test leaves it out.
-LOADED = (*FAMILIES, "ltx2")
+# LTX-Video's keys first), so the detection test leaves it out; and HunyuanVideo 1.5, which
+# diffusers has no single-file support for at all.
+LOADED = (*FAMILIES, "ltx2", "hunyuan_video15")
 # Keys of the files' other components (VAE, audio VAE, vocoder) and NVIDIA's buffers.
 OTHERS = ("vae.", "audio_vae.", "vocoder.", "net.pos_embedder", "net.accum")
 
@@ -29,6 +31,7 @@ OTHERS = ("vae.", "audio_vae.", "vocoder.", "net.pos_embedder", "net.accum")
 def _factories():
     from dpipe.models.cosmos_predict2 import tiny as cosmos
     from dpipe.models.hunyuan_video import tiny as hunyuan
+    from dpipe.models.hunyuan_video15 import tiny as hunyuan15
     from dpipe.models.ltx2 import tiny as ltx2
     from dpipe.models.ltx_video import tiny as ltx
 
@@ -40,6 +43,8 @@ def _factories():
         "cosmos_predict2": (cosmos.make_tiny_cosmos_predict2, cosmos.write_single_file,
                             "cosmos_predict2_2B_t2i.safetensors"),
         "ltx2": (ltx2.make_tiny_ltx2, ltx2.write_single_file, "ltx-2-19b-dev.safetensors"),
+        "hunyuan_video15": (hunyuan15.make_tiny_hunyuan_video15, hunyuan15.write_single_file,
+                            "hunyuanvideo1.5_720p_t2v_fp16.safetensors"),
     }
 
 
@@ -111,7 +116,8 @@ def test_single_file_loads_as_the_folder(folders, files, family):
 
 @pytest.mark.parametrize("family,prefix", [
     ("hunyuan_video", "model.diffusion_model."), ("ltx_video", ""),
-    ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model."), ("ltx2", "")])
+    ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model."), ("ltx2", ""),
+    ("hunyuan_video15", "model.diffusion_model."), ("hunyuan_video15", "diffusion_model.")])
 def test_other_prefixes_load_too(folders, tmp_path, family, prefix):
     """ComfyUI saves models behind `model.diffusion_model.`; downloads come with or without it
     (and Cosmos files with or without NVIDIA's `net.`)."""
@@ -130,7 +136,10 @@ def test_cosmos_loads_from_nvidia_pt_checkpoint(folders, tmp_path):
 @pytest.mark.parametrize("family,other", [
     ("hunyuan_video", "ltx_video"), ("ltx_video", "cosmos_predict2"),
     ("cosmos_predict2", "hunyuan_video"), ("hunyuan_video", "cosmos_predict2"),
-    ("ltx2", "ltx_video"), ("ltx_video", "ltx2")])
+    ("ltx2", "ltx_video"), ("ltx_video", "ltx2"),
+    # HunyuanVideo 1.0 and 1.5 share most original names (double_blocks, txt_in, final_layer).
+    ("hunyuan_video15", "hunyuan_video"), ("hunyuan_video", "hunyuan_video15"),
+    ("hunyuan_video15", "ltx_video")])
 def test_a_file_of_another_family_fails_naming_it(folders, files, family, other):
     spec = _spec(family, files[other], single_file_config=str(folders[family]))
     spec.ensure_available()
@@ -151,16 +160,51 @@ def test_single_file_config_errors(folders, files, tmp_path, family):
         missing.ensure_available()
 
 
-def test_hunyuan_video15_refuses_single_files(tmp_path):
-    """diffusers 0.42.1 has no converter for HunyuanVideo 1.5's original layout: refused, not
-    guessed."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+def test_hunyuan_video15_file_holds_tencents_names(files):
+    """The names of diffusers' conversion script (convert_hunyuan_video1_5_to_diffusers.py) for
+    every kind of weight: q, k, v apart in the double blocks, fused in the token refiner; the
+    ByT5 mapper, SigLIP projection, condition-type embedding and final layer; no diffusers name."""
+    keys = _keys(files["hunyuan_video15"])
+    for key in ("double_blocks.0.img_attn_q.weight", "double_blocks.3.txt_attn_v.bias",
+                "double_blocks.0.img_attn_q_norm.weight", "double_blocks.1.txt_mlp.fc2.weight",
+                "double_blocks.2.img_mod.linear.weight",
+                "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+                "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",
+                "txt_in.t_embedder.mlp.0.weight", "txt_in.c_embedder.linear_2.bias",
+                "byt5_in.layernorm.weight", "byt5_in.fc3.weight", "vision_in.proj.4.bias",
+                "cond_type_embedding.weight", "img_in.proj.weight", "time_in.mlp.2.weight",
+                "final_layer.adaLN_modulation.1.weight", "final_layer.linear.bias"):
+        assert key in keys, key
+    assert keys["txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"].shape[0] == 3 * 32
+    assert not any(k.startswith(("transformer_blocks.", "context_embedder", "x_embedder"))
+                   for k in keys)
 
-    assert HunyuanVideo15Transformer3DModel.__name__ not in SINGLE_FILE_LOADABLE_CLASSES
-    with pytest.raises(ConfigError, match="diffusers folder only"):
-        _spec("hunyuan_video15", tmp_path / "hunyuanvideo1.5_480p_t2v_fp16.safetensors",
-              single_file_config=str(tmp_path))
+
+def test_hunyuan_video15_final_modulation_is_swapped(folders, files):
+    """Tencent's final layer emits (shift, scale), diffusers' norm_out (scale, shift)."""
+    from safetensors.torch import load_file
+
+    folder = {}
+    for shard in (folders["hunyuan_video15"] / "transformer").glob("*.safetensors"):
+        folder.update(load_file(shard))
+    scale, shift = folder["norm_out.linear.weight"].chunk(2)
+    assert torch.equal(_keys(files["hunyuan_video15"])["final_layer.adaLN_modulation.1.weight"],
+                       torch.cat([shift, scale]))
+
+
+def test_hunyuan_video15_refiner_split_takes_the_model_sizes(folders, files, tmp_path):
+    """A refiner qkv of another width (another model's file) fails naming the weight and the
+    sizes, not with a shape error deep in load_state_dict."""
+    from safetensors.torch import save_file
+
+    tensors = _keys(files["hunyuan_video15"])
+    key = "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"
+    tensors[key] = torch.cat([tensors[key], tensors[key][:3]])
+    bad = tmp_path / "hunyuanvideo1.5_720p_t2v_fp16.safetensors"
+    save_file(tensors, bad)
+    spec = _spec("hunyuan_video15", bad, single_file_config=str(folders["hunyuan_video15"]))
+    with pytest.raises(ModelLoadError, match=r"self_attn_qkv.weight has 99 rows.*96"):
+        spec.load_denoiser(torch.float32)
 
 
 @pytest.mark.parametrize("family", LOADED)

@@ -2,7 +2,9 @@
 AutoencoderKLHunyuanVideo15 (32 channels, 16x spatial, 4x temporal) + Qwen2.5-VL-7B text +
 ByT5 glyph text.
 
-Loads the diffusers folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v or 720p_t2v). Prompts
+Loads the diffusers folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v or 720p_t2v), or a
+single-file transformer in Tencent's original / ComfyUI layout (model.path=<file>.safetensors, with
+that folder as model.single_file_config for the rest; see original.py). Prompts
 go through `HunyuanVideo15Pipeline.encode_prompt` (chat template, quoted text to ByT5). The
 transformer takes [noisy latents, condition latents, condition mask] on its channels; for
 text-to-video the pipeline passes zeros for both, and all-zero SigLIP image tokens: so do we.
@@ -17,12 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.spec import (
     as_video, frames_ok, loss_labels, read_config, video_loss)
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
+from dpipe.models.hunyuan_video15.original import (
+    comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -49,14 +55,9 @@ class HunyuanVideo15Spec(ModelSpec):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if self.path.suffix in (".safetensors", ".pt", ".ckpt", ".sft") or getattr(
-                cfg, "single_file_config", None):
-            # diffusers 0.42.1 has no converter for the original layout (its
-            # from_single_file refuses the class); a guessed key map could load wrong weights.
-            raise ConfigError(
-                f"model.path={self.path}: HunyuanVideo 1.5 trains from a diffusers folder only "
-                "(diffusers has no converter for its original single-file layout); give the "
-                "folder, e.g. a download of hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")
+        # model.path: the diffusers folder, or a single-file transformer (Tencent / ComfyUI
+        # names) with model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -77,6 +78,7 @@ class HunyuanVideo15Spec(ModelSpec):
             raise ModelLoadError(
                 f"{self.path / 'transformer'} is an image-to-video HunyuanVideo 1.5 (task_type="
                 f"{config.get('task_type')!r}); dpipe trains the text-to-video checkpoints")
+        check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
@@ -113,6 +115,10 @@ class HunyuanVideo15Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanVideo15Transformer3DModel
 
+        if self.single_file is not None:  # Tencent's names; the config from the folder
+            return load_or_fail(lambda: load_transformer_file(
+                HunyuanVideo15Transformer3DModel, self.path / "transformer", self.single_file,
+                dtype, convert=from_original), self.single_file)
         try:
             return HunyuanVideo15Transformer3DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -215,8 +221,11 @@ class HunyuanVideo15Spec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            export_like_source(folder, self.single_file, original_state_dict, out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -230,7 +239,9 @@ class HunyuanVideo15Spec(ModelSpec):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import HunyuanVideo15Transformer3DModel
 
-        model = HunyuanVideo15Transformer3DModel.from_pretrained(self.path, subfolder="transformer")
+        # From a single file, the base transformer is that file's, as the user loads it.
+        model = (self.load_denoiser(torch.float32) if self.single_file is not None else
+                 HunyuanVideo15Transformer3DModel.from_pretrained(self.path, subfolder="transformer"))
         model.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
         return model
 
@@ -253,23 +264,10 @@ def template_length(tokenizer, system_message: str) -> int:
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(ComfyUI module, diffusers modules it stacks, output sizes) per block with LoRA weights.
+    """(ComfyUI module, diffusers modules it stacks, output sizes) of the double-stream blocks.
 
     ComfyUI runs HunyuanVideo 1.5 on its Flux-style DoubleStreamBlock, whose module names are
     `img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the same
-    for `txt_`; its LoRA loader accepts `diffusion_model.<those names>`."""
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    mlp = int(hidden * config.get("mlp_ratio", 4.0))
-    blocks = sorted({int(k.split(".")[1]) for k in weights if k.startswith("transformer_blocks.")})
-    for i in blocks:
-        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        yield f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
-        yield f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                                    f"{d}.attn.add_v_proj"], [hidden] * 3
-        for original, part, size in [
-            ("img_attn.proj", "attn.to_out.0", hidden), ("txt_attn.proj", "attn.to_add_out", hidden),
-            ("img_mlp.0", "ff.net.0.proj", mlp), ("img_mlp.2", "ff.net.2", hidden),
-            ("txt_mlp.0", "ff_context.net.0.proj", mlp), ("txt_mlp.2", "ff_context.net.2", hidden),
-            ("img_mod.lin", "norm1.linear", 6 * hidden), ("txt_mod.lin", "norm1_context.linear", 6 * hidden),
-        ]:
-            yield f"{o}.{original}", [f"{d}.{part}"], [size]
+    for `txt_`; its LoRA loader accepts `diffusion_model.<those names>`. The names come from the
+    one table of original.py, which also maps the single-file weights."""
+    return _comfyui_mapping(config, weights)

@@ -1,0 +1,190 @@
+"""HunyuanVideo 1.5 transformer weights under Tencent's original names: single files and ComfyUI
+LoRAs.
+
+Users hold the transformer as one file in Tencent's layout (tencent/HunyuanVideo-1.5
+`transformer/720p_t2v/diffusion_pytorch_model.safetensors`; Comfy-Org's repackaged
+`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, sometimes behind ComfyUI's `model.diffusion_model.`):
+`double_blocks.N.img_attn_q.weight`, `txt_in.individual_token_refiner.blocks.N.self_attn_qkv`,
+`byt5_in.fc1`, `vision_in.proj.0`, `cond_type_embedding`, `final_layer.adaLN_modulation.1`, ...
+diffusers 0.42.1 has no single-file converter for it; its conversion script
+(scripts/convert_hunyuan_video1_5_to_diffusers.py, `convert_hyvideo15_transformer_to_diffusers`)
+names every weight, and the table here follows it name for name. Two things it hard-codes are
+taken from the model's config here instead: the number of blocks (54 double, 2 refiner) and the
+split of the refiner's fused `self_attn_qkv` (three equal parts of the hidden width).
+
+ComfyUI loads that file into its Flux-style modules, renaming and fusing as it goes (`img_attn_q/k/v`
+-> `img_attn.qkv`, `img_attn_proj` -> `img_attn.proj`, `img_mlp.fc1` -> `img_mlp.0`, `img_mod.linear`
+-> `img_mod.lin`), and its LoRA loader takes those runtime names. So each row of the table carries
+both names; it drives every direction:
+- file -> diffusers (`from_original`: Tencent's fused Linears split at the model's own sizes);
+- diffusers -> file (`original_state_dict`: tiny single files for tests, a full fine-tune written
+  back in its source's layout);
+- diffusers LoRA -> ComfyUI LoRA (`comfyui_mapping`: rows grouped by the ComfyUI name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+# (diffusers module, Tencent module, ComfyUI runtime module (None: no LoRA name), output rows).
+# Rows sharing a Tencent (or ComfyUI) module are stacked in it along the output dimension in
+# table order; the rows are needed only to split such a module.
+Row = tuple[str, str, str | None, int | None]
+
+# Tencent's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
+_SWAPPED = {"final_layer.adaLN_modulation.1"}
+
+
+def layout(config: dict[str, Any]) -> list[Row]:
+    """Every weight-holding module of a HunyuanVideo15Transformer3DModel with this config."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    mlp = int(hidden * config.get("mlp_ratio", 4.0))
+    rows: list[Row] = [
+        ("x_embedder.proj", "img_in.proj", None, None),
+        ("time_embed.timestep_embedder.linear_1", "time_in.mlp.0", None, None),
+        ("time_embed.timestep_embedder.linear_2", "time_in.mlp.2", None, None),
+        ("context_embedder.proj_in", "txt_in.input_embedder", None, None),
+        ("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0",
+         None, None),
+        ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2",
+         None, None),
+        ("context_embedder.time_text_embed.text_embedder.linear_1", "txt_in.c_embedder.linear_1",
+         None, None),
+        ("context_embedder.time_text_embed.text_embedder.linear_2", "txt_in.c_embedder.linear_2",
+         None, None),
+        ("context_embedder_2.norm", "byt5_in.layernorm", None, None),
+        ("context_embedder_2.linear_1", "byt5_in.fc1", None, None),
+        ("context_embedder_2.linear_2", "byt5_in.fc2", None, None),
+        ("context_embedder_2.linear_3", "byt5_in.fc3", None, None),
+        # vision_in.proj is Sequential(LayerNorm, Linear, GELU, Linear, LayerNorm).
+        ("image_embedder.norm_in", "vision_in.proj.0", None, None),
+        ("image_embedder.linear_1", "vision_in.proj.1", None, None),
+        ("image_embedder.linear_2", "vision_in.proj.3", None, None),
+        ("image_embedder.norm_out", "vision_in.proj.4", None, None),
+        ("cond_type_embed", "cond_type_embedding", None, None),
+        ("norm_out.linear", "final_layer.adaLN_modulation.1", None, None),
+        ("proj_out", "final_layer.linear", None, None),
+    ]
+    if config.get("use_meanflow"):  # the step-distilled checkpoints' second timestep
+        rows += [("time_embed.timestep_embedder_r.linear_1", "time_r_in.mlp.0", None, None),
+                 ("time_embed.timestep_embedder_r.linear_2", "time_r_in.mlp.2", None, None)]
+    for i in range(config["num_refiner_layers"]):
+        d = f"context_embedder.token_refiner.refiner_blocks.{i}"
+        o = f"txt_in.individual_token_refiner.blocks.{i}"
+        rows += [(f"{d}.norm1", f"{o}.norm1", None, None),
+                 (f"{d}.attn.to_q", f"{o}.self_attn_qkv", None, hidden),
+                 (f"{d}.attn.to_k", f"{o}.self_attn_qkv", None, hidden),
+                 (f"{d}.attn.to_v", f"{o}.self_attn_qkv", None, hidden),
+                 (f"{d}.attn.to_out.0", f"{o}.self_attn_proj", None, None),
+                 (f"{d}.norm2", f"{o}.norm2", None, None),
+                 (f"{d}.ff.net.0.proj", f"{o}.mlp.fc1", None, None),
+                 (f"{d}.ff.net.2", f"{o}.mlp.fc2", None, None),
+                 (f"{d}.norm_out.linear", f"{o}.adaLN_modulation.1", None, None)]
+    for i in range(config["num_layers"]):
+        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        rows += [
+            (f"{d}.norm1.linear", f"{o}.img_mod.linear", f"{o}.img_mod.lin", 6 * hidden),
+            (f"{d}.norm1_context.linear", f"{o}.txt_mod.linear", f"{o}.txt_mod.lin", 6 * hidden),
+            (f"{d}.attn.to_q", f"{o}.img_attn_q", f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.to_k", f"{o}.img_attn_k", f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.to_v", f"{o}.img_attn_v", f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.norm_q", f"{o}.img_attn_q_norm", None, None),
+            (f"{d}.attn.norm_k", f"{o}.img_attn_k_norm", None, None),
+            (f"{d}.attn.to_out.0", f"{o}.img_attn_proj", f"{o}.img_attn.proj", hidden),
+            (f"{d}.attn.add_q_proj", f"{o}.txt_attn_q", f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.add_k_proj", f"{o}.txt_attn_k", f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.add_v_proj", f"{o}.txt_attn_v", f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.norm_added_q", f"{o}.txt_attn_q_norm", None, None),
+            (f"{d}.attn.norm_added_k", f"{o}.txt_attn_k_norm", None, None),
+            (f"{d}.attn.to_add_out", f"{o}.txt_attn_proj", f"{o}.txt_attn.proj", hidden),
+            (f"{d}.ff.net.0.proj", f"{o}.img_mlp.fc1", f"{o}.img_mlp.0", mlp),
+            (f"{d}.ff.net.2", f"{o}.img_mlp.fc2", f"{o}.img_mlp.2", hidden),
+            (f"{d}.ff_context.net.0.proj", f"{o}.txt_mlp.fc1", f"{o}.txt_mlp.0", mlp),
+            (f"{d}.ff_context.net.2", f"{o}.txt_mlp.fc2", f"{o}.txt_mlp.2", hidden)]
+    return rows
+
+
+def _groups(rows: list[Row], column: int) -> dict[str, list[Row]]:
+    """Rows grouped by their Tencent (column 1) or ComfyUI (column 2) module, in table order."""
+    out: dict[str, list[Row]] = {}
+    for row in rows:
+        if row[column] is not None:
+            out.setdefault(row[column], []).append(row)
+    return out
+
+
+def _swap(t: torch.Tensor) -> torch.Tensor:
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def original_state_dict(weights: dict[str, torch.Tensor],
+                        config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """A diffusers HunyuanVideo15Transformer3DModel state dict under Tencent's names (fused
+    modules concatenated in table order). Without `config` the block counts are read off the
+    weights (the sizes are not needed this way). A weight without a name raises ValueError, so
+    nothing is dropped silently."""
+    rows = layout(config or _config_of(weights))
+    out, used = {}, set()
+    for original, group in _groups(rows, 1).items():
+        for param in ("weight", "bias"):
+            keys = [f"{row[0]}.{param}" for row in group]
+            if not all(k in weights for k in keys):
+                continue
+            value = torch.cat([weights[k] for k in keys], dim=0)
+            out[f"{original}.{param}"] = _swap(value) if original in _SWAPPED else value
+            used.update(keys)
+    left = sorted(set(weights) - used)
+    if left:
+        raise ValueError(f"no original HunyuanVideo 1.5 name for {', '.join(left[:5])}")
+    return out
+
+
+def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tencent-named weights -> `model`'s diffusers names, fused modules split at the model's own
+    sizes. Names the table does not know pass through unchanged (a file already in diffusers names
+    loads as it is; anything else is reported by the loader as unexpected)."""
+    out = dict(state)
+    for original, group in _groups(layout(dict(model.config)), 1).items():
+        for param in ("weight", "bias"):
+            value = out.pop(f"{original}.{param}", None)
+            if value is None:
+                continue
+            if original in _SWAPPED:
+                value = _swap(value)
+            if len(group) == 1:
+                out[f"{group[0][0]}.{param}"] = value
+                continue
+            sizes = [row[3] for row in group]
+            if value.shape[0] != sum(sizes):
+                raise ValueError(f"{original}.{param} has {value.shape[0]} rows; this model's "
+                                 f"config gives {sum(sizes)} ({' + '.join(map(str, sizes))})")
+            for row, piece in zip(group, value.split(sizes, dim=0)):
+                out[f"{row[0]}.{param}"] = piece
+    return out
+
+
+def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor] | None = None
+                    ) -> Iterable[tuple[str, list[str], list[int]]]:
+    """(ComfyUI module, diffusers modules it stacks, their output sizes) for `dpipe.models.comfyui.
+    to_comfyui`: every double-block Linear (the LoRA targets); `weights` is not needed (entries
+    without a LoRA are skipped there) and kept for the callers' signature."""
+    for comfy, group in _groups(layout(config), 2).items():
+        yield comfy, [row[0] for row in group], [row[3] for row in group]
+
+
+def _config_of(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The config entries `layout` needs, from a state dict: block counts and meanflow."""
+    def count(prefix: str) -> int:
+        return len({k[len(prefix):].split(".")[0] for k in weights if k.startswith(prefix)})
+
+    head = weights["transformer_blocks.0.attn.norm_q.weight"].shape[0] if count(
+        "transformer_blocks.") else 1
+    hidden = weights["x_embedder.proj.weight"].shape[0]
+    return {"num_attention_heads": hidden // head, "attention_head_dim": head,
+            "num_layers": count("transformer_blocks."),
+            "num_refiner_layers": count("context_embedder.token_refiner.refiner_blocks."),
+            "use_meanflow": any(k.startswith("time_embed.timestep_embedder_r.") for k in weights)}
