@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.hunyuan_image.comfyui import comfyui_mapping
-from dpipe.models.hunyuan_image.original import comfyui_key, from_original, to_original
+from dpipe.models.hunyuan_image.original import (
+    COMFYUI, FUSED, SPLIT, comfyui_key, file_form, from_original, to_original)
 from dpipe.models.hunyuan_image.spec import HunyuanImageSpec
 from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image, write_single_file
 from dpipe.models.registry import build_spec
@@ -44,10 +45,11 @@ def _keys(file) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _script_names(double: int, single: int, refiner: int) -> set[str]:
+def _script_names(double: int, single: int, refiner: int, form: str) -> set[str]:
     """The original keys of a distilled (guidance + meanflow) HunyuanImage 2.1 as diffusers'
-    scripts/convert_hunyuan_image_to_diffusers.py reads them from the released file (before its
-    q/k/v split: `*_attn_qkv`, `linear1`, `linear2`), written out here from that script."""
+    scripts/convert_hunyuan_image_to_diffusers.py pops them (SPLIT), or as the Tencent function
+    it carries, convert_hunyuan_dict_for_tensor_parallel, takes them before splitting (FUSED:
+    `*_attn_qkv`, `linear1`, `linear2`); written out here from that script."""
     wb = ("weight", "bias")
     names = {f"byt5_in.{m}.{p}" for m in ("layernorm", "fc1", "fc2", "fc3") for p in wb}
     names |= {f"{m}.{p}" for m in (
@@ -62,17 +64,21 @@ def _script_names(double: int, single: int, refiner: int) -> set[str]:
     for i in range(double):
         o = f"double_blocks.{i}"
         for s in ("img", "txt"):
-            names |= {f"{o}.{s}_{m}.{p}" for m in ("mod.linear", "attn_qkv", "attn_proj",
+            qkv = ("attn_qkv",) if form == FUSED else ("attn_q", "attn_k", "attn_v")
+            names |= {f"{o}.{s}_{m}.{p}" for m in ("mod.linear", *qkv, "attn_proj",
                                                    "mlp.fc1", "mlp.fc2") for p in wb}
             names |= {f"{o}.{s}_attn_q_norm.weight", f"{o}.{s}_attn_k_norm.weight"}
     for i in range(single):
         o = f"single_blocks.{i}"
-        names |= {f"{o}.{m}.{p}" for m in ("modulation.linear", "linear1", "linear2") for p in wb}
+        linears = (("linear1", "linear2") if form == FUSED else
+                   ("linear1_q", "linear1_k", "linear1_v", "linear1_mlp", "linear2.fc"))
+        names |= {f"{o}.{m}.{p}" for m in ("modulation.linear", *linears) for p in wb}
         names |= {f"{o}.q_norm.weight", f"{o}.k_norm.weight"}
     return names
 
 
-def test_the_table_gives_the_script_names_at_the_real_sizes():
+@pytest.mark.parametrize("form", [FUSED, SPLIT])
+def test_the_table_gives_the_script_names_at_the_real_sizes(form):
     """HunyuanImage 2.1 distilled's config (diffusers' defaults: 28 heads x 128, mlp 4, Qwen
     3584; ByT5 1472 as the released config sets it), one block of each kind: every weight has exactly the original name the
     script reads, fused weights have the rows of their parts, and they split back the same."""
@@ -84,12 +90,15 @@ def test_the_table_gives_the_script_names_at_the_real_sizes():
                                                use_meanflow=True)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     native = to_original({k: torch.empty(s, device="meta") for k, s in shapes.items()},
-                         dict(model.config))
-    assert set(native) == _script_names(1, 1, model.config.num_refiner_layers)
+                         dict(model.config), form)
+    assert set(native) == _script_names(1, 1, model.config.num_refiner_layers, form)
+    assert file_form(native) == form
     hidden = 28 * 128
-    assert native["double_blocks.0.img_attn_qkv.weight"].shape == (3 * hidden, hidden)
-    assert native["single_blocks.0.linear1.weight"].shape == (3 * hidden + 4 * hidden, hidden)
-    assert native["single_blocks.0.linear2.weight"].shape == (hidden, hidden + 4 * hidden)
+    if form == FUSED:
+        assert native["double_blocks.0.img_attn_qkv.weight"].shape == (3 * hidden, hidden)
+        assert native["single_blocks.0.linear1.weight"].shape == (3 * hidden + 4 * hidden, hidden)
+    assert native["txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"].shape == (
+        3 * hidden, hidden)
     back = from_original(native, model)
     assert {k: v.shape for k, v in back.items()} == shapes
 
@@ -106,21 +115,37 @@ def test_the_final_layer_is_shift_then_scale_in_the_file(folder, tmp_path):
                        weights["single_transformer_blocks.0.attn.to_k.weight"])
 
 
-def test_a_file_in_comfyuis_renamed_keys_loads_as_the_folder(folder, tmp_path):
-    """What ComfyUI holds after loading (its `img_attn.qkv`, `img_mod.lin`, `norm.query_norm.
-    scale`...), saved behind its prefix, loads too."""
-    source = _keys(write_single_file(folder, tmp_path / FILE))
-    renamed = {"model.diffusion_model." + comfyui_key(k): v for k, v in source.items()}
-    assert "model.diffusion_model.double_blocks.0.img_attn.qkv.weight" in renamed
-    assert "model.diffusion_model.single_blocks.0.norm.query_norm.scale" in renamed
-    file = tmp_path / "comfy" / FILE
-    file.parent.mkdir()
-    save_file(renamed, file)
+@pytest.mark.parametrize("form", [SPLIT, COMFYUI])
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_the_other_forms_load_as_the_folder_and_export_as_they_came(folder, tmp_path, form, prefix):
+    """The split form and a file under ComfyUI's renamed keys (`img_attn.qkv`, `img_mod.lin`,
+    `norm.query_norm.scale`...) load equal to the folder; a full fine-tune is written back in the
+    source's form and reads back as the trained weights."""
+    file = write_single_file(folder, tmp_path / FILE, prefix, form)
+    source = _keys(file)
+    marker = {SPLIT: "single_blocks.0.linear1_mlp.weight",
+              COMFYUI: "single_blocks.0.norm.query_norm.scale"}[form]
+    assert prefix + marker in source
     want = _spec(folder).load_denoiser(torch.float32).state_dict()
-    got = _spec(file, single_file_config=str(folder)).load_denoiser(torch.float32).state_dict()
+    spec = _spec(file, single_file_config=str(folder), mode="full")
+    denoiser = spec.load_denoiser(torch.float32)
+    got = denoiser.state_dict()
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+    with torch.no_grad():
+        for param in denoiser.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    shard = tmp_path / "stage-0.safetensors"
+    save_file({k: v.contiguous() for k, v in denoiser.state_dict().items()}, shard)
+    spec.export_full([shard], tmp_path / "model")
+    written = _keys(tmp_path / "model" / FILE)
+    assert list(written) == list(source)
+    back = _spec(tmp_path / "model" / FILE, single_file_config=str(folder)).load_denoiser(
+        torch.float32).state_dict()
+    for key, value in denoiser.state_dict().items():
+        assert torch.equal(back[key], value), key
 
 
 def test_a_file_of_another_width_fails_naming_it(folder, tmp_path):

@@ -3,27 +3,36 @@
 Users hold the transformer as one file in Tencent's layout (`hunyuanimage2.1.safetensors` as
 released, `hunyuanimage2.1_bf16.safetensors` as Comfy-Org repackages it, often behind ComfyUI's
 `model.diffusion_model.`). Its names, for every weight, are those diffusers'
-`scripts/convert_hunyuan_image_to_diffusers.py` reads from the released file (the script is not
-shipped in the wheel, so diffusers 0.42.1 has no single-file converter for this model):
+`scripts/convert_hunyuan_image_to_diffusers.py` reads from the released files (the script is not
+shipped in the wheel, so diffusers 0.42.1 has no single-file converter for this model), here in
+the fused form (the split form below):
 `img_in.proj`, `txt_in.input_embedder`, `txt_in.t_embedder.mlp.0/2`, `txt_in.c_embedder.linear_1/2`,
 `txt_in.individual_token_refiner.blocks.N.{norm1, self_attn_qkv, self_attn_proj, norm2, mlp.fc1,
 mlp.fc2, adaLN_modulation.1}`, `byt5_in.{layernorm, fc1, fc2, fc3}`, `time_in.mlp.0/2` (and
 `time_r_in`, `guidance_in` on the distilled model), `double_blocks.N.{img,txt}_{mod.linear,
 attn_qkv, attn_q_norm, attn_k_norm, attn_proj, mlp.fc1, mlp.fc2}`, `single_blocks.N.{modulation.
-linear, linear1, q_norm, k_norm, linear2}`, `final_layer.{linear, adaLN_modulation.1}`. The file
-fuses what diffusers keeps apart: q, k, v in `*_attn_qkv` / `self_attn_qkv`, and q, k, v and the
-MLP input in the single blocks' `linear1` (Tencent's own loader splits them the same way, at the
-model's widths); its final modulation emits (shift, scale), diffusers' (scale, shift).
+linear, linear1, q_norm, k_norm, linear2}`, `final_layer.{linear, adaLN_modulation.1}`. The fused
+form joins what diffusers keeps apart: q, k, v in `*_attn_qkv` / `self_attn_qkv`, and q, k, v and
+the MLP input in the single blocks' `linear1` (split at the model's own widths); the final
+modulation emits (shift, scale), diffusers' (scale, shift).
 
 ComfyUI runs the model on its HunyuanVideo code and renames the file's keys on load (its
 HunyuanVideo `process_unet_state_dict`: `_attn_qkv.` -> `_attn.qkv.`, `_mod.linear.` ->
 `_mod.lin.`, `mlp.fc1.` -> `mlp.0.`, ...; `comfyui_key`). Its LoRAs name those renamed modules.
 
+Which of two forms the released files use is not settled by the sources: diffusers' script pops
+q, k, v and `linear1`'s parts split (`img_attn_q`, `linear1_q` .. `linear1_mlp`, `linear2.fc`), the
+names Tencent's `convert_hunyuan_dict_for_tensor_parallel` makes from the fused ones (the script
+carries that function but, through a mismatched model-type string, never calls it); ComfyUI's
+renames start from the fused names. Both are read (and a file saved under ComfyUI's renamed keys):
+`file_form` tells them apart, and a fine-tune is written back in the form it came in.
+
 One table (`layout`) lists every weight of the original layout with the diffusers modules stacked
 in it, at the model's own sizes; it drives loading (`from_original`), writing a file in that
-layout (tiny files for tests, a full fine-tune back in the layout it came in: `to_original`) and,
-through `comfyui_key`, the ComfyUI LoRA (`comfyui.py`). The table is driven by the same fused-
-Linear code as FLUX's BFL layout (`flux/bfl.py`), whose final layer is swapped alike.
+layout (tiny files for tests, a full fine-tune back in the layout it came in: `to_original`),
+the split form (`_split`) and, through `comfyui_key`, the ComfyUI LoRA (`comfyui.py`). It is
+driven by the same fused-Linear code as FLUX's BFL layout (`flux/bfl.py`), whose final layer is
+swapped alike.
 No real HunyuanImage file was loaded here (offline): the names rest on the sources above.
 """
 
@@ -140,22 +149,60 @@ def layout(config: dict[str, Any]) -> list[Linear]:
     return out
 
 
-def _config(model: nn.Module) -> dict[str, Any]:
-    return dict(model.config)
+# The forms a file of this layout comes in (`file_form`): q, k, v (and the single blocks' MLP input)
+# fused, as Tencent's `convert_hunyuan_dict_for_tensor_parallel` reads them; split, as that
+# function writes them and as diffusers' conversion script pops them from the released files
+# (`img_attn_q`, `linear1_q` .. `linear1_mlp`, `linear2.fc`); or fused under ComfyUI's renames.
+FUSED, SPLIT, COMFYUI = "fused", "split", "comfyui"
+_SPLIT_QKV = ("_attn_q", "_attn_k", "_attn_v")
+_SPLIT_LINEAR1 = ("linear1_q", "linear1_k", "linear1_v", "linear1_mlp")
 
 
-def to_original(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A diffusers state dict in the original layout (fused weights concatenated in order);
-    every weight must have a place (ValueError naming those without)."""
-    return to_bfl(state_dict, (layout(config), {}))
+def _split(table: list[Linear]) -> list[Linear]:
+    """The table with the blocks' fused Linears as Tencent's tensor-parallel split names them (the
+    token refiner's `self_attn_qkv` stays fused there)."""
+    out: list[Linear] = []
+    for module, parts, sizes in table:
+        block, _, name = module.rpartition(".")
+        if block.startswith("double_blocks.") and name.endswith("_attn_qkv"):
+            stream = name.removesuffix("_attn_qkv")
+            out += [(f"{block}.{stream}{x}", [p], [n]) for x, p, n in zip(_SPLIT_QKV, parts, sizes)]
+        elif block.startswith("single_blocks.") and name == "linear1":
+            out += [(f"{block}.{x}", [p], [n]) for x, p, n in zip(_SPLIT_LINEAR1, parts, sizes)]
+        elif block.startswith("single_blocks.") and name == "linear2":
+            out.append((f"{module}.fc", parts, sizes))
+        else:
+            out.append((module, parts, sizes))
+    return out
+
+
+def file_form(keys) -> str:
+    """FUSED, SPLIT or COMFYUI: which form of the original layout these (unprefixed) keys use."""
+    keys = list(keys)
+    if any(k.startswith("double_blocks.") and k.endswith("_attn_q.weight") or ".linear1_q." in k
+           for k in keys):
+        return SPLIT
+    if any(k.startswith("double_blocks.") and "_attn.qkv." in k or "_mod.lin." in k for k in keys):
+        return COMFYUI
+    return FUSED
+
+
+def to_original(state_dict: dict[str, torch.Tensor], config: dict[str, Any],
+                form: str = FUSED) -> dict[str, torch.Tensor]:
+    """A diffusers state dict in the original layout, in `form` (fused weights concatenated in
+    order); every weight must have a place (ValueError naming those without)."""
+    table = layout(config)
+    native = to_bfl(state_dict, (_split(table) if form == SPLIT else table, {}))
+    return {comfyui_key(k): v for k, v in native.items()} if form == COMFYUI else native
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Original-named weights (Tencent's, or ComfyUI's renamed ones) -> `model`'s diffusers
-    names, fused weights split at the model's own sizes (ValueError where the rows differ:
-    another model). Unknown names pass through, for the loader to report."""
-    table = layout(_config(model))
-    ours = {f"{m}.{p}" for m, _, _ in table for p in ("weight", "bias")}
-    renamed = {comfyui_key(k): k for k in ours}
-    state = {(k if k in ours else renamed.get(k, k)): v for k, v in state.items()}
-    return from_bfl(state, (table, {}))
+    """Original-named weights (any form) -> `model`'s diffusers names, fused weights split at the
+    model's own sizes (ValueError where the rows differ: another model). Unknown names pass
+    through, for the loader to report as unexpected."""
+    table, form = layout(dict(model.config)), file_form(state)
+    if form == COMFYUI:
+        known = {f"{m}.{p}" for m, _, _ in table for p in ("weight", "bias")}
+        renamed = {comfyui_key(k): k for k in known}
+        state = {renamed.get(k, k): v for k, v in state.items()}
+    return from_bfl(state, (_split(table) if form == SPLIT else table, {}))

@@ -30,7 +30,7 @@ from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import hunyuan_image_layers
-from dpipe.models.hunyuan_image.original import from_original, to_original
+from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
@@ -199,9 +199,17 @@ class HunyuanImageSpec(ModelSpec):
         folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
         if self.single_file is not None:  # also in the layout it came in, named as the source
-            config = self._config("transformer")
-            export_like_source(folder, self.single_file, lambda w: to_original(w, config), out_dir)
+            config, form = self._config("transformer"), self._source_form()
+            export_like_source(folder, self.single_file,
+                               lambda weights: to_original(weights, config, form), out_dir)
         return folder
+
+    def _source_form(self) -> str:
+        from safetensors import safe_open
+
+        with safe_open(self.single_file, "pt") as source:
+            return file_form(k.removeprefix("model.").removeprefix("diffusion_model.")
+                             for k in source.keys())
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
