@@ -80,8 +80,9 @@ def _script_names(double: int, single: int, refiner: int, form: str) -> set[str]
 @pytest.mark.parametrize("form", [FUSED, SPLIT])
 def test_the_table_gives_the_script_names_at_the_real_sizes(form):
     """HunyuanImage 2.1 distilled's config (diffusers' defaults: 28 heads x 128, mlp 4, Qwen
-    3584; ByT5 1472 as the released config sets it), one block of each kind: every weight has exactly the original name the
-    script reads, fused weights have the rows of their parts, and they split back the same."""
+    3584; ByT5 1472 as the released config sets it), one block of each kind: every weight has
+    exactly the original name the script reads, fused weights have the rows of their parts, and
+    they convert back to the model's shapes."""
     from diffusers import HunyuanImageTransformer2DModel
 
     with torch.device("meta"):

@@ -109,7 +109,7 @@ class HunyuanImageSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanImageTransformer2DModel
 
-        if self.single_file is not None:  # original names, fused weights split at the config's sizes
+        if self.single_file is not None:  # original names; fused weights split at the config's
             return load_or_fail(lambda: load_transformer_file(
                 HunyuanImageTransformer2DModel, self.path / "transformer", self.single_file, dtype,
                 convert=from_original), self.single_file)
