@@ -1,6 +1,7 @@
-"""Single-file transformers of the image families SD3 / SD3.5, Chroma, HiDream-I1 and AuraFlow in
-the layout users download: each tiny transformer written under its original names (the inverse of
-diffusers' converter, which does the reading), loaded through the spec with
+"""Single-file transformers of the image families SD3 / SD3.5, Chroma, HiDream-I1, AuraFlow and
+HunyuanImage 2.1 in the layout users download: each tiny transformer written under its original
+names (the inverse of diffusers' converter, which does the reading; HunyuanImage's has no
+converter in diffusers, see hunyuan_image/original.py), loaded through the spec with
 model.single_file_config naming the diffusers folder, gives exactly the folder's weights (with
 and without ComfyUI's `model.diffusion_model.` prefix); another family's file fails naming the
 file; a full fine-tune is written back in the file's layout too."""
@@ -31,6 +32,9 @@ FAMILIES = {
     "chroma": ("Chroma1-HD.safetensors", "single_blocks.0.linear1.weight", "chroma"),
     "hidream": ("hidream_i1_full_fp16.safetensors",
                 "double_stream_blocks.0.block.adaLN_modulation.1.bias", "hidream"),
+    # Tencent's layout (hunyuan_image/original.py); diffusers 0.42.1 does not detect this family
+    "hunyuan_image": ("hunyuanimage2.1_bf16.safetensors", "double_blocks.0.img_attn_qkv.weight",
+                      None),
 }
 
 

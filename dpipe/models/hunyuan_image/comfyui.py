@@ -1,7 +1,9 @@
 """A HunyuanImage 2.1 LoRA in the module names ComfyUI runs the model with.
 
 ComfyUI runs HunyuanImage 2.1 on its HunyuanVideo model (its model detection sends checkpoints
-with `txt_in.individual_token_refiner...` and `byt5_in` there), whose blocks are Flux-style:
+with `txt_in.individual_token_refiner...` and `byt5_in` there), renaming the file's original keys
+on load (`original.comfyui_key`: `img_attn_qkv` -> `img_attn.qkv`, ...), so its blocks are
+Flux-style:
 `double_blocks.N.img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`,
 `img_mod.lin` and the same for `txt_`; `single_blocks.N.linear1` (q, k, v and the MLP input
 fused, in that order), `linear2`, `modulation.lin`. kohya's sd-scripts converts its HunyuanImage
@@ -21,31 +23,16 @@ from typing import Any, Iterator
 import torch
 
 from dpipe.models.comfyui import to_comfyui
+from dpipe.models.hunyuan_image.original import comfyui_module, layout
 
 
 def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int]]]:
     """(ComfyUI module, the diffusers modules stacked in it, their output sizes) for every
-    Linear of both kinds of blocks."""
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    mlp = int(hidden * config.get("mlp_ratio", 4.0))
-    for i in range(config["num_layers"]):
-        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        yield f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
-        yield f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                                    f"{d}.attn.add_v_proj"], [hidden] * 3
-        for original, part, size in [
-            ("img_attn.proj", "attn.to_out.0", hidden), ("txt_attn.proj", "attn.to_add_out", hidden),
-            ("img_mlp.0", "ff.net.0.proj", mlp), ("img_mlp.2", "ff.net.2", hidden),
-            ("txt_mlp.0", "ff_context.net.0.proj", mlp), ("txt_mlp.2", "ff_context.net.2", hidden),
-            ("img_mod.lin", "norm1.linear", 6 * hidden), ("txt_mod.lin", "norm1_context.linear", 6 * hidden),
-        ]:
-            yield f"{o}.{original}", [f"{d}.{part}"], [size]
-    for i in range(config["num_single_layers"]):
-        d, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
-        yield (f"{o}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
-               [hidden, hidden, hidden, mlp])
-        yield f"{o}.linear2", [f"{d}.proj_out"], [hidden]
-        yield f"{o}.modulation.lin", [f"{d}.norm.linear"], [3 * hidden]
+    Linear of both kinds of blocks: the blocks' Linears of the original layout (`original.py`,
+    the table single files load by), under the names ComfyUI renames them to."""
+    for original, parts, sizes in layout(config):
+        if original.startswith(("double_blocks.", "single_blocks.")) and None not in sizes:
+            yield comfyui_module(original), parts, sizes
 
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,

@@ -10,7 +10,9 @@ everywhere, so the output is the same), and ByT5 embeddings of quoted text in th
 rendering; zeros and an empty mask when there is none). The distilled checkpoint (guidance and
 meanflow embedders) trains with guidance `model.guidance` and r = t (the instantaneous velocity).
 LoRAs are written for diffusers and, in the module names ComfyUI runs, for ComfyUI
-(`hunyuan_image/comfyui.py`).
+(`hunyuan_image/comfyui.py`). The transformer may come as a single file in Tencent's original
+layout (`model.path=hunyuanimage2.1_bf16.safetensors`, with model.single_file_config the
+diffusers folder that gives the VAE, text encoders and configs; `hunyuan_image/original.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import hunyuan_image_layers
+from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,12 @@ LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LIN
 class HunyuanImageSpec(ModelSpec):
     family = "hunyuan_image"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # model.path: the diffusers folder, or a single-file transformer (Tencent's names) with
+        # model.single_file_config naming the diffusers folder for the rest.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
@@ -65,6 +76,7 @@ class HunyuanImageSpec(ModelSpec):
             raise ModelLoadError(
                 f"model.path={self.path} is not a complete HunyuanImage diffusers folder: missing "
                 f"{', '.join(missing)}")
+        check_single_file(self.single_file)
         self._config("vae")
         self._config("transformer")
 
@@ -97,6 +109,10 @@ class HunyuanImageSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanImageTransformer2DModel
 
+        if self.single_file is not None:  # original names; fused weights split at the config's
+            return load_or_fail(lambda: load_transformer_file(
+                HunyuanImageTransformer2DModel, self.path / "transformer", self.single_file, dtype,
+                convert=from_original), self.single_file)
         try:
             return HunyuanImageTransformer2DModel.from_pretrained(
                 self.path, subfolder="transformer", dtype=dtype)
@@ -180,8 +196,20 @@ class HunyuanImageSpec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(
+        folder = write_sharded_diffusers_model(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also in the layout it came in, named as the source
+            config, form = self._config("transformer"), self._source_form()
+            export_like_source(folder, self.single_file,
+                               lambda weights: to_original(weights, config, form), out_dir)
+        return folder
+
+    def _source_form(self) -> str:
+        from safetensors import safe_open
+
+        with safe_open(self.single_file, "pt") as source:
+            return file_form(k.removeprefix("model.").removeprefix("diffusion_model.")
+                             for k in source.keys())
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -109,6 +109,19 @@ def _write(out: Path, seed: int) -> None:
     pipe.save_config(out)
 
 
+def write_single_file(folder: Path, file: Path, prefix: str = "", form: str = "fused") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in Tencent's original layout
+    (hunyuanimage2.1.safetensors: `double_blocks.N.img_attn_qkv`, ...; `form`: see
+    hunyuan_image/original.py), keys behind `prefix` ("model.diffusion_model." as ComfyUI saves
+    it)."""
+    from dpipe.models.hunyuan_image.original import to_original
+    from dpipe.models.single_file import write_transformer_file
+
+    config = json.loads((Path(folder) / "transformer" / "config.json").read_text())
+    return write_transformer_file(Path(folder) / "transformer", file,
+                                  lambda weights: to_original(weights, config, form), prefix)
+
+
 def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
     """A Qwen2.5-VL tokenizer folder as `dpipe.models.qwen_image.tiny_tokenizer` writes it, with
     merges learnt on the test captions plus `template` (so its words are whole tokens).
