@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.cli import dpipe_train, metrics, train_args
-from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+from tests.integration.trained import (
+    cached_dataset, exported_lora_and_trained, run_config, run_layers, trained_layers)
 
 FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream", "tiny_sd3", "tiny_chroma", "tiny_z_image",
             "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
@@ -90,15 +91,9 @@ def test_two_stage_loss_equals_one_stage_loss(lora_run):
 @pytest.mark.slow
 def test_exported_lora_reproduces_the_trained_model(lora_run):
     spec, layers = trained_layers(lora_run)
-    dataset, plan = cached_dataset(lora_run)
-    from dpipe.data.batches import step_micro_batches
-
-    inputs, _ = next(step_micro_batches(spec, dataset, plan,
-                                        run_config(lora_run).train.timesteps, 1, 0, 0))
-    trained = run_layers(layers, inputs)
+    inputs, with_lora, trained = exported_lora_and_trained(lora_run, spec, layers)
     with torch.no_grad():
         base = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
-        with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(lora_run / "lora"), inputs)
     assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
 

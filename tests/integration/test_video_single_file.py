@@ -15,30 +15,20 @@ def test_hunyuan_video_trains_from_a_single_file(tmp_path):
     from diffusers import HunyuanVideoTransformer3DModel
     from safetensors.torch import save_file
 
-    from dpipe.data.batches import step_micro_batches
     from dpipe.models.hunyuan_video.original import original_state_dict
     from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
-    from tests.cli import dpipe_train, train_args
-    from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+    from tests.integration.trained import (
+        exported_lora_and_trained, perturbed, train_lora_from_single_file)
 
     folder = make_tiny_hunyuan_video(tmp_path / "tiny-hunyuan-video")
     base = HunyuanVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    generator = torch.Generator().manual_seed(0)
-    fine_tuned = {k: v + 0.05 * torch.randn(v.shape, generator=generator, dtype=v.dtype)
-                  for k, v in base.state_dict().items()}  # someone's fine-tune of the base
+    fine_tuned = perturbed(base.state_dict())
     file = tmp_path / "hunyuan_video_finetune_bf16.safetensors"
     save_file({k: v.to(torch.bfloat16).contiguous()
                for k, v in original_state_dict(fine_tuned).items()}, file)
 
     run_dir = tmp_path / "run"
-    result = dpipe_train(*train_args(
-        run_dir, "model=tiny_hunyuan_video", f"model.path={file}", "model.tiny=false",
-        f"model.single_file_config={folder}", "dataset=synthetic", "pipeline.stages=2",
-        "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-        "train.max_steps=2"))
-    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
-    spec, layers = trained_layers(run_dir)
-    assert spec.single_file == file and spec.path == folder
+    spec, layers = train_lora_from_single_file(run_dir, "tiny_hunyuan_video", file, folder)
     trained = {}
     for layer in layers:
         trained.update(layer.denoiser_state_dict(trainable_only=False))
@@ -47,12 +37,8 @@ def test_hunyuan_video_trains_from_a_single_file(tmp_path):
     torch.testing.assert_close(trained.get(name, trained.get(name.replace(".base_layer", ""))),
                                want, rtol=0, atol=0)
 
-    dataset, plan = cached_dataset(run_dir)
-    inputs, _ = next(step_micro_batches(spec, dataset, plan, run_config(run_dir).train.timesteps,
-                                        1, 0, 0))
+    inputs, got, want = exported_lora_and_trained(run_dir, spec, layers)
     with torch.no_grad():
-        got = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), inputs)
         folder_base = spec.denoiser_forward(base, inputs)
-    want = run_layers(layers, inputs)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert (folder_base - want).abs().max() > 1e-3  # the folder's transformer is another model

@@ -51,3 +51,39 @@ def run_layers(layers, inputs):
     for layer in layers:
         x = layer(x)
     return x
+
+
+def perturbed(state_dict: dict, scale: float = 0.05, seed: int = 0) -> dict:
+    """Someone's fine-tune of a base: every weight moved by a seeded random amount."""
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+            for k, v in state_dict.items()}
+
+
+def train_lora_from_single_file(run_dir: Path, model: str, file: Path, folder: Path):
+    """A 2-stage, 2-step LoRA run of `model` whose transformer is the single file `file` (the
+    rest from the diffusers `folder`); returns (spec, trained layers) as `trained_layers`."""
+    from tests.cli import dpipe_train, train_args
+
+    result = dpipe_train(*train_args(
+        run_dir, f"model={model}", f"model.path={file}", "model.tiny=false",
+        f"model.single_file_config={folder}", "dataset=synthetic", "pipeline.stages=2",
+        "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
+        "train.max_steps=2"))
+    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
+    spec, layers = trained_layers(run_dir)
+    assert spec.single_file == file and spec.path == folder
+    return spec, layers
+
+
+def exported_lora_and_trained(run_dir: Path, spec, layers):
+    """On a micro-batch of step 1: (its inputs, the exported LoRA loaded the way users load it
+    (on the single file's transformer where the run had one), the trained layers' output)."""
+    from dpipe.data.batches import step_micro_batches
+
+    dataset, plan = cached_dataset(run_dir)
+    inputs, _ = next(step_micro_batches(spec, dataset, plan, run_config(run_dir).train.timesteps,
+                                        1, 0, 0))
+    with torch.no_grad():
+        got = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), inputs)
+    return inputs, got, run_layers(layers, inputs)
