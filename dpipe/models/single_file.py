@@ -15,6 +15,7 @@ unchanged (`export_like_source`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -145,3 +146,47 @@ def _unprefixed(key: str) -> str:
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
+
+
+# ---- diffusers names -> an original layout, for families mapped block by block ----------------
+# A block table row: (diffusers prefix, original prefix, {diffusers module: original module},
+# {original fused module: the diffusers modules stacked in it, in order}).
+BlockTable = list[tuple[str, str, dict[str, str], dict[str, tuple[str, ...]]]]
+
+
+def block_original_module(module: str, blocks: BlockTable):
+    """(original module, the diffusers parts it fuses or None, which part this one is) of a module
+    inside a block, or None if no row of `blocks` names it."""
+    for prefix, original, renames, fusions in blocks:
+        match = re.fullmatch(rf"{prefix}\.(\d+)\.(.+)", module)
+        if match is None:
+            continue
+        index, part = match.groups()
+        if part in renames:
+            return f"{original}.{index}.{renames[part]}", None, None
+        for name, parts in fusions.items():
+            if part in parts:
+                return f"{original}.{index}.{name}", parts, part
+        return None
+    return None
+
+
+class FusedWeights:
+    """Collects the diffusers parts of fused original weights and stacks them along the output
+    dimension, in the original's order; a fused weight missing a part is an error, never a
+    silently short tensor."""
+
+    def __init__(self):
+        self._found: dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]] = {}
+
+    def add(self, key: str, parts: tuple[str, ...], part: str, value: torch.Tensor) -> None:
+        self._found.setdefault(key, (parts, {}))[1][part] = value
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, (parts, found) in self._found.items():
+            missing = [p for p in parts if p not in found]
+            if missing:
+                raise KeyError(f"{key} needs {', '.join(missing)} as well")
+            out[key] = torch.cat([found[p] for p in parts], dim=0)
+        return out

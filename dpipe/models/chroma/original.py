@@ -19,6 +19,8 @@ import re
 import torch
 from torch import nn
 
+from dpipe.models.single_file import FusedWeights, block_original_module
+
 # A key every original Chroma transformer has (diffusers detects the family by it).
 MARKER = "distilled_guidance_layer.in_proj.bias"
 
@@ -87,7 +89,7 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     concatenated along the output dimension; RMSNorm weights named `scale`). Raises KeyError for a
     weight it has no name for, so nothing is dropped silently."""
     out: dict[str, torch.Tensor] = {}
-    fused: dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]] = {}
+    fused = FusedWeights()
     for key, value in weights.items():
         module, _, param = key.rpartition(".")
         original, parts, part = _original_module(key, module)
@@ -96,13 +98,8 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if parts is None:
             out[f"{original}.{param}"] = value
         else:
-            fused.setdefault(f"{original}.{param}", (parts, {}))[1][part] = value
-    for key, (parts, found) in fused.items():
-        missing = [p for p in parts if p not in found]
-        if missing:
-            raise KeyError(f"{key} needs {', '.join(missing)} as well")
-        out[key] = torch.cat([found[p] for p in parts], dim=0)
-    return out
+            fused.add(f"{original}.{param}", parts, part, value)
+    return out | fused.stacked()
 
 
 def _original_module(key: str, module: str):
@@ -116,15 +113,7 @@ def _original_module(key: str, module: str):
             return f"distilled_guidance_layer.norms.{index}", None, None
         if linear in _APPROXIMATOR:
             return f"distilled_guidance_layer.layers.{index}.{_APPROXIMATOR[linear]}", None, None
-    for prefix, original, renames, fusions in _BLOCKS:
-        match = re.fullmatch(rf"{prefix}\.(\d+)\.(.+)", module)
-        if match is None:
-            continue
-        index, part = match.groups()
-        if part in renames:
-            return f"{original}.{index}.{renames[part]}", None, None
-        for name, parts in fusions.items():
-            if part in parts:
-                return f"{original}.{index}.{name}", parts, part
-        break
+    found = block_original_module(module, _BLOCKS)
+    if found is not None:
+        return found
     raise KeyError(f"no original Chroma name for {key!r}")

@@ -18,6 +18,8 @@ import re
 import torch
 from torch import nn
 
+from dpipe.models.single_file import FusedWeights, block_original_module
+
 # A key every original HunyuanVideo transformer has (diffusers detects the family by it).
 MARKER = "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias"
 
@@ -94,7 +96,7 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     q/k/v(/mlp) concatenated along the output dimension). Raises KeyError for a weight it has no
     name for, so nothing is dropped silently."""
     out: dict[str, torch.Tensor] = {}
-    fused: dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]] = {}
+    fused = FusedWeights()
     for key, value in weights.items():
         module, param = key.rsplit(".", 1)
         original, parts, part = _original_module(key, module)
@@ -104,28 +106,15 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
                 value = torch.cat([shift, scale], dim=0)
             out[f"{original}.{param}"] = value
         else:
-            fused.setdefault(f"{original}.{param}", (parts, {}))[1][part] = value
-    for key, (parts, found) in fused.items():
-        missing = [p for p in parts if p not in found]
-        if missing:
-            raise KeyError(f"{key} needs {', '.join(missing)} as well")
-        out[key] = torch.cat([found[p] for p in parts], dim=0)
-    return out
+            fused.add(f"{original}.{param}", parts, part, value)
+    return out | fused.stacked()
 
 
 def _original_module(key: str, module: str):
     """(original module, the diffusers parts it fuses or None, which part this one is)."""
     if module in _TOP:
         return _TOP[module], None, None
-    for pattern, original, renames, fusions in _BLOCKS:
-        match = re.fullmatch(rf"{pattern}\.(\d+)\.(.+)", module)
-        if match is None:
-            continue
-        index, part = match.groups()
-        if part in renames:
-            return f"{original}.{index}.{renames[part]}", None, None
-        for name, parts in fusions.items():
-            if part in parts:
-                return f"{original}.{index}.{name}", parts, part
-        break
+    found = block_original_module(module, _BLOCKS)
+    if found is not None:
+        return found
     raise KeyError(f"no original HunyuanVideo name for {key!r}")
