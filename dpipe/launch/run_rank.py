@@ -38,6 +38,25 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def exit_process(code: int) -> None:
+    """Ends a rank's process now that its work is saved: runs the exit handlers, flushes, exits.
+
+    Python's own shutdown of a process that has trained (freeing every module of torch, DeepSpeed,
+    diffusers one by one) takes ~2 s of CPU per process and saves nothing: every file the run writes
+    is already closed (checkpoints and exports are atomic, the metrics writer is closed).
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def run_rank(run: RunConfig, run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dpipe.launch.quiet import quiet_libraries
 
-from dpipe.launch.run_rank import RUN_CONFIG, run_rank, load_run_config
+from dpipe.launch.run_rank import RUN_CONFIG, exit_process, load_run_config, run_rank
 
 
 def _die_with_launcher() -> None:
@@ -32,4 +32,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
