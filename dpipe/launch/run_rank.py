@@ -69,12 +69,13 @@ def run_rank(run: RunConfig, run_dir: Path) -> int:
         # The launcher prints each distinct message once; a rank on its own prints it itself.
         errors = run_dir / ".errors"
         atomic_write_text(errors / f"rank{rank:05d}.txt", str(err))
-        if "DPIPE_LAUNCHER" not in os.environ:
+        launcher = os.environ.get("DPIPE_LAUNCHER_PID")
+        if launcher is None:
             print(f"error: {err}", file=sys.stderr)
             return 2
         # Tell the launcher before exiting: it stops every worker at once, before the others
         # notice this one's sockets closing and print tracebacks of a lost peer.
-        os.kill(os.getppid(), USER_ERROR_SIGNAL)
+        os.kill(int(launcher), USER_ERROR_SIGNAL)
         time.sleep(30)
         return 2
     return 0
