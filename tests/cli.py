@@ -41,3 +41,27 @@ def dpipe_train(*args: str, timeout: float = 240, cwd: Path | None = None) -> Re
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Sweep:
+    """The points of one `dpipe-train -m hydra.sweep.dir=DIR ... model=a,b,...` sweep, by model.
+
+    Runs that differ only in the model are one sweep: its points run one after another in one
+    process, their workers forked by one fork server that imported the libraries once.
+    """
+
+    def __init__(self, sweep_dir: Path, *args: str, timeout: float = 1200):
+        self.result = dpipe_train("-m", f"hydra.sweep.dir={sweep_dir}", *args, timeout=timeout)
+        summary = sweep_dir / "sweep_summary.json"
+        assert summary.is_file(), f"the sweep wrote no summary:\n{self.result.out}\n{self.result.err}"
+        self.points = {}
+        for point in json.loads(summary.read_text())["points"]:
+            model = next(o.split("=", 1)[1] for o in point["overrides"] if o.startswith("model="))
+            self.points[model] = point
+
+    def run_dir(self, model: str) -> Path:
+        """The run dir of the model's point; fails, saying why, if that point did not complete."""
+        point = self.points[model]
+        assert point["status"] == "completed", (
+            f"{model}: {point['status']}: {point['message']}\n{self.result.err[-5000:]}")
+        return Path(point["run_dir"])

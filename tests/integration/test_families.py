@@ -19,13 +19,12 @@ Add a family by adding its tiny config name to FAMILIES.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.cli import dpipe_train, metrics
+from tests.cli import Sweep, metrics
 from tests.integration.trained import (
     cached_dataset, exported_lora_and_trained, run_config, run_layers, trained_layers)
 
@@ -33,49 +32,31 @@ FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_v
             "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
             "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w", "tiny_lumina2", "tiny_flux2", "tiny_flux_kontext", "tiny_qwen_image"]
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
-
-
-def _sweep(sweep_dir: Path, models: list[str], *overrides: str) -> dict[str, Path]:
-    """One `dpipe-train -m model=a,b,...` sweep (a point per family, one after another, their
-    workers forked by one fork server); returns each family's run dir."""
-    result = dpipe_train(
-        "-m", f"hydra.sweep.dir={sweep_dir}", f"model={','.join(models)}", "dataset=synthetic",
-        "pipeline.stages=2", "pipeline.micro_batches=2", "optim.lr=1e-3",
-        "train.checkpoint_every_steps=0", "train.progress_bar=false", *overrides, timeout=1200)
-    points = json.loads((sweep_dir / "sweep_summary.json").read_text())["points"]
-    runs = {}
-    for point in points:
-        model = next(o.split("=", 1)[1] for o in point["overrides"] if o.startswith("model="))
-        runs[model] = (Path(point["run_dir"]), point["status"], point["message"], result)
-    return runs
-
-
-def _run_of(runs: dict, model: str) -> Path:
-    run_dir, status, message, result = runs[model]
-    assert status == "completed", f"{model}: {status}: {message}\n{result.err[-5000:]}"
-    return run_dir
+SWEEP = ["dataset=synthetic", "pipeline.stages=2", "pipeline.micro_batches=2", "optim.lr=1e-3",
+         "train.checkpoint_every_steps=0", "train.progress_bar=false"]
 
 
 @pytest.fixture(scope="module")
-def lora_sweep(tmp_path_factory) -> dict:
-    return _sweep(tmp_path_factory.mktemp("lora"), FAMILIES, "train.max_steps=2")
+def lora_sweep(tmp_path_factory) -> Sweep:
+    return Sweep(tmp_path_factory.mktemp("lora"), f"model={','.join(FAMILIES)}", *SWEEP,
+                 "train.max_steps=2")
 
 
 @pytest.fixture(scope="module")
-def full_sweep(tmp_path_factory) -> dict:
-    return _sweep(tmp_path_factory.mktemp("full"), FULL_RUN_FAMILIES, "train.max_steps=1",
-                  "model.mode=full")
+def full_sweep(tmp_path_factory) -> Sweep:
+    return Sweep(tmp_path_factory.mktemp("full"), f"model={','.join(FULL_RUN_FAMILIES)}", *SWEEP,
+                 "train.max_steps=1", "model.mode=full")
 
 
 @pytest.fixture(params=FAMILIES)
 def lora_run(request, lora_sweep) -> Path:
-    return _run_of(lora_sweep, request.param)
+    return lora_sweep.run_dir(request.param)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", FULL_RUN_FAMILIES)
 def test_layers_reproduce_the_denoiser(model, full_sweep):
-    run_dir = _run_of(full_sweep, model)
+    run_dir = full_sweep.run_dir(model)
     spec, layers = trained_layers(run_dir)
     dataset, plan = cached_dataset(run_dir)
     from dpipe.data.batches import step_micro_batches

@@ -14,19 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cli import dpipe_train, metrics, train_args
+from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-# tiny config -> (a clip length (frame bucket) its VAE takes, extra overrides). LTX-Video trains
-# image-to-video here (first-frame conditioning on the clips; images stay text-to-image).
-FAMILIES = {"tiny_hunyuan_video": (5, ()), "tiny_ltx_video": (9, ("model.i2v=true",)),
-            "tiny_hunyuan_video15": (5, ()), "tiny_ltx2": (9, ()),  # LTX-2: the video stream
-            # Wan: i2v conditioning (CLIP tokens + first-frame latents), TI2V's first frame,
-            # the A14B low-noise expert on its t range.
-            "tiny_wan": (5, ()), "tiny_wan_i2v": (5, ()),
-            "tiny_wan22_ti2v": (5, ("model.i2v=true",)), "tiny_wan22_a14b": (5, ()),
-            # Cosmos-Predict2 Video2World: first latent frame given, condition-mask channel.
-            "tiny_cosmos_predict2_v2w": (5, ())}
+# Sweeps of the families that train with the same overrides: a clip length (frame bucket) their
+# VAE takes, and extra overrides. LTX-Video and Wan 2.2 TI2V train image-to-video here (first-frame
+# conditioning on the clips; images stay text-to-image).
+SWEEPS = [
+    # HunyuanVideo (1.5), Wan: i2v conditioning (CLIP tokens + first-frame latents), the A14B
+    # low-noise expert on its t range; Cosmos-Predict2 Video2World: first latent frame given,
+    # condition-mask channel. The 9-frame clips are cut to 5.
+    (5, (), ["tiny_hunyuan_video", "tiny_hunyuan_video15", "tiny_wan", "tiny_wan_i2v",
+             "tiny_wan22_a14b", "tiny_cosmos_predict2_v2w"]),
+    (9, ("model.i2v=true",), ["tiny_ltx_video", "tiny_wan22_ti2v"]),
+    (9, (), ["tiny_ltx2"]),  # LTX-2: the video stream
+]
+FRAMES = {model: frames for frames, _, models in SWEEPS for model in models}
 
 
 def _write_clip(path: Path, frames: int, seed: int, size: int = 64) -> None:
@@ -64,15 +67,18 @@ def mixed_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def _train(run_dir: Path, model: str, folder: Path, frames: int, *overrides: str) -> Path:
-    result = dpipe_train(*train_args(
-        run_dir, f"model={model}", "dataset=folder", f"dataset.path={folder}",
-        "dataset.resolutions=[64]", f"dataset.frame_buckets=[1,{frames}]",
-        "pipeline.stages=2", "pipeline.micro_batches=2", "optim.lr=1e-3",
-        "train.checkpoint_every_steps=0", *overrides,
-    ), timeout=400)
-    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
-    return run_dir
+@pytest.fixture(scope="module")
+def runs(mixed_folder, tmp_path_factory) -> dict[str, Sweep]:
+    """The sweep holding each family's 2-stage LoRA run on the mixed folder (3 steps), by model."""
+    runs = {}
+    for i, (frames, extra, models) in enumerate(SWEEPS):
+        sweep = Sweep(tmp_path_factory.mktemp(f"sweep{i}"), f"model={','.join(models)}",
+                      "dataset=folder", f"dataset.path={mixed_folder}", "dataset.resolutions=[64]",
+                      f"dataset.frame_buckets=[1,{frames}]", "pipeline.stages=2",
+                      "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
+                      "train.max_steps=3", "train.progress_bar=false", *extra)
+        runs.update({model: sweep for model in models})
+    return runs
 
 
 def _micro_batches(spec, run, dataset, plan, step):
@@ -83,13 +89,13 @@ def _micro_batches(spec, run, dataset, plan, step):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(FAMILIES))
-def test_clips_and_images_train_in_one_run(model, mixed_folder, tmp_path):
+@pytest.mark.parametrize("model", sorted(FRAMES))
+def test_clips_and_images_train_in_one_run(model, runs):
     from dpipe.models.registry import build_spec
     from dpipe.train.trainable import trainable_layers
 
-    frames, extra = FAMILIES[model]
-    run_dir = _train(tmp_path / "run", model, mixed_folder, frames, "train.max_steps=3", *extra)
+    frames = FRAMES[model]
+    run_dir = runs[model].run_dir(model)
     run = run_config(run_dir)
     spec = build_spec(run.model)
     dataset, plan = cached_dataset(run_dir)
