@@ -44,9 +44,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 class Sweep:
-    """The points of one `dpipe-train -m hydra.sweep.dir=DIR ... model=a,b,...` sweep, by model.
+    """The points of one `dpipe-train -m hydra.sweep.dir=DIR ...` sweep.
 
-    Runs that differ only in the model are one sweep: its points run one after another in one
+    Runs that differ in a few overrides are one sweep: its points run one after another in one
     process, their workers forked by one fork server that imported the libraries once.
     """
 
@@ -54,14 +54,13 @@ class Sweep:
         self.result = dpipe_train("-m", f"hydra.sweep.dir={sweep_dir}", *args, timeout=timeout)
         summary = sweep_dir / "sweep_summary.json"
         assert summary.is_file(), f"the sweep wrote no summary:\n{self.result.out}\n{self.result.err}"
-        self.points = {}
-        for point in json.loads(summary.read_text())["points"]:
-            model = next(o.split("=", 1)[1] for o in point["overrides"] if o.startswith("model="))
-            self.points[model] = point
+        self.points = json.loads(summary.read_text())["points"]
 
-    def run_dir(self, model: str) -> Path:
-        """The run dir of the model's point; fails, saying why, if that point did not complete."""
-        point = self.points[model]
+    def run_dir(self, *overrides: str) -> Path:
+        """The run dir of the point with these overrides (e.g. "model=tiny_flux"); fails, saying
+        why, if that point did not complete."""
+        point, = [p for p in self.points if set(overrides) <= set(p["overrides"])]
         assert point["status"] == "completed", (
-            f"{model}: {point['status']}: {point['message']}\n{self.result.err[-5000:]}")
+            f"{' '.join(overrides)}: {point['status']}: {point['message']}\n"
+            f"{self.result.err[-5000:]}")
         return Path(point["run_dir"])

@@ -50,13 +50,13 @@ def full_sweep(tmp_path_factory) -> Sweep:
 
 @pytest.fixture(params=FAMILIES)
 def lora_run(request, lora_sweep) -> Path:
-    return lora_sweep.run_dir(request.param)
+    return lora_sweep.run_dir(f"model={request.param}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", FULL_RUN_FAMILIES)
 def test_layers_reproduce_the_denoiser(model, full_sweep):
-    run_dir = full_sweep.run_dir(model)
+    run_dir = full_sweep.run_dir(f"model={model}")
     spec, layers = trained_layers(run_dir)
     dataset, plan = cached_dataset(run_dir)
     from dpipe.data.batches import step_micro_batches

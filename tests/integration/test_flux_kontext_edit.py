@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import dpipe_train, metrics, train_args
+from tests.cli import Sweep, dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
 EDIT_FAMILIES = ["tiny_flux_kontext", "tiny_flux2", "tiny_qwen_image_edit"]
@@ -47,21 +47,23 @@ def _edit_dataset(folder: Path, count: int = 4) -> Path:
     return folder
 
 
-def _train(base: Path, model: str, *overrides: str) -> Path:
-    data = _edit_dataset(base / "data")
-    run_dir = base / "run"
-    result = dpipe_train(*train_args(
-        run_dir, f"model={model}", "dataset=folder", f"dataset.path={data}",
-        "dataset.control_dir=control", "dataset.resolutions=[64]", "pipeline.stages=2",
-        "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-        *overrides))
-    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
-    return run_dir
+def _edit_run_overrides(data: Path) -> list[str]:
+    return ["dataset=folder", f"dataset.path={data}", "dataset.control_dir=control",
+            "dataset.resolutions=[64]", "pipeline.stages=2", "pipeline.micro_batches=2",
+            "optim.lr=1e-3", "train.checkpoint_every_steps=0"]
 
 
-@pytest.fixture(scope="module", params=EDIT_FAMILIES)
-def edit_run(request, tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp(request.param), request.param, "train.max_steps=2")
+@pytest.fixture(scope="module")
+def edit_sweep(tmp_path_factory) -> Sweep:
+    """The three families' LoRA runs (2 steps), one sweep on one edit dataset."""
+    base = tmp_path_factory.mktemp("edit")
+    return Sweep(base / "sweep", f"model={','.join(EDIT_FAMILIES)}",
+                 *_edit_run_overrides(_edit_dataset(base / "data")), "train.max_steps=2")
+
+
+@pytest.fixture(params=EDIT_FAMILIES)
+def edit_run(request, edit_sweep) -> Path:
+    return edit_sweep.run_dir(f"model={request.param}")
 
 
 @pytest.mark.slow
@@ -108,7 +110,11 @@ def test_full_edit_fine_tune_exports_a_loadable_model(tmp_path):
     `from_pretrained`, reproduces the trained layers on an edit batch."""
     from dpipe.data.batches import step_micro_batches
 
-    run_dir = _train(tmp_path, "tiny_qwen_image_edit", "train.max_steps=1", "model.mode=full")
+    run_dir = tmp_path / "run"
+    result = dpipe_train(*train_args(run_dir, "model=tiny_qwen_image_edit",
+                                     *_edit_run_overrides(_edit_dataset(tmp_path / "data")),
+                                     "train.max_steps=1", "model.mode=full"))
+    assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
     spec, layers = trained_layers(run_dir)
     dataset, plan = cached_dataset(run_dir)
     inputs, labels = next(step_micro_batches(spec, dataset, plan,

@@ -95,7 +95,7 @@ def test_clips_and_images_train_in_one_run(model, runs):
     from dpipe.train.trainable import trainable_layers
 
     frames = FRAMES[model]
-    run_dir = runs[model].run_dir(model)
+    run_dir = runs[model].run_dir(f"model={model}")
     run = run_config(run_dir)
     spec = build_spec(run.model)
     dataset, plan = cached_dataset(run_dir)
