@@ -1,4 +1,5 @@
-"""One worker process of a run started by the local launcher: `python -m dpipe.launch.worker DIR`."""
+"""One worker process of a run started by the local launcher (forked by its fork server, see
+launch/local.py; `python -m dpipe.launch.worker DIR` runs one by hand)."""
 
 from __future__ import annotations
 
