@@ -75,7 +75,10 @@ def main() -> None:
         rows.append(_row(name, overrides.strip(), ranks))
         if args.plain and len(rows) == 1:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-            subprocess.run([sys.executable, "-m", "dpipe.bench.plain", str(run_dir)], check=True, env=env)
+            done = subprocess.run([sys.executable, "-m", "dpipe.bench.plain", str(run_dir)], env=env)
+            if done.returncode:  # e.g. out of memory: the rows measured so far still count
+                rows.append({"name": "plain loop (reference)", "error": f"exit {done.returncode}"})
+                continue
             plain = json.loads((run_dir / "plain.json").read_text())
             rows.append(_row("plain loop (reference)", "diffusers forward, compiled blocks, "
                              "no checkpointing", [dict(plain, rank=0, stage=0, peak_gib=plain["peak_gib"])]))
