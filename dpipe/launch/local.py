@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,24 +70,30 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
         old.unlink()
     port = free_port()
     context = _fork_server()
+    # Only this process holds the writing end: when it dies, even by SIGKILL, every worker reads
+    # end-of-file and stops (they would otherwise train on as orphans of the fork server).
+    launcher_alive, alive_writer = context.Pipe(duplex=False)
     procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
-                   WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        proc = context.Process(target=_run_worker, args=(module, str(run_dir), env),
-                               name=f"dpipe-rank{rank}")
-        proc.start()
-        procs.append(proc)
     user_error = []
     previous = signal.signal(USER_ERROR_SIGNAL, lambda *_: user_error.append(True))
     try:
+        for rank in range(world_size):
+            env = dict(os.environ, DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
+                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            proc = context.Process(target=_run_worker, name=f"dpipe-rank{rank}",
+                                   args=(module, str(run_dir), env, launcher_alive))
+            proc.start()
+            procs.append(proc)
+        launcher_alive.close()
         code = _wait(procs, user_error)
     except BaseException:
         _stop(procs)
         raise
     finally:
         signal.signal(USER_ERROR_SIGNAL, previous)
+        alive_writer.close()
     if code:
         _stop(procs)
         _report_errors(errors)
@@ -105,8 +112,10 @@ def _fork_server():
     return context
 
 
-def _run_worker(module: str, run_dir: str, env: dict) -> None:
+def _run_worker(module: str, run_dir: str, env: dict, launcher_alive) -> None:
     """A forked worker: this rank's environment and arguments, then the entry point's main()."""
+    threading.Thread(target=_die_with_launcher, args=(launcher_alive,), daemon=True,
+                     name="dpipe-launcher-watch").start()
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, run_dir]
@@ -114,6 +123,15 @@ def _run_worker(module: str, run_dir: str, env: dict) -> None:
     from dpipe.launch.run_rank import exit_process
 
     exit_process(entry.main())
+
+
+def _die_with_launcher(launcher_alive) -> None:
+    """Blocks until the launcher's end of the pipe closes, then ends this worker at once."""
+    try:
+        launcher_alive.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _wait(procs, user_error: list) -> int:
