@@ -10,8 +10,10 @@ DeepSpeed, diffusers and transformers once (`dpipe.launch.preload`): a worker st
 a second instead of importing them itself (~8 s of CPU each), and the workers of one run share
 those modules' memory. The server is a fresh interpreter, not a fork of this process, and nothing
 it imports touches the GPU, so each worker initializes CUDA itself as if it had been spawned. It
-lives as long as this process: the points of a sweep reuse it, and it reads the environment once,
-when the first run starts.
+lives as long as this process: the points of a sweep reuse it. Each worker gets this process's
+environment of the moment; only what the preloaded libraries read when imported is fixed by the
+first run. A worker's parent is the fork server, not this process, so each worker watches a pipe
+from this process and ends itself when that closes (this process died, even by SIGKILL).
 """
 
 from __future__ import annotations
