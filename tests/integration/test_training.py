@@ -1,6 +1,7 @@
 """End to end through `dpipe-train`: real Hydra, real DeepSpeed pipelines in real processes (gloo).
 
-One 2-stage LoRA run is shared by several tests; each other run is one `dpipe-train` call.
+One LoRA run on 1, 2 and 4 stages (a sweep) is shared by several tests; each other run is one
+`dpipe-train` call.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import REPO, dpipe_train, metrics, train_args
+from tests.cli import REPO, Sweep, dpipe_train, metrics, train_args
 from tests.integration.trained import run_config
 
 pytestmark = pytest.mark.slow
@@ -34,10 +35,15 @@ def _train(run_dir: Path, *overrides: str, timeout: float = 240):
 
 
 @pytest.fixture(scope="module")
-def two_stage_lora(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("two-stage") / "run"
-    _train(run_dir, "pipeline.stages=2")
-    return run_dir
+def stage_sweep(tmp_path_factory) -> Sweep:
+    """The same LoRA run on 1, 2 and 4 pipeline stages: one sweep."""
+    return Sweep(tmp_path_factory.mktemp("stages"), *BASE, "train.progress_bar=false",
+                 "pipeline.stages=1,2,4", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_stage_lora(stage_sweep) -> Path:
+    return stage_sweep.run_dir("pipeline.stages=2")
 
 
 def test_run_leaves_real_outputs(two_stage_lora):
@@ -54,10 +60,8 @@ def test_run_leaves_real_outputs(two_stage_lora):
 
 
 @pytest.fixture(scope="module")
-def one_stage_lora(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("one-stage") / "run"
-    _train(run_dir, "pipeline.stages=1")
-    return run_dir
+def one_stage_lora(stage_sweep) -> Path:
+    return stage_sweep.run_dir("pipeline.stages=1")
 
 
 def test_two_stages_match_one_stage(two_stage_lora, one_stage_lora):
@@ -129,10 +133,9 @@ def test_sweep_runs_each_point_in_its_own_run_dir(tmp_path):
         assert metrics(r)[-1]["step"] == 2
 
 
-def test_four_stages_match_one_stage(one_stage_lora, tmp_path):
+def test_four_stages_match_one_stage(one_stage_lora, stage_sweep):
     """Four stages in four processes: the same losses and weights as one stage (fp32)."""
-    four = tmp_path / "four"
-    _train(four, "pipeline.stages=4", timeout=400)
+    four = stage_sweep.run_dir("pipeline.stages=4")
     loss_1 = torch.tensor([m["loss"] for m in metrics(one_stage_lora)])
     loss_4 = torch.tensor([m["loss"] for m in metrics(four)])
     torch.testing.assert_close(loss_4, loss_1, rtol=1e-5, atol=1e-6)
