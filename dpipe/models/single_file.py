@@ -190,3 +190,55 @@ class FusedWeights:
                 raise KeyError(f"{key} needs {', '.join(missing)} as well")
             out[key] = torch.cat([found[p] for p in parts], dim=0)
         return out
+
+
+# ---- fused Linears listed as (original module, the diffusers modules it stacks, their sizes) ----
+# For families whose original names come from one table of the whole model (FLUX's BFL layout,
+# HunyuanVideo 1.5). Output sizes are needed only to split a module that stacks several parts.
+FusedLinear = tuple[str, list[str], list]
+
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """The two output halves exchanged (the originals' final modulation is (shift, scale), the
+    diffusers layers' (scale, shift))."""
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def stack_fused(state: dict[str, torch.Tensor], fused: list[FusedLinear], swapped: set[str]
+                ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Diffusers weights -> the original fused modules (parts concatenated in order; halves
+    swapped for the modules in `swapped`); also returns the diffusers keys used."""
+    out, used = {}, set()
+    for original, parts, _ in fused:
+        for param in ("weight", "bias"):
+            keys = [f"{p}.{param}" for p in parts]
+            if not all(k in state for k in keys):
+                continue
+            value = torch.cat([state[k] for k in keys], dim=0)
+            out[f"{original}.{param}"] = swap_halves(value) if original in swapped else value
+            used.update(keys)
+    return out, used
+
+
+def split_fused(state: dict[str, torch.Tensor], fused: list[FusedLinear], swapped: set[str]
+                ) -> dict[str, torch.Tensor]:
+    """The original fused modules of `state` -> their diffusers parts, split at the given sizes.
+    Names `fused` does not know pass through unchanged."""
+    out = dict(state)
+    for original, parts, sizes in fused:
+        for param in ("weight", "bias"):
+            value = out.pop(f"{original}.{param}", None)
+            if value is None:
+                continue
+            if original in swapped:
+                value = swap_halves(value)
+            if len(parts) == 1:
+                out[f"{parts[0]}.{param}"] = value
+                continue
+            if value.shape[0] != sum(sizes):
+                raise ValueError(f"{original}.{param} has {value.shape[0]} rows; this model's "
+                                 f"config gives {sum(sizes)} ({' + '.join(map(str, sizes))})")
+            for part, piece in zip(parts, value.split(sizes, dim=0)):
+                out[f"{part}.{param}"] = piece
+    return out

@@ -24,9 +24,11 @@ from typing import Any, Iterable
 
 import torch
 
+from dpipe.models.single_file import FusedLinear, split_fused, stack_fused, swap_halves
+
 # (BFL module, the diffusers modules stacked in it, their output sizes; None where one module
 # maps to one, so nothing is split)
-Linear = tuple[str, list[str], list[int | None]]
+Linear = FusedLinear
 
 # BFL's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
 _SWAPPED = {"final_layer.adaLN_modulation.1"}
@@ -127,23 +129,10 @@ def _single_norms(o: str, d: str) -> dict[str, str]:
             f"{o}.norm.key_norm.scale": f"{d}.attn.norm_k.weight"}
 
 
-def _swap(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def to_bfl(state_dict: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
     """A diffusers transformer state dict in BFL's layout (fused Linears concatenated in order)."""
     linears, norms = layout
-    out, used = {}, set()
-    for bfl, parts, _ in linears:
-        for param in ("weight", "bias"):
-            keys = [f"{p}.{param}" for p in parts]
-            if not all(k in state_dict for k in keys):
-                continue
-            value = torch.cat([state_dict[k] for k in keys], dim=0)
-            out[f"{bfl}.{param}"] = _swap(value) if bfl in _SWAPPED else value
-            used.update(keys)
+    out, used = stack_fused(state_dict, linears, _SWAPPED)
     for bfl, diffusers in norms.items():
         out[bfl] = state_dict[diffusers]
         used.add(diffusers)
@@ -158,22 +147,7 @@ def from_bfl(native: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]
     layout does not know pass through unchanged (a file already in diffusers names loads as it
     is; anything else is reported by the caller as unexpected)."""
     linears, norms = layout
-    out = dict(native)
-    for bfl, parts, sizes in linears:
-        for param in ("weight", "bias"):
-            value = out.pop(f"{bfl}.{param}", None)
-            if value is None:
-                continue
-            if bfl in _SWAPPED:
-                value = _swap(value)
-            if len(parts) == 1:
-                out[f"{parts[0]}.{param}"] = value
-                continue
-            if value.shape[0] != sum(sizes):
-                raise ValueError(f"{bfl}.{param} has {value.shape[0]} rows; this model's config "
-                                 f"gives {sum(sizes)} ({' + '.join(map(str, sizes))})")
-            for part, piece in zip(parts, value.split(sizes, dim=0)):
-                out[f"{part}.{param}"] = piece
+    out = split_fused(native, linears, _SWAPPED)
     for bfl, diffusers in norms.items():
         if bfl in out:
             out[diffusers] = out.pop(bfl)
@@ -196,7 +170,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict
     for bfl in _SWAPPED:  # W' = swap(W + B A) = swap(W) + swap(B) A
         key = f"{COMFY_PREFIX}{bfl}.lora_B.weight"
         if key in out:
-            out[key] = _swap(out[key]).contiguous()
+            out[key] = swap_halves(out[key]).contiguous()
     return out
 
 

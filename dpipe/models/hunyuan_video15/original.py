@@ -29,6 +29,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
+
 # (diffusers module, Tencent module, ComfyUI runtime module (None: no LoRA name), output rows).
 # Rows sharing a Tencent (or ComfyUI) module are stacked in it along the output dimension in
 # table order; the rows are needed only to split such a module.
@@ -116,9 +118,10 @@ def _groups(rows: list[Row], column: int) -> dict[str, list[Row]]:
     return out
 
 
-def _swap(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
+def _fused(rows: list[Row]) -> list[FusedLinear]:
+    """The table as (Tencent module, the diffusers modules it stacks, their sizes)."""
+    return [(original, [row[0] for row in group], [row[3] for row in group])
+            for original, group in _groups(rows, 1).items()]
 
 
 def original_state_dict(weights: dict[str, torch.Tensor],
@@ -127,16 +130,7 @@ def original_state_dict(weights: dict[str, torch.Tensor],
     modules concatenated in table order). Without `config` the block counts are read off the
     weights (the sizes are not needed this way). A weight without a name raises ValueError, so
     nothing is dropped silently."""
-    rows = layout(config or _config_of(weights))
-    out, used = {}, set()
-    for original, group in _groups(rows, 1).items():
-        for param in ("weight", "bias"):
-            keys = [f"{row[0]}.{param}" for row in group]
-            if not all(k in weights for k in keys):
-                continue
-            value = torch.cat([weights[k] for k in keys], dim=0)
-            out[f"{original}.{param}"] = _swap(value) if original in _SWAPPED else value
-            used.update(keys)
+    out, used = stack_fused(weights, _fused(layout(config or _config_of(weights))), _SWAPPED)
     left = sorted(set(weights) - used)
     if left:
         raise ValueError(f"no original HunyuanVideo 1.5 name for {', '.join(left[:5])}")
@@ -147,24 +141,7 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
     """Tencent-named weights -> `model`'s diffusers names, fused modules split at the model's own
     sizes. Names the table does not know pass through unchanged (a file already in diffusers names
     loads as it is; anything else is reported by the loader as unexpected)."""
-    out = dict(state)
-    for original, group in _groups(layout(dict(model.config)), 1).items():
-        for param in ("weight", "bias"):
-            value = out.pop(f"{original}.{param}", None)
-            if value is None:
-                continue
-            if original in _SWAPPED:
-                value = _swap(value)
-            if len(group) == 1:
-                out[f"{group[0][0]}.{param}"] = value
-                continue
-            sizes = [row[3] for row in group]
-            if value.shape[0] != sum(sizes):
-                raise ValueError(f"{original}.{param} has {value.shape[0]} rows; this model's "
-                                 f"config gives {sum(sizes)} ({' + '.join(map(str, sizes))})")
-            for row, piece in zip(group, value.split(sizes, dim=0)):
-                out[f"{row[0]}.{param}"] = piece
-    return out
+    return split_fused(state, _fused(layout(dict(model.config))), _SWAPPED)
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor] | None = None
