@@ -64,3 +64,17 @@ class Sweep:
             f"{' '.join(overrides)}: {point['status']}: {point['message']}\n"
             f"{self.result.err[-5000:]}")
         return Path(point["run_dir"])
+
+
+def bench_rows(out: Path, runs: dict[str, str], *flags: str, timeout: float = 300) -> dict[str, dict]:
+    """`dpipe-bench --size tiny` over `runs` ({name: overrides}): its result row per name."""
+    args = [sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--warmup", "1",
+            "--steps", "2", "--out", str(out), *flags]
+    for name, overrides in runs.items():
+        args += ["--run", f"{name}: {overrides}"]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())}
+    assert [r.get("error") for r in rows.values()] == [None] * len(runs), done.stdout + done.stderr
+    return rows

@@ -61,6 +61,7 @@ def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, see
 
 
 def main() -> int:
+    from dpipe.bench.audit import StepAudit
     from dpipe.bench.timing import StageTiming
     from dpipe.train.trainable import trainable_layers
 
@@ -112,13 +113,15 @@ def main() -> int:
         data = loader.next
     timing = StageTiming(engine) if cuda else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step_s, work = [], []
+    step_s, work, audits = [], [], []
     for step in range(opts["warmup"] + opts["steps"]):
         if step == opts["warmup"] and cuda:
             torch.cuda.reset_peak_memory_stats()
+        audit = StepAudit()
         sync()
         start = time.perf_counter()
-        engine.train_batch(data_iter=data(step))
+        with audit.counting():
+            engine.train_batch(data_iter=data(step))
         sync()
         elapsed = time.perf_counter() - start
         spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -128,8 +131,10 @@ def main() -> int:
         if step >= opts["warmup"]:
             step_s.append(elapsed)
             work.append(spans)
+            audits.append(audit)
         if rank == 0:
-            print(f"[bench] step {step} {elapsed:.3f}s {spans}", flush=True)
+            print(f"[bench] step {step} {elapsed:.3f}s {spans} host syncs {audit.host_syncs} "
+                  f"backward passes {audit.backward_passes}", flush=True)
     result = {
         "rank": rank,
         "stage": built.stage,
@@ -144,6 +149,9 @@ def main() -> int:
         "images_per_step": run.pipeline.micro_batch_size * run.pipeline.micro_batches * data_parallel,
         "checkpointed_layers": len(engine.module.checkpointed),
         "local_layers": len(engine.module.forward_funcs),
+        "host_syncs_per_step": max(a.host_syncs for a in audits),
+        "backward_passes_per_micro_batch": max(a.backward_passes for a in audits)
+        / run.pipeline.micro_batches,
     }
     if loader is not None:
         loader.close()

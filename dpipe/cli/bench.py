@@ -104,6 +104,9 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
                               "checkpointed": f'{r["checkpointed_layers"]}/{r["local_layers"]}'})
         else:
             per_stage.append({"stage": stage, "peak_gib": r["peak_gib"]})
+        if "host_syncs_per_step" in r:
+            per_stage[-1].update(host_syncs=r["host_syncs_per_step"],
+                                 backward_passes=r["backward_passes_per_micro_batch"])
     return {"name": name, "overrides": overrides, "gpus": gpus, "step_s": step_s,
             "images_per_s": ranks[0]["images_per_step"] / step_s,
             "s_per_image": step_s / ranks[0]["images_per_step"], "tflops_per_gpu": tflops,
@@ -111,18 +114,21 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers | per stage: host syncs per step / backward passes per micro-batch |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | |")
             continue
         stages = "; ".join(
             f"{s['stage']}: {s.get('compute_s', float('nan')):.2f} / {s.get('idle_s', float('nan')):.2f} / "
             f"{s['peak_gib']:.1f} ({s.get('peak_reserved_gib', float('nan')):.1f}) / "
             f"{s.get('checkpointed', '-')}" for s in r["stages"])
+        audit = "; ".join(f"{s['stage']}: {s['host_syncs']} / {s['backward_passes']:g}"
+                          for s in r["stages"] if "host_syncs" in s)
         lines.append(f"| {r['name']} | {r['gpus']} | {r['step_s']:.3f} | {r['images_per_s']:.2f} | "
-                     f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | {stages} |")
+                     f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | {stages} | "
+                     f"{audit} |")
     return "\n".join(lines)
 
 

@@ -108,6 +108,8 @@ def build_engine(
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+    from dpipe.pipeline.stage_engine import adopt
+
     p = run.pipeline
     bounds = stage_bounds(costs, p.stages, p.partition, p.split)
     # Full bf16 fine-tunes with master weights use DeepSpeed's bf16 mode (fp32 copies in the
@@ -144,6 +146,7 @@ def build_engine(
         lr_scheduler=scheduler,
         config=deepspeed_config(run, data_parallel),
     )
+    engine = adopt(engine, p.stages)
     if not _deepspeed_wraps_optimizer(run):
         install_clipping(optimizer, run.optim.grad_clip, engine.grid.get_pipe_parallel_group())
     module.checkpointed = _fixed_checkpointing(p.activation_checkpointing,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cli import dpipe_train, metrics, train_args
+from tests.cli import bench_rows, dpipe_train, metrics, train_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,6 +24,29 @@ def test_two_stage_gpu_run_matches_one_stage_in_bf16(tmp_path):
     one = _losses(tmp_path / "one", "pipeline.stages=1", "pipeline.data_parallel=1")
     two = _losses(tmp_path / "two", "pipeline.stages=2", "pipeline.data_parallel=1")
     torch.testing.assert_close(two, one, rtol=2e-2, atol=1e-3)
+
+
+def _audit(rows, name):
+    return [(s["host_syncs"], s["backward_passes"]) for s in rows[name]["stages"]]
+
+
+def test_a_one_gpu_step_makes_no_host_sync(tmp_path):
+    """Every synchronizing CUDA operation counts (CUDA's sync debug mode), with the data arriving
+    through the training loader as in `dpipe-train`."""
+    one = "model=tiny_flux pipeline=single train.precision=bf16 pipeline.micro_batches=4"
+    rows = bench_rows(tmp_path, {"lora": f"{one} pipeline.compile=true",
+                                 "full": f"{one} model.mode=full optim.master_weights=false"},
+                      "--loader", timeout=600)
+    assert _audit(rows, "lora") == [(0, 1)] and _audit(rows, "full") == [(0, 1)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_two_stage_gpu_step_makes_no_host_sync(tmp_path):
+    """The shapes of each micro-batch's activations travel between the hosts, not as GPU tensors
+    read back with `.item()`; each stage runs its backward once."""
+    rows = bench_rows(tmp_path, {"two": "model=tiny_flux train.precision=bf16 pipeline.stages=2 "
+                                        "pipeline.micro_batches=4"}, "--loader", timeout=600)
+    assert _audit(rows, "two") == [(0, 1), (0, 1)]
 
 
 def test_compiled_blocks_match_eager_blocks(tmp_path):

@@ -1,0 +1,55 @@
+"""`dpipe-bench`'s CPU path (the tiny model through the real launcher, DeepSpeed pipeline engine
+and train_batch) and what it audits in each step: every stage runs one backward pass per
+micro-batch, however many tensors it sends downstream, and no stage syncs the host. On CPU that
+counts explicit device syncs; tests/gpu also counts every synchronizing CUDA operation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.cli import REPO, bench_rows
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, dict]:
+    return bench_rows(tmp_path_factory.mktemp("bench"), {
+        # FLUX's stages send three float tensors (image and text streams, the conditioning).
+        "lora-2": "model=tiny_flux pipeline.stages=2 pipeline.micro_batches=4",
+        # A middle stage both receives and sends; a full fine-tune trains the embedders too.
+        "full-3": "model=tiny_flux model.mode=full pipeline.stages=3 pipeline.micro_batches=3",
+    })
+
+
+@pytest.mark.parametrize("name,stages", [("lora-2", 2), ("full-3", 3)])
+def test_each_stage_runs_one_backward_pass_per_micro_batch(rows, name, stages):
+    per_stage = rows[name]["stages"]
+    assert [s["stage"] for s in per_stage] == list(range(stages))
+    assert [s["backward_passes"] for s in per_stage] == [1] * stages
+
+
+@pytest.mark.parametrize("name", ["lora-2", "full-3"])
+def test_no_stage_syncs_the_host_within_a_step(rows, name):
+    assert [s["host_syncs"] for s in rows[name]["stages"]] == [0] * len(rows[name]["stages"])
+
+
+def test_layer_timer_covers_every_layer_by_kind(tmp_path):
+    """`python -m dpipe.bench.layers` (its CPU smoke test): a time per layer, grouped by kind."""
+    out = tmp_path / "layers.json"
+    done = subprocess.run([sys.executable, "-m", "dpipe.bench.layers", "--size", "tiny",
+                           "--repeat", "1", "--out", str(out), "model=tiny_flux", "model.mode=full"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    kinds = [r["kind"] for r in result["layers"]]
+    assert kinds == ["FluxEmbed x_embedder", *["FluxBlock transformer_blocks"] * 2,
+                     *["FluxBlock single_transformer_blocks"] * 2, "FluxHead norm_out"]
+    assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 for r in result["layers"])
+    assert {k: v["layers"] for k, v in result["kinds"].items()} == dict(Counter(kinds))
