@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpipe.config.schema import TrainMode
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import (
@@ -42,8 +43,12 @@ LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LIN
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 
 
-# Measured time of a double-stream block relative to a single-stream block (see layer_costs).
-DOUBLE_BLOCK_TIME = 1.67
+# Forward + backward time per layer relative to a single-stream block, measured on an H200 at
+# FLUX.1-dev size, 1024x1024, bf16, compiled (`python -m dpipe.bench.layers`;
+# docs/bench-results/h200-1gpu-stage): a double-stream block costs 1.066x in a full fine-tune
+# and 1.21x with LoRA r32 (more of its Linears carry adapters); the embedder and the head ~0.18x.
+DOUBLE_BLOCK_TIME = {TrainMode.full: 1.07, TrainMode.lora: 1.21}
+EDGE_LAYER_TIME = 0.18
 
 
 class FluxSpec(ModelSpec):
@@ -163,18 +168,17 @@ class FluxSpec(ModelSpec):
         return flux_layers(denoiser)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Time per layer relative to a single-stream block, as measured on H200s at 1024x1024
-        (bf16, compiled, LoRA and full fine-tune alike): a double-stream block takes 1.67x a
-        single-stream one, although its modelled FLOPs are about equal (two narrower streams,
-        per-stream kernels). Balancing parameters (2.4x) or FLOPs (1.0x) left one stage 25-40%
-        slower than the other (docs/performance.md)."""
+        """Measured time per layer (DOUBLE_BLOCK_TIME). A double-stream block holds 2.4x the
+        parameters of a single-stream one but takes about the same time: balancing parameters
+        would give the first stage far too few blocks."""
+        double_time = DOUBLE_BLOCK_TIME[self.cfg.mode]
         costs = []
         for layer in layers:
             if isinstance(layer, FluxBlock):
                 double = any(n.endswith("ff_context") for n, _ in layer.named_modules())
-                costs.append(DOUBLE_BLOCK_TIME if double else 1.0)
+                costs.append(double_time if double else 1.0)
             else:
-                costs.append(0.02)  # embedding and head: a few small Linears
+                costs.append(EDGE_LAYER_TIME)
         return costs
 
     def make_inputs(self, batch: NoisedBatch):
