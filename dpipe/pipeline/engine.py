@@ -38,9 +38,10 @@ def _pipeline_module_class():
         """A PipelineModule with dpipe's stage bounds, autocast and per-layer activation
         checkpointing (with a one-off measurement of each layer's activations for "auto")."""
 
-        def __init__(self, layers, bounds, autocast_dtype, **kwargs):
+        def __init__(self, layers, bounds, autocast_dtype, input_dtype=None, **kwargs):
             self._dpipe_bounds = bounds
             self._autocast_dtype = autocast_dtype
+            self._input_dtype = input_dtype  # data (floats needing no grad) is cast to it
             self.checkpointed: set[int] = set()  # local layer indices that recompute
             self.probe: ActivationProbe | None = None
             super().__init__(layers, partition_method="dpipe", **kwargs)
@@ -53,6 +54,9 @@ def _pipeline_module_class():
         def forward(self, x):
             cast = (torch.autocast(x[0].device.type, dtype=self._autocast_dtype)
                     if self._autocast_dtype is not None else contextlib.nullcontext())
+            if self._input_dtype is not None and isinstance(x, tuple):
+                x = tuple(t.to(self._input_dtype) if t.is_floating_point() and not t.requires_grad
+                          else t for t in x)
             probe, self.probe = self.probe, None  # measures one micro-batch only
             with cast:
                 for i, layer in enumerate(self.forward_funcs):
@@ -120,6 +124,9 @@ def build_engine(
         layers,
         bounds,
         torch.bfloat16 if autocast else None,
+        # DeepSpeed's bf16 mode runs bf16 layers without autocast: the data (fp32 latents and
+        # noise, fp32 timesteps) must arrive in bf16.
+        torch.bfloat16 if deepspeed_bf16(run) else None,
         topology=PipeDataParallelTopology(num_pp=p.stages, num_dp=data_parallel),
         loss_fn=loss_fn,
         dynamic_shape=True,  # buckets change tensor shapes between micro-batches

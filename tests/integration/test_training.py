@@ -153,3 +153,16 @@ def test_four_bf16_stages_with_mixed_dtypes_do_not_deadlock(one_stage_lora, tmp_
     loss_1 = torch.tensor([m["loss"] for m in metrics(one_stage_lora)][:2])
     loss_4 = torch.tensor([m["loss"] for m in metrics(four)])
     torch.testing.assert_close(loss_4, loss_1, rtol=3e-2, atol=1e-2)
+
+
+def test_bf16_full_fine_tune_with_master_weights_matches_on_two_stages(tmp_path):
+    """DeepSpeed's bf16 mode (bf16 layers, fp32 master weights in its optimizer, no autocast):
+    the data arrives in bf16, and 2 stages (each first stage's backward one pass) train as 1."""
+    sweep = Sweep(tmp_path, *BASE, "train.progress_bar=false", "train.max_steps=3",
+                  "train.checkpoint_every_steps=0", "model.mode=full", "train.precision=bf16",
+                  "optim.master_weights=true", "pipeline.zero_stage=1", "pipeline.stages=1,2",
+                  timeout=600)
+    one = torch.tensor([m["loss"] for m in metrics(sweep.run_dir("pipeline.stages=1"))])
+    two = torch.tensor([m["loss"] for m in metrics(sweep.run_dir("pipeline.stages=2"))])
+    assert len(one) == 3 and bool((one[1:] < one[0]).all())  # it trains
+    torch.testing.assert_close(two, one, rtol=1e-2, atol=1e-3)
