@@ -153,3 +153,17 @@ def test_comfyui_lora_folds_the_scale(spec, tmp_path):
         "transformer.transformer_blocks.0.attn.to_q.lora_B.weight"
     torch.testing.assert_close(comfy_file[a], diffusers_file[a])
     torch.testing.assert_close(comfy_file[b], 3.0 * diffusers_file[b])
+
+
+def test_block_costs_follow_flops(spec, pipe):
+    """Double- and single-stream blocks do the same FLOPs per token: stages balance by blocks."""
+    from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock
+    from tests.unit.video_checks import assert_block_costs_follow_flops
+
+    latents = torch.randn(2, 4, 16, 16)
+    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
+                        noisy=latents, target=latents, text=text)
+    inputs, _ = spec.make_inputs(batch)
+    assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer), inputs,
+                                    (ChromaDoubleBlock, ChromaSingleBlock))

@@ -149,3 +149,17 @@ def test_mask_weights_scale_the_loss(spec):
                                spec.loss(out, labels))
     weighted.loss_weight = torch.zeros(1, 1, 8, 8)
     assert spec.loss(out, spec.make_inputs(weighted)[1]) == 0
+
+
+def test_block_costs_follow_flops(spec, pipe):
+    """Double- and single-stream blocks do the same FLOPs per token: stages balance by blocks."""
+    from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock
+    from tests.unit.video_checks import assert_block_costs_follow_flops
+
+    latents = torch.randn(2, 16, 8, 8)
+    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
+                        noisy=latents, target=latents, text=text)
+    inputs, _ = spec.make_inputs(batch)
+    assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer), inputs,
+                                    (Flux2DoubleBlock, Flux2SingleBlock))

@@ -122,3 +122,15 @@ def test_lora_targets_cover_every_block_linear(pipe):
     in_blocks = [n for n in linears if n.startswith(("transformer_blocks.", "single_transformer"))]
     assert in_blocks and all(pattern.fullmatch(n) for n in in_blocks)
     assert not any(pattern.fullmatch(n) for n in set(linears) - set(in_blocks))
+
+
+def test_block_costs_follow_flops(tiny, pipe):
+    """Dual- and single-stream blocks do the same FLOPs per token: stages balance by blocks."""
+    from dpipe.models.hunyuan_image.layers import HunyuanImageBlock
+    from tests.unit.video_checks import assert_block_costs_follow_flops
+
+    spec = _spec(tiny)
+    _text, batch = _batch(spec, pipe, torch.Generator().manual_seed(0))
+    inputs, _ = spec.make_inputs(batch)
+    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
+    assert_block_costs_follow_flops(spec, layers, inputs, HunyuanImageBlock)

@@ -23,8 +23,8 @@ from dpipe.models.hunyuan_video.spec import (
 from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
 from tests.unit.video_checks import (
-    CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
-    lora_state_dict, micro_batch)
+    CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
+    deltas, lora_denoiser, lora_state_dict, micro_batch)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +207,14 @@ def test_mask_weights_the_loss(spec):
     out[..., :8] = target[..., :8]  # perfect where the mask is 1
     assert spec.loss(out, labels).item() == 0.0
     assert spec.loss(out, labels[:1]).item() > 0.1
+
+
+def test_block_costs_follow_flops(spec, encoders):
+    """Double- and single-stream blocks do the same FLOPs per token: stages balance by blocks,
+    not by parameters (a double block holds ~2.4x a single one's)."""
+    from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock
+
+    denoiser = lora_denoiser(spec)
+    inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, 5, 64, 64) * 2 - 1)
+    assert_block_costs_follow_flops(spec, spec.pipeline_layers(denoiser), inputs,
+                                    HunyuanVideoBlock)

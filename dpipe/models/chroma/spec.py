@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.chroma.layers import chroma_layers
+from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -163,6 +163,9 @@ class ChromaSpec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return chroma_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        return block_costs(layers, (ChromaDoubleBlock, ChromaSingleBlock))
 
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape

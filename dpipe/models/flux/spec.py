@@ -26,7 +26,7 @@ from dpipe.models.flux.bfl import (
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2")
@@ -46,9 +46,9 @@ DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 # Forward + backward time per layer relative to a single-stream block, measured on an H200 at
 # FLUX.1-dev size, 1024x1024, bf16, compiled (`python -m dpipe.bench.layers`;
 # docs/bench-results/h200-1gpu-stage): a double-stream block costs 1.066x in a full fine-tune
-# and 1.21x with LoRA r32 (more of its Linears carry adapters); the embedder and the head ~0.18x.
+# and 1.21x with LoRA r32 (more of its Linears carry adapters); the embedder and the head ~0.18x
+# (EDGE_LAYER_TIME).
 DOUBLE_BLOCK_TIME = {TrainMode.full: 1.07, TrainMode.lora: 1.21}
-EDGE_LAYER_TIME = 0.18
 
 
 class FluxSpec(ModelSpec):

@@ -35,10 +35,10 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
-from dpipe.models.flux2.layers import flux2_layers
+from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
@@ -179,6 +179,9 @@ class Flux2Spec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return flux2_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        return block_costs(layers, (Flux2DoubleBlock, Flux2SingleBlock))
 
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape

@@ -29,11 +29,11 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
-from dpipe.models.hunyuan_image.layers import hunyuan_image_layers
+from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,9 @@ class HunyuanImageSpec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hunyuan_image_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        return block_costs(layers, HunyuanImageBlock)
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]

@@ -22,11 +22,11 @@ from torch import nn
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.layers import hunyuan_video_layers
+from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -187,6 +187,9 @@ class HunyuanVideoSpec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hunyuan_video_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        return block_costs(layers, HunyuanVideoBlock)
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
