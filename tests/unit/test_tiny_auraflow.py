@@ -101,3 +101,19 @@ def test_layers_reproduce_the_transformer(tiny):
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     x.square().mean().backward()
     assert all(p.grad is not None for n, p in transformer.named_parameters() if "lora_" in n)
+
+
+def test_block_costs_follow_flops(tiny):
+    """Joint (two-stream) and single blocks do the same FLOPs per token: stages balance by
+    blocks, not by parameters."""
+    from dpipe.config.schema import ModelConfig
+    from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock
+    from dpipe.models.auraflow.spec import AuraFlowSpec
+    from tests.unit.video_checks import assert_block_costs_follow_flops
+
+    spec = AuraFlowSpec(ModelConfig(family="auraflow", path=str(tiny)))
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 4, 16, 16, generator=gen), torch.tensor([0.3, 0.9]),
+              torch.randn(2, 32, 32, generator=gen))
+    assert_block_costs_follow_flops(spec, spec.pipeline_layers(spec.load_denoiser(torch.float32)),
+                                    inputs, (AuraFlowJointBlock, AuraFlowSingleBlock))

@@ -25,11 +25,11 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
-from dpipe.models.auraflow.layers import auraflow_layers
+from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -144,6 +144,9 @@ class AuraFlowSpec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return auraflow_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        return block_costs(layers, (AuraFlowJointBlock, AuraFlowSingleBlock))
 
     def make_inputs(self, batch: NoisedBatch):
         inputs = (batch.noisy, batch.timesteps, batch.text["t5"])
