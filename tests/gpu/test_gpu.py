@@ -49,6 +49,16 @@ def test_a_two_stage_gpu_step_makes_no_host_sync(tmp_path):
     assert _audit(rows, "two") == [(0, 1), (0, 1)]
 
 
+def test_full_fine_tune_with_fp32_master_weights_trains_like_bf16_weights(tmp_path):
+    """DeepSpeed's bf16 mode (bf16 layers, fp32 master weights in its optimizer) gets its data in
+    bf16 and trains as the bf16-weights run does, within bf16 tolerance."""
+    full = ("pipeline.stages=1", "pipeline.data_parallel=1", "model.mode=full", "optim.lr=1e-4")
+    plain = _losses(tmp_path / "bf16", *full, "optim.master_weights=false")
+    master = _losses(tmp_path / "master", *full, "optim.master_weights=true",
+                     "pipeline.zero_stage=1")
+    torch.testing.assert_close(master, plain, rtol=2e-2, atol=1e-3)
+
+
 def test_compiled_blocks_match_eager_blocks(tmp_path):
     eager = _losses(tmp_path / "eager", "pipeline.stages=1", "pipeline.data_parallel=1")
     compiled = _losses(tmp_path / "compiled", "pipeline.stages=1", "pipeline.data_parallel=1",
