@@ -7,8 +7,9 @@ weights: the measured figures behind a family's `layer_costs`, which balance pip
 Each layer runs on the previous layer's output for one micro-batch; floating inputs after the
 first layer require grad, as at a stage boundary, and backward is one pass from every floating
 output with random gradients. Prints a line per layer, the mean per kind of layer (its class and
-where its first submodule lives, numbers dropped) relative to the most common kind, and writes
-the figures as JSON (--out).
+where its first submodule lives, numbers dropped) relative to the most common kind, the split
+that balances the measured times for 2, 4 and 8 stages (to pass as `pipeline.split`) next to
+the spec's own, and writes the figures as JSON (--out).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dpipe.config.compose import compose_run
 from dpipe.config.schema import Precision
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import deepspeed_bf16
+from dpipe.pipeline.partition import balanced_bounds
 
 DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "pipeline=single"]
 
@@ -85,6 +87,22 @@ def time_layer(layer, inputs: tuple, cast, repeat: int, clock: Clock):
     return statistics.median(forward), statistics.median(backward), detached
 
 
+def best_splits(times: list[float], spec_costs: list[float], most: int = 8) -> dict[int, dict]:
+    """For 2, 4 and 8 stages (as many as there are layers): the split that balances the measured
+    times, and the spec's own (`layer_costs`), each with its slowest stage's time."""
+    def slowest(bounds):
+        return max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+    out = {}
+    for stages in (2, 4, most):
+        if stages > len(times) or stages in out:
+            continue
+        measured, own = balanced_bounds(times, stages), balanced_bounds(spec_costs, stages)
+        out[stages] = {"measured": measured[1:-1], "measured_ms": slowest(measured),
+                       "spec": own[1:-1], "spec_ms": slowest(own)}
+    return out
+
+
 def main() -> int:
     from dpipe.bench.worker import fixed_micro_batches
     from dpipe.train.trainable import trainable_layers
@@ -131,11 +149,18 @@ def main() -> int:
     summary = {kind: {"layers": len(t), "mean_ms": statistics.mean(t),
                       "relative": statistics.mean(t) / unit} for kind, t in by_kind.items()}
     for kind, s in summary.items():
-        print(f"{kind:52s} x{s['layers']:<3d} {s['mean_ms']:8.2f} ms  {s['relative']:.3f} of {common}")
+        print(f"{kind:52s} x{s['layers']:<3d} {s['mean_ms']:8.2f} ms  "
+              f"{s['relative']:.3f} of {common}")
+    times = [r["forward_ms"] + r["backward_ms"] for r in rows]
+    splits = best_splits(times, spec.layer_costs(layers))
+    for stages, s in splits.items():
+        print(f"{stages} stages: pipeline.partition=explicit pipeline.split={s['measured']} "
+              f"(slowest stage {s['measured_ms']:.1f} ms per micro-batch; the spec's own split "
+              f"{s['spec']}: {s['spec_ms']:.1f} ms)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"overrides": args.overrides, "size": args.size, "layers": rows,
-                               "kinds": summary}, indent=2))
+                               "kinds": summary, "splits": splits}, indent=2))
     return 0
 
 

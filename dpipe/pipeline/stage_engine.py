@@ -40,7 +40,8 @@ class StageEngine(PipelineEngine):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         tensors = ([t for t in outputs if t.is_floating_point()] if isinstance(outputs, tuple)
                    else [outputs])
-        grads = [self.grad_layer] if isinstance(self.grad_layer, torch.Tensor) else list(self.grad_layer)
+        grads = ([self.grad_layer] if isinstance(self.grad_layer, torch.Tensor)
+                 else list(self.grad_layer))
         assert len(tensors) == len(grads), "stage outputs and received gradients differ in number"
         if self.using_bf16_optimizer:
             self.optimizer.clear_lp_grads()  # DeepSpeed's bf16 optimizer expects this per pass

@@ -37,11 +37,13 @@ def test_no_stage_syncs_the_host_within_a_step(rows):
 
 
 def test_layer_timer_covers_every_layer_by_kind(tmp_path):
-    """`python -m dpipe.bench.layers` (its CPU smoke test): a time per layer, grouped by kind."""
+    """`python -m dpipe.bench.layers` (its CPU smoke test): a time per layer, grouped by kind,
+    and the splits that balance them."""
     out = tmp_path / "layers.json"
-    done = subprocess.run([sys.executable, "-m", "dpipe.bench.layers", "--size", "tiny",
-                           "--repeat", "1", "--out", str(out), "model=tiny_flux", "model.mode=full"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    args = ["--size", "tiny", "--repeat", "1", "--out", str(out), "model=tiny_flux",
+            "model.mode=full"]
+    done = subprocess.run([sys.executable, "-m", "dpipe.bench.layers", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     kinds = [r["kind"] for r in result["layers"]]
@@ -49,3 +51,5 @@ def test_layer_timer_covers_every_layer_by_kind(tmp_path):
                      *["FluxBlock single_transformer_blocks"] * 2, "FluxHead norm_out"]
     assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 for r in result["layers"])
     assert {k: v["layers"] for k, v in result["kinds"].items()} == dict(Counter(kinds))
+    # The splits to pass as pipeline.split, for as many stages as 6 layers allow (2 and 4).
+    assert {k: len(v["measured"]) for k, v in result["splits"].items()} == {"2": 1, "4": 3}
