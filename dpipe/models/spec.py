@@ -167,19 +167,6 @@ class ModelSpec(abc.ABC):
         Default: the parameter count; families override it with measured or modelled times."""
         return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
-
-# The embedder's and the head's time relative to a transformer block, measured on FLUX.1-dev
-# (docs/bench-results/h200-1gpu-stage): a few Linears, but memory-bound ones.
-EDGE_LAYER_TIME = 0.18
-
-
-def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
-    """Equal costs for every transformer block, EDGE_LAYER_TIME for the other layers: for
-    families whose double-stream blocks (separate weights per stream) do the FLOPs per token of
-    their single-stream blocks, though they hold ~2.4x the parameters. Measured on FLUX.1-dev, a
-    double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA."""
-    return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
-
     # ---- export ------------------------------------------------------------------------------
     @abc.abstractmethod
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
@@ -203,3 +190,16 @@ def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
     @abc.abstractmethod
     def load_exported_full(self, export_dir: Path) -> nn.Module:
         """The denoiser from a full fine-tune's export folder, via `from_pretrained`."""
+
+
+# The embedder's and the head's time relative to a transformer block, measured on FLUX.1-dev
+# (docs/bench-results/h200-1gpu-stage): a few Linears, but memory-bound ones.
+EDGE_LAYER_TIME = 0.18
+
+
+def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
+    """Equal costs for every transformer block, EDGE_LAYER_TIME for the other layers: for
+    families whose double-stream blocks (separate weights per stream) do the FLOPs per token of
+    their single-stream blocks, though they hold ~2.4x the parameters. Measured on FLUX.1-dev, a
+    double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA."""
+    return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
