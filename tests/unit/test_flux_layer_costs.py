@@ -11,7 +11,7 @@ import torch
 
 from dpipe.config.compose import compose_run
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.partition import balanced_bounds
+from dpipe.bench.layers import best_splits
 from tests.cli import REPO
 
 MEASURED = REPO / "docs" / "bench-results" / "h200-1gpu-stage"
@@ -32,8 +32,7 @@ def test_balanced_split_of_flux_dev_evens_out_measured_stage_times(mode, extra, 
     measured = json.loads((MEASURED / f"call1-layers-{mode}.json").read_text())["layers"]
     assert len(measured) == len(layers)
     times = [r["forward_ms"] + r["backward_ms"] for r in measured]
-    slowest = lambda bounds: max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))  # noqa: E731
     # The slowest stage of the spec's split is within 2% of the best split by the measured times
     # (one layer is ~7% of a quarter of the model, so stages cannot all be equal).
-    spec_bounds = balanced_bounds(spec.layer_costs(layers), stages)
-    assert slowest(spec_bounds) <= 1.02 * slowest(balanced_bounds(times, stages)), spec_bounds
+    split = best_splits(times, spec.layer_costs(layers))[stages]
+    assert split["spec_ms"] <= 1.02 * split["measured_ms"], split

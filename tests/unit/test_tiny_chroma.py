@@ -19,6 +19,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
 from dpipe.models.chroma.tiny import make_tiny_chroma
 from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import latent_inputs
 
 CAPTION = "a red circle on a blue background"
 
@@ -98,12 +99,12 @@ def test_padding_tokens_do_not_reach_the_image(spec, pipe):
     assert (different - base).abs().max() > 1e-4
 
 
+def _inputs(spec, pipe):
+    return latent_inputs(spec, pipe, torch.randn(2, 4, 16, 16), [CAPTION, "a star"], [0.2, 0.9])
+
+
 def test_layers_reproduce_the_transformer(spec, pipe):
-    latents = torch.randn(2, 4, 16, 16)
-    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
-    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
-                        noisy=latents, target=latents, text=text)
-    inputs, _ = spec.make_inputs(batch)
+    inputs = _inputs(spec, pipe)
     with torch.no_grad():
         x = inputs
         for layer in spec.pipeline_layers(pipe.transformer):
@@ -160,10 +161,5 @@ def test_block_costs_follow_flops(spec, pipe):
     from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock
     from tests.unit.video_checks import assert_block_costs_follow_flops
 
-    latents = torch.randn(2, 4, 16, 16)
-    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
-    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
-                        noisy=latents, target=latents, text=text)
-    inputs, _ = spec.make_inputs(batch)
-    assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer), inputs,
-                                    (ChromaDoubleBlock, ChromaSingleBlock))
+    assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer),
+                                    _inputs(spec, pipe), (ChromaDoubleBlock, ChromaSingleBlock))

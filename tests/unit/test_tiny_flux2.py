@@ -154,12 +154,8 @@ def test_mask_weights_scale_the_loss(spec):
 def test_block_costs_follow_flops(spec, pipe):
     """Double- and single-stream blocks do the same FLOPs per token: stages balance by blocks."""
     from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock
-    from tests.unit.video_checks import assert_block_costs_follow_flops
+    from tests.unit.video_checks import assert_block_costs_follow_flops, latent_inputs
 
-    latents = torch.randn(2, 16, 8, 8)
-    text = spec.encode_prompts(pipe, [CAPTION, "a star"])
-    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.2, 0.9]),
-                        noisy=latents, target=latents, text=text)
-    inputs, _ = spec.make_inputs(batch)
+    inputs = latent_inputs(spec, pipe, torch.randn(2, 16, 8, 8), [CAPTION, "a star"], [0.2, 0.9])
     assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer), inputs,
                                     (Flux2DoubleBlock, Flux2SingleBlock))

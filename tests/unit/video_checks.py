@@ -47,6 +47,15 @@ def micro_batch(spec, encoders, pixels: torch.Tensor, t=(0.3, 0.8), seed: int = 
                                         target=target, text=text))
 
 
+def latent_inputs(spec, encoders, latents: torch.Tensor, prompts: list[str], t) -> tuple:
+    """make_inputs' input tuple with `latents` as the noisy latents (and noise and target, which
+    the layers do not see) and `prompts` encoded: for checks of the layers alone."""
+    text = spec.encode_prompts(encoders, prompts)
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor(t),
+                        noisy=latents, target=latents, text=text)
+    return spec.make_inputs(batch)[0]
+
+
 def run(layers, inputs, checkpointed: bool = False):
     x = inputs
     for layer in layers:
