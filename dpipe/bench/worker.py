@@ -61,7 +61,7 @@ def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, see
 
 
 def main() -> int:
-    from dpipe.bench.audit import StepAudit
+    from dpipe.train.audit import StepAudit
     from dpipe.bench.timing import StageTiming
     from dpipe.train.trainable import trainable_layers
 

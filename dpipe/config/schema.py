@@ -348,6 +348,10 @@ class TrainConfig:
     # input packing) while the current step trains; 0: in the training process, as each
     # micro-batch is needed. null: 2 on GPU, 0 on CPU. Never changes what is trained on.
     loader_workers: Optional[int] = None
+    # The step whose stalls are counted on every rank and recorded with its metrics: host syncs
+    # (each drains the GPU's queue) and autograd passes per micro-batch (1 is the minimum).
+    # The second step by default: the first compiles and measures. 0 turns the count off.
+    audit_step: int = 2
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train import checkpoint, preemption
+from dpipe.train.audit import StepAudit
 from dpipe.train.export import export
 from dpipe.train.trainable import trainable_layers
 
@@ -96,8 +98,12 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     while step < run.train.max_steps:
         # Dropout and other module randomness: the same at step k whether or not the run resumed.
         torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
-        loss = engine.train_batch(data_iter=loader.next(step))
+        audit = StepAudit() if step + 1 == run.train.audit_step else None
+        with audit.counting() if audit else contextlib.nullcontext():
+            loss = engine.train_batch(data_iter=loader.next(step))
         step += 1
+        if audit is not None:
+            _report_audit(audit, step, run.pipeline.micro_batches, device, reporter)
         evaluator.maybe_run(engine, step, reporter)
         if auto_ckpt is not None:
             auto_ckpt.after_first_step()
@@ -124,6 +130,23 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         log.info("exported %s", out)
     dist.barrier()
     return out
+
+
+def _report_audit(audit: StepAudit, step: int, micro_batches: int, device, reporter) -> None:
+    """The audited step's worst rank, recorded by rank 0 (a collective: every rank calls it)."""
+    worst = torch.tensor([audit.host_syncs, audit.backward_passes], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    host_syncs, passes = int(worst[0]), float(worst[1]) / micro_batches
+    if reporter is None:
+        return
+    reporter.audit(step, host_syncs, passes)
+    log.info("step %d: %d host syncs, %g backward passes per micro-batch (the most on any rank)",
+             step, host_syncs, passes)
+    if host_syncs and device.type == "cuda":
+        log.warning("step %d made %d host syncs: each one stops the host until the GPU is idle, "
+                    "and the GPU then waits for new work (docs/performance.md, 'Host syncs')",
+                    step, host_syncs)
 
 
 def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float) -> bool:

@@ -20,6 +20,12 @@ class Reporter:
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                         disable=not progress_bar, dynamic_ncols=True)
         self.last = time.perf_counter()
+        self.pending: dict = {}  # recorded with the next logged step
+
+    def audit(self, step: int, host_syncs: int, backward_passes: float) -> None:
+        self.writer.add_scalar("perf/host_syncs", host_syncs, step)
+        self.writer.add_scalar("perf/backward_passes_per_micro_batch", backward_passes, step)
+        self.pending.update(audited_step=step, host_syncs=host_syncs, backward_passes_per_micro_batch=backward_passes)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
         now = time.perf_counter()
@@ -32,7 +38,8 @@ class Reporter:
         self.writer.add_scalar("perf/step_time_s", step_time, step)
         self.writer.add_scalar("perf/samples_per_s", samples_per_s, step)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "step_time_s": step_time, "samples_per_s": samples_per_s}
+                  "step_time_s": step_time, "samples_per_s": samples_per_s, **self.pending}
+        self.pending = {}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.2f}", refresh=False)

@@ -5,6 +5,8 @@
   ...). Each drains the GPU's queue: the GPU then idles while the host queues the next kernels.
 - backward passes: calls into autograd. One per micro-batch and stage is the minimum; more means
   layers ran their backward more than once.
+
+`dpipe-bench` audits every timed step; training audits one (`train.audit_step`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ class StepAudit:
                     torch.cuda.set_sync_debug_mode("default")
                 for (owner, name), original in zip(patched, saved):
                     setattr(owner, name, original)
-        self.flagged_syncs += sum(SYNC_WARNING in str(w.message) for w in caught)
+        flagged = [w for w in caught if SYNC_WARNING in str(w.message)]
+        self.flagged_syncs += len(flagged)
+        for w in caught:  # the step's other warnings still reach the user
+            if w not in flagged:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def _counted(self, fn, counter: str):
         @functools.wraps(fn)
