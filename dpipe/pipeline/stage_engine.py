@@ -13,11 +13,19 @@
    host to queue the next kernels. Here the shapes travel between the hosts over gloo, and the GPU
    queue is never drained for them.
 
+3. **Receive buffers of the dtype asked for.** DeepSpeed keeps one receive buffer per position
+   and hands back a view of it whatever dtype is asked, so a middle stage (3 stages or more),
+   which receives activations and gradients into the same buffers, got an integer tensor's
+   activation in a float buffer or the reverse. Here a buffer is kept per position and dtype.
+
 `deepspeed.initialize` builds its own `PipelineEngine` and has no hook for a subclass, so
-`adopt` re-classes the engine it returns (this class adds methods, no state but the host group).
+`adopt` re-classes the engine it returns (this class adds methods and two fields: the host group
+and the receive buffers).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,7 @@ SINGLE, TUPLE = 0, 2  # DeepSpeed's kinds: one tensor, a tuple of tensors
 
 class StageEngine(PipelineEngine):
     _host_group = None  # gloo group of all ranks, set by `adopt` when there are several stages
+    _typed_buffers: dict  # (position, dtype) -> receive buffer, set by `adopt`
 
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage() or self.is_pipe_partitioned:
@@ -57,6 +66,14 @@ class StageEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP,
                         schedule.BackwardPass: _exec_backward_pass}
+
+    def _allocate_or_extend_buffers(self, idx, shape, dtype):
+        numel = math.prod(shape)
+        buffer = self._typed_buffers.get((idx, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._typed_buffers[(idx, dtype)] = torch.zeros(max(numel, 1), dtype=dtype,
+                                                         device=self.device)
+        return buffer[:numel].view(shape)
 
     def _send_tensor_meta(self, buffer, recv_stage):
         tensors = (buffer,) if isinstance(buffer, torch.Tensor) else buffer
@@ -88,5 +105,6 @@ def adopt(engine: PipelineEngine, stages: int) -> StageEngine:
     """Makes DeepSpeed's engine a StageEngine. Collective: every rank calls it."""
     if stages > 1:
         engine._host_group = dist.new_group(backend="gloo")
+    engine._typed_buffers = {}
     engine.__class__ = StageEngine
     return engine

@@ -21,6 +21,7 @@ from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx2.spec import COMFYUI_LORA, LTX2Spec
 from dpipe.models.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
+from dpipe.models.sync_free import sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
     lora_state_dict, micro_batch)
@@ -96,7 +97,7 @@ def test_layers_match_diffusers_video_stream(spec, encoders, frames):
 def test_isolated_video_stream_ignores_the_audio(spec, encoders):
     denoiser = spec.load_denoiser(torch.float32)
     packed, t, text, mask, grid, _rate = micro_batch(spec, encoders, torch.rand(1, 3, 9, 64, 64))[0]
-    f, h, w = grid.tolist()
+    f, h, w = sizes(grid)
     outs = []
     with torch.no_grad():
         for audio_tokens in (1, 5):
@@ -177,13 +178,13 @@ def test_each_clip_trains_at_its_frame_rate(spec, encoders):
     from tests.unit.test_tiny_ltx_video import _batch_at
     from tests.unit.video_checks import run
 
-    assert micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5].tolist() == [24000] * 2
+    assert sizes(micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5]) == (24000,) * 2
     inputs, _ = spec.make_inputs(_batch_at(spec, encoders, [30.0, float("nan")]))
-    assert inputs[5].tolist() == [30000, 24000]
+    assert sizes(inputs[5]) == (30000, 24000)
     denoiser = lora_denoiser(spec)
     mixed = assert_layers_match(spec, denoiser, inputs)
     cfg = denoiser.config
-    f, h, w = inputs[4].tolist()
+    f, h, w = sizes(inputs[4])
     with torch.no_grad():
         for i, fps in enumerate([30.0, 24.0]):
             packed, t, text, mask = (x[i:i + 1] for x in inputs[:4])

@@ -21,6 +21,7 @@ from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx_video.spec import COMFYUI_LORA, DIFFUSERS_LORA, LTXVideoSpec
 from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
+from dpipe.models.sync_free import carrier, sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
     lora_state_dict, micro_batch)
@@ -206,21 +207,21 @@ def test_each_clip_trains_at_its_frame_rate(spec, encoders, tiny):
     from tests.unit.video_checks import run
 
     # Without a dataset's rates: LTXPipeline's default, 25 fps.
-    assert micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5].tolist() == [25000] * 2
+    assert sizes(micro_batch(spec, encoders, torch.rand(2, 3, 9, 64, 64))[0][5]) == (25000,) * 2
     batch = _batch_at(spec, encoders, [24.0, float("nan")])
     inputs, _ = spec.make_inputs(batch)
-    assert inputs[5].tolist() == [24000, 25000]  # the image (NaN) at the default
+    assert sizes(inputs[5]) == (24000, 25000)  # the image (NaN) at the default
     # One rate for the batch: LTXPipeline's rope_interpolation_scale at frame_rate=30.
     vae = AutoencoderKLLTXVideo.from_pretrained(tiny / "vae")
     s, tc = vae.spatial_compression_ratio, vae.temporal_compression_ratio
-    assert rope_scale(spec._ratios(), torch.tensor([30000, 30000])) == (tc / 30, s, s)
+    assert rope_scale(spec._ratios(), carrier(30000, 30000)) == (tc / 30, s, s)
     denoiser = lora_denoiser(spec)
     mixed = assert_layers_match(spec, denoiser, inputs)
     with torch.no_grad():
         layers = spec.pipeline_layers(denoiser)
         for i, fps in enumerate([24.0, 25.0]):
-            one = tuple(x[i:i + 1] if x.ndim and x.shape[0] == 2 else x for x in inputs)
-            f, h, w = inputs[4].tolist()
+            one = tuple(x[i:i + 1] for x in inputs[:4])
+            f, h, w = sizes(inputs[4])
             alone = denoiser(hidden_states=one[0], encoder_hidden_states=one[2],
                              timestep=(one[1] * 1000).flatten(), encoder_attention_mask=one[3],
                              num_frames=f, height=h, width=w, return_dict=False,

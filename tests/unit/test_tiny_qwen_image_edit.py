@@ -21,6 +21,7 @@ from dpipe.models.qwen_image.edit import QwenImageEditSpec, load_processor
 from dpipe.models.qwen_image.spec import DIFFUSERS_LORA, pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image_edit
 from dpipe.models.spec import NoisedBatch
+from dpipe.models.sync_free import carrier, sizes
 
 INSTRUCTIONS = ["make the circle blue", "add a small red star in the top left corner"]
 
@@ -115,7 +116,7 @@ def batch(spec, encoders, controls) -> DataBatch:
 def test_reference_latents_join_the_image_tokens(spec, batch):
     inputs, (target,) = spec.make_inputs(batch)
     packed, t, text, text_len, shapes, reference = inputs
-    assert shapes[0].tolist() == [[1, 8, 8], [1, 8, 8]]  # target grid, then the reference's
+    assert sizes(shapes) == (1, 8, 8, 1, 8, 8)  # target grid, then the reference's
     torch.testing.assert_close(reference, pack(batch.control))
     torch.testing.assert_close(target, pack(batch.target))  # the loss is on the target only
     denoiser = spec.load_denoiser(torch.float32)
@@ -125,7 +126,7 @@ def test_reference_latents_join_the_image_tokens(spec, batch):
             x = layer(x)
         expected = spec.denoiser_forward(denoiser, inputs)
         without_reference = spec.denoiser_forward(
-            denoiser, (packed, t, text, text_len, shapes[:, :1]))
+            denoiser, (packed, t, text, text_len, carrier(*sizes(shapes)[:3])))
     assert x.shape == (2, 64, 16)
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
     assert (x - without_reference).abs().max() > 1e-4  # the reference conditions the result

@@ -6,8 +6,9 @@ Every layer passes the tuple (hidden, text, temb, embedded_timestep, grid):
   text               (B, L, D_text) T5 states (projected first where the config says so)
   temb               (B, 3D) adaLN-LoRA shifts, or (B, F', 3D) with one timestep per latent frame
   embedded_timestep  (B, D), or (B, F', D)
-  grid               int64 (4,): F', h', w', fps (0: an image, no temporal rope scaling); the
-                     rotary embeddings are recomputed from it in every block (it has no weights)
+  grid               F', h', w', fps (0: an image, no temporal rope scaling) carried in its
+                     shape (`dpipe.models.sync_free`); the rotary embeddings are recomputed from
+                     it in every block (it has no weights)
 
 Per-frame timesteps are how Video2World conditions: the given latent frames get t ~ 0. diffusers
 takes them as (B, 1, F, 1, 1) and expands them to every token; the layers send one per latent
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
 
 
 def _needs_grad(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
 
 
 def _rotary(rope: nn.Module, grid: torch.Tensor, patch, device: torch.device):
-    frames, height, width, fps = grid.tolist()
+    frames, height, width, fps = sizes(grid)
     # CosmosRotaryPosEmbed reads nothing but the shape of the latents it is given.
     shape = (0, 0, frames * patch[0], height * patch[1], width * patch[2])
     return rope(torch.empty(shape, device=device), fps=fps or None)
@@ -103,7 +105,7 @@ class CosmosHead(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text, temb, embedded, grid = inputs
-        frames, height, width, _ = grid.tolist()
+        frames, height, width, _ = sizes(grid)
         if temb.ndim == 3:
             per_frame = hidden.shape[1] // temb.shape[1]
             temb, embedded = _per_token(temb, per_frame), _per_token(embedded, per_frame)

@@ -44,6 +44,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -238,8 +239,7 @@ class CosmosPredict2Spec(ModelSpec):
         t = batch.timesteps.to(latents.dtype)
         b, _, frames, height, width = latents.shape
         _, p_h, p_w = self.variant.patch
-        grid = torch.tensor([frames, height // p_h, width // p_w,
-                             FPS if self.variant.video2world else 0], dtype=torch.long)
+        grid = carrier(frames, height // p_h, width // p_w, FPS if self.variant.video2world else 0)
         weight = getattr(batch, "loss_weight", None)  # masks, (B, 1, 1, h, w), or None
         if self.variant.video2world:
             condition = torch.zeros_like(latents[:, :1])
@@ -298,7 +298,7 @@ class CosmosPredict2Spec(ModelSpec):
         """As the Cosmos2 pipelines call the transformer: a zero padding mask at pixel size, the
         condition mask and (B, 1, F, 1, 1) timesteps for Video2World, fps for clips."""
         hidden, t, text, grid = inputs
-        frames, _, _, fps = grid.tolist()
+        frames, _, _, fps = sizes(grid)
         z = self.variant.z_dim
         kwargs = {}
         if self.variant.video2world:

@@ -9,8 +9,9 @@ sends them on as one stack; each block takes the first entry and passes the rest
 
 `text` is the joint text stream (T5 projection, then the last block's Llama projection), updated by
 the dual blocks and carried by the single blocks beside the image stream (concatenated and split
-again, exactly). `img_ids`, `img_sizes` and `img_mask` are integers: diffusers pads non-square
-latents to `max_seq` tokens with a mask (keys of padding zeroed) and uses no mask for square ones.
+again, exactly). `img_ids` and `img_mask` are integers and `img_sizes` carries the patch grid's
+height and width in its shape (`dpipe.models.sync_free`): diffusers pads non-square latents to
+`max_seq` tokens with a mask (keys of padding zeroed) and uses no mask for square ones.
 Rotary embeddings are recomputed per block from the ids. The last block sends no Llama stack.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 def needs_grad(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,9 @@ class HiDreamEmbed(PipelineLayer):
     def forward(self, inputs):
         latents, timesteps, t5, llama, pooled = inputs
         b = latents.shape[0]
-        hidden, img_mask, img_sizes, img_ids = self._patchify(self._patch_config, latents)
+        hidden, img_mask, _, img_ids = self._patchify(self._patch_config, latents)
+        p = self._patch_config.config.patch_size
+        img_sizes = carrier(latents.shape[-2] // p, latents.shape[-1] // p, device=latents.device)
         hidden = self.x_embedder(hidden)
         temb = self.t_embedder(timesteps, latents.dtype) + self.p_embedder(pooled)
         width = hidden.shape[-1]
@@ -56,15 +60,17 @@ class HiDreamEmbed(PipelineLayer):
                      for i, k in enumerate(self.llama_layers)]
         t5_proj = self.caption_projection[-1](t5).view(b, -1, width)
         text = torch.cat([t5_proj, per_block[-1]], dim=1)
-        mask = torch.ones(b, hidden.shape[1], dtype=torch.long) if img_mask is None \
-            else img_mask.round().long()
+        if img_mask is None:
+            mask = torch.ones(b, hidden.shape[1], dtype=torch.long, device=hidden.device)
+        else:
+            mask = img_mask.round().long()
         return (needs_grad(hidden), needs_grad(text), needs_grad(temb), img_ids.long(), mask,
-                img_sizes.long(), needs_grad(torch.stack(per_block)))
+                img_sizes, needs_grad(torch.stack(per_block)))
 
 
 def _image_mask(img_mask, img_sizes, dtype):
     """diffusers masks only padded (non-square) latents."""
-    ph, pw = img_sizes[0].tolist()
+    ph, pw = sizes(img_sizes)
     return None if ph == pw else img_mask.to(dtype)
 
 
@@ -73,7 +79,7 @@ def _rest(per_block):
 
 
 def _rope(pe_embedder, img_ids, text_len):
-    txt_ids = torch.zeros(img_ids.shape[0], text_len, 3, dtype=torch.float32)
+    txt_ids = torch.zeros(img_ids.shape[0], text_len, 3, dtype=torch.float32, device=img_ids.device)
     return pe_embedder(torch.cat([img_ids.float(), txt_ids], dim=1))
 
 
@@ -110,7 +116,7 @@ class HiDreamSingleBlock(PipelineLayer):
         rotary = _rope(self.pe_embedder, img_ids, n_text + llama.shape[1])
         masks = _image_mask(img_mask, img_sizes, hidden.dtype)
         if masks is not None:
-            ones = torch.ones(hidden.shape[0], n_text + llama.shape[1], dtype=hidden.dtype)
+            ones = hidden.new_ones(hidden.shape[0], n_text + llama.shape[1])
             masks = torch.cat([masks, ones], dim=1)
         joint = self.block(hidden_states=torch.cat([hidden, text, llama], dim=1),
                            hidden_states_masks=masks, encoder_hidden_states=None, temb=temb,
@@ -130,13 +136,12 @@ class HiDreamHead(PipelineLayer):
         hidden, text, temb, _ids, _mask, img_sizes = inputs
         out = self.final_layer(hidden, temb)
         p = self.patch
-        images = []
+        ph, pw = sizes(img_sizes)
         # As diffusers' unpatchify at inference (each sample's valid tokens, patch-major).
-        for i, (ph, pw) in enumerate(img_sizes.tolist()):
-            x = out[i, :ph * pw].reshape(1, ph, pw, p, p, -1).permute(0, 5, 1, 3, 2, 4)
-            images.append(x.reshape(1, -1, ph * p, pw * p))
+        x = out[:, :ph * pw].reshape(out.shape[0], ph, pw, p, p, -1).permute(0, 5, 1, 3, 2, 4)
+        images = x.reshape(out.shape[0], -1, ph * p, pw * p)
         # The text stream ends here; crossing a stage boundary it still needs a gradient path.
-        return torch.cat(images).contiguous() + 0.0 * text.sum()
+        return images.contiguous() + 0.0 * text.sum()
 
 
 def hidream_layers(transformer: nn.Module) -> list[PipelineLayer]:

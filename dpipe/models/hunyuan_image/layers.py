@@ -4,7 +4,8 @@ dual-stream blocks -> single-stream blocks -> head.
 Every layer passes (hidden, text_hidden, temb, text_mask, size). The embed layer runs the token
 refiner on the Qwen embeddings, projects the ByT5 glyph embeddings and orders the text tokens as
 diffusers does (valid ByT5, valid Qwen, then the padding of each); `text_mask` (int64, 1 = a real
-token) and `size` (the latent height and width, int64) cross stage boundaries without gradients.
+token) and `size` (the latent height and width in its shape, `dpipe.models.sync_free`) cross
+stage boundaries without gradients.
 Each block rebuilds the attention mask and the rotary embedding from them.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes, valid_first
 
 
 def needs_grad(t: torch.Tensor) -> torch.Tensor:
@@ -27,11 +29,7 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
 def order_text(text, mask, glyph, glyph_mask):
     """diffusers' order of the joint text tokens: valid glyph, valid text, glyph padding, text
     padding (per sample, as HunyuanImageTransformer2DModel.forward)."""
-    tokens, masks = [], []
-    for t, m, g, gm in zip(text, mask, glyph, glyph_mask):
-        tokens.append(torch.cat([g[gm], t[m], g[~gm], t[~m]]))
-        masks.append(torch.cat([gm[gm], m[m], gm[~gm], m[~m]]))
-    return torch.stack(tokens), torch.stack(masks)
+    return valid_first(torch.cat([glyph, text], dim=1), torch.cat([glyph_mask, mask], dim=1))
 
 
 class HunyuanImageEmbed(PipelineLayer):
@@ -65,7 +63,7 @@ class HunyuanImageEmbed(PipelineLayer):
         if self.context_embedder_2 is not None:
             text_hidden, mask = order_text(text_hidden, mask, self.context_embedder_2(glyph),
                                            glyph_mask.bool())
-        size = torch.tensor([h, w], dtype=torch.long)
+        size = carrier(h, w, device=latents.device)
         hidden, text_hidden, temb, mask, size = run_block(
             self.block, self.rope, (hidden, text_hidden, temb, mask.long(), size))
         return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), mask, size
@@ -73,7 +71,7 @@ class HunyuanImageEmbed(PipelineLayer):
 
 def run_block(block: nn.Module, rope: nn.Module, inputs):
     hidden, text_hidden, temb, mask, size = inputs
-    rotary = rope(hidden.new_empty((1, 1, int(size[0]), int(size[1]))))
+    rotary = rope(hidden.new_empty((1, 1, *sizes(size))))
     attention_mask = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
     hidden, text_hidden = block(hidden, text_hidden, temb,
                                 attention_mask=attention_mask[:, None, None],
@@ -107,7 +105,7 @@ class HunyuanImageHead(PipelineLayer):
         hidden, text_hidden, temb, _mask, size = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
         (ph, pw), c = self.patch, self.out_channels
-        h, w = int(size[0]) // ph, int(size[1]) // pw
+        h, w = (n // p for n, p in zip(sizes(size), self.patch))
         out = out.reshape(out.shape[0], h, w, c, ph, pw).permute(0, 3, 1, 4, 2, 5)
         out = out.reshape(out.shape[0], c, h * ph, w * pw).contiguous()  # a view when p = 1
         # The text stream ends unused; it still needs a gradient when it crossed a stage boundary.

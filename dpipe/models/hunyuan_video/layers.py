@@ -1,9 +1,10 @@
 """HunyuanVideo's transformer as pipeline layers: embed -> double blocks -> single blocks -> head.
 
-Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) and `grid`
-(the post-patch latent size f, h, w) are int64 and travel between stages without gradients; the
-joint attention mask and the rotary embedding are rebuilt from them in each block, as the
-diffusers forward builds them once. Float tensors crossing a stage boundary all get gradients.
+Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) is int64 and
+`grid` carries the post-patch latent size f, h, w in its shape (`dpipe.models.sync_free`); both
+travel between stages without gradients. The joint attention mask and the rotary embedding are
+rebuilt from them in each block, as the diffusers forward builds them once. Float tensors crossing
+a stage boundary all get gradients.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 def needs_grad(t: torch.Tensor) -> torch.Tensor:
@@ -24,7 +26,7 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
 
 def rotary(rope: nn.Module, grid: torch.Tensor, patch: int, patch_t: int, device) -> tuple:
     """HunyuanVideoRotaryPosEmbed reads only the latent's shape: give it a zero-size stand-in."""
-    f, h, w = (int(v) for v in grid.tolist())
+    f, h, w = sizes(grid)
     stand_in = torch.empty((), device=device).expand(1, 1, f * patch_t, h * patch, w * patch)
     return rope(stand_in)
 
@@ -40,7 +42,7 @@ def joint_attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Te
 
 def unpatchify(x: torch.Tensor, grid: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
     """(B, f*h*w, C*pt*p*p) -> (B, C, F, H, W), as HunyuanVideoTransformer3DModel.forward ends."""
-    f, h, w = (int(v) for v in grid.tolist())
+    f, h, w = sizes(grid)
     x = x.reshape(x.shape[0], f, h, w, -1, patch_t, patch, patch)
     return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
@@ -61,8 +63,7 @@ class HunyuanVideoEmbed(PipelineLayer):
         hidden = self.x_embedder(latents).contiguous()  # a transposed view: stages send contiguous
         text_hidden = self.context_embedder(text, timestep, text_mask)
         _, _, f, h, w = latents.shape
-        grid = torch.tensor([f // self.patch_t, h // self.patch, w // self.patch],
-                            dtype=torch.long, device=latents.device)
+        grid = carrier(f // self.patch_t, h // self.patch, w // self.patch, device=latents.device)
         return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_mask.long(), grid
 
 

@@ -3,8 +3,9 @@
 The embedder does what the diffusers forward does before its blocks: the Qwen2.5-VL text through
 the token refiner, the ByT5 glyph text and the (zero, for text-to-video) SigLIP image tokens
 through their projections, each tagged with its `cond_type_embed`, then per sample the valid tokens
-moved to the front. Layers pass (hidden, text, temb, text_mask, grid): `text_mask` (B, L) and
-`grid` (f, h, w) are int64 and travel without gradients; the rotary embedding is rebuilt per block.
+moved to the front. Layers pass (hidden, text, temb, text_mask, grid): `text_mask` (B, L) is
+int64 and `grid` carries (f, h, w) in its shape (`dpipe.models.sync_free`); both travel without
+gradients; the rotary embedding is rebuilt per block.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from dpipe.models.hunyuan_video.layers import needs_grad, rotary, unpatchify
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, valid_first
 
 # HunyuanVideo15Pipeline.vision_num_semantic_tokens: the SigLIP tokens the pipeline always passes
 # (zeros for text-to-video).
@@ -44,17 +46,15 @@ class HunyuanVideo15Embed(PipelineLayer):
         image = image + self.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
         image_mask = torch.zeros(b, IMAGE_TOKENS, dtype=torch.bool, device=x.device)
         text_mask, glyph_mask = text_mask.bool(), glyph_mask.bool()
-        tokens, masks = [], []
-        for txt, tm, gly, gm, img, im in zip(text, text_mask, glyph, glyph_mask, image, image_mask):
-            # Valid tokens first (image, glyph, text), then the invalid ones, as diffusers orders them.
-            tokens.append(torch.cat([img[im], gly[gm], txt[tm], img[~im], torch.zeros_like(gly[~gm]),
-                                     torch.zeros_like(txt[~tm])]))
-            masks.append(torch.cat([im[im], gm[gm], tm[tm], im[~im], gm[~gm], tm[~tm]]))
+        # Per sample: the valid tokens first (image, glyph, text), then the invalid ones (glyph and
+        # text zeroed), as diffusers orders them.
+        tokens, masks = valid_first(
+            torch.cat([image, torch.where(glyph_mask[..., None], glyph, 0.0),
+                       torch.where(text_mask[..., None], text, 0.0)], dim=1),
+            torch.cat([image_mask, glyph_mask, text_mask], dim=1))
         _, _, f, h, w = x.shape
-        grid = torch.tensor([f // self.patch_t, h // self.patch, w // self.patch],
-                            dtype=torch.long, device=x.device)
-        return (needs_grad(hidden), needs_grad(torch.stack(tokens)), needs_grad(temb),
-                torch.stack(masks).long(), grid)
+        grid = carrier(f // self.patch_t, h // self.patch, w // self.patch, device=x.device)
+        return (needs_grad(hidden), needs_grad(tokens), needs_grad(temb), masks.long(), grid)
 
 
 class HunyuanVideo15Block(PipelineLayer):

@@ -6,8 +6,8 @@ audio-to-video cross-attention off (`isolate_modalities=True` in the transformer
 the video output does not depend on the audio stream at all; the audio stream is not computed.
 Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid, rate); `temb_prompt`
 only for LTX-2.3-style checkpoints with prompt modulation; `rate` (B,) is each clip's frame rate
-in thousandths of a frame per second (int64, as LTX-Video's). Rotary embeddings are rebuilt per
-block from the integer grid and rate.
+in thousandths of a frame per second; `grid` and `rate` are carried in shapes, as LTX-Video's.
+Rotary embeddings are rebuilt per block from them.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from torch import nn
 from dpipe.models.hunyuan_video.layers import needs_grad
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
 
 
 def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, rate: torch.Tensor, device):
-    f, h, w = (int(v) for v in grid.tolist())
+    f, h, w = sizes(grid)
     # The temporal coordinates (B, N, 2) are divided by the frame rate: one per sample.
     coords = rope.prepare_video_coords(batch, f, h, w, device, fps=frame_rate(rate, 3))
     return rope(coords, device=device)
@@ -52,7 +53,7 @@ class LTX2Embed(PipelineLayer):
         if self.prompt_modulation:
             temb_prompt, _ = self.prompt_adaln(timestep, batch_size=b, hidden_dtype=hidden.dtype)
             out.append(needs_grad(temb_prompt.view(b, -1, temb_prompt.shape[-1])))
-        return (*out, text_mask.long(), grid, rate.long())
+        return (*out, text_mask.long(), grid, rate)
 
 
 class LTX2VideoBlock(PipelineLayer):

@@ -26,6 +26,7 @@ from dpipe.models.ltx2.original import from_original, original_state_dict
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "connectors", "scheduler")
@@ -155,7 +156,7 @@ class LTX2Spec(LTXVideoSpec):
 
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         packed, t, text, text_mask, grid, rate = inputs
-        f, h, w = (int(v) for v in grid.tolist())
+        f, h, w = sizes(grid)
         b = packed.shape[0]
         cfg = denoiser.config
         # A one-token stand-in for the audio stream: with isolated modalities the video output

@@ -2,10 +2,11 @@
 
 Every layer passes (hidden, text_hidden, temb, embedded_t, text_mask, grid, rate): `temb` and
 `embedded_t` are per token (B, N, .) when the first frame is a clean condition (its tokens have
-t = 0) and (B, 1, .) otherwise; `text_mask` (B, L), `grid` (latent frames, height, width) and
-`rate` (B,) (each clip's frame rate in thousandths of a frame per second) are int64 and travel
-between stages without gradients. Rotary embeddings and the text attention bias are rebuilt in
-each block from them, as the diffusers forward builds them once.
+t = 0) and (B, 1, .) otherwise; `text_mask` (B, L) is int64; `grid` (latent frames, height,
+width) and `rate` (each clip's frame rate in thousandths of a frame per second) are carried in
+shapes (`dpipe.models.sync_free`). All three travel between stages without gradients. Rotary
+embeddings and the text attention bias are rebuilt in each block from them, as the diffusers
+forward builds them once.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from torch import nn
 
 from dpipe.models.hunyuan_video.layers import needs_grad
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
 
 
 def frame_rate(rate: torch.Tensor, dims: int):
-    """Frames per second from the int64 `rate` (B,) (thousandths): a float when the whole batch
-    has one rate (as the pipelines take it), else (B, 1, ...) with `dims` dimensions."""
-    fps = rate.double() / 1000
-    if bool((rate == rate[0]).all()):
-        return float(fps[0])
+    """Frames per second from the carried `rate` (thousandths, one per sample): a float when the
+    whole batch has one rate (as the pipelines take it), else (B, 1, ...) with `dims` dims."""
+    rates = sizes(rate)
+    if len(set(rates)) == 1:
+        return rates[0] / 1000
+    fps = torch.tensor(rates, dtype=torch.float64, device=rate.device) / 1000
     return fps.float().view(-1, *([1] * (dims - 1)))
 
 
@@ -55,7 +58,7 @@ class LTXEmbed(PipelineLayer):
         embedded = embedded.view(b, -1, embedded.shape[-1])
         text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
         return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded),
-                text_mask.long(), grid, rate.long())
+                text_mask.long(), grid, rate)
 
 
 class LTXBlock(PipelineLayer):
@@ -68,7 +71,7 @@ class LTXBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text_hidden, temb, embedded, text_mask, grid, rate = inputs
-        f, h, w = (int(v) for v in grid.tolist())
+        f, h, w = sizes(grid)
         rope = self.rope(hidden, f, h, w, rope_scale(self.ratios, rate))
         hidden = self.block(hidden_states=hidden, encoder_hidden_states=text_hidden, temb=temb,
                             image_rotary_emb=rope,
@@ -97,7 +100,7 @@ class LTXHead(PipelineLayer):
         return out
 
     def forward(self, inputs):
-        hidden, text_hidden, temb, embedded = inputs[:4]  # then the int64 mask, grid, rate
+        hidden, text_hidden, temb, embedded = inputs[:4]  # then the mask, grid, rate
         values = self.scale_shift_table[None, None] + embedded[:, :, None]
         shift, scale = values[:, :, 0], values[:, :, 1]
         out = self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)

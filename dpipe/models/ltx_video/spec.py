@@ -27,6 +27,7 @@ from dpipe.models.ltx_video.original import from_original, original_state_dict
 from dpipe.models.single_file import (
     SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
@@ -138,13 +139,13 @@ class LTXVideoSpec(ModelSpec):
     default_fps: float = FRAME_RATE
 
     def frame_rates(self, batch: NoisedBatch) -> torch.Tensor:
-        """Each sample's frame rate in thousandths of a frame per second (int64 (B,), which
-        travels between stages without gradients): the clip's, or the family's default."""
+        """Each sample's frame rate in thousandths of a frame per second, carried in a shape
+        (`dpipe.models.sync_free`): the clip's, or the family's default."""
         b = batch.latents.shape[0]
         fps = getattr(batch, "fps", None)
         default = torch.full((b,), float(self.default_fps))
         fps = default if fps is None else torch.where(torch.isnan(fps), default, fps.float())
-        return (fps.double() * 1000).round().long()
+        return carrier(*(fps.double() * 1000).round().long().tolist())
 
     @property
     def i2v(self) -> bool:
@@ -235,7 +236,7 @@ class LTXVideoSpec(ModelSpec):
         else:
             t_tokens = t[:, None]
         inputs = (pack(noisy, p, pt), t_tokens, batch.text[self.text_key], batch.text["mask"].long(),
-                  torch.tensor(grid, dtype=torch.long), self.frame_rates(batch))
+                  carrier(*grid), self.frame_rates(batch))
         target = pack(batch.target, p, pt)
         mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
         if not condition and mask_weight is None:
@@ -285,7 +286,7 @@ class LTXVideoSpec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         packed, t, text, text_mask, grid, rate = inputs
-        f, h, w = (int(v) for v in grid.tolist())
+        f, h, w = sizes(grid)
         return denoiser(
             hidden_states=packed, encoder_hidden_states=text, timestep=t * 1000,
             encoder_attention_mask=text_mask, num_frames=f, height=h, width=w,

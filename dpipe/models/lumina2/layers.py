@@ -10,7 +10,8 @@ for the full padded caption and masks what an item does not use, where diffusers
 batch's longest caption. RoPE frequencies are recomputed per block from int64 position ids.
 
 Tuples: before the join (x, cap, temb, cap_len, grid); after it (joint, temb, ids, total, cap_len,
-grid), with grid the latent (height, width).
+grid), with grid the latent (height, width) in patches, carried in a shape
+(`dpipe.models.sync_free`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,26 @@ from torch import nn
 
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 def _image_ids(cap_len: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(B, h*w, 3): (caption length, row, column) for each patch, as Lumina2RotaryPosEmbed."""
-    b = cap_len.shape[0]
-    ids = torch.zeros(b, h * w, 3, dtype=torch.long)
+    b, device = cap_len.shape[0], cap_len.device
+    ids = torch.zeros(b, h * w, 3, dtype=torch.long, device=device)
     ids[..., 0] = cap_len[:, None]
-    ids[..., 1] = torch.arange(h).repeat_interleave(w)[None]
-    ids[..., 2] = torch.arange(w).repeat(h)[None]
+    ids[..., 1] = torch.arange(h, device=device).repeat_interleave(w)[None]
+    ids[..., 2] = torch.arange(w, device=device).repeat(h)[None]
     return ids
+
+
+def _freqs(rope: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Lumina2RotaryPosEmbed's frequencies for position ids. Its tables are a plain list of CPU
+    tensors, which it copies to the ids' device on every call (a host sync each time on a GPU):
+    they move once here."""
+    if rope.freqs_cis[0].device != ids.device:
+        rope.freqs_cis = [table.to(ids.device) for table in rope.freqs_cis]
+    return rope._get_freqs_cis(ids)
 
 
 class Lumina2Embed(PipelineLayer):
@@ -46,7 +57,7 @@ class Lumina2Embed(PipelineLayer):
         p = self.patch
         x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).flatten(3).flatten(1, 2)
         x = self.x_embedder(x)
-        grid = torch.tensor([[h // p, w // p]] * b, dtype=torch.long)
+        grid = carrier(h // p, w // p, device=latents.device)
         return needs_grad(x), needs_grad(cap), needs_grad(temb), cap_len.long(), grid
 
 
@@ -64,16 +75,16 @@ class Lumina2Refiner(PipelineLayer):
         x, cap, temb, cap_len, grid = inputs
         if self.stream == "caption":
             b, lc = cap.shape[:2]
-            ids = torch.zeros(b, lc, 3, dtype=torch.long)
-            ids[..., 0] = torch.arange(lc)[None]
-            freqs = self.rope._get_freqs_cis(ids)
+            pos = torch.arange(lc, device=cap.device)
+            ids = torch.zeros(b, lc, 3, dtype=torch.long, device=cap.device)
+            ids[..., 0] = pos[None]
+            freqs = _freqs(self.rope, ids)
+            mask = pos[None, :] < cap_len[:, None]  # diffusers always passes it
             # diffusers zeroes the frequencies past each caption (those tokens are masked out)
-            freqs = freqs * (torch.arange(lc)[None, :] < cap_len[:, None])[..., None]
-            mask = torch.arange(lc)[None, :] < cap_len[:, None]  # diffusers always passes it
+            freqs = freqs * mask[..., None]
             cap = self.block(cap, mask, freqs)
         else:
-            h, w = (int(v) for v in grid[0])
-            freqs = self.rope._get_freqs_cis(_image_ids(cap_len, h, w))
+            freqs = _freqs(self.rope, _image_ids(cap_len, *sizes(grid)))
             x = self.block(x, None, freqs, temb)
         return x, cap, temb, cap_len, grid
 
@@ -86,17 +97,16 @@ class Lumina2Join(PipelineLayer):
         b, lc, d = cap.shape
         li = x.shape[1]
         length = lc + li
-        pos = torch.arange(length)[None, :].expand(b, length)
+        pos = torch.arange(length, device=x.device)[None, :].expand(b, length)
         in_cap = pos < cap_len[:, None]
         in_img = (pos >= cap_len[:, None]) & (pos < cap_len[:, None] + li)
         # Gather from [cap, x, one zero row]: caption index, image index + lc, or the zero row.
         source = torch.cat([cap, x, cap.new_zeros(b, 1, d)], dim=1)
         index = torch.where(in_cap, pos, torch.where(in_img, pos - cap_len[:, None] + lc, lc + li))
         joint = torch.gather(source, 1, index[..., None].expand(b, length, d))
-        h, w = (int(v) for v in grid[0])
-        ids = torch.zeros(b, length, 3, dtype=torch.long)
+        ids = torch.zeros(b, length, 3, dtype=torch.long, device=x.device)
         ids[..., 0] = torch.where(in_cap, pos, 0)
-        img_ids = _image_ids(cap_len, h, w)
+        img_ids = _image_ids(cap_len, *sizes(grid))
         img_index = (pos - cap_len[:, None]).clamp(0, li - 1)
         img_part = torch.gather(img_ids, 1, img_index[..., None].expand(b, length, 3))
         ids = torch.where(in_img[..., None], img_part, ids)
@@ -112,7 +122,7 @@ class Lumina2Block(PipelineLayer):
 
     def forward(self, inputs):
         joint, temb, ids, total, cap_len, grid = inputs
-        joint = self.block(joint, key_mask(total, joint.shape[1]), self.rope._get_freqs_cis(ids),
+        joint = self.block(joint, key_mask(total, joint.shape[1]), _freqs(self.rope, ids),
                            temb)
         return joint, temb, ids, total, cap_len, grid
 
@@ -128,8 +138,8 @@ class Lumina2Head(PipelineLayer):
         joint, temb, _ids, _total, cap_len, grid = inputs
         out = self.norm_out(joint, temb)
         b, _, d = out.shape
-        h, w = (int(v) for v in grid[0])
-        index = cap_len[:, None] + torch.arange(h * w)[None, :]
+        h, w = sizes(grid)
+        index = cap_len[:, None] + torch.arange(h * w, device=out.device)[None, :]
         img = torch.gather(out, 1, index[..., None].expand(b, h * w, d))
         p, c = self.patch, self.out_channels
         return img.view(b, h, w, p, p, c).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)

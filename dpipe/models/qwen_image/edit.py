@@ -25,6 +25,7 @@ import torch
 
 from dpipe.errors import DataError
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.qwen_image.layers import image_grids
 from dpipe.models.qwen_image.spec import REQUIRED_PARTS, QwenImageSpec, pack
 from dpipe.models.spec import NoisedBatch
 
@@ -94,7 +95,7 @@ class QwenImageEditSpec(QwenImageSpec):
         b, c, h, w = batch.latents.shape
         hc, wc = control.shape[-2:]
         text_len = batch.text["text_len"].reshape(-1).round().long()
-        shapes = torch.tensor([[[1, h // 2, w // 2], [1, hc // 2, wc // 2]]] * b, dtype=torch.long)
+        shapes = image_grids((1, h // 2, w // 2), (1, hc // 2, wc // 2))
         inputs = (pack(batch.noisy), batch.timesteps, batch.text["text"], text_len, shapes,
                   pack(control.to(batch.noisy.dtype)))
         return inputs, self._labels(batch)

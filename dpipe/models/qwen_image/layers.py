@@ -1,8 +1,9 @@
 """Qwen-Image's double-stream (MMDiT) transformer as pipeline layers: embed -> blocks -> head.
 
 Every layer passes (image, text, temb, text_len, shapes): the image and text streams, the timestep
-embedding, each item's text length (int64) and the latent grids (int64, (B, n_images, 3): frames,
-height, width in 2x2 patches; the target first, then Qwen-Image-Edit's reference image). RoPE is
+embedding, each item's text length (int64) and the latent grids, the same for every item of a
+micro-batch, carried in a shape (`dpipe.models.sync_free`): frames, height, width in 2x2 patches
+of each image, the target first, then Qwen-Image-Edit's reference image. RoPE is
 recomputed per block from the grids with the transformer's own `pos_embed`, the text mask from the
 lengths: integers cross stage boundaries without gradients. The text is padded to a fixed length
 for the run (DeepSpeed sizes its receive buffers once) and masked, where diffusers pads to the
@@ -16,11 +17,24 @@ from torch import nn
 
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
-def grids(shapes: torch.Tensor) -> list[list[tuple[int, int, int]]]:
-    """The int64 grids as diffusers' `img_shapes` (one list of (f, h, w) per item)."""
-    return [[tuple(int(v) for v in s) for s in item] for item in shapes]
+def image_grids(*grids: tuple[int, int, int]) -> torch.Tensor:
+    """The (f, h, w) grids of a micro-batch's images, carried in a shape."""
+    return carrier(*(v for grid in grids for v in grid))
+
+
+def grids(shapes: torch.Tensor, batch: int) -> list[list[tuple[int, int, int]]]:
+    """The carried grids as diffusers' `img_shapes` (one list of (f, h, w) per item)."""
+    values = sizes(shapes)
+    return [[tuple(values[i:i + 3]) for i in range(0, len(values), 3)]] * batch
+
+
+def target_tokens(shapes: torch.Tensor) -> int:
+    """The target image's token count (an edit's reference tokens follow)."""
+    f, h, w = sizes(shapes)[:3]
+    return f * h * w
 
 
 class QwenImageEmbed(PipelineLayer):
@@ -37,7 +51,7 @@ class QwenImageEmbed(PipelineLayer):
         text_hidden = self.txt_in(self.txt_norm(text))
         temb = self.time_text_embed(t.to(hidden.dtype), hidden)
         return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_len.long(),
-                shapes.long())
+                shapes)
 
 
 class QwenImageBlock(PipelineLayer):
@@ -48,7 +62,7 @@ class QwenImageBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text_hidden, temb, text_len, shapes = inputs
-        rotary = self.pos_embed(grids(shapes), max_txt_seq_len=text_hidden.shape[1],
+        rotary = self.pos_embed(grids(shapes, hidden.shape[0]), max_txt_seq_len=text_hidden.shape[1],
                                 device=hidden.device)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
@@ -66,9 +80,8 @@ class QwenImageHead(PipelineLayer):
     def forward(self, inputs):
         hidden, text_hidden, temb, _text_len, shapes = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
-        n = int(shapes[0, 0].prod())  # the target's tokens (an edit's reference tokens follow)
         # The text stream ends unused here; alone on the last stage it still needs a gradient.
-        return out[:, :n] + 0.0 * text_hidden.sum()
+        return out[:, :target_tokens(shapes)] + 0.0 * text_hidden.sum()
 
 
 def qwen_image_layers(transformer: nn.Module) -> list[PipelineLayer]:

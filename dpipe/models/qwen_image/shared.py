@@ -48,11 +48,11 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def key_mask(lengths: torch.Tensor, length: int) -> torch.Tensor | None:
-    """(B, length) bool mask of the first `lengths[i]` positions, or None when nothing is masked
-    (the diffusers forwards skip the mask then, so the kernels match)."""
-    if bool((lengths == length).all()):
-        return None
+def key_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) bool mask of the first `lengths[i]` positions. Always a mask, even when it masks
+    nothing (where the pipelines pass none): finding that out would read the lengths on the host,
+    a sync in every block. Text is padded to the run's fixed length, so a batch of prompts that
+    all fill it, the one case that differs, is rare; it then gives the same result."""
     return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.qwen_image.layers import grids, qwen_image_layers
+from dpipe.models.qwen_image.layers import grids, image_grids, qwen_image_layers, target_tokens
 from dpipe.models.qwen_image.shared import (
     check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
     weighted_mse)
@@ -162,7 +162,7 @@ class QwenImageSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         text_len = batch.text["text_len"].reshape(-1).round().long()
-        shapes = torch.tensor([[[1, h // 2, w // 2]]] * b, dtype=torch.long)
+        shapes = image_grids((1, h // 2, w // 2))
         inputs = (pack(batch.noisy), batch.timesteps, batch.text["text"], text_len, shapes)
         return inputs, self._labels(batch)
 
@@ -202,8 +202,8 @@ class QwenImageSpec(ModelSpec):
         mask = torch.arange(n)[None, :] < text_len[:, None]
         out = denoiser(hidden_states=image, encoder_hidden_states=text[:, :n],
                        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-                       timestep=t, img_shapes=grids(shapes), return_dict=False)[0]
-        return out[:, : int(shapes[0, 0].prod())]
+                       timestep=t, img_shapes=grids(shapes, image.shape[0]), return_dict=False)[0]
+        return out[:, :target_tokens(shapes)]
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         pipe = self._pipeline().from_pretrained(

@@ -111,14 +111,16 @@ class SDXLUp(PipelineLayer):
 
     def forward(self, inputs):
         emb, text, *stack = inputs
-        hidden = stack.pop()
+        # Sliced, not popped: torch.compile makes the starred target a tuple.
+        hidden, stack = stack[-1], stack[:-1]
         if self.upsampler is not None:
             # diffusers passes the next skip's size only when the latent size is not a multiple
             # of the total upsampling factor; stack[0] (conv_in's output) has the latent's size.
             odd = any(d % self.overall_up_factor for d in stack[0].shape[-2:])
             hidden = self.upsampler(hidden, stack[-1].shape[2:] if odd else None)
         else:
-            hidden = self.resnet(torch.cat([hidden, stack.pop()], dim=1), emb)
+            skip, stack = stack[-1], stack[:-1]
+            hidden = self.resnet(torch.cat([hidden, skip], dim=1), emb)
             if self.attention is not None:
                 hidden = self.attention(hidden, encoder_hidden_states=text, return_dict=False)[0]
         return (emb, text, *stack, hidden.contiguous())

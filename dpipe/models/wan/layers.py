@@ -6,8 +6,9 @@ Every layer passes the tuple (hidden, context, timestep_proj, temb, grid):
   context        (B, L, dim) embedded text tokens, preceded by the CLIP image tokens for 2.1 i2v
   timestep_proj  (B, 6, dim), or (B, F', 6, dim) with one timestep per latent frame
   temb           (B, dim), or (B, F', dim)
-  grid           int64 (3,): F', h', w'; rotary embeddings are recomputed from it in every block
-                 (floats crossing a stage boundary must receive gradients, integers travel free)
+  grid           F', h', w' carried in its shape (`dpipe.models.sync_free`); rotary embeddings
+                 are recomputed from it in every block (floats crossing a stage boundary must
+                 receive gradients, integers travel free)
 
 Per-frame timesteps are how Wan 2.2 TI2V conditions on a first frame: its tokens get t = 0.
 diffusers takes one timestep per token there; the layers send one per latent frame instead (all
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 def _needs_grad(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,7 @@ class WanEmbed(PipelineLayer):
         latents, t, text, *image = inputs
         _, _, frames, height, width = latents.shape
         p_t, p_h, p_w = self.patch_size
-        grid = torch.tensor([frames // p_t, height // p_h, width // p_w], dtype=torch.long)
+        grid = carrier(frames // p_t, height // p_h, width // p_w, device=latents.device)
         hidden = self.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
         # diffusers' pipelines pass the scheduler's timesteps: t * 1000.
         timestep = t * 1000
@@ -65,7 +67,7 @@ class WanEmbed(PipelineLayer):
         if image_context is not None:
             context = torch.cat([image_context, context], dim=1)
         return (_needs_grad(hidden), _needs_grad(context), _needs_grad(proj), _needs_grad(temb),
-                grid.to(hidden.device))
+                grid)
 
 
 class RotaryTables:
@@ -92,7 +94,7 @@ class WanBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, context, proj, temb, grid = inputs
-        frames, height, width = (int(g) * p for g, p in zip(grid.tolist(), self.patch_size))
+        frames, height, width = (g * p for g, p in zip(sizes(grid), self.patch_size))
         rotary = self.rope(frames, height, width, hidden.device)
         block_proj = proj
         if proj.ndim == 4:  # one timestep per latent frame: the block wants one per token
@@ -123,7 +125,7 @@ class WanHead(PipelineLayer):
 
     def forward(self, inputs):
         hidden, context, proj, temb, grid = inputs
-        frames, height, width = grid.tolist()
+        frames, height, width = sizes(grid)
         table = self.table.scale_shift_table
         if temb.ndim == 3:  # per latent frame
             temb = _per_token(temb, hidden.shape[1] // temb.shape[1])

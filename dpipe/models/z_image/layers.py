@@ -14,8 +14,8 @@ positions start after the caption's. Two differences in form, not in result:
   boundaries without gradients); token counts travel as int64 tensors, masks are built from them.
 
 Tuples: before the join (x, cap, adaln, x_ids, cap_ids, lens, grid); after it (unified, adaln,
-ids, lens, grid), where lens holds per item (image tokens, caption tokens) and grid the latent
-(frames, height, width).
+ids, lens, grid), where lens holds per item (image tokens, caption tokens) and grid carries the
+latent (frames, height, width) in its shape (`dpipe.models.sync_free`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from torch import nn
 
 from dpipe.models.qwen_image.shared import key_mask, needs_grad, round_up
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF
 
 
-def _grid_ids(f: int, h: int, w: int, start: tuple[int, int, int]) -> torch.Tensor:
-    axes = [torch.arange(s, s + n) for s, n in zip(start, (f, h, w))]
+def _grid_ids(f: int, h: int, w: int, device: torch.device) -> torch.Tensor:
+    """(f*h*w, 3): each patch's (frame, row, column), from 0."""
+    axes = [torch.arange(n, device=device) for n in (f, h, w)]
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
 
 
@@ -60,6 +62,7 @@ class ZImageEmbed(PipelineLayer):
     def forward(self, inputs):
         latents, t, cap, cap_len = inputs
         b, c, h, w = latents.shape
+        device = latents.device
         p, pf = self.patch, self.f_patch
         adaln = self.t_embedder(t * self.t_scale).type_as(latents)
 
@@ -73,15 +76,15 @@ class ZImageEmbed(PipelineLayer):
             x = torch.cat([x, x[:, -1:].expand(b, x_pad, x.shape[2])], dim=1)
         x = self.x_embedder(x)
         if x_pad:
-            is_pad = (torch.arange(x.shape[1]) >= x_len)[None, :, None]
+            is_pad = (torch.arange(x.shape[1], device=device) >= x_len)[None, :, None]
             x = torch.where(is_pad, self.x_pad_token, x)
 
         # Captions: item i has cap_len[i] tokens, padded to a multiple of 32 (`cap_tokens`), then to
         # the run's fixed length; the item-level padding repeats the last token as diffusers does.
         lc = round_up(cap.shape[1], SEQ_MULTI_OF)
         cap_len = cap_len.long()
-        cap_tokens = torch.tensor([round_up(int(n), SEQ_MULTI_OF) for n in cap_len])
-        pos = torch.arange(lc)
+        cap_tokens = round_up(cap_len, SEQ_MULTI_OF)
+        pos = torch.arange(lc, device=device)
         last = (cap_len - 1).clamp(min=0)
         gather = torch.minimum(pos[None, :], last[:, None])  # repeat the last real token
         cap = torch.cat([cap, cap.new_zeros(b, lc - cap.shape[1], cap.shape[2])], dim=1)
@@ -92,13 +95,15 @@ class ZImageEmbed(PipelineLayer):
         beyond = (pos[None, :] >= cap_tokens[:, None])[..., None]
         cap = cap.masked_fill(beyond, 0.0)  # batch padding, as pad_sequence fills it
 
-        cap_ids = torch.zeros(b, lc, 3, dtype=torch.long)
+        cap_ids = torch.zeros(b, lc, 3, dtype=torch.long, device=device)
         cap_ids[..., 0] = torch.where(pos[None, :] < cap_tokens[:, None], pos[None, :] + 1, 0)
-        x_ids = torch.zeros(b, x.shape[1], 3, dtype=torch.long)
-        for i in range(b):
-            x_ids[i, :x_len] = _grid_ids(f_t, h_t, w_t, (int(cap_tokens[i]) + 1, 0, 0))
-        lens = torch.stack([torch.full((b,), x.shape[1]), cap_tokens], dim=1).long()
-        grid = torch.tensor([[f_t * pf, h, w]] * b, dtype=torch.long)
+        # The image's frame positions start after its item's caption.
+        x_ids = torch.zeros(b, x.shape[1], 3, dtype=torch.long, device=device)
+        start = torch.zeros(b, 1, 3, dtype=torch.long, device=device)
+        start[..., 0] = cap_tokens[:, None] + 1
+        x_ids[:, :x_len] = _grid_ids(f_t, h_t, w_t, device)[None] + start
+        lens = torch.stack([torch.full_like(cap_tokens, x.shape[1]), cap_tokens], dim=1)
+        grid = carrier(f_t * pf, h, w, device=device)
         return (needs_grad(x), needs_grad(cap), needs_grad(adaln), x_ids, cap_ids, lens, grid)
 
 
@@ -114,7 +119,8 @@ class ZImageRefiner(PipelineLayer):
     def forward(self, inputs):
         x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
         if self.stream == "image":
-            x = self.block(x, key_mask(lens[:, 0], x.shape[1]), _freqs(self.rope, x_ids), adaln)
+            # Every item has all x.shape[1] image tokens (lens[:, 0]): nothing to mask.
+            x = self.block(x, None, _freqs(self.rope, x_ids), adaln)
         else:
             cap = self.block(cap, key_mask(lens[:, 1], cap.shape[1]), _freqs(self.rope, cap_ids))
         return x, cap, adaln, x_ids, cap_ids, lens, grid
@@ -129,9 +135,9 @@ class ZImageJoin(PipelineLayer):
         unified = torch.cat([x, cap], dim=1)
         ids = torch.cat([x_ids, cap_ids], dim=1)
         # Tokens past an item's caption are already zero with ids 0: the layout is the same as
-        # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has lx image tokens.
+        # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has lx image tokens
+        # (lens[:, 0] == lx, as the embed layer sets it).
         total = (lens[:, 0] + lens[:, 1]).long()
-        assert bool((lens[:, 0] == lx).all())
         return unified, adaln, ids, total, grid
 
 
@@ -160,7 +166,7 @@ class ZImageHead(PipelineLayer):
     def forward(self, inputs):
         unified, adaln, _ids, _total, grid = inputs
         out = self.final_layer(unified, c=adaln)
-        f, h, w = (int(v) for v in grid[0])
+        f, h, w = sizes(grid)
         p, pf, c = self.patch, self.f_patch, self.out_channels
         n = (f // pf) * (h // p) * (w // p)
         out = out[:, :n].reshape(out.shape[0], f // pf, h // p, w // p, pf, p, p, c)
