@@ -140,3 +140,41 @@ def test_full_fine_tune_exports_what_it_trained(lora_run, tmp_path):
     trained = run_layers(layers, inputs)
     assert (trained - base).abs().max() > 1e-5, "the update left the model unchanged"
     torch.testing.assert_close(expected, trained, rtol=1e-5, atol=1e-6)
+
+
+# HiDream's MoE feed-forward (diffusers' own) routes tokens to experts by their values
+# (`bincount`, boolean indexing): data-dependent shapes, a host sync per expert on a GPU.
+READS_VALUES = {"hidream": "bincount"}
+
+
+@pytest.mark.slow
+def test_layers_run_on_the_meta_device(lora_run):
+    """Forward and backward through every layer on the meta device, where tensors have no values:
+    a layer that makes a tensor on another device (the CPU, by leaving out `device=`) or reads a
+    tensor's values on the host (`.tolist()`, `int(t)`, indexing by a mask) fails here. On a GPU
+    the first fails outright and the second is a host sync in every layer and micro-batch."""
+    from dpipe.data.batches import step_micro_batches
+    from dpipe.models.registry import build_spec
+    from dpipe.train.trainable import trainable_layers
+
+    run = run_config(lora_run)
+    spec = build_spec(run.model)
+    meta = torch.device("meta")
+    layers = [layer.to(meta) for layer in trainable_layers(spec, run)]
+    dataset, plan = cached_dataset(lora_run)
+    inputs, labels = next(step_micro_batches(spec, dataset, plan, run.train.timesteps, 0, 0, 0))
+    x = tuple(t.to(meta) for t in inputs)
+
+    def train_step():
+        y = x
+        for i, layer in enumerate(layers):
+            if i:  # as at a stage boundary: every float input takes a gradient
+                y = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in y)
+            y = layer(y)
+        spec.loss(y, tuple(t.to(meta) for t in labels)).backward()
+
+    if spec.family in READS_VALUES:
+        with pytest.raises(NotImplementedError, match=READS_VALUES[spec.family]):
+            train_step()
+    else:
+        train_step()

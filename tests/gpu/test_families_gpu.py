@@ -1,0 +1,51 @@
+"""Every model family, on its tiny flavor, trains on one GPU (skipped without CUDA).
+
+One sweep per mode (`dpipe-train -m model=...`), bf16 LoRA on one stage, through the loader's
+worker processes as users run it. Each run's audited step (`train.audit_step`, the second) makes
+no host sync, but where diffusers' own code of the family makes one; the CPU suite holds the
+layers to the same on the meta device (`tests/integration/test_families.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.cli import Sweep, metrics
+from tests.integration.test_families import FAMILIES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+MICRO_BATCHES = 2
+SWEEP = ["dataset=synthetic", "pipeline=single", "train.precision=bf16", "train.max_steps=2",
+         f"pipeline.micro_batches={MICRO_BATCHES}", "train.checkpoint_every_steps=0",
+         "train.progress_bar=false"]
+# Host syncs per step that come from diffusers' code, not dpipe's.
+DIFFUSERS_SYNCS = {
+    # ChromaCombinedTimestepTextProjEmbeddings embeds a CPU tensor and copies it to the GPU.
+    "tiny_chroma": MICRO_BATCHES,
+}
+# HiDream's MoE feed-forward routes tokens to experts by boolean indexing: syncs in every block.
+ROUTES_ON_THE_HOST = {"tiny_hidream"}
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def gpu_sweep(request, tmp_path_factory) -> Sweep:
+    compiled = [f"pipeline.compile={str(request.param == 'compiled').lower()}"]
+    return Sweep(tmp_path_factory.mktemp(request.param), f"model={','.join(FAMILIES)}", *SWEEP,
+                 *compiled, timeout=3000)
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_family_trains_on_a_gpu_without_host_syncs(gpu_sweep, model):
+    records = metrics(gpu_sweep.run_dir(f"model={model}"))
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    audited = records[1]
+    assert audited["backward_passes_per_micro_batch"] == 1.0
+    if model in ROUTES_ON_THE_HOST:
+        assert audited["host_syncs"] > 0
+    else:
+        assert audited["host_syncs"] == DIFFUSERS_SYNCS.get(model, 0)
