@@ -155,6 +155,18 @@ def test_four_bf16_stages_with_mixed_dtypes_do_not_deadlock(one_stage_lora, tmp_
     torch.testing.assert_close(loss_4, loss_1, rtol=3e-2, atol=1e-2)
 
 
+def test_middle_stages_receive_integers_between_floats(tmp_path):
+    """HiDream's layers pass int64 position ids and masks between float tensors, so a middle
+    stage's activation at a position is an integer where its gradient at the same position is a
+    float: DeepSpeed handed both the same buffer (hanging or failing); 3 stages train as 1."""
+    sweep = Sweep(tmp_path, "model=tiny_hidream", "dataset=synthetic", "optim.lr=1e-3",
+                  "train.max_steps=2", "train.checkpoint_every_steps=0", "train.progress_bar=false",
+                  "pipeline.micro_batches=2", "pipeline.stages=1,3", timeout=600)
+    one = torch.tensor([m["loss"] for m in metrics(sweep.run_dir("pipeline.stages=1"))])
+    three = torch.tensor([m["loss"] for m in metrics(sweep.run_dir("pipeline.stages=3"))])
+    torch.testing.assert_close(three, one, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_full_fine_tune_with_master_weights_matches_on_two_stages(tmp_path):
     """DeepSpeed's bf16 mode (bf16 layers, fp32 master weights in its optimizer, no autocast):
     the data arrives in bf16, and 2 stages (each first stage's backward one pass) train as 1."""
