@@ -25,7 +25,8 @@ class Reporter:
     def audit(self, step: int, host_syncs: int, backward_passes: float) -> None:
         self.writer.add_scalar("perf/host_syncs", host_syncs, step)
         self.writer.add_scalar("perf/backward_passes_per_micro_batch", backward_passes, step)
-        self.pending.update(audited_step=step, host_syncs=host_syncs, backward_passes_per_micro_batch=backward_passes)
+        self.pending.update(audited_step=step, host_syncs=host_syncs,
+                            backward_passes_per_micro_batch=backward_passes)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
         now = time.perf_counter()

@@ -62,8 +62,8 @@ class QwenImageBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text_hidden, temb, text_len, shapes = inputs
-        rotary = self.pos_embed(grids(shapes, hidden.shape[0]), max_txt_seq_len=text_hidden.shape[1],
-                                device=hidden.device)
+        rotary = self.pos_embed(grids(shapes, hidden.shape[0]),
+                                max_txt_seq_len=text_hidden.shape[1], device=hidden.device)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
             encoder_hidden_states_mask=key_mask(text_len, text_hidden.shape[1]), temb=temb,

@@ -131,12 +131,11 @@ class ZImageJoin(PipelineLayer):
 
     def forward(self, inputs):
         x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
-        lx = x.shape[1]
         unified = torch.cat([x, cap], dim=1)
         ids = torch.cat([x_ids, cap_ids], dim=1)
         # Tokens past an item's caption are already zero with ids 0: the layout is the same as
-        # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has lx image tokens
-        # (lens[:, 0] == lx, as the embed layer sets it).
+        # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has all x.shape[1]
+        # image tokens (lens[:, 0], as the embed layer sets it).
         total = (lens[:, 0] + lens[:, 1]).long()
         return unified, adaln, ids, total, grid
 
