@@ -104,7 +104,7 @@ def best_splits(times: list[float], spec_costs: list[float], most: int = 8) -> d
 
 
 def main() -> int:
-    from dpipe.bench.worker import fixed_micro_batches
+    from dpipe.bench.worker import fixed_micro_batches, require_size
     from dpipe.train.trainable import trainable_layers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -120,6 +120,7 @@ def main() -> int:
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in training (dpipe/train/loop.py)
     run = compose_run(DEFAULTS + args.overrides)
     spec = build_spec(run.model)
+    require_size(spec, args.size)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     bf16 = run.train.precision == Precision.bf16
     denoiser = spec.random_denoiser(args.size, torch.bfloat16 if bf16 else torch.float32, device)

@@ -22,6 +22,15 @@ from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspee
 from dpipe.pipeline.memory import AutoCheckpointing
 
 
+def require_size(spec, size: str) -> None:
+    """Exits with a message naming the family's benchmark sizes when `size` is not one."""
+    if size not in spec.bench_sizes():
+        known = ", ".join(spec.bench_sizes()) or "none yet (dpipe-bench has them for flux and " \
+                                                  "hunyuan_video)"
+        raise SystemExit(f"error: --size {size}: model family {spec.family} has no benchmark "
+                         f"config of that size; its sizes: {known}")
+
+
 def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
     """The step's micro-batches, made once: timing the model, not random number generation."""
     torch.manual_seed(seed)  # the same on the first and the last stage

@@ -24,6 +24,7 @@ from dpipe.config.compose import compose_run
 from dpipe.launch.local import launch_workers, world_size_for
 from dpipe.launch.quiet import quiet_libraries
 from dpipe.launch.run_rank import save_run_config
+from dpipe.models.registry import build_spec
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul rate of an H200 here (see docs/performance.md)
 DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "train.progress_bar=false"]
@@ -32,7 +33,8 @@ DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "train.prog
 def main() -> None:
     quiet_libraries()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--size", default="dev", help="the model size (flux: dev, schnell)")
+    parser.add_argument("--size", default="dev", help="the model size (flux: dev, schnell; "
+                        "hunyuan_video: 13b; every family that has sizes: tiny)")
     parser.add_argument("--run", action="append", required=True, metavar="NAME: OVERRIDES")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
@@ -47,6 +49,8 @@ def main() -> None:
 
     import torch
 
+    from dpipe.bench.worker import require_size
+
     gpus = torch.cuda.device_count()
     if gpus == 0 and args.size != "tiny":
         sys.exit("error: dpipe-bench measures GPU training; no CUDA device is visible "
@@ -57,6 +61,7 @@ def main() -> None:
         name, _, overrides = spec.partition(":")
         name = name.strip()
         run = compose_run(DEFAULTS + overrides.split())
+        require_size(build_spec(run.model), args.size)
         world = world_size_for(run, gpus)
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)

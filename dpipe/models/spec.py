@@ -149,6 +149,11 @@ class ModelSpec(abc.ABC):
     def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
 
+    def bench_sizes(self) -> tuple[str, ...]:
+        """The sizes `random_denoiser` and `random_sample` know: published ones, and "tiny" (the
+        test model's, for CPU smoke tests). None by default."""
+        return ()
+
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The denoiser at a published size with random weights (benchmarks; no download)."""
         raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")

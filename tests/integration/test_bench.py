@@ -21,19 +21,32 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> dict[str, dict]:
     # FLUX's stages send three float tensors (image and text streams, the conditioning); a
-    # middle stage both receives and sends.
+    # middle stage both receives and sends. HunyuanVideo's also send its latent grid in the shape
+    # of an empty tensor (dpipe.models.sync_free), and its random model comes from its own sizes.
     return bench_rows(tmp_path_factory.mktemp("bench"), {
-        "full-3": "model=tiny_flux model.mode=full pipeline.stages=3 pipeline.micro_batches=3"})
+        "full-3": "model=tiny_flux model.mode=full pipeline.stages=3 pipeline.micro_batches=3",
+        "video-2": "model=tiny_hunyuan_video pipeline.stages=2 pipeline.micro_batches=2"})
 
 
 def test_each_stage_runs_one_backward_pass_per_micro_batch(rows):
     per_stage = rows["full-3"]["stages"]
     assert [s["stage"] for s in per_stage] == [0, 1, 2]
     assert [s["backward_passes"] for s in per_stage] == [1, 1, 1]
+    assert [s["backward_passes"] for s in rows["video-2"]["stages"]] == [1, 1]
 
 
 def test_no_stage_syncs_the_host_within_a_step(rows):
     assert [s["host_syncs"] for s in rows["full-3"]["stages"]] == [0, 0, 0]
+    assert [s["host_syncs"] for s in rows["video-2"]["stages"]] == [0, 0]
+
+
+def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--out",
+                           str(tmp_path), "--run", "wan: model=tiny_wan"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 1
+    assert "--size tiny: model family wan has no benchmark config of that size" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_layer_timer_covers_every_layer_by_kind(tmp_path):

@@ -257,6 +257,11 @@ class FluxSpec(ModelSpec):
         return FluxTransformer2DModel.from_pretrained(export_dir / "transformer")
 
     # ---- benchmarks -------------------------------------------------------------------------
+    def bench_sizes(self) -> tuple[str, ...]:
+        from dpipe.models.flux.sizes import SIZES
+
+        return tuple(SIZES)
+
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 

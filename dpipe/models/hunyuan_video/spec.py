@@ -254,6 +254,44 @@ class HunyuanVideoSpec(ModelSpec):
 
         return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
 
+    # ---- benchmarks -------------------------------------------------------------------------
+    def bench_sizes(self) -> tuple[str, ...]:
+        from dpipe.models.hunyuan_video.sizes import SIZES
+
+        return tuple(SIZES)
+
+    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        from dpipe.models.hunyuan_video.sizes import SIZES
+
+        with torch.device(device):
+            model = HunyuanVideoTransformer3DModel.from_config(SIZES[size])
+        return model.to(dtype)
+
+    def random_sample(self, size: str):
+        from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES
+
+        shapes = SAMPLE_SHAPES[size]
+        mask = torch.zeros(shapes["llama"][0])
+        mask[:shapes["text_tokens"]] = 1.0
+        text = {"llama": torch.randn(shapes["llama"]), "mask": mask,
+                "pooled": torch.randn(shapes["pooled"])}
+        return torch.randn(shapes["latents"]), text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        latents, _t, text = inputs[:3]
+        c = denoiser.config
+        b, _, f, h, w = latents.shape
+        tokens = (f // c.patch_size_t) * (h // c.patch_size) * (w // c.patch_size)
+        seq = tokens + text.shape[1]  # joint attention over video and (padded) text tokens
+        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
+        width = c.num_attention_heads * c.attention_head_dim
+        blocks = c.num_layers + c.num_single_layers
+        # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
+        attention = 3 * 2 * 2 * seq * seq * width * blocks
+        return b * ((6 if full else 4) * params * seq + attention)
+
 
 def loss_labels(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:
     """(target,) or, when the dataset has masks, (target, per-pixel weight (B, 1, 1, h, w))."""
