@@ -26,7 +26,8 @@ import torch
 
 from tests.cli import Sweep, metrics
 from tests.integration.trained import (
-    cached_dataset, exported_lora_and_trained, run_config, run_layers, trained_layers)
+    cached_dataset, exported_lora_and_trained, one_process_first_loss, run_config, run_layers,
+    trained_layers)
 
 FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream", "tiny_sd3", "tiny_chroma", "tiny_z_image",
             "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
@@ -74,20 +75,7 @@ def test_layers_reproduce_the_denoiser(model, full_sweep):
 
 @pytest.mark.slow
 def test_two_stage_loss_equals_one_stage_loss(lora_run):
-    from dpipe.data.batches import step_micro_batches
-    from dpipe.models.registry import build_spec
-    from dpipe.train.trainable import trainable_layers
-
-    run = run_config(lora_run)
-    spec = build_spec(run.model)
-    layers = trainable_layers(spec, run)  # the initial weights, as every rank builds them
-    dataset, plan = cached_dataset(lora_run)
-    losses = []
-    with torch.no_grad():
-        for inputs, labels in step_micro_batches(spec, dataset, plan, run.train.timesteps,
-                                                 run.train.seed, 0, 0):
-            losses.append(spec.loss(run_layers(layers, inputs), labels))
-    one_stage = torch.stack(losses).mean().item()
+    one_stage = one_process_first_loss(lora_run)
     two_stage = metrics(lora_run)[0]["loss"]
     assert two_stage == pytest.approx(one_stage, rel=1e-5, abs=1e-7)
 

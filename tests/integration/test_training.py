@@ -161,24 +161,14 @@ def test_middle_stages_receive_integers_between_floats(tmp_path):
     float: DeepSpeed handed both the same buffer, which failed in the second step (a buffer of
     the first step's gradients then took the activation). On 3 stages two steps train, and the
     first step's loss is the one the layers give in one process."""
-    from dpipe.data.batches import step_micro_batches
-    from dpipe.models.registry import build_spec
-    from dpipe.train.trainable import trainable_layers
-    from tests.integration.trained import cached_dataset, run_layers
+    from tests.integration.trained import one_process_first_loss
 
     run_dir = tmp_path / "three"
     result = dpipe_train(*train_args(run_dir, "model=tiny_hidream", "dataset=synthetic",
                                      "train.max_steps=2", "train.checkpoint_every_steps=0",
                                      "pipeline.micro_batches=2", "pipeline.stages=3"), timeout=300)
     assert result.code == 0, result.err[-3000:]
-    run = run_config(run_dir)
-    spec = build_spec(run.model)
-    layers = trainable_layers(spec, run)  # the initial weights, as every rank builds them
-    dataset, plan = cached_dataset(run_dir)
-    with torch.no_grad():
-        losses = [spec.loss(run_layers(layers, inputs), labels) for inputs, labels in
-                  step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, 0, 0)]
-    assert metrics(run_dir)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+    assert metrics(run_dir)[0]["loss"] == pytest.approx(one_process_first_loss(run_dir),
                                                         rel=1e-5, abs=1e-7)
 
 

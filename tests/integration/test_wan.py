@@ -386,11 +386,8 @@ def test_trains_from_a_single_file_transformer(models, tmp_path):
 def test_two_stage_run_with_activation_checkpointing(tmp_path):
     """pipeline.activation_checkpointing=all (every layer recomputed in backward): the 2-stage run's
     first loss is the 1-stage loss of the same micro-batches, as without checkpointing."""
-    from dpipe.data.batches import step_micro_batches
-    from dpipe.models.registry import build_spec
-    from dpipe.train.trainable import trainable_layers
     from tests.cli import dpipe_train, metrics, train_args
-    from tests.integration.trained import cached_dataset, run_config, run_layers
+    from tests.integration.trained import one_process_first_loss
 
     run_dir = tmp_path / "run"
     result = dpipe_train(*train_args(
@@ -398,12 +395,5 @@ def test_two_stage_run_with_activation_checkpointing(tmp_path):
         "pipeline.micro_batches=2", "pipeline.activation_checkpointing=all", "optim.lr=1e-3",
         "train.checkpoint_every_steps=0", "train.max_steps=2"))
     assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
-    run = run_config(run_dir)
-    spec = build_spec(run.model)
-    layers = trainable_layers(spec, run)
-    dataset, plan = cached_dataset(run_dir)
-    with torch.no_grad():
-        losses = [spec.loss(run_layers(layers, inputs), labels) for inputs, labels in
-                  step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, 0, 0)]
-    assert metrics(run_dir)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+    assert metrics(run_dir)[0]["loss"] == pytest.approx(one_process_first_loss(run_dir),
                                                         rel=1e-5, abs=1e-7)

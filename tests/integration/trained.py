@@ -45,6 +45,22 @@ def cached_dataset(run_dir: Path):
     return dataset, dataset.plan
 
 
+def one_process_first_loss(run_dir: Path) -> float:
+    """The run's first-step loss as its layers give it in this process, with the initial weights
+    every rank builds: what the run's metrics must show whatever its stages."""
+    from dpipe.data.batches import step_micro_batches
+    from dpipe.train.trainable import trainable_layers
+
+    run = run_config(run_dir)
+    spec = build_spec(run.model)
+    layers = trainable_layers(spec, run)
+    dataset, plan = cached_dataset(run_dir)
+    with torch.no_grad():
+        losses = [spec.loss(run_layers(layers, inputs), labels) for inputs, labels in
+                  step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, 0, 0)]
+    return torch.stack(losses).mean().item()
+
+
 @torch.no_grad()
 def run_layers(layers, inputs):
     x = inputs
