@@ -30,9 +30,6 @@ DIFFUSERS_SYNCS = {
     # LTX2AudioVideoRotaryPosEmbed.prepare_video_coords makes two small tensors from Python lists
     # on the GPU in every block (compiled, they are constants).
     ("tiny_ltx2", "eager"): 16,
-    # QwenEmbedRope caches its tables' copy on the GPU (lru_cache); compiled, the copy is made on
-    # every call.
-    ("tiny_qwen_image", "compiled"): 8,
 }
 # HiDream's MoE feed-forward routes tokens to experts by boolean indexing: syncs in every block.
 ROUTES_ON_THE_HOST = {"tiny_hidream"}

@@ -37,6 +37,17 @@ def target_tokens(shapes: torch.Tensor) -> int:
     return f * h * w
 
 
+def _tables_on(pos_embed: nn.Module, device: torch.device) -> nn.Module:
+    """QwenEmbedRope with its frequency tables on `device`. They are plain CPU attributes (not
+    buffers: those would drop the imaginary part), copied on every call unless an lru_cache
+    keeps the copy, and torch.compile bypasses that cache (a host sync per block): they move
+    once here."""
+    if pos_embed.pos_freqs.device != device:
+        pos_embed.pos_freqs = pos_embed.pos_freqs.to(device)
+        pos_embed.neg_freqs = pos_embed.neg_freqs.to(device)
+    return pos_embed
+
+
 class QwenImageEmbed(PipelineLayer):
     def __init__(self, transformer: nn.Module):
         super().__init__()
@@ -62,8 +73,9 @@ class QwenImageBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text_hidden, temb, text_len, shapes = inputs
-        rotary = self.pos_embed(grids(shapes, hidden.shape[0]),
-                                max_txt_seq_len=text_hidden.shape[1], device=hidden.device)
+        rope = _tables_on(self.pos_embed, hidden.device)
+        rotary = rope(grids(shapes, hidden.shape[0]), max_txt_seq_len=text_hidden.shape[1],
+                      device=hidden.device)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
             encoder_hidden_states_mask=key_mask(text_len, text_hidden.shape[1]), temb=temb,

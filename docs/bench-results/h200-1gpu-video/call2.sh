@@ -1,5 +1,5 @@
 #!/bin/bash
-# For the next session with one H200 (not yet run): HunyuanVideo at real size (13B, a 33-frame
+# Call 2 (one H200): HunyuanVideo at real size (13B, a 33-frame
 # 512x512 clip: 9216 video + 256 text tokens), the first family after FLUX with benchmark configs.
 # 1. Each layer's time (does a double-stream block cost what a single-stream one does, as
 #    `block_costs` assumes?), and the split that balances them.
