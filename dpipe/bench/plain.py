@@ -17,6 +17,7 @@ from dpipe.config.schema import Precision, TrainMode
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config
 from dpipe.models.registry import build_spec
 from dpipe.train.lora import make_trainable
+from dpipe.train.trainable import use_attention_kernel
 
 
 def main() -> int:
@@ -29,6 +30,7 @@ def main() -> int:
     dtype = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32
     denoiser = spec.random_denoiser(opts["size"], dtype, torch.device("cuda"))
     make_trainable(denoiser, run.model, spec.lora_targets())
+    use_attention_kernel(denoiser, run.model)  # the same kernel as the pipeline's run
     denoiser.compile_repeated_blocks()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=run.optim.lr, fused=True)

@@ -80,6 +80,14 @@ class BaseDtype(str, Enum):
     fp8 = "fp8"
 
 
+class AttentionKernel(str, Enum):
+    sdpa = "sdpa"  # PyTorch's scaled_dot_product_attention, diffusers' default: flash when unmasked
+    # FlexAttention, on a GPU with pipeline.compile=true: attention under a mask (the text padding
+    # of HunyuanVideo, Qwen-Image, LTX-Video...) near the speed of unmasked flash, where sdpa
+    # falls back to a kernel 2.5x slower (docs/performance.md, "Masked attention").
+    flex = "flex"
+
+
 @dataclass
 class ModelConfig:
     family: str = MISSING  # a name in dpipe.models.registry, e.g. "flux"
@@ -115,6 +123,8 @@ class ModelConfig:
     # SD3, Chroma, HiDream-I1, AuraFlow): the diffusers folder of the same model, required, for
     # the VAE, text encoders, tokenizers and configs.
     single_file_config: Optional[str] = None
+    # The attention kernel (see AttentionKernel): sdpa or flex.
+    attention: AttentionKernel = AttentionKernel.sdpa
 
 
 @dataclass

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.config.schema import BaseDtype, Precision, RunConfig, TrainMode
+from dpipe.config.schema import (
+    AttentionKernel, BaseDtype, ModelConfig, Precision, RunConfig, TrainMode)
+from dpipe.errors import ConfigError
 from dpipe.train.lora import frozen_dtype, make_trainable
 
 
@@ -14,6 +16,10 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
     if denoiser is None:
         denoiser = spec.load_denoiser(torch.float32)
     make_trainable(denoiser, run.model, spec.lora_targets())
+    if run.model.attention == AttentionKernel.flex and not torch.cuda.is_available():
+        raise ConfigError("model.attention=flex trains on a CUDA GPU only (FlexAttention has no "
+                          "backward pass on the CPU); use model.attention=sdpa here")
+    use_attention_kernel(denoiser, run.model)
     bf16 = run.train.precision == Precision.bf16
     if bf16 and run.model.mode == TrainMode.lora:
         frozen_dtype(denoiser, torch.bfloat16)
@@ -24,3 +30,20 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
 
         frozen_linears_to_fp8(denoiser)  # after LoRA wrapping: peft's base layers become fp8
     return spec.pipeline_layers(denoiser)
+
+
+def use_attention_kernel(denoiser, cfg: ModelConfig) -> None:
+    """Routes the denoiser's attention through `model.attention`'s kernel, by diffusers' attention
+    dispatcher (`set_attention_backend`). Processors that call PyTorch directly ignore it, so a
+    family none of whose attention goes through the dispatcher is refused, not silently slow."""
+    if cfg.attention == AttentionKernel.sdpa:
+        return  # diffusers' default
+    processors = {type(m.processor).__name__: hasattr(m.processor, "_attention_backend")
+                  for m in denoiser.modules() if getattr(m, "processor", None) is not None}
+    if not any(processors.values()):
+        raise ConfigError(
+            f"model.attention={cfg.attention.value}: the attention of model.family={cfg.family} "
+            f"({', '.join(sorted(processors)) or 'no diffusers processor'}) does not go through "
+            "diffusers' attention dispatcher, so its kernel cannot be chosen; use "
+            "model.attention=sdpa")
+    denoiser.set_attention_backend(cfg.attention.value)

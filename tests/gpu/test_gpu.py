@@ -72,6 +72,17 @@ def test_compiled_blocks_match_eager_blocks(tmp_path):
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("model", ["tiny_hunyuan_video", "tiny_qwen_image"])
+def test_flex_attention_trains_as_sdpa_does(tmp_path, model):
+    """Under the text-padding mask: HunyuanVideo's layers build the joint mask, Qwen-Image's
+    diffusers processor builds its own from the text mask."""
+    one = (f"model={model}", "pipeline.stages=1", "pipeline.data_parallel=1",
+           "pipeline.compile=true")
+    sdpa = _losses(tmp_path / "sdpa", *one)
+    flex = _losses(tmp_path / "flex", *one, "model.attention=flex")
+    torch.testing.assert_close(flex, sdpa, rtol=2e-2, atol=1e-3)
+
+
 def test_auto_checkpointing_matches_no_checkpointing(tmp_path):
     none = _losses(tmp_path / "none", "pipeline.stages=1", "pipeline.data_parallel=1")
     auto = _losses(tmp_path / "auto", "pipeline.stages=1", "pipeline.data_parallel=1",

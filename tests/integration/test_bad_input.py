@@ -51,3 +51,11 @@ def test_unreadable_image_in_strict_mode(tmp_path):
     result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={folder}",
                                      "dataset.resolutions=[64]", "dataset.strict=true"))
     _assert_user_error(result, "broken.png")
+
+
+def test_flex_attention_on_the_cpu(tmp_path):
+    """FlexAttention has no backward pass on the CPU: refused before the first step."""
+    result = dpipe_train(*train_args(tmp_path / "run", "model.attention=flex",
+                                     "pipeline.compile=true"))
+    _assert_user_error(result, "model.attention=flex trains on a CUDA GPU only",
+                       "model.attention=sdpa")

@@ -166,3 +166,44 @@ def test_layers_run_on_the_meta_device(lora_run):
             train_step()
     else:
         train_step()
+
+
+# Families whose attention processors call PyTorch directly, not diffusers' attention dispatcher:
+# `model.attention` cannot choose their kernel, and flex is refused with a message.
+NOT_DISPATCHED = {"auraflow", "sdxl", "hidream", "sd3", "cosmos_predict2", "lumina2"}
+
+
+@pytest.mark.slow
+def test_flex_attention_gives_sdpa_output_or_is_refused(lora_run, monkeypatch):
+    """`model.attention=flex` routes each family's attention (under its masks: text padding,
+    joint streams) through FlexAttention and gives sdpa's output. The CPU has no FlexAttention
+    backward: the forward is compared here, training with it is tests/gpu's."""
+    from torch.nn.attention import flex_attention
+
+    from dpipe.config.schema import AttentionKernel
+    from dpipe.data.batches import step_micro_batches
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+    from dpipe.train.trainable import trainable_layers, use_attention_kernel
+
+    run = run_config(lora_run)
+    spec = build_spec(run.model)
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = trainable_layers(spec, run, denoiser)
+    dataset, plan = cached_dataset(lora_run)
+    inputs, _ = next(step_micro_batches(spec, dataset, plan, run.train.timesteps, 0, 0, 0))
+    run.model.attention = AttentionKernel.flex
+    if spec.family in NOT_DISPATCHED:
+        with pytest.raises(ConfigError, match=f"model.family={spec.family}.*model.attention=sdpa"):
+            use_attention_kernel(denoiser, run.model)
+        return
+    with torch.no_grad():
+        sdpa = run_layers(layers, inputs)
+        use_attention_kernel(denoiser, run.model)
+        calls = []
+        flex = flex_attention.flex_attention
+        monkeypatch.setattr(flex_attention, "flex_attention",
+                            lambda *args, **kw: calls.append(1) or flex(*args, **kw))
+        flexed = run_layers(layers, inputs)
+    assert calls, "no attention went through FlexAttention"
+    torch.testing.assert_close(flexed, sdpa, rtol=1e-4, atol=1e-5)

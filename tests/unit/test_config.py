@@ -94,6 +94,7 @@ def test_plus_cannot_sneak_past_the_schema(override, named):
     (["train.precision=bf16", "model.mode=full"], None, "zero_stage=1"),
     (["optim.lr=0"], None, "optim.lr"),
     (["pipeline.stages=2", "pipeline.data_parallel=2"], 2, "data_parallel"),
+    (["model.attention=flex"], None, "model.attention=flex needs pipeline.compile=true"),
 ])
 def test_cross_field_checks(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
