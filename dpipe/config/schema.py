@@ -81,10 +81,12 @@ class BaseDtype(str, Enum):
 
 
 class AttentionKernel(str, Enum):
-    sdpa = "sdpa"  # PyTorch's scaled_dot_product_attention, diffusers' default: flash when unmasked
-    # FlexAttention, on a GPU with pipeline.compile=true: attention under a mask (the text padding
-    # of HunyuanVideo, Qwen-Image, LTX-Video...) near the speed of unmasked flash, where sdpa
-    # falls back to a kernel 2.5x slower (docs/performance.md, "Masked attention").
+    # PyTorch's scaled_dot_product_attention, diffusers' default. Unmasked it runs flash; under a
+    # mask (the text padding of HunyuanVideo, Qwen-Image, LTX-Video...) its fallback kernel took
+    # 2.5x as long on an H200 (docs/performance.md, "Masked attention").
+    sdpa = "sdpa"
+    # FlexAttention, built for masks; on a GPU with pipeline.compile=true. Its speed is not yet
+    # measured (same section), so it is not the default.
     flex = "flex"
 
 
