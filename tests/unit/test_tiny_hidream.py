@@ -128,3 +128,26 @@ def test_lora_targets_cover_every_block_linear(tiny):
     in_blocks = [n for n in linears if "_stream_blocks." in n]
     assert in_blocks and all(pattern.fullmatch(n) for n in in_blocks)
     assert not any(pattern.fullmatch(n) for n in set(linears) - set(in_blocks))
+
+
+def test_layer_costs_are_the_layers_flops(tiny, pipe):
+    """The modelled FLOPs that balance HiDream's stages are what torch counts in each layer, the
+    MoE's routed experts (each token visits 2 of 4) and the joint attention included; the
+    default parameter counts are far from them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dpipe.models.hidream.costs import layer_forward_flops
+    from dpipe.models.spec import ModelSpec
+    from tests.unit.video_checks import layer_flops
+
+    spec = _spec(tiny)
+    inputs, _ = _inputs(spec, pipe, 16, 16, torch.Generator().manual_seed(0))
+    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
+    with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls, which the counter counts
+        counted = [flops / inputs[0].shape[0] for flops in layer_flops(layers, inputs)]
+    image_tokens = inputs[0].shape[-2] * inputs[0].shape[-1] // 4  # 2x2 patches
+    modelled = layer_forward_flops(layers, image_tokens, spec.cfg.max_text_tokens)
+    assert modelled == pytest.approx(counted, rel=1e-6)
+    params = ModelSpec.layer_costs(spec, layers)
+    ratios = [p / f for p, f in zip(params[1:-1], counted[1:-1])]  # the blocks
+    assert max(ratios) / min(ratios) > 1.5, "parameter counts would balance these blocks too"

@@ -30,6 +30,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.hidream.costs import NOMINAL_IMAGE_TOKENS, layer_forward_flops
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
@@ -172,6 +173,10 @@ class HiDreamSpec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hidream_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Modelled forward FLOPs (dpipe.models.hidream.costs) at a 1024x1024 image."""
+        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens)
 
     def make_inputs(self, batch: NoisedBatch):
         text = batch.text
