@@ -149,14 +149,23 @@ class ModelSpec(abc.ABC):
     def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
 
+    # ---- benchmarks (dpipe-bench, dpipe.bench.layers: random weights, no download) ------------
+    # The denoiser's diffusers configs by size name: published ones, and "tiny" (the test
+    # model's, for CPU smoke tests); each names its class in "_class_name". None by default.
+    bench_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+
     def bench_sizes(self) -> tuple[str, ...]:
-        """The sizes `random_denoiser` and `random_sample` know: published ones, and "tiny" (the
-        test model's, for CPU smoke tests). None by default."""
-        return ()
+        """The sizes `random_denoiser` and `random_sample` know."""
+        return tuple(self.bench_configs)
 
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """The denoiser at a published size with random weights (benchmarks; no download)."""
-        raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
+        """The denoiser at a benchmark size with random weights."""
+        import diffusers
+
+        config = self.bench_configs[size]
+        with torch.device(device):
+            model = getattr(diffusers, config["_class_name"]).from_config(config)
+        return model.to(dtype)
 
     def random_sample(self, size: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One sample's (latents, text embeddings) at the size's training resolution, random."""

@@ -26,6 +26,7 @@ from dpipe.models.flux.bfl import (
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.spec import EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -257,23 +258,9 @@ class FluxSpec(ModelSpec):
         return FluxTransformer2DModel.from_pretrained(export_dir / "transformer")
 
     # ---- benchmarks -------------------------------------------------------------------------
-    def bench_sizes(self) -> tuple[str, ...]:
-        from dpipe.models.flux.sizes import SIZES
-
-        return tuple(SIZES)
-
-    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        from dpipe.models.flux.sizes import SIZES
-
-        with torch.device(device):
-            model = FluxTransformer2DModel.from_config(SIZES[size])
-        return model.to(dtype)
+    bench_configs = SIZES
 
     def random_sample(self, size: str):
-        from dpipe.models.flux.sizes import SAMPLE_SHAPES
-
         shapes = SAMPLE_SHAPES[size]
         latents = torch.randn(shapes["latents"])
         text = {"t5": torch.randn(shapes["t5"]), "pooled": torch.randn(shapes["pooled"])}

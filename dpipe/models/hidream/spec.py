@@ -30,7 +30,8 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hidream.costs import NOMINAL_IMAGE_TOKENS, layer_forward_flops
+from dpipe.models.hidream import costs
+from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
@@ -176,7 +177,8 @@ class HiDreamSpec(ModelSpec):
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Modelled forward FLOPs (dpipe.models.hidream.costs) at a 1024x1024 image."""
-        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens)
+        return costs.layer_forward_flops(layers, costs.NOMINAL_IMAGE_TOKENS,
+                                         self.cfg.max_text_tokens)
 
     def make_inputs(self, batch: NoisedBatch):
         text = batch.text
@@ -244,6 +246,23 @@ class HiDreamSpec(ModelSpec):
         from diffusers import HiDreamImageTransformer2DModel
 
         return HiDreamImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        text = {key: torch.randn(shapes[key]) for key in ("t5", "llama", "pooled")}
+        return torch.randn(shapes["latents"]), text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        latents, _t, t5 = inputs[:3]
+        b, _, h, w = latents.shape
+        p = denoiser.config.patch_size
+        # diffusers pads a non-square image to `max_seq` tokens.
+        image_tokens = (h // p) * (w // p) if h == w else denoiser.max_seq
+        return b * costs.train_flops(self.pipeline_layers(denoiser), image_tokens, t5.shape[1],
+                                     full)
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

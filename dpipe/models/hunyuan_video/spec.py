@@ -26,6 +26,7 @@ from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_l
 from dpipe.models.hunyuan_video.original import from_original
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -255,23 +256,9 @@ class HunyuanVideoSpec(ModelSpec):
         return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
 
     # ---- benchmarks -------------------------------------------------------------------------
-    def bench_sizes(self) -> tuple[str, ...]:
-        from dpipe.models.hunyuan_video.sizes import SIZES
-
-        return tuple(SIZES)
-
-    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        from diffusers import HunyuanVideoTransformer3DModel
-
-        from dpipe.models.hunyuan_video.sizes import SIZES
-
-        with torch.device(device):
-            model = HunyuanVideoTransformer3DModel.from_config(SIZES[size])
-        return model.to(dtype)
+    bench_configs = SIZES
 
     def random_sample(self, size: str):
-        from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES
-
         shapes = SAMPLE_SHAPES[size]
         mask = torch.zeros(shapes["llama"][0])
         mask[:shapes["text_tokens"]] = 1.0
