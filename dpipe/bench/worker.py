@@ -25,8 +25,8 @@ from dpipe.pipeline.memory import AutoCheckpointing
 def require_size(spec, size: str) -> None:
     """Exits with a message naming the family's benchmark sizes when `size` is not one."""
     if size not in spec.bench_sizes():
-        known = ", ".join(spec.bench_sizes()) or "none yet (a family gets them by implementing " \
-                                                  "ModelSpec.bench_sizes)"
+        known = ", ".join(spec.bench_sizes()) or "none yet (a family gets them from " \
+                                                  "ModelSpec.bench_configs)"
         raise SystemExit(f"error: --size {size}: model family {spec.family} has no benchmark "
                          f"config of that size; its sizes: {known}")
 

@@ -61,7 +61,11 @@ def main() -> None:
         name, _, overrides = spec.partition(":")
         name = name.strip()
         run = compose_run(DEFAULTS + overrides.split())
-        require_size(build_spec(run.model), args.size)
+        model = build_spec(run.model)
+        require_size(model, args.size)
+        if args.plain and model.plain_loop_unfit:
+            sys.exit(f"error: --plain: {model.plain_loop_unfit}; leave out --plain for "
+                     f"model.family={model.family}")
         world = world_size_for(run, gpus)
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)

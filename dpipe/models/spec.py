@@ -153,6 +153,9 @@ class ModelSpec(abc.ABC):
     # The denoiser's diffusers configs by size name: published ones, and "tiny" (the test
     # model's, for CPU smoke tests); each names its class in "_class_name". None by default.
     bench_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    # Why `denoiser_forward` cannot stand in for training in dpipe-bench's plain reference loop
+    # (`--plain`), for a family where it cannot; None where it can.
+    plain_loop_unfit: ClassVar[str | None] = None
 
     def bench_sizes(self) -> tuple[str, ...]:
         """The sizes `random_denoiser` and `random_sample` know."""

@@ -72,6 +72,16 @@ def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_plain_loop_that_would_not_train_every_weight_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--plain",
+                           "--out", str(tmp_path), "--run", "hidream: model=hidream"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 1
+    assert "--plain: HiDream's diffusers forward" in done.stderr
+    assert "leave out --plain for model.family=hidream" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "hidream").exists()
+
+
 def test_layer_timer_covers_every_layer_by_kind(tmp_path):
     """`python -m dpipe.bench.layers` (its CPU smoke test): a time per layer, grouped by kind,
     and the splits that balance them."""

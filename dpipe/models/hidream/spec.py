@@ -249,6 +249,9 @@ class HiDreamSpec(ModelSpec):
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
+    plain_loop_unfit = ("HiDream's diffusers forward returns images only outside training mode, "
+                        "where its MoE runs the routed experts without gradients: a plain loop "
+                        "through it would not train them")
 
     def random_sample(self, size: str):
         shapes = SAMPLE_SHAPES[size]
