@@ -83,7 +83,7 @@ class BaseDtype(str, Enum):
 class AttentionKernel(str, Enum):
     # PyTorch's scaled_dot_product_attention, diffusers' default. Unmasked it runs flash; under a
     # mask (the text padding of HunyuanVideo, Qwen-Image, LTX-Video...) its fallback kernel took
-    # 2.5x as long on an H200 (docs/performance.md, "Masked attention").
+    # 2.5x as long on an H200 (docs/performance.md, "HunyuanVideo 13B on one H200").
     sdpa = "sdpa"
     # FlexAttention, built for masks; on a GPU with pipeline.compile=true. Its speed is not yet
     # measured (same section), so it is not the default.

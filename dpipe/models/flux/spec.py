@@ -24,9 +24,9 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import (
     comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format)
 from dpipe.models.flux.layers import FluxBlock, flux_layers
+from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.spec import EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",

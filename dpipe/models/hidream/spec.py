@@ -31,8 +31,8 @@ from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hidream import costs
-from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hidream.layers import hidream_layers
+from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer

@@ -24,9 +24,9 @@ from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original
+from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
