@@ -2,7 +2,8 @@
 # Runs the test suite as CI does. Extra arguments go to pytest.
 # Tests run in parallel on every core (pytest-xdist; DPIPE_TEST_WORKERS=N to choose, 0 for none):
 # most of a multi-process test's time is single-threaded start-up, so 2 cores run 2 at once well.
-# Each module's tests stay on one worker (tests/conftest.py), so shared runs happen once.
+# Each module's tests stay on one worker (tests/conftest.py), so shared runs happen once, and the
+# longest modules start first (conftest.SLOWEST_MODULES; --no-loadscope-reorder keeps that order).
 # As root (CI), it first installs SLURM's Debian packages so the SLURM tests run against a real
 # local SLURM (they start and stop it themselves); otherwise those tests skip, saying why.
 set -euo pipefail
@@ -15,5 +16,5 @@ fi
 workers=${DPIPE_TEST_WORKERS:-$(nproc)}
 [ "$workers" -gt 8 ] && workers=8
 parallel=()
-[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup)
+[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 "${parallel[@]}" "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,44 @@ def has_gpu() -> bool:
 gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA GPU")
 
 
+# Modules by the seconds they take on a 2-core machine (measured 2026-12-01, rounded): the
+# workers take them longest first, so neither is left running a long module alone at the end.
+# scripts/test.sh passes --no-loadscope-reorder so that xdist queues modules in collection order:
+# its own order (most tests first) queued the long few-test modules last, e.g. SLURM's 4 tests
+# of ~5 min. Only the order matters; a module not named here runs after these, most tests first.
+SLOWEST_MODULES = {
+    "tests.integration.test_families": 480,
+    "tests.integration.test_slurm": 260,
+    "tests.integration.test_training": 210,
+    "tests.integration.test_video_clips": 155,
+    "tests.integration.test_wan": 130,
+    "tests.integration.test_data_training": 120,
+    "tests.integration.test_flux_kontext_edit": 95,
+    "tests.integration.test_hunyuan_video_checkpointing": 90,
+    "tests.integration.test_bad_input": 85,
+    "tests.integration.test_sweeps": 80,
+    "tests.integration.test_launch": 60,
+    "tests.integration.test_bench": 50,
+}
+
+
+def _longest_modules_first(items) -> None:
+    """Sorts `items` by module (SLOWEST_MODULES, then most tests), each module's in their order."""
+    names = [getattr(getattr(item, "module", None), "__name__", "") for item in items]
+    counts = Counter(names)
+    keys = {id(item): (-SLOWEST_MODULES.get(name, 0), -counts[name], name, i)
+            for i, (item, name) in enumerate(zip(items, names))}
+    items.sort(key=lambda item: keys[id(item)])
+
+
 @pytest.hookimpl(wrapper=True)  # runs before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, keep each module's tests on one worker: their module-scoped fixtures
     (a training run, a SLURM cluster, a tiny model) then run once, not once per worker. A module
-    may split further by the values of the parameters it names in GROUP_BY_PARAMS."""
+    may split further by the values of the parameters it names in GROUP_BY_PARAMS. The longest
+    modules come first (SLOWEST_MODULES), so that both workers stay busy to the end."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the queue's
+        _longest_modules_first(items)
     for item in items:
         if getattr(item, "module", None) is None:
             continue

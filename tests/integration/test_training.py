@@ -155,21 +155,8 @@ def test_four_bf16_stages_with_mixed_dtypes_do_not_deadlock(one_stage_lora, tmp_
     torch.testing.assert_close(loss_4, loss_1, rtol=3e-2, atol=1e-2)
 
 
-def test_middle_stages_receive_integers_between_floats(tmp_path):
-    """HiDream's layers pass int64 position ids and masks between float tensors, so a middle
-    stage's activation at a position is an integer where its gradient at the same position is a
-    float: DeepSpeed handed both the same buffer, which failed in the second step (a buffer of
-    the first step's gradients then took the activation). On 3 stages two steps train, and the
-    first step's loss is the one the layers give in one process."""
-    from tests.integration.trained import one_process_first_loss
-
-    run_dir = tmp_path / "three"
-    result = dpipe_train(*train_args(run_dir, "model=tiny_hidream", "dataset=synthetic",
-                                     "train.max_steps=2", "train.checkpoint_every_steps=0",
-                                     "pipeline.micro_batches=2", "pipeline.stages=3"), timeout=300)
-    assert result.code == 0, result.err[-3000:]
-    assert metrics(run_dir)[0]["loss"] == pytest.approx(one_process_first_loss(run_dir),
-                                                        rel=1e-5, abs=1e-7)
+# A middle stage receiving integers between floats (HiDream on 3 stages, 2 steps): the full runs
+# of test_families.py.
 
 
 def test_bf16_full_fine_tune_with_master_weights_matches_on_two_stages(tmp_path):
