@@ -21,6 +21,17 @@ def dpipe_cache(tmp_path_factory) -> Path:
     return path
 
 
+def pytest_configure(config):
+    """Each xdist worker's own torch work gets its share of the cores: with torch's default of
+    every core per worker, two workers' in-process tests (and the training processes they start)
+    oversubscribe the CI machine's 2 cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def has_gpu() -> bool:
     import torch
 
