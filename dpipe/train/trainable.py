@@ -12,13 +12,13 @@ from dpipe.train.lora import frozen_dtype, make_trainable
 
 def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
     """The denoiser, made trainable (LoRA or full), as pipeline layers; the same on every rank."""
+    if run.model.attention == AttentionKernel.flex and not torch.cuda.is_available():
+        raise ConfigError("model.attention=flex trains on a CUDA GPU only (FlexAttention has no "
+                          "backward pass on the CPU); use model.attention=sdpa here")
     torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
     if denoiser is None:
         denoiser = spec.load_denoiser(torch.float32)
     make_trainable(denoiser, run.model, spec.lora_targets())
-    if run.model.attention == AttentionKernel.flex and not torch.cuda.is_available():
-        raise ConfigError("model.attention=flex trains on a CUDA GPU only (FlexAttention has no "
-                          "backward pass on the CPU); use model.attention=sdpa here")
     use_attention_kernel(denoiser, run.model)
     bf16 = run.train.precision == Precision.bf16
     if bf16 and run.model.mode == TrainMode.lora:
