@@ -220,3 +220,17 @@ def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
     their single-stream blocks, though they hold ~2.4x the parameters. Measured on FLUX.1-dev, a
     double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA."""
     return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
+
+
+def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full: bool) -> float:
+    """The benchmark's model-FLOP convention for a diffusers transformer of double- and
+    single-stream blocks (config: num_layers, num_single_layers, num_attention_heads,
+    attention_head_dim) whose every block attends over `seq` tokens: 6 (full) or 4 (LoRA) x
+    parameters x tokens, plus attention; LoRA adapters are not counted."""
+    params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
+    c = denoiser.config
+    width = c.num_attention_heads * c.attention_head_dim
+    blocks = c.num_layers + c.num_single_layers
+    # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
+    attention = 3 * 2 * 2 * seq * seq * width * blocks
+    return batch * ((6 if full else 4) * params * seq + attention)

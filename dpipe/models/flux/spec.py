@@ -27,7 +27,8 @@ from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import (
+    EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2")
@@ -268,14 +269,8 @@ class FluxSpec(ModelSpec):
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         packed, _t, text = inputs[:3]
-        batch, seq = packed.shape[0], packed.shape[1] + text.shape[1]
-        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
-        c = denoiser.config
-        width = c.num_attention_heads * c.attention_head_dim
-        blocks = c.num_layers + c.num_single_layers
-        # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
-        attention = 3 * 2 * 2 * seq * seq * width * blocks
-        return batch * ((6 if full else 4) * params * seq + attention)
+        seq = packed.shape[1] + text.shape[1]
+        return joint_attention_train_flops(denoiser, packed.shape[0], seq, full)
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:

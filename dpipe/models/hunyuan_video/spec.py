@@ -27,7 +27,8 @@ from dpipe.models.hunyuan_video.original import from_original
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, block_costs, joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -272,12 +273,7 @@ class HunyuanVideoSpec(ModelSpec):
         b, _, f, h, w = latents.shape
         tokens = (f // c.patch_size_t) * (h // c.patch_size) * (w // c.patch_size)
         seq = tokens + text.shape[1]  # joint attention over video and (padded) text tokens
-        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
-        width = c.num_attention_heads * c.attention_head_dim
-        blocks = c.num_layers + c.num_single_layers
-        # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
-        attention = 3 * 2 * 2 * seq * seq * width * blocks
-        return b * ((6 if full else 4) * params * seq + attention)
+        return joint_attention_train_flops(denoiser, b, seq, full)
 
 
 def loss_labels(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:
