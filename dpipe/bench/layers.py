@@ -135,7 +135,7 @@ def main() -> int:
             layer.compile()
         if index:
             x = tuple(t.requires_grad_() if t.is_floating_point() else t for t in x)
-        cast = (torch.autocast("cuda", dtype=torch.bfloat16) if autocast
+        cast = (torch.autocast(device.type, dtype=torch.bfloat16) if autocast
                 else contextlib.nullcontext())
         fwd, bwd, x = time_layer(layer, x, cast, args.repeat, Clock(cuda))
         rows.append({"layer": index, "kind": layer_kind(layer), "forward_ms": fwd,

@@ -218,6 +218,9 @@ def test_flex_attention_gives_sdpa_output_or_is_refused(lora_run, monkeypatch):
     with torch.no_grad():
         sdpa = run_layers(layers, inputs)
         use_attention_kernel(denoiser, run.model)
+        # Layers that build their own masks build them for the kernel (dpipe.models.attention_mask)
+        assert spec.cfg.attention == AttentionKernel.flex
+        layers = spec.pipeline_layers(denoiser)
         calls = []
         flex = flex_attention.flex_attention
         monkeypatch.setattr(flex_attention, "flex_attention",

@@ -6,7 +6,8 @@ refiner on the Qwen embeddings, projects the ByT5 glyph embeddings and orders th
 diffusers does (valid ByT5, valid Qwen, then the padding of each); `text_mask` (int64, 1 = a real
 token) and `size` (the latent height and width in its shape, `dpipe.models.sync_free`) cross
 stage boundaries without gradients.
-Each block rebuilds the attention mask and the rotary embedding from them.
+Each block rebuilds the attention mask (in the form `model.attention`'s kernel takes) and the
+rotary embedding from them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.config.schema import AttentionKernel
+from dpipe.models.attention_mask import key_padding_mask
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
@@ -37,8 +40,9 @@ class HunyuanImageEmbed(PipelineLayer):
     and a stage holding them alone would have nothing to train (the ByT5 projection's fixed
     2048-wide MLP outweighs every block of a small model)."""
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: nn.Module, attention: AttentionKernel):
         super().__init__()
+        self.attention = attention
         self.adopt("block", transformer.transformer_blocks[0], "transformer_blocks.0")
         self.rope = transformer.rope  # parameter-free
         for name in ("x_embedder", "context_embedder", "time_guidance_embed"):
@@ -65,16 +69,16 @@ class HunyuanImageEmbed(PipelineLayer):
                                            glyph_mask.bool())
         size = carrier(h, w, device=latents.device)
         hidden, text_hidden, temb, mask, size = run_block(
-            self.block, self.rope, (hidden, text_hidden, temb, mask.long(), size))
+            self.block, self.rope, self.attention, (hidden, text_hidden, temb, mask.long(), size))
         return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), mask, size
 
 
-def run_block(block: nn.Module, rope: nn.Module, inputs):
+def run_block(block: nn.Module, rope: nn.Module, attention: AttentionKernel, inputs):
     hidden, text_hidden, temb, mask, size = inputs
     rotary = rope(hidden.new_empty((1, 1, *sizes(size))))
-    attention_mask = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
+    valid_keys = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
     hidden, text_hidden = block(hidden, text_hidden, temb,
-                                attention_mask=attention_mask[:, None, None],
+                                attention_mask=key_padding_mask(valid_keys, attention),
                                 image_rotary_emb=rotary)
     # Single blocks return slices of the joint sequence; tensors sent between stages must be
     # contiguous.
@@ -84,13 +88,15 @@ def run_block(block: nn.Module, rope: nn.Module, inputs):
 class HunyuanImageBlock(PipelineLayer):
     """A dual-stream or single-stream block; both take and return (image, text) streams."""
 
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str):
+    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str,
+                 attention: AttentionKernel):
         super().__init__()
         self.adopt("block", block, source_name)
         self.rope = rope  # parameter-free
+        self.attention = attention
 
     def forward(self, inputs):
-        return run_block(self.block, self.rope, inputs)
+        return run_block(self.block, self.rope, self.attention, inputs)
 
 
 class HunyuanImageHead(PipelineLayer):
@@ -112,15 +118,18 @@ class HunyuanImageHead(PipelineLayer):
         return out + 0.0 * text_hidden.sum()
 
 
-def hunyuan_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
+def hunyuan_image_layers(transformer: nn.Module,
+                         attention: AttentionKernel = AttentionKernel.sdpa) -> list[PipelineLayer]:
     if len(transformer.config.patch_size) != 2:
         raise ValueError("dpipe's hunyuan_image family trains image (2-D patch) transformers only")
-    layers: list[PipelineLayer] = [HunyuanImageEmbed(transformer)]
+    layers: list[PipelineLayer] = [HunyuanImageEmbed(transformer, attention)]
     for i, block in enumerate(transformer.transformer_blocks):
         if i == 0:
             continue  # runs in the embed layer
-        layers.append(HunyuanImageBlock(block, transformer.rope, f"transformer_blocks.{i}"))
+        layers.append(HunyuanImageBlock(block, transformer.rope, f"transformer_blocks.{i}",
+                                        attention))
     for i, block in enumerate(transformer.single_transformer_blocks):
-        layers.append(HunyuanImageBlock(block, transformer.rope, f"single_transformer_blocks.{i}"))
+        layers.append(HunyuanImageBlock(block, transformer.rope,
+                                        f"single_transformer_blocks.{i}", attention))
     layers.append(HunyuanImageHead(transformer))
     return layers

@@ -153,7 +153,7 @@ class HunyuanImageSpec(ModelSpec):
         return LORA_TARGETS
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hunyuan_image_layers(denoiser)
+        return hunyuan_image_layers(denoiser, self.cfg.attention)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, HunyuanImageBlock)

@@ -2,9 +2,9 @@
 
 Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) is int64 and
 `grid` carries the post-patch latent size f, h, w in its shape (`dpipe.models.sync_free`); both
-travel between stages without gradients. The joint attention mask and the rotary embedding are
-rebuilt from them in each block, as the diffusers forward builds them once. Float tensors crossing
-a stage boundary all get gradients.
+travel between stages without gradients. The joint attention mask (in the form `model.attention`'s
+kernel takes) and the rotary embedding are rebuilt from them in each block, as the diffusers
+forward builds them once. Float tensors crossing a stage boundary all get gradients.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.config.schema import AttentionKernel
+from dpipe.models.attention_mask import key_padding_mask
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -31,13 +33,12 @@ def rotary(rope: nn.Module, grid: torch.Tensor, patch: int, patch_t: int, device
     return rope(stand_in)
 
 
-def joint_attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
-    """(B, 1, 1, N) bool over [image tokens, text tokens]: the diffusers forward's mask (text
-    padding is at the end, so the valid tokens are a prefix of the joint sequence)."""
+def joint_valid_keys(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """(B, N) bool over [image tokens, text tokens]: the diffusers forward's mask (text padding is
+    at the end, so the valid tokens are a prefix of the joint sequence)."""
     valid = image_tokens + text_mask.sum(dim=1, dtype=torch.int)
     length = image_tokens + text_mask.shape[1]
-    mask = torch.arange(length, device=text_mask.device)[None, :] < valid[:, None]
-    return mask[:, None, None, :]
+    return torch.arange(length, device=text_mask.device)[None, :] < valid[:, None]
 
 
 def unpatchify(x: torch.Tensor, grid: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
@@ -71,16 +72,17 @@ class HunyuanVideoBlock(PipelineLayer):
     """A double-stream or single-stream block: both take and return (image, text) streams."""
 
     def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
-                 patch_t: int):
+                 patch_t: int, attention: AttentionKernel = AttentionKernel.sdpa):
         super().__init__()
         self.adopt("block", block, source_name)
         self.adopt("rope", rope, "rope")  # parameter-free
         self.patch, self.patch_t = patch, patch_t
+        self.attention = attention
 
     def forward(self, inputs):
         hidden, text_hidden, temb, text_mask, grid = inputs
         rope = rotary(self.rope, grid, self.patch, self.patch_t, hidden.device)
-        mask = joint_attention_mask(text_mask, hidden.shape[1])
+        mask = key_padding_mask(joint_valid_keys(text_mask, hidden.shape[1]), self.attention)
         hidden, text_hidden = self.block(hidden, text_hidden, temb, mask, rope)
         # Single-stream blocks return slices of one joint tensor; stage boundaries send only
         # contiguous tensors (a no-op for double-stream blocks).
@@ -101,7 +103,8 @@ class HunyuanVideoHead(PipelineLayer):
         return out + 0.0 * text_hidden.sum()
 
 
-def hunyuan_video_layers(transformer: nn.Module) -> list[PipelineLayer]:
+def hunyuan_video_layers(transformer: nn.Module,
+                         attention: AttentionKernel = AttentionKernel.sdpa) -> list[PipelineLayer]:
     if transformer.config.image_condition_type is not None:
         raise NotImplementedError(
             "HunyuanVideo image-to-video transformers (image_condition_type="
@@ -111,6 +114,7 @@ def hunyuan_video_layers(transformer: nn.Module) -> list[PipelineLayer]:
     layers: list[PipelineLayer] = [HunyuanVideoEmbed(transformer)]
     for kind in ("transformer_blocks", "single_transformer_blocks"):
         for i, block in enumerate(getattr(transformer, kind)):
-            layers.append(HunyuanVideoBlock(block, transformer.rope, f"{kind}.{i}", patch, patch_t))
+            layers.append(HunyuanVideoBlock(block, transformer.rope, f"{kind}.{i}", patch, patch_t,
+                                            attention))
     layers.append(HunyuanVideoHead(transformer))
     return layers

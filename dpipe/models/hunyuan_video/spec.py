@@ -188,7 +188,7 @@ class HunyuanVideoSpec(ModelSpec):
         return LORA_TARGETS
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hunyuan_video_layers(denoiser)
+        return hunyuan_video_layers(denoiser, self.cfg.attention)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, HunyuanVideoBlock)

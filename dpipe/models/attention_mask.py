@@ -1,0 +1,54 @@
+"""Key-padding masks (text padding in a joint sequence) in the form each attention kernel runs
+fastest.
+
+SDPA takes a dense boolean mask. FlexAttention takes a `BlockMask`: which 128x128 tiles of the
+score matrix to compute, and which of them need the mask applied. Given a dense mask, diffusers'
+flex path builds the BlockMask by evaluating it at every (query, key) pair, in every block of
+every step. Here it is built from the keys alone: a padding mask is the same for every query, so
+each key tile is skipped (all padding), computed whole (no padding) or masked (some padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dpipe.config.schema import AttentionKernel
+
+TILE = 128  # FlexAttention's default sparse block size
+
+
+def key_padding_mask(key_valid: torch.Tensor, kernel: AttentionKernel):
+    """`key_valid` (B, N) bool: which keys every query may attend to. Returns the mask to pass as
+    a diffusers block's `attention_mask`: (B, 1, 1, N) bool for sdpa, a BlockMask for flex."""
+    if kernel == AttentionKernel.flex:
+        return key_padding_block_mask(key_valid)
+    return key_valid[:, None, None, :]
+
+
+def key_padding_block_mask(key_valid: torch.Tensor):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, length = key_valid.shape
+    tiles = -(-length // TILE)
+    # Padded with False to whole tiles: the kernel reads the mask up to the last tile's end.
+    padded = F.pad(key_valid, (0, tiles * TILE - length), value=False)
+    valid_per_tile = padded.view(batch, 1, tiles, TILE).sum(-1).expand(batch, tiles, tiles)
+    whole = valid_per_tile == TILE  # (B, query tile, key tile)
+    if length % TILE:  # the last query tile runs past the sequence: no whole tile there, as
+        # create_block_mask also finds
+        whole = torch.cat([whole[:, :-1], torch.zeros_like(whole[:, -1:])], dim=1)
+    part = (valid_per_tile > 0) & ~whole
+
+    def listed(chosen: torch.Tensor):
+        """(B, query tile, key tile) bool -> per query tile: how many key tiles, and their indices
+        first (the rest in any order), as BlockMask lists them."""
+        count = chosen.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[:, None], order[:, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return padded[b, kv_idx]
+
+    return BlockMask.from_kv_blocks(*listed(part), *listed(whole), BLOCK_SIZE=TILE,
+                                    mask_mod=mask_mod, seq_lengths=(length, length))
