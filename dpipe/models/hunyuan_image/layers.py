@@ -118,8 +118,7 @@ class HunyuanImageHead(PipelineLayer):
         return out + 0.0 * text_hidden.sum()
 
 
-def hunyuan_image_layers(transformer: nn.Module,
-                         attention: AttentionKernel = AttentionKernel.sdpa) -> list[PipelineLayer]:
+def hunyuan_image_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:
     if len(transformer.config.patch_size) != 2:
         raise ValueError("dpipe's hunyuan_image family trains image (2-D patch) transformers only")
     layers: list[PipelineLayer] = [HunyuanImageEmbed(transformer, attention)]

@@ -72,7 +72,7 @@ class HunyuanVideoBlock(PipelineLayer):
     """A double-stream or single-stream block: both take and return (image, text) streams."""
 
     def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
-                 patch_t: int, attention: AttentionKernel = AttentionKernel.sdpa):
+                 patch_t: int, attention: AttentionKernel):
         super().__init__()
         self.adopt("block", block, source_name)
         self.adopt("rope", rope, "rope")  # parameter-free
@@ -103,8 +103,7 @@ class HunyuanVideoHead(PipelineLayer):
         return out + 0.0 * text_hidden.sum()
 
 
-def hunyuan_video_layers(transformer: nn.Module,
-                         attention: AttentionKernel = AttentionKernel.sdpa) -> list[PipelineLayer]:
+def hunyuan_video_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:
     if transformer.config.image_condition_type is not None:
         raise NotImplementedError(
             "HunyuanVideo image-to-video transformers (image_condition_type="
