@@ -1,5 +1,10 @@
-"""Key-padding masks (text padding in a joint sequence) in the form each attention kernel runs
-fastest.
+"""Text padding in attention: trimmed away where it can be, and otherwise masked in the form each
+attention kernel runs fastest.
+
+A mask of any value rules out SDPA's flash kernel: under HunyuanVideo's text-padding mask its
+fallback took 2.5x as long on an H200 (docs/performance.md). So a micro-batch's text is first cut
+to its longest prompt (`trim_text_padding`); when no padding is left, which is always the case at
+one sample per micro-batch, the layers pass no mask at all.
 
 SDPA takes a dense boolean mask. FlexAttention takes a `BlockMask`: which 128x128 tiles of the
 score matrix to compute, and which of them need the mask applied. Given a dense mask, diffusers'
@@ -16,6 +21,23 @@ import torch.nn.functional as F
 from dpipe.config.schema import AttentionKernel
 
 TILE = 128  # FlexAttention's default sparse block size
+
+
+def trim_text_padding(text: torch.Tensor, mask: torch.Tensor):
+    """(B, L, ...) text and its (B, L) mask (1 = a real token) -> both cut after the last position
+    that is real in any sample; keys that every query masks out change no output. When no padding
+    is left the mask comes back empty, (B, 0): see `has_padding`. Runs where batches are made, on
+    the CPU (a GPU mask would make the host wait)."""
+    real = mask.bool().any(dim=0)
+    length = int(real.nonzero().max()) + 1 if bool(real.any()) else 1
+    text, mask = text[:, :length], mask[:, :length]
+    return text, mask[:, :0] if bool(mask.bool().all()) else mask
+
+
+def has_padding(mask: torch.Tensor) -> bool:
+    """Whether a trimmed mask still masks anything: read from its shape, so a compiled layer
+    specializes on it instead of reading the GPU."""
+    return mask.shape[1] > 0
 
 
 def key_padding_mask(key_valid: torch.Tensor, kernel: AttentionKernel):

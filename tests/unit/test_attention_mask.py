@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from dpipe.config.schema import AttentionKernel
-from dpipe.models.attention_mask import key_padding_block_mask, key_padding_mask
+from dpipe.models.attention_mask import (
+    has_padding, key_padding_block_mask, key_padding_mask, trim_text_padding)
 
 
 def _patterns():
@@ -51,3 +52,27 @@ def test_compiled_flex_under_the_block_mask_gives_masked_sdpa_output():
 def test_sdpa_gets_the_dense_mask():
     key_valid = _patterns()[2]
     assert torch.equal(key_padding_mask(key_valid, AttentionKernel.sdpa), key_valid[:, None, None])
+
+
+def test_text_is_cut_after_the_longest_prompt():
+    text = torch.arange(2 * 6).view(2, 6, 1).float()
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    cut, cut_mask = trim_text_padding(text, mask)
+    assert torch.equal(cut, text[:, :3]) and torch.equal(cut_mask, mask[:, :3])
+    assert has_padding(cut_mask)
+
+
+def test_text_with_no_padding_left_gets_an_empty_mask():
+    text = torch.randn(1, 6, 4)
+    cut, cut_mask = trim_text_padding(text, torch.tensor([[1, 1, 1, 1, 0, 0]]))
+    assert torch.equal(cut, text[:, :4]) and cut_mask.shape == (1, 0)
+    assert not has_padding(cut_mask)
+
+
+def test_only_positions_padded_in_every_sample_are_cut():
+    """Never a real token: padding on the left, or between real tokens, stays (and is masked)."""
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 0, 1]])
+    cut, cut_mask = trim_text_padding(torch.randn(2, 4, 3), mask)
+    assert cut.shape == (2, 4, 3) and torch.equal(cut_mask, mask)
+    empty, empty_mask = trim_text_padding(torch.randn(1, 4, 3), torch.zeros(1, 4, dtype=torch.long))
+    assert empty.shape == (1, 1, 3) and torch.equal(empty_mask, torch.zeros(1, 1, dtype=torch.long))

@@ -24,7 +24,7 @@ from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
-    deltas, lora_denoiser, lora_state_dict, micro_batch)
+    deltas, lora_denoiser, lora_state_dict, micro_batch, run)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,34 @@ def test_layers_match_diffusers_on_video_latents(spec, encoders, frames):
     assert inputs[0].shape[2] == (frames - 1) // 4 + 1
     out = assert_layers_match(spec, denoiser, inputs)
     assert out.shape == inputs[0].shape
+
+
+@pytest.mark.parametrize("clips", [1, 2])
+def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, clips,
+                                                               monkeypatch):
+    """make_inputs cuts the text after its longest prompt: one clip then has no padding left and
+    no attention call gets a mask (so SDPA can run flash); two prompts of different lengths keep
+    a mask. The layers' output equals diffusers' forward on the text padded as cached."""
+    denoiser = lora_denoiser(spec)
+    inputs, _ = micro_batch(spec, encoders, torch.rand(clips, 3, 5, 64, 64) * 2 - 1)
+    text = spec.encode_prompts(encoders, CAPTIONS[:clips])
+    real = text["mask"].sum(1)
+    assert text["llama"].shape[1] == 16 and int(real.max()) < 16  # cached padded, to 16
+    assert inputs[2].shape[1] == int(real.max())
+    assert inputs[3].shape[1] == (0 if clips == 1 else int(real.max()))
+    padded = (*inputs[:2], text["llama"].float(), text["mask"].long(), *inputs[4:])
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or
+                        sdpa(*a, attn_mask=attn_mask, **kw))
+    with torch.no_grad():
+        got = run(spec.pipeline_layers(denoiser), inputs)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(denoiser, padded)
+    assert blocks > 0 and any(m is not None for m in masks[blocks:])  # diffusers' forward masks
+    assert all(m is None for m in masks[:blocks]) == (clips == 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):

@@ -1,8 +1,9 @@
 """HunyuanVideo's transformer as pipeline layers: embed -> double blocks -> single blocks -> head.
 
-Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) is int64 and
-`grid` carries the post-patch latent size f, h, w in its shape (`dpipe.models.sync_free`); both
-travel between stages without gradients. The joint attention mask (in the form `model.attention`'s
+Every layer passes (hidden, text_hidden, temb, text_mask, grid). `text_mask` (B, L) is int64, or
+(B, 0) when the micro-batch's text has no padding left (`dpipe.models.attention_mask`: then no
+attention is masked); `grid` carries the post-patch latent size f, h, w in its shape
+(`dpipe.models.sync_free`); both travel between stages without gradients. The joint attention mask (in the form `model.attention`'s
 kernel takes) and the rotary embedding are rebuilt from them in each block, as the diffusers
 forward builds them once. Float tensors crossing a stage boundary all get gradients.
 """
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from dpipe.config.schema import AttentionKernel
-from dpipe.models.attention_mask import key_padding_mask
+from dpipe.models.attention_mask import has_padding, key_padding_mask
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -62,7 +63,8 @@ class HunyuanVideoEmbed(PipelineLayer):
         temb, _token_replace = self.time_text_embed(
             timestep, pooled, guidance * 1000 if self.guidance else None)
         hidden = self.x_embedder(latents).contiguous()  # a transposed view: stages send contiguous
-        text_hidden = self.context_embedder(text, timestep, text_mask)
+        text_hidden = self.context_embedder(
+            text, timestep, text_mask if has_padding(text_mask) else None)
         _, _, f, h, w = latents.shape
         grid = carrier(f // self.patch_t, h // self.patch, w // self.patch, device=latents.device)
         return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_mask.long(), grid
@@ -82,7 +84,8 @@ class HunyuanVideoBlock(PipelineLayer):
     def forward(self, inputs):
         hidden, text_hidden, temb, text_mask, grid = inputs
         rope = rotary(self.rope, grid, self.patch, self.patch_t, hidden.device)
-        mask = key_padding_mask(joint_valid_keys(text_mask, hidden.shape[1]), self.attention)
+        mask = (key_padding_mask(joint_valid_keys(text_mask, hidden.shape[1]), self.attention)
+                if has_padding(text_mask) else None)
         hidden, text_hidden = self.block(hidden, text_hidden, temb, mask, rope)
         # Single-stream blocks return slices of one joint tensor; stage boundaries send only
         # contiguous tensors (a no-op for double-stream blocks).

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
@@ -196,8 +197,10 @@ class HunyuanVideoSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
         guidance = torch.full((b,), float(self.cfg.guidance))
-        inputs = (batch.noisy, batch.timesteps, batch.text["llama"], batch.text["mask"].long(),
-                  batch.text["pooled"], guidance)
+        # Text padding is cut away (dpipe.models.attention_mask): at one clip per micro-batch
+        # attention then runs unmasked, on SDPA's flash kernel.
+        text, text_mask = trim_text_padding(batch.text["llama"], batch.text["mask"].long())
+        inputs = (batch.noisy, batch.timesteps, text, text_mask, batch.text["pooled"], guidance)
         return inputs, loss_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
@@ -234,6 +237,8 @@ class HunyuanVideoSpec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, t, text, text_mask, pooled, guidance = inputs
+        if not has_padding(text_mask):  # diffusers takes a mask of the text's length
+            text_mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
         return denoiser(
             hidden_states=latents, timestep=t * 1000, encoder_hidden_states=text,
             encoder_attention_mask=text_mask, pooled_projections=pooled,
@@ -272,7 +277,7 @@ class HunyuanVideoSpec(ModelSpec):
         c = denoiser.config
         b, _, f, h, w = latents.shape
         tokens = (f // c.patch_size_t) * (h // c.patch_size) * (w // c.patch_size)
-        seq = tokens + text.shape[1]  # joint attention over video and (padded) text tokens
+        seq = tokens + text.shape[1]  # joint attention over video and (trimmed) text tokens
         return joint_attention_train_flops(denoiser, b, seq, full)
 
 
