@@ -122,7 +122,8 @@ def test_layers_match_the_forward_for_prompts_of_any_length(tiny):
     spec = _spec(tiny)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
     inputs, (target,) = _inputs(spec, encoders, CAPTIONS)
-    assert len(set(inputs[3].tolist())) == 3 and max(inputs[3].tolist()) == 24
+    lengths = inputs[3].sum(1).tolist()  # the text mask, cut after the longest prompt
+    assert len(set(lengths)) == 3 and max(lengths) == 24 == inputs[2].shape[1]
     denoiser = spec.load_denoiser(torch.float32)
     with torch.no_grad():
         x = inputs
@@ -136,6 +137,34 @@ def test_layers_match_the_forward_for_prompts_of_any_length(tiny):
     assert x.shape == target.shape == (3, 64, 16)
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+
+
+def test_one_prompt_trains_unmasked_as_diffusers_does_padded(tiny, monkeypatch):
+    """One prompt: its padding is cut, no attention call gets a mask (SDPA can run flash), and
+    the layers give diffusers' output on the text padded as cached."""
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, CAPTIONS[:1])
+    text = spec.encode_prompts(encoders, CAPTIONS[:1])
+    length = int(text["text_len"])
+    assert length < 24 and inputs[2].shape[1] == length and inputs[3].shape == (1, 0)
+    padded_mask = (torch.arange(24) < length).long()[None]
+    padded = (*inputs[:2], text["text"], padded_mask, *inputs[4:])
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or
+                        sdpa(*a, attn_mask=attn_mask, **kw))
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(denoiser, padded)
+    assert blocks and all(m is None for m in masks[:blocks])
+    assert any(m is not None for m in masks[blocks:])  # diffusers, given the padding, masks it
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_mask_weights_follow_the_packing(tiny):

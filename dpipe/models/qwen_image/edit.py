@@ -25,7 +25,7 @@ import torch
 
 from dpipe.errors import DataError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.qwen_image.layers import image_grids
+from dpipe.models.qwen_image.layers import image_grids, text_inputs
 from dpipe.models.qwen_image.spec import REQUIRED_PARTS, QwenImageSpec, pack
 from dpipe.models.spec import NoisedBatch
 
@@ -94,9 +94,8 @@ class QwenImageEditSpec(QwenImageSpec):
                             "the dataset a control_dir with a same-stem control image per file")
         b, c, h, w = batch.latents.shape
         hc, wc = control.shape[-2:]
-        text_len = batch.text["text_len"].reshape(-1).round().long()
         shapes = image_grids((1, h // 2, w // 2), (1, hc // 2, wc // 2))
-        inputs = (pack(batch.noisy), batch.timesteps, batch.text["text"], text_len, shapes,
+        inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes,
                   pack(control.to(batch.noisy.dtype)))
         return inputs, self._labels(batch)
 

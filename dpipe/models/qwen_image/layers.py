@@ -1,13 +1,14 @@
 """Qwen-Image's double-stream (MMDiT) transformer as pipeline layers: embed -> blocks -> head.
 
-Every layer passes (image, text, temb, text_len, shapes): the image and text streams, the timestep
-embedding, each item's text length (int64) and the latent grids, the same for every item of a
-micro-batch, carried in a shape (`dpipe.models.sync_free`): frames, height, width in 2x2 patches
-of each image, the target first, then Qwen-Image-Edit's reference image. RoPE is
-recomputed per block from the grids with the transformer's own `pos_embed`, the text mask from the
-lengths: integers cross stage boundaries without gradients. The text is padded to a fixed length
-for the run (DeepSpeed sizes its receive buffers once) and masked, where diffusers pads to the
-longest prompt of the batch; RoPE of a text token does not depend on the padding.
+Every layer passes (image, text, temb, text_mask, shapes): the image and text streams, the
+timestep embedding, the text mask (int64, (B, L); (B, 0) when no padding is left) and the latent
+grids, the same for every item of a micro-batch, carried in a shape (`dpipe.models.sync_free`):
+frames, height, width in 2x2 patches of each image, the target first, then Qwen-Image-Edit's
+reference image. RoPE is recomputed per block from the grids with the transformer's own
+`pos_embed`; integers cross stage boundaries without gradients. The text is cut after the
+micro-batch's longest prompt (`text_inputs`), as diffusers pads it, and with no padding left no
+attention is masked (SDPA can then run flash); RoPE of a text token does not depend on the
+padding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -55,13 +57,13 @@ class QwenImageEmbed(PipelineLayer):
             self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
-        image, t, text, text_len, shapes = inputs[:5]
+        image, t, text, text_mask, shapes = inputs[:5]
         if len(inputs) > 5:  # Qwen-Image-Edit: the reference image's tokens follow the target's
             image = torch.cat([image, inputs[5]], dim=1)
         hidden = self.img_in(image)
         text_hidden = self.txt_in(self.txt_norm(text))
         temb = self.time_text_embed(t.to(hidden.dtype), hidden)
-        return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_len.long(),
+        return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_mask.long(),
                 shapes)
 
 
@@ -72,15 +74,15 @@ class QwenImageBlock(PipelineLayer):
         self.adopt("pos_embed", pos_embed, "pos_embed")  # no weights
 
     def forward(self, inputs):
-        hidden, text_hidden, temb, text_len, shapes = inputs
+        hidden, text_hidden, temb, text_mask, shapes = inputs
         rope = _tables_on(self.pos_embed, hidden.device)
         rotary = rope(grids(shapes, hidden.shape[0]), max_txt_seq_len=text_hidden.shape[1],
                       device=hidden.device)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
-            encoder_hidden_states_mask=key_mask(text_len, text_hidden.shape[1]), temb=temb,
-            image_rotary_emb=rotary)
-        return hidden, text_hidden, temb, text_len, shapes
+            encoder_hidden_states_mask=text_mask.bool() if has_padding(text_mask) else None,
+            temb=temb, image_rotary_emb=rotary)
+        return hidden, text_hidden, temb, text_mask, shapes
 
 
 class QwenImageHead(PipelineLayer):
@@ -90,10 +92,17 @@ class QwenImageHead(PipelineLayer):
         self.adopt("proj_out", transformer.proj_out, "proj_out")
 
     def forward(self, inputs):
-        hidden, text_hidden, temb, _text_len, shapes = inputs
+        hidden, text_hidden, temb, _text_mask, shapes = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
         # The text stream ends unused here; alone on the last stage it still needs a gradient.
         return out[:, :target_tokens(shapes)] + 0.0 * text_hidden.sum()
+
+
+def text_inputs(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached text (padded to model.max_text_tokens) and its mask, cut after the
+    micro-batch's longest prompt (`dpipe.models.attention_mask.trim_text_padding`)."""
+    lengths = text["text_len"].reshape(-1).round().long()
+    return trim_text_padding(text["text"], key_mask(lengths, text["text"].shape[1]).long())
 
 
 def qwen_image_layers(transformer: nn.Module) -> list[PipelineLayer]:

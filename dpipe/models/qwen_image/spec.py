@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.qwen_image.layers import grids, image_grids, qwen_image_layers, target_tokens
+from dpipe.models.attention_mask import has_padding
+from dpipe.models.qwen_image.layers import (
+    grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.shared import (
     check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
     weighted_mse)
@@ -161,9 +163,8 @@ class QwenImageSpec(ModelSpec):
 
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
-        text_len = batch.text["text_len"].reshape(-1).round().long()
         shapes = image_grids((1, h // 2, w // 2))
-        inputs = (pack(batch.noisy), batch.timesteps, batch.text["text"], text_len, shapes)
+        inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes)
         return inputs, self._labels(batch)
 
     def _labels(self, batch) -> tuple[torch.Tensor, ...]:
@@ -194,14 +195,14 @@ class QwenImageSpec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        image, t, text, text_len, shapes = inputs[:5]
+        image, t, text, text_mask, shapes = inputs[:5]
         if len(inputs) > 5:
             image = torch.cat([image, inputs[5]], dim=1)
-        # As the pipeline calls it: text cut to the batch's longest prompt, no mask if all full.
-        n = int(text_len.max())
-        mask = torch.arange(n)[None, :] < text_len[:, None]
-        out = denoiser(hidden_states=image, encoder_hidden_states=text[:, :n],
-                       encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        # As the pipeline calls it: text cut to the batch's longest prompt (make_inputs), no
+        # mask if all full.
+        mask = text_mask.bool() if has_padding(text_mask) else None
+        out = denoiser(hidden_states=image, encoder_hidden_states=text,
+                       encoder_hidden_states_mask=mask,
                        timestep=t, img_shapes=grids(shapes, image.shape[0]), return_dict=False)[0]
         return out[:, :target_tokens(shapes)]
 
