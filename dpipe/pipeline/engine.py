@@ -133,6 +133,14 @@ def build_engine(
     )
     _release_other_stages(layers, module)
     if p.compile:
+        # One layer class's compiled forward serves every layer of that class and every shape
+        # it meets: buckets, frame counts and prompt lengths (text padding is cut) each add
+        # graphs, and HunyuanVideo's double and single blocks share one wrapper. Past dynamo's
+        # default of 8, a layer silently runs eager: tiny HunyuanVideo reached it on the CPU
+        # with images, 5-frame clips and six prompt lengths (docs/bench-results/h200-1gpu-flex).
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in module.forward_funcs:
             layer.compile()
     trainable = [q for q in module.parameters() if q.requires_grad]
