@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -138,8 +139,6 @@ def build_engine(
         # graphs, and HunyuanVideo's double and single blocks share one wrapper. Past dynamo's
         # default of 8, a layer silently runs eager: tiny HunyuanVideo reached it on the CPU
         # with images, 5-frame clips and six prompt lengths (docs/bench-results/h200-1gpu-flex).
-        import torch._dynamo
-
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in module.forward_funcs:
             layer.compile()
