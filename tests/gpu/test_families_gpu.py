@@ -31,8 +31,6 @@ DIFFUSERS_SYNCS = {
     # on the GPU in every block (compiled, they are constants).
     ("tiny_ltx2", "eager"): 16,
 }
-# HiDream's MoE feed-forward routes tokens to experts by boolean indexing: syncs in every block.
-ROUTES_ON_THE_HOST = {"tiny_hidream"}
 
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])
@@ -50,7 +48,4 @@ def test_family_trains_on_a_gpu_without_host_syncs(gpu_sweep, model):
     assert all(math.isfinite(r["loss"]) for r in records)
     audited = records[1]
     assert audited["backward_passes_per_micro_batch"] == 1.0
-    if model in ROUTES_ON_THE_HOST:
-        assert audited["host_syncs"] > 0
-    else:
-        assert audited["host_syncs"] == DIFFUSERS_SYNCS.get((model, mode), 0)
+    assert audited["host_syncs"] == DIFFUSERS_SYNCS.get((model, mode), 0)

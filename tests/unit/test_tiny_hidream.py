@@ -1,21 +1,25 @@
 """The tiny HiDream-I1: loads (with Llama from text_encoder_4/) and generates with diffusers;
 pipeline layers reproduce the MoE transformer for square and padded non-square latents, in
-training mode with gradients through the experts; the ComfyUI LoRA file loads like the diffusers
+training mode with gradients through the experts; dpipe's sync-free MoE gives diffusers' outputs
+and gradients; the ComfyUI LoRA file loads like the diffusers
 one; the target has HiDream's sign."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import copy
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
 from dpipe.config.schema import LoraConfig, ModelConfig
 from dpipe.errors import ModelLoadError
+from dpipe.models.hidream.moe import SyncFreeMoE
 from dpipe.models.hidream.spec import COMFYUI_FILE, LORA_TARGETS, HiDreamSpec
 from dpipe.models.hidream.tiny import make_tiny_hidream
 from dpipe.train.lora import make_trainable
@@ -83,21 +87,58 @@ def test_layers_reproduce_the_transformer(tiny, pipe, h, w):
     for name, p in transformer.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
+    diffusers_own = copy.deepcopy(transformer)  # the layers give the copy's MoE dpipe's forward
     layers = spec.pipeline_layers(transformer)
+    assert type(diffusers_own.double_stream_blocks[0].block.ff_i) is MOEFeedForwardSwiGLU
     for train in (False, True):  # diffusers' inference and training MoE paths
         transformer.train(train)
+        diffusers_own.train(train)
         x = inputs
         for layer in layers:
             x = layer(x)
             assert all(t.is_contiguous() for t in (x if isinstance(x, tuple) else (x,)))
         with torch.no_grad():
-            expected = spec.denoiser_forward(transformer, inputs)
-        assert transformer.training == train
+            expected = spec.denoiser_forward(diffusers_own, inputs)
         torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
     spec.loss(x, labels).backward()
     expert_grads = [p.grad for n, p in transformer.named_parameters()
                     if "lora_" in n and ".experts." in n]
     assert expert_grads and all(g is not None for g in expert_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sync_free_moe_is_diffusers_moe(dtype):
+    """Output and every gradient (the input's, the gate's, the experts' LoRA) as diffusers'
+    training path gives them; the output bit for bit in float32, where an unselected expert adds
+    an exact zero (the gradients sum the same terms in another order)."""
+    torch.manual_seed(0)
+    theirs = MOEFeedForwardSwiGLU(dim=32, hidden_dim=48, num_routed_experts=4,
+                                  num_activated_experts=2).to(dtype).train()
+    make_trainable(theirs, ModelConfig(family="hidream", lora=LoraConfig(rank=4, alpha=2)),
+                   r"experts\.\d+\.w[123]")
+    theirs.gate.weight.requires_grad_(True)  # the routing weights' gradient path too
+    for name, p in theirs.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ours = copy.deepcopy(theirs)
+    ours.__class__ = SyncFreeMoE
+    x = torch.randn(2, 24, 32, dtype=dtype)
+    results = []
+    for moe in (theirs, ours):
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+        grads = {n: p.grad for n, p in moe.named_parameters() if p.requires_grad}
+        results.append((y, xi.grad, grads))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    assert len(g0) == 4 * 3 * 2 + 1 and all(g is not None for g in g0.values())
+    exact = dict(rtol=0, atol=0) if dtype == torch.float32 else {}
+    torch.testing.assert_close(y1, y0, **exact)
+    # bfloat16 sums in another order round differently: a few ulps of values near 1.
+    close = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=4e-3)
+    torch.testing.assert_close(gx1, gx0, **close)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], **close, msg=name)
 
 
 def test_comfyui_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
@@ -132,11 +173,12 @@ def test_lora_targets_cover_every_block_linear(tiny):
 
 def test_layer_costs_are_the_layers_flops(tiny, pipe):
     """The modelled FLOPs that balance HiDream's stages are what torch counts in each layer, the
-    MoE's routed experts (each token visits 2 of 4) and the joint attention included; the
-    default parameter counts are far from them."""
+    MoE's routed experts (dpipe's sync-free MoE runs each on every token) and the joint
+    attention included; the model FLOPs (a token visits 2 of 4 experts) are fewer; the default
+    parameter counts are far from them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dpipe.models.hidream.costs import layer_forward_flops
+    from dpipe.models.hidream.costs import attention_flops, layer_forward_flops, weight_flops
     from dpipe.models.spec import ModelSpec
     from tests.unit.video_checks import layer_flops
 
@@ -148,6 +190,10 @@ def test_layer_costs_are_the_layers_flops(tiny, pipe):
     image_tokens = inputs[0].shape[-2] * inputs[0].shape[-1] // 4  # 2x2 patches
     modelled = layer_forward_flops(layers, image_tokens, spec.cfg.max_text_tokens)
     assert modelled == pytest.approx(counted, rel=1e-6)
+    model = [weight_flops(layer, image_tokens, spec.cfg.max_text_tokens, executed=False)
+             + attention_flops(layer, image_tokens, spec.cfg.max_text_tokens) for layer in layers]
+    assert model[0] == modelled[0] and model[-1] == modelled[-1]  # no MoE in embed and head
+    assert all(m < e for m, e in zip(model[1:-1], modelled[1:-1]))
     params = ModelSpec.layer_costs(spec, layers)
     ratios = [p / f for p, f in zip(params[1:-1], counted[1:-1])]  # the blocks
     assert max(ratios) / min(ratios) > 1.5, "parameter counts would balance these blocks too"

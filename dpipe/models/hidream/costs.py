@@ -1,11 +1,15 @@
 """HiDream-I1's FLOPs per layer, modelled from its weights: what balances its pipeline stages
 (`layer_costs`) and the benchmark's model FLOPs (`train_flops`).
 
-Parameter counts mislead twice here. A token visits `num_activated_experts` of the
-`num_routed_experts` experts of an MoE feed-forward, not all of them; and a single-stream block
-runs its weights over the image and text tokens together, where a dual-stream block keeps the
-text's own, smaller share apart. So each weight counts 2 FLOPs per token it sees, forward, and
-each block's joint attention 4 N^2 d (QK^T and AV); biases, norms and LoRA adapters are left out.
+Parameter counts mislead here: a single-stream block runs its weights over the image and text
+tokens together, where a dual-stream block keeps the text's own, smaller share apart. So each
+weight counts 2 FLOPs per token it sees, forward, and each block's joint attention 4 N^2 d (QK^T
+and AV); biases, norms and LoRA adapters are left out.
+
+The routed experts count twice over. In the model a token visits `num_activated_experts` of the
+`num_routed_experts` experts of an MoE feed-forward: that is the model FLOPs, the useful work
+(`executed=False`). dpipe's sync-free MoE (`moe.py`) runs every expert on every token: that is
+what the GPU spends, and what balances the stages (`executed=True`).
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ def _joint_tokens(image_tokens: int, text_tokens: int) -> int:
     return image_tokens + 3 * text_tokens
 
 
-def weight_flops(layer: nn.Module, image_tokens: int, text_tokens: int) -> float:
-    """Forward FLOPs of one sample through the layer's weights (its matmuls)."""
+def weight_flops(layer: nn.Module, image_tokens: int, text_tokens: int, executed: bool) -> float:
+    """Forward FLOPs of one sample through the layer's weights (its matmuls): those that run
+    (`executed`) or the model's."""
     if not isinstance(layer, (*BLOCKS, HiDreamEmbed, HiDreamHead)):
         raise TypeError(f"no FLOP model for {type(layer).__name__}")
     joint = _joint_tokens(image_tokens, text_tokens)
     stream = joint if isinstance(layer, HiDreamSingleBlock) else image_tokens
-    visited = {name: moe.num_activated_experts / len(moe.experts)  # per MoE feed-forward
+    visited = {name: 1.0 if executed else moe.num_activated_experts / len(moe.experts)
                for name, moe in layer.named_modules() if hasattr(moe, "num_activated_experts")}
     flops = 0.0
     for name, param in layer.named_parameters():
@@ -70,9 +75,9 @@ def attention_flops(layer: nn.Module, image_tokens: int, text_tokens: int) -> fl
 
 def layer_forward_flops(layers: list[nn.Module], image_tokens: int,
                         text_tokens: int) -> list[float]:
-    """Forward FLOPs per layer for one sample; `text_tokens` is each text encoder's padded
-    length."""
-    return [weight_flops(layer, image_tokens, text_tokens)
+    """Forward FLOPs that run per layer for one sample; `text_tokens` is each text encoder's
+    padded length."""
+    return [weight_flops(layer, image_tokens, text_tokens, executed=True)
             + attention_flops(layer, image_tokens, text_tokens) for layer in layers]
 
 
@@ -81,5 +86,5 @@ def train_flops(layers: list[nn.Module], image_tokens: int, text_tokens: int,
     """Model FLOPs of one sample's training step, by the benchmark's convention: the weights'
     forward, and their backward for the inputs (LoRA) or also for the weights (full): 2x or 3x
     the forward; attention's backward twice its forward."""
-    return sum((3 if full else 2) * weight_flops(layer, image_tokens, text_tokens)
+    return sum((3 if full else 2) * weight_flops(layer, image_tokens, text_tokens, executed=False)
                + 3 * attention_flops(layer, image_tokens, text_tokens) for layer in layers)

@@ -13,6 +13,7 @@ again, exactly). `img_ids` and `img_mask` are integers and `img_sizes` carries t
 height and width in its shape (`dpipe.models.sync_free`): diffusers pads non-square latents to
 `max_seq` tokens with a mask (keys of padding zeroed) and uses no mask for square ones.
 Rotary embeddings are recomputed per block from the ids. The last block sends no Llama stack.
+The blocks' MoE feed-forwards run without host syncs (`moe.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from dpipe.models.hidream.moe import make_sync_free
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -145,6 +147,7 @@ class HiDreamHead(PipelineLayer):
 
 
 def hidream_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    make_sync_free(transformer)  # diffusers' MoE syncs the host per expert (moe.py)
     layers: list[PipelineLayer] = [HiDreamEmbed(transformer)]
     for i, block in enumerate(transformer.double_stream_blocks):
         layers.append(HiDreamDualBlock(block, transformer.pe_embedder,

@@ -13,7 +13,8 @@ scheduler step, so the transformer predicts x0 - noise (the negated velocity), a
 target here. Timesteps go in as the scheduler's (t * 1000). Prompts go through
 `HiDreamImagePipeline.encode_prompt` (all four encoders padded to `model.max_text_tokens`): pooled
 CLIP-L + CLIP-G projections, T5 states, and the stack of every Llama layer's hidden states, each
-block reading its own. MoE routing runs as diffusers' training path; its auxiliary load-balancing
+block reading its own. The MoE runs dpipe's sync-free forward (`moe.py`: every routed expert on
+every token, weighted by the gate), which gives diffusers' output; its auxiliary load-balancing
 loss is not added (diffusers computes and drops it too).
 """
 
