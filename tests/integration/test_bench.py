@@ -60,7 +60,10 @@ def test_random_models_train_through_their_layers(model):
     # The model-FLOP convention (6 x params x tokens, plus attention) counts every parameter for
     # every token, though embedders and modulation see fewer: an upper bound. The tiny models,
     # where those are a large share, do ~0.3 of it; a wrong token count would leave the range.
-    assert 0.2 < counted.get_total_flops() / spec.train_flops(denoiser, inputs, full=True) < 1
+    # HiDream's sync-free MoE runs all 4 routed experts on every token where the model routes
+    # each token to 2: up to 2x the model's FLOPs (dpipe/models/hidream/moe.py).
+    bound = 2 if model == "tiny_hidream" else 1
+    assert 0.2 < counted.get_total_flops() / spec.train_flops(denoiser, inputs, full=True) < bound
 
 
 def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):
