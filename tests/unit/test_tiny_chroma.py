@@ -19,7 +19,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
 from dpipe.models.chroma.tiny import make_tiny_chroma
 from dpipe.models.spec import NoisedBatch
-from tests.unit.video_checks import latent_inputs
+from tests.unit.video_checks import latent_inputs, record_attention_masks
 
 CAPTION = "a red circle on a blue background"
 
@@ -77,6 +77,15 @@ def test_prompt_mask_keeps_one_padding_token(spec, pipe):
     assert embeds["mask"].sum(dim=1).tolist() == [n + 1 for n in tokens]
 
 
+def _padded(text, inputs) -> tuple:
+    """`inputs` with the text as cached: padded to max_text_tokens, the padding masked."""
+    packed, t, _text, _mask, _txt_ids, img_ids = inputs
+    image = torch.ones(packed.shape[:2], dtype=torch.long)
+    mask = torch.cat([(text["mask"] > 0.5).long(), image], dim=1)
+    txt_ids = torch.zeros(text["t5"].shape[1], 3, dtype=torch.long)
+    return packed, t, text["t5"], mask, txt_ids, img_ids
+
+
 def test_padding_tokens_do_not_reach_the_image(spec, pipe):
     """The transformer masks padding (as booleans): changing the masked text tokens' embeddings
     leaves the prediction unchanged, while changing an attended token changes it."""
@@ -85,7 +94,7 @@ def test_padding_tokens_do_not_reach_the_image(spec, pipe):
     t = torch.tensor([0.5])
     batch = NoisedBatch(latents=latents, noise=latents, timesteps=t, noisy=latents,
                         target=latents, text=text)
-    inputs, _ = spec.make_inputs(batch)
+    inputs = _padded(text, spec.make_inputs(batch)[0])
     denoiser = pipe.transformer
     with torch.no_grad():
         base = spec.denoiser_forward(denoiser, inputs)
@@ -97,6 +106,32 @@ def test_padding_tokens_do_not_reach_the_image(spec, pipe):
         different = spec.denoiser_forward(denoiser, (*inputs[:2], changed, *inputs[3:]))
     torch.testing.assert_close(same, base)
     assert (different - base).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("prompts", [[CAPTION], [CAPTION, "a star"]])
+def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, pipe, prompts, monkeypatch):
+    """make_inputs cuts the text after the longest prompt and its one attended pad token: one
+    prompt then leaves nothing to mask and no attention call gets a mask (SDPA can run flash);
+    two of different lengths keep a mask. The layers give diffusers' output on the text as
+    cached, padded to max_text_tokens and masked."""
+    text = spec.encode_prompts(pipe, prompts)
+    longest = int(text["mask"].sum(dim=1).max())
+    assert longest < text["t5"].shape[1] == 32
+    inputs = latent_inputs(spec, pipe, torch.randn(len(prompts), 4, 16, 16), prompts,
+                           [0.3, 0.7][:len(prompts)])
+    packed, _t, cut, mask, txt_ids, _img_ids = inputs
+    assert cut.shape[1] == txt_ids.shape[0] == longest
+    assert mask.shape[1] == (0 if len(prompts) == 1 else longest + packed.shape[1])
+    masks = record_attention_masks(monkeypatch)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(pipe.transformer):
+            x = layer(x)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(pipe.transformer, _padded(text, inputs))
+    assert blocks > 0 and all(m is not None for m in masks[blocks:])
+    assert all(m is None for m in masks[:blocks]) == (len(prompts) == 1)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
 def _inputs(spec, pipe):

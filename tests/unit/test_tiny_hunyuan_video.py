@@ -24,7 +24,7 @@ from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
-    deltas, lora_denoiser, lora_state_dict, micro_batch, run)
+    deltas, lora_denoiser, lora_state_dict, micro_batch, record_attention_masks, run)
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +128,7 @@ def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, c
     assert inputs[2].shape[1] == int(real.max())
     assert inputs[3].shape[1] == (0 if clips == 1 else int(real.max()))
     padded = (*inputs[:2], text["llama"].float(), text["mask"].long(), *inputs[4:])
-    masks = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or
-                        sdpa(*a, attn_mask=attn_mask, **kw))
+    masks = record_attention_masks(monkeypatch)
     with torch.no_grad():
         got = run(spec.pipeline_layers(denoiser), inputs)
         blocks = len(masks)

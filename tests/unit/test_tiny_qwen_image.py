@@ -23,6 +23,7 @@ from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSp
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.qwen_image.tiny_tokenizer import TEMPLATES
 from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import record_attention_masks
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -150,11 +151,7 @@ def test_one_prompt_trains_unmasked_as_diffusers_does_padded(tiny, monkeypatch):
     assert length < 24 and inputs[2].shape[1] == length and inputs[3].shape == (1, 0)
     padded_mask = (torch.arange(24) < length).long()[None]
     padded = (*inputs[:2], text["text"], padded_mask, *inputs[4:])
-    masks = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or
-                        sdpa(*a, attn_mask=attn_mask, **kw))
+    masks = record_attention_masks(monkeypatch)
     denoiser = spec.load_denoiser(torch.float32)
     with torch.no_grad():
         x = inputs

@@ -1,6 +1,6 @@
-"""Checks shared by the video families' unit tests (HunyuanVideo, LTX-Video, ...): the pipeline
-layers against the diffusers forward on video-shaped latents, activation checkpointing, and the
-exactness of exported LoRA files."""
+"""Checks shared by the families' unit tests (HunyuanVideo, LTX-Video, Qwen-Image, Chroma, ...):
+the pipeline layers against the diffusers forward on video-shaped latents, activation
+checkpointing, the exactness of exported LoRA files, and which attention calls get a mask."""
 
 from __future__ import annotations
 
@@ -54,6 +54,21 @@ def latent_inputs(spec, encoders, latents: torch.Tensor, prompts: list[str], t) 
     batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor(t),
                         noisy=latents, target=latents, text=text)
     return spec.make_inputs(batch)[0]
+
+
+def record_attention_masks(monkeypatch) -> list:
+    """From here on every `scaled_dot_product_attention` call appends its `attn_mask` (None when
+    unmasked, which leaves SDPA free to run flash) to the returned list, then attends as before.
+    diffusers' attention dispatcher looks the function up at each call, so its calls count."""
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return masks
 
 
 def run(layers, inputs, checkpointed: bool = False):

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
+from dpipe.models.attention_mask import has_padding, trim_text_padding
+from dpipe.models.chroma.layers import (
+    ChromaDoubleBlock, ChromaSingleBlock, chroma_layers, joint_mask)
 from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
@@ -170,10 +172,13 @@ class ChromaSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         packed = _pack(batch.noisy)
-        text = batch.text["t5"]
-        # The transformer's mask covers text then image tokens; every image token is attended.
-        mask = torch.cat([batch.text["mask"] > 0.5,
-                          torch.ones(b, packed.shape[1], dtype=torch.bool)], dim=1).long()
+        # Cut after the longest prompt (and its one attended pad token): at one sample per
+        # micro-batch no padding is left and no attention call gets a mask (attention_mask.py).
+        text, text_mask = trim_text_padding(batch.text["t5"], batch.text["mask"] > 0.5)
+        mask = text_mask.long()  # (B, 0) when nothing is left to mask
+        if has_padding(text_mask):
+            # The transformer's mask covers text then image tokens; every image token attends.
+            mask = torch.cat([mask, torch.ones(b, packed.shape[1], dtype=torch.long)], dim=1)
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
         inputs = (packed, batch.timesteps, text, mask, txt_ids, _image_ids(h // 2, w // 2))
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
@@ -220,7 +225,7 @@ class ChromaSpec(ModelSpec):
         packed, t, text, mask, txt_ids, img_ids = inputs
         return denoiser(hidden_states=packed, encoder_hidden_states=text, timestep=t,
                         img_ids=img_ids.float(), txt_ids=txt_ids.float(),
-                        attention_mask=mask.bool(), return_dict=False)[0]
+                        attention_mask=joint_mask(mask), return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import ChromaPipeline
