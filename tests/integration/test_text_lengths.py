@@ -11,7 +11,7 @@ import pytest
 from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, one_process_first_loss, run_config
 
-MODELS = ["tiny_hunyuan_video", "tiny_qwen_image"]
+MODELS = ["tiny_hunyuan_video", "tiny_qwen_image", "tiny_chroma", "tiny_z_image", "tiny_lumina2"]
 CAPTIONS = ["red", "a small blue circle drawn on a bright green background with a thin border",
             "two stars", "an orange triangle on a grey background"]
 

@@ -22,6 +22,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, from_native, native_state_dict
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import record_attention_masks
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -110,6 +111,31 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     assert x.shape == target.shape
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2]])
+def test_captions_are_cut_and_one_trains_unmasked(tiny, captions, monkeypatch):
+    """make_inputs cuts the cached captions (48) after the longest: one caption leaves nothing to
+    mask and no attention call gets a mask (SDPA can run flash; dpipe masked every block before);
+    two of different lengths keep one. Either way the layers give diffusers' output."""
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, captions)
+    longest = int(inputs[3].max())
+    one = len(captions) == 1
+    assert longest < 48 and inputs[2].shape[1] == longest
+    assert inputs[4].shape == ((1, 0) if one else (2, longest))
+    masks = record_attention_masks(monkeypatch)
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(denoiser, inputs)
+    assert blocks > 0 and len(masks) == 2 * blocks
+    assert all(m is None for m in masks[:blocks]) == one
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_target_and_timestep_follow_the_pipeline(tiny):

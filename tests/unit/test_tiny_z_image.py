@@ -21,6 +21,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
 from dpipe.models.z_image.tiny import make_tiny_z_image
+from tests.unit.video_checks import record_attention_masks
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -111,6 +112,34 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
     # Padding to the batch's or the run's length leaves each item's result as computed alone.
     torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2], CAPTIONS])
+def test_captions_are_cut_and_masked_only_where_padded_lengths_differ(tiny, captions,
+                                                                      monkeypatch):
+    """make_inputs cuts the cached captions (34) after the longest. Captions that pad to the same
+    multiple of 32 (one caption; 15 and 11 tokens) leave nothing to mask: no attention call gets a
+    mask, as in diffusers. 15, 11 and 34 tokens pad to 32, 32 and 64: masked, in both. Either way
+    the layers give diffusers' output."""
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, _ = _inputs(spec, encoders, captions)
+    lengths = inputs[3]
+    masked = len(captions) == 3
+    assert inputs[2].shape[1] == int(lengths.max()) and (int(lengths.max()) < 32) != masked
+    assert inputs[4].shape == ((3, 64) if masked else (len(captions), 0))
+    masks = record_attention_masks(monkeypatch)
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(denoiser, inputs)
+    assert blocks > 0 and len(masks) > blocks
+    assert all(m is None for m in masks[:blocks]) != masked
+    assert all(m is None for m in masks[blocks:]) != masked  # diffusers' own calls
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_target_and_timestep_follow_the_pipeline(tiny):

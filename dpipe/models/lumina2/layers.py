@@ -4,14 +4,16 @@
           -> join (parameter-free: [caption, image] per item) -> main blocks -> head
 
 This follows `Lumina2Transformer2DModel.forward`: the joint sequence puts each item's caption
-tokens first, then its image tokens, whose RoPE positions start at the caption's length. Shapes are
-fixed for the run (DeepSpeed sizes its receive buffers once): the joint sequence always has room
-for the full padded caption and masks what an item does not use, where diffusers trims it to the
-batch's longest caption. RoPE frequencies are recomputed per block from int64 position ids.
+tokens first, then its image tokens, whose RoPE positions start at the caption's length. Captions
+come cut after the micro-batch's longest (`Lumina2Spec.make_inputs`), so the joint sequence is as
+long as the longest item, as in diffusers. `cap_mask` (B, longest caption) marks each caption's
+tokens; when every caption has the longest's length (always, for one item) it is empty, (B, 0),
+and no block gets a mask: as in diffusers for the joint blocks, where its caption refiner still
+masks the tokenizer's padding. RoPE frequencies are recomputed per block from int64 position ids.
 
-Tuples: before the join (x, cap, temb, cap_len, grid); after it (joint, temb, ids, total, cap_len,
-grid), with grid the latent (height, width) in patches, carried in a shape
-(`dpipe.models.sync_free`).
+Tuples: before the join (x, cap, temb, cap_len, cap_mask, grid); after it (joint, temb, ids,
+mask, cap_len, grid), where mask marks each item's tokens in the joint sequence or is empty, and
+grid is the latent (height, width) in patches, carried in a shape (`dpipe.models.sync_free`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.attention_mask import has_padding
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -51,14 +54,15 @@ class Lumina2Embed(PipelineLayer):
         self.patch = transformer.config.patch_size
 
     def forward(self, inputs):
-        latents, t, cap, cap_len = inputs
+        latents, t, cap, cap_len, cap_mask = inputs
         temb, cap = self.time_caption_embed(latents, t, cap)
         b, c, h, w = latents.shape
         p = self.patch
         x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).flatten(3).flatten(1, 2)
         x = self.x_embedder(x)
         grid = carrier(h // p, w // p, device=latents.device)
-        return needs_grad(x), needs_grad(cap), needs_grad(temb), cap_len.long(), grid
+        return (needs_grad(x), needs_grad(cap), needs_grad(temb), cap_len.long(), cap_mask,
+                grid)
 
 
 class Lumina2Refiner(PipelineLayer):
@@ -72,28 +76,30 @@ class Lumina2Refiner(PipelineLayer):
         self.stream = stream
 
     def forward(self, inputs):
-        x, cap, temb, cap_len, grid = inputs
+        x, cap, temb, cap_len, cap_mask, grid = inputs
         if self.stream == "caption":
             b, lc = cap.shape[:2]
             pos = torch.arange(lc, device=cap.device)
             ids = torch.zeros(b, lc, 3, dtype=torch.long, device=cap.device)
             ids[..., 0] = pos[None]
             freqs = _freqs(self.rope, ids)
-            mask = pos[None, :] < cap_len[:, None]  # diffusers always passes it
-            # diffusers zeroes the frequencies past each caption (those tokens are masked out)
-            freqs = freqs * mask[..., None]
+            mask = None
+            if has_padding(cap_mask):
+                mask = cap_mask.bool()
+                # diffusers zeroes the frequencies past each caption (those tokens are masked out)
+                freqs = freqs * mask[..., None]
             cap = self.block(cap, mask, freqs)
         else:
             freqs = _freqs(self.rope, _image_ids(cap_len, *sizes(grid)))
             x = self.block(x, None, freqs, temb)
-        return x, cap, temb, cap_len, grid
+        return x, cap, temb, cap_len, cap_mask, grid
 
 
 class Lumina2Join(PipelineLayer):
-    """Per item: [caption[:cap_len], image tokens], then zeros up to the fixed length."""
+    """Per item: [caption[:cap_len], image tokens], then zeros up to the longest item's length."""
 
     def forward(self, inputs):
-        x, cap, temb, cap_len, grid = inputs
+        x, cap, temb, cap_len, cap_mask, grid = inputs
         b, lc, d = cap.shape
         li = x.shape[1]
         length = lc + li
@@ -110,8 +116,8 @@ class Lumina2Join(PipelineLayer):
         img_index = (pos - cap_len[:, None]).clamp(0, li - 1)
         img_part = torch.gather(img_ids, 1, img_index[..., None].expand(b, length, 3))
         ids = torch.where(in_img[..., None], img_part, ids)
-        total = cap_len + li
-        return joint, temb, ids, total, cap_len, grid
+        mask = key_mask(cap_len + li, length).long() if has_padding(cap_mask) else cap_mask
+        return joint, temb, ids, mask, cap_len, grid
 
 
 class Lumina2Block(PipelineLayer):
@@ -121,10 +127,10 @@ class Lumina2Block(PipelineLayer):
         self.adopt("rope", rope, "rope_embedder")
 
     def forward(self, inputs):
-        joint, temb, ids, total, cap_len, grid = inputs
-        joint = self.block(joint, key_mask(total, joint.shape[1]), _freqs(self.rope, ids),
-                           temb)
-        return joint, temb, ids, total, cap_len, grid
+        joint, temb, ids, mask, cap_len, grid = inputs
+        joint = self.block(joint, mask.bool() if has_padding(mask) else None,
+                           _freqs(self.rope, ids), temb)
+        return joint, temb, ids, mask, cap_len, grid
 
 
 class Lumina2Head(PipelineLayer):
@@ -135,7 +141,7 @@ class Lumina2Head(PipelineLayer):
         self.out_channels = transformer.out_channels
 
     def forward(self, inputs):
-        joint, temb, _ids, _total, cap_len, grid = inputs
+        joint, temb, _ids, _mask, cap_len, grid = inputs
         out = self.norm_out(joint, temb)
         b, _, d = out.shape
         h, w = sizes(grid)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.models.attention_mask import trim_text_padding
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.qwen_image.shared import (
@@ -140,7 +141,9 @@ class Lumina2Spec(ModelSpec):
         mask = batch.text["cap_mask"] > 0.5
         # The tokenizer pads on the right, so the mask is a prefix: its length says it all.
         cap_len = mask.sum(dim=1).long()
-        return (batch.noisy, t_model, batch.text["cap"], cap_len), weighted_labels(batch)
+        # Cut after the longest caption, on the CPU: with one item nothing is left to mask.
+        cap, cap_mask = trim_text_padding(batch.text["cap"], mask)
+        return (batch.noisy, t_model, cap, cap_len, cap_mask.long()), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return weighted_mse(outputs, labels)
@@ -165,7 +168,7 @@ class Lumina2Spec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        latents, t_model, cap, cap_len = inputs
+        latents, t_model, cap, cap_len, _cap_mask = inputs
         mask = torch.arange(cap.shape[1])[None, :] < cap_len[:, None]
         return denoiser(latents, t_model, cap, mask, return_dict=False)[0]
 

@@ -5,17 +5,17 @@
 
 This follows `ZImageTransformer2DModel.forward` (basic, non-omni mode) step by step: captions and
 images are each padded to a multiple of 32 tokens with their own pad token, and the image's RoPE
-positions start after the caption's. Two differences in form, not in result:
+positions start after the caption's. Captions come cut after the micro-batch's longest
+(`ZImageSpec.make_inputs`), so the batch is padded to its longest caption as in diffusers; only
+that batch padding is masked, by `cap_mask`, the caption tokens every query may attend to. With
+nothing to mask (one item, or captions of one padded length) `cap_mask` is empty, (B, 0), and
+attention runs unmasked, as in diffusers: SDPA may use flash.
+RoPE frequencies are recomputed in each block from integer position ids (integers cross stage
+boundaries without gradients).
 
-* Shapes are fixed for the run (DeepSpeed's pipeline sizes its receive buffers once): captions are
-  padded to the cached length (`model.max_text_tokens`, rounded up to 32) and the extra positions
-  are masked out of attention, where diffusers pads only to the longest caption of the batch.
-* RoPE frequencies are recomputed in each block from integer position ids (integers cross stage
-  boundaries without gradients); token counts travel as int64 tensors, masks are built from them.
-
-Tuples: before the join (x, cap, adaln, x_ids, cap_ids, lens, grid); after it (unified, adaln,
-ids, lens, grid), where lens holds per item (image tokens, caption tokens) and grid carries the
-latent (frames, height, width) in its shape (`dpipe.models.sync_free`).
+Tuples: before the join (x, cap, adaln, x_ids, cap_ids, cap_mask, grid); after it (unified, adaln,
+ids, mask, grid), where mask is [image tokens, cap_mask] or empty, and grid carries the latent
+(frames, height, width) in its shape (`dpipe.models.sync_free`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.qwen_image.shared import key_mask, needs_grad, round_up
+from dpipe.models.attention_mask import has_padding
+from dpipe.models.qwen_image.shared import needs_grad, round_up
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
 SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF
+
+
+def _attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    return mask.bool() if has_padding(mask) else None
 
 
 def _grid_ids(f: int, h: int, w: int, device: torch.device) -> torch.Tensor:
@@ -60,7 +65,7 @@ class ZImageEmbed(PipelineLayer):
         return out
 
     def forward(self, inputs):
-        latents, t, cap, cap_len = inputs
+        latents, t, cap, cap_len, cap_mask = inputs
         b, c, h, w = latents.shape
         device = latents.device
         p, pf = self.patch, self.f_patch
@@ -80,7 +85,7 @@ class ZImageEmbed(PipelineLayer):
             x = torch.where(is_pad, self.x_pad_token, x)
 
         # Captions: item i has cap_len[i] tokens, padded to a multiple of 32 (`cap_tokens`), then to
-        # the run's fixed length; the item-level padding repeats the last token as diffusers does.
+        # the longest; the item-level padding repeats the last token as diffusers does.
         lc = round_up(cap.shape[1], SEQ_MULTI_OF)
         cap_len = cap_len.long()
         cap_tokens = round_up(cap_len, SEQ_MULTI_OF)
@@ -102,9 +107,8 @@ class ZImageEmbed(PipelineLayer):
         start = torch.zeros(b, 1, 3, dtype=torch.long, device=device)
         start[..., 0] = cap_tokens[:, None] + 1
         x_ids[:, :x_len] = _grid_ids(f_t, h_t, w_t, device)[None] + start
-        lens = torch.stack([torch.full_like(cap_tokens, x.shape[1]), cap_tokens], dim=1)
         grid = carrier(f_t * pf, h, w, device=device)
-        return (needs_grad(x), needs_grad(cap), needs_grad(adaln), x_ids, cap_ids, lens, grid)
+        return (needs_grad(x), needs_grad(cap), needs_grad(adaln), x_ids, cap_ids, cap_mask, grid)
 
 
 class ZImageRefiner(PipelineLayer):
@@ -117,27 +121,29 @@ class ZImageRefiner(PipelineLayer):
         self.stream = stream
 
     def forward(self, inputs):
-        x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
+        x, cap, adaln, x_ids, cap_ids, cap_mask, grid = inputs
         if self.stream == "image":
-            # Every item has all x.shape[1] image tokens (lens[:, 0]): nothing to mask.
+            # Every item has all x.shape[1] image tokens: nothing to mask.
             x = self.block(x, None, _freqs(self.rope, x_ids), adaln)
         else:
-            cap = self.block(cap, key_mask(lens[:, 1], cap.shape[1]), _freqs(self.rope, cap_ids))
-        return x, cap, adaln, x_ids, cap_ids, lens, grid
+            cap = self.block(cap, _attention_mask(cap_mask), _freqs(self.rope, cap_ids))
+        return x, cap, adaln, x_ids, cap_ids, cap_mask, grid
 
 
 class ZImageJoin(PipelineLayer):
     """Per item: [image tokens, caption tokens], then the fixed-length batch padding."""
 
     def forward(self, inputs):
-        x, cap, adaln, x_ids, cap_ids, lens, grid = inputs
+        x, cap, adaln, x_ids, cap_ids, cap_mask, grid = inputs
         unified = torch.cat([x, cap], dim=1)
         ids = torch.cat([x_ids, cap_ids], dim=1)
         # Tokens past an item's caption are already zero with ids 0: the layout is the same as
         # diffusers' [x[:x_len], cap[:cap_len]] padded, because every item has all x.shape[1]
-        # image tokens (lens[:, 0], as the embed layer sets it).
-        total = (lens[:, 0] + lens[:, 1]).long()
-        return unified, adaln, ids, total, grid
+        # image tokens.
+        mask = cap_mask
+        if has_padding(cap_mask):
+            mask = torch.cat([cap_mask.new_ones(cap_mask.shape[0], x.shape[1]), cap_mask], dim=1)
+        return unified, adaln, ids, mask, grid
 
 
 class ZImageBlock(PipelineLayer):
@@ -147,10 +153,9 @@ class ZImageBlock(PipelineLayer):
         self.rope = rope
 
     def forward(self, inputs):
-        unified, adaln, ids, total, grid = inputs
-        unified = self.block(unified, key_mask(total, unified.shape[1]), _freqs(self.rope, ids),
-                             adaln)
-        return unified, adaln, ids, total, grid
+        unified, adaln, ids, mask, grid = inputs
+        unified = self.block(unified, _attention_mask(mask), _freqs(self.rope, ids), adaln)
+        return unified, adaln, ids, mask, grid
 
 
 class ZImageHead(PipelineLayer):
@@ -163,7 +168,7 @@ class ZImageHead(PipelineLayer):
         self.out_channels = transformer.out_channels
 
     def forward(self, inputs):
-        unified, adaln, _ids, _total, grid = inputs
+        unified, adaln, _ids, _mask, grid = inputs
         out = self.final_layer(unified, c=adaln)
         f, h, w = sizes(grid)
         p, pf, c = self.patch, self.f_patch, self.out_channels

@@ -21,11 +21,11 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.shared import (
-    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
-    weighted_labels, weighted_mse)
+    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, round_up,
+    save_comfy_lora, weighted_labels, weighted_mse)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
-from dpipe.models.z_image.layers import z_image_layers
+from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -150,8 +150,16 @@ class ZImageSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         t_model = 1.0 - batch.timesteps  # the pipeline's (1000 - t) / 1000
         cap_len = batch.text["cap_len"].reshape(-1).round().long()
-        inputs = (batch.noisy, t_model, batch.text["cap"], cap_len)
-        return inputs, weighted_labels(batch)
+        # Cut after the longest caption (the cache pads to max_text_tokens). diffusers pads each
+        # caption to a multiple of 32 with its pad token, which is attended, and the batch to the
+        # longest: only that batch padding needs a mask, and none is left for one item. On the
+        # CPU, where batches are made: reading a GPU mask would make the host wait.
+        cap = batch.text["cap"][:, :max(int(cap_len.max()), 1)]
+        padded = torch.arange(round_up(cap.shape[1], SEQ_MULTI_OF))
+        cap_mask = (padded[None, :] < round_up(cap_len, SEQ_MULTI_OF)[:, None]).long()
+        if bool(cap_mask.all()):
+            cap_mask = cap_mask[:, :0]  # nothing to mask (attention_mask.has_padding)
+        return (batch.noisy, t_model, cap, cap_len, cap_mask), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return weighted_mse(outputs, labels)
@@ -176,7 +184,7 @@ class ZImageSpec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        latents, t_model, cap, cap_len = inputs
+        latents, t_model, cap, cap_len, _cap_mask = inputs
         x = [lat.unsqueeze(1) for lat in latents]  # (C, F=1, H, W) per item
         caps = [c[: int(n)] for c, n in zip(cap, cap_len)]
         out = denoiser(x, t_model, caps, return_dict=False)[0]
