@@ -24,7 +24,7 @@ from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
 from dpipe.models.sync_free import carrier, sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
-    lora_state_dict, micro_batch)
+    lora_state_dict, micro_batch, record_attention_masks, run)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,29 @@ def test_layers_match_diffusers_on_video_latents(tiny, encoders, frames, i2v):
     assert inputs[0].shape == (2, ((frames - 1) // 8 + 1) * 64, 8)
     assert inputs[1].shape[1] == (inputs[0].shape[1] if i2v and frames > 1 else 1)
     assert_layers_match(spec, lora_denoiser(spec), inputs)
+
+
+@pytest.mark.parametrize("clips", [1, 2])
+def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, clips,
+                                                               monkeypatch):
+    """make_inputs cuts the text after the longest prompt: one clip then leaves no padding and no
+    attention call gets a mask (SDPA can run flash); two prompts of different lengths keep one.
+    The layers give diffusers' output on the text padded as cached."""
+    inputs, _ = micro_batch(spec, encoders, torch.rand(clips, 3, 9, 64, 64) * 2 - 1)
+    text = spec.encode_prompts(encoders, CAPTIONS[:clips])
+    longest = int(text["mask"].sum(1).max())
+    assert text["t5"].shape[1] == 16 and longest < 16 and inputs[2].shape[1] == longest
+    assert inputs[3].shape[1] == (0 if clips == 1 else longest)
+    padded = (*inputs[:2], text["t5"].float(), text["mask"], *inputs[4:])
+    denoiser = lora_denoiser(spec)
+    masks = record_attention_masks(monkeypatch)
+    with torch.no_grad():
+        got = run(spec.pipeline_layers(denoiser), inputs)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(denoiser, padded)
+    assert blocks > 0 and any(m is not None for m in masks[blocks:])  # diffusers' cross-attention
+    assert all(m is None for m in masks[:blocks]) == (clips == 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_first_frame_conditioning_as_the_i2v_pipeline(i2v_spec, encoders):

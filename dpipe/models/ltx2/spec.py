@@ -23,6 +23,7 @@ from dpipe.errors import ConfigError
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
 from dpipe.models.ltx2.original import from_original, original_state_dict
+from dpipe.models.attention_mask import has_padding
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
 from dpipe.models.spec import PipelineLayer
@@ -164,6 +165,7 @@ class LTX2Spec(LTXVideoSpec):
         audio = packed.new_zeros(b, 1, cfg.audio_in_channels)
         audio_text = text.new_zeros(b, text.shape[1], cfg.caption_channels)
         timestep = (t * 1000).flatten()  # (B, 1): one t per sample
+        text_mask = text_mask if has_padding(text_mask) else None  # cut with none left
         return denoiser(
             hidden_states=packed, audio_hidden_states=audio, encoder_hidden_states=text,
             audio_encoder_hidden_states=audio_text, timestep=timestep, sigma=timestep,

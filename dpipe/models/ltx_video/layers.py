@@ -2,7 +2,8 @@
 
 Every layer passes (hidden, text_hidden, temb, embedded_t, text_mask, grid, rate): `temb` and
 `embedded_t` are per token (B, N, .) when the first frame is a clean condition (its tokens have
-t = 0) and (B, 1, .) otherwise; `text_mask` (B, L) is int64; `grid` (latent frames, height,
+t = 0) and (B, 1, .) otherwise; `text_mask` (B, L) is int64, or (B, 0) when the text was cut
+with no padding left (then cross-attention runs unmasked); `grid` (latent frames, height,
 width) and `rate` (each clip's frame rate in thousandths of a frame per second) are carried in
 shapes (`dpipe.models.sync_free`). All three travel between stages without gradients. Rotary
 embeddings and the text attention bias are rebuilt in each block from them, as the diffusers
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.attention_mask import has_padding
 from dpipe.models.hunyuan_video.layers import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
@@ -35,8 +37,11 @@ def rope_scale(ratios: tuple[int, int], rate: torch.Tensor) -> tuple:
     return (temporal / frame_rate(rate, 5), spatial, spatial)
 
 
-def text_bias(text_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive cross-attention bias LTXVideoTransformer3DModel.forward makes of a 0/1 mask."""
+def text_bias(text_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive cross-attention bias LTXVideoTransformer3DModel.forward makes of a 0/1 mask;
+    None for an empty mask (text cut with no padding left: `dpipe.models.attention_mask`)."""
+    if not has_padding(text_mask):
+        return None
     return ((1 - text_mask.to(dtype)) * -10000.0).unsqueeze(1)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
@@ -235,8 +236,9 @@ class LTXVideoSpec(ModelSpec):
             t_tokens = t[:, None] * (1 - clean)[None]
         else:
             t_tokens = t[:, None]
-        inputs = (pack(noisy, p, pt), t_tokens, batch.text[self.text_key], batch.text["mask"].long(),
-                  carrier(*grid), self.frame_rates(batch))
+        text, text_mask = self.text_and_mask(batch.text)
+        inputs = (pack(noisy, p, pt), t_tokens, text, text_mask, carrier(*grid),
+                  self.frame_rates(batch))
         target = pack(batch.target, p, pt)
         mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
         if not condition and mask_weight is None:
@@ -249,6 +251,14 @@ class LTXVideoSpec(ModelSpec):
             per_pixel = mask_weight.view(b, 1, 1, h, w).expand(b, 1, f, h, w)
             weight = weight * pack(per_pixel, p, pt).repeat(1, 1, c)
         return inputs, (target, weight, trained)
+
+    def text_and_mask(self, text: dict[str, torch.Tensor]):
+        """The cross-attended text and its int64 mask, cut after the micro-batch's longest prompt
+        (`dpipe.models.attention_mask`): at one clip per micro-batch the mask is then empty and
+        cross-attention runs unmasked. Exact: diffusers' -10000 bias on a padded key gives it a
+        weight of exactly 0."""
+        cut, mask = trim_text_padding(text[self.text_key], text["mask"])
+        return cut, mask.long()
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return ltx_loss(outputs, labels)
@@ -289,7 +299,8 @@ class LTXVideoSpec(ModelSpec):
         f, h, w = sizes(grid)
         return denoiser(
             hidden_states=packed, encoder_hidden_states=text, timestep=t * 1000,
-            encoder_attention_mask=text_mask, num_frames=f, height=h, width=w,
+            encoder_attention_mask=text_mask if has_padding(text_mask) else None,
+            num_frames=f, height=h, width=w,
             rope_interpolation_scale=rope_scale(self._ratios(), rate), return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:

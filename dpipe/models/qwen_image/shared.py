@@ -49,10 +49,9 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 def key_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, length) bool mask of the first `lengths[i]` positions. Always a mask, even when it masks
-    nothing (where the pipelines pass none): finding that out would read the lengths on the host,
-    a sync in every block. Text is padded to the run's fixed length, so a batch of prompts that
-    all fill it, the one case that differs, is rare; it then gives the same result."""
+    """(B, length) bool mask of the first `lengths[i]` positions, made on the lengths' device.
+    Whether any mask is needed is decided where batches are made, on the CPU
+    (`dpipe.models.attention_mask`): reading the lengths on a GPU would make the host wait."""
     return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
 
 
