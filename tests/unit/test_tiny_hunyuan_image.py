@@ -19,6 +19,7 @@ from dpipe.models.hunyuan_image.spec import LORA_TARGETS, HunyuanImageSpec
 from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS, make_tiny_hunyuan_image
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
+from tests.unit.video_checks import record_attention_masks
 
 PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a wall']
 
@@ -89,12 +90,47 @@ def test_dropping_qwen_padding_changes_nothing(tiny, pipe):
     full, mask, glyph, glyph_mask = pipe.encode_prompt(PROMPTS, batch_size=2)
     assert full.shape[1] == 1000 and torch.equal(full[:, :32], text["text"])
     inputs, _ = spec.make_inputs(batch)
-    long_inputs = (inputs[0], inputs[1], full, mask.long(), glyph, glyph_mask.long(), inputs[6])
+    long_inputs = (inputs[0], inputs[1], full, mask.long(), glyph, glyph_mask.long(), *inputs[6:])
     transformer = spec.load_denoiser(torch.float32)
     with torch.no_grad():
         short = spec.denoiser_forward(transformer, inputs)
         long = spec.denoiser_forward(transformer, long_inputs)
     torch.testing.assert_close(short, long, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[1:], PROMPTS])
+def test_text_padding_is_cut_and_gives_diffusers_padded_output(tiny, pipe, prompts, monkeypatch):
+    """make_inputs cuts both text streams after their longest prompt (and drops the glyph stream
+    of a batch without quoted text): one prompt, with or without glyph text, then leaves nothing
+    to mask and no attention call gets a mask (SDPA can run flash); two prompts keep one. The
+    layers give diffusers' output on the text as cached, padded and masked."""
+    spec = _spec(tiny)
+    text = spec.encode_prompts(pipe, prompts)
+    gen = torch.Generator().manual_seed(2)
+    x0 = torch.randn(len(prompts), 16, 16, 16, generator=gen)
+    t = torch.tensor([0.2, 0.7][:len(prompts)])
+    noisy, target = spec.noise(x0, x0, t)
+    inputs, _ = spec.make_inputs(NoisedBatch(x0, x0, t, noisy, target, text))
+    _, _, qwen, qwen_mask, glyph, glyph_mask, _, joint_mask = inputs
+    real, real_glyph = text["text_mask"].sum(1), text["glyph_mask"].sum(1)
+    assert qwen.shape[1] == int(real.max()) < text["text"].shape[1]
+    assert glyph.shape[1] == int(real_glyph.max()) < text["glyph"].shape[1]
+    one = len(prompts) == 1
+    assert qwen_mask.shape[1] == glyph_mask.shape[1] == joint_mask.shape[1] == 0 or not one
+    assert joint_mask.shape[1] == (0 if one else int((real + real_glyph).max()))
+    cached = (*inputs[:2], text["text"], text["text_mask"].long(), text["glyph"],
+              text["glyph_mask"].long(), *inputs[6:])
+    transformer = spec.load_denoiser(torch.float32)
+    masks = record_attention_masks(monkeypatch)
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(transformer):
+            x = layer(x)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(transformer, cached)
+    assert blocks > 0 and all(m is not None for m in masks[blocks:])  # diffusers always masks
+    assert all(m is None for m in masks[:blocks]) == one
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_exported_lora_loads_into_the_transformer(tiny, tmp_path):
@@ -110,7 +146,8 @@ def test_exported_lora_loads_into_the_transformer(tiny, tmp_path):
     loaded = spec.load_denoiser_with_lora(tmp_path)
     inputs = (torch.randn(1, 16, 8, 8), torch.tensor([400.0]), torch.randn(1, 32, 32),
               torch.ones(1, 32, dtype=torch.long), torch.zeros(1, 128, 24),
-              torch.zeros(1, 128, dtype=torch.long), torch.tensor([3500.0]))
+              torch.zeros(1, 128, dtype=torch.long), torch.tensor([3500.0]),
+              torch.zeros(1, 0, dtype=torch.long))
     with torch.no_grad():
         torch.testing.assert_close(spec.denoiser_forward(loaded, inputs),
                                    spec.denoiser_forward(transformer, inputs))

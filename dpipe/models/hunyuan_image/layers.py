@@ -6,6 +6,10 @@ refiner on the Qwen embeddings, projects the ByT5 glyph embeddings and orders th
 diffusers does (valid ByT5, valid Qwen, then the padding of each); `text_mask` (int64, 1 = a real
 token) and `size` (the latent height and width in its shape, `dpipe.models.sync_free`) cross
 stage boundaries without gradients.
+Both text streams come cut after their longest prompt, and `joint_mask` is the ordered text's
+mask, cut after the sample with the most real tokens (`HunyuanImageSpec.make_inputs`, on the
+CPU). A mask with nothing to mask is empty, (B, 0): then the refiner pools every token, the
+ordering is skipped, and the blocks attend unmasked.
 Each block rebuilds the attention mask (in the form `model.attention`'s kernel takes) and the
 rotary embedding from them.
 """
@@ -16,7 +20,7 @@ import torch
 from torch import nn
 
 from dpipe.config.schema import AttentionKernel
-from dpipe.models.attention_mask import key_padding_mask
+from dpipe.models.attention_mask import has_padding, key_padding_mask
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
@@ -29,10 +33,20 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def valid(mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The (B, N) bool validity of `tokens` from their mask, which is empty where all are real."""
+    if has_padding(mask):
+        return mask.bool()
+    return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+
+
 def order_text(text, mask, glyph, glyph_mask):
     """diffusers' order of the joint text tokens: valid glyph, valid text, glyph padding, text
-    padding (per sample, as HunyuanImageTransformer2DModel.forward)."""
-    return valid_first(torch.cat([glyph, text], dim=1), torch.cat([glyph_mask, mask], dim=1))
+    padding (per sample, as HunyuanImageTransformer2DModel.forward). Masks may be empty."""
+    tokens = torch.cat([glyph, text], dim=1)
+    if not (has_padding(mask) or has_padding(glyph_mask)):
+        return tokens  # all real: already in that order
+    return valid_first(tokens, torch.cat([valid(glyph_mask, glyph), valid(mask, text)], dim=1))[0]
 
 
 class HunyuanImageEmbed(PipelineLayer):
@@ -55,18 +69,20 @@ class HunyuanImageEmbed(PipelineLayer):
         self.meanflow = bool(transformer.config.use_meanflow)
 
     def forward(self, inputs):
-        latents, timestep, text, mask, glyph, glyph_mask, guidance = inputs
+        latents, timestep, text, mask, glyph, glyph_mask, guidance, joint_mask = inputs
         h, w = latents.shape[-2:]
-        mask = mask.bool()
         # Meanflow (distilled) models take the interval [r, t]; r = t is the plain flow velocity.
         temb = self.time_guidance_embed(
             timestep, guidance=guidance if self.guidance else None,
             timestep_r=timestep if self.meanflow else None)
         hidden = self.x_embedder(latents)
-        text_hidden = self.context_embedder(text, timestep, mask)
+        text_hidden = self.context_embedder(text, timestep,
+                                            mask.bool() if has_padding(mask) else None)
         if self.context_embedder_2 is not None:
-            text_hidden, mask = order_text(text_hidden, mask, self.context_embedder_2(glyph),
-                                           glyph_mask.bool())
+            text_hidden = order_text(text_hidden, mask, self.context_embedder_2(glyph), glyph_mask)
+            if has_padding(joint_mask):  # past the longest sample's real tokens: padding only
+                text_hidden = text_hidden[:, :joint_mask.shape[1]]
+            mask = joint_mask
         size = carrier(h, w, device=latents.device)
         hidden, text_hidden, temb, mask, size = run_block(
             self.block, self.rope, self.attention, (hidden, text_hidden, temb, mask.long(), size))
@@ -76,9 +92,11 @@ class HunyuanImageEmbed(PipelineLayer):
 def run_block(block: nn.Module, rope: nn.Module, attention: AttentionKernel, inputs):
     hidden, text_hidden, temb, mask, size = inputs
     rotary = rope(hidden.new_empty((1, 1, *sizes(size))))
-    valid_keys = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
-    hidden, text_hidden = block(hidden, text_hidden, temb,
-                                attention_mask=key_padding_mask(valid_keys, attention),
+    attention_mask = None  # no padding left: SDPA may run flash
+    if has_padding(mask):
+        valid_keys = nn.functional.pad(mask.bool(), (hidden.shape[1], 0), value=True)
+        attention_mask = key_padding_mask(valid_keys, attention)
+    hidden, text_hidden = block(hidden, text_hidden, temb, attention_mask=attention_mask,
                                 image_rotary_emb=rotary)
     # Single blocks return slices of the joint sequence; tensors sent between stages must be
     # contiguous.
