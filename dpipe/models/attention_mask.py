@@ -40,6 +40,33 @@ def has_padding(mask: torch.Tensor) -> bool:
     return mask.shape[1] > 0
 
 
+def real_tokens(mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool: which of `tokens` (B, N, ...) are real, from their trimmed mask, which is
+    empty when all are."""
+    if has_padding(mask):
+        return mask.bool()
+    return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+
+
+def joint_padding_mask(*streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Text streams, each a trimmed (tokens, mask) pair, joined and ordered real tokens first
+    per sample, then cut after the sample with the most: the mask of that joint text, (B, that
+    many) int64, or (B, 0) when no stream has padding left, so the joint length is the streams'.
+    (Equal totals over padded streams keep an all-true mask: its length says where to cut.)"""
+    real = sum(real_tokens(mask, tokens).sum(1) for tokens, mask in streams)
+    if bool((real == sum(tokens.shape[1] for tokens, _ in streams)).all()):
+        return torch.zeros(real.shape[0], 0, dtype=torch.long)
+    return (torch.arange(int(real.max()))[None, :] < real[:, None]).long()
+
+
+def trim_or_drop(text: torch.Tensor, mask: torch.Tensor):
+    """`trim_text_padding`, but a stream with no real token in any sample (HunyuanImage's and
+    HunyuanVideo 1.5's glyph text without quoted words) keeps no positions at all."""
+    if bool(mask.bool().any()):
+        return trim_text_padding(text, mask)
+    return text[:, :0], mask[:, :0]
+
+
 def key_padding_mask(key_valid: torch.Tensor, kernel: AttentionKernel):
     """`key_valid` (B, N) bool: which keys every query may attend to. Returns the mask to pass as
     a diffusers block's `attention_mask`: (B, 1, 1, N) bool for sdpa, a BlockMask for flex."""

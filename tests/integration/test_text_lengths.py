@@ -12,7 +12,7 @@ from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, one_process_first_loss, run_config
 
 MODELS = ["tiny_hunyuan_video", "tiny_qwen_image", "tiny_chroma", "tiny_z_image", "tiny_lumina2",
-          "tiny_hunyuan_image", "tiny_ltx_video"]
+          "tiny_hunyuan_image", "tiny_ltx_video", "tiny_hunyuan_video15"]
 CAPTIONS = ["red", "a small blue circle drawn on a bright green background with a thin border",
             "two stars", "an orange triangle on a grey background"]
 

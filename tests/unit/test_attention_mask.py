@@ -76,3 +76,24 @@ def test_only_positions_padded_in_every_sample_are_cut():
     assert cut.shape == (2, 4, 3) and torch.equal(cut_mask, mask)
     empty, empty_mask = trim_text_padding(torch.randn(1, 4, 3), torch.zeros(1, 4, dtype=torch.long))
     assert empty.shape == (1, 1, 3) and torch.equal(empty_mask, torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_joint_padding_mask_is_empty_only_where_the_streams_say_the_length():
+    from dpipe.models.attention_mask import joint_padding_mask, trim_or_drop
+
+    def stream(*lengths, width=6):
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return trim_or_drop(torch.randn(len(lengths), width, 4), mask)
+
+    # One sample, or samples that fill both trimmed streams: nothing to mask.
+    assert joint_padding_mask(stream(2), stream(5)).shape == (1, 0)
+    assert joint_padding_mask(stream(2, 2), stream(5, 5)).shape == (2, 0)
+    # A stream with no real token anywhere is dropped, and adds nothing.
+    glyph = stream(0, 0)
+    assert glyph[0].shape[1] == 0 and joint_padding_mask(glyph, stream(4, 4)).shape == (2, 0)
+    # Different totals: each sample's real tokens first, cut after the most.
+    assert joint_padding_mask(stream(1, 0), stream(5, 3)).tolist() == [
+        [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    # Equal totals over padded streams (3 + 2 and 0 + 5): an all-true mask of the joint length 5,
+    # shorter than the streams' 3 + 5 together.
+    assert joint_padding_mask(stream(3, 0), stream(2, 5)).tolist() == [[1] * 5, [1] * 5]

@@ -24,7 +24,7 @@ from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
 from dpipe.pipeline.partition import stage_bounds
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
-    lora_state_dict, micro_batch)
+    lora_state_dict, micro_batch, record_attention_masks, run)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,54 @@ def test_layers_match_diffusers_on_video_latents(spec, encoders, frames):
     inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
     assert inputs[0].shape == (2, 9, (frames - 1) // 4 + 1, 8, 8)  # noisy, condition, mask
     assert_layers_match(spec, lora_denoiser(spec), inputs)
+
+
+@pytest.mark.parametrize("prompts", [CAPTIONS[:1], ['a sign that reads "OPEN"'], CAPTIONS])
+def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, prompts,
+                                                               monkeypatch):
+    """make_inputs cuts both text streams after their longest prompt (no quoted text: no glyph
+    stream), and the embed layer the ordered tokens after the most real ones, so the 729 zero
+    image tokens of text-to-video never reach a block. One prompt then leaves nothing to mask
+    and no attention call gets a mask (SDPA can run flash); two keep one, on the keys only. The
+    layers give diffusers' output, its own processor's (a query x key mask), on the text as
+    cached."""
+    import copy
+
+    from diffusers.models.transformers.transformer_hunyuan_video15 import (
+        HunyuanVideo15AttnProcessor2_0)
+    from dpipe.models.spec import NoisedBatch
+
+    text = spec.encode_prompts(encoders, prompts)
+    latents = torch.randn(len(prompts), 4, 3, 8, 8)
+    t = torch.tensor([0.3, 0.8][:len(prompts)])
+    noisy, target = spec.noise(latents, latents, t)
+    inputs, _ = spec.make_inputs(NoisedBatch(latents, latents, t, noisy, target, text))
+    real, real_glyph = text["mask"].sum(1), text["byt5_mask"].sum(1)
+    assert inputs[2].shape[1] == int(real.max()) and inputs[4].shape[1] == int(real_glyph.max())
+    one = len(prompts) == 1
+    assert inputs[6].shape[1] == (0 if one else int((real + real_glyph).max()))
+    cached = (*inputs[:2], text["qwen"], text["mask"].long(), text["byt5"],
+              text["byt5_mask"].long(), inputs[6])
+    denoiser = lora_denoiser(spec)
+    diffusers_own = copy.deepcopy(denoiser)  # the layers give the copy's blocks dpipe's processor
+    layers = spec.pipeline_layers(denoiser)
+    processors = {type(m.processor) for m in diffusers_own.transformer_blocks.modules()
+                  if hasattr(m, "processor")}
+    assert processors == {HunyuanVideo15AttnProcessor2_0}
+    video, joint = layers[0](inputs)[:2]
+    assert joint.shape[1] == int((real + real_glyph).max())  # no image tokens
+    masks = record_attention_masks(monkeypatch)
+    with torch.no_grad():
+        got = run(layers, inputs)
+        blocks = len(masks)
+        expected = spec.denoiser_forward(diffusers_own, cached)
+    assert blocks > 0 and all(m is not None for m in masks[blocks:])  # diffusers always masks
+    assert all(m is None for m in masks[:blocks]) == one
+    # The blocks' (not the token refiner's) masks: on the keys only.
+    in_blocks = [m for m in masks[:blocks]
+                 if m is not None and m.shape[-1] == video.shape[1] + joint.shape[1]]
+    assert all(m.shape[-2] == 1 for m in in_blocks) and (len(in_blocks) > 0) != one
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):

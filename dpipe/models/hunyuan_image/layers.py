@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dpipe.config.schema import AttentionKernel
-from dpipe.models.attention_mask import has_padding, key_padding_mask
+from dpipe.models.attention_mask import has_padding, key_padding_mask, real_tokens
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
@@ -33,20 +33,14 @@ def needs_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def valid(mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The (B, N) bool validity of `tokens` from their mask, which is empty where all are real."""
-    if has_padding(mask):
-        return mask.bool()
-    return torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
-
-
 def order_text(text, mask, glyph, glyph_mask):
     """diffusers' order of the joint text tokens: valid glyph, valid text, glyph padding, text
     padding (per sample, as HunyuanImageTransformer2DModel.forward). Masks may be empty."""
     tokens = torch.cat([glyph, text], dim=1)
     if not (has_padding(mask) or has_padding(glyph_mask)):
         return tokens  # all real: already in that order
-    return valid_first(tokens, torch.cat([valid(glyph_mask, glyph), valid(mask, text)], dim=1))[0]
+    real = torch.cat([real_tokens(glyph_mask, glyph), real_tokens(mask, text)], dim=1)
+    return valid_first(tokens, real)[0]
 
 
 class HunyuanImageEmbed(PipelineLayer):

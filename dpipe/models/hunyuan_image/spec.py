@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.attention_mask import has_padding, trim_text_padding
+from dpipe.models.attention_mask import (
+    has_padding, joint_padding_mask, trim_or_drop, trim_text_padding)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
@@ -44,21 +45,8 @@ def cut_text(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     (`dpipe.models.attention_mask`): a mask with nothing to mask comes back empty, (B, 0). The
     glyph stream of a micro-batch with no quoted text at all has no tokens left."""
     qwen, qwen_mask = trim_text_padding(text["text"], text["text_mask"])
-    glyph, glyph_mask = text["glyph"], text["glyph_mask"]
-    if bool(glyph_mask.any()):
-        glyph, glyph_mask = trim_text_padding(glyph, glyph_mask)
-    else:
-        glyph, glyph_mask = glyph[:, :0], glyph_mask[:, :0]
+    glyph, glyph_mask = trim_or_drop(text["glyph"], text["glyph_mask"])
     return qwen, qwen_mask.long(), glyph, glyph_mask.long()
-
-
-def joint_text_mask(text: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mask of the joint text as the layers order it (each sample's real tokens first), cut
-    after the sample with the most: (B, that many) int64, or (B, 0) when no sample has padding
-    left, the case at one prompt per micro-batch."""
-    real = text["text_mask"].bool().sum(1) + text["glyph_mask"].bool().sum(1)
-    mask = torch.arange(int(real.max()))[None, :] < real[:, None]
-    return (mask[:, :0] if bool(mask.all()) else mask).long()
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -184,8 +172,10 @@ class HunyuanImageSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
         guidance = torch.full((b,), float(self.cfg.guidance) * 1000.0)
-        inputs = (batch.noisy, batch.timesteps * 1000.0, *cut_text(batch.text), guidance,
-                  joint_text_mask(batch.text))
+        qwen, qwen_mask, glyph, glyph_mask = cut_text(batch.text)
+        joint = joint_padding_mask((glyph, glyph_mask), (qwen, qwen_mask))
+        inputs = (batch.noisy, batch.timesteps * 1000.0, qwen, qwen_mask, glyph, glyph_mask,
+                  guidance, joint)
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.attention_mask import (
+    has_padding, joint_padding_mask, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.spec import (
@@ -192,8 +194,12 @@ class HunyuanVideo15Spec(ModelSpec):
         b, _, f, h, w = noisy.shape
         # Text-to-video: no condition latents and a zero condition mask, as the pipeline passes.
         x = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1)
-        inputs = (x, batch.timesteps, batch.text["qwen"], batch.text["mask"].long(),
-                  batch.text["byt5"], batch.text["byt5_mask"].long())
+        # Each text stream cut after its longest prompt, and the joint text's mask, on the CPU
+        # (dpipe.models.attention_mask): at one prompt per micro-batch nothing is left to mask.
+        text, mask = trim_text_padding(batch.text["qwen"], batch.text["mask"])
+        glyph, glyph_mask = trim_or_drop(batch.text["byt5"], batch.text["byt5_mask"])
+        joint = joint_padding_mask((glyph, glyph_mask), (text, mask))
+        inputs = (x, batch.timesteps, text, mask.long(), glyph, glyph_mask.long(), joint)
         return inputs, loss_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
@@ -229,7 +235,10 @@ class HunyuanVideo15Spec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        x, t, text, mask, glyph, glyph_mask = inputs
+        x, t, text, mask, glyph, glyph_mask, _joint = inputs
+        mask, glyph_mask = (m if has_padding(m) else
+                            torch.ones(s.shape[:2], dtype=torch.long, device=s.device)
+                            for m, s in ((mask, text), (glyph_mask, glyph)))
         image = x.new_zeros(x.shape[0], IMAGE_TOKENS, denoiser.config.image_embed_dim)
         return denoiser(
             hidden_states=x, image_embeds=image, timestep=t * 1000, encoder_hidden_states=text,
