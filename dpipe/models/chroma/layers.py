@@ -6,8 +6,9 @@ model, computed once from the timestep; each block slices out its own rows, exac
 ChromaTransformer2DModel.forward slices them. `ids` (position ids, rotary embeddings recomputed per
 block) and `mask` (1 for the text tokens attended to, and every image token) are int64, so they
 cross stage boundaries without gradients. With the text cut to its longest prompt and nothing left
-to mask, `mask` is empty, (B, 0), and the blocks attend unmasked (`joint_mask`). Single-stream blocks take the text and image tokens
-concatenated, as in diffusers; they split them again so that every layer passes the same tuple.
+to mask, `mask` is empty, (B, 0), and the blocks attend unmasked (`joint_mask`). Single-stream
+blocks take the text and image tokens concatenated, as in diffusers; they split them again so
+that every layer passes the same tuple.
 """
 
 from __future__ import annotations

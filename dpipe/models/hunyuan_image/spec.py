@@ -28,7 +28,7 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.attention_mask import (
-    has_padding, joint_padding_mask, trim_or_drop, trim_text_padding)
+    joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
@@ -38,15 +38,6 @@ from dpipe.models.single_file import (
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 log = logging.getLogger(__name__)
-
-
-def cut_text(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """(text, text_mask, glyph, glyph_mask), each stream cut after its longest prompt, on the CPU
-    (`dpipe.models.attention_mask`): a mask with nothing to mask comes back empty, (B, 0). The
-    glyph stream of a micro-batch with no quoted text at all has no tokens left."""
-    qwen, qwen_mask = trim_text_padding(text["text"], text["text_mask"])
-    glyph, glyph_mask = trim_or_drop(text["glyph"], text["glyph_mask"])
-    return qwen, qwen_mask.long(), glyph, glyph_mask.long()
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -172,10 +163,14 @@ class HunyuanImageSpec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
         guidance = torch.full((b,), float(self.cfg.guidance) * 1000.0)
-        qwen, qwen_mask, glyph, glyph_mask = cut_text(batch.text)
+        # Each text stream cut after its longest prompt (no glyph stream without quoted text), and
+        # the joint text's mask, on the CPU (dpipe.models.attention_mask): at one prompt per
+        # micro-batch nothing is left to mask.
+        qwen, qwen_mask = trim_text_padding(batch.text["text"], batch.text["text_mask"])
+        glyph, glyph_mask = trim_or_drop(batch.text["glyph"], batch.text["glyph_mask"])
         joint = joint_padding_mask((glyph, glyph_mask), (qwen, qwen_mask))
-        inputs = (batch.noisy, batch.timesteps * 1000.0, qwen, qwen_mask, glyph, glyph_mask,
-                  guidance, joint)
+        inputs = (batch.noisy, batch.timesteps * 1000.0, qwen, qwen_mask.long(), glyph,
+                  glyph_mask.long(), guidance, joint)
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
@@ -229,9 +224,8 @@ class HunyuanImageSpec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, timestep, text, mask, glyph, glyph_mask, guidance, _joint = inputs
-        mask, glyph_mask = (m if has_padding(m) else
-                            torch.ones(t.shape[:2], dtype=torch.long, device=t.device)
-                            for m, t in ((mask, text), (glyph_mask, glyph)))
+        # diffusers takes masks of the texts' lengths.
+        mask, glyph_mask = real_tokens(mask, text).long(), real_tokens(glyph_mask, glyph).long()
         c = denoiser.config
         return denoiser(
             latents, timestep, encoder_hidden_states=text, encoder_attention_mask=mask,

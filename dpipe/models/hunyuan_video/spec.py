@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
-from dpipe.models.attention_mask import has_padding, trim_text_padding
+from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
@@ -237,8 +237,7 @@ class HunyuanVideoSpec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, t, text, text_mask, pooled, guidance = inputs
-        if not has_padding(text_mask):  # diffusers takes a mask of the text's length
-            text_mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+        text_mask = real_tokens(text_mask, text).long()  # diffusers takes one of the text's length
         return denoiser(
             hidden_states=latents, timestep=t * 1000, encoder_hidden_states=text,
             encoder_attention_mask=text_mask, pooled_projections=pooled,

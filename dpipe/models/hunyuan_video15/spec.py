@@ -21,7 +21,7 @@ from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.attention_mask import (
-    has_padding, joint_padding_mask, trim_or_drop, trim_text_padding)
+    joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.spec import (
@@ -236,9 +236,8 @@ class HunyuanVideo15Spec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         x, t, text, mask, glyph, glyph_mask, _joint = inputs
-        mask, glyph_mask = (m if has_padding(m) else
-                            torch.ones(s.shape[:2], dtype=torch.long, device=s.device)
-                            for m, s in ((mask, text), (glyph_mask, glyph)))
+        # diffusers takes masks of the texts' lengths.
+        mask, glyph_mask = real_tokens(mask, text).long(), real_tokens(glyph_mask, glyph).long()
         image = x.new_zeros(x.shape[0], IMAGE_TOKENS, denoiser.config.image_embed_dim)
         return denoiser(
             hidden_states=x, image_embeds=image, timestep=t * 1000, encoder_hidden_states=text,
