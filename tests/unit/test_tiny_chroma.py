@@ -19,7 +19,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
 from dpipe.models.chroma.tiny import make_tiny_chroma
 from dpipe.models.spec import NoisedBatch
-from tests.unit.video_checks import latent_inputs, record_attention_masks
+from tests.unit.video_checks import attention_masks_of_layers_and_diffusers, latent_inputs
 
 CAPTION = "a red circle on a blue background"
 
@@ -122,15 +122,11 @@ def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, pipe, promp
     packed, _t, cut, mask, txt_ids, _img_ids = inputs
     assert cut.shape[1] == txt_ids.shape[0] == longest
     assert mask.shape[1] == (0 if len(prompts) == 1 else longest + packed.shape[1])
-    masks = record_attention_masks(monkeypatch)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(pipe.transformer):
-            x = layer(x)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(pipe.transformer, _padded(text, inputs))
-    assert blocks > 0 and all(m is not None for m in masks[blocks:])
-    assert all(m is None for m in masks[:blocks]) == (len(prompts) == 1)
+    x, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(pipe.transformer), inputs, pipe.transformer,
+        _padded(text, inputs))
+    assert ours and all(m is not None for m in theirs)
+    assert all(m is None for m in ours) == (len(prompts) == 1)
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -19,7 +19,7 @@ from dpipe.models.hunyuan_image.spec import LORA_TARGETS, HunyuanImageSpec
 from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS, make_tiny_hunyuan_image
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
-from tests.unit.video_checks import record_attention_masks
+from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 
 PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a wall']
 
@@ -121,15 +121,10 @@ def test_text_padding_is_cut_and_gives_diffusers_padded_output(tiny, pipe, promp
     cached = (*inputs[:2], text["text"], text["text_mask"].long(), text["glyph"],
               text["glyph_mask"].long(), *inputs[6:])
     transformer = spec.load_denoiser(torch.float32)
-    masks = record_attention_masks(monkeypatch)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(transformer):
-            x = layer(x)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(transformer, cached)
-    assert blocks > 0 and all(m is not None for m in masks[blocks:])  # diffusers always masks
-    assert all(m is None for m in masks[:blocks]) == one
+    x, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(transformer), inputs, transformer, cached)
+    assert ours and all(m is not None for m in theirs)  # diffusers always masks
+    assert all(m is None for m in ours) == one
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -24,7 +24,7 @@ from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
-    deltas, lora_denoiser, lora_state_dict, micro_batch, record_attention_masks, run)
+    attention_masks_of_layers_and_diffusers, deltas, lora_denoiser, lora_state_dict, micro_batch)
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +128,10 @@ def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, c
     assert inputs[2].shape[1] == int(real.max())
     assert inputs[3].shape[1] == (0 if clips == 1 else int(real.max()))
     padded = (*inputs[:2], text["llama"].float(), text["mask"].long(), *inputs[4:])
-    masks = record_attention_masks(monkeypatch)
-    with torch.no_grad():
-        got = run(spec.pipeline_layers(denoiser), inputs)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(denoiser, padded)
-    assert blocks > 0 and any(m is not None for m in masks[blocks:])  # diffusers' forward masks
-    assert all(m is None for m in masks[:blocks]) == (clips == 1)
+    got, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(denoiser), inputs, denoiser, padded)
+    assert ours and any(m is not None for m in theirs)  # diffusers' forward masks
+    assert all(m is None for m in ours) == (clips == 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -24,7 +24,7 @@ from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
 from dpipe.pipeline.partition import stage_bounds
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
-    lora_state_dict, micro_batch, record_attention_masks, run)
+    attention_masks_of_layers_and_diffusers, lora_state_dict, micro_batch)
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +134,12 @@ def test_text_padding_is_cut_and_gives_diffusers_padded_output(spec, encoders, p
     assert processors == {HunyuanVideo15AttnProcessor2_0}
     video, joint = layers[0](inputs)[:2]
     assert joint.shape[1] == int((real + real_glyph).max())  # no image tokens
-    masks = record_attention_masks(monkeypatch)
-    with torch.no_grad():
-        got = run(layers, inputs)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(diffusers_own, cached)
-    assert blocks > 0 and all(m is not None for m in masks[blocks:])  # diffusers always masks
-    assert all(m is None for m in masks[:blocks]) == one
+    got, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, layers, inputs, diffusers_own, cached)
+    assert ours and all(m is not None for m in theirs)  # diffusers always masks
+    assert all(m is None for m in ours) == one
     # The blocks' (not the token refiner's) masks: on the keys only.
-    in_blocks = [m for m in masks[:blocks]
+    in_blocks = [m for m in ours
                  if m is not None and m.shape[-1] == video.shape[1] + joint.shape[1]]
     assert all(m.shape[-2] == 1 for m in in_blocks) and (len(in_blocks) > 0) != one
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

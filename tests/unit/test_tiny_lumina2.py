@@ -22,7 +22,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, from_native, native_state_dict
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
-from tests.unit.video_checks import record_attention_masks
+from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -125,16 +125,11 @@ def test_captions_are_cut_and_one_trains_unmasked(tiny, captions, monkeypatch):
     one = len(captions) == 1
     assert longest < 48 and inputs[2].shape[1] == longest
     assert inputs[4].shape == ((1, 0) if one else (2, longest))
-    masks = record_attention_masks(monkeypatch)
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(denoiser, inputs)
-    assert blocks > 0 and len(masks) == 2 * blocks
-    assert all(m is None for m in masks[:blocks]) == one
+    x, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(denoiser), inputs, denoiser, inputs)
+    assert ours and len(theirs) == len(ours)
+    assert all(m is None for m in ours) == one
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -23,7 +23,7 @@ from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSp
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.qwen_image.tiny_tokenizer import TEMPLATES
 from dpipe.models.spec import NoisedBatch
-from tests.unit.video_checks import record_attention_masks
+from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -151,16 +151,11 @@ def test_one_prompt_trains_unmasked_as_diffusers_does_padded(tiny, monkeypatch):
     assert length < 24 and inputs[2].shape[1] == length and inputs[3].shape == (1, 0)
     padded_mask = (torch.arange(24) < length).long()[None]
     padded = (*inputs[:2], text["text"], padded_mask, *inputs[4:])
-    masks = record_attention_masks(monkeypatch)
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(denoiser, padded)
-    assert blocks and all(m is None for m in masks[:blocks])
-    assert any(m is not None for m in masks[blocks:])  # diffusers, given the padding, masks it
+    x, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(denoiser), inputs, denoiser, padded)
+    assert ours and all(m is None for m in ours)
+    assert any(m is not None for m in theirs)  # diffusers, given the padding, masks it
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -21,7 +21,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
 from dpipe.models.z_image.tiny import make_tiny_z_image
-from tests.unit.video_checks import record_attention_masks
+from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -128,17 +128,12 @@ def test_captions_are_cut_and_masked_only_where_padded_lengths_differ(tiny, capt
     masked = len(captions) == 3
     assert inputs[2].shape[1] == int(lengths.max()) and (int(lengths.max()) < 32) != masked
     assert inputs[4].shape == ((3, 64) if masked else (len(captions), 0))
-    masks = record_attention_masks(monkeypatch)
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        blocks = len(masks)
-        expected = spec.denoiser_forward(denoiser, inputs)
-    assert blocks > 0 and len(masks) > blocks
-    assert all(m is None for m in masks[:blocks]) != masked
-    assert all(m is None for m in masks[blocks:]) != masked  # diffusers' own calls
+    x, expected, ours, theirs = attention_masks_of_layers_and_diffusers(
+        monkeypatch, spec, spec.pipeline_layers(denoiser), inputs, denoiser, inputs)
+    assert ours and theirs
+    assert all(m is None for m in ours) != masked
+    assert all(m is None for m in theirs) != masked  # diffusers' own calls
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
 
 

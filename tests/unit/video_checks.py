@@ -56,10 +56,13 @@ def latent_inputs(spec, encoders, latents: torch.Tensor, prompts: list[str], t) 
     return spec.make_inputs(batch)[0]
 
 
-def record_attention_masks(monkeypatch) -> list:
-    """From here on every `scaled_dot_product_attention` call appends its `attn_mask` (None when
-    unmasked, which leaves SDPA free to run flash) to the returned list, then attends as before.
-    diffusers' attention dispatcher looks the function up at each call, so its calls count."""
+def attention_masks_of_layers_and_diffusers(monkeypatch, spec, layers, inputs, denoiser,
+                                            diffusers_inputs):
+    """The pipeline `layers` on `inputs`, then diffusers' forward of `denoiser` on
+    `diffusers_inputs` (the text as cached, say), without gradients, with every
+    `scaled_dot_product_attention` call's `attn_mask` recorded (None when unmasked, which leaves
+    SDPA free to run flash; diffusers' dispatcher looks the function up at each call, so its
+    calls count). Returns (layers' output, diffusers' output, layers' masks, diffusers' masks)."""
     masks = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -68,7 +71,11 @@ def record_attention_masks(monkeypatch) -> list:
         return sdpa(*args, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    return masks
+    with torch.no_grad():
+        got = run(layers, inputs)
+        ours = len(masks)
+        expected = spec.denoiser_forward(denoiser, diffusers_inputs)
+    return got, expected, masks[:ours], masks[ours:]
 
 
 def run(layers, inputs, checkpointed: bool = False):
