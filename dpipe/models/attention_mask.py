@@ -40,6 +40,11 @@ def has_padding(mask: torch.Tensor) -> bool:
     return mask.shape[1] > 0
 
 
+def padding_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """A trimmed mask as a block's boolean attention mask, or None where nothing is padded."""
+    return mask.bool() if has_padding(mask) else None
+
+
 def real_tokens(mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """(B, N) bool: which of `tokens` (B, N, ...) are real, from their trimmed mask, which is
     empty when all are."""

@@ -6,7 +6,7 @@ model, computed once from the timestep; each block slices out its own rows, exac
 ChromaTransformer2DModel.forward slices them. `ids` (position ids, rotary embeddings recomputed per
 block) and `mask` (1 for the text tokens attended to, and every image token) are int64, so they
 cross stage boundaries without gradients. With the text cut to its longest prompt and nothing left
-to mask, `mask` is empty, (B, 0), and the blocks attend unmasked (`joint_mask`). Single-stream
+to mask, `mask` is empty, (B, 0), and the blocks attend unmasked. Single-stream
 blocks take the text and image tokens concatenated, as in diffusers; they split them again so
 that every layer passes the same tuple.
 """
@@ -16,14 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding
+from dpipe.models.attention_mask import padding_mask
 from dpipe.models.flux.layers import _needs_grad
 from dpipe.models.spec import PipelineLayer
-
-
-def joint_mask(mask: torch.Tensor) -> torch.Tensor | None:
-    """The transformer's `attention_mask` for a (B, text + image) mask, or None: none is needed."""
-    return mask.bool() if has_padding(mask) else None
 
 
 class ChromaEmbed(PipelineLayer):
@@ -56,7 +51,7 @@ class ChromaDoubleBlock(PipelineLayer):
                           mods[:, self.txt_mod:self.txt_mod + 6]], dim=1)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden, temb=temb,
-            image_rotary_emb=self.pos_embed(ids), attention_mask=joint_mask(mask))
+            image_rotary_emb=self.pos_embed(ids), attention_mask=padding_mask(mask))
         return hidden, text_hidden, mods, ids, mask
 
 
@@ -71,7 +66,7 @@ class ChromaSingleBlock(PipelineLayer):
         hidden, text_hidden, mods, ids, mask = inputs
         joint = torch.cat([text_hidden, hidden], dim=1)
         joint = self.block(hidden_states=joint, temb=mods[:, self.mod:self.mod + 3],
-                           image_rotary_emb=self.pos_embed(ids), attention_mask=joint_mask(mask))
+                           image_rotary_emb=self.pos_embed(ids), attention_mask=padding_mask(mask))
         text_len = text_hidden.shape[1]
         return joint[:, text_len:], joint[:, :text_len], mods, ids, mask
 

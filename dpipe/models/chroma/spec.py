@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.attention_mask import has_padding, trim_text_padding
-from dpipe.models.chroma.layers import (
-    ChromaDoubleBlock, ChromaSingleBlock, chroma_layers, joint_mask)
+from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
+from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
@@ -225,7 +224,7 @@ class ChromaSpec(ModelSpec):
         packed, t, text, mask, txt_ids, img_ids = inputs
         return denoiser(hidden_states=packed, encoder_hidden_states=text, timestep=t,
                         img_ids=img_ids.float(), txt_ids=txt_ids.float(),
-                        attention_mask=joint_mask(mask), return_dict=False)[0]
+                        attention_mask=padding_mask(mask), return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import ChromaPipeline

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dpipe.config.schema import AttentionKernel
-from dpipe.models.attention_mask import has_padding, key_padding_mask, real_tokens
+from dpipe.models.attention_mask import has_padding, key_padding_mask, padding_mask, real_tokens
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
@@ -70,8 +70,7 @@ class HunyuanImageEmbed(PipelineLayer):
             timestep, guidance=guidance if self.guidance else None,
             timestep_r=timestep if self.meanflow else None)
         hidden = self.x_embedder(latents)
-        text_hidden = self.context_embedder(text, timestep,
-                                            mask.bool() if has_padding(mask) else None)
+        text_hidden = self.context_embedder(text, timestep, padding_mask(mask))
         if self.context_embedder_2 is not None:
             text_hidden = order_text(text_hidden, mask, self.context_embedder_2(glyph), glyph_mask)
             if has_padding(joint_mask):  # past the longest sample's real tokens: padding only

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding, real_tokens
+from dpipe.models.attention_mask import has_padding, padding_mask, real_tokens
 from dpipe.models.hunyuan_video.layers import needs_grad, rotary, unpatchify
 from dpipe.models.hunyuan_video15.attention import mask_keys_only
 from dpipe.models.spec import PipelineLayer
@@ -79,8 +79,8 @@ class HunyuanVideo15Block(PipelineLayer):
     def forward(self, inputs):
         hidden, text, temb, text_mask, grid = inputs
         rope = rotary(self.rope, grid, self.patch, self.patch_t, hidden.device)
-        mask = text_mask.bool() if has_padding(text_mask) else None  # None: SDPA may run flash
-        hidden, text = self.block(hidden, text, temb, mask, rope)
+        # None when nothing is padded: SDPA may run flash.
+        hidden, text = self.block(hidden, text, temb, padding_mask(text_mask), rope)
         return hidden, text, temb, text_mask, grid
 
 

@@ -236,8 +236,11 @@ class LTXVideoSpec(ModelSpec):
             t_tokens = t[:, None] * (1 - clean)[None]
         else:
             t_tokens = t[:, None]
-        text, text_mask = self.text_and_mask(batch.text)
-        inputs = (pack(noisy, p, pt), t_tokens, text, text_mask, carrier(*grid),
+        # The text cut after the longest prompt (dpipe.models.attention_mask): at one clip per
+        # micro-batch the mask is then empty and cross-attention runs unmasked. Exact: diffusers'
+        # -10000 bias on a padded key gives it a weight of exactly 0.
+        text, text_mask = trim_text_padding(batch.text[self.text_key], batch.text["mask"])
+        inputs = (pack(noisy, p, pt), t_tokens, text, text_mask.long(), carrier(*grid),
                   self.frame_rates(batch))
         target = pack(batch.target, p, pt)
         mask_weight = getattr(batch, "loss_weight", None)  # (B, 1, 1, h, w) or None
@@ -251,14 +254,6 @@ class LTXVideoSpec(ModelSpec):
             per_pixel = mask_weight.view(b, 1, 1, h, w).expand(b, 1, f, h, w)
             weight = weight * pack(per_pixel, p, pt).repeat(1, 1, c)
         return inputs, (target, weight, trained)
-
-    def text_and_mask(self, text: dict[str, torch.Tensor]):
-        """The cross-attended text and its int64 mask, cut after the micro-batch's longest prompt
-        (`dpipe.models.attention_mask`): at one clip per micro-batch the mask is then empty and
-        cross-attention runs unmasked. Exact: diffusers' -10000 bias on a padded key gives it a
-        weight of exactly 0."""
-        cut, mask = trim_text_padding(text[self.text_key], text["mask"])
-        return cut, mask.long()
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return ltx_loss(outputs, labels)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding
+from dpipe.models.attention_mask import has_padding, padding_mask
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -128,8 +128,7 @@ class Lumina2Block(PipelineLayer):
 
     def forward(self, inputs):
         joint, temb, ids, mask, cap_len, grid = inputs
-        joint = self.block(joint, mask.bool() if has_padding(mask) else None,
-                           _freqs(self.rope, ids), temb)
+        joint = self.block(joint, padding_mask(mask), _freqs(self.rope, ids), temb)
         return joint, temb, ids, mask, cap_len, grid
 
 

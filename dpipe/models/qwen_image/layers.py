@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding, trim_text_padding
+from dpipe.models.attention_mask import padding_mask, trim_text_padding
 from dpipe.models.qwen_image.shared import key_mask, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -80,7 +80,7 @@ class QwenImageBlock(PipelineLayer):
                       device=hidden.device)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
-            encoder_hidden_states_mask=text_mask.bool() if has_padding(text_mask) else None,
+            encoder_hidden_states_mask=padding_mask(text_mask),
             temb=temb, image_rotary_emb=rotary)
         return hidden, text_hidden, temb, text_mask, shapes
 

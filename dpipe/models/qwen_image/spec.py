@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.attention_mask import has_padding
+from dpipe.models.attention_mask import padding_mask
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.shared import (
@@ -200,7 +200,7 @@ class QwenImageSpec(ModelSpec):
             image = torch.cat([image, inputs[5]], dim=1)
         # As the pipeline calls it: text cut to the batch's longest prompt (make_inputs), no
         # mask if all full.
-        mask = text_mask.bool() if has_padding(text_mask) else None
+        mask = padding_mask(text_mask)
         out = denoiser(hidden_states=image, encoder_hidden_states=text,
                        encoder_hidden_states_mask=mask,
                        timestep=t, img_shapes=grids(shapes, image.shape[0]), return_dict=False)[0]

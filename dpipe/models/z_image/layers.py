@@ -23,16 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding
+from dpipe.models.attention_mask import has_padding, padding_mask
 from dpipe.models.qwen_image.shared import needs_grad, round_up
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
 SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF
-
-
-def _attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
-    return mask.bool() if has_padding(mask) else None
 
 
 def _grid_ids(f: int, h: int, w: int, device: torch.device) -> torch.Tensor:
@@ -126,7 +122,7 @@ class ZImageRefiner(PipelineLayer):
             # Every item has all x.shape[1] image tokens: nothing to mask.
             x = self.block(x, None, _freqs(self.rope, x_ids), adaln)
         else:
-            cap = self.block(cap, _attention_mask(cap_mask), _freqs(self.rope, cap_ids))
+            cap = self.block(cap, padding_mask(cap_mask), _freqs(self.rope, cap_ids))
         return x, cap, adaln, x_ids, cap_ids, cap_mask, grid
 
 
@@ -154,7 +150,7 @@ class ZImageBlock(PipelineLayer):
 
     def forward(self, inputs):
         unified, adaln, ids, mask, grid = inputs
-        unified = self.block(unified, _attention_mask(mask), _freqs(self.rope, ids), adaln)
+        unified = self.block(unified, padding_mask(mask), _freqs(self.rope, ids), adaln)
         return unified, adaln, ids, mask, grid
 
 
