@@ -30,6 +30,9 @@ DIFFUSERS_SYNCS = {
     # LTX2AudioVideoRotaryPosEmbed.prepare_video_coords makes two small tensors from Python lists
     # on the GPU in every block (compiled, they are constants).
     ("tiny_ltx2", "eager"): 16,
+    # HiDreamImageTransformer2DModel.patchify makes its img_sizes from a Python list on the GPU
+    # once per micro-batch (dpipe does not use them; compiled, they are a constant).
+    ("tiny_hidream", "eager"): MICRO_BATCHES,
 }
 
 
