@@ -222,15 +222,40 @@ def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
     return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
 
 
+def _model_params(module: nn.Module) -> int:
+    return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+
+
+def _attention_train_flops(seq: int, width: int) -> float:
+    # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
+    return 3 * 2 * 2 * seq * seq * width
+
+
 def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full: bool) -> float:
     """The benchmark's model-FLOP convention for a diffusers transformer of double- and
     single-stream blocks (config: num_layers, num_single_layers, num_attention_heads,
     attention_head_dim) whose every block attends over `seq` tokens: 6 (full) or 4 (LoRA) x
     parameters x tokens, plus attention; LoRA adapters are not counted."""
-    params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
     c = denoiser.config
     width = c.num_attention_heads * c.attention_head_dim
     blocks = c.num_layers + c.num_single_layers
-    # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
-    attention = 3 * 2 * 2 * seq * seq * width * blocks
-    return batch * ((6 if full else 4) * params * seq + attention)
+    attention = _attention_train_flops(seq, width) * blocks
+    return batch * ((6 if full else 4) * _model_params(denoiser) * seq + attention)
+
+
+def refined_joint_train_flops(denoiser: nn.Module, batch: int, image_tokens: int,
+                              text_tokens: int, width: int, timestep_embedder: nn.Module,
+                              full: bool) -> float:
+    """The same convention for a transformer that refines each stream alone first (Lumina 2,
+    Z-Image): `noise_refiner` blocks over the image tokens, `context_refiner` blocks over the
+    text, then `layers` over both joined. The timestep embedder runs once per sample; the other
+    embedders and the head count for every joint token, an upper bound as above. `width`: the
+    query heads x head dim."""
+    joint = image_tokens + text_tokens
+    streams = [(denoiser.noise_refiner, image_tokens), (denoiser.context_refiner, text_tokens),
+               (denoiser.layers, joint), (timestep_embedder, 1)]
+    rest = _model_params(denoiser) - sum(_model_params(part) for part, _ in streams)
+    weights = rest * joint + sum(_model_params(part) * tokens for part, tokens in streams)
+    attention = sum(len(blocks) * _attention_train_flops(seq, width)
+                    for blocks, seq in streams[:3])
+    return batch * ((6 if full else 4) * weights + attention)

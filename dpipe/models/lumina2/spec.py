@@ -20,12 +20,13 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.attention_mask import trim_text_padding
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
+from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.qwen_image.shared import (
     check_folder, fuse_lora, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
     save_comfy_lora, weighted_labels, weighted_mse)
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, refined_joint_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -185,6 +186,24 @@ class Lumina2Spec(ModelSpec):
         from diffusers import Lumina2Transformer2DModel
 
         return Lumina2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        mask = torch.zeros(shapes["cap"][0])
+        mask[:shapes["text_tokens"]] = 1.0
+        return torch.randn(shapes["latents"]), {"cap": torch.randn(shapes["cap"]),
+                                                "cap_mask": mask}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        latents, _t, cap = inputs[:3]
+        b, _, h, w = latents.shape
+        p = denoiser.config.patch_size
+        return refined_joint_train_flops(denoiser, b, (h // p) * (w // p), cap.shape[1],
+                                         denoiser.config.hidden_size,
+                                         denoiser.time_caption_embed.timestep_embedder, full)
 
 
 # ---- ComfyUI ------------------------------------------------------------------------------------

@@ -99,6 +99,8 @@ def _write(out: Path, seed: int) -> None:
         AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
     from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
+    from dpipe.models.lumina2.sizes import LUMINA2_TINY  # imports this module's sizes
+
     vocab = save_gemma_tokenizer(out / "tokenizer")
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
     with seeded(seed):
@@ -108,11 +110,7 @@ def _write(out: Path, seed: int) -> None:
             max_position_embeddings=8192, query_pre_attn_scalar=16, sliding_window=64,
             pad_token_id=0, eos_token_id=1, bos_token_id=2))
     with seeded(seed + 1):
-        transformer = Lumina2Transformer2DModel(
-            sample_size=8, patch_size=2, in_channels=LATENT_CHANNELS, hidden_size=DIM,
-            num_layers=2, num_refiner_layers=2, num_attention_heads=2, num_kv_heads=1,
-            multiple_of=16, norm_eps=1e-5, axes_dim_rope=(8, 8, 8),  # sums to the head dim 24
-            axes_lens=(300, 512, 512), cap_feat_dim=TEXT_DIM)
+        transformer = Lumina2Transformer2DModel.from_config(LUMINA2_TINY)
     with seeded(seed + 2):
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,

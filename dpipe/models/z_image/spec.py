@@ -24,8 +24,9 @@ from dpipe.models.qwen_image.shared import (
     check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, round_up,
     save_comfy_lora, weighted_labels, weighted_mse)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, refined_joint_train_flops
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
+from dpipe.models.z_image.sizes import SAMPLE_SHAPES, SIZES
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -203,6 +204,24 @@ class ZImageSpec(ModelSpec):
         from diffusers import ZImageTransformer2DModel
 
         return ZImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        text = {"cap": torch.randn(shapes["cap"]),
+                "cap_len": torch.tensor([float(shapes["text_tokens"])])}
+        return torch.randn(shapes["latents"]), text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        latents, _t, cap = inputs[:3]
+        b, _, h, w = latents.shape
+        p = denoiser.config.all_patch_size[0]
+        # diffusers pads each stream to a multiple of 32 tokens, attended (layers.py).
+        image, text = (round_up(n, SEQ_MULTI_OF) for n in ((h // p) * (w // p), cap.shape[1]))
+        return refined_joint_train_flops(denoiser, b, image, text, denoiser.config.dim,
+                                         denoiser.t_embedder, full)
 
 
 # ---- ComfyUI ------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ def _write(out: Path, seed: int) -> None:
         AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
+    from dpipe.models.z_image.sizes import Z_IMAGE_TINY  # imports this module's sizes
+
     added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=40960)
     vocab = max(added.values()) + 1
 
@@ -59,12 +61,7 @@ def _write(out: Path, seed: int) -> None:
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
             bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"]))
     with seeded(seed + 1):
-        transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=DIM,
-            n_layers=2, n_refiner_layers=2, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
-            cap_feat_dim=TEXT_DIM, rope_theta=256.0, t_scale=1000.0,
-            axes_dims=[4, 6, 6],  # sums to the head dim 16, as [32, 48, 48] sums to 128
-            axes_lens=[1536, 512, 512])
+        transformer = ZImageTransformer2DModel.from_config(Z_IMAGE_TINY)
         # Zero-initialised in the real class: random here, so tests see them at work.
         torch.nn.init.normal_(transformer.x_pad_token, std=0.5)
         torch.nn.init.normal_(transformer.cap_pad_token, std=0.5)
