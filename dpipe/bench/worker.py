@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dpipe.bench.executed import executed_train_flops
 from dpipe.config.schema import Precision, TimestepConfig, TrainMode
 from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
@@ -95,6 +96,10 @@ def main() -> int:
     flops_per_step = sum(spec.train_flops(denoiser, inputs, full) for inputs, _ in batches)
     data_parallel = dist.get_world_size() // run.pipeline.stages
     flops_per_step *= data_parallel
+    executed_flops_per_step = None  # rank 0's figure is the one reported
+    if rank == 0:
+        executed_flops_per_step = data_parallel * executed_train_flops(spec, run, opts["size"],
+                                                                       batches)
     if cuda and opts.get("memory_cap_gb"):
         # A smaller card, emulated from here on: allocations past the cap fail. The random model
         # is made on the GPU in fp32 first; training loads it on the CPU and converts it there.
@@ -155,6 +160,7 @@ def main() -> int:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "flops_per_step": flops_per_step,
+        "executed_flops_per_step": executed_flops_per_step,
         "images_per_step": run.pipeline.micro_batch_size * run.pipeline.micro_batches * data_parallel,
         "checkpointed_layers": len(engine.module.checkpointed),
         "local_layers": len(engine.module.forward_funcs),

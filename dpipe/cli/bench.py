@@ -8,7 +8,8 @@ Each `--run NAME: OVERRIDES` is composed like `dpipe-train OVERRIDES` (model=flu
 runs through the same layers, pipeline engine and `train_batch` as training, in its own worker
 processes, on fixed random micro-batches. `--plain` adds the reference: a plain one-GPU loop
 (compiled blocks, no checkpointing) on the first run's model and batch. Prints s/step, images/s,
-model TFLOP/s and MFU per GPU, peak memory, per-stage compute and idle time.
+model TFLOP/s and MFU per GPU (by the model-FLOP convention), the TFLOP/s the step executes
+(`dpipe.bench.executed`), peak memory, per-stage compute and idle time.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
     step_s = max(r["step_s"] for r in ranks)
     gpus = len(ranks)
     tflops = ranks[0]["flops_per_step"] / step_s / gpus / 1e12
+    executed = ranks[0].get("executed_flops_per_step")  # the plain loop's is not counted
+    executed_tflops = None if executed is None else executed / step_s / gpus / 1e12
     stages = sorted({r["stage"] for r in ranks})
     per_stage = []
     for stage in stages:
@@ -120,15 +123,16 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
     return {"name": name, "overrides": overrides, "gpus": gpus, "step_s": step_s,
             "images_per_s": ranks[0]["images_per_step"] / step_s,
             "s_per_image": step_s / ranks[0]["images_per_step"], "tflops_per_gpu": tflops,
-            "mfu": tflops / PEAK_TFLOPS, "stages": per_stage}
+            "mfu": tflops / PEAK_TFLOPS, "executed_tflops_per_gpu": executed_tflops,
+            "stages": per_stage}
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers | per stage: host syncs per step / backward passes per micro-batch |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | executed TFLOP/s per GPU (of the peak) | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers | per stage: host syncs per step / backward passes per micro-batch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | |")
             continue
         stages = "; ".join(
             f"{s['stage']}: {s.get('compute_s', float('nan')):.2f} / {s.get('idle_s', float('nan')):.2f} / "
@@ -137,9 +141,14 @@ def _table(rows: list[dict]) -> str:
         audit = "; ".join(f"{s['stage']}: {s['host_syncs']} / {s['backward_passes']:g}"
                           for s in r["stages"] if "host_syncs" in s)
         lines.append(f"| {r['name']} | {r['gpus']} | {r['step_s']:.3f} | {r['images_per_s']:.2f} | "
-                     f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | {stages} | "
+                     f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | "
+                     f"{_executed(r['executed_tflops_per_gpu'])} | {stages} | "
                      f"{audit} |")
     return "\n".join(lines)
+
+
+def _executed(tflops: float | None) -> str:
+    return "-" if tflops is None else f"{tflops:.0f} ({tflops / PEAK_TFLOPS:.0%})"
 
 
 if __name__ == "__main__":

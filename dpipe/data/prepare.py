@@ -24,7 +24,7 @@ from dpipe.config.schema import DatasetConfig, DatasetKind
 from dpipe.data import discover as disc
 from dpipe.data.batches import CachedDataset
 from dpipe.data.cache_store import KeyMaker, TensorStore
-from dpipe.data.encode import Failure, LatentJob, MaskJob, TextJob, default_workers, run_jobs
+from dpipe.data.encode import LatentJob, MaskJob, TextJob, default_workers, run_jobs
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport

@@ -9,8 +9,6 @@ keeping it, so no bf16 copy of the weights is ever held for the backward pass.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn

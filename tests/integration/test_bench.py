@@ -67,6 +67,33 @@ def test_random_models_train_through_their_layers(model):
     assert 0.2 < counted.get_total_flops() / spec.train_flops(denoiser, inputs, full=True) < bound
 
 
+def test_the_executed_flops_are_counted_beside_the_conventions(rows):
+    """dpipe-bench counts what the step executes (torch's count on the meta device); the model-FLOP
+    convention counts every weight for every token, more than runs where embedders and
+    modulation see one token per sample, as in the tiny FLUX."""
+    row = rows["full-3"]
+    assert 0 < row["executed_tflops_per_gpu"] < row["tflops_per_gpu"]
+
+
+def test_the_convention_counts_flux_dev_at_1_67x_what_runs():
+    """The figure docs/performance.md gives (FLUX.1-dev, 1024x1024, full fine-tune): its
+    modulation Linears see one token per image and each double-stream weight only its own
+    stream's tokens, so 6 x parameters x tokens is ~1.67x what the step runs."""
+    import torch
+
+    from dpipe.bench.executed import executed_train_flops
+    from dpipe.bench.worker import fixed_micro_batches
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+
+    run = compose_run(["model=flux", "model.path=/unused", "dataset=synthetic", "model.mode=full"])
+    spec = build_spec(run.model)
+    batches = fixed_micro_batches(spec, "dev", 1, 1, seed=0)
+    denoiser = spec.random_denoiser("dev", torch.float32, torch.device("meta"))
+    convention = spec.train_flops(denoiser, batches[0][0], full=True)
+    assert 1.6 < convention / executed_train_flops(spec, run, "dev", batches) < 1.75
+
+
 def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--out",
                            str(tmp_path), "--run", "wan: model=tiny_wan"], cwd=REPO,

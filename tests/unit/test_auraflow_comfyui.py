@@ -5,8 +5,6 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file

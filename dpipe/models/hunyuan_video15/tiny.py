@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from dpipe.models.hunyuan_video.tiny import save_sharded
 from dpipe.models.tiny_parts import round_up, seeded, write_atomically
 

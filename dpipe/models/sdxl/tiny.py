@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
 from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_atomically
 
