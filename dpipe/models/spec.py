@@ -233,12 +233,12 @@ def _attention_train_flops(seq: int, width: int) -> float:
 
 def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full: bool) -> float:
     """The benchmark's model-FLOP convention for a diffusers transformer of double- and
-    single-stream blocks (config: num_layers, num_single_layers, num_attention_heads,
-    attention_head_dim) whose every block attends over `seq` tokens: 6 (full) or 4 (LoRA) x
-    parameters x tokens, plus attention; LoRA adapters are not counted."""
+    single-stream blocks (config: num_layers, num_single_layers where it has them,
+    num_attention_heads, attention_head_dim) whose every block attends over `seq` tokens:
+    6 (full) or 4 (LoRA) x parameters x tokens, plus attention; LoRA adapters are not counted."""
     c = denoiser.config
     width = c.num_attention_heads * c.attention_head_dim
-    blocks = c.num_layers + c.num_single_layers
+    blocks = c.num_layers + c.get("num_single_layers", 0)
     attention = _attention_train_flops(seq, width) * blocks
     return batch * ((6 if full else 4) * _model_params(denoiser) * seq + attention)
 

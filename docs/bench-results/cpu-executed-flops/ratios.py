@@ -18,6 +18,7 @@ RUNS = [
     ("hidream", "i1", "lora", 5.859, "HiDream-I1 LoRA, sync-free MoE (eighth session)"),
     ("z_image", "6b", "lora", None, "not timed yet"),
     ("lumina2", "2b", "lora", None, "not timed yet"),
+    ("qwen_image", "20b", "lora", None, "not timed yet"),
 ]
 
 for family, size, mode, step_s, what in RUNS:

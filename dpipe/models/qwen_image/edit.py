@@ -38,6 +38,7 @@ class QwenImageEditSpec(QwenImageSpec):
     what, example = "Qwen-Image-Edit", "Qwen/Qwen-Image-Edit"
     required_parts = REQUIRED_PARTS + ("processor",)
     text_sees_control = True
+    bench_configs = {}  # random samples carry no reference image (QwenImageSpec.random_sample)
 
     def _make_tiny(self) -> None:
         from dpipe.models.qwen_image.tiny import make_tiny_qwen_image_edit

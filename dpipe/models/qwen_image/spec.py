@@ -24,9 +24,11 @@ from dpipe.models.qwen_image.layers import (
 from dpipe.models.qwen_image.shared import (
     check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
     weighted_mse)
+from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -220,6 +222,20 @@ class QwenImageSpec(ModelSpec):
         from diffusers import QwenImageTransformer2DModel
 
         return QwenImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        text = {"text": torch.randn(shapes["text"]),
+                "text_len": torch.tensor([float(shapes["text_tokens"])])}
+        return torch.randn(shapes["latents"]), text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        packed, _t, text = inputs[:3]
+        return joint_attention_train_flops(denoiser, packed.shape[0],
+                                           packed.shape[1] + text.shape[1], full)
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,8 @@ def _write(out: Path, seed: int, edit: bool) -> None:
         QwenImagePipeline, QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+    from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY  # imports this module's sizes
+
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl", model_max_length=131072)
     vocab = max(added.values()) + 1
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
@@ -81,10 +83,7 @@ def _write(out: Path, seed: int, edit: bool) -> None:
             vision_start_token_id=added["<|vision_start|>"],
             vision_end_token_id=added["<|vision_end|>"]))
     with seeded(seed + 1):
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2,
-            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
-            axes_dims_rope=(4, 6, 6))  # sums to the head dim, as (16, 56, 56) sums to 128
+        transformer = QwenImageTransformer2DModel.from_config(QWEN_IMAGE_TINY)
     with seeded(seed + 2):
         vae = AutoencoderKLQwenImage(
             base_dim=16, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
