@@ -226,8 +226,9 @@ def _model_params(module: nn.Module) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
 
 
-def _attention_train_flops(seq: int, width: int) -> float:
-    # QK^T and AV: 2 matmuls of 2*seq^2*width FLOPs each, forward; backward is twice that.
+def attention_train_flops(seq: int, width: int) -> float:
+    """One attention call over `seq` tokens of `width` (query heads x head dim), forward and
+    backward: QK^T and AV, 2 matmuls of 2*seq^2*width FLOPs each, forward; backward twice that."""
     return 3 * 2 * 2 * seq * seq * width
 
 
@@ -239,7 +240,7 @@ def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full:
     c = denoiser.config
     width = c.num_attention_heads * c.attention_head_dim
     blocks = c.num_layers + c.get("num_single_layers", 0)
-    attention = _attention_train_flops(seq, width) * blocks
+    attention = attention_train_flops(seq, width) * blocks
     return batch * ((6 if full else 4) * _model_params(denoiser) * seq + attention)
 
 
@@ -256,6 +257,6 @@ def refined_joint_train_flops(denoiser: nn.Module, batch: int, image_tokens: int
                (denoiser.layers, joint), (timestep_embedder, 1)]
     rest = _model_params(denoiser) - sum(_model_params(part) for part, _ in streams)
     weights = rest * joint + sum(_model_params(part) * tokens for part, tokens in streams)
-    attention = sum(len(blocks) * _attention_train_flops(seq, width)
+    attention = sum(len(blocks) * attention_train_flops(seq, width)
                     for blocks, seq in streams[:3])
     return batch * ((6 if full else 4) * weights + attention)

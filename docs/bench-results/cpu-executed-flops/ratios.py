@@ -19,6 +19,7 @@ RUNS = [
     ("z_image", "6b", "lora", None, "not timed yet"),
     ("lumina2", "2b", "lora", None, "not timed yet"),
     ("qwen_image", "20b", "lora", None, "not timed yet"),
+    ("hunyuan_video15", "8b", "lora", None, "not timed yet"),
 ]
 
 for family, size, mode, step_s, what in RUNS:

@@ -27,11 +27,12 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.spec import (
     as_video, frames_ok, loss_labels, read_config, video_loss)
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
+from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
 from dpipe.models.single_file import (
     check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -172,22 +173,10 @@ class HunyuanVideo15Spec(ModelSpec):
         return hunyuan_video15_layers(denoiser)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Parameters x the tokens they process in a typical clip: the text-only embedders (the
-        ByT5 projection alone is a 2048-wide MLP) weigh by their few tokens, not their size."""
-        text_tokens = self.cfg.max_text_tokens + BYT5_TOKENS + IMAGE_TOKENS
-        per_module = {"context_embedder": self.cfg.max_text_tokens,
-                      "context_embedder_2": BYT5_TOKENS, "image_embedder": IMAGE_TOKENS,
-                      "time_embed": 1, "cond_type_embed": text_tokens}
-        costs = []
-        for layer in layers:
-            cost = 0.0
-            for name, param in layer.named_parameters():
-                tokens = per_module.get(name.split(".")[0], NOMINAL_VIDEO_TOKENS)
-                if name.startswith("block."):
-                    tokens = NOMINAL_VIDEO_TOKENS + text_tokens
-                cost += param.numel() * tokens
-            costs.append(cost)
-        return costs
+        """Parameters x the tokens they process in a typical clip (`token_weighted_params`)."""
+        return [token_weighted_params(layer.named_parameters(), NOMINAL_VIDEO_TOKENS,
+                                      self.cfg.max_text_tokens, BYT5_TOKENS, IMAGE_TOKENS)
+                for layer in layers]
 
     def make_inputs(self, batch: NoisedBatch):
         noisy = batch.noisy
@@ -257,6 +246,44 @@ class HunyuanVideo15Spec(ModelSpec):
         from diffusers import HunyuanVideo15Transformer3DModel
 
         return HunyuanVideo15Transformer3DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        mask = torch.zeros(shapes["qwen"][0], dtype=torch.long)
+        mask[:shapes["text_tokens"]] = 1
+        text = {"qwen": torch.randn(shapes["qwen"]), "mask": mask,
+                "byt5": torch.randn(shapes["byt5"]),
+                "byt5_mask": torch.zeros(shapes["byt5"][0], dtype=torch.long)}
+        return torch.randn(shapes["latents"]), text
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        x, _t, text, _mask, glyph = inputs[:5]
+        b, _, f, h, w = x.shape
+        # The video and the (cut) text streams; text-to-video drops the image tokens (layers.py).
+        video, text_tokens, glyph_tokens = f * h * w, text.shape[1], glyph.shape[1]
+        weights = token_weighted_params(denoiser.named_parameters(), video, text_tokens,
+                                        glyph_tokens, 0)
+        c = denoiser.config
+        attention = c.num_layers * attention_train_flops(
+            video + text_tokens + glyph_tokens, c.num_attention_heads * c.attention_head_dim)
+        return b * ((6 if full else 4) * weights + attention)
+
+
+def token_weighted_params(named_parameters, video_tokens: int, text_tokens: int,
+                          glyph_tokens: int, image_tokens: int) -> float:
+    """Sum of parameters x the tokens each processes, in a layer's or the transformer's names
+    (LoRA adapters left out): the text-only embedders (the ByT5 projection alone is a 2048-wide
+    MLP) weigh by their few tokens, not their size; the blocks see every token."""
+    joint_text = text_tokens + glyph_tokens + image_tokens
+    per_module = {"context_embedder": text_tokens, "context_embedder_2": glyph_tokens,
+                  "image_embedder": image_tokens, "time_embed": 1, "cond_type_embed": joint_text,
+                  "block": video_tokens + joint_text,
+                  "transformer_blocks": video_tokens + joint_text}
+    return float(sum(param.numel() * per_module.get(name.split(".")[0], video_tokens)
+                     for name, param in named_parameters if "lora_" not in name))
 
 
 def template_length(tokenizer, system_message: str) -> int:

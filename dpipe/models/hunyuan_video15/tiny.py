@@ -47,6 +47,7 @@ def _write(out: Path, seed: int) -> None:
         ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
         T5EncoderModel)
 
+    from dpipe.models.hunyuan_video15.sizes import HUNYUAN_VIDEO15_TINY  # imports this module's sizes
     from dpipe.models.qwen_image.tiny_tokenizer import save_qwen_tokenizer
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl")
@@ -70,13 +71,7 @@ def _write(out: Path, seed: int) -> None:
             relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     with seeded(seed + 2):
-        transformer = HunyuanVideo15Transformer3DModel(
-            in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS,
-            num_attention_heads=2, attention_head_dim=16, num_layers=4, num_refiner_layers=1,
-            mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
-            text_embed_dim=TEXT_DIM, text_embed_2_dim=BYT5_DIM, image_embed_dim=IMAGE_DIM,
-            rope_theta=256.0, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",
-            use_meanflow=False)
+        transformer = HunyuanVideo15Transformer3DModel.from_config(HUNYUAN_VIDEO15_TINY)
     with seeded(seed + 3):
         vae = AutoencoderKLHunyuanVideo15(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
