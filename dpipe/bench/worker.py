@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dpipe.bench.executed import executed_train_flops
 from dpipe.config.schema import Precision, TimestepConfig, TrainMode
 from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
@@ -21,6 +20,7 @@ from dpipe.models.registry import build_spec
 from dpipe.models.spec import NoisedBatch
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
+from dpipe.train.flops import META, StepFlops, shapes_of
 
 
 def require_size(spec, size: str) -> None:
@@ -98,8 +98,9 @@ def main() -> int:
     flops_per_step *= data_parallel
     executed_flops_per_step = None  # rank 0's figure is the one reported
     if rank == 0:
-        executed_flops_per_step = data_parallel * executed_train_flops(spec, run, opts["size"],
-                                                                       batches)
+        meta = lambda: spec.random_denoiser(opts["size"], torch.float32, META)  # noqa: E731
+        executed = StepFlops(spec, run, meta).of(shapes_of(*b) for b in batches)
+        executed_flops_per_step = None if executed is None else data_parallel * executed
     if cuda and opts.get("memory_cap_gb"):
         # A smaller card, emulated from here on: allocations past the cap fail. The random model
         # is made on the GPU in fp32 first; training loads it on the CPU and converts it there.

@@ -9,7 +9,7 @@ runs through the same layers, pipeline engine and `train_batch` as training, in 
 processes, on fixed random micro-batches. `--plain` adds the reference: a plain one-GPU loop
 (compiled blocks, no checkpointing) on the first run's model and batch. Prints s/step, images/s,
 model TFLOP/s and MFU per GPU (by the model-FLOP convention), the TFLOP/s the step executes
-(`dpipe.bench.executed`), peak memory, per-stage compute and idle time.
+(`dpipe.train.flops`), peak memory, per-stage compute and idle time.
 """
 
 from __future__ import annotations

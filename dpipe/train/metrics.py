@@ -19,7 +19,7 @@ class Reporter:
         self.samples_per_step = samples_per_step
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                         disable=not progress_bar, dynamic_ncols=True)
-        self.last = time.perf_counter()
+        self.last, self.last_step = time.perf_counter(), start_step
         self.pending: dict = {}  # recorded with the next logged step
 
     def audit(self, step: int, host_syncs: int, backward_passes: float) -> None:
@@ -28,9 +28,18 @@ class Reporter:
         self.pending.update(audited_step=step, host_syncs=host_syncs,
                             backward_passes_per_micro_batch=backward_passes)
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
+    def pause(self, seconds: float) -> None:
+        """Leaves `seconds` of work that is not training (counting FLOPs) out of the step time."""
+        self.last += seconds
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
+             flops_per_gpu: float | None = None) -> None:
+        """Logs `step`; the times are per step since the last logged one (train.log_every), and
+        `flops_per_gpu` the FLOPs executed per GPU in those steps (dpipe.train.flops)."""
         now = time.perf_counter()
-        step_time, self.last = now - self.last, now
+        elapsed, self.last = now - self.last, now
+        steps, self.last_step = max(step - self.last_step, 1), step
+        step_time = elapsed / steps
         samples_per_s = self.samples_per_step / step_time
         self.writer.add_scalar("train/loss", loss, step)
         self.writer.add_scalar("train/lr", lr, step)
@@ -40,10 +49,16 @@ class Reporter:
         self.writer.add_scalar("perf/samples_per_s", samples_per_s, step)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "samples_per_s": samples_per_s, **self.pending}
+        shown = {"loss": f"{loss:.4f}", "samples_s": f"{samples_per_s:.2f}"}
+        if flops_per_gpu is not None:
+            tflops = flops_per_gpu / elapsed / 1e12
+            self.writer.add_scalar("perf/tflops_per_gpu", tflops, step)
+            record["tflops_per_gpu"] = tflops
+            shown["tflops"] = f"{tflops:.1f}"
         self.pending = {}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.2f}", refresh=False)
+        self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -81,17 +81,19 @@ def test_the_convention_counts_flux_dev_at_1_67x_what_runs():
     stream's tokens, so 6 x parameters x tokens is ~1.67x what the step runs."""
     import torch
 
-    from dpipe.bench.executed import executed_train_flops
     from dpipe.bench.worker import fixed_micro_batches
     from dpipe.config.compose import compose_run
     from dpipe.models.registry import build_spec
+    from dpipe.train.flops import StepFlops, shapes_of
 
     run = compose_run(["model=flux", "model.path=/unused", "dataset=synthetic", "model.mode=full"])
     spec = build_spec(run.model)
     batches = fixed_micro_batches(spec, "dev", 1, 1, seed=0)
     denoiser = spec.random_denoiser("dev", torch.float32, torch.device("meta"))
     convention = spec.train_flops(denoiser, batches[0][0], full=True)
-    assert 1.6 < convention / executed_train_flops(spec, run, "dev", batches) < 1.75
+    meta = lambda: spec.random_denoiser("dev", torch.float32, torch.device("meta"))  # noqa: E731
+    executed = StepFlops(spec, run, meta).of(shapes_of(*b) for b in batches)
+    assert 1.6 < convention / executed < 1.75
 
 
 def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):

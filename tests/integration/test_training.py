@@ -76,6 +76,31 @@ def test_two_stages_match_one_stage(two_stage_lora, one_stage_lora):
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
 
 
+def test_tflops_per_gpu_are_the_step_s_executed_flops_on_every_stage_count(stage_sweep):
+    """perf/tflops_per_gpu: the FLOPs each step executes (counted on the meta device over the
+    step's own micro-batches, dpipe.train.flops), per GPU and second. Times the step time and the
+    GPUs it gives back the same FLOPs per step on 1, 2 and 4 stages, and those of the run's data."""
+    from dpipe.data.batches import step_micro_batches
+    from dpipe.models.registry import build_spec
+    from dpipe.train.flops import StepFlops, architecture, shapes_of
+    from tests.integration.trained import cached_dataset
+
+    per_step = {}
+    for stages in (1, 2, 4):
+        run_dir = stage_sweep.run_dir(f"pipeline.stages={stages}")
+        per_step[stages] = [m["tflops_per_gpu"] * 1e12 * m["step_time_s"] * stages
+                            for m in metrics(run_dir)]
+    run = run_config(run_dir)
+    spec = build_spec(run.model)
+    dataset, plan = cached_dataset(run_dir)
+    flops = StepFlops(spec, run, architecture(spec.load_denoiser(torch.float32)))
+    expected = [flops.of(shapes_of(*micro) for micro in step_micro_batches(
+        spec, dataset, plan, run.train.timesteps, run.train.seed, step, 0)) for step in range(STEPS)]
+    assert expected[0] > 0
+    for stages, got in per_step.items():
+        assert got == pytest.approx(expected, rel=1e-9), stages
+
+
 def test_lora_covers_every_linear_of_the_blocks_and_nothing_else(two_stage_lora):
     keys = load_file(two_stage_lora / "lora" / "pytorch_lora_weights.safetensors").keys()
     assert all(k.startswith(("transformer.transformer_blocks.", "transformer.single_transformer"))

@@ -1,14 +1,14 @@
 """Per family at real size, on the CPU (meta device): the model-FLOP convention's count of one
-8-image training step against the FLOPs it executes (dpipe.bench.executed), and what that makes
+8-image training step against the FLOPs it executes (dpipe.train.flops), and what that makes
 of steps timed on an H200 (docs/performance.md). `python docs/bench-results/cpu-executed-flops/ratios.py`"""
 
 import torch
 
-from dpipe.bench.executed import executed_train_flops
 from dpipe.bench.worker import fixed_micro_batches
 from dpipe.cli.bench import PEAK_TFLOPS
 from dpipe.config.compose import compose_run
 from dpipe.models.registry import build_spec
+from dpipe.train.flops import StepFlops, shapes_of
 
 # (family, size, mode, timed s/step on one H200 or None, where the time is from)
 RUNS = [
@@ -29,7 +29,8 @@ for family, size, mode, step_s, what in RUNS:
     batches = fixed_micro_batches(spec, size, 1, 1, seed=0)
     denoiser = spec.random_denoiser(size, torch.float32, torch.device("meta"))
     convention = 8 * spec.train_flops(denoiser, batches[0][0], full=mode == "full")
-    executed = 8 * executed_train_flops(spec, run, size, batches)
+    meta = lambda: spec.random_denoiser(size, torch.float32, torch.device("meta"))  # noqa: E731
+    executed = 8 * StepFlops(spec, run, meta).of(shapes_of(*b) for b in batches)
     line = (f"{family} {size} {mode}: convention {convention / 1e15:.3f} PFLOP/step, executed "
             f"{executed / 1e15:.3f} ({convention / executed:.2f}x)")
     if step_s:

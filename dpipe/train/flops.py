@@ -1,0 +1,102 @@
+"""The FLOPs a training step executes, as torch counts them (FlopCounterMode), on the meta device:
+the same trainable layers (LoRA or full) on the same micro-batches' shapes, forward and backward,
+without a GPU and without values, in seconds at real size. Recomputation is not counted.
+
+Training reports them as TFLOP/s per GPU (`perf/tflops_per_gpu`, rank 0's micro-batches standing
+for every data-parallel rank's); `dpipe-bench` prints them beside the model-FLOP convention that
+its MFU follows (`ModelSpec.train_flops`: 6 or 4 x parameters x tokens, plus attention). The
+convention counts every weight for every token; where weights see fewer, it counts work that never
+runs: FLUX.1-dev's modulation Linears see one token per image and each double-stream weight only
+its own stream's tokens, so the convention counts 1.67x what a full fine-tune runs
+(`tests/integration/test_bench.py`). The executed figure says how busy the GPU is.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from dpipe.config.schema import AttentionKernel, BaseDtype, RunConfig
+
+log = logging.getLogger("dpipe")
+META = torch.device("meta")
+Shapes = tuple[tuple[tuple[torch.Size, torch.dtype], ...], tuple[tuple[torch.Size, torch.dtype], ...]]
+
+
+def architecture(denoiser: nn.Module) -> Callable[[], nn.Module]:
+    """What makes the denoiser's architecture (a diffusers model: its class and config) on the
+    meta device; it holds neither the model nor its weights."""
+    cls, config = type(denoiser), dict(denoiser.config)
+
+    def make() -> nn.Module:
+        with META:
+            return cls.from_config(config)
+    return make
+
+
+def shapes_of(inputs: tuple, labels: tuple) -> Shapes:
+    return (tuple((t.shape, t.dtype) for t in inputs), tuple((t.shape, t.dtype) for t in labels))
+
+
+class StepFlops:
+    """Executed FLOPs of micro-batches, each shape counted once. `meta_denoiser` makes the model on
+    the meta device (`architecture`), when first needed. A model that cannot be counted (an op with no meta
+    implementation) is reported once and counts None: a figure to show, never a reason to stop."""
+
+    def __init__(self, spec, run: RunConfig, meta_denoiser: Callable[[], nn.Module]):
+        self.spec, self._make = spec, meta_denoiser
+        counted = copy.deepcopy(run)
+        # Counted through PyTorch's SDPA and unquantized weights: the same matmuls, as ops the
+        # counter knows (a fused kernel or the fp8 cast's custom op could hide them).
+        counted.model.attention = AttentionKernel.sdpa
+        counted.model.base_dtype = BaseDtype.auto
+        self.run = counted
+        self._layers: list | None = None
+        self._per_shape: dict[Shapes, int] = {}
+        self.failed = False
+
+    def of(self, shapes: Iterable[Shapes]) -> float | None:
+        """FLOPs of a step whose micro-batches have these shapes (`shapes_of` each)."""
+        if self.failed:
+            return None
+        total = 0
+        try:
+            for micro in shapes:
+                if micro not in self._per_shape:
+                    self._per_shape[micro] = self._count(micro)
+                total += self._per_shape[micro]
+        except Exception as e:  # noqa: BLE001 (any failure of a figure: reported, not raised)
+            self.failed = True
+            log.warning("TFLOP/s not reported: counting %s's FLOPs on the meta device failed "
+                        "(%s: %s)", self.spec.family, type(e).__name__, e)
+            return None
+        return float(total)
+
+    def _count(self, micro: Shapes) -> int:
+        from dpipe.train.trainable import trainable_layers
+
+        if self._layers is None:
+            # trainable_layers seeds the generators (LoRA init); training's own streams must
+            # not notice this copy.
+            with torch.random.fork_rng():
+                self._layers = trainable_layers(self.spec, self.run, self._make())
+        inputs, labels = ([torch.empty(s, dtype=d, device=META) for s, d in part]
+                          for part in micro)
+        with FlopCounterMode(display=False) as counter:
+            x = tuple(inputs)
+            for layer in self._layers:
+                x = layer(x)
+            self.spec.loss(x, tuple(labels)).backward()
+        return counter.get_total_flops()
+
+
+def recording(micro_batches: Iterable[tuple[tuple, tuple]], into: list) -> Iterator:
+    """The micro-batches, unchanged, with each one's shapes appended to `into` as it passes."""
+    for inputs, labels in micro_batches:
+        into.append(shapes_of(inputs, labels))
+        yield inputs, labels
