@@ -59,6 +59,31 @@ class StepFlops:
         self._layers: list | None = None
         self._per_shape: dict[Shapes, int] = {}
         self.failed = False
+        self._watched: list[Shapes] = []  # training: micro-batches not yet counted
+        self._total: float = 0.0  # training: FLOPs counted since the last `take`
+
+    # ---- training: watch each step's micro-batches, count after the step, take at each log ----
+    def watch(self, micro_batches: Iterable[tuple[tuple, tuple]]) -> Iterator:
+        """The micro-batches, unchanged, each one's shapes noted as it passes to the engine."""
+        for inputs, labels in micro_batches:
+            self._watched.append(shapes_of(inputs, labels))
+            yield inputs, labels
+
+    def new_shapes(self) -> bool:
+        """Whether a watched micro-batch has a shape not counted yet (and counting works)."""
+        return not self.failed and any(m not in self._per_shape for m in self._watched)
+
+    def count_watched(self) -> None:
+        """Adds the watched micro-batches' FLOPs (seconds for a new shape, then a lookup)."""
+        counted = self.of(self._watched)
+        self._watched.clear()
+        if counted is not None:
+            self._total += counted
+
+    def take(self) -> float | None:
+        """The FLOPs counted since the last take; None once counting has failed."""
+        total, self._total = self._total, 0.0
+        return None if self.failed else total
 
     def of(self, shapes: Iterable[Shapes]) -> float | None:
         """FLOPs of a step whose micro-batches have these shapes (`shapes_of` each)."""
@@ -94,9 +119,3 @@ class StepFlops:
             self.spec.loss(x, tuple(labels)).backward()
         return counter.get_total_flops()
 
-
-def recording(micro_batches: Iterable[tuple[tuple, tuple]], into: list) -> Iterator:
-    """The micro-batches, unchanged, with each one's shapes appended to `into` as it passes."""
-    for inputs, labels in micro_batches:
-        into.append(shapes_of(inputs, labels))
-        yield inputs, labels

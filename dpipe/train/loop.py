@@ -23,8 +23,8 @@ from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train import checkpoint, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.export import export
-from dpipe.train.flops import StepFlops, architecture, recording
-from dpipe.train.trainable import trainable_layers
+from dpipe.train.flops import StepFlops, architecture
+from dpipe.train.trainable import load_denoiser, trainable_layers
 
 log = logging.getLogger("dpipe")
 
@@ -58,7 +58,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                               prepare.Layout.of(run, data_parallel), run_dir)
     plan = dataset.plan
 
-    denoiser = spec.load_denoiser(torch.float32)
+    denoiser = load_denoiser(spec, run)
     step_flops = StepFlops(spec, run, architecture(denoiser)) if rank == 0 else None
     layers = trainable_layers(spec, run, denoiser)
     del denoiser  # the layers hold their own parts; a stage keeps only its layers
@@ -99,24 +99,21 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     loader = StepLoader(make_step, step, run.train.max_steps,
                         default_workers(cuda) if workers is None else workers, device,
                         dataset.write_record if dataset.log is not None else None)
-    shapes: list = []  # rank 0's micro-batch shapes since the last count
-    flops: float | None = 0.0  # FLOPs rank 0 executed since the last logged step
     while step < run.train.max_steps:
         # Dropout and other module randomness: the same at step k whether or not the run resumed.
         torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
         audit = StepAudit() if step + 1 == run.train.audit_step else None
         micro_batches = loader.next(step)
-        if step_flops is not None:
-            micro_batches = recording(micro_batches, shapes)
+        if step_flops is not None:  # rank 0
+            micro_batches = step_flops.watch(micro_batches)
         with audit.counting() if audit else contextlib.nullcontext():
             loss = engine.train_batch(data_iter=micro_batches)
         step += 1
         if step_flops is not None:
-            counting = time.perf_counter()  # seconds for a new shape, then a lookup
-            counted = step_flops.of(shapes)
-            flops = None if counted is None or flops is None else flops + counted
-            shapes.clear()
-            reporter.pause(time.perf_counter() - counting)
+            # A new shape takes seconds to count: left out of the step times. Lookups do not.
+            with _not_training(reporter, cuda) if step_flops.new_shapes() \
+                    else contextlib.nullcontext():
+                step_flops.count_watched()
         if audit is not None:
             _report_audit(audit, step, run.pipeline.micro_batches, device, reporter)
         evaluator.maybe_run(engine, step, reporter)
@@ -125,11 +122,11 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             auto_ckpt = None
         if reporter is not None and (step % run.train.log_every == 0 or step == run.train.max_steps):
             grad_norm = engine.get_global_grad_norm()
-            # Rank 0's micro-batches stand for every data-parallel rank's.
-            per_gpu = None if flops is None else flops * data_parallel / world
+            # Rank 0's micro-batches stand for every data-parallel rank's (they share a bucket).
+            flops = step_flops.take()
             reporter.step(step, float(loss), engine.get_lr()[0],
-                          None if grad_norm is None else float(grad_norm), per_gpu)
-            flops = None if flops is None else 0.0
+                          None if grad_norm is None else float(grad_norm),
+                          None if flops is None else flops * data_parallel / world)
         if _checkpoint_due(run, step, last_saved, last_save_time):
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step
@@ -148,6 +145,19 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         log.info("exported %s", out)
     dist.barrier()
     return out
+
+
+@contextlib.contextmanager
+def _not_training(reporter, cuda: bool):
+    """Host work between steps that rank 0's step times leave out. The GPU finishes the step
+    first (a host sync, so for rare work only): the time it still needed stays in."""
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        reporter.pause(time.perf_counter() - started)
 
 
 def _report_audit(audit: StepAudit, step: int, micro_batches: int, device, reporter) -> None:

@@ -10,14 +10,23 @@ from dpipe.errors import ConfigError
 from dpipe.train.lora import frozen_dtype, make_trainable
 
 
+def load_denoiser(spec, run: RunConfig):
+    """The denoiser in fp32, loaded under the run's seed: whatever its loading draws (some
+    families' loading does) is the same on every rank."""
+    torch.manual_seed(run.train.seed)
+    return spec.load_denoiser(torch.float32)
+
+
 def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
-    """The denoiser, made trainable (LoRA or full), as pipeline layers; the same on every rank."""
+    """The denoiser (`load_denoiser` unless given), made trainable (LoRA or full), as pipeline
+    layers; the same on every rank."""
     if run.model.attention == AttentionKernel.flex and not torch.cuda.is_available():
         raise ConfigError("model.attention=flex trains on a CUDA GPU only (FlexAttention has no "
                           "backward pass on the CPU); use model.attention=sdpa here")
-    torch.manual_seed(run.train.seed)  # LoRA init: identical on every rank and every stage count
     if denoiser is None:
-        denoiser = spec.load_denoiser(torch.float32)
+        denoiser = load_denoiser(spec, run)
+    # LoRA init: identical on every rank and every stage count, however the denoiser was made.
+    torch.manual_seed(run.train.seed)
     make_trainable(denoiser, run.model, spec.lora_targets())
     use_attention_kernel(denoiser, run.model)
     bf16 = run.train.precision == Precision.bf16
