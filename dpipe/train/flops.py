@@ -31,9 +31,12 @@ Shapes = tuple[tuple[tuple[torch.Size, torch.dtype], ...], tuple[tuple[torch.Siz
 def architecture(denoiser: nn.Module) -> Callable[[], nn.Module]:
     """What makes the denoiser's architecture (a diffusers model: its class and config) on the
     meta device; it holds neither the model nor its weights."""
-    cls, config = type(denoiser), dict(denoiser.config)
+    cls, config = type(denoiser), getattr(denoiser, "config", None)
+    config = None if config is None else dict(config)
 
     def make() -> nn.Module:
+        if config is None or not hasattr(cls, "from_config"):
+            raise TypeError(f"{cls.__name__} is not a diffusers model with a config")
         with META:
             return cls.from_config(config)
     return make
