@@ -1,7 +1,7 @@
 """Every model family, on its tiny flavor, trains on one GPU (skipped without CUDA).
 
-One sweep per mode (`dpipe-train -m model=...`), bf16 LoRA on one stage, through the loader's
-worker processes as users run it. Each run's audited step (`train.audit_step`, the second) makes
+Per mode, sweeps of the families side by side (`dpipe-train -m model=...`), bf16 LoRA on one
+stage, through the loader's worker processes as users run it. Each run's audited step (`train.audit_step`, the second) makes
 no host sync, but where diffusers' own code of the family makes one; the CPU suite holds the
 layers to the same on the meta device (`tests/integration/test_families.py`).
 """
@@ -9,6 +9,7 @@ layers to the same on the meta device (`tests/integration/test_families.py`).
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -36,17 +37,29 @@ DIFFUSERS_SYNCS = {
 }
 
 
+# Sweeps run side by side on the one GPU: a tiny model's run is mostly single-threaded start-up
+# and compilation (10-270 s per family compiled), so one sweep of all families outlasted a
+# 560 s device call (docs/bench-results/h200-1gpu-families, call 4).
+SIDE_BY_SIDE = 4
+
+
 @pytest.fixture(scope="module", params=["eager", "compiled"])
-def gpu_sweep(request, tmp_path_factory) -> tuple[str, Sweep]:
+def gpu_sweep(request, tmp_path_factory) -> tuple[str, dict[str, Sweep]]:
+    """(mode, {family: the sweep it ran in})."""
     compiled = [f"pipeline.compile={str(request.param == 'compiled').lower()}"]
-    return request.param, Sweep(tmp_path_factory.mktemp(request.param),
-                                f"model={','.join(FAMILIES)}", *SWEEP, *compiled, timeout=3000)
+    groups = [FAMILIES[i::SIDE_BY_SIDE] for i in range(SIDE_BY_SIDE)]
+    dirs = [tmp_path_factory.mktemp(f"{request.param}-{i}") for i in range(len(groups))]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        sweeps = list(pool.map(
+            lambda d, g: Sweep(d, f"model={','.join(g)}", *SWEEP, *compiled, timeout=3000),
+            dirs, groups))
+    return request.param, {model: sweep for group, sweep in zip(groups, sweeps) for model in group}
 
 
 @pytest.mark.parametrize("model", FAMILIES)
 def test_family_trains_on_a_gpu_without_host_syncs(gpu_sweep, model):
-    mode, sweep = gpu_sweep
-    records = metrics(sweep.run_dir(f"model={model}"))
+    mode, sweeps = gpu_sweep
+    records = metrics(sweeps[model].run_dir(f"model={model}"))
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
     audited = records[1]
