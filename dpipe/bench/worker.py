@@ -123,7 +123,7 @@ def main() -> int:
         loader = StepLoader(
             loader_steps(spec, opts["size"], run.pipeline.micro_batches,
                          run.pipeline.micro_batch_size, run.train.seed),
-            0, opts["warmup"] + opts["steps"],
+            0, opts["warmup"] + opts["steps"] + int(bool(opts.get("profile"))),
             default_workers(cuda) if workers is None else workers, device)
         data = loader.next
     timing = StageTiming(engine) if cuda else None
@@ -150,6 +150,12 @@ def main() -> int:
         if rank == 0:
             print(f"[bench] step {step} {elapsed:.3f}s {spans} host syncs {audit.host_syncs} "
                   f"backward passes {audit.backward_passes}", flush=True)
+    if opts.get("profile"):  # one more step, out of the figures
+        from dpipe.bench.profile import profiled_step
+
+        last = opts["warmup"] + opts["steps"]
+        profiled_step(lambda: engine.train_batch(data_iter=data(last)),
+                      bench_dir / f"profile_rank{rank}.txt", cuda)
     result = {
         "rank": rank,
         "stage": built.stage,

@@ -48,6 +48,9 @@ def main() -> None:
                              "step, train.loader_workers processes) instead of fixed batches")
     parser.add_argument("--memory-cap-gb", type=float, default=None,
                         help="emulate a smaller GPU: cap each process's allocations (GiB)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step: its kernel time by kind, per rank, in "
+                             "OUT/NAME/profile_rank<N>.txt (dpipe.bench.profile)")
     args = parser.parse_args()
 
     import torch
@@ -77,7 +80,8 @@ def main() -> None:
         save_run_config(run, run_dir)
         (run_dir / "bench.json").write_text(json.dumps(
             {"size": args.size, "warmup": args.warmup, "steps": args.steps,
-             "loader": args.loader, "memory_cap_gb": args.memory_cap_gb}))
+             "loader": args.loader, "memory_cap_gb": args.memory_cap_gb,
+             "profile": args.profile}))
         print(f"== {name}: {overrides.strip()} ({world} GPUs)", flush=True)
         code = launch_workers(run_dir, world, module="dpipe.bench.worker")
         if code:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -19,11 +21,34 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> dict[str, dict]:
+def bench_out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def rows(bench_out) -> dict[str, dict]:
     # FLUX's stages send three float tensors (image and text streams, the conditioning); a
     # middle stage both receives and sends.
-    return bench_rows(tmp_path_factory.mktemp("bench"), {
-        "full-3": "model=tiny_flux model.mode=full pipeline.stages=3 pipeline.micro_batches=3"})
+    return bench_rows(bench_out, {
+        "full-3": "model=tiny_flux model.mode=full pipeline.stages=3 pipeline.micro_batches=3"},
+        "--profile")
+
+
+def test_profile_sums_each_rank_s_step_by_kind(rows, bench_out):
+    """--profile: one more step under torch.profiler per rank, its time by kind and top ops (on
+    the CPU, ATen ops; on a GPU, kernels)."""
+    for rank in range(3):
+        text = (bench_out / "full-3" / f"profile_rank{rank}.txt").read_text()
+        assert text.startswith("one step, CPU op time by kind (ms, share)")
+        shares = dict(re.findall(r"^(matmul|attention) +[\d.]+ +([\d.]+)%$", text, re.M))
+        assert float(shares["matmul"]) > 10, text
+    from dpipe.bench.profile import kind_of
+
+    assert [kind_of(k) for k in ("sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_tst_128x256_64x4",
+                                 "pytorch_flash::flash_bwd_kernel", "triton_poi_fused_add_mul_0",
+                                 "triton_tem_fused_addmm_1", "ncclDevKernel_SendRecv",
+                                 "Memcpy HtoD (Pinned -> Device)")] == [
+        "matmul", "matmul", "attention", "fused (Triton)", "matmul", "communication", "copy"]
 
 
 def test_each_stage_runs_one_backward_pass_per_micro_batch(rows):
