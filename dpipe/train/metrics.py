@@ -54,7 +54,7 @@ class Reporter:
             tflops = flops_per_gpu / elapsed / 1e12
             self.writer.add_scalar("perf/tflops_per_gpu", tflops, step)
             record["tflops_per_gpu"] = tflops
-            shown["tflops"] = f"{tflops:.1f}"
+            shown["tflops"] = f"{tflops:.3g}"
         self.pending = {}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
