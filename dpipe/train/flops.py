@@ -25,7 +25,8 @@ from dpipe.config.schema import AttentionKernel, BaseDtype, RunConfig
 
 log = logging.getLogger("dpipe")
 META = torch.device("meta")
-Shapes = tuple[tuple[tuple[torch.Size, torch.dtype], ...], tuple[tuple[torch.Size, torch.dtype], ...]]
+TensorShapes = tuple[tuple[torch.Size, torch.dtype], ...]
+Shapes = tuple[TensorShapes, TensorShapes]  # a micro-batch's (inputs, labels)
 
 
 def architecture(denoiser: nn.Module) -> Callable[[], nn.Module]:
@@ -47,9 +48,10 @@ def shapes_of(inputs: tuple, labels: tuple) -> Shapes:
 
 
 class StepFlops:
-    """Executed FLOPs of micro-batches, each shape counted once. `meta_denoiser` makes the model on
-    the meta device (`architecture`), when first needed. A model that cannot be counted (an op with no meta
-    implementation) is reported once and counts None: a figure to show, never a reason to stop."""
+    """Executed FLOPs of micro-batches, each shape counted once. `meta_denoiser` makes the model
+    on the meta device (`architecture`), when first needed. A model that cannot be counted (an op
+    with no meta implementation) is reported once and counts None: a figure to show, never a
+    reason to stop."""
 
     def __init__(self, spec, run: RunConfig, meta_denoiser: Callable[[], nn.Module]):
         self.spec, self._make = spec, meta_denoiser

@@ -61,8 +61,9 @@ def test_no_stage_syncs_the_host_within_a_step(rows):
     assert [s["host_syncs"] for s in rows["full-3"]["stages"]] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("model", ["tiny_flux", "tiny_hunyuan_video", "tiny_hidream", "tiny_z_image",
-                                   "tiny_lumina2", "tiny_qwen_image", "tiny_hunyuan_video15"])
+@pytest.mark.parametrize("model", ["tiny_flux", "tiny_hunyuan_video", "tiny_hidream",
+                                   "tiny_z_image", "tiny_lumina2", "tiny_qwen_image",
+                                   "tiny_hunyuan_video15"])
 def test_random_models_train_through_their_layers(model):
     """What dpipe-bench builds, for each family with benchmark sizes (at "tiny"): a random
     denoiser and random samples that its layers train on, and a FLOP count for the MFU."""

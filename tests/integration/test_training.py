@@ -95,7 +95,8 @@ def test_tflops_per_gpu_are_the_step_s_executed_flops_on_every_stage_count(stage
     dataset, plan = cached_dataset(run_dir)
     flops = StepFlops(spec, run, architecture(spec.load_denoiser(torch.float32)))
     expected = [flops.of(shapes_of(*micro) for micro in step_micro_batches(
-        spec, dataset, plan, run.train.timesteps, run.train.seed, step, 0)) for step in range(STEPS)]
+        spec, dataset, plan, run.train.timesteps, run.train.seed, step, 0))
+        for step in range(STEPS)]
     assert expected[0] > 0
     for stages, got in per_step.items():
         assert got == pytest.approx(expected, rel=1e-9), stages
