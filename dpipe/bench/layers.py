@@ -121,6 +121,7 @@ def main() -> int:
     run = compose_run(DEFAULTS + args.overrides)
     spec = build_spec(run.model)
     require_size(spec, args.size)
+    spec = spec.for_benchmark(args.size)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     bf16 = run.train.precision == Precision.bf16
     denoiser = spec.random_denoiser(args.size, torch.bfloat16 if bf16 else torch.float32, device)

@@ -25,7 +25,7 @@ def main() -> int:
     opts = json.loads((bench_dir / "bench.json").read_text())
     run = load_run_config(bench_dir / RUN_CONFIG)
     torch.backends.cuda.enable_cudnn_sdp(False)
-    spec = build_spec(run.model)
+    spec = build_spec(run.model).for_benchmark(opts["size"])
     full = run.model.mode == TrainMode.full
     dtype = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32
     denoiser = spec.random_denoiser(opts["size"], dtype, torch.device("cuda"))

@@ -86,7 +86,7 @@ def main() -> int:
         torch.backends.cuda.enable_cudnn_sdp(False)  # its SDPA backward fails for Flux shapes here
     init_distributed("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    spec = build_spec(run.model)
+    spec = build_spec(run.model).for_benchmark(opts["size"])
     bf16 = run.train.precision == Precision.bf16
     full = run.model.mode == TrainMode.full
     denoiser = spec.random_denoiser(opts["size"], torch.bfloat16 if bf16 else torch.float32, device)

@@ -161,6 +161,12 @@ class ModelSpec(abc.ABC):
         """The sizes `random_denoiser` and `random_sample` know."""
         return tuple(self.bench_configs)
 
+    def for_benchmark(self, size: str) -> "ModelSpec":
+        """The spec as it stands for a benchmark size, without the model's folder. Default: this
+        one; a family that reads what its model is from the folder (Wan) returns a copy that
+        knows it from the size."""
+        return self
+
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The denoiser at a benchmark size with random weights."""
         import diffusers
@@ -226,10 +232,11 @@ def _model_params(module: nn.Module) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
 
 
-def attention_train_flops(seq: int, width: int) -> float:
-    """One attention call over `seq` tokens of `width` (query heads x head dim), forward and
-    backward: QK^T and AV, 2 matmuls of 2*seq^2*width FLOPs each, forward; backward twice that."""
-    return 3 * 2 * 2 * seq * seq * width
+def attention_train_flops(seq: int, width: int, keys: int | None = None) -> float:
+    """One attention call of `seq` queries over `keys` tokens (`seq` unless given: self-attention)
+    of `width` (query heads x head dim), forward and backward: QK^T and AV, 2 matmuls of
+    2*seq*keys*width FLOPs each, forward; backward twice that."""
+    return 3 * 2 * 2 * seq * (seq if keys is None else keys) * width
 
 
 def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full: bool) -> float:

@@ -20,12 +20,13 @@ RUNS = [
     ("lumina2", "2b", "lora", None, "not timed yet"),
     ("qwen_image", "20b", "lora", None, "not timed yet"),
     ("hunyuan_video15", "8b", "lora", None, "not timed yet"),
+    ("wan", "14b", "lora", None, "not timed yet"),
 ]
 
 for family, size, mode, step_s, what in RUNS:
     run = compose_run([f"model={family}", "model.path=/unused", "dataset=synthetic",
                        f"model.mode={mode}", "model.lora.rank=32", "model.lora.alpha=32"])
-    spec = build_spec(run.model)
+    spec = build_spec(run.model).for_benchmark(size)
     batches = fixed_micro_batches(spec, size, 1, 1, seed=0)
     denoiser = spec.random_denoiser(size, torch.float32, torch.device("meta"))
     convention = 8 * spec.train_flops(denoiser, batches[0][0], full=mode == "full")

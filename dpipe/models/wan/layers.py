@@ -76,11 +76,15 @@ class RotaryTables:
     layers of other stages (moves them to "meta"), which would take a shared module with them."""
 
     def __init__(self, rope: nn.Module):
-        self._copies = {torch.device("cpu"): copy.deepcopy(rope).to("cpu")}
+        # Kept on the CPU, or on the meta device for a transformer made there (its FLOPs are
+        # counted there: dpipe.train.flops), whose tables hold no values to copy elsewhere.
+        on_meta = any(b.is_meta for b in rope.buffers())
+        self._home = torch.device("meta" if on_meta else "cpu")
+        self._copies = {self._home: copy.deepcopy(rope).to(self._home)}
 
     def __call__(self, frames: int, height: int, width: int, device: torch.device):
         if device not in self._copies:
-            self._copies[device] = copy.deepcopy(self._copies[torch.device("cpu")]).to(device)
+            self._copies[device] = copy.deepcopy(self._copies[self._home]).to(device)
         # WanRotaryPosEmbed reads nothing but the shape of the latents it is given.
         return self._copies[device](torch.empty(0, 0, frames, height, width, device=device))
 

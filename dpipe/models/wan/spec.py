@@ -32,6 +32,7 @@ fill (`_pack` / `_unpack`).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -46,9 +47,10 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
 from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
+from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -428,6 +430,33 @@ class WanSpec(ModelSpec):
         from diffusers import WanTransformer3DModel
 
         return WanTransformer3DModel.from_pretrained(export_dir / self.expert)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def for_benchmark(self, size: str) -> "WanSpec":
+        # What the model is comes from its folder (`variant`); a size stands for Wan 2.1 T2V.
+        folder = {**T2V_FOLDER, "transformer/config.json": SIZES[size]}
+        spec = copy.copy(self)
+        spec.__dict__["variant"] = read_variant(folder.__getitem__)  # the cached property's slot
+        return spec
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        return torch.randn(shapes["latents"]), {"umt5": torch.randn(shapes["umt5"])}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        hidden, _t, text = inputs[:3]
+        b, _, f, h, w = hidden.shape
+        c = denoiser.config
+        pt, ph, pw = c.patch_size
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        width = c.num_attention_heads * c.attention_head_dim
+        # Self-attention over the video, cross-attention from it to the (padded) text.
+        attention = c.num_layers * (attention_train_flops(tokens, width)
+                                    + attention_train_flops(tokens, width, text.shape[1]))
+        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
+        return b * ((6 if full else 4) * params * tokens + attention)
 
 
 def _version(package: str) -> str:

@@ -97,6 +97,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
                            WanPipeline, WanTransformer3DModel)
     from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
+    from dpipe.models.wan.sizes import WAN_TINY  # imports this module's sizes
+
     v = VARIANTS[variant]
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
     # The scheduler config of the Wan repos: UniPC over flow-matching sigmas with a fixed shift.
@@ -120,13 +122,10 @@ def _write(out: Path, seed: int, variant: str) -> None:
     transformers = []
     for expert in range(v["experts"]):
         with seeded(seed + 2 + expert):
-            transformers.append(WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                in_channels=v["in_channels"], out_channels=z_dim, text_dim=TEXT_DIM, freq_dim=32,
-                ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                eps=1e-6, rope_max_seq_len=1024,
-                image_dim=IMAGE_DIM if v.get("clip") else None,
-                added_kv_proj_dim=HEADS * HEAD_DIM if v.get("clip") else None))
+            transformers.append(WanTransformer3DModel.from_config({
+                **WAN_TINY, "in_channels": v["in_channels"], "out_channels": z_dim,
+                "image_dim": IMAGE_DIM if v.get("clip") else None,
+                "added_kv_proj_dim": HEADS * HEAD_DIM if v.get("clip") else None}))
 
     scheduler.save_pretrained(out / "scheduler")
     _save(text_encoder, out / "text_encoder", torch.bfloat16, shards=2)
