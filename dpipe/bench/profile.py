@@ -37,15 +37,31 @@ def kind_of(name: str) -> str:
 
 def profiled_step(run_step, out: Path, cuda: bool, top: int = 25) -> dict[str, float]:
     """Runs `run_step()` once under the profiler; writes the summary to `out` and returns the
-    milliseconds per kind."""
+    milliseconds per kind. The step runs even where the profiler fails (every pipeline stage
+    must take part in it); the failure is then what `out` says."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        run_step()
-        if cuda:
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages()]
+    prof = profile(activities=activities)
+    try:
+        prof.start()
+    except Exception as e:  # noqa: BLE001 (no profile is no reason to lose the step)
+        prof, failure = None, e
+    run_step()
+    if cuda:
+        torch.cuda.synchronize()
+    try:
+        if prof is None:
+            raise failure
+        prof.stop()
+        return _summarize(prof, out, cuda, top)
+    except Exception as e:  # noqa: BLE001
+        out.write_text(f"profile failed: {type(e).__name__}: {e}\n")
+        return {}
+
+
+def _summarize(prof, out: Path, cuda: bool, top: int) -> dict[str, float]:
+    events = list(prof.key_averages())
     if cuda:  # the kernels' own device time (the CPU ops that launch them are left out)
         timed = [(e.key, e.self_device_time_total / 1000) for e in events
                  if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]

@@ -150,12 +150,6 @@ def main() -> int:
         if rank == 0:
             print(f"[bench] step {step} {elapsed:.3f}s {spans} host syncs {audit.host_syncs} "
                   f"backward passes {audit.backward_passes}", flush=True)
-    if opts.get("profile"):  # one more step, out of the figures
-        from dpipe.bench.profile import profiled_step
-
-        last = opts["warmup"] + opts["steps"]
-        profiled_step(lambda: engine.train_batch(data_iter=data(last)),
-                      bench_dir / f"profile_rank{rank}.txt", cuda)
     result = {
         "rank": rank,
         "stage": built.stage,
@@ -175,9 +169,15 @@ def main() -> int:
         "backward_passes_per_micro_batch": max(a.backward_passes for a in audits)
         / run.pipeline.micro_batches,
     }
+    (bench_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if opts.get("profile"):  # one more step, out of the figures written above
+        from dpipe.bench.profile import profiled_step
+
+        last = opts["warmup"] + opts["steps"]
+        profiled_step(lambda: engine.train_batch(data_iter=data(last)),
+                      bench_dir / f"profile_rank{rank}.txt", cuda)
     if loader is not None:
         loader.close()
-    (bench_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     return 0
 
