@@ -70,7 +70,8 @@ def _summarize(prof, out: Path, cuda: bool, top: int) -> dict[str, float]:
                  if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
     by_kind: dict[str, float] = {}
     for name, ms in timed:
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+        kind = kind_of(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     total = sum(by_kind.values()) or 1.0
     lines = [f"one step, {'GPU kernel' if cuda else 'CPU op'} time by kind (ms, share)"]
     lines += [f"{kind:30s} {ms:12.1f}  {ms / total:6.1%}"

@@ -20,7 +20,7 @@ from dpipe.models.registry import build_spec
 from dpipe.models.spec import NoisedBatch
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
-from dpipe.train.flops import META, StepFlops, shapes_of
+from dpipe.train.flops import StepFlops, architecture, shapes_of
 
 
 def require_size(spec, size: str) -> None:
@@ -98,8 +98,7 @@ def main() -> int:
     flops_per_step *= data_parallel
     executed_flops_per_step = None  # rank 0's figure is the one reported
     if rank == 0:
-        meta = lambda: spec.random_denoiser(opts["size"], torch.float32, META)  # noqa: E731
-        executed = StepFlops(spec, run, meta).of(shapes_of(*b) for b in batches)
+        executed = StepFlops(spec, run, architecture(denoiser)).of(shapes_of(*b) for b in batches)
         executed_flops_per_step = None if executed is None else data_parallel * executed
     if cuda and opts.get("memory_cap_gb"):
         # A smaller card, emulated from here on: allocations past the cap fail. The random model

@@ -228,7 +228,8 @@ def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
     return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
 
 
-def _model_params(module: nn.Module) -> int:
+def model_params(module: nn.Module) -> int:
+    """The module's parameters as the model-FLOP convention counts them: LoRA adapters left out."""
     return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
 
 
@@ -248,7 +249,7 @@ def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full:
     width = c.num_attention_heads * c.attention_head_dim
     blocks = c.num_layers + c.get("num_single_layers", 0)
     attention = attention_train_flops(seq, width) * blocks
-    return batch * ((6 if full else 4) * _model_params(denoiser) * seq + attention)
+    return batch * ((6 if full else 4) * model_params(denoiser) * seq + attention)
 
 
 def refined_joint_train_flops(denoiser: nn.Module, batch: int, image_tokens: int,
@@ -262,8 +263,8 @@ def refined_joint_train_flops(denoiser: nn.Module, batch: int, image_tokens: int
     joint = image_tokens + text_tokens
     streams = [(denoiser.noise_refiner, image_tokens), (denoiser.context_refiner, text_tokens),
                (denoiser.layers, joint), (timestep_embedder, 1)]
-    rest = _model_params(denoiser) - sum(_model_params(part) for part, _ in streams)
-    weights = rest * joint + sum(_model_params(part) * tokens for part, tokens in streams)
+    rest = model_params(denoiser) - sum(model_params(part) for part, _ in streams)
+    weights = rest * joint + sum(model_params(part) * tokens for part, tokens in streams)
     attention = sum(len(blocks) * attention_train_flops(seq, width)
                     for blocks, seq in streams[:3])
     return batch * ((6 if full else 4) * weights + attention)

@@ -47,7 +47,8 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
 from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
@@ -455,8 +456,7 @@ class WanSpec(ModelSpec):
         # Self-attention over the video, cross-attention from it to the (padded) text.
         attention = c.num_layers * (attention_train_flops(tokens, width)
                                     + attention_train_flops(tokens, width, text.shape[1]))
-        params = sum(p.numel() for n, p in denoiser.named_parameters() if "lora_" not in n)
-        return b * ((6 if full else 4) * params * tokens + attention)
+        return b * ((6 if full else 4) * model_params(denoiser) * tokens + attention)
 
 
 def _version(package: str) -> str:
