@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from dpipe.config.schema import AttentionKernel, BaseDtype, RunConfig
+from dpipe.config.schema import AttentionKernel, BaseDtype, Precision, RunConfig
 
 log = logging.getLogger("dpipe")
 META = torch.device("meta")
@@ -60,6 +60,11 @@ class StepFlops:
         # counter knows (a fused kernel or the fp8 cast's custom op could hide them).
         counted.model.attention = AttentionKernel.sdpa
         counted.model.base_dtype = BaseDtype.auto
+        # Counted in fp32, inputs and weights alike: a FLOP does not depend on its dtype, and
+        # bf16 training's mixed dtypes (bf16 frozen weights, fp32 adapters and latents) are made
+        # consistent by autocast, which the meta device lacks: ops such as SDPA and conv refuse
+        # them there (Z-Image's, Qwen-Image's and HunyuanVideo 1.5's counts failed so on an H200).
+        counted.train.precision = Precision.fp32
         self.run = counted
         self._layers: list | None = None
         self._per_shape: dict[Shapes, int] = {}
@@ -115,8 +120,8 @@ class StepFlops:
             # not notice this copy.
             with torch.random.fork_rng():
                 self._layers = trainable_layers(self.spec, self.run, self._make())
-        inputs, labels = ([torch.empty(s, dtype=d, device=META) for s, d in part]
-                          for part in micro)
+        inputs, labels = ([torch.empty(s, dtype=torch.float32 if d.is_floating_point else d,
+                                       device=META) for s, d in part] for part in micro)
         with FlopCounterMode(display=False) as counter:
             x = tuple(inputs)
             for layer in self._layers:

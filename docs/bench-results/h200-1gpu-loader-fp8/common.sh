@@ -9,6 +9,11 @@ L="train.precision=bf16 pipeline.micro_batches=8 pipeline.compile=true model.lor
 LOG=$OUT/log.txt
 bench() {  # bench TAG TIMEOUT ARGS... : results to $OUT/TAG.md / .json
   local tag=$1 limit=$2; shift 2
+  if [ -n "${DEADLINE:-}" ]; then  # DEADLINE (epoch s): a call's end; a bench that cannot start skips
+    local left=$(( DEADLINE - $(date +%s) ))
+    if [ $left -lt 90 ]; then echo "=== skip $tag: ${left}s left" | tee -a $LOG; return; fi
+    [ $left -lt $limit ] && limit=$left
+  fi
   echo "=== bench $tag: $* ($(date -u +%T))" | tee -a $LOG
   timeout $limit $PY -m dpipe.cli.bench --size $SIZE --out /tmp/bench-$tag "$@" 2>&1 \
     | grep -v "WARNING\|^SEED_LAYERS\|^Using topology" | tee -a $LOG
