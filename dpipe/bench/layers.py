@@ -30,6 +30,7 @@ from dpipe.config.schema import Precision
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import deepspeed_bf16
 from dpipe.pipeline.partition import balanced_bounds
+from dpipe.train.attention import use_sdpa_kernels
 
 DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "pipeline=single"]
 
@@ -117,8 +118,8 @@ def main() -> int:
     if not cuda and args.size != "tiny":
         raise SystemExit("error: dpipe.bench.layers times layers on a GPU and none is visible "
                          "(--size tiny runs a CPU smoke test)")
-    torch.backends.cuda.enable_cudnn_sdp(False)  # as in training (dpipe/train/loop.py)
     run = compose_run(DEFAULTS + args.overrides)
+    use_sdpa_kernels(run.model.attention)  # as in training (dpipe/train/loop.py)
     spec = build_spec(run.model)
     require_size(spec, args.size)
     spec = spec.for_benchmark(args.size)

@@ -17,14 +17,14 @@ from dpipe.config.schema import Precision, TrainMode
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config
 from dpipe.models.registry import build_spec
 from dpipe.train.lora import make_trainable
-from dpipe.train.trainable import use_attention_kernel
+from dpipe.train.attention import use_attention_kernel, use_sdpa_kernels
 
 
 def main() -> int:
     bench_dir = Path(sys.argv[1])
     opts = json.loads((bench_dir / "bench.json").read_text())
     run = load_run_config(bench_dir / RUN_CONFIG)
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    use_sdpa_kernels(run.model.attention)  # the same kernels as the pipeline's run
     spec = build_spec(run.model).for_benchmark(opts["size"])
     full = run.model.mode == TrainMode.full
     dtype = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32

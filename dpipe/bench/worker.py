@@ -20,6 +20,7 @@ from dpipe.models.registry import build_spec
 from dpipe.models.spec import NoisedBatch
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
+from dpipe.train.attention import use_sdpa_kernels
 from dpipe.train.flops import StepFlops, architecture, shapes_of
 
 
@@ -83,7 +84,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this very path (no timings)
     if cuda:
         torch.cuda.set_device(local_rank)
-        torch.backends.cuda.enable_cudnn_sdp(False)  # its SDPA backward fails for Flux shapes here
+        use_sdpa_kernels(run.model.attention)  # as in training (dpipe/train/loop.py)
     init_distributed("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     spec = build_spec(run.model).for_benchmark(opts["size"])

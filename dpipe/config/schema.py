@@ -89,6 +89,10 @@ class AttentionKernel(str, Enum):
     # masked attention 2.6x as fast, but inside a compiled 13B block its compile took minutes
     # (same section): experimental, not the default.
     flex = "flex"
+    # PyTorch's SDPA with cuDNN's kernel first (flash, then memory-efficient where it cannot
+    # run a call); GPU only. On an H200, 2x flash's speed at FLUX.1-dev's, Qwen-Image's and
+    # HunyuanVideo 1.5's attention shapes, forward and backward (docs/performance.md).
+    cudnn = "cudnn"
 
 
 @dataclass
@@ -126,7 +130,7 @@ class ModelConfig:
     # SD3, Chroma, HiDream-I1, AuraFlow): the diffusers folder of the same model, required, for
     # the VAE, text encoders, tokenizers and configs.
     single_file_config: Optional[str] = None
-    # The attention kernel (see AttentionKernel): sdpa or flex.
+    # The attention kernel (see AttentionKernel): sdpa, cudnn or flex.
     attention: AttentionKernel = AttentionKernel.sdpa
 
 

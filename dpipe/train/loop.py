@@ -22,6 +22,7 @@ from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspee
 from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train import checkpoint, preemption
 from dpipe.train.audit import StepAudit
+from dpipe.train.attention import use_sdpa_kernels
 from dpipe.train.export import export
 from dpipe.train.flops import StepFlops, architecture
 from dpipe.train.trainable import load_denoiser, trainable_layers
@@ -34,9 +35,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # cuDNN's attention backward fails or returns NaN for FLUX-like shapes with torch 2.11 on
-        # H200 (seen here); the flash and memory-efficient kernels are as fast for training.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        use_sdpa_kernels(run.model.attention)  # before any layer runs or is traced
     else:
         # Workers on one machine share its cores; more threads than cores makes them spin.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

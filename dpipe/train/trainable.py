@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.config.schema import (
-    AttentionKernel, BaseDtype, ModelConfig, Precision, RunConfig, TrainMode)
-from dpipe.errors import ConfigError
+from dpipe.config.schema import BaseDtype, Precision, RunConfig, TrainMode
+from dpipe.train.attention import require_gpu_kernel, use_attention_kernel
 from dpipe.train.lora import frozen_dtype, make_trainable
 
 
@@ -20,9 +19,7 @@ def load_denoiser(spec, run: RunConfig):
 def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
     """The denoiser (`load_denoiser` unless given), made trainable (LoRA or full), as pipeline
     layers; the same on every rank."""
-    if run.model.attention == AttentionKernel.flex and not torch.cuda.is_available():
-        raise ConfigError("model.attention=flex trains on a CUDA GPU only (FlexAttention has no "
-                          "backward pass on the CPU); use model.attention=sdpa here")
+    require_gpu_kernel(run.model.attention)
     if denoiser is None:
         denoiser = load_denoiser(spec, run)
     # LoRA init: identical on every rank and every stage count, however the denoiser was made.
@@ -39,20 +36,3 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
 
         frozen_linears_to_fp8(denoiser)  # after LoRA wrapping: peft's base layers become fp8
     return spec.pipeline_layers(denoiser)
-
-
-def use_attention_kernel(denoiser, cfg: ModelConfig) -> None:
-    """Routes the denoiser's attention through `model.attention`'s kernel, by diffusers' attention
-    dispatcher (`set_attention_backend`). Processors that call PyTorch directly ignore it, so a
-    family none of whose attention goes through the dispatcher is refused, not silently slow."""
-    if cfg.attention == AttentionKernel.sdpa:
-        return  # diffusers' default
-    processors = {type(m.processor).__name__: hasattr(m.processor, "_attention_backend")
-                  for m in denoiser.modules() if getattr(m, "processor", None) is not None}
-    if not any(processors.values()):
-        raise ConfigError(
-            f"model.attention={cfg.attention.value}: the attention of model.family={cfg.family} "
-            f"({', '.join(sorted(processors)) or 'no diffusers processor'}) does not go through "
-            "diffusers' attention dispatcher, so its kernel cannot be chosen; use "
-            "model.attention=sdpa")
-    denoiser.set_attention_backend(cfg.attention.value)

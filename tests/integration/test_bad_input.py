@@ -53,9 +53,11 @@ def test_unreadable_image_in_strict_mode(tmp_path):
     _assert_user_error(result, "broken.png")
 
 
-def test_flex_attention_on_the_cpu(tmp_path):
-    """FlexAttention has no backward pass on the CPU: refused before the first step."""
-    result = dpipe_train(*train_args(tmp_path / "run", "model.attention=flex",
+@pytest.mark.parametrize("kernel", ["flex", "cudnn"])
+def test_a_gpu_attention_kernel_on_the_cpu(tmp_path, kernel):
+    """FlexAttention has no backward pass on the CPU, cuDNN no CPU kernel: refused before the
+    first step."""
+    result = dpipe_train(*train_args(tmp_path / "run", f"model.attention={kernel}",
                                      "pipeline.compile=true"))
-    _assert_user_error(result, "model.attention=flex trains on a CUDA GPU only",
+    _assert_user_error(result, f"model.attention={kernel} trains on a CUDA GPU only",
                        "model.attention=sdpa")

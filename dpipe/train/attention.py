@@ -1,0 +1,63 @@
+"""Which attention kernel a run's layers execute (`model.attention`).
+
+Two switches make it: PyTorch's scaled_dot_product_attention picks its kernel (flash,
+memory-efficient, cuDNN, math) per call from process-wide flags, read when torch.compile traces
+a layer, so `use_sdpa_kernels` sets them once per process before any layer runs; and diffusers'
+attention dispatcher routes a denoiser's processors to FlexAttention (`use_attention_kernel`).
+Processors that call PyTorch's SDPA directly follow the process-wide flags too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from dpipe.config.schema import AttentionKernel, ModelConfig
+from dpipe.errors import ConfigError
+
+# cuDNN first, then what SDPA falls back to where cuDNN cannot run a call.
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def use_sdpa_kernels(kernel: AttentionKernel) -> None:
+    """Sets SDPA's kernels for this process (a GPU one; the CPU has its own kernels only).
+    cudnn: cuDNN's kernel first, ~2x flash's speed forward and backward at FLUX.1-dev's,
+    Qwen-Image's and HunyuanVideo 1.5's shapes on an H200 (docs/performance.md). Otherwise
+    cuDNN's kernel is off: with it merely enabled SDPA prefers flash anyway, but picks cuDNN for
+    masked calls, and its backward once failed or gave NaN on an H200 (tiny models)."""
+    if not torch.cuda.is_available():
+        return
+    cudnn = kernel == AttentionKernel.cudnn
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    if cudnn:
+        # The order torch.nn.attention.sdpa_kernel(..., set_priority=True) sets, for the whole
+        # process rather than a `with` block.
+        torch._C._set_sdp_priority_order([int(b) for b in CUDNN_FIRST])
+
+
+def use_attention_kernel(denoiser, cfg: ModelConfig) -> None:
+    """Routes the denoiser's attention through `model.attention`'s kernel, by diffusers' attention
+    dispatcher (`set_attention_backend`), where the kernel is not SDPA's (flex). Processors that
+    call PyTorch directly ignore it, so a family none of whose attention goes through the
+    dispatcher is refused, not silently slow."""
+    if cfg.attention in (AttentionKernel.sdpa, AttentionKernel.cudnn):
+        return  # diffusers' default: PyTorch's SDPA, whose kernel `use_sdpa_kernels` chose
+    processors = {type(m.processor).__name__: hasattr(m.processor, "_attention_backend")
+                  for m in denoiser.modules() if getattr(m, "processor", None) is not None}
+    if not any(processors.values()):
+        raise ConfigError(
+            f"model.attention={cfg.attention.value}: the attention of model.family={cfg.family} "
+            f"({', '.join(sorted(processors)) or 'no diffusers processor'}) does not go through "
+            "diffusers' attention dispatcher, so its kernel cannot be chosen; use "
+            "model.attention=sdpa")
+    denoiser.set_attention_backend(cfg.attention.value)
+
+
+def require_gpu_kernel(kernel: AttentionKernel) -> None:
+    """flex and cudnn are GPU kernels: refused on a machine without CUDA."""
+    if kernel in (AttentionKernel.flex, AttentionKernel.cudnn) and not torch.cuda.is_available():
+        why = ("FlexAttention has no backward pass on the CPU" if kernel == AttentionKernel.flex
+               else "cuDNN's attention is a CUDA kernel")
+        raise ConfigError(f"model.attention={kernel.value} trains on a CUDA GPU only ({why}); "
+                          "use model.attention=sdpa here")
