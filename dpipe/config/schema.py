@@ -81,18 +81,22 @@ class BaseDtype(str, Enum):
 
 
 class AttentionKernel(str, Enum):
-    # PyTorch's scaled_dot_product_attention, diffusers' default. Unmasked it runs flash; under a
-    # mask (the text padding of HunyuanVideo, Qwen-Image, LTX-Video...) its fallback kernel took
-    # 2.5x as long on an H200 (docs/performance.md, "HunyuanVideo 13B on one H200").
+    # PyTorch's scaled_dot_product_attention, diffusers' default, with the kernel that is fastest
+    # on the GPU (`dpipe.train.attention`): cuDNN's first on Hopper and newer, forward and
+    # backward 2x flash's speed on an H200 at FLUX.1-dev's, Qwen-Image's and HunyuanVideo 1.5's
+    # shapes (docs/performance.md); PyTorch's own order elsewhere (flash first; the
+    # memory-efficient kernel under a mask, the text padding of HunyuanVideo, Qwen-Image,
+    # LTX-Video..., which took 2.5x flash's time on an H200).
     sdpa = "sdpa"
+    # SDPA without cuDNN's kernel on any GPU: flash, or memory-efficient under a mask.
+    flash = "flash"
+    # SDPA with cuDNN's kernel first on any GPU (flash, then memory-efficient where it cannot
+    # run a call); GPU only.
+    cudnn = "cudnn"
     # FlexAttention, built for masks; on a GPU with pipeline.compile=true. Alone it ran that
     # masked attention 2.6x as fast, but inside a compiled 13B block its compile took minutes
-    # (same section): experimental, not the default.
+    # (docs/performance.md, "HunyuanVideo 13B on one H200"): experimental, not the default.
     flex = "flex"
-    # PyTorch's SDPA with cuDNN's kernel first (flash, then memory-efficient where it cannot
-    # run a call); GPU only. On an H200, 2x flash's speed at FLUX.1-dev's, Qwen-Image's and
-    # HunyuanVideo 1.5's attention shapes, forward and backward (docs/performance.md).
-    cudnn = "cudnn"
 
 
 @dataclass
@@ -130,7 +134,7 @@ class ModelConfig:
     # SD3, Chroma, HiDream-I1, AuraFlow): the diffusers folder of the same model, required, for
     # the VAE, text encoders, tokenizers and configs.
     single_file_config: Optional[str] = None
-    # The attention kernel (see AttentionKernel): sdpa, cudnn or flex.
+    # The attention kernel (see AttentionKernel): sdpa (the GPU's fastest), flash, cudnn or flex.
     attention: AttentionKernel = AttentionKernel.sdpa
 
 
