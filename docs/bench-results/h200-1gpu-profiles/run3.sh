@@ -1,16 +1,18 @@
 #!/bin/bash
 # For one H200 (ninth session), after model.attention=sdpa became cuDNN-first on Hopper: SDPA's
 # kernels timed again, with a key-padding mask too (sdpa.py); whether torch.compile's caches key
-# on SDPA's flags (sdpa_cache.py: each process its own inductor cache, but the second, which
-# shares the first's); then the GPU tests with the new default. ~9 minutes: `call.sh 570 run3.sh`.
+# on SDPA's flags (sdpa_cache.py: the second process shares the first's inductor cache, the
+# fourth has the caches off); then the GPU tests with the new default. ~9 minutes: `call.sh 570 run3.sh`.
 REPO=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../h200-1gpu-loader-fp8/common.sh"
 timeout 90 $PY $HERE/sdpa.py 2>&1 | grep -v Warning | tee -a $LOG
 for arm in "a flash" "a cudnn" "b cudnn flash" "c flash cudnn"; do
   set -- $arm; dir=/tmp/inductor-$1; shift
-  echo "--- sdpa_cache.py $* (TORCHINDUCTOR_CACHE_DIR=$dir)" | tee -a $LOG
-  TORCHINDUCTOR_CACHE_DIR=$dir timeout 60 $PY $HERE/sdpa_cache.py "$@" 2>&1 | grep -v Warning | tee -a $LOG
+  caches=1; [ $dir = /tmp/inductor-c ] && caches=0  # c: FX graph and AOTAutograd caches off
+  echo "--- sdpa_cache.py $* (TORCHINDUCTOR_CACHE_DIR=$dir, caches $caches)" | tee -a $LOG
+  TORCHINDUCTOR_FX_GRAPH_CACHE=$caches TORCHINDUCTOR_AUTOGRAD_CACHE=$caches \
+    TORCHINDUCTOR_CACHE_DIR=$dir timeout 60 $PY $HERE/sdpa_cache.py "$@" 2>&1 | grep -v Warning | tee -a $LOG
 done
 cd $REPO
 left() { echo $(( DEADLINE - $(date +%s) - 10 )); }
