@@ -16,5 +16,5 @@ for arm in "a flash" "a cudnn" "b cudnn flash" "c flash cudnn"; do
 done
 cd $REPO
 left() { echo $(( DEADLINE - $(date +%s) - 10 )); }
-timeout $(left) $PY -m pytest tests/gpu/test_gpu.py -k "not two_stage" -p no:cacheprovider -q -x 2>&1 | tail -25 | tee -a $LOG
+timeout $(left) $PY -m pytest tests/gpu/test_gpu.py -k "not two_stage" -p no:cacheprovider -q 2>&1 | tail -25 | tee -a $LOG
 timeout $(left) $PY -m pytest tests/gpu/test_families_gpu.py -k eager -p no:cacheprovider -q 2>&1 | tail -25 | tee -a $LOG
