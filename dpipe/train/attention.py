@@ -6,10 +6,9 @@ a layer, so `use_sdpa_kernels` sets them once per process before any layer runs;
 attention dispatcher routes a denoiser's processors to FlexAttention (`use_attention_kernel`).
 Processors that call PyTorch's SDPA directly follow the process-wide flags too.
 
-An earlier session saw cuDNN's attention backward fail or give NaN on an H200 (tiny models,
-torch 2.11) and switched it off; checked again in the ninth (docs/bench-results/
-h200-1gpu-profiles/cudnn_check.py) it matched flash everywhere. `model.attention=flash` is the
-way back if it misbehaves on another stack.
+cuDNN's kernel is opt-in (`model.attention=cudnn`): 2x flash's speed on an H200 at real sizes,
+with flash's error against an fp32 reference in isolation (docs/bench-results/
+h200-1gpu-profiles/cudnn_check.py), but a NaN loss in the tiny FLUX model's training (tests/gpu).
 """
 
 from __future__ import annotations
@@ -23,28 +22,23 @@ from dpipe.errors import ConfigError
 # cuDNN first, then what SDPA falls back to where cuDNN cannot run a call.
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-HOPPER = (9, 0)
-
-
-def cudnn_first(kernel: AttentionKernel, capability: tuple[int, int]) -> bool:
-    """Whether SDPA tries cuDNN's kernel first on a GPU of this compute capability. sdpa: on
-    Hopper and newer, where it ran forward and backward at 2x flash's speed on an H200 at the
-    shapes dpipe's benchmarks train, with flash's error against an fp32 reference and no NaN,
-    masked or not, tiny shapes included (docs/performance.md); elsewhere PyTorch's own order,
-    flash first (cuDNN's kernel is not measured there). PyTorch itself ranks cuDNN last."""
-    return kernel == AttentionKernel.cudnn or (kernel == AttentionKernel.sdpa
-                                               and capability >= HOPPER)
 
 
 def use_sdpa_kernels(kernel: AttentionKernel) -> None:
-    """Sets SDPA's kernel order for this process on a GPU (the CPU has its own kernels only);
-    call it before any layer runs or is traced."""
+    """Sets SDPA's kernels for this process on a GPU (the CPU has its own kernels only); call it
+    before any layer runs or is traced. cudnn: cuDNN's kernel first. Otherwise it is off: merely
+    enabled, SDPA would still pick it where flash cannot run (under a mask).
+
+    torch.compile's FX-graph and AOTAutograd caches do not key on these flags (measured on an
+    H200, docs/bench-results/h200-1gpu-profiles/sdpa_cache.py): a layer compiled under one
+    choice runs that kernel in a later process that chose the other, until the cache is cleared
+    (TORCHINDUCTOR_CACHE_DIR) or off (TORCHINDUCTOR_FX_GRAPH_CACHE=0
+    TORCHINDUCTOR_AUTOGRAD_CACHE=0)."""
     if not torch.cuda.is_available():
         return
-    first = cudnn_first(kernel, torch.cuda.get_device_capability())
-    # Merely enabled, cuDNN's kernel would still run where flash cannot (under a mask).
-    torch.backends.cuda.enable_cudnn_sdp(first)
-    if first:
+    cudnn = kernel == AttentionKernel.cudnn
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    if cudnn:
         # The order torch.nn.attention.sdpa_kernel(..., set_priority=True) sets, for the whole
         # process rather than a `with` block.
         torch._C._set_sdp_priority_order([int(b) for b in CUDNN_FIRST])
