@@ -4,7 +4,8 @@
 # both), Qwen-Image runs at ~28% of the bf16 peak and HunyuanVideo 1.5 at ~38%, FLUX.1-dev at
 # 45%. Each: the benchmark's LoRA r32 step (8 samples, compiled, loader) with --profile, the
 # kernel time by kind in <tag>-profile.txt; first SDPA's kernels at the three attention shapes
-# (sdpa.py). ~9 minutes of device time: run as `call.sh 580 run1.sh`.
+# (sdpa.py). ~9 minutes of device time: run as
+# `../h200-1gpu-loader-fp8/call.sh 580 run1.sh`.
 REPO=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../h200-1gpu-loader-fp8/common.sh"

@@ -3,7 +3,7 @@
 # output and gradients with an fp32 reference at tiny and real shapes, eager and compiled; then
 # FLUX.1-dev's LoRA step (target 1) with model.attention=cudnn beside the plain loop using the
 # same kernel (--plain), and HunyuanVideo 1.5's LoRA step, 70% of whose kernel time was flash
-# attention (run1). ~10 minutes: `call.sh 580 run2.sh`.
+# attention (run1). ~10 minutes: `../h200-1gpu-loader-fp8/call.sh 580 run2.sh`.
 REPO=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../h200-1gpu-loader-fp8/common.sh"

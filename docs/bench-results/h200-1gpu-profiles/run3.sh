@@ -2,7 +2,8 @@
 # For one H200 (ninth session), after model.attention=sdpa became cuDNN-first on Hopper: SDPA's
 # kernels timed again, with a key-padding mask too (sdpa.py); whether torch.compile's caches key
 # on SDPA's flags (sdpa_cache.py: the second process shares the first's inductor cache, the
-# fourth has the caches off); then the GPU tests with the new default. ~9 minutes: `call.sh 570 run3.sh`.
+# fourth has the caches off); then the GPU tests with the new default. ~9 minutes:
+# `../h200-1gpu-loader-fp8/call.sh 570 run3.sh`.
 REPO=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../h200-1gpu-loader-fp8/common.sh"
