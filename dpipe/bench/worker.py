@@ -128,7 +128,7 @@ def main() -> int:
         data = loader.next
     timing = StageTiming(engine) if cuda else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step_s, work, audits = [], [], []
+    step_s, work, audits, losses = [], [], [], []
     for step in range(opts["warmup"] + opts["steps"]):
         if step == opts["warmup"] and cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -136,7 +136,8 @@ def main() -> int:
         sync()
         start = time.perf_counter()
         with audit.counting():
-            engine.train_batch(data_iter=data(step))
+            # The step's mean loss, left on the GPU: read after the timed steps, not per step.
+            losses.append(engine.train_batch(data_iter=data(step)).detach())
         sync()
         elapsed = time.perf_counter() - start
         spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -152,6 +153,9 @@ def main() -> int:
                   f"backward passes {audit.backward_passes}", flush=True)
     result = {
         "rank": rank,
+        # Every step's, warm-up included: a kernel that trains to NaN shows here (DeepSpeed
+        # broadcasts the last stage's loss to the other stages).
+        "losses": [float(loss) for loss in losses],
         "stage": built.stage,
         "layers": [built.bounds[built.stage], built.bounds[built.stage + 1]],
         "step_s": statistics.median(step_s),

@@ -9,13 +9,15 @@ runs through the same layers, pipeline engine and `train_batch` as training, in 
 processes, on fixed random micro-batches. `--plain` adds the reference: a plain one-GPU loop
 (compiled blocks, no checkpointing) on the first run's model and batch. Prints s/step, images/s,
 model TFLOP/s and MFU per GPU (by the model-FLOP convention), the TFLOP/s the step executes
-(`dpipe.train.flops`), peak memory, per-stage compute and idle time.
+(`dpipe.train.flops`), peak memory, per-stage compute and idle time, and every step's loss
+(NaN is flagged: a kernel that trains to NaN shows in its benchmark).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -129,15 +131,15 @@ def _row(name: str, overrides: str, ranks: list[dict]) -> dict:
             "images_per_s": ranks[0]["images_per_step"] / step_s,
             "s_per_image": step_s / ranks[0]["images_per_step"], "tflops_per_gpu": tflops,
             "mfu": tflops / PEAK_TFLOPS, "executed_tflops_per_gpu": executed_tflops,
-            "stages": per_stage}
+            "losses": ranks[0].get("losses"), "stages": per_stage}
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | executed TFLOP/s per GPU (of the peak) | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers | per stage: host syncs per step / backward passes per micro-batch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | GPUs | s/step | images/s | s/image | TFLOP/s per GPU | MFU | executed TFLOP/s per GPU (of the peak) | per stage: compute s / idle s / peak GiB (reserved) / recomputed layers | per stage: host syncs per step / backward passes per micro-batch | losses (warm-up, timed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | |")
             continue
         stages = "; ".join(
             f"{s['stage']}: {s.get('compute_s', float('nan')):.2f} / {s.get('idle_s', float('nan')):.2f} / "
@@ -148,8 +150,16 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {r['gpus']} | {r['step_s']:.3f} | {r['images_per_s']:.2f} | "
                      f"{r['s_per_image']:.3f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.0%} | "
                      f"{_executed(r['executed_tflops_per_gpu'])} | {stages} | "
-                     f"{audit} |")
+                     f"{audit} | {_losses(r['losses'])} |")
     return "\n".join(lines)
+
+
+def _losses(losses: list[float] | None) -> str:
+    """Every step's loss; "NOT FINITE" first where one is NaN or infinite."""
+    if not losses:
+        return "-"  # the plain loop's are not reported
+    shown = " ".join(f"{x:.4g}" for x in losses)
+    return shown if all(math.isfinite(x) for x in losses) else f"NOT FINITE: {shown}"
 
 
 def _executed(tflops: float | None) -> str:

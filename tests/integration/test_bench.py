@@ -94,6 +94,21 @@ def test_random_models_train_through_their_layers(model):
     assert 0.2 < counted.get_total_flops() / spec.train_flops(denoiser, inputs, full=True) < bound
 
 
+def test_every_step_reports_its_loss_and_a_nan_is_flagged(rows, bench_out):
+    """The loss is read after the timed steps (no sync in a step), for warm-up and timed steps
+    alike; on a 3-stage pipeline the first stage reports the last stage's loss."""
+    import math
+
+    from dpipe.cli.bench import _losses
+
+    losses = rows["full-3"]["losses"]
+    assert len(losses) == 1 + 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    ranks = [json.loads((bench_out / "full-3" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["losses"] for r in ranks] == [losses] * 3
+    assert _losses([0.5, 0.25]) == "0.5 0.25"
+    assert _losses([0.5, float("nan")]) == "NOT FINITE: 0.5 nan"
+
+
 def test_the_executed_flops_are_counted_beside_the_conventions(rows):
     """dpipe-bench counts what the step executes (torch's count on the meta device); the model-FLOP
     convention counts every weight for every token, more than runs where embedders and
