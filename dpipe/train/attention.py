@@ -7,11 +7,19 @@ attention dispatcher routes a denoiser's processors to FlexAttention (`use_atten
 Processors that call PyTorch's SDPA directly follow the process-wide flags too.
 
 cuDNN's kernel is opt-in (`model.attention=cudnn`): 2x flash's speed on an H200 at real sizes,
-with flash's error against an fp32 reference in isolation (docs/bench-results/
-h200-1gpu-profiles/cudnn_check.py), but a NaN loss in the tiny FLUX model's training (tests/gpu).
+with flash's error against an fp32 reference (docs/bench-results/h200-1gpu-profiles/
+cudnn_check.py). Its backward reads out of bounds when the gradient it receives is not laid out
+as its output is (torch 2.11, cuDNN 9.19: compute-sanitizer names cudnn::fusion::compute_dot_do_o,
+and eager training goes NaN at its first step; docs/bench-results/h200-1gpu-cudnn-nan). FLUX's
+single blocks hand it such a gradient: the slice of a concatenation. So, with cuDNN chosen,
+eager SDPA calls get their output's gradient copied into the output's layout first
+(`_gradient_like_output`); compiled layers need not, inductor lays SDPA's backward inputs out
+densely itself.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -42,6 +50,34 @@ def use_sdpa_kernels(kernel: AttentionKernel) -> None:
         # The order torch.nn.attention.sdpa_kernel(..., set_priority=True) sets, for the whole
         # process rather than a `with` block.
         torch._C._set_sdp_priority_order([int(b) for b in CUDNN_FIRST])
+        _lay_out_gradients_for_cudnn()
+
+
+def _lay_out_gradients_for_cudnn() -> None:
+    """Wraps torch's scaled_dot_product_attention, process-wide and once: diffusers' processors
+    call it by that name, whether through diffusers' dispatcher or directly."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if getattr(sdpa, "dense_gradient", False):
+        return
+
+    @functools.wraps(sdpa)
+    def sdpa_with_dense_gradient(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        if out.requires_grad and not torch.compiler.is_compiling():
+            layout = out.stride()
+            out.register_hook(lambda grad: _gradient_like_output(grad, layout))
+        return out
+
+    sdpa_with_dense_gradient.dense_gradient = True
+    torch.nn.functional.scaled_dot_product_attention = sdpa_with_dense_gradient
+
+
+def _gradient_like_output(grad: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
+    """`grad` itself where it has the output's strides, else a copy with them."""
+    if grad.stride() == layout:
+        return grad
+    return torch.empty_strided(grad.shape, layout, dtype=grad.dtype,
+                               device=grad.device).copy_(grad)
 
 
 def use_attention_kernel(denoiser, cfg: ModelConfig) -> None:

@@ -28,12 +28,14 @@ BASE = ["model=tiny_flux", "dataset=synthetic", "train.precision=bf16", "train.m
         "pipeline.data_parallel=1"]
 
 
-def train(out: Path, kernel: str, compiled: bool) -> None:
-    tag = f"{kernel}-{'compiled' if compiled else 'eager'}"
+def train(out: Path, kernel: str, compiled: bool, *extra: str, tag: str = "",
+          watch: bool = True) -> None:
+    """Trains the tiny FLUX model (BASE and `extra` overrides) and prints its losses."""
+    tag = f"{kernel}-{'compiled' if compiled else 'eager'}{tag}"
     env = dict(os.environ)
     if compiled:
         env["TORCHINDUCTOR_CACHE_DIR"] = f"/tmp/inductor-{tag}"
-    else:
+    elif watch:
         env["SDPA_WATCH"] = str(out / f"watch-{tag}")
         env["PYTHONPATH"] = f"{HERE / 'watch'}:{env.get('PYTHONPATH', '')}"
     old = dict(os.environ)
@@ -42,7 +44,8 @@ def train(out: Path, kernel: str, compiled: bool) -> None:
     try:
         run_dir = Path(f"/tmp/hunt-{tag}")
         result = dpipe_train(*train_args(run_dir, *BASE, f"model.attention={kernel}",
-                                         f"pipeline.compile={str(compiled).lower()}"), timeout=400)
+                                         f"pipeline.compile={str(compiled).lower()}", *extra),
+                             timeout=400)
     finally:
         os.environ.clear()
         os.environ.update(old)

@@ -63,6 +63,8 @@ if os.environ.get("SDPA_WATCH"):
 
             def on_out(g):
                 held["grad_out"] = g.detach().clone()
+                if n < 40:  # the gradient as it arrives, before any later hook relays it out
+                    _log({"call": n, "grad_out": _describe(g), "out_stride": list(out.stride())})
                 if not torch.isfinite(g).all():
                     _log({"call": n, "non_finite": "incoming gradient"})
 
