@@ -1,9 +1,11 @@
 """Every model family, on its tiny flavor, trains on one GPU (skipped without CUDA).
 
-Per mode, sweeps of the families side by side (`dpipe-train -m model=...`), bf16 LoRA on one
-stage, through the loader's worker processes as users run it. Each run's audited step (`train.audit_step`, the second) makes
-no host sync, but where diffusers' own code of the family makes one; the CPU suite holds the
-layers to the same on the meta device (`tests/integration/test_families.py`).
+Per mode (MODES), sweeps of the families side by side (`dpipe-train -m model=...`), bf16 LoRA
+on one stage, through the loader's worker processes as users run it. Each run's audited step
+(`train.audit_step`, the second) makes no host sync, but where diffusers' own code of the family
+makes one; the CPU suite holds the layers to the same on the meta device
+(`tests/integration/test_families.py`). With cuDNN's attention kernel every family trains to the
+losses of the default kernels.
 """
 
 from __future__ import annotations
@@ -43,25 +45,47 @@ DIFFUSERS_SYNCS = {
 SIDE_BY_SIDE = 4
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled"])
-def gpu_sweep(request, tmp_path_factory) -> tuple[str, dict[str, Sweep]]:
-    """(mode, {family: the sweep it ran in})."""
-    compiled = [f"pipeline.compile={str(request.param == 'compiled').lower()}"]
-    groups = [FAMILIES[i::SIDE_BY_SIDE] for i in range(SIDE_BY_SIDE)]
-    dirs = [tmp_path_factory.mktemp(f"{request.param}-{i}") for i in range(len(groups))]
-    with ThreadPoolExecutor(len(groups)) as pool:
-        sweeps = list(pool.map(
-            lambda d, g: Sweep(d, f"model={','.join(g)}", *SWEEP, *compiled, timeout=3000),
-            dirs, groups))
-    return request.param, {model: sweep for group, sweep in zip(groups, sweeps) for model in group}
+# The overrides of each mode's sweeps.
+MODES = {"eager": ["pipeline.compile=false"], "compiled": ["pipeline.compile=true"],
+         "cudnn": ["pipeline.compile=false", "model.attention=cudnn"]}
+_swept: dict[str, dict[str, Sweep]] = {}
 
 
-@pytest.mark.parametrize("model", FAMILIES)
-def test_family_trains_on_a_gpu_without_host_syncs(gpu_sweep, model):
-    mode, sweeps = gpu_sweep
-    records = metrics(sweeps[model].run_dir(f"model={model}"))
+def families_swept(mode: str, tmp_path_factory) -> dict[str, Sweep]:
+    """{family: the sweep it ran in} for one of MODES, swept once per session."""
+    if mode not in _swept:
+        groups = [FAMILIES[i::SIDE_BY_SIDE] for i in range(SIDE_BY_SIDE)]
+        dirs = [tmp_path_factory.mktemp(f"{mode}-{i}") for i in range(len(groups))]
+        with ThreadPoolExecutor(len(groups)) as pool:
+            sweeps = list(pool.map(
+                lambda d, g: Sweep(d, f"model={','.join(g)}", *SWEEP, *MODES[mode], timeout=3000),
+                dirs, groups))
+        _swept[mode] = {model: sweep for group, sweep in zip(groups, sweeps) for model in group}
+    return _swept[mode]
+
+
+def audited_runs(mode: str, model: str, tmp_path_factory) -> list[dict]:
+    records = metrics(families_swept(mode, tmp_path_factory)[model].run_dir(f"model={model}"))
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
     audited = records[1]
     assert audited["backward_passes_per_micro_batch"] == 1.0
-    assert audited["host_syncs"] == DIFFUSERS_SYNCS.get((model, mode), 0)
+    # cuDNN's kernel runs eager: its run syncs as the eager one does.
+    expected_mode = "eager" if mode == "cudnn" else mode
+    assert audited["host_syncs"] == DIFFUSERS_SYNCS.get((model, expected_mode), 0)
+    return records
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("model", FAMILIES)
+def test_family_trains_on_a_gpu_without_host_syncs(tmp_path_factory, mode, model):
+    audited_runs(mode, model, tmp_path_factory)
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_family_trains_with_cudnn_attention_as_with_sdpa(tmp_path_factory, model):
+    """`model.attention=cudnn` (eager, where its backward once read out of bounds on FLUX) gives
+    every family the losses of PyTorch's default kernels, in bf16's tolerance."""
+    sdpa = torch.tensor([r["loss"] for r in audited_runs("eager", model, tmp_path_factory)])
+    cudnn = torch.tensor([r["loss"] for r in audited_runs("cudnn", model, tmp_path_factory)])
+    torch.testing.assert_close(cudnn, sdpa, rtol=2e-2, atol=1e-3)
