@@ -1,0 +1,27 @@
+"""A layer call that recomputes the layer's activations in backward (activation checkpointing).
+
+Eager layers go through torch.utils.checkpoint. A compiled layer is checkpointed inside its
+compiled graph instead, so that torch.compile keeps the layer's inputs and replays the forward in
+the backward graph itself. Wrapped the other way round, an eager checkpoint around the compiled
+call, the recomputation must save the very tensors of the forward in the same order, and on a GPU
+Wan's compiled blocks did not: their first backward failed with torch.utils.checkpoint's
+"Recomputed values for the following tensors have different metadata" (tiny and 14B, with
+either attention kernel; FLUX's blocks were fine; docs/bench-results/h200-1gpu-checkpoint-compile).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def recomputed(layer: nn.Module, x):
+    """`layer(x)`, keeping only `x` for backward. An nn.Module.compile()'d layer runs its
+    original forward here: this function is what gets compiled then (`recomputed_compiled`)."""
+    return checkpoint(layer._call_impl, x, use_reentrant=False)
+
+
+# One compiled function serves every layer: dynamo guards on the layer's class and structure, not
+# its identity (its weights are graph inputs), so like blocks share their graphs.
+recomputed_compiled = torch.compile(recomputed)
