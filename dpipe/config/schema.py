@@ -85,12 +85,12 @@ class AttentionKernel(str, Enum):
     # or the memory-efficient kernel under a mask (the text padding of HunyuanVideo,
     # Qwen-Image, LTX-Video...), which took 2.5x flash's time on an H200.
     sdpa = "sdpa"
-    # Experimental, GPU only: SDPA with cuDNN's kernel first (flash, then memory-efficient where
-    # it cannot run a call). On an H200 its forward and backward ran at 2x flash's speed at
-    # FLUX.1-dev's, Qwen-Image's and HunyuanVideo 1.5's shapes and FLUX.1-dev's LoRA step took
-    # 3.13 s instead of 3.73 (docs/performance.md), but the tiny FLUX model's second training
-    # step gave a NaN loss with it (tests/gpu), as an earlier session had seen: not the default
-    # until that is understood.
+    # GPU only: SDPA with cuDNN's kernel first (flash, then memory-efficient where it cannot
+    # run a call). On an H200 its forward and backward ran at 2x flash's speed at FLUX.1-dev's,
+    # Qwen-Image's and HunyuanVideo 1.5's shapes and FLUX.1-dev's LoRA step took 3.13 s instead
+    # of 3.73 (docs/performance.md). Every tiny family trains with it eager to sdpa's losses
+    # (tests/gpu, since dpipe.train.attention fixed the layout its backward needs); not the
+    # default until compiled families and other GPUs are checked too.
     cudnn = "cudnn"
     # FlexAttention, built for masks; on a GPU with pipeline.compile=true. Alone it ran that
     # masked attention 2.6x as fast, but inside a compiled 13B block its compile took minutes
