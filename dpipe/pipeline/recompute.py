@@ -23,5 +23,7 @@ def recomputed(layer: nn.Module, x):
 
 
 # One compiled function serves every layer: dynamo guards on the layer's class and structure, not
-# its identity (its weights are graph inputs), so like blocks share their graphs.
+# its identity (its weights are graph inputs), so like blocks share their graphs. These graphs are
+# compiled apart from the layers' own, and `auto` meets both in its first step: FLUX.1-dev's first
+# step took 125 s instead of 77 on an H200 (fp8 weights, 24 GiB budget), once.
 recomputed_compiled = torch.compile(recomputed)
