@@ -77,7 +77,8 @@ def test_compiled_blocks_recompute_as_they_keep(tmp_path, model):
     """Compiled and checkpointed (every layer recomputed in backward, as `auto` starts): the
     losses of compiled layers that keep their activations. Checkpointed from outside the compiled
     call, Wan's blocks failed their first backward on a GPU (dpipe.pipeline.recompute)."""
-    one = ("pipeline.stages=1", "pipeline.data_parallel=1", "pipeline.compile=true", f"model={model}")
+    one = ("pipeline.stages=1", "pipeline.data_parallel=1", "pipeline.compile=true",
+           f"model={model}")
     kept = _losses(tmp_path / "kept", *one)
     recomputed = _losses(tmp_path / "recomputed", *one, "pipeline.activation_checkpointing=all")
     torch.testing.assert_close(recomputed, kept, rtol=2e-2, atol=1e-3)
