@@ -15,11 +15,15 @@ single blocks hand it such a gradient: the slice of a concatenation. So, with cu
 eager SDPA calls get their output's gradient copied into the output's layout first
 (`_gradient_like_output`); compiled layers need not, inductor lays SDPA's backward inputs out
 densely itself.
+
+torch.compile's caches do not key on the kernel flags, so each choice has its own cache folder
+(`use_compile_cache_of`): switching `model.attention` never reuses a layer compiled for the other.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -41,16 +45,33 @@ def use_sdpa_kernels(kernel: AttentionKernel) -> None:
     H200, docs/bench-results/h200-1gpu-profiles/sdpa_cache.py): a layer compiled under one
     choice runs that kernel in a later process that chose the other, until the cache is cleared
     (TORCHINDUCTOR_CACHE_DIR) or off (TORCHINDUCTOR_FX_GRAPH_CACHE=0
-    TORCHINDUCTOR_AUTOGRAD_CACHE=0)."""
+    TORCHINDUCTOR_AUTOGRAD_CACHE=0). So each choice compiles into its own cache folder."""
     if not torch.cuda.is_available():
         return
     cudnn = kernel == AttentionKernel.cudnn
+    use_compile_cache_of(cudnn)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if cudnn:
         # The order torch.nn.attention.sdpa_kernel(..., set_priority=True) sets, for the whole
         # process rather than a `with` block.
         torch._C._set_sdp_priority_order([int(b) for b in CUDNN_FIRST])
         _lay_out_gradients_for_cudnn()
+
+
+# The inductor cache folder of each kernel choice, under the user's (or inductor's default).
+COMPILE_CACHES = {True: "sdpa-cudnn-first", False: "sdpa-default"}
+
+
+def use_compile_cache_of(cudnn: bool) -> None:
+    """Points torch.compile's cache (TORCHINDUCTOR_CACHE_DIR) at this kernel choice's folder under
+    the folder set, or inductor's default. A folder set by an earlier call (in this process, or
+    inherited by a worker) counts as its parent: one choice's folder never nests in the other's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if os.path.basename(base) in COMPILE_CACHES.values():
+        base = os.path.dirname(base)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, COMPILE_CACHES[cudnn])
 
 
 def _lay_out_gradients_for_cudnn() -> None:
