@@ -15,7 +15,7 @@ from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.errors import ConfigError
 from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
-from dpipe.pipeline.recompute import recomputed, recomputed_compiled
+from dpipe.pipeline.recompute import recomputed
 from dpipe.train.grad_clip import install_clipping
 from dpipe.train.optim import build_optimizer
 from dpipe.train.schedule import lr_lambda
@@ -44,7 +44,6 @@ def _pipeline_module_class():
             self._autocast_dtype = autocast_dtype
             self._input_dtype = input_dtype  # data (floats needing no grad) is cast to it
             self.checkpointed: set[int] = set()  # local layer indices that recompute
-            self.compiled = False  # whether the layers are torch.compile'd (pipeline.compile)
             self.probe: ActivationProbe | None = None
             super().__init__(layers, partition_method="dpipe", **kwargs)
 
@@ -65,7 +64,7 @@ def _pipeline_module_class():
                     if probe is not None:
                         probe.measure(i, layer, x)
                     if i in self.checkpointed and torch.is_grad_enabled():
-                        x = (recomputed_compiled if self.compiled else recomputed)(layer, x)
+                        x = recomputed(layer, x)
                     else:
                         x = layer(x)
             # DeepSpeed sends stage outputs as they are, and refuses non-contiguous tensors.
@@ -143,7 +142,6 @@ def build_engine(
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in module.forward_funcs:
             layer.compile()
-        module.compiled = True
     trainable = [q for q in module.parameters() if q.requires_grad]
     if not trainable:
         stage = module.stage_id

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpipe.pipeline.recompute import recomputed, recomputed_compiled
+from dpipe.pipeline.recompute import recomputed
 
 pytestmark = pytest.mark.slow  # compiles on the CPU (~20 s)
 
@@ -48,8 +48,7 @@ def test_a_recomputed_layer_trains_as_the_plain_one_and_keeps_no_activation(comp
     plain_grads = _grads(block, plain)
     if compiled:
         block.compile()
-    recompute = recomputed_compiled if compiled else recomputed
-    out, saved = _saved_shapes(lambda: recompute(block, x))
+    out, saved = _saved_shapes(lambda: recomputed(block, x))
     torch.testing.assert_close(out, plain)
     for got, want in zip(_grads(block, out), plain_grads):
         torch.testing.assert_close(got, want)
