@@ -62,21 +62,29 @@ WITH_SDPA = {"cudnn": "eager", "cudnn-compiled": "compiled"}
 _swept: dict[str, dict[str, Sweep]] = {}
 
 
-def families_swept(mode: str, tmp_path_factory) -> dict[str, Sweep]:
-    """{family: the sweep it ran in} for one of MODES, swept once per session."""
-    if mode not in _swept:
-        groups = [FAMILIES[i::SIDE_BY_SIDE] for i in range(SIDE_BY_SIDE)]
-        dirs = [tmp_path_factory.mktemp(f"{mode}-{i}") for i in range(len(groups))]
-        with ThreadPoolExecutor(len(groups)) as pool:
+def families_swept(tmp_path_factory, *modes: str) -> dict[str, Sweep]:
+    """{family: the sweep it ran in} for the first of MODES given, swept once per session. The
+    modes not yet swept are swept together, side by side: a test comparing two modes needs both."""
+    todo = [m for m in dict.fromkeys(modes) if m not in _swept]
+    lanes = [(mode, FAMILIES[i::SIDE_BY_SIDE]) for mode in todo for i in range(SIDE_BY_SIDE)]
+    dirs = [tmp_path_factory.mktemp(f"{mode}-{i}") for i, (mode, _) in enumerate(lanes)]
+    if lanes:
+        with ThreadPoolExecutor(len(lanes)) as pool:
             sweeps = list(pool.map(
-                lambda d, g: Sweep(d, f"model={','.join(g)}", *SWEEP, *MODES[mode], timeout=3000),
-                dirs, groups))
-        _swept[mode] = {model: sweep for group, sweep in zip(groups, sweeps) for model in group}
-    return _swept[mode]
+                lambda d, lane: Sweep(d, f"model={','.join(lane[1])}", *SWEEP, *MODES[lane[0]],
+                                      timeout=3000),
+                dirs, lanes))
+    for mode in todo:
+        _swept[mode] = {model: sweep for (m, group), sweep in zip(lanes, sweeps) if m == mode
+                        for model in group}
+    return _swept[modes[0]]
 
 
-def audited_runs(mode: str, model: str, tmp_path_factory) -> list[dict]:
-    records = metrics(families_swept(mode, tmp_path_factory)[model].run_dir(f"model={model}"))
+def audited_runs(mode: str, model: str, tmp_path_factory, *side_by_side: str) -> list[dict]:
+    """The run of `model` in `mode`'s sweep (swept beside the modes `side_by_side`, if not yet),
+    held to no host syncs but diffusers' own."""
+    sweep = families_swept(tmp_path_factory, mode, *side_by_side)
+    records = metrics(sweep[model].run_dir(f"model={model}"))
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
     audited = records[1]
@@ -98,6 +106,7 @@ def test_family_trains_with_cudnn_attention_as_with_sdpa(tmp_path_factory, mode,
     """`model.attention=cudnn` (whose backward once read out of bounds on FLUX, eager) gives every
     family the losses of PyTorch's default kernels, in bf16's tolerance. Compiled, each choice
     has its own inductor cache (dpipe.train.attention), so these are cuDNN's own kernels."""
-    sdpa = torch.tensor([r["loss"] for r in audited_runs(WITH_SDPA[mode], model, tmp_path_factory)])
+    sdpa = torch.tensor([r["loss"] for r in audited_runs(WITH_SDPA[mode], model, tmp_path_factory,
+                                                          mode)])
     cudnn = torch.tensor([r["loss"] for r in audited_runs(mode, model, tmp_path_factory)])
     torch.testing.assert_close(cudnn, sdpa, rtol=2e-2, atol=1e-3)
