@@ -81,6 +81,10 @@ class BaseDtype(str, Enum):
 
 
 class AttentionKernel(str, Enum):
+    # The default: cudnn on the GPUs where its kernel has been checked in training (compute
+    # capability 9.0: H100, H200; dpipe.train.attention.CUDNN_CHECKED), sdpa elsewhere (other
+    # GPUs, the CPU). Runs log the kernel it chose.
+    auto = "auto"
     # PyTorch's scaled_dot_product_attention, diffusers' default, without cuDNN's kernel: flash,
     # or the memory-efficient kernel under a mask (the text padding of HunyuanVideo,
     # Qwen-Image, LTX-Video...), which took 2.5x flash's time on an H200.
@@ -88,9 +92,9 @@ class AttentionKernel(str, Enum):
     # GPU only: SDPA with cuDNN's kernel first (flash, then memory-efficient where it cannot
     # run a call). On an H200 its forward and backward ran at 2x flash's speed at FLUX.1-dev's,
     # Qwen-Image's and HunyuanVideo 1.5's shapes and FLUX.1-dev's LoRA step took 3.13 s instead
-    # of 3.73 (docs/performance.md). Every tiny family trains with it eager to sdpa's losses
-    # (tests/gpu, since dpipe.train.attention fixed the layout its backward needs); not the
-    # default until compiled families and other GPUs are checked too.
+    # of 3.73 (docs/performance.md). Every tiny family trains with it eager, and 16 of 22
+    # compiled, to sdpa's losses on an H200 (tests/gpu, since dpipe.train.attention fixed the
+    # layout its backward needs). Not yet checked on other GPUs, hence `auto`'s rule.
     cudnn = "cudnn"
     # FlexAttention, built for masks; on a GPU with pipeline.compile=true. Alone it ran that
     # masked attention 2.6x as fast, but inside a compiled 13B block its compile took minutes
@@ -133,8 +137,8 @@ class ModelConfig:
     # SD3, Chroma, HiDream-I1, AuraFlow): the diffusers folder of the same model, required, for
     # the VAE, text encoders, tokenizers and configs.
     single_file_config: Optional[str] = None
-    # The attention kernel (see AttentionKernel): sdpa, cudnn (experimental) or flex.
-    attention: AttentionKernel = AttentionKernel.sdpa
+    # The attention kernel (see AttentionKernel): auto, sdpa, cudnn or flex.
+    attention: AttentionKernel = AttentionKernel.auto
 
 
 @dataclass

@@ -6,9 +6,9 @@ a layer, so `use_sdpa_kernels` sets them once per process before any layer runs;
 attention dispatcher routes a denoiser's processors to FlexAttention (`use_attention_kernel`).
 Processors that call PyTorch's SDPA directly follow the process-wide flags too.
 
-cuDNN's kernel is opt-in (`model.attention=cudnn`): 2x flash's speed on an H200 at real sizes,
-with flash's error against an fp32 reference (docs/bench-results/h200-1gpu-profiles/
-cudnn_check.py). Its backward reads out of bounds when the gradient it receives is not laid out
+cuDNN's kernel (`model.attention=cudnn`; `auto`, the default, on the GPUs of CUDNN_CHECKED)
+runs at 2x flash's speed on an H200 at real sizes, with flash's error against an fp32 reference
+(docs/bench-results/h200-1gpu-profiles/cudnn_check.py). Its backward reads out of bounds when the gradient it receives is not laid out
 as its output is (torch 2.11, cuDNN 9.19: compute-sanitizer names cudnn::fusion::compute_dot_do_o,
 and eager training goes NaN at its first step; docs/bench-results/h200-1gpu-cudnn-nan). FLUX's
 single blocks hand it such a gradient: the slice of a concatenation. So, with cuDNN chosen,
@@ -23,6 +23,7 @@ torch.compile's caches do not key on the kernel flags, so each choice has its ow
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -36,10 +37,26 @@ CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# The GPUs (compute capabilities) on which cuDNN's kernel has trained every tiny family to the
+# losses of PyTorch's default kernels and sped real sizes up (docs/performance.md): Hopper.
+CUDNN_CHECKED = {(9, 0)}
+
+log = logging.getLogger("dpipe")
+
+
+def kernel_for(kernel: AttentionKernel, capability: tuple[int, int] | None) -> AttentionKernel:
+    """The kernel `model.attention` means on a GPU of this compute capability (None: no GPU):
+    auto is cudnn where CUDNN_CHECKED has it, else sdpa; any other choice is itself."""
+    if kernel != AttentionKernel.auto:
+        return kernel
+    return AttentionKernel.cudnn if capability in CUDNN_CHECKED else AttentionKernel.sdpa
+
+
 def use_sdpa_kernels(kernel: AttentionKernel) -> None:
     """Sets SDPA's kernels for this process on a GPU (the CPU has its own kernels only); call it
-    before any layer runs or is traced. cudnn: cuDNN's kernel first. Otherwise it is off: merely
-    enabled, SDPA would still pick it where flash cannot run (under a mask).
+    before any layer runs or is traced. cudnn (or auto on a CUDNN_CHECKED GPU): cuDNN's kernel
+    first. Otherwise it is off: merely enabled, SDPA would still pick it where flash cannot run
+    (under a mask).
 
     torch.compile's FX-graph and AOTAutograd caches do not key on these flags (measured on an
     H200, docs/bench-results/h200-1gpu-profiles/sdpa_cache.py): a layer compiled under one
@@ -48,7 +65,12 @@ def use_sdpa_kernels(kernel: AttentionKernel) -> None:
     TORCHINDUCTOR_AUTOGRAD_CACHE=0). So each choice compiles into its own cache folder."""
     if not torch.cuda.is_available():
         return
-    cudnn = kernel == AttentionKernel.cudnn
+    capability = torch.cuda.get_device_capability()
+    chosen = kernel_for(kernel, capability)
+    if kernel == AttentionKernel.auto:
+        log.info("model.attention=auto: %s on this GPU (%s, compute capability %d.%d)",
+                 chosen.value, torch.cuda.get_device_name(), *capability)
+    cudnn = chosen == AttentionKernel.cudnn
     use_compile_cache_of(cudnn)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     if cudnn:

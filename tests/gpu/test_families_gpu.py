@@ -53,8 +53,10 @@ DIFFUSERS_SYNCS = {
 SIDE_BY_SIDE = 4
 
 
-# The overrides of each mode's sweeps.
-MODES = {"eager": ["pipeline.compile=false"], "compiled": ["pipeline.compile=true"],
+# The overrides of each mode's sweeps; eager and compiled with PyTorch's default kernels (the
+# default, auto, is cudnn on the GPUs of dpipe.train.attention.CUDNN_CHECKED).
+MODES = {"eager": ["pipeline.compile=false", "model.attention=sdpa"],
+         "compiled": ["pipeline.compile=true", "model.attention=sdpa"],
          "cudnn": ["pipeline.compile=false", "model.attention=cudnn"],
          "cudnn-compiled": ["pipeline.compile=true", "model.attention=cudnn"]}
 # The mode of the same runs with the default kernels.

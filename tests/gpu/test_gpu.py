@@ -90,7 +90,7 @@ def test_flex_attention_trains_as_sdpa_does(tmp_path, model):
     diffusers processor builds its own from the text mask."""
     one = (f"model={model}", "pipeline.stages=1", "pipeline.data_parallel=1",
            "pipeline.compile=true")
-    sdpa = _losses(tmp_path / "sdpa", *one)
+    sdpa = _losses(tmp_path / "sdpa", *one, "model.attention=sdpa")
     flex = _losses(tmp_path / "flex", *one, "model.attention=flex")
     torch.testing.assert_close(flex, sdpa, rtol=2e-2, atol=1e-3)
 
@@ -148,8 +148,22 @@ def test_cudnn_attention_trains_as_sdpa_does(tmp_path, monkeypatch, compiled):
     one = ("pipeline.stages=1", "pipeline.data_parallel=1",
            f"pipeline.compile={str(compiled).lower()}")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-sdpa"))
-    sdpa = _losses(tmp_path / "sdpa", *one)
+    sdpa = _losses(tmp_path / "sdpa", *one, "model.attention=sdpa")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cudnn"))
     cudnn = _losses(tmp_path / "cudnn", *one, "model.attention=cudnn")
     assert torch.isfinite(cudnn).all()
     torch.testing.assert_close(cudnn, sdpa, rtol=2e-2, atol=1e-3)
+
+
+def test_auto_attention_picks_cudnn_where_checked_and_says_so(tmp_path):
+    """`model.attention=auto` (the default) trains with cuDNN's kernel first on the GPUs of
+    CUDNN_CHECKED and with the default kernels elsewhere, and the run's log names the choice."""
+    from dpipe.train.attention import CUDNN_CHECKED
+
+    cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED
+    run_dir = tmp_path / "auto"
+    result = dpipe_train(*train_args(run_dir, "model=tiny_flux", *BASE, "pipeline.stages=1",
+                                     "pipeline.data_parallel=1"), timeout=600)
+    assert result.code == 0, result.err[-3000:]
+    assert f"model.attention=auto: {'cudnn' if cudnn else 'sdpa'} on this GPU" in result.err
+    assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()

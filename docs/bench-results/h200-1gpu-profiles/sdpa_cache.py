@@ -8,7 +8,8 @@ and backward under the profiler and prints the attention kernels that ran.
 `--dpipe` sets the flags as a run does, with dpipe.train.attention.use_sdpa_kernels (the
 default choice for `flash`, `model.attention=cudnn` for `cudnn`), which also points
 TORCHINDUCTOR_CACHE_DIR at that choice's own folder: one process per argument, sharing one
-cache folder, should then run each choice's own kernel."""
+cache folder, should then run each choice's own kernel. `--shape B,T,H,D` (default FLUX.1-dev's
+1,4608,24,128) sets the attention's batch, tokens, heads and head dim."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def attention(q, k, v):
                                           v.transpose(1, 2)).transpose(1, 2)
 
 
-def kernels_run(order: str, via_dpipe: bool = False) -> list[str]:
+def kernels_run(order: str, via_dpipe: bool = False,
+                shape: tuple[int, ...] = (1, 4608, 24, 128)) -> list[str]:
     if via_dpipe:
         from dpipe.config.schema import AttentionKernel
         from dpipe.train.attention import use_sdpa_kernels
@@ -41,7 +43,7 @@ def kernels_run(order: str, via_dpipe: bool = False) -> list[str]:
         torch._C._set_sdp_priority_order([int(b) for b in ORDERS[order]])
     torch._dynamo.reset()
     fn = torch.compile(attention)
-    q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16,
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     fn(q, k, v).sum().backward()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -53,8 +55,13 @@ def kernels_run(order: str, via_dpipe: bool = False) -> list[str]:
 
 
 if __name__ == "__main__":
-    via_dpipe = "--dpipe" in sys.argv
-    for order in [a for a in sys.argv[1:] if a != "--dpipe"]:
-        print(f"compiled under {order}-first flags{' (dpipe)' if via_dpipe else ''} ran: "
-              f"{kernels_run(order, via_dpipe)} (cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
-              flush=True)
+    args = sys.argv[1:]
+    via_dpipe = "--dpipe" in args
+    shape = (1, 4608, 24, 128)
+    if "--shape" in args:
+        shape = tuple(int(n) for n in args[args.index("--shape") + 1].split(","))
+        del args[args.index("--shape"):args.index("--shape") + 2]
+    for order in [a for a in args if a != "--dpipe"]:
+        print(f"compiled under {order}-first flags{' (dpipe)' if via_dpipe else ''} at {shape} "
+              f"ran: {kernels_run(order, via_dpipe, shape)} "
+              f"(cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)

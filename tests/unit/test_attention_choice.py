@@ -1,0 +1,36 @@
+"""`model.attention=auto`, the default: cuDNN's kernel on the GPUs where dpipe has checked it in
+training (dpipe.train.attention.CUDNN_CHECKED: Hopper), PyTorch's default kernels elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpipe.config.schema import AttentionKernel, ModelConfig
+from dpipe.train.attention import kernel_for, require_gpu_kernel
+
+
+def test_auto_is_the_default():
+    assert ModelConfig.attention == AttentionKernel.auto
+
+
+@pytest.mark.parametrize("capability, chosen", [
+    ((9, 0), AttentionKernel.cudnn),   # H100, H200: every tiny family checked (tests/gpu)
+    ((8, 0), AttentionKernel.sdpa),    # A100
+    ((8, 6), AttentionKernel.sdpa),    # RTX 30xx
+    ((8, 9), AttentionKernel.sdpa),    # RTX 40xx, L40S
+    ((10, 0), AttentionKernel.sdpa),   # B200: not checked
+    ((12, 0), AttentionKernel.sdpa),   # RTX 50xx
+    (None, AttentionKernel.sdpa),      # no GPU
+])
+def test_auto_picks_cudnn_on_checked_gpus_only(capability, chosen):
+    assert kernel_for(AttentionKernel.auto, capability) == chosen
+
+
+@pytest.mark.parametrize("kernel", [AttentionKernel.sdpa, AttentionKernel.cudnn,
+                                    AttentionKernel.flex])
+def test_a_named_kernel_is_kept_on_any_gpu(kernel):
+    assert kernel_for(kernel, (9, 0)) == kernel_for(kernel, (8, 0)) == kernel
+
+
+def test_auto_trains_on_a_machine_without_cuda():
+    require_gpu_kernel(AttentionKernel.auto)  # no ConfigError: auto means sdpa there
