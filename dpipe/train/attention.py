@@ -8,9 +8,10 @@ Processors that call PyTorch's SDPA directly follow the process-wide flags too.
 
 cuDNN's kernel (`model.attention=cudnn`; `auto`, the default, on the GPUs of CUDNN_CHECKED)
 runs at 2x flash's speed on an H200 at real sizes, with flash's error against an fp32 reference
-(docs/bench-results/h200-1gpu-profiles/cudnn_check.py). Its backward reads out of bounds when the gradient it receives is not laid out
-as its output is (torch 2.11, cuDNN 9.19: compute-sanitizer names cudnn::fusion::compute_dot_do_o,
-and eager training goes NaN at its first step; docs/bench-results/h200-1gpu-cudnn-nan). FLUX's
+(docs/bench-results/h200-1gpu-profiles/cudnn_check.py). Its backward reads out of bounds when
+the gradient it receives is not laid out as its output is (torch 2.11, cuDNN 9.19:
+compute-sanitizer names cudnn::fusion::compute_dot_do_o, and eager training goes NaN at its
+first step; docs/bench-results/h200-1gpu-cudnn-nan). FLUX's
 single blocks hand it such a gradient: the slice of a concatenation. So, with cuDNN chosen,
 eager SDPA calls get their output's gradient copied into the output's layout first
 (`_gradient_like_output`); compiled layers need not, inductor lays SDPA's backward inputs out
