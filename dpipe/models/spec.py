@@ -250,21 +250,3 @@ def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full:
     blocks = c.num_layers + c.get("num_single_layers", 0)
     attention = attention_train_flops(seq, width) * blocks
     return batch * ((6 if full else 4) * model_params(denoiser) * seq + attention)
-
-
-def refined_joint_train_flops(denoiser: nn.Module, batch: int, image_tokens: int,
-                              text_tokens: int, width: int, timestep_embedder: nn.Module,
-                              full: bool) -> float:
-    """The same convention for a transformer that refines each stream alone first (Lumina 2,
-    Z-Image): `noise_refiner` blocks over the image tokens, `context_refiner` blocks over the
-    text, then `layers` over both joined. The timestep embedder runs once per sample; the other
-    embedders and the head count for every joint token, an upper bound as above. `width`: the
-    query heads x head dim."""
-    joint = image_tokens + text_tokens
-    streams = [(denoiser.noise_refiner, image_tokens), (denoiser.context_refiner, text_tokens),
-               (denoiser.layers, joint), (timestep_embedder, 1)]
-    rest = model_params(denoiser) - sum(model_params(part) for part, _ in streams)
-    weights = rest * joint + sum(model_params(part) * tokens for part, tokens in streams)
-    attention = sum(len(blocks) * attention_train_flops(seq, width)
-                    for blocks, seq in streams[:3])
-    return batch * ((6 if full else 4) * weights + attention)

@@ -26,7 +26,9 @@ from dpipe.models.qwen_image.shared import (
     save_comfy_lora, weighted_labels, weighted_mse)
 from dpipe.models.single_file import (
     check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, refined_joint_train_flops
+from dpipe.models.refined_joint import (
+    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -37,6 +39,10 @@ _BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0
                   r"norm1\.linear"]
 LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
+# Weights that see one token per sample (the timestep embedder, the modulations of the blocks
+# and of the head's norm), and the embedder's that see the caption's (layer_costs).
+PER_SAMPLE_WEIGHTS = ("timestep_embedder", "norm1.linear", "norm_out.linear_1")
+TEXT_WEIGHTS = ("caption_embedder",)
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFY_LORA = "comfyui_lora.safetensors"
 
@@ -136,6 +142,13 @@ class Lumina2Spec(ModelSpec):
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return lumina2_layers(denoiser)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
+        (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
+        caption alone, the timestep embedder and the modulations once per sample."""
+        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens,
+                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
 
     def make_inputs(self, batch: NoisedBatch):
         t_model = 1.0 - batch.timesteps  # the pipeline's 1 - t / 1000

@@ -24,7 +24,9 @@ from dpipe.models.qwen_image.shared import (
     check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, round_up,
     save_comfy_lora, weighted_labels, weighted_mse)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, refined_joint_train_flops
+from dpipe.models.refined_joint import (
+    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
 from dpipe.models.z_image.sizes import SAMPLE_SHAPES, SIZES
 
@@ -36,6 +38,9 @@ _BLOCK_LINEARS = [r"attention\.to_q", r"attention\.to_k", r"attention\.to_v", r"
                   r"feed_forward\.w1", r"feed_forward\.w2", r"feed_forward\.w3", r"adaLN_modulation\.0"]
 LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
+# Weights that see one token per sample, and the embedder's that see the caption's (layer_costs).
+PER_SAMPLE_WEIGHTS = ("t_embedder", "adaLN_modulation")
+TEXT_WEIGHTS = ("cap_embedder",)
 DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFY_LORA = "comfyui_lora.safetensors"
 
@@ -142,11 +147,12 @@ class ZImageSpec(ModelSpec):
         return z_image_layers(denoiser)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        # Parameter counts, less the timestep embedder's: it runs once per sample, not per token,
-        # and its hard-coded 1024-wide MLP would outweigh whole blocks of a small model.
-        costs = super().layer_costs(layers)
-        t_params = sum(p.numel() for p in layers[0].t_embedder.parameters())
-        return [costs[0] - t_params, *costs[1:]]
+        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
+        (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
+        caption alone, the timestep embedder and the modulations once per sample."""
+        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS,
+                                   round_up(self.cfg.max_text_tokens, SEQ_MULTI_OF),
+                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
 
     def make_inputs(self, batch: NoisedBatch):
         t_model = 1.0 - batch.timesteps  # the pipeline's (1000 - t) / 1000
