@@ -18,7 +18,9 @@ from torch.autograd import DeviceType
 
 # Kernel (or CPU op) names -> kind; the first pattern that matches names it.
 KINDS = [
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
+    # cudnn::fusion: the helper kernels of cuDNN's SDPA backward (rowsum(dO * O), dQ's cast).
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|cudnn::fusion",
+                             re.I)),
     ("communication", re.compile(r"nccl|gloo|allreduce|all_reduce|sendrecv", re.I)),
     ("matmul", re.compile(
         r"gemm|cutlass|xmma|nvjet|cublas|wgmma|triton_tem|aten::(mm|bmm|addmm|matmul|linear)\b",

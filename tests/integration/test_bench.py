@@ -47,8 +47,11 @@ def test_profile_sums_each_rank_s_step_by_kind(rows, bench_out):
     assert [kind_of(k) for k in ("sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_tst_128x256_64x4",
                                  "pytorch_flash::flash_bwd_kernel", "triton_poi_fused_add_mul_0",
                                  "triton_tem_fused_addmm_1", "ncclDevKernel_SendRecv",
-                                 "Memcpy HtoD (Pinned -> Device)")] == [
-        "matmul", "matmul", "attention", "fused (Triton)", "matmul", "communication", "copy"]
+                                 "Memcpy HtoD (Pinned -> Device)",
+                                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16",
+                                 "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>")] == [
+        "matmul", "matmul", "attention", "fused (Triton)", "matmul", "communication", "copy",
+        "attention", "attention"]
 
 
 def test_each_stage_runs_one_backward_pass_per_micro_batch(rows):
