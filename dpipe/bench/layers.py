@@ -133,7 +133,7 @@ def main() -> int:
     autocast = bf16 and not deepspeed_bf16(run)  # as the pipeline engine runs its layers
     rows = []
     for index, layer in enumerate(layers):
-        if run.pipeline.compile:
+        if run.pipeline.compiles:
             layer.compile()
         if index:
             x = tuple(t.requires_grad_() if t.is_floating_point() else t for t in x)

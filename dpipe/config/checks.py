@@ -146,11 +146,12 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             "model.base_dtype=fp8 stores the frozen base weights in 8 bits, but model.mode=full "
             "trains every weight (their updates would be lost to fp8 rounding); use "
             "model.mode=lora with fp8, or model.base_dtype=auto for a full fine-tune")
-    if m.attention == AttentionKernel.flex and not p.compile:
+    if m.attention == AttentionKernel.flex and p.compile is False:  # null compiles on a GPU
         raise ConfigError(
-            "model.attention=flex needs pipeline.compile=true: uncompiled, FlexAttention runs a "
-            "reference implementation that builds every attention score in memory; add "
-            "pipeline.compile=true, or use model.attention=sdpa")
+            "model.attention=flex needs compiled layers: uncompiled, FlexAttention runs a "
+            "reference implementation that builds every attention score in memory; drop "
+            "pipeline.compile=false (on a GPU the layers compile by default), or use "
+            "model.attention=sdpa")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError("pipeline.memory_budget_gb must be > 0, or null for the device's memory")
 

@@ -133,7 +133,7 @@ def build_engine(
         dynamic_shape=True,  # buckets change tensor shapes between micro-batches
     )
     _release_other_stages(layers, module)
-    if p.compile:
+    if p.compiles:
         # One layer class's compiled forward serves every layer of that class and every shape
         # it meets: buckets, frame counts and prompt lengths (text padding is cut) each add
         # graphs, and HunyuanVideo's double and single blocks share one wrapper. Past dynamo's

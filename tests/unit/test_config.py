@@ -94,7 +94,8 @@ def test_plus_cannot_sneak_past_the_schema(override, named):
     (["train.precision=bf16", "model.mode=full"], None, "zero_stage=1"),
     (["optim.lr=0"], None, "optim.lr"),
     (["pipeline.stages=2", "pipeline.data_parallel=2"], 2, "data_parallel"),
-    (["model.attention=flex"], None, "model.attention=flex needs pipeline.compile=true"),
+    (["model.attention=flex", "pipeline.compile=false"], None,
+     "model.attention=flex needs compiled layers"),
 ])
 def test_cross_field_checks(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -126,3 +127,14 @@ def test_cli_reports_a_config_error_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "error: unknown config key(s): 'model.foo'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_layers_compile_by_default_on_a_gpu_only():
+    """pipeline.compile=null (the default) compiles where CUDA is, not on the CPU; true and false
+    choose anywhere."""
+    import torch
+
+    assert validate(_compose([])).pipeline.compile is None
+    assert validate(_compose([])).pipeline.compiles == torch.cuda.is_available()
+    assert validate(_compose(["pipeline.compile=true"])).pipeline.compiles
+    assert not validate(_compose(["pipeline.compile=false"])).pipeline.compiles
