@@ -142,6 +142,8 @@ def build_engine(
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in module.forward_funcs:
             layer.compile()
+        log.info("stage %d: its %d layers compile in the first step (pipeline.compile)",
+                 module.stage_id, len(module.forward_funcs))
     trainable = [q for q in module.parameters() if q.requires_grad]
     if not trainable:
         stage = module.stage_id

@@ -158,9 +158,10 @@ def test_cudnn_attention_trains_as_sdpa_does(tmp_path, monkeypatch, compiled):
     torch.testing.assert_close(cudnn, sdpa, rtol=2e-2, atol=1e-3)
 
 
-def test_auto_attention_picks_cudnn_where_checked_and_says_so(tmp_path):
-    """`model.attention=auto` (the default) trains with cuDNN's kernel first on the GPUs of
-    CUDNN_CHECKED and with the default kernels elsewhere, and the run's log names the choice."""
+def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path):
+    """By default on a GPU the layers compile (pipeline.compile=null), and `model.attention=auto`
+    trains with cuDNN's kernel first on the GPUs of CUDNN_CHECKED and with the default kernels
+    elsewhere; the run's log says both."""
     from dpipe.train.attention import CUDNN_CHECKED
 
     cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED
@@ -169,5 +170,7 @@ def test_auto_attention_picks_cudnn_where_checked_and_says_so(tmp_path):
                                      "pipeline.data_parallel=1"), timeout=600)
     assert result.code == 0, result.err[-3000:]
     chosen = "cudnn" if cudnn else "sdpa"
-    assert f"model.attention=auto: {chosen} on this GPU" in result.err + result.out
+    log = result.err + result.out
+    assert f"model.attention=auto: {chosen} on this GPU" in log
+    assert "layers compile in the first step" in log
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
