@@ -351,10 +351,13 @@ class PipelineConfig:
 
     @property
     def compiles(self) -> bool:
-        """Whether this process compiles its layers: `compile`, or on a GPU where it is null."""
+        """Whether this process compiles its layers: `compile`, or on a GPU where it is null (one
+        that inductor's Triton kernels run on: compute capability 7.0 or later)."""
         import torch  # here, not at the top: the config loads without torch elsewhere
 
-        return torch.cuda.is_available() if self.compile is None else self.compile
+        if self.compile is not None:
+            return self.compile
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0)
 
 
 @dataclass
