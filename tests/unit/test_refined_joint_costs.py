@@ -36,10 +36,10 @@ def family(request, tmp_path_factory):
     spec = tests._spec(make(tmp_path_factory.mktemp("models") / request.param))
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
     layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
-    return request.param, module, spec, layers, tests._inputs(spec, encoders, CAPTIONS)[0]
+    return module, spec, layers, tests._inputs(spec, encoders, CAPTIONS)[0]
 
 
-def _tokens(name, layers, inputs):
+def _tokens(layers, inputs):
     """(image, text) tokens as the layers get them: Z-Image pads each stream to 32."""
     with torch.no_grad():
         x, cap = layers[0](inputs)[:2]
@@ -47,16 +47,16 @@ def _tokens(name, layers, inputs):
 
 
 def test_modelled_flops_are_what_each_layer_runs(family):
-    name, module, spec, layers, inputs = family
+    module, _, layers, inputs = family
     with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls, which the counter counts
         counted = [flops / inputs[0].shape[0] for flops in layer_flops(layers, inputs)]
-    modelled = layer_forward_flops(layers, *_tokens(name, layers, inputs),
+    modelled = layer_forward_flops(layers, *_tokens(layers, inputs),
                                    module.PER_SAMPLE_WEIGHTS, module.TEXT_WEIGHTS)
     assert modelled == pytest.approx(counted, rel=1e-6)
 
 
 def test_caption_refiners_cost_less_than_blocks_where_parameters_say_alike(family):
-    _, _, spec, layers, _ = family
+    _, spec, layers, _ = family
     costs, params = spec.layer_costs(layers), ModelSpec.layer_costs(spec, layers)
     caption = [i for i, layer in enumerate(layers) if getattr(layer, "stream", "") == "caption"]
     image = [i for i, layer in enumerate(layers) if getattr(layer, "stream", "") == "image"]
