@@ -6,8 +6,8 @@ a layer, so `use_sdpa_kernels` sets them once per process before any layer runs;
 attention dispatcher routes a denoiser's processors to FlexAttention (`use_attention_kernel`).
 Processors that call PyTorch's SDPA directly follow the process-wide flags too.
 
-cuDNN's kernel (`model.attention=cudnn`; `auto`, the default, on the GPUs of CUDNN_CHECKED)
-runs at 2x flash's speed on an H200 at real sizes, with flash's error against an fp32 reference
+cuDNN's kernel (`model.attention=cudnn`; `auto`, the default, for LoRAs on the GPUs of
+CUDNN_CHECKED) runs at 2x flash's speed on an H200 at real sizes, with flash's error against an fp32 reference
 (docs/bench-results/h200-1gpu-profiles/cudnn_check.py). Its backward reads out of bounds when
 the gradient it receives is not laid out as its output is (torch 2.11, cuDNN 9.19:
 compute-sanitizer names cudnn::fusion::compute_dot_do_o, and eager training goes NaN at its
@@ -30,7 +30,7 @@ import os
 import torch
 from torch.nn.attention import SDPBackend
 
-from dpipe.config.schema import AttentionKernel, ModelConfig
+from dpipe.config.schema import AttentionKernel, ModelConfig, TrainMode
 from dpipe.errors import ConfigError
 
 # cuDNN first, then what SDPA falls back to where cuDNN cannot run a call.
@@ -38,25 +38,34 @@ CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-# The GPUs (compute capabilities) on which cuDNN's kernel has trained every tiny family to the
-# losses of PyTorch's default kernels and sped real sizes up (docs/performance.md): Hopper.
+# The GPUs (compute capabilities) on which cuDNN's kernel has trained every tiny family's LoRA
+# to the losses of PyTorch's default kernels and sped real sizes up (docs/performance.md):
+# Hopper. Only LoRAs: compiled and with cuDNN's kernel first, the tiny FLUX full fine-tune
+# trained to NaN at its second step (H200, 2026-12-03, docs/bench-results/h200-1gpu-auto).
+# Full fine-tunes have trained to finite losses eager with either kernel and compiled with flash
+# (FLUX.1-dev); compiled with flash at the tiny size has not run yet, so compile is not cleared
+# as the cause. cuDNN's backward has read out of bounds before (below), so `auto` keeps full
+# fine-tunes on the default kernels.
 CUDNN_CHECKED = {(9, 0)}
 
 log = logging.getLogger("dpipe")
 
 
-def kernel_for(kernel: AttentionKernel, capability: tuple[int, int] | None) -> AttentionKernel:
-    """The kernel `model.attention` means on a GPU of this compute capability (None: no GPU):
-    auto is cudnn where CUDNN_CHECKED has it, else sdpa; any other choice is itself."""
+def kernel_for(kernel: AttentionKernel, capability: tuple[int, int] | None,
+               mode: TrainMode) -> AttentionKernel:
+    """The kernel `model.attention` means for a run of this mode on a GPU of this compute
+    capability (None: no GPU): auto is cudnn for a LoRA where CUDNN_CHECKED has the GPU, else
+    sdpa; any other choice is itself."""
     if kernel != AttentionKernel.auto:
         return kernel
-    return AttentionKernel.cudnn if capability in CUDNN_CHECKED else AttentionKernel.sdpa
+    checked = capability in CUDNN_CHECKED and mode == TrainMode.lora
+    return AttentionKernel.cudnn if checked else AttentionKernel.sdpa
 
 
-def use_sdpa_kernels(kernel: AttentionKernel) -> None:
+def use_sdpa_kernels(model: ModelConfig) -> None:
     """Sets SDPA's kernels for this process on a GPU (the CPU has its own kernels only); call it
     before any layer runs or is traced. cudnn (or auto on a CUDNN_CHECKED GPU): cuDNN's kernel
-    first. Otherwise it is off: merely enabled, SDPA would still pick it where flash cannot run
+    first (`kernel_for`). Otherwise it is off: merely enabled, SDPA would still pick it where flash cannot run
     (under a mask).
 
     torch.compile's FX-graph and AOTAutograd caches do not key on these flags (measured on an
@@ -67,10 +76,15 @@ def use_sdpa_kernels(kernel: AttentionKernel) -> None:
     if not torch.cuda.is_available():
         return
     capability = torch.cuda.get_device_capability()
-    chosen = kernel_for(kernel, capability)
-    if kernel == AttentionKernel.auto:
-        log.info("model.attention=auto: %s on this GPU (%s, compute capability %d.%d)",
-                 chosen.value, torch.cuda.get_device_name(), *capability)
+    chosen = kernel_for(model.attention, capability, model.mode)
+    if model.attention == AttentionKernel.auto:
+        log.info("model.attention=auto: %s for a model.mode=%s run on this GPU (%s, compute "
+                 "capability %d.%d)", chosen.value, model.mode.value,
+                 torch.cuda.get_device_name(), *capability)
+    elif chosen == AttentionKernel.cudnn and model.mode == TrainMode.full:
+        log.warning("model.attention=cudnn with model.mode=full: compiled, a full fine-tune has "
+                    "trained to NaN with cuDNN's kernel on an H200 (docs/performance.md); "
+                    "model.attention=auto or sdpa keeps PyTorch's default kernels")
     cudnn = chosen == AttentionKernel.cudnn
     use_compile_cache_of(cudnn)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)

@@ -160,8 +160,8 @@ def test_cudnn_attention_trains_as_sdpa_does(tmp_path, monkeypatch, compiled):
 
 def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path):
     """By default on a GPU the layers compile (pipeline.compile=null), and `model.attention=auto`
-    trains with cuDNN's kernel first on the GPUs of CUDNN_CHECKED and with the default kernels
-    elsewhere; the run's log says both."""
+    trains a LoRA with cuDNN's kernel first on the GPUs of CUDNN_CHECKED and with the default
+    kernels elsewhere; the run's log says both."""
     from dpipe.train.attention import CUDNN_CHECKED
 
     cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED
@@ -171,6 +171,6 @@ def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path):
     assert result.code == 0, result.err[-3000:]
     chosen = "cudnn" if cudnn else "sdpa"
     log = result.err + result.out
-    assert f"model.attention=auto: {chosen} on this GPU" in log
+    assert f"model.attention=auto: {chosen} for a model.mode=lora run on this GPU" in log
     assert "layers compile in the first step" in log
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()

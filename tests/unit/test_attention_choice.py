@@ -1,11 +1,12 @@
-"""`model.attention=auto`, the default: cuDNN's kernel on the GPUs where dpipe has checked it in
-training (dpipe.train.attention.CUDNN_CHECKED: Hopper), PyTorch's default kernels elsewhere."""
+"""`model.attention=auto`, the default: cuDNN's kernel for LoRAs on the GPUs where dpipe has
+checked it in training (dpipe.train.attention.CUDNN_CHECKED: Hopper), PyTorch's default kernels
+for full fine-tunes and elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 
-from dpipe.config.schema import AttentionKernel, ModelConfig
+from dpipe.config.schema import AttentionKernel, ModelConfig, TrainMode
 from dpipe.train.attention import kernel_for, require_gpu_kernel
 
 
@@ -23,13 +24,20 @@ def test_auto_is_the_default():
     (None, AttentionKernel.sdpa),      # no GPU
 ])
 def test_auto_picks_cudnn_on_checked_gpus_only(capability, chosen):
-    assert kernel_for(AttentionKernel.auto, capability) == chosen
+    assert kernel_for(AttentionKernel.auto, capability, TrainMode.lora) == chosen
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), None])
+def test_auto_keeps_full_fine_tunes_on_the_default_kernels(capability):
+    """Compiled on an H200, the tiny FLUX full fine-tune went NaN with cuDNN's kernel first."""
+    assert kernel_for(AttentionKernel.auto, capability, TrainMode.full) == AttentionKernel.sdpa
 
 
 @pytest.mark.parametrize("kernel", [AttentionKernel.sdpa, AttentionKernel.cudnn,
                                     AttentionKernel.flex])
 def test_a_named_kernel_is_kept_on_any_gpu(kernel):
-    assert kernel_for(kernel, (9, 0)) == kernel_for(kernel, (8, 0)) == kernel
+    for mode in TrainMode:
+        assert kernel_for(kernel, (9, 0), mode) == kernel_for(kernel, (8, 0), mode) == kernel
 
 
 def test_auto_trains_on_a_machine_without_cuda():

@@ -35,9 +35,10 @@ def attention(q, k, v):
 def kernels_run(order: str, via_dpipe: bool = False,
                 shape: tuple[int, ...] = (1, 4608, 24, 128)) -> list[str]:
     if via_dpipe:
-        from dpipe.config.schema import AttentionKernel
+        from dpipe.config.schema import AttentionKernel, ModelConfig
         from dpipe.train.attention import use_sdpa_kernels
-        use_sdpa_kernels(AttentionKernel.cudnn if order == "cudnn" else AttentionKernel.sdpa)
+        use_sdpa_kernels(ModelConfig(
+            attention=AttentionKernel.cudnn if order == "cudnn" else AttentionKernel.sdpa))
     else:
         torch.backends.cuda.enable_cudnn_sdp(order == "cudnn")
         torch._C._set_sdp_priority_order([int(b) for b in ORDERS[order]])
