@@ -20,3 +20,7 @@ class DataError(UserError):
 
 class ModelLoadError(UserError):
     """Model weights cannot be found or read."""
+
+
+class TrainingDiverged(UserError):
+    """The loss or the gradients stopped being finite; the message says what to try."""

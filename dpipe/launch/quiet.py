@@ -18,3 +18,14 @@ def disable_library_progress_bars() -> None:
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
+
+
+def thread_locks_for_progress_bars() -> None:
+    """A rank's progress bars (caching, training) are written by one process: a thread lock
+    does. tqdm's default adds a multiprocessing lock, a semaphore that the resource tracker
+    reports as leaked when the launcher kills the worker after a user error (dpipe.launch.local)."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

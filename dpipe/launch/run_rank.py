@@ -15,7 +15,7 @@ from dpipe.config.checks import validate
 from dpipe.config.schema import RunConfig
 from dpipe.errors import UserError
 from dpipe.io import atomic_write_text
-from dpipe.launch.quiet import disable_library_progress_bars
+from dpipe.launch.quiet import disable_library_progress_bars, thread_locks_for_progress_bars
 
 RUN_CONFIG = "run.yaml"
 USER_ERROR_SIGNAL = signal.SIGUSR1  # worker -> local launcher: "I recorded a user error"  # the resolved config the run was started with
@@ -61,6 +61,7 @@ def run_rank(run: RunConfig, run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     disable_library_progress_bars()
+    thread_locks_for_progress_bars()
     from dpipe.train.loop import run_training
 
     try:

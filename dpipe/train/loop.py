@@ -22,6 +22,7 @@ from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspee
 from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train import checkpoint, preemption
 from dpipe.train.audit import StepAudit
+from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.attention import use_sdpa_kernels
 from dpipe.train.export import export
 from dpipe.train.flops import StepFlops, architecture
@@ -119,14 +120,22 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         if auto_ckpt is not None:
             auto_ckpt.after_first_step()
             auto_ckpt = None
-        if reporter is not None and (step % run.train.log_every == 0 or step == run.train.max_steps):
+        logged = step % run.train.log_every == 0 or step == run.train.max_steps
+        if reporter is not None and logged:
             grad_norm = engine.get_global_grad_norm()
             # Rank 0's micro-batches stand for every data-parallel rank's (they share a bucket).
             flops = step_flops.take()
             reporter.step(step, float(loss), engine.get_lr()[0],
                           None if grad_norm is None else float(grad_norm),
                           None if flops is None else flops * data_parallel / world)
-        if _checkpoint_due(run, step, last_saved, last_save_time):
+        due = _checkpoint_due(run, step, last_saved, last_save_time)
+        problem = not_finite(loss, engine.get_global_grad_norm()) if logged or due else None
+        if problem is not None:  # every rank sees the same (dpipe.train.divergence)
+            loader.close()
+            if reporter is not None:
+                reporter.close()
+            raise diverged(problem, step, run, run_dir)
+        if due:
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step
         if preemption.stop_agreed() and step < run.train.max_steps:
