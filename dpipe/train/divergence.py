@@ -37,7 +37,8 @@ def diverged(problem: str, step: int, run: RunConfig, run_dir: Path) -> Training
     newest = checkpoint.newest_complete(run_dir)
     kept = ("no checkpoint was written before it" if newest is None else
             f"the newest checkpoint, step {newest[0]} ({newest[1]}), was written before it and "
-            "is kept: a run in this run directory resumes from it (train.resume=true)")
+            "is kept: re-running in this run directory resumes from it (train.resume=false "
+            "starts over)")
     tries = [f"a lower optim.lr (now {run.optim.lr:g})"]
     if not run.optim.grad_clip:
         tries.append("gradient clipping (optim.grad_clip=1.0; it is off)")
