@@ -24,10 +24,10 @@ from dpipe.train import checkpoint
 from dpipe.train.attention import kernel_for
 
 
-def not_finite(loss, grad_norm) -> str | None:
+def not_finite(loss: float, grad_norm: float | None) -> str | None:
     """What is not finite in this step ("the loss is nan", "the gradient norm is inf"), or None."""
-    found = [f"the {name} is {value}" for name, value in
-             (("loss", float(loss)), ("gradient norm", None if grad_norm is None else float(grad_norm)))
+    found = [f"the {name} is {value}"
+             for name, value in (("loss", loss), ("gradient norm", grad_norm))
              if value is not None and not math.isfinite(value)]
     return " and ".join(found) or None
 

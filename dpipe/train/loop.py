@@ -121,20 +121,21 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             auto_ckpt.after_first_step()
             auto_ckpt = None
         logged = step % run.train.log_every == 0 or step == run.train.max_steps
-        if reporter is not None and logged:
-            grad_norm = engine.get_global_grad_norm()
-            # Rank 0's micro-batches stand for every data-parallel rank's (they share a bucket).
-            flops = step_flops.take()
-            reporter.step(step, float(loss), engine.get_lr()[0],
-                          None if grad_norm is None else float(grad_norm),
-                          None if flops is None else flops * data_parallel / world)
         due = _checkpoint_due(run, step, last_saved, last_save_time)
-        problem = not_finite(loss, engine.get_global_grad_norm()) if logged or due else None
-        if problem is not None:  # every rank sees the same (dpipe.train.divergence)
-            loader.close()
-            if reporter is not None:
-                reporter.close()
-            raise diverged(problem, step, run, run_dir)
+        if logged or due:  # read the step's loss and norm (host syncs) at these steps only
+            step_loss, grad_norm = float(loss), engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
+            if reporter is not None and logged:
+                # Rank 0's micro-batches stand for every data-parallel rank's (one bucket).
+                flops = step_flops.take()
+                reporter.step(step, step_loss, engine.get_lr()[0], grad_norm,
+                              None if flops is None else flops * data_parallel / world)
+            problem = not_finite(step_loss, grad_norm)
+            if problem is not None:  # every rank sees the same (dpipe.train.divergence)
+                loader.close()
+                if reporter is not None:
+                    reporter.close()
+                raise diverged(problem, step, run, run_dir)
         if due:
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from dpipe.models.sdxl.costs import layer_forward_flops, nominal_inputs
+from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
 from dpipe.models.sdxl.layers import SDXLDown, SDXLUp
 from dpipe.models.sdxl.tiny import make_tiny_sdxl
 from dpipe.models.spec import ModelSpec
@@ -27,8 +27,8 @@ def test_fake_tensors_count_what_the_layers_run(sdxl):
     """At 64 px (at 1024 the tiny model's math attention would hold GBs)."""
     spec, layers = sdxl
     inputs = nominal_inputs(spec._unet_config_dict(), spec._vae_scale(), torch.device("cpu"), 64)
-    real = layer_forward_flops(layers, inputs, fake=False)
-    assert layer_forward_flops(layers, inputs) == real and all(f > 0 for f in real)
+    real = counted_layer_flops(layers, inputs, fake=False)
+    assert counted_layer_flops(layers, inputs) == real and all(f > 0 for f in real)
 
 
 def test_the_costs_are_the_flops_at_1024(sdxl):
@@ -36,7 +36,7 @@ def test_the_costs_are_the_flops_at_1024(sdxl):
     inputs = nominal_inputs(spec._unet_config_dict(), spec._vae_scale(), torch.device("cpu"))
     side = 1024 // spec._vae_scale()  # the tiny VAE downsamples 4x, SDXL's 8x
     assert inputs[0].shape[-2:] == (side, side) and inputs[2].shape[1] == 77
-    assert spec.layer_costs(layers) == layer_forward_flops(layers, inputs)
+    assert spec.layer_costs(layers) == counted_layer_flops(layers, inputs)
 
 
 def test_full_resolution_layers_cost_more_per_parameter(sdxl):

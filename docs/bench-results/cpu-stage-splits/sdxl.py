@@ -7,7 +7,7 @@ import os; os.environ["HF_HUB_OFFLINE"] = "1"
 import time
 import torch
 from diffusers import UNet2DConditionModel
-from dpipe.models.sdxl.costs import layer_forward_flops, nominal_inputs
+from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
 from dpipe.pipeline.partition import balanced_bounds
 
@@ -25,11 +25,11 @@ with torch.device("meta"):
 layers = sdxl_layers(unet)
 params = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 start = time.perf_counter()
-new = layer_forward_flops(layers, nominal_inputs(SDXL_BASE_UNET, 8, torch.device("meta")))
+new = counted_layer_flops(layers, nominal_inputs(SDXL_BASE_UNET, 8, torch.device("meta")))
 print(f"{len(layers)} layers, {sum(params) / 1e9:.2f}B parameters; counted in "
       f"{time.perf_counter() - start:.1f} s: {sum(new) / 1e12:.2f} TFLOP forward per 1024^2 image")
 for pixels in (1024, 768):
-    true = layer_forward_flops(layers, nominal_inputs(SDXL_BASE_UNET, 8, torch.device("meta"), pixels))
+    true = counted_layer_flops(layers, nominal_inputs(SDXL_BASE_UNET, 8, torch.device("meta"), pixels))
     for stages in (2, 4):
         shown = []
         for name, costs in (("params", params), ("flops", new)):

@@ -40,7 +40,7 @@ def nominal_inputs(unet_config, vae_scale: int, device: torch.device,
             torch.tensor([[size, size, 0.0, 0.0, size, size]], device=device))
 
 
-def layer_forward_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor, ...],
+def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor, ...],
                         fake: bool = True) -> list[float]:
     """Forward FLOPs of each layer on `inputs`, passed from layer to layer. `fake`: on fake
     copies of the inputs (no compute); otherwise on the tensors themselves."""

@@ -29,7 +29,7 @@ from torch import nn
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.sdxl import ddpm
-from dpipe.models.sdxl.costs import layer_forward_flops, nominal_inputs
+from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
@@ -223,7 +223,7 @@ class SDXLSpec(ModelSpec):
         misweigh a UNet's layers, whose work follows the resolution they run at."""
         device = next(layers[0].parameters()).device
         inputs = nominal_inputs(self._unet_config_dict(), self._vae_scale(), device)
-        return layer_forward_flops(layers, inputs)
+        return counted_layer_flops(layers, inputs)
 
     def make_inputs(self, batch: NoisedBatch):
         steps, abar = self._abar(batch.timesteps)
