@@ -158,19 +158,23 @@ def test_cudnn_attention_trains_as_sdpa_does(tmp_path, monkeypatch, compiled):
     torch.testing.assert_close(cudnn, sdpa, rtol=2e-2, atol=1e-3)
 
 
-def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path):
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path, mode):
     """By default on a GPU the layers compile (pipeline.compile=null), and `model.attention=auto`
     trains a LoRA with cuDNN's kernel first on the GPUs of CUDNN_CHECKED and with the default
-    kernels elsewhere; the run's log says both."""
+    kernels elsewhere, and a full fine-tune with the default kernels everywhere (compiled with
+    cuDNN's, the tiny full fine-tune's gradients were NaN at its first step on an H200); the
+    run's log says both, and the losses are finite."""
     from dpipe.train.attention import CUDNN_CHECKED
 
-    cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED
-    run_dir = tmp_path / "auto"
+    cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED and mode == "lora"
+    run_dir = tmp_path / mode
+    full = ["model.mode=full", "optim.master_weights=false"] if mode == "full" else []
     result = dpipe_train(*train_args(run_dir, "model=tiny_flux", *BASE, "pipeline.stages=1",
-                                     "pipeline.data_parallel=1"), timeout=600)
+                                     "pipeline.data_parallel=1", *full), timeout=600)
     assert result.code == 0, result.err[-3000:]
     chosen = "cudnn" if cudnn else "sdpa"
     log = result.err + result.out
-    assert f"model.attention=auto: {chosen} for a model.mode=lora run on this GPU" in log
+    assert f"model.attention=auto: {chosen} for a model.mode={mode} run on this GPU" in log
     assert "layers compile in the first step" in log
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()

@@ -152,10 +152,9 @@ def test_comfyui_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     inputs, _ = _inputs(spec, pipe, 16, 16, torch.Generator().manual_seed(2))
     outputs = []
     for weight_name in ("pytorch_lora_weights.safetensors", COMFYUI_FILE):
-        p = spec._pipeline(None, text=False)
-        p.load_lora_weights(str(tmp_path), weight_name=weight_name)
+        transformer = spec.load_denoiser_with_lora(tmp_path, weight_name)
         with torch.no_grad():
-            outputs.append(spec.denoiser_forward(p.transformer, inputs))
+            outputs.append(spec.denoiser_forward(transformer, inputs))
     with torch.no_grad():
         base = spec.denoiser_forward(spec.load_denoiser(torch.float32), inputs)
     assert (outputs[0] - base).abs().max() > 1e-4

@@ -15,7 +15,6 @@ the diffusers folder that gives the VAE, text encoder and configs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ModelLoadError
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -62,25 +61,13 @@ class AuraFlowSpec(ModelSpec):
             from dpipe.models.auraflow.tiny import make_tiny_auraflow
 
             make_tiny_auraflow(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of an AuraFlow model in "
-                "diffusers format (e.g. a download of fal/AuraFlow-v0.3)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete AuraFlow diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "AuraFlow", "fal/AuraFlow-v0.3")
         check_single_file(self.single_file)
         self._config("vae")
         self._config("transformer")
 
     def _config(self, part: str) -> dict[str, Any]:
-        path = self.path / part / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / part / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -91,45 +78,26 @@ class AuraFlowSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import AuraFlowPipeline
 
-        try:
-            pipe = AuraFlowPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(AuraFlowPipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import AuraFlowTransformer2DModel
 
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                AuraFlowTransformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return AuraFlowTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(AuraFlowTransformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._config("vae")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "scaling_factor": vae.get("scaling_factor"),
-                    "shift_factor": vae.get("shift_factor"), "latent": "mode"}
+            return kl_image_fingerprint(self.family, self.path)
         return {"family": self.family, "t5": folder_fingerprint(self.path / "text_encoder"),
                 "tokenizer": folder_fingerprint(self.path / "tokenizer"),
                 "max_text_tokens": self.cfg.max_text_tokens}
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        shift = vae.config.shift_factor or 0.0  # the SDXL VAE has none
-        return (latents - shift) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ diffusers' pipeline only up to that masking difference.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ModelLoadError
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -77,24 +76,12 @@ class ChromaSpec(ModelSpec):
             from dpipe.models.chroma.tiny import make_tiny_chroma
 
             make_tiny_chroma(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a Chroma model in "
-                "diffusers format (e.g. a download of lodestones/Chroma1-HD)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete Chroma diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "Chroma", "lodestones/Chroma1-HD")
         check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
-        path = self.path / "vae" / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / "vae" / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -104,38 +91,19 @@ class ChromaSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import ChromaPipeline
 
-        try:
-            pipe = ChromaPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(ChromaPipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import ChromaTransformer2DModel
 
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                ChromaTransformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return ChromaTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(ChromaTransformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"),
-                "shift_factor": vae.get("shift_factor"),
-                "latent": "mode",
-            }
+            return kl_image_fingerprint(self.family, self.path)
         return {
             "family": self.family,
             "t5": folder_fingerprint(self.path / "text_encoder"),
@@ -145,11 +113,8 @@ class ChromaSpec(ModelSpec):
         }
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

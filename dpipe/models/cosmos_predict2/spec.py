@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -40,9 +39,10 @@ from torch import nn
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
+    check_single_file, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -96,15 +96,8 @@ class CosmosPredict2Spec(ModelSpec):
                 raise ConfigError(f"model.path={self.path}: a tiny Cosmos-Predict2 folder is named "
                                   f"tiny-cosmos_predict2_<variant>, variant in {sorted(VARIANTS)}")
             make_tiny_cosmos_predict2(self.path, variant=variant)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a Cosmos-Predict2 "
-                "model in diffusers format (e.g. a download of "
-                "nvidia/Cosmos-Predict2-2B-Text2Image)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(f"model.path={self.path} is not a complete Cosmos-Predict2 "
-                                 f"diffusers folder: missing {', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "Cosmos-Predict2",
+                     "nvidia/Cosmos-Predict2-2B-Text2Image")
         check_single_file(self.single_file)
         config = self._config("transformer/config.json")
         if config.get("extra_pos_embed_type") or config.get("img_context_dim_in"):
@@ -113,11 +106,7 @@ class CosmosPredict2Spec(ModelSpec):
         self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
 
     def _config(self, name: str) -> dict[str, Any]:
-        path = self.path / name
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / name)
 
     @cached_property
     def variant(self) -> CosmosVariant:
@@ -168,15 +157,9 @@ class CosmosPredict2Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import CosmosTransformer3DModel
 
-        if self.single_file is not None:  # NVIDIA's names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                CosmosTransformer3DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return CosmosTransformer3DModel.from_pretrained(self.path, subfolder="transformer",
-                                                            dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: NVIDIA's names; the config from the folder
+        return load_denoiser(CosmosTransformer3DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

@@ -10,7 +10,6 @@ LoRAs are written for diffusers and for ComfyUI (BFL layout, fused q/k/v: see `f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.config.schema import TrainMode
-from dpipe.errors import ModelLoadError
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.bfl import (
-    comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format)
+from dpipe.models.flux.bfl import comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 
@@ -71,26 +69,12 @@ class FluxSpec(ModelSpec):
             from dpipe.models.flux.tiny import make_tiny_flux
 
             make_tiny_flux(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a FLUX.1 model in "
-                "diffusers format (e.g. a download of black-forest-labs/FLUX.1-dev)"
-            )
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete FLUX.1 diffusers folder: missing "
-                f"{', '.join(missing)}"
-            )
+        check_folder(self.path, REQUIRED_PARTS, "FLUX.1", "black-forest-labs/FLUX.1-dev")
         check_single_file(self.single_file)
         self._vae_config()  # reads the VAE's scale now, so a broken folder fails before training
 
     def _read_config(self, part: str) -> dict[str, Any]:
-        path = self.path / part / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / part / "config.json")
 
     def _vae_config(self) -> dict[str, Any]:
         return self._read_config("vae")
@@ -104,41 +88,19 @@ class FluxSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import FluxPipeline
 
-        try:
-            pipe = FluxPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(FluxPipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        if self.single_file is not None:  # BFL's names, fused Linears split at the model's sizes
-            return load_or_fail(lambda: load_transformer_file(
-                FluxTransformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=lambda state, model: from_bfl(state, flux1_layout(model.config))),
-                self.single_file)
-        try:
-            model = FluxTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype
-            )
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
-        return model
+        # A single file has BFL's names: its fused Linears split at the model's sizes.
+        return load_denoiser(FluxTransformer2DModel, self.path, self.single_file, dtype,
+                             convert=lambda state, model: from_bfl(state, flux1_layout(model.config)))
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"),
-                "shift_factor": vae.get("shift_factor"),
-                "latent": "mode",
-            }
+            return kl_image_fingerprint(self.family, self.path)
         return {
             "family": self.family,
             "clip": folder_fingerprint(self.path / "text_encoder"),
@@ -148,11 +110,8 @@ class FluxSpec(ModelSpec):
         }
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ diffusers and for ComfyUI (BFL layout, q/k/v fused: see `flux/bfl.py`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
-from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -74,30 +73,16 @@ class Flux2Spec(ModelSpec):
             from dpipe.models.flux2.tiny import make_tiny_flux2
 
             make_tiny_flux2(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a FLUX.2 model in "
-                "diffusers format (e.g. a download of black-forest-labs/FLUX.2-dev)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete FLUX.2 diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "FLUX.2", "black-forest-labs/FLUX.2-dev")
         check_single_file(self.single_file)
         self._pipeline_class()
         self._vae_config()
 
-    def _read_json(self, path: Path) -> dict[str, Any]:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
-
     def _vae_config(self) -> dict[str, Any]:
-        return self._read_json(self.path / "vae" / "config.json")
+        return read_json(self.path / "vae" / "config.json")
 
     def _pipeline_class(self):
-        name = self._read_json(self.path / "model_index.json").get("_class_name")
+        name = read_json(self.path / "model_index.json").get("_class_name")
         if name not in PIPELINES:
             raise ModelLoadError(
                 f"model.path={self.path} holds a {name}, not a FLUX.2 pipeline "
@@ -117,33 +102,21 @@ class Flux2Spec(ModelSpec):
         # while only its text tokenizer (and chat template) is ever used here: load that alone.
         from transformers import AutoTokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-            pipe = self._pipeline_class().from_pretrained(
-                self.path, transformer=None, tokenizer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
+        tokenizer = load_or_fail(lambda: AutoTokenizer.from_pretrained(self.path / "tokenizer"),
+                                 self.path / "tokenizer")
         if tokenizer.chat_template is None:
             raise ModelLoadError(f"{self.path / 'tokenizer'} has no chat template "
                                  "(chat_template.jinja), which FLUX.2 prompts are built with")
+        pipe = load_encoders(self._pipeline_class(), self.path, device, dtype,
+                             frozen=("vae", "text_encoder"), tokenizer=None)
         pipe.tokenizer = tokenizer
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
         return pipe
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import Flux2Transformer2DModel
 
-        if self.single_file is not None:
-            return load_or_fail(lambda: load_transformer_file(
-                Flux2Transformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=_from_bfl), self.single_file)
-        try:
-            return Flux2Transformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        return load_denoiser(Flux2Transformer2DModel, self.path, self.single_file, dtype,
+                             convert=_from_bfl)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
@@ -154,7 +127,7 @@ class Flux2Spec(ModelSpec):
             }
         return {
             "family": self.family,
-            "pipeline": self._read_json(self.path / "model_index.json").get("_class_name"),
+            "pipeline": read_json(self.path / "model_index.json").get("_class_name"),
             "text_encoder": folder_fingerprint(self.path / "text_encoder"),
             "tokenizer": folder_fingerprint(self.path / "tokenizer"),
             "max_text_tokens": self.cfg.max_text_tokens,
@@ -225,7 +198,7 @@ class Flux2Spec(ModelSpec):
         Flux2Pipeline.save_lora_weights(
             out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
         comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank, flux2_layout(
-            self._read_json(self.path / "transformer" / "config.json")))
+            read_json(self.path / "transformer" / "config.json")))
         save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
         return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
 

@@ -16,7 +16,6 @@ transformer predicts all tokens, of which the loss reads the target's only.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.flux.spec import DIFFUSERS_LORA, FluxSpec, _image_ids, _pack
+from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
+from dpipe.models.flux.spec import DIFFUSERS_LORA, REQUIRED_PARTS, FluxSpec, _image_ids, _pack
 from dpipe.models.spec import NoisedBatch
 
 PIPELINE = "FluxKontextPipeline"
@@ -39,15 +39,10 @@ class FluxKontextSpec(FluxSpec):
             from dpipe.models.flux_kontext.tiny import make_tiny_flux_kontext
 
             make_tiny_flux_kontext(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of FLUX.1 Kontext in "
-                "diffusers format (e.g. a download of black-forest-labs/FLUX.1-Kontext-dev)")
+        check_folder(self.path, REQUIRED_PARTS, "FLUX.1 Kontext",
+                     "black-forest-labs/FLUX.1-Kontext-dev")
         super().ensure_available()
-        try:
-            name = json.loads((self.path / "model_index.json").read_text()).get("_class_name")
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {self.path / 'model_index.json'}: {err}") from None
+        name = read_json(self.path / "model_index.json").get("_class_name")
         if name != PIPELINE:
             raise ModelLoadError(
                 f"model.path={self.path} holds a {name}, not FLUX.1 Kontext ({PIPELINE}); "
@@ -56,14 +51,8 @@ class FluxKontextSpec(FluxSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import FluxKontextPipeline
 
-        try:
-            pipe = FluxKontextPipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(FluxKontextPipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2"))
 
     def make_inputs(self, batch: NoisedBatch):
         inputs, labels = super().make_inputs(batch)

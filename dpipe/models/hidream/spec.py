@@ -20,7 +20,6 @@ loss is not added (diffusers computes and drops it too).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,14 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+    check_single_file, export_like_source, load_or_fail, split_path)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
@@ -67,14 +68,7 @@ class HiDreamSpec(ModelSpec):
             from dpipe.models.hidream.tiny import make_tiny_hidream
 
             make_tiny_hidream(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a HiDream-I1 model in "
-                "diffusers format (e.g. HiDream-ai/HiDream-I1-Full)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(f"model.path={self.path} is not a complete HiDream-I1 diffusers "
-                                 f"folder: missing {', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "HiDream-I1", "HiDream-ai/HiDream-I1-Full")
         check_single_file(self.single_file)
         missing = [p for p in LLAMA_PARTS if not (self.path / p).exists()]
         if missing:
@@ -87,11 +81,7 @@ class HiDreamSpec(ModelSpec):
         self._config("transformer")
 
     def _config(self, part: str) -> dict[str, Any]:
-        path = self.path / part / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / part / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -99,64 +89,36 @@ class HiDreamSpec(ModelSpec):
         return vae_scale * int(self._config("transformer")["patch_size"])
 
     # ---- components -------------------------------------------------------------------------
-    def _pipeline(self, dtype: torch.dtype | None, text: bool, **components):
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import HiDreamImagePipeline
         from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-        try:
-            if text:
-                # Llama-3's tokenizer.json is byte-level BPE: load it as written (transformers 5's
-                # LlamaTokenizerFast would rebuild it SentencePiece-style and drop spaces).
-                extra = {
-                    "tokenizer_4": PreTrainedTokenizerFast.from_pretrained(
-                        self.path / "tokenizer_4"),
-                    "text_encoder_4": LlamaForCausalLM.from_pretrained(
-                        self.path / "text_encoder_4", dtype=dtype),
-                }
-            else:
-                extra = {name: None for name in TEXT_PARTS}
-                extra["vae"] = None
-            return HiDreamImagePipeline.from_pretrained(self.path, dtype=dtype, **extra,
-                                                        **components)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load HiDream from {self.path}: {err}") from None
-
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        pipe = self._pipeline(dtype, text=True)
-        pipe.transformer = None
-        pipe.to(device)
-        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
-            getattr(pipe, name).requires_grad_(False).eval()
-        return pipe
+        # Llama-3's tokenizer.json is byte-level BPE: load it as written (transformers 5's
+        # LlamaTokenizerFast would rebuild it SentencePiece-style and drop spaces).
+        llama = load_or_fail(lambda: {
+            "tokenizer_4": PreTrainedTokenizerFast.from_pretrained(self.path / "tokenizer_4"),
+            "text_encoder_4": LlamaForCausalLM.from_pretrained(self.path / "text_encoder_4",
+                                                               dtype=dtype),
+        }, self.path)
+        return load_encoders(HiDreamImagePipeline, self.path, device, dtype, **llama, frozen=(
+            "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HiDreamImageTransformer2DModel
 
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                HiDreamImageTransformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return HiDreamImageTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(HiDreamImageTransformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._config("vae")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "scaling_factor": vae.get("scaling_factor"),
-                    "shift_factor": vae.get("shift_factor"), "latent": "mode"}
+            return kl_image_fingerprint(self.family, self.path)
         return {"family": self.family, "max_text_tokens": self.cfg.max_text_tokens,
                 **{p: folder_fingerprint(self.path / p) for p in TEXT_PARTS}}
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -237,10 +199,14 @@ class HiDreamSpec(ModelSpec):
         finally:
             denoiser.train(training)
 
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+    def load_denoiser_with_lora(self, lora_dir: Path,
+                                weight_name: str = "pytorch_lora_weights.safetensors") -> nn.Module:
         base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = self._pipeline(None, text=False, **base)
-        pipe.load_lora_weights(str(lora_dir))  # picks pytorch_lora_weights.safetensors
+        from diffusers import HiDreamImagePipeline
+
+        pipe = load_or_fail(lambda: HiDreamImagePipeline.from_pretrained(
+            self.path, vae=None, **dict.fromkeys(TEXT_PARTS), **base), self.path)
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return pipe.transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:

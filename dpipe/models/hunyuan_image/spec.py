@@ -26,15 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ModelLoadError
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 log = logging.getLogger(__name__)
@@ -69,25 +68,14 @@ class HunyuanImageSpec(ModelSpec):
             from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
 
             make_tiny_hunyuan_image(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of HunyuanImage 2.1 in "
-                "diffusers format (e.g. hunyuanvideo-community/HunyuanImage-2.1-Diffusers)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete HunyuanImage diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "HunyuanImage 2.1",
+                     "hunyuanvideo-community/HunyuanImage-2.1-Diffusers")
         check_single_file(self.single_file)
         self._config("vae")
         self._config("transformer")
 
     def _config(self, part: str) -> dict[str, Any]:
-        path = self.path / part / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / part / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -98,28 +86,16 @@ class HunyuanImageSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import HunyuanImagePipeline
 
-        try:
-            pipe = HunyuanImagePipeline.from_pretrained(
-                self.path, transformer=None, guider=None, ocr_guider=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(HunyuanImagePipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2"),
+                             guider=None, ocr_guider=None)
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanImageTransformer2DModel
 
-        if self.single_file is not None:  # original names; fused weights split at the config's
-            return load_or_fail(lambda: load_transformer_file(
-                HunyuanImageTransformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return HunyuanImageTransformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; fused weights split at the config's
+        return load_denoiser(HunyuanImageTransformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

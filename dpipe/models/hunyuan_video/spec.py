@@ -11,7 +11,6 @@ pre-tokenizer (see tokenizers.py). Images train as 1-frame videos; clips need 4k
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import DataError
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, block_costs, joint_attention_train_flops)
 
@@ -63,13 +62,6 @@ def as_video(pixels: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"expected pixels of shape (B, 3, H, W) or (B, 3, F, H, W), got {tuple(pixels.shape)}")
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}") from None
-
-
 class HunyuanVideoSpec(ModelSpec):
     family = "hunyuan_video"
 
@@ -84,24 +76,17 @@ class HunyuanVideoSpec(ModelSpec):
             from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 
             make_tiny_hunyuan_video(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of HunyuanVideo in "
-                "diffusers format (e.g. a download of hunyuanvideo-community/HunyuanVideo)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete HunyuanVideo diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "HunyuanVideo",
+                     "hunyuanvideo-community/HunyuanVideo")
         check_single_file(self.single_file)
         self._vae_config()
         self._transformer_config()
 
     def _vae_config(self) -> dict[str, Any]:
-        return read_config(self.path / "vae" / "config.json")
+        return read_json(self.path / "vae" / "config.json")
 
     def _transformer_config(self) -> dict[str, Any]:
-        return read_config(self.path / "transformer" / "config.json")
+        return read_json(self.path / "transformer" / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -117,30 +102,18 @@ class HunyuanVideoSpec(ModelSpec):
 
         from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
 
-        try:
-            # HunyuanVideo pads prompts on the right and crops its template off the front.
-            tokenizer = load_byte_level_tokenizer(self.path / "tokenizer", padding_side="right")
-            pipe = HunyuanVideoPipeline.from_pretrained(
-                self.path, transformer=None, tokenizer=tokenizer, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False).eval()
-        return pipe
+        # HunyuanVideo pads prompts on the right and crops its template off the front.
+        tokenizer = load_or_fail(lambda: load_byte_level_tokenizer(
+            self.path / "tokenizer", padding_side="right"), self.path / "tokenizer")
+        return load_encoders(HunyuanVideoPipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2"), tokenizer=tokenizer)
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanVideoTransformer3DModel
 
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                HunyuanVideoTransformer3DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return HunyuanVideoTransformer3DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(HunyuanVideoTransformer3DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

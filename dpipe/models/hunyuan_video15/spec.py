@@ -24,14 +24,13 @@ from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.spec import (
-    as_video, frames_ok, loss_labels, read_config, video_loss)
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
+from dpipe.models.hunyuan_video.spec import as_video, frames_ok, loss_labels, video_loss
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -67,15 +66,8 @@ class HunyuanVideo15Spec(ModelSpec):
             from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
 
             make_tiny_hunyuan_video15(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of HunyuanVideo 1.5 in "
-                "diffusers format (e.g. a download of hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete HunyuanVideo 1.5 diffusers folder: "
-                f"missing {', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "HunyuanVideo 1.5",
+                     "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")
         config = self._transformer_config()
         if config.get("task_type", "t2v") != "t2v":
             raise ModelLoadError(
@@ -85,10 +77,10 @@ class HunyuanVideo15Spec(ModelSpec):
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
-        return read_config(self.path / "vae" / "config.json")
+        return read_json(self.path / "vae" / "config.json")
 
     def _transformer_config(self) -> dict[str, Any]:
-        return read_config(self.path / "transformer" / "config.json")
+        return read_json(self.path / "transformer" / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -102,13 +94,8 @@ class HunyuanVideo15Spec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import HunyuanVideo15Pipeline
 
-        try:
-            pipe = HunyuanVideo15Pipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            module.requires_grad_(False).eval()
+        pipe = load_encoders(HunyuanVideo15Pipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2"))
         # The pipeline crops its chat template at a fixed 108 tokens (the real Qwen2.5-VL
         # tokenizer's count); count it with the tokenizer at hand, and pad to max_text_tokens.
         pipe.prompt_template_encode_start_idx = template_length(pipe.tokenizer, pipe.system_message)
@@ -118,15 +105,9 @@ class HunyuanVideo15Spec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import HunyuanVideo15Transformer3DModel
 
-        if self.single_file is not None:  # Tencent's names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                HunyuanVideo15Transformer3DModel, self.path / "transformer", self.single_file,
-                dtype, convert=from_original), self.single_file)
-        try:
-            return HunyuanVideo15Transformer3DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: Tencent's names; the config from the folder
+        return load_denoiser(HunyuanVideo15Transformer3DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

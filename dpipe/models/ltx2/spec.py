@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError
+from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
 from dpipe.models.ltx2.original import from_original, original_state_dict
@@ -69,17 +70,9 @@ class LTX2Spec(LTXVideoSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import LTX2Pipeline
 
-        from dpipe.errors import ModelLoadError
-
-        try:
-            pipe = LTX2Pipeline.from_pretrained(self.path, transformer=None, audio_vae=None,
-                                                vocoder=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.connectors):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(LTX2Pipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "connectors"),
+                             audio_vae=None, vocoder=None)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

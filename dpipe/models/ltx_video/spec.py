@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.hunyuan_video.spec import as_video, frames_ok, read_config
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
+from dpipe.models.hunyuan_video.spec import as_video, frames_ok
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
-from dpipe.models.single_file import (
-    SINGLE_FILE_SUFFIXES, check_single_file, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -97,24 +97,16 @@ class LTXVideoSpec(ModelSpec):
         self._check_folder(REQUIRED_PARTS, "LTX-Video", "Lightricks/LTX-Video")
 
     def _check_folder(self, parts: tuple[str, ...], name: str, example: str) -> None:
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of {name} in diffusers "
-                f"format (e.g. a download of {example})")
-        missing = [p for p in parts if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete {name} diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, parts, name, example)
         check_single_file(self.single_file)
         self._vae_config()
         self._transformer_config()
 
     def _vae_config(self) -> dict[str, Any]:
-        return read_config(self.path / "vae" / "config.json")
+        return read_json(self.path / "vae" / "config.json")
 
     def _transformer_config(self) -> dict[str, Any]:
-        return read_config(self.path / "transformer" / "config.json")
+        return read_json(self.path / "transformer" / "config.json")
 
     def _ratios(self) -> tuple[int, int]:
         """(spatial, temporal) compression of the VAE, as AutoencoderKLLTXVideo derives them."""
@@ -156,28 +148,15 @@ class LTXVideoSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         import diffusers
 
-        try:
-            pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
-                self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(getattr(diffusers, self.pipeline_class), self.path, device, dtype,
+                             frozen=("vae", "text_encoder"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         import diffusers
 
-        cls = getattr(diffusers, self.transformer_class)
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                cls, self.path / "transformer", self.single_file, dtype,
-                convert=self.single_file_convert), self.single_file)
-        try:
-            return cls.from_pretrained(self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(getattr(diffusers, self.transformer_class), self.path,
+                             self.single_file, dtype, convert=self.single_file_convert)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

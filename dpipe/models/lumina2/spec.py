@@ -18,14 +18,15 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.attention_mask import trim_text_padding
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.qwen_image.shared import (
-    check_folder, fuse_lora, lora_metadata, lora_pairs, peft_to_diffusers, read_json,
-    save_comfy_lora, weighted_labels, weighted_mse)
-from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
+    fuse_lora, lora_metadata, lora_pairs, peft_to_diffusers, save_comfy_lora, weighted_labels,
+    weighted_mse)
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
@@ -78,38 +79,20 @@ class Lumina2Spec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import Lumina2Pipeline
 
-        pipe = load_or_fail(lambda: Lumina2Pipeline.from_pretrained(
-            self.path, transformer=None, dtype=dtype), self.path)
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(Lumina2Pipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import Lumina2Transformer2DModel
 
-        if self.single_file is not None:
-            return load_or_fail(lambda: self._load_single_file(dtype), self.single_file)
-        return load_or_fail(lambda: Lumina2Transformer2DModel.from_pretrained(
-            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
-
-    def _load_single_file(self, dtype: torch.dtype) -> nn.Module:
-        # Not diffusers' from_single_file: its converter splits qkv at the 2B model's sizes only.
-        from diffusers import Lumina2Transformer2DModel
-
-        return load_transformer_file(Lumina2Transformer2DModel, self.path / "transformer",
-                                     self.single_file, dtype, convert=from_native)
+        # A single file: not read by diffusers' from_single_file, whose converter splits qkv at
+        # the 2B model's sizes only.
+        return load_denoiser(Lumina2Transformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_native)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"),
-                "shift_factor": vae.get("shift_factor"),
-                "latent": "mode",
-            }
+            return kl_image_fingerprint(self.family, self.path)
         return {
             "family": self.family,
             "text_encoder": folder_fingerprint(self.path / "text_encoder"),
@@ -119,11 +102,8 @@ class Lumina2Spec(ModelSpec):
         }
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -1,41 +1,17 @@
 """Helpers shared by the Qwen-Image, Z-Image and Lumina 2 families.
 
 These three families are one owner's; what they share lives here rather than in each family
-folder: diffusers-folder checks, the grad rule for stage outputs, masks from integer lengths,
-LoRA export in diffusers and ComfyUI form, and saving tiny components in the real repos' layout.
+folder: the grad rule for stage outputs, masks from integer lengths, LoRA export in diffusers and
+ComfyUI form, and saving tiny components in the real repos' layout.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
-
-from dpipe.errors import ModelLoadError
-
-
-# ---- diffusers folders --------------------------------------------------------------------------
-def check_folder(path: Path, required: tuple[str, ...], what: str, example: str) -> None:
-    """Raise ModelLoadError naming what is missing, unless `path` is a complete diffusers folder."""
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model.path={path} does not exist. Give the folder of a {what} model in diffusers "
-            f"format (e.g. a download of {example})")
-    missing = [p for p in required if not (path / p).exists()]
-    if missing:
-        raise ModelLoadError(
-            f"model.path={path} is not a complete {what} diffusers folder: missing "
-            f"{', '.join(missing)}")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}") from None
 
 
 # ---- pipeline stage I/O -------------------------------------------------------------------------

@@ -17,18 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.shared import (
-    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, save_comfy_lora,
-    weighted_mse)
+    lora_metadata, lora_pairs, peft_to_diffusers, save_comfy_lora, weighted_mse)
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.single_file import (
-    check_single_file, load_or_fail, load_transformer_file, split_path)
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
+from dpipe.models.single_file import check_single_file, split_path
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -85,12 +83,8 @@ class QwenImageSpec(ModelSpec):
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        pipe = load_or_fail(lambda: self._pipeline().from_pretrained(
-            self.path, transformer=None, dtype=dtype, **self._extra_components()), self.path)
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(self._pipeline(), self.path, device, dtype,
+                             frozen=("vae", "text_encoder"), **self._extra_components())
 
     def _extra_components(self) -> dict[str, Any]:
         return {}
@@ -98,12 +92,8 @@ class QwenImageSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
-        if self.single_file is not None:  # ComfyUI's layout has the diffusers names
-            return load_or_fail(lambda: load_transformer_file(
-                QwenImageTransformer2DModel, self.path / "transformer", self.single_file, dtype),
-                self.single_file)
-        return load_or_fail(lambda: QwenImageTransformer2DModel.from_pretrained(
-            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+        # A single file: ComfyUI's layout has the diffusers names
+        return load_denoiser(QwenImageTransformer2DModel, self.path, self.single_file, dtype)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

@@ -15,7 +15,6 @@ the diffusers folder that gives the VAE, text encoders and configs (see original
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ModelLoadError
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, load_transformer_file, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 log = logging.getLogger(__name__)
@@ -66,32 +65,16 @@ class SD3Spec(ModelSpec):
             from dpipe.models.sd3.tiny import make_tiny_sd3
 
             make_tiny_sd3(self.path)
-        if not self.path.is_dir():
-            raise ModelLoadError(
-                f"model.path={self.path} does not exist. Give the folder of a Stable Diffusion 3 "
-                "model in diffusers format (e.g. a download of "
-                "stabilityai/stable-diffusion-3.5-large)")
-        missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
-        if missing:
-            raise ModelLoadError(
-                f"model.path={self.path} is not a complete SD3 diffusers folder: missing "
-                f"{', '.join(missing)}")
+        check_folder(self.path, REQUIRED_PARTS, "Stable Diffusion 3",
+                     "stabilityai/stable-diffusion-3.5-large")
         check_single_file(self.single_file)
         self._vae_config()
 
     def _vae_config(self) -> dict[str, Any]:
-        path = self.path / "vae" / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / "vae" / "config.json")
 
     def _transformer_config(self) -> dict[str, Any]:
-        path = self.path / "transformer" / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.path / "transformer" / "config.json")
 
     @property
     def pixel_multiple(self) -> int:
@@ -103,38 +86,19 @@ class SD3Spec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import StableDiffusion3Pipeline
 
-        try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(self.path, transformer=None, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(StableDiffusion3Pipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import SD3Transformer2DModel
 
-        if self.single_file is not None:  # original names; the config from the folder
-            return load_or_fail(lambda: load_transformer_file(
-                SD3Transformer2DModel, self.path / "transformer", self.single_file, dtype,
-                convert=from_original), self.single_file)
-        try:
-            return SD3Transformer2DModel.from_pretrained(
-                self.path, subfolder="transformer", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load {self.path / 'transformer'}: {err}") from None
+        # A single file: original names; the config from the folder
+        return load_denoiser(SD3Transformer2DModel, self.path, self.single_file, dtype,
+                             convert=from_original)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"),
-                "shift_factor": vae.get("shift_factor"),
-                "latent": "mode",
-            }
+            return kl_image_fingerprint(self.family, self.path)
         return {
             "family": self.family,
             **{part: folder_fingerprint(self.path / part) for part in TEXT_PARTS},
@@ -143,11 +107,8 @@ class SD3Spec(ModelSpec):
         }
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
@@ -76,11 +77,7 @@ class SDXLSpec(ModelSpec):
         folder = self._config_dir
         if folder is None:
             return None
-        path = folder / part / name
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(folder / part / name)
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -168,11 +165,8 @@ class SDXLSpec(ModelSpec):
                            ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}}
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return latents * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -46,6 +45,7 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
@@ -112,17 +112,11 @@ class WanSpec(ModelSpec):
                 raise ConfigError(f"{self.root_key}={self.root}: a tiny Wan folder is named "
                                   f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
             make_tiny_wan(self.root, variant=variant)
-        if not self.root.is_dir():
-            raise ModelLoadError(
-                f"{self.root_key}={self.root} does not exist. Give the folder of a Wan model in "
-                "diffusers format (e.g. a download of Wan-AI/Wan2.1-T2V-14B-Diffusers)")
-        missing = [p for p in REQUIRED_PARTS if not (self.root / p).exists()]
-        if not missing and self.variant.clip_tokens:
-            missing = [p for p in ("image_encoder", "image_processor")
-                       if not (self.root / p).exists()]
-        if missing:
-            raise ModelLoadError(f"{self.root_key}={self.root} is not a complete Wan diffusers "
-                                 f"folder: missing {', '.join(missing)}")
+        check_folder(self.root, REQUIRED_PARTS, "Wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                     key=self.root_key)
+        if self.variant.clip_tokens:  # Wan 2.1 i2v reads the image with CLIP too
+            check_folder(self.root, ("image_encoder", "image_processor"), "Wan 2.1 i2v",
+                         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", key=self.root_key)
         if not (self.root / self.expert).is_dir():
             raise ModelLoadError(f"{self.root_key}={self.root} has no {self.expert}/ folder")
         if self.variant.clip_tokens and self.cfg.max_text_tokens != 512:
@@ -133,11 +127,7 @@ class WanSpec(ModelSpec):
 
     # ---- what the folder is ------------------------------------------------------------------
     def _config(self, name: str) -> dict[str, Any]:
-        path = self.root / name
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read {path}: {err}") from None
+        return read_json(self.root / name)
 
     @cached_property
     def variant(self) -> WanVariant:

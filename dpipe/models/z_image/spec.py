@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.models.diffusers_folder import (
+    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.qwen_image.shared import (
-    check_folder, lora_metadata, lora_pairs, peft_to_diffusers, read_json, round_up,
-    save_comfy_lora, weighted_labels, weighted_mse)
+    lora_metadata, lora_pairs, peft_to_diffusers, round_up, save_comfy_lora, weighted_labels,
+    weighted_mse)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
@@ -79,12 +81,8 @@ class ZImageSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import ZImagePipeline
 
-        pipe = load_or_fail(lambda: ZImagePipeline.from_pretrained(
-            self.path, transformer=None, dtype=dtype), self.path)
-        pipe.to(device)
-        for module in (pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
-        return pipe
+        return load_encoders(ZImagePipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"))
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import ZImageTransformer2DModel
@@ -93,19 +91,11 @@ class ZImageSpec(ModelSpec):
             return load_or_fail(lambda: ZImageTransformer2DModel.from_single_file(
                 str(self.single_file), config=str(self.path), subfolder="transformer",
                 torch_dtype=dtype), self.single_file)
-        return load_or_fail(lambda: ZImageTransformer2DModel.from_pretrained(
-            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+        return load_denoiser(ZImageTransformer2DModel, self.path, None, dtype)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"),
-                "shift_factor": vae.get("shift_factor"),
-                "latent": "mode",
-            }
+            return kl_image_fingerprint(self.family, self.path)
         return {
             "family": self.family,
             "text_encoder": folder_fingerprint(self.path / "text_encoder"),
@@ -115,11 +105,8 @@ class ZImageSpec(ModelSpec):
         }
 
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return kl_latents(encoders.vae, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,86 @@
+"""What every family reads the same way from a diffusers model folder: its configs, whether it is
+complete, its frozen encoders (through the family's own diffusers pipeline, so prompts and images
+are encoded exactly as at inference), its denoiser (from the folder, or from one single file with
+the folder giving the config) and, for the families with a KL image VAE, latents and the
+fingerprint of what shaped them.
+
+One way to do each, so every family words a broken folder the same way: the error names the path
+and what to change, and a load that fails raises ModelLoadError, never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.single_file import load_or_fail, load_transformer_file
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A config file of the folder (`vae/config.json`, `model_index.json`, ...)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from None
+
+
+def check_folder(path: Path, required: tuple[str, ...], what: str, example: str,
+                 key: str = "model.path") -> None:
+    """Raise ModelLoadError naming what is missing, unless `path` (given as config `key`) is a
+    complete diffusers folder of a `what` model, such as a download of `example`."""
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"{key}={path} does not exist. Give the folder of a {what} model in diffusers "
+            f"format (e.g. a download of {example})")
+    missing = [p for p in required if not (path / p).exists()]
+    if missing:
+        raise ModelLoadError(
+            f"{key}={path} is not a complete {what} diffusers folder: missing {', '.join(missing)}")
+
+
+def load_encoders(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype,
+                  frozen: tuple[str, ...], **components: Any) -> Any:
+    """The family's diffusers pipeline without its denoiser, on `device`, its `frozen` parts
+    (VAE, text encoders) in eval mode without gradients. `components` replace or leave out more
+    of the pipeline's parts (`tokenizer=None`, ...)."""
+    pipe = load_or_fail(lambda: pipeline_cls.from_pretrained(
+        path, transformer=None, dtype=dtype, **components), path)
+    pipe.to(device)
+    for name in frozen:
+        getattr(pipe, name).requires_grad_(False).eval()
+    return pipe
+
+
+def load_denoiser(model_cls, path: Path, single_file: Path | None, dtype: torch.dtype,
+                  convert: Callable | None = None, subfolder: str = "transformer") -> nn.Module:
+    """The denoiser from the folder's `subfolder`, or, given `single_file`, from that file with
+    the folder's config (`convert(state, model)` maps the file's names where they are not
+    diffusers')."""
+    if single_file is not None:
+        return load_or_fail(lambda: load_transformer_file(
+            model_cls, path / subfolder, single_file, dtype, convert=convert), single_file)
+    return load_or_fail(lambda: model_cls.from_pretrained(
+        path, subfolder=subfolder, dtype=dtype), path / subfolder)
+
+
+def kl_image_fingerprint(family: str, path: Path) -> dict[str, Any]:
+    """All that shapes `kl_latents` besides the image: the VAE's weights and its scale and shift."""
+    vae = read_json(path / "vae" / "config.json")
+    return {"family": family, "vae": folder_fingerprint(path / "vae"),
+            "scaling_factor": vae.get("scaling_factor"), "shift_factor": vae.get("shift_factor"),
+            "latent": "mode"}
+
+
+@torch.no_grad()
+def kl_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels (B, 3, H, W) in [-1, 1] -> the latents a KL VAE's pipelines train on: the
+    distribution's mode, shifted (SDXL's VAE has no shift) and scaled."""
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+    shift = vae.config.shift_factor or 0.0
+    return (latents - shift) * vae.config.scaling_factor
