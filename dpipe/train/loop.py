@@ -19,8 +19,8 @@ from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
-from dpipe.pipeline.memory import AutoCheckpointing
-from dpipe.train import checkpoint, preemption
+from dpipe.pipeline.memory import AutoCheckpointing, budget_bytes
+from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.attention import use_sdpa_kernels
@@ -103,6 +103,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         # Dropout and other module randomness: the same at step k whether or not the run resumed.
         torch.manual_seed(run.train.seed * 100_003 + step * 1_009 + rank)
         audit = StepAudit() if step + 1 == run.train.audit_step else None
+        if audit is not None and cuda:
+            torch.cuda.reset_peak_memory_stats()  # the audited step's own peak
         micro_batches = loader.next(step)
         if step_flops is not None:  # rank 0
             micro_batches = step_flops.watch(micro_batches)
@@ -115,7 +117,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                     else contextlib.nullcontext():
                 step_flops.count_watched()
         if audit is not None:
-            _report_audit(audit, step, run.pipeline.micro_batches, device, reporter)
+            _report_audit(audit, step, run.pipeline, built.stage, device, reporter)
         evaluator.maybe_run(engine, step, reporter)
         if auto_ckpt is not None:
             auto_ckpt.after_first_step()
@@ -169,21 +171,35 @@ def _not_training(reporter, cuda: bool):
         reporter.pause(time.perf_counter() - started)
 
 
-def _report_audit(audit: StepAudit, step: int, micro_batches: int, device, reporter) -> None:
-    """The audited step's worst rank, recorded by rank 0 (a collective: every rank calls it)."""
-    worst = torch.tensor([audit.host_syncs, audit.backward_passes], dtype=torch.float64,
-                         device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    host_syncs, passes = int(worst[0]), float(worst[1]) / micro_batches
+def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, reporter) -> None:
+    """The audited step's worst rank and each stage's peak GPU memory, recorded by rank 0 (a
+    collective: every rank calls it)."""
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / gpu_memory.GIB if cuda else 0.0
+    mine = torch.tensor([audit.host_syncs, audit.backward_passes, peak, stage],
+                        dtype=torch.float64, device=device)
+    ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(ranks, mine)
     if reporter is None:
         return
-    reporter.audit(step, host_syncs, passes)
+    rows = torch.stack(ranks).cpu()
+    host_syncs, passes = int(rows[:, 0].max()), float(rows[:, 1].max()) / pipeline.micro_batches
+    peaks = gpu_memory.stage_peaks(rows[:, 3].long().tolist(), rows[:, 2].tolist())
+    reporter.audit(step, host_syncs, passes, max(peaks) if cuda else None)
     log.info("step %d: %d host syncs, %g backward passes per micro-batch (the most on any rank)",
              step, host_syncs, passes)
-    if host_syncs and device.type == "cuda":
+    if not cuda:
+        return
+    if host_syncs:
         log.warning("step %d made %d host syncs: each one stops the host until the GPU is idle, "
                     "and the GPU then waits for new work (docs/performance.md, 'Host syncs')",
                     step, host_syncs)
+    budget = budget_bytes(pipeline.memory_budget_gb) / gpu_memory.GIB
+    log.info("step %d: peak GPU memory by stage: %s GiB (budget %.1f GiB per GPU)", step,
+             " / ".join(f"{p:.1f}" for p in peaks), budget)
+    hint = gpu_memory.one_gpu_hint(peaks, budget)
+    if hint is not None:
+        log.warning(hint)
 
 
 def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float) -> bool:

@@ -22,11 +22,17 @@ class Reporter:
         self.last, self.last_step = time.perf_counter(), start_step
         self.pending: dict = {}  # recorded with the next logged step
 
-    def audit(self, step: int, host_syncs: int, backward_passes: float) -> None:
+    def audit(self, step: int, host_syncs: int, backward_passes: float,
+              peak_memory_gib: float | None = None) -> None:
+        """The audited step's counts (dpipe.train.audit) and, on a GPU, the highest peak memory
+        allocated on any rank in it."""
         self.writer.add_scalar("perf/host_syncs", host_syncs, step)
         self.writer.add_scalar("perf/backward_passes_per_micro_batch", backward_passes, step)
         self.pending.update(audited_step=step, host_syncs=host_syncs,
                             backward_passes_per_micro_batch=backward_passes)
+        if peak_memory_gib is not None:
+            self.writer.add_scalar("perf/peak_memory_gib", peak_memory_gib, step)
+            self.pending["peak_memory_gib"] = peak_memory_gib
 
     def pause(self, seconds: float) -> None:
         """Leaves `seconds` of work that is not training (counting FLOPs) out of the step time."""

@@ -178,3 +178,8 @@ def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path, mode):
     assert f"model.attention=auto: {chosen} for a model.mode={mode} run on this GPU" in log
     assert "layers compile in the first step" in log
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+    # The audited step's peak memory: recorded, and logged per stage.
+    audited = next(m for m in metrics(run_dir) if "audited_step" in m)
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert 0 < audited["peak_memory_gib"] < total
+    assert "peak GPU memory by stage" in log
