@@ -16,12 +16,15 @@ dicts of tensors without the batch dimension; the loader stacks them.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from dpipe.config.schema import ModelConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
@@ -226,6 +229,27 @@ def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
     their single-stream blocks, though they hold ~2.4x the parameters. Measured on FLUX.1-dev, a
     double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA."""
     return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
+
+
+def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor, ...],
+                        fake: bool = True) -> list[float]:
+    """Forward FLOPs of each layer on `inputs`, passed from layer to layer, as torch's
+    FlopCounterMode counts them: a family's `layer_costs` where its layers differ in kind.
+    `fake`: on fake copies of the inputs, which carry shapes but no memory and run no kernels
+    (seconds at real size on the CPU); otherwise on the tensors themselves. Attention goes
+    through SDPA's math path, whose matmuls the counter counts (it has no formula for the fused
+    CPU kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    flops = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), mode or contextlib.nullcontext():
+        x = tuple(mode.from_tensor(t) for t in inputs) if mode else inputs
+        for layer in layers:
+            with FlopCounterMode(display=False) as counter:
+                x = layer(x)
+            flops.append(float(counter.get_total_flops()))
+    return flops
 
 
 def model_params(module: nn.Module) -> int:

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpipe.models.refined_joint import layer_forward_flops
 from dpipe.models.spec import ModelSpec
-from tests.unit.video_checks import layer_flops
+from dpipe.models.spec import counted_layer_flops
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
 
@@ -49,7 +49,8 @@ def _tokens(layers, inputs):
 def test_modelled_flops_are_what_each_layer_runs(family):
     module, _, layers, inputs = family
     with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls, which the counter counts
-        counted = [flops / inputs[0].shape[0] for flops in layer_flops(layers, inputs)]
+        counted = [flops / inputs[0].shape[0]
+                   for flops in counted_layer_flops(layers, inputs, fake=False)]
     modelled = layer_forward_flops(layers, *_tokens(layers, inputs),
                                    module.PER_SAMPLE_WEIGHTS, module.TEXT_WEIGHTS)
     assert modelled == pytest.approx(counted, rel=1e-6)

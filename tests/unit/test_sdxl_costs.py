@@ -10,10 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
+from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import SDXLDown, SDXLUp
 from dpipe.models.sdxl.tiny import make_tiny_sdxl
-from dpipe.models.spec import ModelSpec
+from dpipe.models.spec import ModelSpec, counted_layer_flops
 from tests.unit.test_tiny_sdxl import _spec
 
 

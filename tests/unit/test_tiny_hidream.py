@@ -178,14 +178,14 @@ def test_layer_costs_are_the_layers_flops(tiny, pipe):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dpipe.models.hidream.costs import attention_flops, layer_forward_flops, weight_flops
-    from dpipe.models.spec import ModelSpec
-    from tests.unit.video_checks import layer_flops
+    from dpipe.models.spec import ModelSpec, counted_layer_flops
 
     spec = _spec(tiny)
     inputs, _ = _inputs(spec, pipe, 16, 16, torch.Generator().manual_seed(0))
     layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
     with sdpa_kernel(SDPBackend.MATH):  # attention as matmuls, which the counter counts
-        counted = [flops / inputs[0].shape[0] for flops in layer_flops(layers, inputs)]
+        counted = [flops / inputs[0].shape[0]
+                   for flops in counted_layer_flops(layers, inputs, fake=False)]
     image_tokens = inputs[0].shape[-2] * inputs[0].shape[-1] // 4  # 2x2 patches
     modelled = layer_forward_flops(layers, image_tokens, spec.cfg.max_text_tokens)
     assert modelled == pytest.approx(counted, rel=1e-6)

@@ -114,23 +114,12 @@ def deltas(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float = 1
     return {name: scale * (b.float() @ a.float()) for name, (a, b) in pairs.items()}
 
 
-def layer_flops(layers, inputs) -> list[int]:
-    """Forward FLOPs of each layer on `inputs`, as torch's FlopCounterMode counts them."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    flops, x = [], inputs
-    with torch.no_grad():
-        for layer in layers:
-            with FlopCounterMode(display=False) as counter:
-                x = layer(x)
-            flops.append(counter.get_total_flops())
-    return flops
-
-
 def assert_block_costs_follow_flops(spec, layers, inputs, block_types, rel=0.1) -> None:
     """The spec's stage-balancing costs of its transformer blocks (double- and single-stream
     alike) are in proportion to their FLOPs, within `rel`; parameter counts are not."""
-    flops = layer_flops(layers, inputs)
+    from dpipe.models.spec import counted_layer_flops
+
+    flops = counted_layer_flops(layers, inputs, fake=False)
     costs = spec.layer_costs(layers)
     blocks = [i for i, layer in enumerate(layers) if isinstance(layer, block_types)]
     from dpipe.bench.layers import layer_kind

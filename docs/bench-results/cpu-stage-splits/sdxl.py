@@ -7,8 +7,9 @@ import os; os.environ["HF_HUB_OFFLINE"] = "1"
 import time
 import torch
 from diffusers import UNet2DConditionModel
-from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
+from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
+from dpipe.models.spec import counted_layer_flops
 from dpipe.pipeline.partition import balanced_bounds
 
 SDXL_BASE_UNET = dict(

@@ -30,9 +30,9 @@ from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.sdxl import ddpm
-from dpipe.models.sdxl.costs import counted_layer_flops, nominal_inputs
+from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, counted_layer_flops
 
 REQUIRED_PARTS = ("model_index.json", "unet", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
