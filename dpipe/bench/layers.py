@@ -119,7 +119,7 @@ def main() -> int:
         raise SystemExit("error: dpipe.bench.layers times layers on a GPU and none is visible "
                          "(--size tiny runs a CPU smoke test)")
     run = compose_run(DEFAULTS + args.overrides)
-    use_sdpa_kernels(run.model)  # as in training (dpipe/train/loop.py)
+    use_sdpa_kernels(run.model, run.pipeline.compiles)  # as in training (dpipe/train/loop.py)
     spec = build_spec(run.model)
     require_size(spec, args.size)
     spec = spec.for_benchmark(args.size)

@@ -24,7 +24,7 @@ def main() -> int:
     bench_dir = Path(sys.argv[1])
     opts = json.loads((bench_dir / "bench.json").read_text())
     run = load_run_config(bench_dir / RUN_CONFIG)
-    use_sdpa_kernels(run.model)  # the same kernels as the pipeline's run
+    use_sdpa_kernels(run.model, compiles=True)  # the same kernels as the pipeline's run
     spec = build_spec(run.model).for_benchmark(opts["size"])
     full = run.model.mode == TrainMode.full
     dtype = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32

@@ -84,7 +84,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this very path (no timings)
     if cuda:
         torch.cuda.set_device(local_rank)
-        use_sdpa_kernels(run.model)  # as in training (dpipe/train/loop.py)
+        use_sdpa_kernels(run.model, run.pipeline.compiles)  # as in training (dpipe/train/loop.py)
     init_distributed("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     spec = build_spec(run.model).for_benchmark(opts["size"])

@@ -40,12 +40,10 @@ CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 
 # The GPUs (compute capabilities) on which cuDNN's kernel has trained every tiny family's LoRA
 # to the losses of PyTorch's default kernels and sped real sizes up (docs/performance.md):
-# Hopper. Only LoRAs: compiled and with cuDNN's kernel first, the tiny FLUX full fine-tune
-# trained to NaN at its second step (H200, 2026-12-03, docs/bench-results/h200-1gpu-auto).
-# Full fine-tunes have trained to finite losses eager with either kernel and compiled with flash
-# (FLUX.1-dev); compiled with flash at the tiny size has not run yet, so compile is not cleared
-# as the cause. cuDNN's backward has read out of bounds before (below), so `auto` keeps full
-# fine-tunes on the default kernels.
+# Hopper. Only LoRAs: the tiny FLUX full fine-tune's first gradients are NaN compiled with
+# cuDNN's kernel first, where it trains to the default kernels' losses eager with cuDNN's and
+# compiled with flash (H200, 2026-12-03, docs/bench-results/h200-1gpu-auto, call 4). So it is
+# the two together; why is not known. `auto` keeps full fine-tunes on the default kernels.
 CUDNN_CHECKED = {(9, 0)}
 
 log = logging.getLogger("dpipe")
@@ -62,11 +60,12 @@ def kernel_for(kernel: AttentionKernel, capability: tuple[int, int] | None,
     return AttentionKernel.cudnn if checked else AttentionKernel.sdpa
 
 
-def use_sdpa_kernels(model: ModelConfig) -> None:
+def use_sdpa_kernels(model: ModelConfig, compiles: bool) -> None:
     """Sets SDPA's kernels for this process on a GPU (the CPU has its own kernels only); call it
-    before any layer runs or is traced. cudnn (or auto on a CUDNN_CHECKED GPU): cuDNN's kernel
-    first (`kernel_for`). Otherwise it is off: merely enabled, SDPA would still pick it where flash cannot run
-    (under a mask).
+    before any layer runs or is traced; `compiles`: whether the run's layers compile
+    (`PipelineConfig.compiles`). cudnn (or auto on a CUDNN_CHECKED GPU): cuDNN's kernel first
+    (`kernel_for`). Otherwise it is off: merely enabled, SDPA would still pick it where flash
+    cannot run (under a mask).
 
     torch.compile's FX-graph and AOTAutograd caches do not key on these flags (measured on an
     H200, docs/bench-results/h200-1gpu-profiles/sdpa_cache.py): a layer compiled under one
@@ -81,9 +80,10 @@ def use_sdpa_kernels(model: ModelConfig) -> None:
         log.info("model.attention=auto: %s for a model.mode=%s run on this GPU (%s, compute "
                  "capability %d.%d)", chosen.value, model.mode.value,
                  torch.cuda.get_device_name(), *capability)
-    elif chosen == AttentionKernel.cudnn and model.mode == TrainMode.full:
-        log.warning("model.attention=cudnn with model.mode=full: compiled, a full fine-tune has "
-                    "trained to NaN with cuDNN's kernel on an H200 (docs/performance.md); "
+    elif chosen == AttentionKernel.cudnn and model.mode == TrainMode.full and compiles:
+        log.warning("model.attention=cudnn with model.mode=full, compiled: a full fine-tune's "
+                    "gradients have been NaN from its first step so on an H200, where eager "
+                    "(pipeline.compile=false) it trained (docs/performance.md); "
                     "model.attention=auto or sdpa keeps PyTorch's default kernels")
     cudnn = chosen == AttentionKernel.cudnn
     use_compile_cache_of(cudnn)

@@ -36,7 +36,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        use_sdpa_kernels(run.model)  # before any layer runs or is traced
+        use_sdpa_kernels(run.model, run.pipeline.compiles)  # before any layer runs or is traced
     else:
         # Workers on one machine share its cores; more threads than cores makes them spin.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

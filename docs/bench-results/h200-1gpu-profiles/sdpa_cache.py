@@ -38,7 +38,8 @@ def kernels_run(order: str, via_dpipe: bool = False,
         from dpipe.config.schema import AttentionKernel, ModelConfig
         from dpipe.train.attention import use_sdpa_kernels
         use_sdpa_kernels(ModelConfig(
-            attention=AttentionKernel.cudnn if order == "cudnn" else AttentionKernel.sdpa))
+            attention=AttentionKernel.cudnn if order == "cudnn" else AttentionKernel.sdpa),
+            compiles=True)
     else:
         torch.backends.cuda.enable_cudnn_sdp(order == "cudnn")
         torch._C._set_sdp_priority_order([int(b) for b in ORDERS[order]])
