@@ -60,6 +60,12 @@ def kernel_for(kernel: AttentionKernel, capability: tuple[int, int] | None,
     return AttentionKernel.cudnn if checked else AttentionKernel.sdpa
 
 
+def risky_cudnn(chosen: AttentionKernel, mode: TrainMode, compiles: bool) -> bool:
+    """Whether a run is one that has trained to NaN on an H200: a compiled full fine-tune with
+    cuDNN's kernel first (CUDNN_CHECKED). Eager, or with flash, it trained."""
+    return chosen == AttentionKernel.cudnn and mode == TrainMode.full and compiles
+
+
 def use_sdpa_kernels(model: ModelConfig, compiles: bool) -> None:
     """Sets SDPA's kernels for this process on a GPU (the CPU has its own kernels only); call it
     before any layer runs or is traced; `compiles`: whether the run's layers compile
@@ -80,7 +86,7 @@ def use_sdpa_kernels(model: ModelConfig, compiles: bool) -> None:
         log.info("model.attention=auto: %s for a model.mode=%s run on this GPU (%s, compute "
                  "capability %d.%d)", chosen.value, model.mode.value,
                  torch.cuda.get_device_name(), *capability)
-    elif chosen == AttentionKernel.cudnn and model.mode == TrainMode.full and compiles:
+    elif risky_cudnn(chosen, model.mode, compiles):
         log.warning("model.attention=cudnn with model.mode=full, compiled: a full fine-tune's "
                     "gradients have been NaN from its first step so on an H200, where eager "
                     "(pipeline.compile=false) it trained (docs/performance.md); "

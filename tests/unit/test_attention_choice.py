@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dpipe.config.schema import AttentionKernel, ModelConfig, TrainMode
-from dpipe.train.attention import kernel_for, require_gpu_kernel
+from dpipe.train.attention import kernel_for, require_gpu_kernel, risky_cudnn
 
 
 def test_auto_is_the_default():
@@ -42,3 +42,12 @@ def test_a_named_kernel_is_kept_on_any_gpu(kernel):
 
 def test_auto_trains_on_a_machine_without_cuda():
     require_gpu_kernel(AttentionKernel.auto)  # no ConfigError: auto means sdpa there
+
+
+def test_only_a_compiled_full_fine_tune_with_cudnn_is_warned():
+    """The combination that trained to NaN on an H200 (docs/bench-results/h200-1gpu-auto): eager
+    with cuDNN's kernel, or compiled with flash, it trained."""
+    assert risky_cudnn(AttentionKernel.cudnn, TrainMode.full, compiles=True)
+    assert not risky_cudnn(AttentionKernel.cudnn, TrainMode.full, compiles=False)
+    assert not risky_cudnn(AttentionKernel.cudnn, TrainMode.lora, compiles=True)
+    assert not risky_cudnn(AttentionKernel.sdpa, TrainMode.full, compiles=True)
