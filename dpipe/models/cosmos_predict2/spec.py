@@ -41,8 +41,7 @@ from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.single_file import (
-    check_single_file, split_path)
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 

@@ -94,9 +94,11 @@ class FluxSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        # A single file has BFL's names: its fused Linears split at the model's sizes.
+        def from_file(state, model):  # a single file has BFL's names and fused Linears
+            return from_bfl(state, flux1_layout(model.config))
+
         return load_denoiser(FluxTransformer2DModel, self.path, self.single_file, dtype,
-                             convert=lambda state, model: from_bfl(state, flux1_layout(model.config)))
+                             convert=from_file)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

@@ -35,8 +35,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_or_fail, split_path)
+from dpipe.models.single_file import check_single_file, export_like_source, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
