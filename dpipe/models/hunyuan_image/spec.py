@@ -17,7 +17,6 @@ diffusers folder that gives the VAE, text encoders and configs; `hunyuan_image/o
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -174,7 +173,7 @@ class HunyuanImageSpec(ModelSpec):
         LoraBaseMixin._save_lora_weights(
             out_dir, lora_layers={"transformer": weights}, lora_metadata={"transformer": metadata},
             weight_name=LORA_FILE)
-        config = json.loads((self.path / "transformer" / "config.json").read_text())
+        config = self._config("transformer")
         save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank, config),
                   out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
         return [out_dir / LORA_FILE, out_dir / COMFYUI_LORA]
