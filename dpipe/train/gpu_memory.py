@@ -9,8 +9,6 @@ LoRA (docs/performance.md, target 3). Then the log says so.
 
 from __future__ import annotations
 
-GIB = 2**30
-
 
 def stage_peaks(stages: list[int], peaks: list[float]) -> list[float]:
     """Each stage's highest peak over its data-parallel ranks, in stage order; `stages[i]` and

@@ -19,7 +19,7 @@ from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
-from dpipe.pipeline.memory import AutoCheckpointing, budget_bytes
+from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
@@ -175,7 +175,7 @@ def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, rep
     """The audited step's worst rank and each stage's peak GPU memory, recorded by rank 0 (a
     collective: every rank calls it)."""
     cuda = device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated() / gpu_memory.GIB if cuda else 0.0
+    peak = torch.cuda.max_memory_allocated() / GiB if cuda else 0.0
     mine = torch.tensor([audit.host_syncs, audit.backward_passes, peak, stage],
                         dtype=torch.float64, device=device)
     ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -194,7 +194,7 @@ def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, rep
         log.warning("step %d made %d host syncs: each one stops the host until the GPU is idle, "
                     "and the GPU then waits for new work (docs/performance.md, 'Host syncs')",
                     step, host_syncs)
-    budget = budget_bytes(pipeline.memory_budget_gb) / gpu_memory.GIB
+    budget = budget_bytes(pipeline.memory_budget_gb) / GiB
     log.info("step %d: peak GPU memory by stage: %s GiB (budget %.1f GiB per GPU)", step,
              " / ".join(f"{p:.1f}" for p in peaks), budget)
     hint = gpu_memory.one_gpu_hint(peaks, budget)
