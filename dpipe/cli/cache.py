@@ -66,10 +66,10 @@ def build(run, gpus: int) -> None:
     if gpus > 1:
         import torch.multiprocessing as mp
 
-        from dpipe.launch.local import free_port
+        from dpipe.launch.local import hosted_store
 
-        port = free_port()
-        mp.spawn(_build_rank, args=(gpus, port, run), nprocs=gpus, join=True)
+        with hosted_store() as port:
+            mp.spawn(_build_rank, args=(gpus, port, run), nprocs=gpus, join=True)
     else:
         _build_rank(0, 1, None, run)
 
@@ -86,7 +86,9 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
     if cuda:
         torch.cuda.set_device(rank)
     if world > 1:
-        os.environ.update(LOCAL_WORLD_SIZE=str(world))
+        from dpipe.launch.local import WORKERS_USE_HOSTED_STORE
+
+        os.environ.update(WORKERS_USE_HOSTED_STORE, LOCAL_WORLD_SIZE=str(world))
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world, timeout=timedelta(hours=24),
                                 device_id=torch.device("cuda", rank) if cuda else None)

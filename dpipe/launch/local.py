@@ -22,10 +22,10 @@ import importlib
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from dpipe.config.schema import RunConfig
@@ -56,10 +56,27 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Under this variable torch's rendezvous connects every rank to a store it does not host, as under
+# torchrun, whose agent hosts it.
+WORKERS_USE_HOSTED_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@contextmanager
+def hosted_store():
+    """Yields the port of a rendezvous store that this process hosts for its workers' lifetime.
+
+    Why not pick a free port and let rank 0 bind it: between the pick and the bind another process
+    can take the port (a parallel run, or one of gloo's own connections, which draw from the same
+    ephemeral range), and rank 0 fails with EADDRINUSE. Binding port 0 here and keeping the socket
+    leaves no such window. The workers need WORKERS_USE_HOSTED_STORE in their environment.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.worker") -> int:
@@ -70,7 +87,6 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
     errors = run_dir / ERRORS_DIR
     for old in errors.glob("*.txt") if errors.exists() else []:
         old.unlink()
-    port = free_port()
     context = _fork_server()
     # Only this process holds the writing end: when it dies, even by SIGKILL, every worker reads
     # end-of-file and stops (they would otherwise train on as orphans of the fork server).
@@ -79,17 +95,19 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
     user_error = []
     previous = signal.signal(USER_ERROR_SIGNAL, lambda *_: user_error.append(True))
     try:
-        for rank in range(world_size):
-            env = dict(os.environ, DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
-                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-            proc = context.Process(target=_run_worker, name=f"dpipe-rank{rank}",
-                                   args=(module, str(run_dir), env, launcher_alive))
-            proc.start()
-            procs.append(proc)
-        launcher_alive.close()
-        code = _wait(procs, user_error)
+        with hosted_store() as port:
+            for rank in range(world_size):
+                env = dict(os.environ, **WORKERS_USE_HOSTED_STORE,
+                           DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
+                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))
+                proc = context.Process(target=_run_worker, name=f"dpipe-rank{rank}",
+                                       args=(module, str(run_dir), env, launcher_alive))
+                proc.start()
+                procs.append(proc)
+            launcher_alive.close()
+            code = _wait(procs, user_error)
     except BaseException:
         _stop(procs)
         raise
