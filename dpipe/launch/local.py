@@ -14,6 +14,9 @@ lives as long as this process: the points of a sweep reuse it. Each worker gets 
 environment of the moment; only what the preloaded libraries read when imported is fixed by the
 first run. A worker's parent is the fork server, not this process, so each worker watches a pipe
 from this process and ends itself when that closes (this process died, even by SIGKILL).
+
+The workers meet at a rendezvous store that this process hosts (`hosted_store`), as torchrun's
+agent does, rather than at one that rank 0 opens on a port picked in advance.
 """
 
 from __future__ import annotations
