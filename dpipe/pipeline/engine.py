@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,18 @@ def init_distributed(backend: str) -> None:
     # DeepSpeed JIT-compiles a shared-memory op at init (~30 s on a fresh machine) that gloo on
     # CPU does not need. `import deepspeed.comm.torch as m` returns the wrong module, hence this.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend=backend)
+    try:
+        deepspeed.init_distributed(dist_backend=backend)
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        # Only where rank 0 opens the store on a given port: SLURM's derived port, or torchrun's
+        # --master_port (dpipe's own launcher hosts the store on a port it already holds).
+        raise ConfigError(
+            f"rank 0 could not open the rendezvous port {os.environ.get('MASTER_PORT')}: another "
+            "process on this node holds it. On SLURM set DPIPE_MASTER_PORT to a free port; under "
+            "torchrun pass a free --master_port"
+        ) from None
 
 
 def _pipeline_module_class():
