@@ -5,15 +5,18 @@ optional `.alpha`; without it the scale is 1) where `<module>` is a weight of th
 (non-diffusers) checkpoint. Those checkpoints often fuse what diffusers keeps apart (HunyuanVideo:
 one `img_attn_qkv` for `to_q`, `to_k`, `to_v`). A LoRA on the parts becomes an exact LoRA on the
 fused weight: the A matrices stacked (rank n*r), the B matrices block-diagonal. The LoRA scale
-alpha/r is folded into B, so no alpha is written and every loader applies scale 1.
+alpha/r is folded into B, so no alpha is written and every loader applies scale 1; or, for families
+whose files have always kept it (`save_comfy_lora`), written as `.alpha`.
 `apply_comfy_lora` merges such a file as ComfyUI does, for tests and for merging by hand.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -45,6 +48,15 @@ def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: 
             col += r
         row += rows
     return a.contiguous(), b.contiguous()
+
+
+def fuse_lora(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRAs of Linears whose outputs are concatenated (q, k, v -> qkv) as one LoRA of the fused
+    Linear: A's stacked, B's block-diagonal, so B @ A is exactly the stacked B_i @ A_i. The rank
+    grows to the sum of ranks; callers scale alpha by the same factor to keep alpha / rank."""
+    a = torch.cat([p[0] for p in parts], dim=0)
+    b = torch.block_diag(*[p[1] for p in parts])
+    return a, b
 
 
 def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
@@ -79,6 +91,19 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
         out[f"{COMFY_PREFIX}{rename(name)}.lora_A.weight"] = a.contiguous()
         out[f"{COMFY_PREFIX}{rename(name)}.lora_B.weight"] = (b * scale).contiguous()
     return out
+
+
+def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], path: Path) -> Path:
+    """Write {ComfyUI module name: (A, B, alpha)} as a ComfyUI LoRA: keys
+    "diffusion_model.<module>.lora_A.weight" / ".lora_B.weight" / ".alpha", which ComfyUI's LoRA
+    loader maps onto its own model keys ("diffusion_model.<module>.weight") for any model."""
+    tensors = {}
+    for module, (a, b, alpha) in sorted(pairs.items()):
+        tensors[f"diffusion_model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"diffusion_model.{module}.lora_B.weight"] = b.contiguous()
+        tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha))
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
 
 
 def apply_comfy_lora(native: dict[str, torch.Tensor], lora: dict[str, torch.Tensor],

@@ -27,6 +27,8 @@ from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
@@ -42,7 +44,6 @@ _BLOCK_LINEARS = [
     r"ff_context\.linear_1", r"ff_context\.linear_2", r"ff_context\.out_projection",
     r"norm1\.linear", r"norm1_context\.linear",
 ]
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "auraflow_lora_comfyui.safetensors"
 LORA_TARGETS = r"(?:joint|single)_transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
@@ -132,18 +133,12 @@ class AuraFlowSpec(ModelSpec):
         from diffusers import AuraFlowPipeline
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
-        AuraFlowPipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank), out_dir / COMFYUI_LORA,
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(AuraFlowPipeline, weights, metadata, out_dir)
+        save_file(comfyui_lora(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
                   metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -34,6 +34,8 @@ from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
+from dpipe.models.lora_files import (
+    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
@@ -161,19 +163,13 @@ class ChromaSpec(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import ChromaPipeline
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
-        ChromaPipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(ChromaPipeline, weights, metadata, out_dir)
         from safetensors.torch import save_file
 
-        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank), out_dir / COMFYUI_LORA)
-        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
+        save_file(comfyui_lora(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA)
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -41,6 +41,8 @@ from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -251,17 +253,12 @@ class CosmosPredict2Spec(ModelSpec):
         from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin
         from safetensors.torch import save_file
 
-        # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        metadata = {"r": rank, "lora_alpha": alpha,
-                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
-        CosmosLoraLoaderMixin.save_lora_weights(out_dir, transformer_lora_layers=weights,
-                                                transformer_lora_adapter_metadata=metadata)
-        save_file(lora_to_comfyui(weights, alpha / rank), out_dir / COMFYUI_LORA,
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir)
+        save_file(lora_to_comfyui(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
                   metadata={"format": "comfyui"})
-        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
@@ -299,7 +296,7 @@ class CosmosPredict2Spec(ModelSpec):
         `load_lora_weights`: `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`."""
         transformer = self.load_denoiser(torch.float32)
         transformer.load_lora_adapter(str(lora_dir), prefix="transformer",
-                                      weight_name=weight_name or "pytorch_lora_weights.safetensors")
+                                      weight_name=weight_name or DIFFUSERS_LORA)
         return transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:

@@ -24,6 +24,8 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
@@ -40,7 +42,6 @@ _BLOCK_LINEARS = [
     r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
 ]
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 
 
 # Forward + backward time per layer relative to a single-stream block, measured on an H200 at
@@ -169,21 +170,13 @@ class FluxSpec(ModelSpec):
         from diffusers import FluxPipeline
         from safetensors.torch import save_file
 
-        # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
-        FluxPipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
-        )
-        comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank,
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(FluxPipeline, weights, metadata, out_dir)
+        comfy = comfyui_lora(weights, lora_scale(metadata),
                              flux1_layout(self._read_config("transformer")))
         save_file(comfy, out_dir / self.comfyui_lora_name, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / self.comfyui_lora_name]
+        return [diffusers_file, out_dir / self.comfyui_lora_name]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

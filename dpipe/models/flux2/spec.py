@@ -36,6 +36,8 @@ from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_enco
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
@@ -53,7 +55,6 @@ _DOUBLE_LINEARS = [
 # Single blocks fuse q, k, v and the MLP input into one Linear, and attention out + MLP out into
 # another (there `attn.to_out` is a Linear; in double blocks it is a ModuleList).
 _SINGLE_LINEARS = [r"attn\.to_qkv_mlp_proj", r"attn\.to_out"]
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "flux2_lora_comfyui.safetensors"
 LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:" + "|".join(_DOUBLE_LINEARS) + ")"
                 + r"|single_transformer_blocks\.\d+\.(?:" + "|".join(_SINGLE_LINEARS) + ")")
@@ -188,19 +189,13 @@ class Flux2Spec(ModelSpec):
         from diffusers import Flux2Pipeline
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
-        Flux2Pipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank, flux2_layout(
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(Flux2Pipeline, weights, metadata, out_dir)
+        comfy = comfyui_lora(weights, lora_scale(metadata), flux2_layout(
             read_json(self.path / "transformer" / "config.json")))
         save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -25,7 +25,8 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
-from dpipe.models.flux.spec import DIFFUSERS_LORA, REQUIRED_PARTS, FluxSpec, _image_ids, _pack
+from dpipe.models.flux.spec import REQUIRED_PARTS, FluxSpec, _image_ids, _pack
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.spec import NoisedBatch
 
 PIPELINE = "FluxKontextPipeline"

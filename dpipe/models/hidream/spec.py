@@ -35,6 +35,8 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, export_like_source, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
@@ -160,21 +162,17 @@ class HiDreamSpec(ModelSpec):
         from diffusers import HiDreamImagePipeline
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        metadata = {"r": rank, "lora_alpha": alpha,
-                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
-        HiDreamImagePipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(HiDreamImagePipeline, weights, metadata, out_dir)
         # ComfyUI (and diffusion-pipe) name HiDream LoRAs after the original model, whose module
         # names diffusers kept: `diffusion_model.<module>.lora_A/lora_B.weight`, no alpha, so the
         # scale alpha / rank is folded into lora_B.
-        scale = alpha / rank
+        scale = lora_scale(metadata)
         comfy = {f"diffusion_model.{k}": (v * scale if ".lora_B." in k else v).contiguous()
                  for k, v in weights.items()}
         save_file(comfy, out_dir / COMFYUI_FILE)
-        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_FILE]
+        return [diffusers_file, out_dir / COMFYUI_FILE]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
@@ -199,7 +197,7 @@ class HiDreamSpec(ModelSpec):
             denoiser.train(training)
 
     def load_denoiser_with_lora(self, lora_dir: Path,
-                                weight_name: str = "pytorch_lora_weights.safetensors") -> nn.Module:
+                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
         from diffusers import HiDreamImagePipeline
 

@@ -32,6 +32,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
+from dpipe.models.lora_files import DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
-LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "hunyuan_image_lora_comfyui.safetensors"
 
 # Every Linear of both kinds of blocks (attention incl. the text stream's, MLPs, AdaLN
@@ -163,20 +163,15 @@ class HunyuanImageSpec(ModelSpec):
         from diffusers.loaders.lora_base import LoraBaseMixin
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
         LoraBaseMixin._save_lora_weights(
             out_dir, lora_layers={"transformer": weights}, lora_metadata={"transformer": metadata},
-            weight_name=LORA_FILE)
+            weight_name=DIFFUSERS_LORA)
         config = self._config("transformer")
-        save_file(comfyui_lora(weights, metadata["lora_alpha"] / rank, config),
+        save_file(comfyui_lora(weights, lora_scale(metadata), config),
                   out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [out_dir / LORA_FILE, out_dir / COMFYUI_LORA]
+        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
@@ -210,7 +205,7 @@ class HunyuanImageSpec(ModelSpec):
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         transformer = self.load_denoiser(torch.float32)
-        transformer.load_lora_adapter(str(lora_dir), weight_name=LORA_FILE, prefix="transformer")
+        transformer.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
         return transformer
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:

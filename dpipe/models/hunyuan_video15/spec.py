@@ -30,12 +30,13 @@ from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_la
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "hunyuan_video15_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
 BYT5_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
@@ -183,16 +184,12 @@ class HunyuanVideo15Spec(ModelSpec):
         from diffusers import HunyuanVideoPipeline
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        metadata = {"r": rank, "lora_alpha": alpha,
-                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
-        HunyuanVideoPipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
-        comfy = to_comfyui(weights, alpha / rank, comfyui_mapping(self._transformer_config(), weights))
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir)
+        comfy = to_comfyui(weights, lora_scale(metadata), comfyui_mapping(self._transformer_config(), weights))
         save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -25,6 +25,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
 from dpipe.models.ltx2.original import from_original, original_state_dict
 from dpipe.models.attention_mask import has_padding
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
 from dpipe.models.spec import PipelineLayer
@@ -174,5 +175,5 @@ class LTX2Spec(LTXVideoSpec):
         pipe = LTX2Pipeline.from_pretrained(
             self.path, text_encoder=None, vae=None, audio_vae=None, vocoder=None, tokenizer=None,
             connectors=None, **base)
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or "pytorch_lora_weights.safetensors")
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
         return pipe.transformer

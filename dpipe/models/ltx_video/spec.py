@@ -26,12 +26,13 @@ from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_enco
 from dpipe.models.hunyuan_video.spec import as_video, frames_ok
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
 # LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps). A
@@ -238,23 +239,18 @@ class LTXVideoSpec(ModelSpec):
         return ltx_loss(outputs, labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def _lora_scale_and_metadata(self):
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        return alpha / rank, {"r": rank, "lora_alpha": alpha,
-                              "target_modules": self.cfg.lora.targets or self.lora_targets()}
-
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         import diffusers
         from safetensors.torch import save_file
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        scale, metadata = self._lora_scale_and_metadata()
-        getattr(diffusers, self.pipeline_class).save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
+                                             metadata, out_dir)
         # ComfyUI's LTX-Video model uses diffusers' module names under `diffusion_model.`.
-        save_file(renamed(weights, scale), out_dir / self.comfyui_lora, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / self.comfyui_lora]
+        save_file(renamed(weights, lora_scale(metadata)), out_dir / self.comfyui_lora,
+                  metadata={"format": "comfyui"})
+        return [diffusers_file, out_dir / self.comfyui_lora]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

@@ -1,17 +1,15 @@
 """Helpers shared by the Qwen-Image, Z-Image and Lumina 2 families.
 
 These three families are one owner's; what they share lives here rather than in each family
-folder: the grad rule for stage outputs, masks from integer lengths, LoRA export in diffusers and
-ComfyUI form, and saving tiny components in the real repos' layout.
+folder: the grad rule for stage outputs, masks from integer lengths, and saving tiny components in
+the real repos' layout.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 
 # ---- pipeline stage I/O -------------------------------------------------------------------------
@@ -49,53 +47,6 @@ def weighted_mse(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> tor
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-# ---- LoRA export --------------------------------------------------------------------------------
-def lora_metadata(cfg, default_targets) -> dict[str, Any]:
-    rank = cfg.lora.rank
-    return {
-        "r": rank,
-        "lora_alpha": cfg.lora.alpha if cfg.lora.alpha is not None else rank,
-        "target_modules": cfg.lora.targets or default_targets,
-    }
-
-
-def peft_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not."""
-    return {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-
-
-def lora_pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module name: (A, B)} from diffusers-format LoRA weights."""
-    out = {}
-    for key, a in weights.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            out[module] = (a, weights[f"{module}.lora_B.weight"])
-    return out
-
-
-def fuse_lora(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """LoRAs of Linears whose outputs are concatenated (q, k, v -> qkv) as one LoRA of the fused
-    Linear: A's stacked, B's block-diagonal, so B @ A is exactly the stacked B_i @ A_i. The rank
-    grows to the sum of ranks; callers scale alpha by the same factor to keep alpha / rank."""
-    a = torch.cat([p[0] for p in parts], dim=0)
-    b = torch.block_diag(*[p[1] for p in parts])
-    return a, b
-
-
-def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], path: Path) -> Path:
-    """Write {ComfyUI module name: (A, B, alpha)} as a ComfyUI LoRA: keys
-    "diffusion_model.<module>.lora_A.weight" / ".lora_B.weight" / ".alpha", which ComfyUI's LoRA
-    loader maps onto its own model keys ("diffusion_model.<module>.weight") for any model."""
-    tensors = {}
-    for module, (a, b, alpha) in sorted(pairs.items()):
-        tensors[f"diffusion_model.{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"diffusion_model.{module}.lora_B.weight"] = b.contiguous()
-        tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha))
-    save_file(tensors, path, metadata={"format": "pt"})
-    return path
 
 
 # ---- tiny models --------------------------------------------------------------------------------

@@ -17,13 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.models.comfyui import peft_pairs, save_comfy_lora
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
-from dpipe.models.qwen_image.shared import (
-    lora_metadata, lora_pairs, peft_to_diffusers, save_comfy_lora, weighted_mse)
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora)
+from dpipe.models.qwen_image.shared import weighted_mse
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops
@@ -40,7 +42,6 @@ _BLOCK_LINEARS = [
 ]
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFY_LORA = "comfyui_lora.safetensors"
 
 
@@ -173,11 +174,10 @@ class QwenImageSpec(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        self._pipeline().save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        diffusers_file = save_diffusers_lora(self._pipeline(), weights, metadata, out_dir)
         # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
-        pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in lora_pairs(weights).items()}
-        return [out_dir / DIFFUSERS_LORA, save_comfy_lora(pairs, out_dir / COMFY_LORA)]
+        pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
+        return [diffusers_file, save_comfy_lora(pairs, out_dir / COMFY_LORA)]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

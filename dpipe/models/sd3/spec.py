@@ -26,6 +26,8 @@ from torch import nn
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
@@ -142,22 +144,16 @@ class SD3Spec(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import StableDiffusion3Pipeline
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        metadata = {
-            "r": rank,
-            "lora_alpha": self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank,
-            "target_modules": self.cfg.lora.targets or self.lora_targets(),
-        }
-        StableDiffusion3Pipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(StableDiffusion3Pipeline, weights, metadata, out_dir)
         from safetensors.torch import save_file
 
         from dpipe.models.sd3.comfyui import comfyui_lora
 
-        written = [out_dir / "pytorch_lora_weights.safetensors"]
+        written = [diffusers_file]
         try:
-            comfy = comfyui_lora(weights, metadata["lora_alpha"] / rank,
+            comfy = comfyui_lora(weights, lora_scale(metadata),
                                  self._transformer_config()["num_layers"])
         except ValueError as err:  # custom targets without an original-layout equivalent
             log.warning("no ComfyUI LoRA file written: %s", err)

@@ -29,6 +29,7 @@ from torch import nn
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
+from dpipe.models.lora_files import lora_metadata, peft_to_diffusers, save_diffusers_lora
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
@@ -254,18 +255,16 @@ class SDXLSpec(ModelSpec):
 
         from dpipe.models.sdxl.ldm import kohya_lora
 
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        metadata = {"r": rank, "lora_alpha": alpha,
-                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
-        StableDiffusionXLPipeline.save_lora_weights(
-            out_dir, unet_lora_layers=weights, unet_lora_adapter_metadata=metadata)
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        rank, alpha = metadata["r"], metadata["lora_alpha"]
+        diffusers_file = save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata, out_dir,
+                                             component="unet")
         kohya = out_dir / KOHYA_FILE
         save_file(kohya_lora(weights, self._unet_config_dict(), alpha), kohya,
                   metadata={"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
                             "ss_network_alpha": str(alpha), "ss_base_model_version": "sdxl_base_v1-0"})
-        return [out_dir / "pytorch_lora_weights.safetensors", kohya]
+        return [diffusers_file, kohya]
 
     def _unet_config_dict(self) -> dict[str, Any]:
         if self._unet_config is None:

@@ -47,6 +47,8 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
 from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
@@ -349,17 +351,12 @@ class WanSpec(ModelSpec):
         from diffusers import WanPipeline
         from safetensors.torch import save_file
 
-        # peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not.
-        weights = {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
-        rank = self.cfg.lora.rank
-        alpha = self.cfg.lora.alpha if self.cfg.lora.alpha is not None else rank
-        metadata = {"r": rank, "lora_alpha": alpha,
-                    "target_modules": self.cfg.lora.targets or self.lora_targets()}
-        WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=weights,
-                                      transformer_lora_adapter_metadata=metadata)
-        save_file(lora_to_comfyui(weights, alpha / rank), out_dir / COMFYUI_LORA,
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        diffusers_file = save_diffusers_lora(WanPipeline, weights, metadata, out_dir)
+        save_file(lora_to_comfyui(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
                   metadata={"format": "comfyui", "expert": self.expert})
-        return [out_dir / "pytorch_lora_weights.safetensors", out_dir / COMFYUI_LORA]
+        return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from safetensors import safe_open

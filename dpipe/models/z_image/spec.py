@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.models.comfyui import fuse_lora, peft_pairs, save_comfy_lora
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.qwen_image.shared import (
-    lora_metadata, lora_pairs, peft_to_diffusers, round_up, save_comfy_lora, weighted_labels,
-    weighted_mse)
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora)
+from dpipe.models.qwen_image.shared import round_up, weighted_labels, weighted_mse
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
@@ -43,7 +44,6 @@ LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(
 # Weights that see one token per sample, and the embedder's that see the caption's (layer_costs).
 PER_SAMPLE_WEIGHTS = ("t_embedder", "adaLN_modulation")
 TEXT_WEIGHTS = ("cap_embedder",)
-DIFFUSERS_LORA = "pytorch_lora_weights.safetensors"
 COMFY_LORA = "comfyui_lora.safetensors"
 
 
@@ -164,11 +164,10 @@ class ZImageSpec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        ZImagePipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata)
+        diffusers_file = save_diffusers_lora(ZImagePipeline, weights, metadata, out_dir)
         comfy = save_comfy_lora(comfy_lora_pairs(weights, metadata["lora_alpha"]),
                                 out_dir / COMFY_LORA)
-        return [out_dir / DIFFUSERS_LORA, comfy]
+        return [diffusers_file, comfy]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
@@ -250,9 +249,7 @@ def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
     """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
-    from dpipe.models.qwen_image.shared import fuse_lora
-
-    pairs = lora_pairs(weights)
+    pairs = peft_pairs(weights)
     out = {}
     for module, (a, b) in pairs.items():
         if module.endswith((".attention.to_k", ".attention.to_v")):
