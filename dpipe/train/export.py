@@ -14,6 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from dpipe.io import atomic_write_text, replace_dir
+from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import ModelSpec, PipelineLayer
 
 
@@ -77,3 +78,17 @@ def write_sharded_diffusers_model(shards: list[Path], out_dir: Path, config_path
     atomic_write_text(out_dir / "diffusion_pytorch_model.safetensors.index.json",
                       json.dumps(index, indent=2))
     return out_dir
+
+
+def write_transformer_folder(shards: list[Path], out_dir: Path, model_path: Path,
+                             single_file: Path | None = None, to_original=None) -> Path:
+    """A full fine-tune as `out_dir / "transformer"`, a diffusers model folder with the base
+    model's config; where the base came as one file, also laid out and named as that file, so the
+    tools that loaded it load the fine-tune the same way (`to_original` maps diffusers names to
+    the file's). Returns the folder."""
+    folder = write_sharded_diffusers_model(shards, out_dir / "transformer",
+                                           model_path / "transformer" / "config.json")
+    if single_file is not None:
+        export_like_source(folder, single_file, to_original, out_dir)
+    return folder
+

@@ -36,7 +36,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
 from dpipe.models.lora_files import (
     lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
-from dpipe.models.single_file import check_single_file, export_like_source, split_path
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
@@ -172,13 +172,10 @@ class ChromaSpec(ModelSpec):
         return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            export_like_source(folder, self.single_file, original_state_dict, out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        original_state_dict)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -261,16 +261,11 @@ class CosmosPredict2Spec(ModelSpec):
         return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.cosmos_predict2.comfyui import original_state_dict
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            from dpipe.models.single_file import export_like_source
-            from dpipe.models.cosmos_predict2.comfyui import original_state_dict
-
-            export_like_source(folder, self.single_file, lambda w: original_state_dict(w, prefix=""), out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        lambda w: original_state_dict(w, prefix=""))
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -37,7 +37,7 @@ from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
-from dpipe.models.single_file import check_single_file, export_like_source, load_or_fail, split_path
+from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
@@ -175,13 +175,10 @@ class HiDreamSpec(ModelSpec):
         return [diffusers_file, out_dir / COMFYUI_FILE]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            export_like_source(folder, self.single_file, dict, out_dir)  # names as they are
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        dict)  # the file has the diffusers names
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
 from dpipe.models.lora_files import DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers
-from dpipe.models.single_file import check_single_file, export_like_source, split_path
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
 
 log = logging.getLogger(__name__)
@@ -174,15 +174,11 @@ class HunyuanImageSpec(ModelSpec):
         return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            config, form = self._config("transformer"), self._source_form()
-            export_like_source(folder, self.single_file,
-                               lambda weights: to_original(weights, config, form), out_dir)
-        return folder
+        return write_transformer_folder(
+            shards, out_dir, self.path, self.single_file,
+            lambda weights: to_original(weights, self._config("transformer"), self._source_form()))
 
     def _source_form(self) -> str:
         from safetensors import safe_open

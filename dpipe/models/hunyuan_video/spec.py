@@ -193,16 +193,11 @@ class HunyuanVideoSpec(ModelSpec):
         return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.hunyuan_video.original import original_state_dict
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            from dpipe.models.single_file import export_like_source
-            from dpipe.models.hunyuan_video.original import original_state_dict
-
-            export_like_source(folder, self.single_file, original_state_dict, out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        original_state_dict)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
-from dpipe.models.single_file import check_single_file, export_like_source, split_path
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
@@ -192,13 +192,10 @@ class HunyuanVideo15Spec(ModelSpec):
         return [diffusers_file, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            export_like_source(folder, self.single_file, original_state_dict, out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        original_state_dict)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -253,15 +253,10 @@ class LTXVideoSpec(ModelSpec):
         return [diffusers_file, out_dir / self.comfyui_lora]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            from dpipe.models.single_file import export_like_source
-
-            export_like_source(folder, self.single_file, self.single_file_names, out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        self.single_file_names)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dpipe.models.lora_files import (
     lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
-from dpipe.models.single_file import check_single_file, export_like_source, split_path
+from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,10 @@ class SD3Spec(ModelSpec):
         return [*written, out_dir / COMFYUI_LORA]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.train.export import write_transformer_folder
 
-        folder = write_sharded_diffusers_model(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named as the source
-            export_like_source(folder, self.single_file, original_state_dict, out_dir)
-        return folder
+        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
+                                        original_state_dict)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
