@@ -50,15 +50,6 @@ def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: 
     return a.contiguous(), b.contiguous()
 
 
-def fuse_lora(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """LoRAs of Linears whose outputs are concatenated (q, k, v -> qkv) as one LoRA of the fused
-    Linear: A's stacked, B's block-diagonal, so B @ A is exactly the stacked B_i @ A_i. The rank
-    grows to the sum of ranks; callers scale alpha by the same factor to keep alpha / rank."""
-    a = torch.cat([p[0] for p in parts], dim=0)
-    b = torch.block_diag(*[p[1] for p in parts])
-    return a, b
-
-
 def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
                mapping: Iterable[tuple[str, list[str], list[int]]]) -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-named ones. `mapping` lists (original module name,
@@ -99,9 +90,9 @@ def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], 
     loader maps onto its own model keys ("diffusion_model.<module>.weight") for any model."""
     tensors = {}
     for module, (a, b, alpha) in sorted(pairs.items()):
-        tensors[f"diffusion_model.{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"diffusion_model.{module}.lora_B.weight"] = b.contiguous()
-        tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha))
+        tensors[f"{COMFY_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{COMFY_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+        tensors[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
     save_file(tensors, path, metadata={"format": "pt"})
     return path
 

@@ -91,4 +91,3 @@ def write_transformer_folder(shards: list[Path], out_dir: Path, model_path: Path
     if single_file is not None:
         export_like_source(folder, single_file, to_original, out_dir)
     return folder
-

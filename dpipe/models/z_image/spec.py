@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.models.comfyui import fuse_lora, peft_pairs, save_comfy_lora
+from dpipe.models.comfyui import fused_pair, peft_pairs, save_comfy_lora
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
@@ -259,7 +259,7 @@ def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
             if any(p is None for p in parts):
                 raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
                                  "(ComfyUI's Z-Image has one fused qkv Linear)")
-            fa, fb = fuse_lora(parts)
+            fa, fb = fused_pair(parts, [p[1].shape[0] for p in parts], 1.0)
             out[f"{base}.qkv"] = (fa, fb, alpha * 3)  # alpha / rank stays as it was
         else:
             out[native_module_name(module)] = (a, b, alpha)
