@@ -165,3 +165,9 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
         raise ConfigError(
             "train.checkpoint_every_steps/minutes must be >= 0 and train.keep_checkpoints >= 1"
         )
+    if t.export_every_steps < 0:
+        raise ConfigError(f"train.export_every_steps must be >= 0 (0: export only at the end), "
+                          f"got {t.export_every_steps}")
+    if t.keep_exports < 0:
+        raise ConfigError(f"train.keep_exports must be >= 0 (0: keep every step export), "
+                          f"got {t.keep_exports}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
-from typing import Optional, get_type_hints
+from typing import Any, Optional, get_type_hints
 
 from omegaconf import MISSING
 
@@ -379,6 +379,8 @@ class TrainConfig:
     checkpoint_every_steps: int = 50  # 0 disables step-based checkpoints
     checkpoint_every_minutes: float = 0.0  # 0 disables time-based checkpoints
     keep_checkpoints: int = 2
+    export_every_steps: int = 0  # also export to <run>/lora/step_<N>/ every N steps; 0: at the end
+    keep_exports: int = 0  # how many of the newest step_<N>/ exports to keep; 0: all
     resume: bool = True  # continue from the newest complete checkpoint in the run dir
     progress_bar: bool = True
     # Processes per rank that prepare the coming steps' micro-batches (cache reads, noise,
@@ -391,6 +393,34 @@ class TrainConfig:
     audit_step: int = 2
 
 
+# The keys a `sample.prompts` item may set besides `prompt` (dpipe.sample.requests checks them).
+PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "control")
+
+
+@dataclass
+class SampleConfig:
+    """Samples made while training (through the training processes' own pipeline stages) and by
+    `dpipe-sample`. With no prompts nothing is sampled and nothing is loaded for it."""
+
+    # Each item a prompt, or a mapping with `prompt` and any of negative_prompt, seed, width,
+    # height, frames, control (an image path, for edit and image-to-video families).
+    prompts: list[Any] = field(default_factory=list)
+    every_steps: int = 0  # sample every N steps; 0: only at the end of training
+    at_start: bool = False  # also before the first step (a baseline to compare with)
+    steps: Optional[int] = None  # denoising steps; null: the family's usual number
+    guidance: Optional[float] = None  # guidance scale; null: the family's usual value
+    seed: int = 0  # the noise seed of items without their own
+    negative_prompt: str = ""  # for families with classifier-free guidance
+    # Sizes of items without their own; null: the dataset's largest resolution, square, and
+    # for video families its longest frame bucket (1 frame: an image).
+    width: Optional[int] = None
+    height: Optional[int] = None
+    frames: Optional[int] = None
+    # Also write each sample's final latents (<k>.safetensors beside <k>.png), to decode them
+    # elsewhere or compare runs exactly.
+    save_latents: bool = False
+
+
 @dataclass
 class RunConfig:
     name: str = "default"
@@ -399,3 +429,4 @@ class RunConfig:
     optim: OptimConfig = MISSING
     pipeline: PipelineConfig = MISSING
     train: TrainConfig = MISSING
+    sample: SampleConfig = field(default_factory=SampleConfig)

@@ -12,6 +12,7 @@ from dpipe.config.schema import (
     OptimConfig,
     PipelineConfig,
     RunConfig,
+    SampleConfig,
     TrainConfig,
 )
 
@@ -21,6 +22,7 @@ GROUP_SCHEMAS = {
     "optim": OptimConfig,
     "pipeline": PipelineConfig,
     "train": TrainConfig,
+    "sample": SampleConfig,
 }
 
 

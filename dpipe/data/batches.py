@@ -38,6 +38,9 @@ class DataBatch(NoisedBatch):
     crop_top_left: torch.Tensor | None = None
     # Each clip's frame rate as trained (float32, (B,)); NaN for images (the model's default).
     fps: torch.Tensor | None = None
+    # Sampling guidance-distilled models (float32, (B,)): the scale their guidance embedding
+    # takes; None in training, where `model.guidance` applies.
+    guidance: torch.Tensor | None = None
 
 
 def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:

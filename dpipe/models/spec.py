@@ -7,7 +7,8 @@ trainer then:
 2. trains: `load_denoiser`, `lora_targets`, `pipeline_layers` (an ordered list of modules that pass
    a tuple of tensors from one to the next, split across pipeline stages), `make_inputs` (the first
    layer's input tuple and the loss's label tuple for one micro-batch), `loss`;
-3. exports: `export_lora` / `export_full` in the family's public formats.
+3. exports: `export_lora` / `export_full` in the family's public formats;
+4. samples: `sampling` (its diffusers pipeline's denoising loop, `dpipe.models.sampling`).
 
 Tensor conventions: images are float tensors in [-1, 1], shape (B, 3, H, W). Cached entries are
 dicts of tensors without the batch dimension; the loader stacks them.
@@ -151,6 +152,13 @@ class ModelSpec(abc.ABC):
     @abc.abstractmethod
     def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
+
+    # ---- sampling ----------------------------------------------------------------------------
+    def sampling(self):
+        """The family's `dpipe.models.sampling.FamilySampling`: how its diffusers pipeline
+        samples, step by step, through the pipeline layers."""
+        raise ConfigError(f"model.family={self.family} cannot sample yet: leave sample.prompts "
+                          "empty")
 
     # ---- benchmarks (dpipe-bench, dpipe.bench.layers: random weights, no download) ------------
     # The denoiser's diffusers configs by size name: published ones, and "tiny" (the test

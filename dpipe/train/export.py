@@ -7,6 +7,7 @@ then hands the shards to the model spec. No rank ever holds the whole model for 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,13 +19,26 @@ from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import ModelSpec, PipelineLayer
 
 
+STEP_PREFIX = "step_"
+
+
 def export(
     local_layers: list[PipelineLayer], spec: ModelSpec, lora: bool, run_dir: Path,
-    stage: int, stages: int, dp_rank: int,
+    stage: int, stages: int, dp_rank: int, step: int | None = None, keep: int = 0,
 ) -> Path | None:
-    """Collective: every rank calls it. Returns the export folder on rank 0."""
-    out_dir = run_dir / ("lora" if lora else "model")
-    tmp = run_dir / f".{out_dir.name}.partial"
+    """Collective: every rank calls it. Returns the export folder on rank 0.
+
+    `step=None`: the final export, `<run>/lora/` (`<run>/model/` for a full fine-tune); the
+    `step_<N>/` exports inside it carry over. `step=N`: an intermediate export to
+    `<run>/lora/step_<N>/`, after which only the newest `keep` of those stay (0: all). Either
+    is written whole beside its place, then renamed into it; a re-run step rewrites its folder.
+    """
+    top = run_dir / ("lora" if lora else "model")
+    out_dir = top if step is None else top / f"{STEP_PREFIX}{step}"
+    # Temporary folders beside `top`, named for the destination: a step export's never meets
+    # the final export's, and no half-written one ever looks like a step export.
+    name = top.name if step is None else f"{top.name}.{out_dir.name}"
+    tmp = run_dir / f".{name}.partial"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -36,7 +50,7 @@ def export(
         dist.barrier()
         return None
     shards = [tmp / f"stage-{s:03d}.safetensors" for s in range(stages)]
-    final_tmp = run_dir / f".{out_dir.name}.new"
+    final_tmp = run_dir / f".{name}.new"
     shutil.rmtree(final_tmp, ignore_errors=True)
     final_tmp.mkdir()
     if lora:
@@ -47,9 +61,43 @@ def export(
     else:
         spec.export_full(shards, final_tmp)
     shutil.rmtree(tmp)
+    if step is None:
+        _carry_step_exports(top, final_tmp)
+    else:
+        top.mkdir(parents=True, exist_ok=True)
     replace_dir(final_tmp, out_dir)
+    if step is not None:
+        prune_step_exports(top, keep)
     dist.barrier()
     return out_dir
+
+
+def step_exports(top: Path) -> list[Path]:
+    """The `step_<N>/` exports in `top` (`<run>/lora` or `<run>/model`), oldest first."""
+    if not top.is_dir():
+        return []
+    found = [p for p in top.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
+             and p.name[len(STEP_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+
+
+def prune_step_exports(top: Path, keep: int) -> None:
+    """Keeps the newest `keep` step exports in `top` (0: all)."""
+    if keep > 0:
+        for old in step_exports(top)[:-keep]:
+            shutil.rmtree(old)
+
+
+def _carry_step_exports(top: Path, new_top: Path) -> None:
+    """Puts `top`'s step exports into the final export about to replace it, as hard links
+    (their files are never written again in place), copies where the file system has none.
+    The old `top` stays whole until the rename, so a kill at any point loses none of them."""
+    for folder in step_exports(top):
+        try:
+            shutil.copytree(folder, new_top / folder.name, copy_function=os.link)
+        except OSError:
+            shutil.rmtree(new_top / folder.name, ignore_errors=True)
+            shutil.copytree(folder, new_top / folder.name)
 
 
 def write_stage_shard(local_layers: list[PipelineLayer], lora: bool, path: Path) -> None:

@@ -141,6 +141,10 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         if due:
             checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
             last_save_time, last_saved = time.monotonic(), step
+        if _step_export_due(run, step):
+            # Synchronous, like a checkpoint: training waits for the write, and no longer.
+            export([f for f in engine.module.forward_funcs], spec, lora, run_dir, built.stage,
+                   run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
         if preemption.stop_agreed() and step < run.train.max_steps:
             loader.close()
             preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
@@ -213,6 +217,13 @@ def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float
         time.monotonic() - last_time >= 60 * t.checkpoint_every_minutes)
     by_time, stop = preemption.agree(time_due, bool(t.checkpoint_every_minutes))
     return bool(by_steps or by_time or stop)
+
+
+def _step_export_due(run: RunConfig, step: int) -> bool:
+    """An intermediate export (`<run>/lora/step_<N>/`) at this step; the last step has the final
+    export. Every rank computes the same answer (the export is collective)."""
+    every = run.train.export_every_steps
+    return bool(every) and step % every == 0 and step < run.train.max_steps
 
 
 def _summary(run, built, plan, num_layers, world, resumed) -> None:

@@ -151,7 +151,9 @@ class FluxSpec(ModelSpec):
         text = batch.text["t5"]
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
         img_ids = _image_ids(h // 2, w // 2)
-        guidance = torch.full((b,), float(self.cfg.guidance))
+        guidance = getattr(batch, "guidance", None)  # set when sampling
+        if guidance is None:
+            guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         if weight is None:
@@ -211,6 +213,11 @@ class FluxSpec(ModelSpec):
         from diffusers import FluxTransformer2DModel
 
         return FluxTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.flux.sampling import FluxSampling
+
+        return FluxSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

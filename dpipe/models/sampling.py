@@ -1,0 +1,214 @@
+"""How a family samples: its diffusers pipeline's denoising loop, one step at a time.
+
+A family's `ModelSpec.sampling()` returns a `FamilySampling`. dpipe's sampler (`dpipe.sample`)
+drives it: it builds each step's denoiser inputs with the family's own `make_inputs` (the tuple
+the pipeline layers take in training), runs them forward through the pipeline stages, and hands
+the last layer's output back here to become the next latents. Everything else that decides the
+picture lives here and follows the family's diffusers pipeline: the latent shape and how the
+noise is drawn from the seed, the scheduler and its timesteps, guidance, and the VAE decode. So
+dpipe's sample equals what that pipeline makes from the same weights, prompt, seed and steps;
+`diffusers_sample` runs that pipeline for the comparison (tests, benchmarks).
+
+The defaults are those of a flow-matching family with a KL image VAE and classifier-free
+guidance; families override what differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from dpipe.models.diffusers_folder import read_json
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample to make: an item of `sample.prompts` with the defaults filled in."""
+
+    index: int  # position in sample.prompts: names the file (<index>.png)
+    prompt: str
+    negative_prompt: str
+    seed: int
+    width: int
+    height: int
+    frames: int = 1
+    control: str | None = None  # an image path (edit and image-to-video families)
+
+    @property
+    def label(self) -> str:
+        return f"{self.prompt} (seed {self.seed}, {self.width}x{self.height}" + (
+            f"x{self.frames})" if self.frames > 1 else ")")
+
+
+@dataclass
+class Denoising:
+    """One request while it is denoised."""
+
+    request: SampleRequest
+    latents: torch.Tensor  # the current x_t, (1, C, h, w) or (1, C, F, h, w), float32
+    scheduler: Any  # the family's diffusers scheduler, its timesteps set
+    timesteps: torch.Tensor
+    text: dict[str, torch.Tensor]  # cached embeddings of the prompt, batch of 1
+    uncond: dict[str, torch.Tensor] | None  # of the negative prompt, with classifier-free guidance
+    guidance: float
+    control: torch.Tensor | None = None  # latents of the control image, batch of 1
+    state: dict[str, Any] = field(default_factory=dict)  # what a family keeps between steps
+
+
+class FamilySampling:
+    """A family's sampling recipe; `spec` is its ModelSpec."""
+
+    default_steps: ClassVar[int] = 28
+    default_guidance: ClassVar[float] = 3.5
+    # "cfg": classifier-free guidance, a second prediction from the negative prompt where the
+    # scale exceeds 1; "embedded": a guidance-distilled model takes the scale as an input.
+    guidance_kind: ClassVar[str] = "cfg"
+    scheduler_class: ClassVar[str] = "FlowMatchEulerDiscreteScheduler"
+    # Video families: frames must be `frame_step` * k + 1; `fps` of the written clips.
+    video: ClassVar[bool] = False
+    frame_step: ClassVar[int] = 4
+    fps: ClassVar[float] = 24.0
+    # Families that need a control image for every sample (edits, image-to-video).
+    needs_control: ClassVar[bool] = False
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.path = spec.path
+
+    # ---- the request ------------------------------------------------------------------------
+    def check(self, request: SampleRequest) -> str | None:
+        """What is wrong with the request for this family, or None. Sizes are checked by the
+        caller against `spec.pixel_multiple`."""
+        if self.video and (request.frames - 1) % self.frame_step:
+            return (f"frames={request.frames}: {self.spec.family} makes clips of "
+                    f"{self.frame_step}k+1 frames (1, {self.frame_step + 1}, "
+                    f"{2 * self.frame_step + 1}, ...)")
+        if not self.video and request.frames != 1:
+            return f"frames={request.frames}: {self.spec.family} makes images (frames=1)"
+        if self.needs_control and request.control is None:
+            return f"{self.spec.family} samples from a control image: give the item a `control`"
+        return None
+
+    def uses_uncond(self, guidance: float) -> bool:
+        return self.guidance_kind == "cfg" and guidance > 1.0
+
+    # ---- latents -----------------------------------------------------------------------------
+    def vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        """(C, h, w) of a KL image VAE's latents; video families add frames."""
+        vae = self.vae_config()
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        return (vae["latent_channels"], request.height // factor, request.width // factor)
+
+    def initial_latents(self, request: SampleRequest) -> torch.Tensor:
+        """The starting noise, drawn from the seed as the family's pipeline draws it (a CPU
+        generator, float32, in the pipeline's shape before any packing)."""
+        generator = torch.Generator().manual_seed(request.seed)
+        return torch.randn((1, *self.latent_shape(request)), generator=generator)
+
+    # ---- the schedule ------------------------------------------------------------------------
+    def new_scheduler(self):
+        import diffusers
+
+        cls = getattr(diffusers, self.scheduler_class)
+        return cls.from_pretrained(self.path, subfolder="scheduler")
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's timesteps for `steps` steps. Default: sigmas from 1 to 1/steps, shifted
+        by the scheduler's config (with its resolution-dependent shift where it has one)."""
+        import numpy as np
+
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting"):
+            kwargs["mu"] = self.shift_mu(scheduler, latents)
+        scheduler.set_timesteps(sigmas=sigmas, device=latents.device, **kwargs)
+        return scheduler.timesteps
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        """Tokens of the image in the denoiser (for resolution-dependent shifts): 2x2 patches."""
+        return math.prod(latents.shape[-2:]) // 4
+
+    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
+        """diffusers' `calculate_shift`: mu linear in the image's token count."""
+        c = scheduler.config
+        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+        base, top = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+        m = (top - base) / (max_len - base_len)
+        return self.image_tokens(latents) * m + base - m * base_len
+
+    def start(self, request: SampleRequest, steps: int, guidance: float,
+              text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None,
+              control: torch.Tensor | None, device: torch.device) -> Denoising:
+        latents = self.initial_latents(request).to(device)
+        scheduler = self.new_scheduler()
+        timesteps = self.set_timesteps(scheduler, steps, latents)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return Denoising(request, latents, scheduler, timesteps, text,
+                         uncond if self.uses_uncond(guidance) else None, guidance, control)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def model_time(self, t: torch.Tensor) -> torch.Tensor:
+        """The scheduler's timestep -> the t in [0, 1] that `make_inputs` takes (t / 1000, as the
+        flow-matching pipelines pass it)."""
+        return t.reshape(1).float() / 1000
+
+    def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
+        """The DataBatch that `make_inputs` turns into the first layer's inputs at timestep t."""
+        from dpipe.data.batches import DataBatch
+
+        x = d.latents
+        r = d.request
+        return DataBatch(
+            latents=x, noise=torch.zeros_like(x), timesteps=self.model_time(t).to(x.device),
+            noisy=x, target=x, text=text, control=d.control,
+            original_size=torch.tensor([[r.height, r.width]]),
+            crop_top_left=torch.tensor([[0, 0]]),
+            fps=torch.tensor([self.fps]) if self.video and r.frames > 1 else None,
+            guidance=torch.full((1,), float(d.guidance)) if self.guidance_kind == "embedded"
+            else None)
+
+    def inputs(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]) -> tuple:
+        inputs, _labels = self.spec.make_inputs(self.batch(d, t, text))
+        return inputs
+
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        """The last layer's output -> the prediction in the latents' layout. Default: the
+        output already is."""
+        return output.reshape(d.latents.shape).float()
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
+        return uncond + d.guidance * (cond - uncond)
+
+    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
+        d.latents = d.scheduler.step(prediction, t, d.latents, return_dict=False)[0]
+
+    # ---- decoding ----------------------------------------------------------------------------
+    def load_vae(self, device: torch.device, dtype: torch.dtype):
+        """The VAE alone (no text encoder), frozen."""
+        import diffusers
+
+        cls_name = read_json(self.path / "model_index.json")["vae"][1]
+        vae = getattr(diffusers, cls_name).from_pretrained(self.path, subfolder="vae", dtype=dtype)
+        return vae.to(device).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents (1, ...) -> pixels in [-1, 1]: (3, H, W), or (3, F, H, W) for video."""
+        c = vae.config
+        x = latents.to(vae.device, vae.dtype) / c.scaling_factor + (c.shift_factor or 0.0)
+        return vae.decode(x, return_dict=False)[0][0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        """The family's diffusers pipeline, loaded from the model folder with `denoiser` as its
+        transformer, run with the request's prompt, seed and size: its final latents in the
+        layout of `Denoising.latents` (before decoding)."""
+        raise NotImplementedError(f"{self.spec.family}: no diffusers reference sampler")
