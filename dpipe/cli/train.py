@@ -30,6 +30,7 @@ from dpipe.io import atomic_write_text
 from dpipe.launch.local import ERRORS_DIR, launch_workers, world_size_for
 from dpipe.launch.run_rank import run_rank, save_run_config
 from dpipe.launch.sweep import register_launchers
+from dpipe.sample.requests import sample_requests
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 log = logging.getLogger("dpipe")
@@ -54,7 +55,9 @@ def train_task(cfg: DictConfig) -> int:
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
             checkpoint.check_resume(run_dir, run_yaml(run))
-        build_spec(run.model).ensure_available()  # a bad model path fails before any worker starts
+        spec = build_spec(run.model)
+        spec.ensure_available()  # a bad model path fails before any worker starts
+        sample_requests(run.sample, spec, run.dataset)  # so does a bad sample.prompts item
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world)

@@ -62,6 +62,8 @@ class CachedDataset:
         self.store = store
         self.rank = rank
         self.log = log
+        # Per sample request: (prompt, negative prompt, control latents or None) cache keys.
+        self.request_keys: list[tuple[str, str, str | None]] = []
 
     def get(self, key: str, sample: Sample) -> dict[str, torch.Tensor]:
         tensors = self.store.get(key)

@@ -28,7 +28,7 @@ from dpipe.data.encode import LatentJob, MaskJob, TextJob, default_workers, run_
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport
-from dpipe.data.sources import crop_top_left, list_files
+from dpipe.data.sources import crop_top_left, file_fingerprint, list_files
 from dpipe.data.synthetic import generate_shapes
 from dpipe.errors import DataError, UserError
 from dpipe.models.spec import ModelSpec
@@ -75,19 +75,25 @@ class _Work:
     keys: set[str] = field(default_factory=set)  # every entry the datasets use
     history: tuple = (None, {})
     reads: int = 0
+    # Per sample request (dpipe.sample): the cache keys of its prompt's and negative prompt's
+    # embeddings and of its control image's latents (None without one).
+    request_keys: list[tuple[str, str, str | None]] = field(default_factory=list)
 
 
 def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: torch.dtype,
             layout: Layout | None = None, run_dir: Path | None = None,
-            make_plan: bool = True) -> CachedDataset:
+            make_plan: bool = True, sample_requests: list | None = None) -> CachedDataset:
     """The cached dataset, with `.plan` (training batches; None without `make_plan`), `.evals`
-    (name -> manifest), `.reports` and `.stats`. The same on every rank."""
+    (name -> manifest), `.reports`, `.stats` and `.request_keys` (the cache keys of each of
+    `sample_requests`: its prompts are encoded once, with the captions). The same on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     layout = layout or Layout()
     store = TensorStore(Path(cfg.cache_dir).expanduser())
     data_dir = Path(run_dir) / DATA_DIR if run_dir is not None else None
 
-    work = _broadcast(lambda: _plan_work(spec, cfg, dtype, store, data_dir) if rank == 0 else None)
+    work = _broadcast(lambda: _plan_work(spec, cfg, dtype, store, data_dir,
+                                         sample_requests=sample_requests or [])
+                      if rank == 0 else None)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     workers = cfg.cache_workers if cfg.cache_workers is not None else default_workers(local_world)
     failures, counts = run_jobs(spec, store, work.jobs[rank::world], work.texts[rank::world],
@@ -115,6 +121,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
         manifests[s.name], reports[s.name] = manifest, report
 
     dataset = CachedDataset(store, rank)
+    dataset.request_keys = work.request_keys
     dataset.evals = {k[len("eval "):]: m for k, m in manifests.items() if k != "train"}
     dataset.reports = reports
     dataset.stats = {"files_read": work.reads, **counts, "failed": len(failures),
@@ -174,7 +181,8 @@ def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bo
 
 
 def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: TensorStore,
-               data_dir: Path | None, keep_keys: bool = False) -> _Work:
+               data_dir: Path | None, keep_keys: bool = False,
+               sample_requests: list | None = None) -> _Work:
     if cfg.kind == DatasetKind.synthetic:
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
@@ -250,6 +258,26 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
+    for request in sample_requests or []:
+        control = None
+        if request.control is not None:
+            sha = file_fingerprint(Path(request.control))
+            w, h = request.width, request.height
+            control = latent_key.fields(sha, "image", None, w, h, 1, 0)
+            jobs.setdefault(control, LatentJob(control, request.control, "image", w, h,
+                                               role="control"))
+        keys = []
+        for caption in (request.prompt, request.negative_prompt):
+            if sees_control and request.control is not None:
+                k = seen_key.fields(sha, w, h, caption)
+                texts.setdefault(k, TextJob(k, caption, request.control, w, h))
+            else:
+                k = caption_keys.get(caption)
+                if k is None:
+                    k = caption_keys[caption] = text_key.fields(caption)
+                    texts[k] = TextJob(k, caption)
+            keys.append(k)
+        work.request_keys.append((keys[0], keys[1], control))
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)
     if keep_keys:  # not in training: rank 0 would send them all to every rank for nothing

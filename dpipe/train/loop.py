@@ -20,6 +20,8 @@ from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
+from dpipe.sample.requests import sample_requests
+from dpipe.sample.training import TrainingSamples
 from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
@@ -54,8 +56,11 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     dist.barrier()
     spec.ensure_available()
 
-    dataset = prepare.prepare(spec, run.dataset, device, torch.bfloat16 if bf16 and cuda else torch.float32,
-                              prepare.Layout.of(run, data_parallel), run_dir)
+    cache_dtype = torch.bfloat16 if bf16 and cuda else torch.float32
+    requests = sample_requests(run.sample, spec, run.dataset)  # their prompts are cached too
+    dataset = prepare.prepare(spec, run.dataset, device, cache_dtype,
+                              prepare.Layout.of(run, data_parallel), run_dir,
+                              sample_requests=requests)
     plan = dataset.plan
 
     denoiser = load_denoiser(spec, run)
@@ -90,6 +95,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
                           dp_rank, run.train.seed, run_dir)
     evaluator.maybe_run(engine, step, reporter)
+    samples = TrainingSamples(spec, run, requests, run_dir, dataset, engine, device, cache_dtype)
+    if samples.missing(step):  # sample.at_start, or a round that a killed run did not finish
+        samples.run(step, getattr(reporter, "writer", None))
 
     def make_step(at: int, records: list | None):
         return step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, at,
@@ -145,12 +153,17 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             # Synchronous, like a checkpoint: training waits for the write, and no longer.
             export([f for f in engine.module.forward_funcs], spec, lora, run_dir, built.stage,
                    run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
+        if step < run.train.max_steps and samples.due(step):  # the last step's: after its checkpoint
+            with _not_training(reporter, cuda) if reporter else contextlib.nullcontext():
+                samples.run(step, reporter.writer if reporter else None)
         if preemption.stop_agreed() and step < run.train.max_steps:
             loader.close()
             preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
     loader.close()
     if step != last_saved:
         checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
+    if samples.missing(step):  # the final round (a finished run that is run again has it)
+        samples.run(step, getattr(reporter, "writer", None))
     if reporter is not None:
         reporter.close()
 

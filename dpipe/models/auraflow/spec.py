@@ -164,3 +164,8 @@ class AuraFlowSpec(ModelSpec):
         from diffusers import AuraFlowTransformer2DModel
 
         return AuraFlowTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.auraflow.sampling import AuraFlowSampling
+
+        return AuraFlowSampling(self)

@@ -169,7 +169,9 @@ class Flux2Spec(ModelSpec):
                                                w=control.shape[-1])], dim=0)
         txt_ids = torch.zeros(text.shape[1], 4, dtype=torch.long)
         txt_ids[:, 3] = torch.arange(text.shape[1])
-        guidance = torch.full((b,), float(self.cfg.guidance))
+        guidance = getattr(batch, "guidance", None)  # set when sampling
+        if guidance is None:
+            guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, guidance, txt_ids, img_ids)
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         if weight is None:
@@ -227,6 +229,11 @@ class Flux2Spec(ModelSpec):
         from diffusers import Flux2Transformer2DModel
 
         return Flux2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.flux2.sampling import Flux2Sampling
+
+        return Flux2Sampling(self)
 
 
 def _from_bfl(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

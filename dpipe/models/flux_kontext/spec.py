@@ -81,3 +81,8 @@ class FluxKontextSpec(FluxSpec):
             tokenizer_2=None, transformer=self.load_denoiser(torch.float32))
         pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
+
+    def sampling(self):
+        from dpipe.models.flux_kontext.sampling import FluxKontextSampling
+
+        return FluxKontextSampling(self)

@@ -208,6 +208,12 @@ class HiDreamSpec(ModelSpec):
 
         return HiDreamImageTransformer2DModel.from_pretrained(export_dir / "transformer")
 
+    # ---- sampling ----------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.hidream.sampling import HiDreamSampling
+
+        return HiDreamSampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
     plain_loop_unfit = ("HiDream's diffusers forward returns images only outside training mode, "

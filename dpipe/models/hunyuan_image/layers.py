@@ -63,12 +63,14 @@ class HunyuanImageEmbed(PipelineLayer):
         self.meanflow = bool(transformer.config.use_meanflow)
 
     def forward(self, inputs):
-        latents, timestep, text, mask, glyph, glyph_mask, guidance, joint_mask = inputs
+        latents, timestep, text, mask, glyph, glyph_mask, guidance, joint_mask = inputs[:8]
         h, w = latents.shape[-2:]
-        # Meanflow (distilled) models take the interval [r, t]; r = t is the plain flow velocity.
+        # Meanflow (distilled) models take the interval [r, t]; r = t is the plain flow velocity
+        # (training). Sampling passes the pipeline's r (the next timestep) as a ninth input.
+        timestep_r = inputs[8] if len(inputs) > 8 else timestep
         temb = self.time_guidance_embed(
             timestep, guidance=guidance if self.guidance else None,
-            timestep_r=timestep if self.meanflow else None)
+            timestep_r=timestep_r if self.meanflow else None)
         hidden = self.x_embedder(latents)
         text_hidden = self.context_embedder(text, timestep, padding_mask(mask))
         if self.context_embedder_2 is not None:

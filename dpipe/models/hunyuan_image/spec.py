@@ -137,7 +137,11 @@ class HunyuanImageSpec(ModelSpec):
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
-        guidance = torch.full((b,), float(self.cfg.guidance) * 1000.0)
+        guidance = getattr(batch, "guidance", None)  # set when sampling a distilled model
+        if guidance is None:
+            guidance = torch.full((b,), float(self.cfg.guidance) * 1000.0)
+        else:  # the scale times 1000, as HunyuanImagePipeline passes it
+            guidance = guidance.float() * 1000.0
         # Each text stream cut after its longest prompt (no glyph stream without quoted text), and
         # the joint text's mask, on the CPU (dpipe.models.attention_mask): at one prompt per
         # micro-batch nothing is left to mask.
@@ -189,7 +193,8 @@ class HunyuanImageSpec(ModelSpec):
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        latents, timestep, text, mask, glyph, glyph_mask, guidance, _joint = inputs
+        latents, timestep, text, mask, glyph, glyph_mask, guidance, _joint = inputs[:8]
+        timestep_r = inputs[8] if len(inputs) > 8 else timestep  # sampling's meanflow interval
         # diffusers takes masks of the texts' lengths.
         mask, glyph_mask = real_tokens(mask, text).long(), real_tokens(glyph_mask, glyph).long()
         c = denoiser.config
@@ -197,7 +202,7 @@ class HunyuanImageSpec(ModelSpec):
             latents, timestep, encoder_hidden_states=text, encoder_attention_mask=mask,
             encoder_hidden_states_2=glyph, encoder_attention_mask_2=glyph_mask,
             guidance=guidance if c.guidance_embeds else None,
-            timestep_r=timestep if c.use_meanflow else None, return_dict=False)[0]
+            timestep_r=timestep_r if c.use_meanflow else None, return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         transformer = self.load_denoiser(torch.float32)
@@ -208,3 +213,8 @@ class HunyuanImageSpec(ModelSpec):
         from diffusers import HunyuanImageTransformer2DModel
 
         return HunyuanImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.hunyuan_image.sampling import HunyuanImageSampling
+
+        return HunyuanImageSampling(self)

@@ -170,7 +170,9 @@ class HunyuanVideoSpec(ModelSpec):
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
-        guidance = torch.full((b,), float(self.cfg.guidance))
+        guidance = getattr(batch, "guidance", None)  # set when sampling
+        if guidance is None:
+            guidance = torch.full((b,), float(self.cfg.guidance))
         # Text padding is cut away (dpipe.models.attention_mask): at one clip per micro-batch
         # attention then runs unmasked, on SDPA's flash kernel.
         text, text_mask = trim_text_padding(batch.text["llama"], batch.text["mask"].long())
@@ -224,6 +226,11 @@ class HunyuanVideoSpec(ModelSpec):
         from diffusers import HunyuanVideoTransformer3DModel
 
         return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.hunyuan_video.sampling import HunyuanVideoSampling
+
+        return HunyuanVideoSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

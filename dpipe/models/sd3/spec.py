@@ -187,3 +187,8 @@ class SD3Spec(ModelSpec):
         from diffusers import SD3Transformer2DModel
 
         return SD3Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.sd3.sampling import SD3Sampling
+
+        return SD3Sampling(self)

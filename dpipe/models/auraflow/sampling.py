@@ -1,0 +1,39 @@
+"""AuraFlow samples as `AuraFlowPipeline` does: noise in (C, h, w), the scheduler's own timesteps
+for `num_inference_steps` (`set_timesteps(steps)`, no custom sigmas, the config's static shift
+1.73), the transformer given t / 1000 (it scales by 1000 itself), classifier-free guidance with
+the negative prompt (3.5 and 50 steps by default), and the SDXL VAE's latents divided by its
+scaling factor before decoding (no shift). The transformer takes and returns (B, C, h, w)."""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.sampling import FamilySampling, SampleRequest
+
+
+class AuraFlowSampling(FamilySampling):
+    default_steps = 50
+    default_guidance = 3.5
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        # The pipeline passes num_inference_steps alone (no sigmas, no mu).
+        scheduler.set_timesteps(steps, device=latents.device)
+        return scheduler.timesteps
+
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import AuraFlowPipeline
+
+        pipe = AuraFlowPipeline.from_pretrained(self.path, transformer=denoiser,
+                                                dtype=torch.float32)
+        return pipe(request.prompt, negative_prompt=request.negative_prompt,
+                    height=request.height, width=request.width, num_inference_steps=steps,
+                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
+                    generator=torch.Generator().manual_seed(request.seed),
+                    output_type="latent").images
+
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        # AuraFlowPipeline divides by the scaling factor alone (its VAE has no shift).
+        x = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
+        return vae.decode(x, return_dict=False)[0][0].float()

@@ -1,0 +1,149 @@
+"""Qwen-Image and Qwen-Image-Edit sample as `QwenImagePipeline` / `QwenImageEditPipeline` do.
+
+Both pipelines: noise in (1, 1, C, h, w) from the seed (the same numbers as dpipe's (1, C, h, w)),
+packed in 2x2 patches; sigmas 1 -> 1/steps with the resolution-dependent (exponential) shift `mu`
+from the packed token count; the transformer gets t / 1000; the flow-matching Euler step.
+
+Guidance is "true CFG" (`true_cfg_scale`, 4.0 by default), and the pipelines only run it when a
+negative prompt is given AND the scale exceeds 1; without a negative prompt they make one
+prediction whatever the scale. dpipe mirrors that: an empty `negative_prompt` (the config's
+default) is no negative prompt, so by default no CFG runs, as with the pipeline's defaults; any
+non-empty negative prompt (the model card uses " ") turns it on at 4.0. The combination is
+rescaled to the norm of the conditional prediction over each packed token's channels
+(`noise_pred = comb * |cond| / |comb|`, the norm over the last dim of the (B, N, 4C) packing),
+as the pipelines do it.
+
+Decoding un-normalises with the VAE's latents_mean / latents_std and decodes one frame of the
+Wan-style video VAE.
+
+Qwen-Image-Edit additionally appends the reference image's packed latents to the image tokens (the
+family's `make_inputs` does it from `d.control`) and reads the prediction from the target tokens
+only (the last layer already cuts them). Its text comes from `encode_prompts_with_controls`: the
+VL encoder sees the control image resized to ~1024x1024 pixels (`calculate_dimensions`), as the
+pipeline's `prompt_image`. One difference from the pipeline that is kept on purpose: the pipeline
+also VAE-encodes the reference at that ~1 MP size, whatever the output size, while dpipe encodes
+it at the request's size, as its training cache encodes control images (at the target's size).
+The two agree when the request's size is the pipeline's own size for its aspect ratio
+(`calculate_dimensions(1024 * 1024, width / height)`, e.g. 1024x1024 or 1184x896): then dpipe's
+sample equals the pipeline's; at other sizes the reference tokens (and their RoPE grid) differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): the pipelines' `_pack_latents`."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B, h/2 * w/2, 4C) -> (B, C, h, w) shaped as `like`: the pipelines' `_unpack_latents`
+    (without their frame axis)."""
+    b, c, h, w = like.shape
+    x = packed.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, h, w)
+
+
+class QwenImageSampling(FamilySampling):
+    default_steps = 50  # num_inference_steps
+    default_guidance = 4.0  # true_cfg_scale; on only with a negative prompt (see the module doc)
+    guidance_kind = "cfg"
+
+    def pipeline_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.spec.pipeline_class)
+
+    # ---- guidance: the pipeline's rule -----------------------------------------------------------
+    @staticmethod
+    def has_negative_prompt(request: SampleRequest) -> bool:
+        """The pipeline's `has_neg_prompt`: dpipe's empty default stands for none given."""
+        return request.negative_prompt != ""
+
+    def start(self, request: SampleRequest, steps: int, guidance: float,
+              text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None,
+              control: torch.Tensor | None, device: torch.device) -> Denoising:
+        d = super().start(request, steps, guidance, text, uncond, control, device)
+        if not self.has_negative_prompt(request):  # do_true_cfg = scale > 1 and has_neg_prompt
+            d.uncond = None
+        return d
+
+    def negative_prompt(self, request: SampleRequest) -> str | None:
+        return request.negative_prompt if self.has_negative_prompt(request) else None
+
+    # ---- latents -----------------------------------------------------------------------------
+    def vae_factor(self) -> int:
+        return 2 ** len(self.vae_config()["temperal_downsample"])
+
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        """(z_dim, h, w), h and w even (`prepare_latents`); the pipeline's extra frame axis of
+        size 1 changes no value drawn."""
+        f = self.vae_factor()
+        return (self.vae_config()["z_dim"], 2 * (request.height // (f * 2)),
+                2 * (request.width // (f * 2)))
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        return unpack(output.float(), d.latents)
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
+        cond, uncond = pack(cond), pack(uncond)
+        comb = uncond + d.guidance * (cond - uncond)
+        cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+        noise_norm = torch.norm(comb, dim=-1, keepdim=True)
+        return unpack(comb * (cond_norm / noise_norm), d.latents)
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        c = vae.config
+        x = latents.to(vae.device, vae.dtype)[:, :, None]
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        x = x / inv_std + mean
+        return vae.decode(x, return_dict=False)[0][0, :, 0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def load_pipeline(self, denoiser):
+        return self.pipeline_class().from_pretrained(self.path, transformer=denoiser,
+                                                     dtype=torch.float32)
+
+    def pipeline_kwargs(self, request: SampleRequest) -> dict:
+        return {"max_sequence_length": self.spec.cfg.max_text_tokens}
+
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        pipe = self.load_pipeline(denoiser)
+        packed = pipe(prompt=request.prompt, negative_prompt=self.negative_prompt(request),
+                      true_cfg_scale=guidance, height=request.height, width=request.width,
+                      num_inference_steps=steps,
+                      generator=torch.Generator().manual_seed(request.seed),
+                      output_type="latent", **self.pipeline_kwargs(request)).images
+        return unpack(packed.float(), torch.empty(1, *self.latent_shape(request)))
+
+
+class QwenImageEditSampling(QwenImageSampling):
+    """See the module docstring: equal to `QwenImageEditPipeline` where the request's size is
+    the pipeline's size for the control's aspect ratio; elsewhere the reference latents are at
+    the request's size (dpipe's training convention) instead of ~1 MP."""
+
+    needs_control = True
+
+    def control_image(self, request: SampleRequest):
+        """The control image as dpipe's sampler encodes it: fitted to the request's size (as
+        `dpipe.data.sources.load_image` does), 8-bit RGB."""
+        from dpipe.data.sources import fit, open_rgb
+
+        return fit(open_rgb(request.control), request.width, request.height)
+
+    def pipeline_kwargs(self, request: SampleRequest) -> dict:
+        # The edit pipeline cuts nothing with max_sequence_length (and refuses > 1024): the
+        # image's vision tokens and the instruction are all kept, as encode_prompts_with_controls
+        # keeps them.
+        return {"image": self.control_image(request)}

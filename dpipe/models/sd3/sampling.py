@@ -1,0 +1,50 @@
+"""Stable Diffusion 3 / 3.5 samples as `StableDiffusion3Pipeline` does: noise in (C, h, w), the
+scheduler's own timesteps for `num_inference_steps` (`set_timesteps(steps)`: no custom sigmas;
+SD3.5's static shift 3.0 from the scheduler config, or mu from the token count where the config
+shifts dynamically), classifier-free guidance with the negative prompt (7.0 by default, no
+skip-layer guidance, as the pipeline's defaults), and the KL VAE's scale and shift undone before
+decoding. The transformer takes (B, C, h, w) latents and returns them in that layout."""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.sampling import FamilySampling, SampleRequest
+
+
+class SD3Sampling(FamilySampling):
+    default_steps = 28
+    default_guidance = 7.0
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        # The pipeline passes num_inference_steps and no sigmas: the scheduler spaces the
+        # timesteps itself (from sigma_max to sigma_min, then shifts them).
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting"):
+            kwargs["mu"] = self.shift_mu(scheduler, latents)
+        scheduler.set_timesteps(steps, device=latents.device, **kwargs)
+        return scheduler.timesteps
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        patch = int(self.spec._transformer_config().get("patch_size", 2))
+        return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
+
+    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
+        # As the pipeline's calculate_shift call, whose max_shift default is 1.16 (not 1.15).
+        c = scheduler.config
+        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+        base, top = c.get("base_shift", 0.5), c.get("max_shift", 1.16)
+        m = (top - base) / (max_len - base_len)
+        return self.image_tokens(latents) * m + base - m * base_len
+
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(self.path, transformer=denoiser,
+                                                        dtype=torch.float32)
+        return pipe(request.prompt, negative_prompt=request.negative_prompt,
+                    height=request.height, width=request.width, num_inference_steps=steps,
+                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
+                    generator=torch.Generator().manual_seed(request.seed),
+                    output_type="latent").images

@@ -1,0 +1,155 @@
+"""What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
+rate; a one-frame clip is a PNG), optionally `<k>.safetensors` with the final latents, the same
+pictures in TensorBoard under `samples/<k>`, and `<samples>/index.html`, a page with the prompts
+as rows and the rounds as columns that a browser opens from disk (no server, nothing fetched).
+
+Every file is written atomically: a run killed while writing leaves the old file or none, and a
+resumed run that samples a step again writes the same names.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from dpipe.io import atomic_write_bytes, atomic_write_text
+from dpipe.models.sampling import SampleRequest
+
+PROMPTS_FILE = "prompts.json"
+INDEX_FILE = "index.html"
+
+
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels in [-1, 1] -> uint8, rounded as diffusers' image processor rounds."""
+    return ((pixels.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def png_bytes(frame: torch.Tensor) -> bytes:
+    """(3, H, W) uint8 -> a PNG file's bytes."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(frame.permute(1, 2, 0).contiguous().numpy()).save(out, format="PNG")
+    return out.getvalue()
+
+
+def mp4_bytes(frames: torch.Tensor, fps: float) -> bytes:
+    """(F, 3, H, W) uint8 -> an H.264 MP4 file's bytes (yuv420p, which every player opens; its
+    sides must be even, so an odd last row or column is dropped)."""
+    from fractions import Fraction
+
+    import av
+
+    f, _, h, w = frames.shape
+    h, w = h - h % 2, w - w % 2
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.options = {"crf": "18"}
+        for frame in frames[:, :, :h, :w]:
+            image = av.VideoFrame.from_ndarray(frame.permute(1, 2, 0).contiguous().numpy(),
+                                               format="rgb24")
+            for packet in stream.encode(image):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fps: float,
+                 latents: torch.Tensor | None = None) -> Path:
+    """One sample's file(s); `pixels` (3, H, W) or (3, F, H, W) in [-1, 1]. Returns the picture."""
+    frames = to_uint8(pixels)
+    if frames.ndim == 4 and frames.shape[1] == 1:
+        frames = frames[:, 0]
+    if frames.ndim == 3:
+        path = out_dir / f"{request.index}.png"
+        atomic_write_bytes(path, png_bytes(frames))
+    else:
+        path = out_dir / f"{request.index}.mp4"
+        atomic_write_bytes(path, mp4_bytes(frames.permute(1, 0, 2, 3), fps))
+    if latents is not None:
+        from safetensors.torch import save
+
+        atomic_write_bytes(out_dir / f"{request.index}.safetensors",
+                           save({"latents": latents.float().cpu().contiguous()},
+                                metadata={"prompt": request.prompt, "seed": str(request.seed)}))
+    return path
+
+
+def add_to_tensorboard(writer, request: SampleRequest, pixels: torch.Tensor, fps: float,
+                       step: int) -> None:
+    """An image, or a clip as an animated GIF (what SummaryWriter.add_video writes, without its
+    moviepy dependency), tagged samples/<k>."""
+    frames = to_uint8(pixels)
+    tag = f"samples/{request.index}"
+    if frames.ndim == 4 and frames.shape[1] == 1:
+        frames = frames[:, 0]
+    if frames.ndim == 3:
+        writer.add_image(tag, frames, step)
+        return
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    pictures = [Image.fromarray(f.permute(1, 2, 0).contiguous().numpy())
+                for f in frames.permute(1, 0, 2, 3)]
+    out = io.BytesIO()
+    pictures[0].save(out, format="GIF", save_all=True, append_images=pictures[1:],
+                     duration=max(1, round(1000 / fps)), loop=0)
+    image = Summary.Image(height=frames.shape[2], width=frames.shape[3], colorspace=3,
+                          encoded_image_string=out.getvalue())
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]),
+                                          step)
+
+
+def write_index(samples_dir: Path, requests: list[SampleRequest]) -> Path:
+    """Records the prompts and rewrites the index page from the rounds on disk (`step_<N>`
+    folders in step order, then any other folder, e.g. those dpipe-sample writes)."""
+    atomic_write_text(samples_dir / PROMPTS_FILE, json.dumps(
+        [{"index": r.index, "prompt": r.prompt, "seed": r.seed, "size": [r.width, r.height],
+          "frames": r.frames} for r in requests], indent=1))
+    rounds = sorted((d for d in samples_dir.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                    key=_round_order)
+    head = "".join(f"<th>{html.escape(d.name)}</th>" for d in rounds)
+    rows = []
+    for r in requests:
+        cells = []
+        for d in rounds:
+            found = [p for p in (d / f"{r.index}.png", d / f"{r.index}.mp4") if p.is_file()]
+            if not found:
+                cells.append("<td></td>")
+            elif found[0].suffix == ".png":
+                cells.append(f'<td><a href="{d.name}/{found[0].name}"><img src="{d.name}/'
+                             f'{found[0].name}" loading="lazy"></a></td>')
+            else:
+                cells.append(f'<td><video src="{d.name}/{found[0].name}" controls loop muted>'
+                             "</video></td>")
+        rows.append(f'<tr><th class="prompt">{html.escape(r.label)}</th>{"".join(cells)}</tr>')
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>samples: {html.escape(samples_dir.parent.name)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1em; }}
+table {{ border-collapse: collapse; }}
+th, td {{ border: 1px solid #ccc; padding: 4px; vertical-align: top; }}
+th.prompt {{ max-width: 16em; text-align: left; font-weight: normal; }}
+img, video {{ max-width: 256px; max-height: 256px; image-rendering: pixelated; }}
+</style></head><body>
+<h1>{html.escape(samples_dir.parent.name)}</h1>
+<table><tr><th>prompt</th>{head}</tr>
+{chr(10).join(rows)}
+</table></body></html>
+"""
+    path = samples_dir / INDEX_FILE
+    atomic_write_text(path, page)
+    return path
+
+
+def _round_order(folder: Path):
+    match = re.fullmatch(r"step_(\d+)", folder.name)
+    return (0, int(match.group(1)), "") if match else (1, 0, folder.name)

@@ -1,0 +1,105 @@
+"""`sample.prompts` -> the samples to make, each checked against the model family.
+
+Called before any worker starts (dpipe-train and dpipe-sample), so a bad item stops the run with
+one message naming the item, the key and what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dpipe.config.schema import PROMPT_KEYS, DatasetConfig, SampleConfig
+from dpipe.errors import ConfigError
+from dpipe.models.sampling import SampleRequest
+
+
+def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = None
+                    ) -> list[SampleRequest]:
+    """The requests of `cfg.prompts`, in order; [] without prompts (nothing is loaded then)."""
+    if not cfg.prompts:
+        return []
+    if cfg.every_steps < 0:
+        raise ConfigError(f"sample.every_steps={cfg.every_steps}: must be >= 0 (0: only at the end)")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise ConfigError(f"sample.steps={cfg.steps}: must be >= 1, or null for the family's usual")
+    sampling = spec.sampling()
+    multiple = spec.pixel_multiple
+    side = _default_side(dataset, multiple)
+    frames = cfg.frames or (max(dataset.frame_buckets) if dataset is not None and sampling.video
+                            else 1)
+    if sampling.video and (frames - 1) % sampling.frame_step:  # the longest bucket may not fit
+        frames = (frames - 1) // sampling.frame_step * sampling.frame_step + 1
+    requests = []
+    for index, item in enumerate(cfg.prompts):
+        where = f"sample.prompts[{index}]"
+        fields = _fields(item, where)
+        request = SampleRequest(
+            index=index,
+            prompt=_text(fields, "prompt", where, None),
+            negative_prompt=_text(fields, "negative_prompt", where, cfg.negative_prompt),
+            seed=_whole(fields, "seed", where, cfg.seed, 0),
+            width=_whole(fields, "width", where, cfg.width or side, 1),
+            height=_whole(fields, "height", where, cfg.height or side, 1),
+            frames=_whole(fields, "frames", where, frames, 1),
+            control=_control(fields, where),
+        )
+        for key in ("width", "height"):
+            value = getattr(request, key)
+            if value % multiple:
+                raise ConfigError(
+                    f"{where}.{key}={value} (or sample.{key}): {spec.family} needs sizes that are "
+                    f"multiples of {multiple}; use {value // multiple * multiple or multiple} or "
+                    f"{(value // multiple + 1) * multiple}")
+        problem = sampling.check(request)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
+        requests.append(request)
+    return requests
+
+
+def _default_side(dataset: DatasetConfig | None, multiple: int) -> int:
+    side = max(dataset.resolutions) if dataset is not None else 1024
+    return max(multiple, side // multiple * multiple)
+
+
+def _fields(item, where: str) -> dict:
+    if isinstance(item, (DictConfig, ListConfig)):
+        item = OmegaConf.to_container(item, resolve=True)
+    if isinstance(item, str):
+        return {"prompt": item}
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}={item!r}: give a prompt (a string) or a mapping with `prompt`")
+    unknown = sorted(set(item) - set(PROMPT_KEYS))
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; an item may set: "
+                          f"{', '.join(PROMPT_KEYS)}")
+    if "prompt" not in item:
+        raise ConfigError(f"{where} has no `prompt`: every item needs one")
+    return item
+
+
+def _text(fields: dict, key: str, where: str, default: str | None) -> str:
+    value = fields.get(key, default)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}.{key}={value!r}: must be a string")
+    return value
+
+
+def _whole(fields: dict, key: str, where: str, default: int, least: int) -> int:
+    value = fields.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{where}.{key}={value!r}: must be a whole number >= {least}")
+    return value
+
+
+def _control(fields: dict, where: str) -> str | None:
+    value = fields.get("control")
+    if value is None:
+        return None
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{where}.control={value}: no such image file; give the path of the "
+                          "control image to edit or animate")
+    return str(path.resolve())
