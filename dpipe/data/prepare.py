@@ -186,19 +186,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if cfg.kind == DatasetKind.synthetic:
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
-    image_fp, text_fp = spec.encoder_fingerprint("image"), spec.encoder_fingerprint("text")
-    # Key parts, in order: latents (source sha256, media, fps, width, height, frames, first
-    # frame), masks (source sha256, width, height), texts (the caption).
-    latent_key = KeyMaker(kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre",
-                          fields=["source", "media", "fps", "width", "height", "frames", "start"])
-    mask_key = KeyMaker(kind="mask", crop="centre", fields=["source", "width", "height"])
-    text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype), fields=["caption"])
-    # Models whose text encoder reads the control image (Qwen-Image-Edit): a text entry is made
-    # of the caption and the control image as fitted to the sample's bucket, so its key covers
-    # the control file's content and that preprocessing too.
+    latent_key, mask_key, text_key, seen_key = _key_makers(spec, dtype)
     sees_control = getattr(spec, "text_sees_control", False)
-    seen_key = KeyMaker(kind="text+control", encoder=text_fp, dtype=str(dtype), crop="centre",
-                        fields=["control source", "width", "height", "caption"])
     jobs: dict[str, object] = {}
     texts: dict[str, TextJob] = {}
     caption_keys: dict[str, str] = {}
@@ -258,26 +247,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
-    for request in sample_requests or []:
-        control = None
-        if request.control is not None:
-            sha = file_fingerprint(Path(request.control))
-            w, h = request.width, request.height
-            control = latent_key.fields(sha, "image", None, w, h, 1, 0)
-            jobs.setdefault(control, LatentJob(control, request.control, "image", w, h,
-                                               role="control"))
-        keys = []
-        for caption in (request.prompt, request.negative_prompt):
-            if sees_control and request.control is not None:
-                k = seen_key.fields(sha, w, h, caption)
-                texts.setdefault(k, TextJob(k, caption, request.control, w, h))
-            else:
-                k = caption_keys.get(caption)
-                if k is None:
-                    k = caption_keys[caption] = text_key.fields(caption)
-                    texts[k] = TextJob(k, caption)
-            keys.append(k)
-        work.request_keys.append((keys[0], keys[1], control))
+    work.request_keys = _request_jobs(sample_requests or [], spec, latent_key, text_key, seen_key,
+                                      jobs, texts, caption_keys)
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)
     if keep_keys:  # not in training: rank 0 would send them all to every rank for nothing
@@ -287,6 +258,79 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if data_dir is not None:
         work.history = load_history(data_dir)
     return work
+
+
+def _key_makers(spec: ModelSpec, dtype: torch.dtype) -> tuple[KeyMaker, ...]:
+    """(latents, masks, texts, texts with their control image): what each kind of entry's key
+    covers besides its fields."""
+    image_fp, text_fp = spec.encoder_fingerprint("image"), spec.encoder_fingerprint("text")
+    # Key parts, in order: latents (source sha256, media, fps, width, height, frames, first
+    # frame), masks (source sha256, width, height), texts (the caption).
+    latent_key = KeyMaker(kind="latents", encoder=image_fp, dtype=str(dtype), crop="centre",
+                          fields=["source", "media", "fps", "width", "height", "frames", "start"])
+    mask_key = KeyMaker(kind="mask", crop="centre", fields=["source", "width", "height"])
+    text_key = KeyMaker(kind="text", encoder=text_fp, dtype=str(dtype), fields=["caption"])
+    # Models whose text encoder reads the control image (Qwen-Image-Edit): a text entry is made
+    # of the caption and the control image as fitted to the sample's bucket, so its key covers
+    # the control file's content and that preprocessing too.
+    seen_key = KeyMaker(kind="text+control", encoder=text_fp, dtype=str(dtype), crop="centre",
+                        fields=["control source", "width", "height", "caption"])
+    return latent_key, mask_key, text_key, seen_key
+
+
+def _request_jobs(requests: list, spec: ModelSpec, latent_key: KeyMaker, text_key: KeyMaker,
+                  seen_key: KeyMaker, jobs: dict, texts: dict, caption_keys: dict
+                  ) -> list[tuple[str, str, str | None]]:
+    """Adds the entries that sample requests need (their prompts' and negative prompts'
+    embeddings, their control images' latents) to `jobs` and `texts`; returns their keys."""
+    sees_control = getattr(spec, "text_sees_control", False)
+    out = []
+    for request in requests:
+        control = sha = None
+        w, h = request.width, request.height
+        if request.control is not None:
+            sha = file_fingerprint(Path(request.control))
+            control = latent_key.fields(sha, "image", None, w, h, 1, 0)
+            jobs.setdefault(control, LatentJob(control, request.control, "image", w, h,
+                                               role="control"))
+        keys = []
+        for caption in (request.prompt, request.negative_prompt):
+            if sees_control and sha is not None:
+                k = seen_key.fields(sha, w, h, caption)
+                texts.setdefault(k, TextJob(k, caption, request.control, w, h))
+            else:
+                k = caption_keys.get(caption)
+                if k is None:
+                    k = caption_keys[caption] = text_key.fields(caption)
+                    texts[k] = TextJob(k, caption)
+            keys.append(k)
+        out.append((keys[0], keys[1], control))
+    return out
+
+
+def prepare_prompts(spec: ModelSpec, cache_dir: str, device: torch.device, dtype: torch.dtype,
+                    requests: list) -> CachedDataset:
+    """The cache entries of sample requests alone (dpipe-sample: no dataset), made where
+    missing; the returned dataset has their `request_keys`. Collective when distributed."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    store = TensorStore(Path(cache_dir).expanduser())
+    latent_key, _mask, text_key, seen_key = _key_makers(spec, dtype)
+    jobs: dict = {}
+    texts: dict = {}
+    keys = _request_jobs(requests, spec, latent_key, text_key, seen_key, jobs, texts, {})
+    present = store.keys()
+    jobs = [j for k, j in jobs.items() if k not in present]
+    texts = [t for k, t in texts.items() if k not in present]
+    failures, _counts = run_jobs(spec, store, jobs[rank::world], texts[rank::world], device,
+                                 dtype, 0, show=False)
+    failures = _gather(failures)
+    if failures:
+        raise DataError("cannot read the control image(s):"
+                        + list_files([f"{f.path}: {f.error}" for f in failures]))
+    dataset = CachedDataset(store, rank)
+    dataset.request_keys = keys
+    _barrier()
+    return dataset
 
 
 def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:

@@ -248,6 +248,12 @@ class CosmosPredict2Spec(ModelSpec):
         target, weight = labels  # weights broadcast over the elements (masks, given frames)
         return (weight.float() * (outputs.float() - target.float()).square()).mean()
 
+    # ---- sampling ----------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.cosmos_predict2.sampling import CosmosPredict2Sampling
+
+        return CosmosPredict2Sampling(self)
+
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin

@@ -92,9 +92,14 @@ class Flux2Sampling(FamilySampling):
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         import diffusers
+        from transformers import AutoTokenizer
 
+        # The tokenizer alone, as `Flux2Spec.load_encoders` loads it: FLUX.2-dev names a
+        # PixtralProcessor, which needs torchvision to build and of which only the text
+        # tokenizer is used.
         pipe = getattr(diffusers, self.pipeline_name).from_pretrained(
-            self.path, transformer=denoiser, dtype=torch.float32)
+            self.path, transformer=denoiser, dtype=torch.float32, tokenizer=None)
+        pipe.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
         kwargs = {}
         if request.control is not None:  # an edit: the reference image fitted to the size
             from dpipe.data.sources import fit, open_rgb

@@ -3,8 +3,8 @@ the seed (C = the transformer's in_channels), sigmas linspace(1, 0, steps + 1)[:
 scheduler's fixed shift (7 for HunyuanVideo; no resolution-dependent mu), Euler steps, and the
 guidance-distilled scale (6.0 by default) as the model's embedded input. The pipeline's "true CFG"
 (`true_cfg_scale`, off by default at 1.0) is not used: no negative prompt. The VAE decodes
-latents / scaling_factor (no shift). 50 steps; clips of 4k+1 frames, written at 15 fps (the
-pipeline's example).
+latents / scaling_factor (no shift). 50 steps; clips of 4k+1 frames, written at 24 fps (the
+model's native rate, as Tencent's sample script writes them; diffusers' example uses 15).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class HunyuanVideoSampling(FamilySampling):
     default_steps = 50
     default_guidance = 6.0
     video = True
-    fps = 15.0
+    fps = 24.0
 
     @property
     def guidance_kind(self) -> str:  # the released model embeds it; a model without takes none

@@ -222,6 +222,11 @@ class HunyuanVideo15Spec(ModelSpec):
 
         return HunyuanVideo15Transformer3DModel.from_pretrained(export_dir / "transformer")
 
+    def sampling(self):
+        from dpipe.models.hunyuan_video15.sampling import HunyuanVideo15Sampling
+
+        return HunyuanVideo15Sampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 

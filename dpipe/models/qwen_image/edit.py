@@ -100,6 +100,12 @@ class QwenImageEditSpec(QwenImageSpec):
                   pack(control.to(batch.noisy.dtype)))
         return inputs, self._labels(batch)
 
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.qwen_image.sampling import QwenImageEditSampling
+
+        return QwenImageEditSampling(self)
+
 
 def load_processor(directory):
     """The Qwen2VLProcessor of processor/; without torchvision (which transformers 5's

@@ -212,6 +212,12 @@ class QwenImageSpec(ModelSpec):
 
         return QwenImageTransformer2DModel.from_pretrained(export_dir / "transformer")
 
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.qwen_image.sampling import QwenImageSampling
+
+        return QwenImageSampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 

@@ -297,3 +297,8 @@ class SDXLSpec(ModelSpec):
         from diffusers import UNet2DConditionModel
 
         return UNet2DConditionModel.from_pretrained(export_dir / "unet")
+
+    def sampling(self):
+        from dpipe.models.sdxl.sampling import SDXLSampling
+
+        return SDXLSampling(self)

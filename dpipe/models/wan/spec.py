@@ -419,6 +419,12 @@ class WanSpec(ModelSpec):
 
         return WanTransformer3DModel.from_pretrained(export_dir / self.expert)
 
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.wan.sampling import WanSampling
+
+        return WanSampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 

@@ -1,0 +1,241 @@
+"""Wan samples as its diffusers pipelines do (`WanPipeline`, `WanImageToVideoPipeline`): noise in
+(z, F', h, w) from the seed, the folder's UniPC scheduler (flow sigmas with its fixed
+`flow_shift`) set by `set_timesteps(steps)`, classifier-free guidance with the negative prompt
+(5.0 and 50 steps, the pipelines' defaults), and the VAE decode after undoing the latent
+normalisation (z * latents_std + latents_mean), (3, F, H, W) in [-1, 1].
+
+What each kind of folder adds, fed to `WanSpec.make_inputs` as the training cache feeds it:
+- Wan 2.1 I2V (and 2.2 I2V-A14B): `batch.latents` carries, after the z noisy channels, the
+  latents of [first frame, black frames...] and (2.1) the CLIP tokens of the first frame, as the
+  cache holds them for an i2v clip. The control (`d.control`, the cache's encoding of the image
+  as a 1-frame clip) holds both for one latent frame; a longer clip's condition video is encoded
+  here, on the first stage, with the folder's VAE, exactly as `encode_images` encodes a training
+  clip (and as WanImageToVideoPipeline encodes it).
+- Wan 2.2 TI2V-5B with `model.i2v`: the first latent frame is the control's latents at t = 0 in
+  every step and replaces the sampled one at the end, as WanImageToVideoPipeline does with
+  `expand_timesteps`. A one-frame request samples text-to-image, as the model trains one-frame
+  items (the pipeline would only hand the control image back); its reference is WanPipeline.
+- Wan 2.2 A14B (two experts): see `WanSampling` below.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+from dpipe.models.wan.variant import pack_tokens, unpack_tokens
+
+
+class WanSampling(FamilySampling):
+    """Wan 2.1 / 2.2 sampling.
+
+    Wan 2.2 A14B: the pipeline denoises with the high-noise expert (`transformer/`) while the
+    scheduler's timestep is >= boundary_ratio * 1000 and with the low-noise one
+    (`transformer_2/`) below it. dpipe trains one expert per run, so the pipeline stages hold only
+    that one: its steps go through the stages; the steps of the other expert are computed on the
+    last stage with that expert loaded frozen from the folder (the trained expert's forward of
+    those steps is discarded). The sample then equals WanPipeline with the trained expert in its
+    slot and the folder's other expert in the other. The frozen expert is whole on one GPU (for
+    A14B, 14B parameters: ~29 GB in bf16) and is freed when every request of the round is done;
+    where it does not fit, those samples fail with the out-of-memory error and training goes on.
+    A folder without the other expert samples every step with the trained one (there is no
+    pipeline to compare with then; the reference is WanPipeline with that expert alone).
+    """
+
+    default_steps = 50  # WanPipeline / WanImageToVideoPipeline defaults
+    default_guidance = 5.0
+    scheduler_class = "UniPCMultistepScheduler"
+    video = True
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.path = spec.root  # the diffusers folder (model.path may be a single-file expert)
+        self.variant = spec.variant
+        self._frozen = None  # (device, dtype, module): the other A14B expert while in use
+        self._users: list[weakref.ref] = []  # the requests that may still need it
+
+    # ---- what the folder is ------------------------------------------------------------------
+    @property
+    def frame_step(self) -> int:
+        return self.variant.temporal
+
+    @property
+    def fps(self) -> float:  # Wan 2.1 and A14B make 16 fps clips, TI2V-5B 24
+        return 24.0 if self.variant.expand_timesteps else 16.0
+
+    @property
+    def needs_control(self) -> bool:
+        return self.spec.i2v
+
+    @property
+    def ti2v_first_frame(self) -> bool:
+        """TI2V-5B with model.i2v: the first latent frame is given (for clips of > 1 latent frame)."""
+        return self.spec.i2v and not self.variant.concat_condition
+
+    @property
+    def other_expert(self) -> str | None:
+        """The A14B expert that this run does not train, when the folder holds it."""
+        if self.variant.boundary is None:
+            return None
+        other = "transformer_2" if self.spec.expert == "transformer" else "transformer"
+        return other if (self.path / other / "config.json").is_file() else None
+
+    def expert_at(self, scheduler, t: torch.Tensor) -> str:
+        """The expert WanPipeline denoises with at scheduler timestep t."""
+        boundary = self.variant.boundary * scheduler.config.num_train_timesteps
+        return "transformer" if t >= boundary else "transformer_2"
+
+    # ---- latents -----------------------------------------------------------------------------
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        v = self.variant
+        return (v.z_dim, (request.frames - 1) // v.temporal + 1, request.height // v.spatial,
+                request.width // v.spatial)
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        scheduler.set_timesteps(steps, device=latents.device)  # as the pipelines call it
+        return scheduler.timesteps
+
+    def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
+        d = super().start(request, steps, guidance, text, uncond, control, device)
+        if self.other_expert is not None:
+            self._users.append(weakref.ref(d))
+        return d
+
+    # ---- one step ----------------------------------------------------------------------------
+    def model_time(self, t: torch.Tensor) -> torch.Tensor:
+        """The scheduler's timestep (sigma * 1000) -> the t that `make_inputs` maps into
+        [min_t, max_t] (`train_timesteps`): its inverse, so the transformer gets sigma."""
+        sigma = t.reshape(1).float() / 1000
+        lo, hi = self.spec.cfg.min_t, self.spec.cfg.max_t
+        return sigma if (lo, hi) == (0.0, 1.0) else (sigma - lo) / (hi - lo)
+
+    def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
+        batch = super().batch(d, t, text)
+        x, v = d.latents, self.variant
+        if v.concat_condition:  # [x_t, condition video latents, (CLIP tokens)], as cached
+            parts = [x, self._condition(d).to(x)]
+            if v.clip_tokens:
+                tokens = unpack_tokens(d.control[:, 2 * v.z_dim:], v.clip_tokens, v.image_dim)
+                parts.append(pack_tokens(tokens, x.shape).to(x))
+            return replace(batch, latents=torch.cat(parts, dim=1))
+        if self.ti2v_first_frame and x.shape[2] > 1:  # make_inputs takes frame 0 from latents
+            latents = x.clone()
+            latents[:, :, :1] = d.control[:, :v.z_dim, :1].to(x)
+            return replace(batch, latents=latents)
+        return batch
+
+    def _condition(self, d: Denoising) -> torch.Tensor:
+        """Latents of the condition video [first frame, black...] (i2v checkpoints), once per
+        request: the control's own for one latent frame, else encoded from the control image."""
+        if "condition" not in d.state:
+            z, frames = self.variant.z_dim, d.request.frames
+            if frames == 1:
+                d.state["condition"] = d.control[:, z:2 * z]
+            else:
+                from dpipe.data.sources import load_image
+
+                r = d.request
+                image = load_image(Path(r.control), r.width, r.height)
+                video = torch.cat([image[:, None], image.new_zeros(3, frames - 1, *image.shape[1:])],
+                                  dim=1)[None]
+                vae = self.load_vae(d.latents.device, torch.float32)
+                d.state["condition"] = self.spec._vae_encode(vae, video)
+                del vae
+        return d.state["condition"]
+
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        d.state["dtype"] = output.dtype  # the stages' compute dtype, for a frozen expert
+        return super().prediction(output, d)
+
+    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
+        other = self.other_expert
+        if other is not None and self.expert_at(d.scheduler, t) == other:
+            prediction = self._frozen_prediction(d, t, other)
+        super().step(d, t, prediction)
+        if d.scheduler.step_index < len(d.timesteps):
+            return
+        # The last step.
+        if self.ti2v_first_frame and d.latents.shape[2] > 1:
+            d.latents = d.latents.clone()
+            d.latents[:, :, :1] = d.control[:, :self.variant.z_dim, :1].to(d.latents)
+        if other is not None:
+            d.state["done"] = True
+            self._release_if_unused()
+
+    # ---- the other A14B expert ---------------------------------------------------------------
+    def _frozen_prediction(self, d: Denoising, t: torch.Tensor, other: str) -> torch.Tensor:
+        device, dtype = d.latents.device, d.state.get("dtype", torch.float32)
+        if self._frozen is None or self._frozen[:2] != (device, dtype):
+            from diffusers import WanTransformer3DModel
+
+            self._frozen = None
+            model = WanTransformer3DModel.from_pretrained(self.path, subfolder=other, dtype=dtype)
+            self._frozen = (device, dtype, model.to(device).requires_grad_(False).eval())
+        model = self._frozen[2]
+
+        def predict(text):
+            inputs = tuple(x.to(dtype) if x.is_floating_point() else x
+                           for x in self.inputs(d, t, text))
+            return self.spec.denoiser_forward(model, inputs).float()
+
+        with torch.no_grad():
+            cond = predict(d.text)
+            return cond if d.uncond is None else self.guide(cond, predict(d.uncond), d)
+
+    def _release_if_unused(self) -> None:
+        self._users = [ref for ref in self._users
+                       if ref() is not None and not ref().state.get("done")]
+        if not self._users and self._frozen is not None:
+            device = self._frozen[0]
+            self._frozen = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """As the pipelines: latents / (1 / latents_std) + latents_mean, then the VAE (which
+        clamps to [-1, 1]); (3, F, H, W)."""
+        c = vae.config
+        x = latents.to(vae.device, vae.dtype)
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x)
+        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x)
+        return vae.decode(x / inv_std + mean, return_dict=False)[0][0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        import diffusers
+
+        v = self.variant
+        image_to_video = v.concat_condition or (self.ti2v_first_frame and request.frames > 1)
+        cls = diffusers.WanImageToVideoPipeline if image_to_video else diffusers.WanPipeline
+        components = {}
+        if v.boundary is None:
+            components["transformer"] = denoiser
+        else:
+            components[self.spec.expert] = denoiser
+            other = self.other_expert
+            if other is None:  # the trained expert alone, at every step
+                components.update(transformer=denoiser, transformer_2=None, boundary_ratio=None)
+            else:
+                components[other] = diffusers.WanTransformer3DModel.from_pretrained(
+                    self.path, subfolder=other, dtype=torch.float32)
+        if image_to_video and not v.clip_tokens:
+            components.update(image_encoder=None, image_processor=None)
+        pipe = cls.from_pretrained(self.path, dtype=torch.float32, **components)
+        kwargs = {}
+        if image_to_video:
+            from dpipe.data.sources import fit, open_rgb
+
+            kwargs["image"] = fit(open_rgb(Path(request.control)), request.width, request.height)
+        return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
+                    height=request.height, width=request.width, num_frames=request.frames,
+                    num_inference_steps=steps, guidance_scale=guidance,
+                    generator=torch.Generator().manual_seed(request.seed),
+                    max_sequence_length=self.spec.cfg.max_text_tokens, output_type="latent",
+                    **kwargs).frames

@@ -1,0 +1,121 @@
+"""One round of samples, made by every rank together: each data-parallel replica's pipeline
+denoises its share of the requests, then rank 0 decodes and writes them all.
+
+The prompts' embeddings come from the cache (`CachedDataset.request_keys`, filled with the
+captions' or by `dpipe.data.prepare.prepare_prompts`), so no text encoder is in memory; the VAE
+is loaded by rank 0 alone, kept on the CPU between rounds. A sample that fails on some rank
+(out of memory, say) is logged and left out; the others are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dpipe.data.batches import CachedDataset
+from dpipe.models.sampling import FamilySampling, SampleRequest
+from dpipe.pipeline.memory import GiB
+from dpipe.sample import outputs
+from dpipe.sample.denoise import denoise
+from dpipe.sample.link import StageLink
+
+log = logging.getLogger("dpipe")
+
+
+class SampleRound:
+    """Collective: every rank builds one with the same requests and calls `run` together."""
+
+    def __init__(self, sampling: FamilySampling, requests: list[SampleRequest],
+                 dataset: CachedDataset, link: StageLink, replica: int, replicas: int,
+                 steps: int, guidance: float, device: torch.device, dtype: torch.dtype,
+                 host_group, save_latents: bool = False):
+        self.sampling, self.requests, self.dataset, self.link = sampling, requests, dataset, link
+        self.steps, self.guidance, self.device, self.dtype = steps, guidance, device, dtype
+        self.host_group, self.save_latents = host_group, save_latents
+        self.mine = list(range(len(requests)))[replica::replicas]
+        self.vae = None
+
+    def run(self, forward: Callable[[tuple], torch.Tensor], folder: Path, samples_dir: Path,
+            what: str, writer=None, step: int = 0) -> None:
+        """Denoises with `forward` (this rank's stage), then rank 0 writes the samples to
+        `folder`, adds them to TensorBoard's `writer` at `step`, and rewrites the index page
+        of `samples_dir`. `what` names the round in the log."""
+        started = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        self.link.error = None
+        states = [self._start(self.requests[i]) for i in self.mine]
+        failed = denoise(self.sampling, states, self.link, forward, self.steps)
+        peak = (torch.cuda.max_memory_allocated() - resident) / GiB if cuda else 0.0
+        mine = ([(s.request.index, s.latents.cpu(), bad) for s, bad in zip(states, failed)]
+                if self.link.first else [])
+        error = self.link.error
+        error = None if error is None else f"{type(error).__name__}: {error}"
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, error, peak), group=self.host_group)
+        if dist.get_rank() == 0:
+            self._write(gathered, folder, samples_dir, what, writer, step,
+                        time.perf_counter() - started)
+
+    def _start(self, request: SampleRequest):
+        text_key, uncond_key, control_key = self.dataset.request_keys[request.index]
+
+        def batched(key):
+            return {k: v[None].to(self.device) for k, v in self.dataset.store.get(key).items()}
+
+        control = None
+        if control_key is not None:
+            control = self.dataset.store.get(control_key)["latents"][None].to(self.device)
+        return self.sampling.start(request, self.steps, self.guidance, batched(text_key),
+                                   batched(uncond_key), control, self.device)
+
+    def _write(self, gathered: list, folder: Path, samples_dir: Path, what: str, writer,
+               step: int, seconds: float) -> None:
+        errors = sorted({e for _, e, _ in gathered if e})
+        peak = max(p for _, _, p in gathered)
+        written, failed = 0, []
+        fps = self.sampling.fps
+        for mine, _, _ in gathered:
+            for index, latents, bad in mine:
+                request = self.requests[index]
+                if bad:
+                    failed.append(request)
+                    continue
+                try:
+                    pixels = self._decode(latents)
+                    outputs.write_sample(folder, request, pixels, fps,
+                                         latents if self.save_latents else None)
+                    if writer is not None:
+                        outputs.add_to_tensorboard(writer, request, pixels, fps, step)
+                    written += 1
+                except Exception as error:  # noqa: BLE001 - a failed decode costs this sample only
+                    failed.append(request)
+                    errors.append(f"decoding: {type(error).__name__}: {error}")
+        if writer is not None:
+            writer.flush()
+        outputs.write_index(samples_dir, self.requests)
+        memory = f", {peak:.2f} GiB of GPU memory on top of what was resident" if peak else ""
+        log.info("samples %s: %d in %.1f s (%d denoising steps%s) -> %s", what, written,
+                 seconds, self.steps, memory, folder)
+        if failed:
+            log.error("samples %s: %d failed (item %s): %s", what, len(failed),
+                      ", ".join(str(r.index) for r in failed), "; ".join(errors))
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            self.vae = self.sampling.load_vae(torch.device("cpu"), self.dtype)
+        self.vae.to(self.device)
+        try:
+            return self.sampling.decode(self.vae, latents.to(self.device)).cpu()
+        finally:
+            if self.device.type == "cuda":
+                self.vae.to("cpu")
+                torch.cuda.empty_cache()
