@@ -28,7 +28,7 @@ from dpipe.launch import env as dist_env
 from dpipe.launch.quiet import quiet_libraries
 from dpipe.io import atomic_write_text
 from dpipe.launch.local import ERRORS_DIR, launch_workers, world_size_for
-from dpipe.launch.run_rank import run_rank, save_run_config
+from dpipe.launch.run_rank import run_rank, save_run_config, train_job
 from dpipe.launch.sweep import register_launchers
 from dpipe.sample.requests import sample_requests
 
@@ -87,7 +87,7 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         if env.is_main:
             save_run_config(run, run_dir)
         preemption.install()  # SLURM's time-limit signal -> checkpoint + requeue (submitit only)
-        code = run_rank(run, run_dir)
+        code = run_rank(train_job(run, run_dir), run_dir)
     except UserError as err:
         _record_error(run_dir, env.rank, str(err))
         print(f"error: {err}", file=sys.stderr, flush=True)

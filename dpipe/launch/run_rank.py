@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import OmegaConf
 
@@ -57,15 +58,25 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def run_rank(run: RunConfig, run_dir: Path) -> int:
+def train_job(run: RunConfig, run_dir: Path) -> Callable[[], object]:
+    def job():
+        from dpipe.train.loop import run_training
+
+        return run_training(run, run_dir)
+
+    return job
+
+
+def run_rank(job: Callable[[], object], run_dir: Path) -> int:
+    """Runs `job` as this rank (training: `train_job`; dpipe-sample's) and records its user
+    errors in `run_dir`."""
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     disable_library_progress_bars()
     thread_locks_for_progress_bars()
-    from dpipe.train.loop import run_training
 
     try:
-        run_training(run, run_dir)
+        job()
     except UserError as err:
         # The launcher prints each distinct message once; a rank on its own prints it itself.
         errors = run_dir / ".errors"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from dpipe.launch.quiet import quiet_libraries
 
-from dpipe.launch.run_rank import RUN_CONFIG, exit_process, load_run_config, run_rank
+from dpipe.launch.run_rank import RUN_CONFIG, exit_process, load_run_config, run_rank, train_job
 
 
 def main() -> int:
     quiet_libraries()
     run_dir = Path(sys.argv[1])
-    return run_rank(load_run_config(run_dir / RUN_CONFIG), run_dir)
+    return run_rank(train_job(load_run_config(run_dir / RUN_CONFIG), run_dir), run_dir)
 
 
 if __name__ == "__main__":

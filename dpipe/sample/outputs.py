@@ -1,7 +1,7 @@
 """What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
 rate; a one-frame clip is a PNG), optionally `<k>.safetensors` with the final latents, the same
-pictures in TensorBoard under `samples/<k>`, and `<samples>/index.html`, a page with the prompts
-as rows and the rounds as columns that a browser opens from disk (no server, nothing fetched).
+pictures in TensorBoard under `samples/<k>`, and `index.html`, a page with the prompts as rows and
+the rounds as columns that a browser opens from disk (no server, nothing fetched).
 
 Every file is written atomically: a run killed while writing leaves the old file or none, and a
 resumed run that samples a step again writes the same names.
@@ -108,31 +108,34 @@ def add_to_tensorboard(writer, request: SampleRequest, pixels: torch.Tensor, fps
                                           step)
 
 
-def write_index(samples_dir: Path, requests: list[SampleRequest]) -> Path:
-    """Records the prompts and rewrites the index page from the rounds on disk (`step_<N>`
-    folders in step order, then any other folder, e.g. those dpipe-sample writes)."""
-    atomic_write_text(samples_dir / PROMPTS_FILE, json.dumps(
+def write_index(index_dir: Path, requests: list[SampleRequest],
+                rounds: list[Path] | None = None) -> Path:
+    """Records the prompts in `index_dir` and rewrites its index page: a column per round
+    folder (default: its `step_<N>` folders in step order, as training writes them), a row
+    per request."""
+    atomic_write_text(index_dir / PROMPTS_FILE, json.dumps(
         [{"index": r.index, "prompt": r.prompt, "seed": r.seed, "size": [r.width, r.height],
           "frames": r.frames} for r in requests], indent=1))
-    rounds = sorted((d for d in samples_dir.iterdir() if d.is_dir() and not d.name.startswith(".")),
-                    key=_round_order)
+    if rounds is None:
+        rounds = sorted((d for d in index_dir.iterdir() if d.is_dir() and _step(d) is not None),
+                        key=_step)
     head = "".join(f"<th>{html.escape(d.name)}</th>" for d in rounds)
     rows = []
     for r in requests:
         cells = []
         for d in rounds:
             found = [p for p in (d / f"{r.index}.png", d / f"{r.index}.mp4") if p.is_file()]
+            link = "" if not found else html.escape(str(found[0].relative_to(index_dir)))
             if not found:
                 cells.append("<td></td>")
             elif found[0].suffix == ".png":
-                cells.append(f'<td><a href="{d.name}/{found[0].name}"><img src="{d.name}/'
-                             f'{found[0].name}" loading="lazy"></a></td>')
+                cells.append(f'<td><a href="{link}"><img src="{link}" loading="lazy"></a></td>')
             else:
-                cells.append(f'<td><video src="{d.name}/{found[0].name}" controls loop muted>'
-                             "</video></td>")
+                cells.append(f'<td><video src="{link}" controls loop muted></video></td>')
         rows.append(f'<tr><th class="prompt">{html.escape(r.label)}</th>{"".join(cells)}</tr>')
+    title = html.escape(index_dir.parent.name if index_dir.name == "samples" else index_dir.name)
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>samples: {html.escape(samples_dir.parent.name)}</title>
+<html><head><meta charset="utf-8"><title>samples: {title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1em; }}
 table {{ border-collapse: collapse; }}
@@ -140,16 +143,16 @@ th, td {{ border: 1px solid #ccc; padding: 4px; vertical-align: top; }}
 th.prompt {{ max-width: 16em; text-align: left; font-weight: normal; }}
 img, video {{ max-width: 256px; max-height: 256px; image-rendering: pixelated; }}
 </style></head><body>
-<h1>{html.escape(samples_dir.parent.name)}</h1>
+<h1>{title}</h1>
 <table><tr><th>prompt</th>{head}</tr>
 {chr(10).join(rows)}
 </table></body></html>
 """
-    path = samples_dir / INDEX_FILE
+    path = index_dir / INDEX_FILE
     atomic_write_text(path, page)
     return path
 
 
-def _round_order(folder: Path):
+def _step(folder: Path) -> int | None:
     match = re.fullmatch(r"step_(\d+)", folder.name)
-    return (0, int(match.group(1)), "") if match else (1, 0, folder.name)
+    return int(match.group(1)) if match else None

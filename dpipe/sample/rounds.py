@@ -40,11 +40,12 @@ class SampleRound:
         self.mine = list(range(len(requests)))[replica::replicas]
         self.vae = None
 
-    def run(self, forward: Callable[[tuple], torch.Tensor], folder: Path, samples_dir: Path,
+    def run(self, forward: Callable[[tuple], torch.Tensor], folder: Path, index_dir: Path,
             what: str, writer=None, step: int = 0) -> None:
         """Denoises with `forward` (this rank's stage), then rank 0 writes the samples to
         `folder`, adds them to TensorBoard's `writer` at `step`, and rewrites the index page
-        of `samples_dir`. `what` names the round in the log."""
+        of `index_dir` (the run's samples/, whose step_<N> rounds it shows, or `folder`
+        itself). `what` names the round in the log."""
         started = time.perf_counter()
         cuda = self.device.type == "cuda"
         if cuda:
@@ -62,7 +63,7 @@ class SampleRound:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (mine, error, peak), group=self.host_group)
         if dist.get_rank() == 0:
-            self._write(gathered, folder, samples_dir, what, writer, step,
+            self._write(gathered, folder, index_dir, what, writer, step,
                         time.perf_counter() - started)
 
     def _start(self, request: SampleRequest):
@@ -77,7 +78,7 @@ class SampleRound:
         return self.sampling.start(request, self.steps, self.guidance, batched(text_key),
                                    batched(uncond_key), control, self.device)
 
-    def _write(self, gathered: list, folder: Path, samples_dir: Path, what: str, writer,
+    def _write(self, gathered: list, folder: Path, index_dir: Path, what: str, writer,
                step: int, seconds: float) -> None:
         errors = sorted({e for _, e, _ in gathered if e})
         peak = max(p for _, _, p in gathered)
@@ -101,7 +102,7 @@ class SampleRound:
                     errors.append(f"decoding: {type(error).__name__}: {error}")
         if writer is not None:
             writer.flush()
-        outputs.write_index(samples_dir, self.requests)
+        outputs.write_index(index_dir, self.requests, [folder] if folder == index_dir else None)
         memory = f", {peak:.2f} GiB of GPU memory on top of what was resident" if peak else ""
         log.info("samples %s: %d in %.1f s (%d denoising steps%s) -> %s", what, written,
                  seconds, self.steps, memory, folder)

@@ -116,4 +116,11 @@ class Flux2Sampling(FamilySampling):
                       max_sequence_length=self.spec.cfg.max_text_tokens,
                       generator=torch.Generator().manual_seed(request.seed),
                       output_type="latent", **kwargs).images
+        if packed.ndim == 4:
+            # Flux2KleinPipeline's "latent" output is the VAE's: BatchNorm statistics undone and
+            # unpatchified. Back to the sampler's layout, as `_encode_vae_image` does it.
+            vae = pipe.vae
+            mean = vae.bn.running_mean.view(1, -1, 1, 1).to(packed.dtype)
+            std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+            return (pipe._patchify_latents(packed) - mean) / std.to(packed.dtype)
         return unpack(packed, torch.empty(1, *self.latent_shape(request)))

@@ -167,6 +167,11 @@ class LTX2Spec(LTXVideoSpec):
             num_frames=f, height=h, width=w, fps=frame_rate(rate, 3), audio_num_frames=1,
             isolate_modalities=True, return_dict=False)[0]
 
+    def sampling(self):
+        from dpipe.models.ltx2.sampling import LTX2Sampling
+
+        return LTX2Sampling(self)
+
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         from diffusers import LTX2Pipeline
 

@@ -282,3 +282,10 @@ class LTXVideoSpec(ModelSpec):
         import diffusers
 
         return getattr(diffusers, self.transformer_class).from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        if self.family != LTXVideoSpec.family:  # a family built on this spec (LTX-2) samples its
+            return super().sampling()            # own way, or not yet
+        from dpipe.models.ltx_video.sampling import LTXVideoSampling
+
+        return LTXVideoSampling(self)

@@ -111,8 +111,11 @@ class QwenImageSampling(FamilySampling):
 
     # ---- the reference -----------------------------------------------------------------------
     def load_pipeline(self, denoiser):
+        # The edit pipeline's processor as the spec loads it (Qwen2VLProcessor needs torchvision
+        # for its video half; `load_processor` falls back to its image + text part).
         return self.pipeline_class().from_pretrained(self.path, transformer=denoiser,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32,
+                                                     **self.spec._extra_components())
 
     def pipeline_kwargs(self, request: SampleRequest) -> dict:
         return {"max_sequence_length": self.spec.cfg.max_text_tokens}

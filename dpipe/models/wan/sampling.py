@@ -111,7 +111,19 @@ class WanSampling(FamilySampling):
         [min_t, max_t] (`train_timesteps`): its inverse, so the transformer gets sigma."""
         sigma = t.reshape(1).float() / 1000
         lo, hi = self.spec.cfg.min_t, self.spec.cfg.max_t
-        return sigma if (lo, hi) == (0.0, 1.0) else (sigma - lo) / (hi - lo)
+        x = sigma if (lo, hi) == (0.0, 1.0) else (sigma - lo) / (hi - lo)
+        # Of the float32 values next to x, one whose trip through make_inputs and the embedding
+        # (train_timesteps, then * 1000) gives the pipeline's timestep exactly, where one does.
+        wanted = t.reshape(1).float().cpu()
+        x = x.cpu()
+        for k in range(9):
+            candidate = x
+            for _ in range(k // 2 + k % 2):
+                candidate = torch.nextafter(candidate, candidate + (1 if k % 2 else -1))
+            if torch.equal(self.spec.train_timesteps(candidate) * 1000, wanted):
+                x = candidate
+                break
+        return x.to(t.device)
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
         batch = super().batch(d, t, text)

@@ -196,6 +196,11 @@ class ZImageSpec(ModelSpec):
 
         return ZImageTransformer2DModel.from_pretrained(export_dir / "transformer")
 
+    def sampling(self):
+        from dpipe.models.z_image.sampling import ZImageSampling
+
+        return ZImageSampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 

@@ -1,0 +1,178 @@
+"""LTX-2 samples video as `LTX2Pipeline` computes its video stream, with the transformer run the
+way dpipe trains it: video only (`isolate_modalities=True`, no audio-to-video attention).
+
+As the pipeline: noise N(0, 1) in (C, (F-1)/8 + 1, H/32, W/32) from the seed (drawn before the
+audio noise, which dpipe does not need), sigmas linspace(1, 1/steps, steps) shifted by
+mu = calculate_shift(video tokens, 1024, 4096, 0.95, 2.05) (the scheduler's config where it has
+them) and stretched to its terminal 0.1; the transformer's velocity becomes x0 = x - sigma v,
+classifier-free guidance on x0 (x0_cond + (g - 1)(x0_cond - x0_uncond), g = 3.0) rescaled by
+`guidance_rescale` 0.7 (`rescale_noise_cfg` against x0_cond), back to the velocity
+(x - x0) / sigma, Euler steps; rotary positions at 24 fps; 30 steps; latents un-normalised
+(x * latents_std / scaling_factor + latents_mean) and decoded at decode_timestep 0 (no decode
+noise, the pipeline's default). Clips of 8k+1 frames; 1 frame is an image.
+
+What differs from the pipeline's default video, and why. dpipe's pipeline layers hold the video
+stream only (dpipe trains LTX-2 video-only, see layers.py), so no prediction here can see the
+audio stream. LTX2Pipeline's defaults need three things that do:
+  * its cond/uncond passes run the joint audio-video transformer (`isolate_modalities=False`):
+    the video reads the audio stream through the audio-to-video cross-attention;
+  * modality-isolation guidance (`modality_scale` 3.0) adds (3 - 1)(x0_joint - x0_video_only);
+  * spatio-temporal guidance (`stg_scale` 1.0, block 28) adds x0_cond - x0_perturbed, from a
+    third pass with that block's self-attention skipped, which dpipe's loop (the prompt and the
+    negative prompt, two micro-batches per step) does not run.
+dpipe's sampler is the video-only computation: both passes isolated, no modality or STG term
+(with everything isolated the modality term would be 0 anyway). `diffusers_sample` runs the real
+LTX2Pipeline with exactly those changes and nothing else: stg_scale = audio_stg_scale = 0,
+modality_scale = audio_modality_scale = 1, and its transformer called with
+`isolate_modalities=True` (the audio stream still runs there, and its guidance, but it no longer
+reaches the video). With them the two are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.ltx_video.spec import unpack
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+GUIDANCE_RESCALE = 0.7  # LTX2Pipeline's guidance_rescale default
+
+
+def calculate_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift) -> float:
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + base_shift - m * base_seq_len
+
+
+def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor,
+                      guidance_rescale: float) -> torch.Tensor:
+    """diffusers' `rescale_noise_cfg`, as pipeline_ltx2.py applies it (to x0 predictions)."""
+    dims = list(range(1, noise_pred_text.ndim))
+    std_text = noise_pred_text.std(dim=dims, keepdim=True)
+    std_cfg = noise_cfg.std(dim=dims, keepdim=True)
+    rescaled = noise_cfg * (std_text / std_cfg)
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
+
+
+class LTX2Sampling(FamilySampling):
+    default_steps = 30
+    default_guidance = 3.0
+    video = True
+    fps = 24.0  # LTX2Pipeline's frame_rate (motion_speed 1): the rotary positions' rate
+
+    @property
+    def frame_step(self) -> int:
+        return self.spec.temporal_ratio
+
+    # ---- latents (kept unpacked, (1, C, F', h, w): the pipeline's element-wise steps and its
+    # whole-sample std in the rescale do not depend on the layout) ----------------------------
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        spatial, temporal = self.spec._ratios()
+        channels = self.spec._transformer_config()["in_channels"]
+        return (channels, (request.frames - 1) // temporal + 1, request.height // spatial,
+                request.width // spatial)
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        p, pt = self.spec._patches
+        f, h, w = latents.shape[-3:]
+        return (f // pt) * (h // p) * (w // p)  # the packed sequence length
+
+    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
+        c = scheduler.config  # with the pipeline's fallbacks
+        return calculate_shift(self.image_tokens(latents), c.get("base_image_seq_len", 1024),
+                               c.get("max_image_seq_len", 4096), c.get("base_shift", 0.95),
+                               c.get("max_shift", 2.05))
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        scheduler.set_timesteps(steps, device=latents.device, sigmas=sigmas,
+                                mu=self.shift_mu(scheduler, latents))
+        return scheduler.timesteps
+
+    def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
+        d = super().start(request, steps, guidance, text, uncond, control, device)
+        d.state["step"] = 0  # the step's index on the last stage (prediction, step)
+        return d
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _sigma(self, d: Denoising) -> torch.Tensor:
+        return d.scheduler.sigmas[d.state["step"]]
+
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        """Packed velocity -> x0 = x - sigma v (`convert_velocity_to_x0`), unpacked."""
+        p, pt = self.spec._patches
+        grid = (d.latents.shape[2] // pt, d.latents.shape[3] // p, d.latents.shape[4] // p)
+        velocity = unpack(output.float(), grid, p, pt)
+        return d.latents - velocity * self._sigma(d)
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
+        guided = cond + (d.guidance - 1) * (cond - uncond)
+        return rescale_noise_cfg(guided, cond, GUIDANCE_RESCALE) if GUIDANCE_RESCALE > 0 else guided
+
+    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
+        velocity = (d.latents - prediction) / self._sigma(d)  # convert_x0_to_velocity
+        d.latents = d.scheduler.step(velocity, t, d.latents, return_dict=False)[0]
+        d.state["step"] += 1
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        x = latents.to(vae.device, torch.float32)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
+        x = (x * std / vae.config.scaling_factor + mean).to(vae.dtype)
+        # decode_timestep 0 with no decode noise, as the pipeline's defaults
+        timestep = (torch.zeros(1, device=x.device, dtype=x.dtype)
+                    if vae.config.timestep_conditioning else None)
+        video = vae.decode(x, timestep, return_dict=False)[0][0].float()
+        return video[:, 0] if video.shape[1] == 1 else video
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import LTX2Pipeline
+
+        pipe = LTX2Pipeline.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
+        if request.height % 32 or request.width % 32:
+            # The pipeline asks for multiples of 32, its VAE's factor in the real model; a model
+            # with a smaller one (the tiny) samples multiples of its own: the size test (the only
+            # use check_inputs makes of the size) is told a multiple of 32.
+            check_inputs = pipe.check_inputs
+
+            def sizes_of_32(*args, **kwargs):
+                return check_inputs(*args, **{**kwargs, "height": 32, "width": 32})
+
+            pipe.check_inputs = sizes_of_32
+        final = {}
+
+        def keep(_pipe, _i, _t, tensors):
+            final["latents"] = tensors["latents"]  # packed and normalised, after the step
+            return {}
+
+        forward = denoiser.__dict__.get("forward")
+        video_only = denoiser.forward
+
+        def isolated(*args, **kwargs):  # the transformer as dpipe trains it: video only
+            kwargs["isolate_modalities"] = True
+            return video_only(*args, **kwargs)
+
+        denoiser.forward = isolated
+        try:
+            pipe(request.prompt, negative_prompt=request.negative_prompt,
+                 height=request.height, width=request.width, num_frames=request.frames,
+                 frame_rate=self.fps, num_inference_steps=steps, guidance_scale=guidance,
+                 guidance_rescale=GUIDANCE_RESCALE, stg_scale=0.0, audio_stg_scale=0.0,
+                 modality_scale=1.0, audio_modality_scale=1.0,
+                 max_sequence_length=self.spec.cfg.max_text_tokens,
+                 generator=torch.Generator().manual_seed(request.seed), output_type="latent",
+                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
+        finally:
+            if forward is None:
+                del denoiser.forward
+            else:
+                denoiser.forward = forward
+        shape = self.latent_shape(request)
+        p, pt = self.spec._patches
+        return unpack(final["latents"], (shape[1] // pt, shape[2] // p, shape[3] // p), p, pt)
+

@@ -1,0 +1,135 @@
+"""LTX-Video samples as `LTXPipeline` does (`LTXImageToVideoPipeline` with `model.i2v=true`):
+noise in (C, (F-1)/8 + 1, H/32, W/32) from the seed (C = the transformer's in_channels), sigmas
+linspace(1, 1/steps, steps) with mu = calculate_shift(latent frames x height x width) from the
+scheduler's config (used where it shifts dynamically; its shift and shift_terminal otherwise),
+Euler steps, the frame rate 25 in the rotary positions, classifier-free guidance 3.0 with the
+negative prompt (guidance_rescale 0, the pipeline's default), 50 steps. dpipe keeps the latents
+unpacked (C, f, h, w): `make_inputs` packs them into tokens, `prediction` unpacks the output, as
+the pipeline's _pack_latents / _unpack_latents do. The decode un-normalises with the VAE's
+latents_mean / latents_std and scaling_factor and, for a timestep-conditioned VAE (0.9.1 and
+later), passes the pipeline's default decode_timestep 0.0 (its decode noise scale defaults to
+that timestep, so no noise is mixed in).
+
+Image-to-video (`model.i2v=true`, as LTXImageToVideoPipeline and as dpipe trains it): the first
+latent frame is the control image's latents, its tokens get t = 0, and only the later frames are
+stepped. One difference from the pipeline, on purpose: the pipeline encodes the image with a
+*sample* of the VAE posterior (mean + std * noise from the seed's generator), dpipe with its mode
+(the mean), which is what the training cache holds and what `d.control` carries, so that the
+condition is the one the model trained on. dpipe still draws that posterior noise from the
+generator first, so the video's noise equals the pipeline's; the two differ only by the posterior
+noise on the image latents (std * noise, small for a trained VAE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.ltx_video.spec import unpack
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+
+class LTXVideoSampling(FamilySampling):
+    default_steps = 50
+    default_guidance = 3.0
+    video = True
+    decode_timestep = 0.0  # LTXPipeline's default (decode_noise_scale defaults to it)
+
+    @property
+    def frame_step(self) -> int:
+        return self.spec.temporal_ratio
+
+    @property
+    def fps(self) -> float:  # the pipeline's frame_rate (25): it scales the rotary positions
+        return float(self.spec.default_fps)
+
+    @property
+    def needs_control(self) -> bool:
+        return self.spec.i2v
+
+    @property
+    def pipeline_class(self) -> str:
+        return "LTXImageToVideoPipeline" if self.spec.i2v else "LTXPipeline"
+
+    # ---- latents -----------------------------------------------------------------------------
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        spatial, temporal = self.spec._ratios()
+        channels = read_json(self.path / "transformer" / "config.json")["in_channels"]
+        return (channels, (request.frames - 1) // temporal + 1,
+                request.height // spatial, request.width // spatial)
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        """The pipeline's video_sequence_length: latent frames x height x width (before patching)."""
+        return latents.shape[-3] * latents.shape[-2] * latents.shape[-1]
+
+    def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
+        if not self.spec.i2v:
+            return super().start(request, steps, guidance, text, uncond, control, device)
+        if control is None:
+            raise ValueError(f"{self.spec.family} (i2v) samples from a control image")
+        generator = torch.Generator().manual_seed(request.seed)
+        shape = (1, *self.latent_shape(request))
+        # The pipeline first samples the image's VAE posterior with the generator (its noise,
+        # shaped as one latent frame), then draws the video's noise: draw both, keep the mode.
+        torch.randn((*shape[:2], 1, *shape[3:]), generator=generator)
+        noise = torch.randn(shape, generator=generator)
+        latents = noise.clone()
+        latents[:, :, :1] = control.to(noise)[:, :, :1]
+        d = super().start(request, steps, guidance, text, uncond, control, device)
+        d.latents = latents.to(device)
+        return d
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        p, pt = self.spec._patches
+        _, _, f, h, w = d.latents.shape
+        return unpack(output.float(), (f // pt, h // p, w // p), p, pt)
+
+    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
+        if not self.spec.i2v:
+            return super().step(d, t, prediction)
+        # LTXImageToVideoPipeline steps the frames after the first (the condition) alone.
+        later = d.scheduler.step(prediction[:, :, 1:], t, d.latents[:, :, 1:], return_dict=False)[0]
+        d.latents = torch.cat([d.latents[:, :, :1], later], dim=2)
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        c = vae.config
+        x = latents.to(vae.device, torch.float32)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
+        x = (x * std / c.scaling_factor + mean).to(vae.dtype)
+        timestep = None
+        if c.timestep_conditioning:  # noise scale = decode_timestep = 0: no noise mixed in
+            timestep = torch.tensor([self.decode_timestep], device=vae.device, dtype=vae.dtype)
+        return vae.decode(x, timestep, return_dict=False)[0][0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        import diffusers
+
+        pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
+            self.path, transformer=denoiser, dtype=torch.float32)
+        image = {}
+        if self.spec.i2v:
+            from pathlib import Path
+
+            from PIL import Image
+
+            from dpipe.data.sources import load_image
+
+            # The control image fitted to the request's size as dpipe loads it.
+            pixels = load_image(Path(request.control), request.width, request.height)
+            pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
+            image = {"image": Image.fromarray(pixels.numpy())}
+        packed = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
+                      height=request.height, width=request.width, num_frames=request.frames,
+                      frame_rate=self.fps, num_inference_steps=steps, guidance_scale=guidance,
+                      max_sequence_length=self.spec.cfg.max_text_tokens,
+                      generator=torch.Generator().manual_seed(request.seed),
+                      output_type="latent", **image).frames
+        p, pt = self.spec._patches
+        _, f, h, w = self.latent_shape(request)
+        return unpack(packed, (f // pt, h // p, w // p), p, pt)
