@@ -13,7 +13,10 @@ class Reporter:
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # A resumed run first drops what its killed predecessor logged past the checkpoint it
+        # resumes from: TensorBoard then shows each step once.
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step else None)
         # One JSON line per logged step: easy to read for scripts, sweep summaries and tests.
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.samples_per_step = samples_per_step

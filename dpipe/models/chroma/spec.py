@@ -197,3 +197,8 @@ class ChromaSpec(ModelSpec):
         from diffusers import ChromaTransformer2DModel
 
         return ChromaTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.chroma.sampling import ChromaSampling
+
+        return ChromaSampling(self)

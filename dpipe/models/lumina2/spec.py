@@ -178,6 +178,11 @@ class Lumina2Spec(ModelSpec):
 
         return Lumina2Transformer2DModel.from_pretrained(export_dir / "transformer")
 
+    def sampling(self):
+        from dpipe.models.lumina2.sampling import Lumina2Sampling
+
+        return Lumina2Sampling(self)
+
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 

@@ -189,10 +189,13 @@ class WanSampling(FamilySampling):
             self._frozen = (device, dtype, model.to(device).requires_grad_(False).eval())
         model = self._frozen[2]
 
-        def predict(text):
-            inputs = tuple(x.to(dtype) if x.is_floating_point() else x
-                           for x in self.inputs(d, t, text))
-            return self.spec.denoiser_forward(model, inputs).float()
+        def predict(text):  # as WanPipeline calls it: the scheduler's timestep itself
+            latents, _t, context, *image = (x.to(dtype) if x.is_floating_point() else x
+                                            for x in self.inputs(d, t, text))
+            return model(hidden_states=latents, timestep=t.reshape(1).to(device),
+                         encoder_hidden_states=context,
+                         encoder_hidden_states_image=image[0] if image else None,
+                         return_dict=False)[0].float()
 
         with torch.no_grad():
             cond = predict(d.text)

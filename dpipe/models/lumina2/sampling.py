@@ -1,0 +1,99 @@
+"""Lumina-Image 2.0 samples as `Lumina2Pipeline` does.
+
+Noise in (C, h, w) with h, w = 2 * (H // 16) (the pipeline assumes an 8x VAE), sigmas
+`linspace(1, 1/steps, steps)` with the scheduler's shift (the pipeline's `mu`, were the scheduler to
+shift by resolution, comes from `latents.shape[1]`, the channel count: kept as it is); the
+transformer gets 1 - t / 1000 and predicts x0 - noise, negated before the Euler step. The KL VAE
+decodes latents / scale + shift.
+
+Guidance with the pipeline's defaults (4.0, 30 steps): classifier-free guidance where the scale
+exceeds 1, `uncond + g (cond - uncond)`, skipped (the conditional prediction alone) at the steps
+past `cfg_trunc_ratio` of the schedule ((i + 1) / steps > ratio; 1.0: none), then, with
+`cfg_normalization` (on), rescaled to the conditional prediction's norm over the last (width)
+axis, as the pipeline does it.
+
+One difference from the pipeline, kept: `Lumina2Pipeline.encode_prompt` puts its system prompt
+before the prompt but not before the negative prompt, while dpipe caches the negative prompt as
+it caches every caption (`Lumina2Spec.encode_prompts`: with the system prompt), since the cache
+does not know which captions are negative prompts; the sampler cannot re-encode (no text encoder
+is loaded while training). So the unconditional prediction is that of
+"<system prompt> <Prompt Start> <negative prompt>". `diffusers_sample` runs the pipeline with that
+same negative conditioning (`negative_prompt_embeds` from the pipeline's own `encode_prompt`, the
+way the cache makes it), so the comparison checks everything else exactly; with
+`negative_with_system_prompt = False` it passes the plain `negative_prompt` (the pipeline's own
+conditioning) instead, to see the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+VAE_FACTOR = 8  # Lumina2Pipeline.vae_scale_factor, whatever the VAE
+
+
+class Lumina2Sampling(FamilySampling):
+    default_steps = 30  # Lumina2Pipeline.__call__'s num_inference_steps
+    default_guidance = 4.0  # its guidance_scale
+    # Lumina2Pipeline.__call__'s defaults.
+    cfg_trunc_ratio: float = 1.0
+    cfg_normalization: bool = True
+    # How `diffusers_sample` gives the pipeline the negative prompt (see the module doc).
+    negative_with_system_prompt: bool = True
+
+    # ---- latents and schedule ------------------------------------------------------------------
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        channels = int(read_json(self.path / "transformer" / "config.json").get("in_channels", 16))
+        return (channels, 2 * (request.height // (VAE_FACTOR * 2)),
+                2 * (request.width // (VAE_FACTOR * 2)))
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        return int(latents.shape[1])  # the pipeline's image_seq_len = latents.shape[1]
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=latents.device,
+                                mu=self.shift_mu(scheduler, latents))
+        return scheduler.timesteps
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        return -output.reshape(d.latents.shape).float()  # the pipeline steps with -output
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
+        i = d.scheduler.step_index or 0  # None before the first step
+        if (i + 1) / len(d.timesteps) > self.cfg_trunc_ratio:
+            return cond  # classifier-free truncation: the pipeline runs no negative prompt here
+        pred = uncond + d.guidance * (cond - uncond)
+        if self.cfg_normalization:  # on -output: the same numbers, negated
+            pred = pred * (torch.norm(cond, dim=-1, keepdim=True)
+                           / torch.norm(pred, dim=-1, keepdim=True))
+        return pred
+
+    # ---- the reference -------------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import Lumina2Pipeline
+
+        pipe = Lumina2Pipeline.from_pretrained(self.path, transformer=denoiser,
+                                               dtype=torch.float32)
+        n = self.spec.cfg.max_text_tokens
+        kwargs = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+        if guidance > 1 and self.negative_with_system_prompt:
+            # The negative prompt as dpipe's cache encodes it (see the module doc); the pipeline
+            # then wants the prompt's embeddings too (its own encode_prompt's, as it would make).
+            with torch.no_grad():
+                (embeds, mask), (neg, neg_mask) = (pipe.encode_prompt(
+                    [p], do_classifier_free_guidance=False, device=pipe._execution_device,
+                    max_sequence_length=n)[:2] for p in (request.prompt, request.negative_prompt))
+            kwargs = dict(prompt_embeds=embeds, prompt_attention_mask=mask,
+                          negative_prompt_embeds=neg, negative_prompt_attention_mask=neg_mask)
+        return pipe(height=request.height, width=request.width,
+                    num_inference_steps=steps, guidance_scale=guidance,
+                    cfg_trunc_ratio=self.cfg_trunc_ratio,
+                    cfg_normalization=self.cfg_normalization,
+                    generator=torch.Generator().manual_seed(request.seed),
+                    max_sequence_length=n, output_type="latent", **kwargs).images
