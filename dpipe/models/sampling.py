@@ -71,8 +71,10 @@ class FamilySampling:
     video: ClassVar[bool] = False
     frame_step: ClassVar[int] = 4
     fps: ClassVar[float] = 24.0
-    # Families that need a control image for every sample (edits, image-to-video).
+    # Families that need a control image for every sample (edits, image-to-video), and those
+    # that take one where given (FLUX.2's references, Wan 2.2 TI2V's first frame).
     needs_control: ClassVar[bool] = False
+    takes_control: ClassVar[bool] = False
 
     def __init__(self, spec):
         self.spec = spec
@@ -90,6 +92,9 @@ class FamilySampling:
             return f"frames={request.frames}: {self.spec.family} makes images (frames=1)"
         if self.needs_control and request.control is None:
             return f"{self.spec.family} samples from a control image: give the item a `control`"
+        if request.control is not None and not (self.needs_control or self.takes_control):
+            return (f"control={request.control}: {self.spec.family} takes no control image; "
+                    "remove `control`")
         return None
 
     def uses_uncond(self, guidance: float) -> bool:

@@ -17,7 +17,11 @@ every family's run are forked from one fork server that imported the libraries o
    stage, which receives activations and gradients both: HiDream's pass int64 ids and masks
    between float tensors, and DeepSpeed's shared receive buffers once failed there in step 2.
 
-Add a family by adding its tiny config name to FAMILIES.
+4. Every run samples at its end through its stages (`sample.save_latents`): the latents equal
+   those of the family's diffusers pipeline from the exported weights (the LoRA, loaded the way
+   users load it; the full fine-tune's folder), with the same prompt, seed and steps.
+
+Add a family by adding its tiny config name to the list of its sample group.
 """
 
 from __future__ import annotations
@@ -32,36 +36,87 @@ from tests.integration.trained import (
     cached_dataset, exported_lora_and_trained, one_process_first_loss, run_config, run_layers,
     trained_layers)
 
-FAMILIES = ["tiny_flux", "tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream", "tiny_sd3", "tiny_chroma", "tiny_z_image",
-            "tiny_wan", "tiny_wan_i2v", "tiny_wan22_ti2v", "tiny_wan22_a14b",
-            "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w", "tiny_lumina2", "tiny_flux2", "tiny_flux_kontext", "tiny_qwen_image"]
+# By what their samples need: text-to-image, text-to-video (a clip and an image each), and
+# families that sample from a control image (an edit, a first frame).
+IMAGE_FAMILIES = ["tiny_flux", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream",
+                  "tiny_sd3", "tiny_chroma", "tiny_z_image", "tiny_cosmos_predict2",
+                  "tiny_lumina2", "tiny_flux2", "tiny_qwen_image"]
+VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2",
+                  "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b"]
+EDIT_FAMILIES = ["tiny_flux_kontext"]
+FIRST_FRAME_FAMILIES = ["tiny_wan_i2v", "tiny_cosmos_predict2_v2w"]
+FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
 SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
-         "train.checkpoint_every_steps=0", "train.progress_bar=false"]
+         "train.checkpoint_every_steps=0", "train.progress_bar=false",
+         "sample.steps=2", "sample.save_latents=true"]
+PROMPT = "a red circle on a blue background"
+
+
+def sample_prompts(model: str, control: Path) -> str:
+    """The sample.prompts override for a family's group; the samples are made at the end of its
+    run, through its 2 (LoRA) or 3 (full) stages, with the family's default guidance."""
+    if model in VIDEO_FAMILIES:  # a 9-frame clip and an image, pipelined together
+        return f"sample.prompts=[{{prompt: {PROMPT}, frames: 9}}, {{prompt: a cat, seed: 5}}]"
+    if model in EDIT_FAMILIES:
+        return f"sample.prompts=[{{prompt: {PROMPT}, control: {control}}}]"
+    if model in FIRST_FRAME_FAMILIES:
+        return f"sample.prompts=[{{prompt: {PROMPT}, control: {control}, frames: 9}}]"
+    return f"sample.prompts=[{PROMPT}]"
+
+
+def _group(model: str) -> list[str]:
+    return next(g for g in (IMAGE_FAMILIES, VIDEO_FAMILIES, EDIT_FAMILIES, FIRST_FRAME_FAMILIES)
+                if model in g)
 
 
 @pytest.fixture(scope="module")
-def lora_sweep(tmp_path_factory) -> Sweep:
-    return Sweep(tmp_path_factory.mktemp("lora"), f"model={','.join(FAMILIES)}", *SWEEP,
-                 "pipeline.stages=2", "train.max_steps=2")
+def control_image(tmp_path_factory) -> Path:
+    from dpipe.data.synthetic import draw_shape
+
+    path = tmp_path_factory.mktemp("control") / "control.png"
+    draw_shape(3, 64)[0].save(path)
+    return path
+
+
+class SweepsByGroup:
+    """One sweep per sample group (their sample.prompts differ), made when first needed."""
+
+    def __init__(self, root: Path, control: Path, families: list[str], *args: str):
+        self.root, self.control, self.families, self.args = root, control, families, args
+        self.sweeps: dict[str, Sweep] = {}
+
+    def run_dir(self, model: str) -> Path:
+        group = [m for m in _group(model) if m in self.families]
+        key = group[0]
+        if key not in self.sweeps:
+            self.sweeps[key] = Sweep(self.root / key, f"model={','.join(group)}", *SWEEP,
+                                     sample_prompts(key, self.control), *self.args)
+        return self.sweeps[key].run_dir(f"model={model}")
 
 
 @pytest.fixture(scope="module")
-def full_sweep(tmp_path_factory) -> Sweep:
+def lora_sweep(tmp_path_factory, control_image) -> SweepsByGroup:
+    return SweepsByGroup(tmp_path_factory.mktemp("lora"), control_image, FAMILIES,
+                         "pipeline.stages=2", "train.max_steps=2")
+
+
+@pytest.fixture(scope="module")
+def full_sweep(tmp_path_factory, control_image) -> SweepsByGroup:
     # A middle stage (3 stages) and a second step: see point 3 of the module docstring.
-    return Sweep(tmp_path_factory.mktemp("full"), f"model={','.join(FULL_RUN_FAMILIES)}", *SWEEP,
-                 "pipeline.stages=3", "train.max_steps=2", "model.mode=full")
+    return SweepsByGroup(tmp_path_factory.mktemp("full"), control_image, FULL_RUN_FAMILIES,
+                         "pipeline.stages=3", "train.max_steps=2", "model.mode=full")
 
 
 @pytest.fixture(params=FAMILIES)
 def lora_run(request, lora_sweep) -> Path:
-    return lora_sweep.run_dir(f"model={request.param}")
+    return lora_sweep.run_dir(request.param)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", FULL_RUN_FAMILIES)
 def test_layers_reproduce_the_denoiser(model, full_sweep):
-    run_dir = full_sweep.run_dir(f"model={model}")
+    run_dir = full_sweep.run_dir(model)
     spec, layers = trained_layers(run_dir)
     dataset, plan = cached_dataset(run_dir)
     from dpipe.data.batches import step_micro_batches
@@ -80,10 +135,39 @@ def test_layers_reproduce_the_denoiser(model, full_sweep):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", FULL_RUN_FAMILIES)
 def test_three_stage_full_run_trains_two_steps_from_the_one_stage_loss(model, full_sweep):
-    run_dir = full_sweep.run_dir(f"model={model}")
+    run_dir = full_sweep.run_dir(model)
     steps = metrics(run_dir)
     assert [m["step"] for m in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx(one_process_first_loss(run_dir), rel=1e-5, abs=1e-7)
+
+
+# fp32 through the stages (gloo) against diffusers in one process: the same operations, split
+# and ordered differently (diffusers batches the negative prompt with the prompt).
+SAMPLE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_staged_samples_equal_the_diffusers_pipeline(lora_run):
+    _check_samples(lora_run, lora_run / "lora", full=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", FULL_RUN_FAMILIES)
+def test_staged_samples_of_a_full_fine_tune_equal_the_diffusers_pipeline(model, full_sweep):
+    run_dir = full_sweep.run_dir(model)
+    _check_samples(run_dir, run_dir / "model", full=True)
+
+
+def _check_samples(run_dir: Path, weights: Path, full: bool) -> None:
+    from tests.integration.sampled import diffusers_latents, saved_latents
+
+    expected = diffusers_latents(run_dir, weights, full)
+    base = diffusers_latents(run_dir, None)
+    for k, latents in enumerate(expected):
+        got = saved_latents(run_dir / "samples" / "step_2", k)
+        torch.testing.assert_close(got, latents, **SAMPLE_TOLERANCE, msg=f"sample {k}")
+        assert (latents - base[k]).abs().max() > 10 * SAMPLE_TOLERANCE["atol"], \
+            "training left the sample unchanged: the check could not tell the weights apart"
 
 
 @pytest.mark.slow

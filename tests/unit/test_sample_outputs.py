@@ -1,0 +1,103 @@
+"""What a round writes (PNG, MP4, TensorBoard, the index page), and a failing sample costing
+only itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpipe.models.sampling import SampleRequest
+from dpipe.sample import outputs
+
+
+def request(index=0, frames=1) -> SampleRequest:
+    return SampleRequest(index, f"prompt <{index}>", "", 1, 16, 8, frames)
+
+
+def test_a_png_holds_the_pixels_rounded_as_diffusers_rounds(tmp_path):
+    from PIL import Image
+
+    pixels = torch.linspace(-1.2, 1.2, 3 * 8 * 16).reshape(3, 8, 16)
+    path = outputs.write_sample(tmp_path, request(), pixels, 24.0)
+    png = np.asarray(Image.open(path))
+    expected = np.clip(pixels.permute(1, 2, 0).numpy() / 2 + 0.5, 0, 1)
+    assert (png == (expected * 255).round().astype(np.uint8)).all()
+
+
+def test_a_clip_is_an_mp4_at_the_familys_rate_and_one_frame_a_png(tmp_path):
+    import av
+
+    clip = torch.rand(3, 5, 8, 16) * 2 - 1
+    path = outputs.write_sample(tmp_path, request(0, 5), clip, 16.0)
+    assert path.name == "0.mp4"
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        assert len(frames) == 5 and (frames[0].width, frames[0].height) == (16, 8)
+        assert float(stream.average_rate) == 16.0
+    single = outputs.write_sample(tmp_path, request(1, 1), clip[:, :1], 16.0)
+    assert single.name == "1.png"
+
+
+def test_tensorboard_gets_images_and_clips(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    outputs.add_to_tensorboard(writer, request(0), torch.zeros(3, 8, 16), 24.0, step=3)
+    outputs.add_to_tensorboard(writer, request(1, 5), torch.zeros(3, 5, 8, 16), 24.0, step=3)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    events.Reload()
+    image, clip = events.Images("samples/0")[0], events.Images("samples/1")[0]
+    assert (image.step, image.width, image.height) == (3, 16, 8)
+    assert clip.encoded_image_string[:6] == b"GIF89a" and (clip.width, clip.height) == (16, 8)
+
+
+def test_the_index_page_has_a_row_per_prompt_and_a_column_per_step(tmp_path):
+    for step in (10, 2):
+        outputs.write_sample(tmp_path / f"step_{step}", request(0), torch.zeros(3, 8, 16), 24.0)
+    (tmp_path / "sampled-final").mkdir()  # dpipe-sample's: not a training round
+    page = outputs.write_index(tmp_path, [request(0), request(1)]).read_text()
+    assert page.index("<th>step_2</th>") < page.index("<th>step_10</th>")
+    assert "sampled-final" not in page
+    assert 'src="step_10/0.png"' in page and "prompt &lt;1&gt;" in page
+    assert "http" not in page  # opens from disk, fetches nothing
+
+
+def test_a_failing_sample_costs_only_itself():
+    from dpipe.models.sampling import Denoising
+    from dpipe.sample.denoise import denoise
+    from dpipe.sample.link import StageLink
+
+    class Halving:  # x <- x - 0.5 * prediction, the prediction being the input itself
+        def inputs(self, d, t, text):
+            return (d.latents,)
+
+        def prediction(self, output, d):
+            return output
+
+        def guide(self, cond, uncond, d):
+            return cond
+
+        def step(self, d, t, prediction):
+            d.latents = d.latents - 0.5 * prediction
+
+    def states():
+        return [Denoising(request(k), torch.ones(1, 2), None, torch.zeros(3), {}, None, 1.0)
+                for k in range(2)]
+
+    calls = []
+
+    def run(x):
+        calls.append(1)
+        if len(calls) == 3:  # the second step's first micro-batch: sample 0
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return x
+
+    link = StageLink.local(torch.device("cpu"))
+    failing = states()
+    assert denoise(Halving(), failing, link, run, steps=3) == [True, False]
+    assert isinstance(link.error, torch.cuda.OutOfMemoryError)
+    assert torch.equal(failing[1].latents, torch.full((1, 2), 0.125))
