@@ -12,6 +12,11 @@ is ""), except for the step-distilled Klein models (`is_distilled`), which take 
 images (edit sampling: a request with a `control`) arrive as `d.control`, appended after the image
 tokens by `make_inputs` with t = 10 as the pipeline does; their predictions are dropped. Decoding
 undoes the VAE's BatchNorm normalisation and the 2x2 patchify, then runs the VAE decoder.
+
+A reference image is used at the request's size (fitted as training fits control images); the
+pipeline uses a given image at its own size (shrunk to 1024x1024 pixels' area where larger), so
+the reference run is given the image already fitted, and equals dpipe's then. The pipeline
+refuses reference images under 64 pixels a side; dpipe takes them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class Flux2Sampling(FamilySampling):
     default_steps = 50  # both pipelines' num_inference_steps
     default_guidance = 4.0  # both pipelines' guidance_scale
+    takes_control = True  # a reference image, where a request gives one (an edit)
 
     @property
     def pipeline_name(self) -> str:

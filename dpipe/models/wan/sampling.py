@@ -11,10 +11,12 @@ What each kind of folder adds, fed to `WanSpec.make_inputs` as the training cach
   as a 1-frame clip) holds both for one latent frame; a longer clip's condition video is encoded
   here, on the first stage, with the folder's VAE, exactly as `encode_images` encodes a training
   clip (and as WanImageToVideoPipeline encodes it).
-- Wan 2.2 TI2V-5B with `model.i2v`: the first latent frame is the control's latents at t = 0 in
-  every step and replaces the sampled one at the end, as WanImageToVideoPipeline does with
-  `expand_timesteps`. A one-frame request samples text-to-image, as the model trains one-frame
-  items (the pipeline would only hand the control image back); its reference is WanPipeline.
+- Wan 2.2 TI2V-5B takes a control where given (text-to-video without one, as WanPipeline):
+  then the first latent frame is the control's latents at t = 0 in every step and replaces the
+  sampled one at the end, as WanImageToVideoPipeline does with `expand_timesteps`; the inputs are
+  those `model.i2v` trains on (and are made so where the run trained text-to-video). A control
+  needs a clip of 5+ frames: with one frame, the pipeline would hand the control image back.
+  An i2v-trained TI2V sampled without a control gets every frame at t (as WanPipeline).
 - Wan 2.2 A14B (two experts): see `WanSampling` below.
 """
 
@@ -68,13 +70,24 @@ class WanSampling(FamilySampling):
         return 24.0 if self.variant.expand_timesteps else 16.0
 
     @property
-    def needs_control(self) -> bool:
-        return self.spec.i2v
+    def needs_control(self) -> bool:  # the i2v checkpoints sample from their first frame
+        return self.variant.concat_condition
 
     @property
-    def ti2v_first_frame(self) -> bool:
-        """TI2V-5B with model.i2v: the first latent frame is given (for clips of > 1 latent frame)."""
-        return self.spec.i2v and not self.variant.concat_condition
+    def takes_control(self) -> bool:  # TI2V-5B: image-to-video where a first frame is given
+        return self.variant.expand_timesteps
+
+    def first_frame(self, d: Denoising) -> bool:
+        """TI2V-5B given a first frame: its latents are the clip's first latent frame."""
+        return self.takes_control and d.control is not None and d.latents.shape[2] > 1
+
+    def check(self, request: SampleRequest) -> str | None:
+        problem = super().check(request)
+        if problem is None and self.takes_control and request.control and request.frames == 1:
+            return ("frames=1 with a control: Wan 2.2 TI2V's control is the first frame of a "
+                    f"clip, which would be the whole sample; ask for {self.frame_step + 1} or "
+                    "more frames, or leave out `control` for text-to-image")
+        return problem
 
     @property
     def other_expert(self) -> str | None:
@@ -134,11 +147,30 @@ class WanSampling(FamilySampling):
                 tokens = unpack_tokens(d.control[:, 2 * v.z_dim:], v.clip_tokens, v.image_dim)
                 parts.append(pack_tokens(tokens, x.shape).to(x))
             return replace(batch, latents=torch.cat(parts, dim=1))
-        if self.ti2v_first_frame and x.shape[2] > 1:  # make_inputs takes frame 0 from latents
+        if self.first_frame(d):  # with model.i2v, make_inputs takes frame 0 from the latents
             latents = x.clone()
             latents[:, :, :1] = d.control[:, :v.z_dim, :1].to(x)
             return replace(batch, latents=latents)
         return batch
+
+    def inputs(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]) -> tuple:
+        inputs = super().inputs(d, t, text)
+        if self.first_frame(d) and not self.spec.i2v:
+            # Trained text-to-video: the first frame goes in as model.i2v's training gives it,
+            # the clean latents at t = 0 (WanImageToVideoPipeline's first_frame_mask).
+            hidden, t_in, *rest = inputs
+            hidden = hidden.clone()
+            hidden[:, :, :1] = d.control[:, :self.variant.z_dim, :1].to(hidden)
+            t_in = t_in[:, None].repeat(1, hidden.shape[2])
+            t_in[:, 0] = 0
+            inputs = (hidden, t_in, *rest)
+        elif (self.takes_control and self.spec.i2v and d.control is None
+              and d.latents.shape[2] > 1):
+            # Trained image-to-video, sampled from the prompt alone: make_inputs gave the first
+            # (noisy) frame t = 0; every frame is at t, as in WanPipeline.
+            hidden, t_in, *rest = inputs
+            inputs = (hidden, t_in[:, 1], *rest)
+        return inputs
 
     def _condition(self, d: Denoising) -> torch.Tensor:
         """Latents of the condition video [first frame, black...] (i2v checkpoints), once per
@@ -171,7 +203,7 @@ class WanSampling(FamilySampling):
         if d.scheduler.step_index < len(d.timesteps):
             return
         # The last step.
-        if self.ti2v_first_frame and d.latents.shape[2] > 1:
+        if self.first_frame(d):  # as the pipeline: (1 - first_frame_mask) * condition + ...
             d.latents = d.latents.clone()
             d.latents[:, :, :1] = d.control[:, :self.variant.z_dim, :1].to(d.latents)
         if other is not None:
@@ -227,7 +259,8 @@ class WanSampling(FamilySampling):
         import diffusers
 
         v = self.variant
-        image_to_video = v.concat_condition or (self.ti2v_first_frame and request.frames > 1)
+        image_to_video = v.concat_condition or (self.takes_control and request.control is not None
+                                                and request.frames > 1)
         cls = diffusers.WanImageToVideoPipeline if image_to_video else diffusers.WanPipeline
         components = {}
         if v.boundary is None:
