@@ -5,9 +5,9 @@ setup:
 	@bash scripts/setup.sh
 
 # Trains the tiny FLUX-architecture model on a generated dataset, 2 pipeline stages in 2 CPU
-# processes; outputs land in outputs/tiny_flux-synthetic/.
+# processes, sampling as it goes; outputs land in outputs/tiny_flux-synthetic/.
 demo: setup
-	HF_HUB_OFFLINE=1 .venv/bin/dpipe-train train=demo
+	HF_HUB_OFFLINE=1 .venv/bin/dpipe-train train=demo sample=demo
 
 # The whole suite, as CI runs it (starts a local SLURM for the SLURM tests when it can).
 test: setup

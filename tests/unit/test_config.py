@@ -17,7 +17,7 @@ from dpipe.config.store import register_schemas
 from dpipe.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ["model", "dataset", "optim", "pipeline", "train"]
+GROUPS = ["model", "dataset", "optim", "pipeline", "train", "sample"]
 # Options that need a user-given path to validate.
 NEEDS = {("model", "flux"): ["model.path=/models/FLUX.1-dev"],
          ("model", "auraflow"): ["model.path=/models/AuraFlow-v0.3"],
