@@ -87,7 +87,7 @@ def main() -> int:
                    else spec.encode_images(encoders, pixels)).float()
     if not getattr(spec, "text_sees_control", False):
         text = spec.encode_prompts(encoders, [request.prompt])
-        uncond = spec.encode_prompts(encoders, [request.negative_prompt])
+        uncond = spec.encode_negative_prompts(encoders, [request.negative_prompt])
     del encoders
     denoiser = spec.load_denoiser(torch.float32)
     torch.manual_seed(0)

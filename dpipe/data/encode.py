@@ -64,6 +64,8 @@ class TextJob(NamedTuple):
     control: str | None = None
     width: int = 0
     height: int = 0
+    # A sample's negative prompt, for families that encode those apart (negative_prompts_differ).
+    negative: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,15 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
                 flush()
             pending.append((job, _as_float(pixels)))
         flush()
-        plain = [t for t in texts if t.control is None]
-        for start in range(0, len(plain), TEXT_BATCH):
-            chunk = plain[start:start + TEXT_BATCH]
-            embeds = spec.encode_prompts(encoders, [t.caption for t in chunk])
-            _put_texts(writer, chunk, embeds)
-            counts["texts"] += len(chunk)
-            bar.update(len(chunk))
+        for negative in (False, True):
+            plain = [t for t in texts if t.control is None and t.negative == negative]
+            encode = spec.encode_negative_prompts if negative else spec.encode_prompts
+            for start in range(0, len(plain), TEXT_BATCH):
+                chunk = plain[start:start + TEXT_BATCH]
+                embeds = encode(encoders, [t.caption for t in chunk])
+                _put_texts(writer, chunk, embeds)
+                counts["texts"] += len(chunk)
+                bar.update(len(chunk))
         failures += _encode_texts_with_controls(
             spec, encoders, [t for t in texts if t.control is not None], writer, counts, bar)
     bar.close()

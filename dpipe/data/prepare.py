@@ -247,8 +247,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
-    work.request_keys = _request_jobs(sample_requests or [], spec, latent_key, text_key, seen_key,
-                                      jobs, texts, caption_keys)
+    work.request_keys = _request_jobs(sample_requests or [], spec, dtype, latent_key, text_key,
+                                      seen_key, jobs, texts, caption_keys)
     present = store.keys()
     work.total_keys = len(jobs) + len(texts)
     if keep_keys:  # not in training: rank 0 would send them all to every rank for nothing
@@ -278,12 +278,19 @@ def _key_makers(spec: ModelSpec, dtype: torch.dtype) -> tuple[KeyMaker, ...]:
     return latent_key, mask_key, text_key, seen_key
 
 
-def _request_jobs(requests: list, spec: ModelSpec, latent_key: KeyMaker, text_key: KeyMaker,
-                  seen_key: KeyMaker, jobs: dict, texts: dict, caption_keys: dict
-                  ) -> list[tuple[str, str, str | None]]:
+def _negative_key(spec: ModelSpec, dtype: torch.dtype) -> KeyMaker:
+    """Negative prompts of the families that encode them apart (`negative_prompts_differ`)."""
+    return KeyMaker(kind="negative text", encoder=spec.encoder_fingerprint("text"),
+                    dtype=str(dtype), fields=["caption"])
+
+
+def _request_jobs(requests: list, spec: ModelSpec, dtype: torch.dtype, latent_key: KeyMaker,
+                  text_key: KeyMaker, seen_key: KeyMaker, jobs: dict, texts: dict,
+                  caption_keys: dict) -> list[tuple[str, str, str | None]]:
     """Adds the entries that sample requests need (their prompts' and negative prompts'
     embeddings, their control images' latents) to `jobs` and `texts`; returns their keys."""
     sees_control = getattr(spec, "text_sees_control", False)
+    negative_key = _negative_key(spec, dtype) if spec.negative_prompts_differ else None
     out = []
     for request in requests:
         control = sha = None
@@ -295,7 +302,10 @@ def _request_jobs(requests: list, spec: ModelSpec, latent_key: KeyMaker, text_ke
                                                role="control"))
         keys = []
         for caption in (request.prompt, request.negative_prompt):
-            if sees_control and sha is not None:
+            if caption is request.negative_prompt and negative_key is not None:
+                k = negative_key.fields(caption)
+                texts.setdefault(k, TextJob(k, caption, negative=True))
+            elif sees_control and sha is not None:
                 k = seen_key.fields(sha, w, h, caption)
                 texts.setdefault(k, TextJob(k, caption, request.control, w, h))
             else:
@@ -317,7 +327,7 @@ def prepare_prompts(spec: ModelSpec, cache_dir: str, device: torch.device, dtype
     latent_key, _mask, text_key, seen_key = _key_makers(spec, dtype)
     jobs: dict = {}
     texts: dict = {}
-    keys = _request_jobs(requests, spec, latent_key, text_key, seen_key, jobs, texts, {})
+    keys = _request_jobs(requests, spec, dtype, latent_key, text_key, seen_key, jobs, texts, {})
     present = store.keys()
     jobs = [j for k, j in jobs.items() if k not in present]
     texts = [t for k, t in texts.items() if k not in present]

@@ -122,6 +122,15 @@ class ModelSpec(abc.ABC):
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Prompts -> named embedding tensors with a leading batch dimension."""
 
+    # Families whose pipeline encodes a negative prompt otherwise than a prompt (Lumina 2 puts
+    # its system prompt before prompts only): their sample requests' negative prompts are made
+    # by `encode_negative_prompts` and cached apart from the captions.
+    negative_prompts_differ: ClassVar[bool] = False
+
+    def encode_negative_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Negative prompts -> as `encode_prompts`, encoded as the family's pipeline encodes them."""
+        return self.encode_prompts(encoders, prompts)
+
     # Edit models whose text encoder reads the control image with the prompt (Qwen-Image-Edit):
     # their text entries depend on (caption, control image) and are made by
     # `encode_prompts_with_controls`, not `encode_prompts`.

@@ -12,16 +12,8 @@ past `cfg_trunc_ratio` of the schedule ((i + 1) / steps > ratio; 1.0: none), the
 `cfg_normalization` (on), rescaled to the conditional prediction's norm over the last (width)
 axis, as the pipeline does it.
 
-One difference from the pipeline, kept: `Lumina2Pipeline.encode_prompt` puts its system prompt
-before the prompt but not before the negative prompt, while dpipe caches the negative prompt as
-it caches every caption (`Lumina2Spec.encode_prompts`: with the system prompt), since the cache
-does not know which captions are negative prompts; the sampler cannot re-encode (no text encoder
-is loaded while training). So the unconditional prediction is that of
-"<system prompt> <Prompt Start> <negative prompt>". `diffusers_sample` runs the pipeline with that
-same negative conditioning (`negative_prompt_embeds` from the pipeline's own `encode_prompt`, the
-way the cache makes it), so the comparison checks everything else exactly; with
-`negative_with_system_prompt = False` it passes the plain `negative_prompt` (the pipeline's own
-conditioning) instead, to see the difference.
+The negative prompt is encoded as the pipeline encodes it, without the system prompt that goes
+before every prompt (`Lumina2Spec.encode_negative_prompts`, cached apart from the captions).
 """
 
 from __future__ import annotations
@@ -40,8 +32,6 @@ class Lumina2Sampling(FamilySampling):
     # Lumina2Pipeline.__call__'s defaults.
     cfg_trunc_ratio: float = 1.0
     cfg_normalization: bool = True
-    # How `diffusers_sample` gives the pipeline the negative prompt (see the module doc).
-    negative_with_system_prompt: bool = True
 
     # ---- latents and schedule ------------------------------------------------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
@@ -81,19 +71,10 @@ class Lumina2Sampling(FamilySampling):
         pipe = Lumina2Pipeline.from_pretrained(self.path, transformer=denoiser,
                                                dtype=torch.float32)
         n = self.spec.cfg.max_text_tokens
-        kwargs = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
-        if guidance > 1 and self.negative_with_system_prompt:
-            # The negative prompt as dpipe's cache encodes it (see the module doc); the pipeline
-            # then wants the prompt's embeddings too (its own encode_prompt's, as it would make).
-            with torch.no_grad():
-                (embeds, mask), (neg, neg_mask) = (pipe.encode_prompt(
-                    [p], do_classifier_free_guidance=False, device=pipe._execution_device,
-                    max_sequence_length=n)[:2] for p in (request.prompt, request.negative_prompt))
-            kwargs = dict(prompt_embeds=embeds, prompt_attention_mask=mask,
-                          negative_prompt_embeds=neg, negative_prompt_attention_mask=neg_mask)
         return pipe(height=request.height, width=request.width,
                     num_inference_steps=steps, guidance_scale=guidance,
                     cfg_trunc_ratio=self.cfg_trunc_ratio,
                     cfg_normalization=self.cfg_normalization,
                     generator=torch.Generator().manual_seed(request.seed),
-                    max_sequence_length=n, output_type="latent", **kwargs).images
+                    max_sequence_length=n, output_type="latent", prompt=request.prompt,
+                    negative_prompt=request.negative_prompt).images

@@ -112,6 +112,16 @@ class Lumina2Spec(ModelSpec):
             max_sequence_length=self.cfg.max_text_tokens)
         return {"cap": embeds, "cap_mask": mask.float()}
 
+    # Lumina2Pipeline puts its system prompt before the prompt, not before the negative prompt.
+    negative_prompts_differ = True
+
+    @torch.no_grad()
+    def encode_negative_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        _, _, embeds, mask = encoders.encode_prompt(
+            list(prompts), negative_prompt=list(prompts), do_classifier_free_guidance=True,
+            device=encoders.vae.device, max_sequence_length=self.cfg.max_text_tokens)
+        return {"cap": embeds, "cap_mask": mask.float()}
+
     # ---- training ----------------------------------------------------------------------------
     def lora_targets(self) -> str:
         return LORA_TARGETS
