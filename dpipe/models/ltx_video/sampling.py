@@ -15,9 +15,13 @@ latent frame is the control image's latents, its tokens get t = 0, and only the 
 stepped. One difference from the pipeline, on purpose: the pipeline encodes the image with a
 *sample* of the VAE posterior (mean + std * noise from the seed's generator), dpipe with its mode
 (the mean), which is what the training cache holds and what `d.control` carries, so that the
-condition is the one the model trained on. dpipe still draws that posterior noise from the
-generator first, so the video's noise equals the pipeline's; the two differ only by the posterior
-noise on the image latents (std * noise, small for a trained VAE).
+condition is the one the model trained on (the shared layer hands a family the mode only, not
+the posterior's std, so the pipeline's draw cannot be rebuilt here). dpipe still draws that
+posterior noise from the generator first, so the video's noise equals the pipeline's; the two
+differ by the std * noise on the image latents and what follows from it (with the tiny model's
+random VAE, std ~ 1: latents apart by up to ~4; with the posterior's mean in both, ~1e-6). The
+pipeline normalises the image latents without scaling_factor, the cache with it: the same for
+LTX-Video, whose VAEs have scaling_factor 1.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class LTXVideoSampling(FamilySampling):
                 request.height // spatial, request.width // spatial)
 
     def image_tokens(self, latents: torch.Tensor) -> int:
-        """The pipeline's video_sequence_length: latent frames x height x width (before patching)."""
+        """The pipeline's video_sequence_length: latent frames x height x width (unpatched)."""
         return latents.shape[-3] * latents.shape[-2] * latents.shape[-1]
 
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:

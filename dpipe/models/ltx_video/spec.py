@@ -284,8 +284,8 @@ class LTXVideoSpec(ModelSpec):
         return getattr(diffusers, self.transformer_class).from_pretrained(export_dir / "transformer")
 
     def sampling(self):
-        if self.family != LTXVideoSpec.family:  # a family built on this spec (LTX-2) samples its
-            return super().sampling()            # own way, or not yet
+        if self.family != LTXVideoSpec.family:  # a family built on this spec (LTX-2) samples
+            return super().sampling()  # its own way, or not at all
         from dpipe.models.ltx_video.sampling import LTXVideoSampling
 
         return LTXVideoSampling(self)
