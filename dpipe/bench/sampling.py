@@ -2,14 +2,18 @@
 weights at a real size, on one GPU: FLUX.1 for now.
 
     python -m dpipe.bench.sampling --size dev --steps 28 --resolution 1024 [--compile]
+    python -m dpipe.bench.sampling --size dev --steps 2 --dtype fp32     # exactness at real size
 
 Both denoise the same prompt embeddings (random, at T5-XXL's 512 x 4096) from the same seed, in
-bf16: dpipe through the pipeline layers (`dpipe.sample.denoise`, one stage, the layers compiled
-with --compile as training compiles them), FluxPipeline with its own transformer (its blocks
-compiled with --compile), to latents (no VAE, no text encoders). Prints seconds per sample
-(the mean of --repeats after one warm-up run, which compiles), the largest latent difference
-between the two, and the GPU memory the denoising took above the resident weights: what a
-training run's sampling round adds to the memory the weights already hold.
+--dtype: dpipe through the pipeline layers (`dpipe.sample.denoise`, one stage, the layers
+compiled with --compile as training compiles them), twice in bf16: plain, and under autocast as
+training runs a LoRA's layers (its adapters are fp32); FluxPipeline with its own transformer (its
+blocks compiled with --compile), to latents (no VAE, no text encoders). Prints seconds per
+sample (the mean of --repeats after one warm-up run, which compiles), the largest latent
+difference from FluxPipeline's, and the GPU memory the denoising took above the resident
+weights: what a training run's sampling round adds to the memory the weights already hold.
+Random weights at real size amplify any rounding difference over the steps: --dtype fp32
+shows whether the two compute the same.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=3.5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -84,10 +89,11 @@ def main() -> None:
     spec = build_spec(ModelConfig(family="flux", path=str(folder)))
     sampling = spec.sampling()
     torch.manual_seed(0)
-    denoiser = spec.random_denoiser(args.size, torch.bfloat16, device).eval().requires_grad_(False)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    denoiser = spec.random_denoiser(args.size, dtype, device).eval().requires_grad_(False)
     shapes = SAMPLE_SHAPES[args.size]
-    text = {"t5": torch.randn(1, *shapes["t5"], device=device, dtype=torch.bfloat16),
-            "pooled": torch.randn(1, *shapes["pooled"], device=device, dtype=torch.bfloat16)}
+    text = {"t5": torch.randn(1, *shapes["t5"], device=device, dtype=dtype),
+            "pooled": torch.randn(1, *shapes["pooled"], device=device, dtype=dtype)}
     request = SampleRequest(0, "bench", "", 0, args.resolution, args.resolution)
 
     layers = spec.pipeline_layers(denoiser)
@@ -95,18 +101,24 @@ def main() -> None:
         for layer in layers:
             layer.compile()
 
-    def run(x):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            for layer in layers:
-                x = layer(x)
+    def run_plain(x):  # floats in the weights' dtype, as dpipe's engine runs bf16 weights
+        x = tuple(t.to(dtype) if t.is_floating_point() else t for t in x)
+        for layer in layers:
+            x = layer(x)
         return x
 
-    def ours():
-        state = sampling.start(request, args.steps, args.guidance, text, None, None, device)
-        link = StageLink.local(device)
-        if denoise(sampling, [state], link, run, args.steps)[0]:
-            raise RuntimeError("dpipe's sampler failed") from link.error
-        return state.latents
+    def run_autocast(x):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return run_plain(x)
+
+    def ours(run):
+        def sample():
+            state = sampling.start(request, args.steps, args.guidance, text, None, None, device)
+            link = StageLink.local(device)
+            if denoise(sampling, [state], link, run, args.steps)[0]:
+                raise RuntimeError("dpipe's sampler failed") from link.error
+            return state.latents
+        return sample
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
     pipe = FluxPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None,
@@ -121,22 +133,26 @@ def main() -> None:
                         num_inference_steps=args.steps, guidance_scale=args.guidance,
                         generator=torch.Generator().manual_seed(0), output_type="latent").images
 
-    ours_s, ours_gib, ours_latents = timed(ours, args.repeats)
+    results = {"dpipe sampler": timed(ours(run_plain), args.repeats)}
+    if args.dtype == "bf16":
+        results["dpipe, autocast"] = timed(ours(run_autocast), args.repeats)
     if args.compile:  # the same blocks, compiled as diffusers users compile them
         for block in [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]:
             block.compile()
     theirs_s, theirs_gib, packed = timed(theirs, args.repeats)
     from dpipe.models.flux.sampling import unpack
 
-    diff = (unpack(packed.float(), ours_latents) - ours_latents.float()).abs().max().item()
+    reference = unpack(packed.float(), results["dpipe sampler"][2]).float()
     weights = sum(p.numel() * p.element_size() for p in denoiser.parameters()) / 2**30
     mode = "compiled" if args.compile else "eager"
-    print(f"FLUX.1-{args.size} ({weights:.1f} GiB of bf16 weights), {args.resolution}^2, "
+    print(f"FLUX.1-{args.size} ({weights:.1f} GiB of {args.dtype} weights), {args.resolution}^2, "
           f"{args.steps} steps, guidance {args.guidance}, {mode}:")
-    print(f"  dpipe sampler : {ours_s:.3f} s/sample, +{ours_gib:.2f} GiB above the weights")
-    print(f"  FluxPipeline  : {theirs_s:.3f} s/sample, +{theirs_gib:.2f} GiB above the weights")
-    print(f"  dpipe / diffusers time: {ours_s / theirs_s:.3f}; largest latent difference "
-          f"{diff:.3g}")
+    for name, (seconds, gib, latents) in results.items():
+        diff = (latents.float() - reference).abs().max().item()
+        print(f"  {name:16s}: {seconds:.3f} s/sample ({seconds / theirs_s:.3f}x FluxPipeline's), "
+              f"+{gib:.2f} GiB above the weights; largest latent difference {diff:.3g} "
+              f"(values up to {reference.abs().max().item():.3g})")
+    print(f"  {'FluxPipeline':16s}: {theirs_s:.3f} s/sample, +{theirs_gib:.2f} GiB above the weights")
 
 
 if __name__ == "__main__":

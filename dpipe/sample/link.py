@@ -50,7 +50,7 @@ class StageLink:
         outputs = []
         for k in range(count):
             if self.first:
-                x = None if inputs[k] is None else tuple(t.to(self.device) for t in inputs[k])
+                x = None if inputs[k] is None else tuple(self._to_device(t) for t in inputs[k])
             else:
                 x = self._receive()
             y = None
@@ -66,6 +66,13 @@ class StageLink:
             else:
                 self._send(y)
         return outputs if self.last else None
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy from pageable host memory waits for the GPU's queue to drain (a host sync per
+        micro-batch and step); from pinned memory it is queued like a kernel."""
+        if self.device.type != "cuda" or t.device.type == "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def share(self, tensors: list[torch.Tensor]) -> None:
         """Gives every stage the last stage's values of `tensors` (in place)."""
