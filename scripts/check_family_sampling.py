@@ -52,6 +52,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--frames", type=int, default=1)
     parser.add_argument("--guidance", type=float, default=None)
+    parser.add_argument("--width", type=int, default=None, help="default: 4 pixel multiples")
+    parser.add_argument("--height", type=int, default=None, help="default: 3 pixel multiples")
+    parser.add_argument("--control", action="store_true",
+                        help="give a control image to a family that takes one without needing it")
     args = parser.parse_args()
 
     spec = build_spec(model_config(args.model))
@@ -60,14 +64,17 @@ def main() -> int:
     m = spec.pixel_multiple
     cpu = torch.device("cpu")
     guidance = sampling.default_guidance if args.guidance is None else args.guidance
+    width, height = args.width or 4 * m, args.height or 3 * m
     control_path = None
-    if sampling.needs_control:
+    if sampling.needs_control or args.control:
+        import tempfile
+
         from PIL import Image
 
-        control_path = "/tmp/dpipe-check-control.png"
-        pixels = ((control_image(4 * m, 3 * m) + 1) * 127.5).round().byte().permute(1, 2, 0)
+        control_path = tempfile.mkstemp(prefix="dpipe-check-control-", suffix=".png")[1]
+        pixels = ((control_image(width, height) + 1) * 127.5).round().byte().permute(1, 2, 0)
         Image.fromarray(pixels.numpy()).save(control_path)
-    request = SampleRequest(0, "a red circle on a blue background", "blurry", 3, 4 * m, 3 * m,
+    request = SampleRequest(0, "a red circle on a blue background", "blurry", 3, width, height,
                             args.frames, control_path)
     problem = sampling.check(request)
     if problem:
@@ -78,7 +85,7 @@ def main() -> int:
     if control_path is not None:
         from dpipe.data.sources import load_image
 
-        pixels = load_image(Path(control_path), request.width, request.height)[None]
+        pixels = load_image(Path(control_path), *sampling.control_size(request))[None]
         if getattr(spec, "text_sees_control", False):
             text = spec.encode_prompts_with_controls(encoders, [request.prompt], pixels)
             uncond = spec.encode_prompts_with_controls(encoders, [request.negative_prompt], pixels)

@@ -291,10 +291,11 @@ def _request_jobs(requests: list, spec: ModelSpec, dtype: torch.dtype, latent_ke
     embeddings, their control images' latents) to `jobs` and `texts`; returns their keys."""
     sees_control = getattr(spec, "text_sees_control", False)
     negative_key = _negative_key(spec, dtype) if spec.negative_prompts_differ else None
+    sampling = spec.sampling() if requests else None
     out = []
     for request in requests:
         control = sha = None
-        w, h = request.width, request.height
+        w, h = sampling.control_size(request)
         if request.control is not None:
             sha = file_fingerprint(Path(request.control))
             control = latent_key.fields(sha, "image", None, w, h, 1, 0)

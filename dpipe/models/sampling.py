@@ -97,6 +97,12 @@ class FamilySampling:
                     "remove `control`")
         return None
 
+    def control_size(self, request: SampleRequest) -> tuple[int, int]:
+        """(width, height) the control image is fitted to, for its latents and, where the text
+        encoder sees it, for the prompt: the request's size, as training fits control images to
+        the target's; a family whose pipeline resizes its references overrides it."""
+        return request.width, request.height
+
     def uses_uncond(self, guidance: float) -> bool:
         return self.guidance_kind == "cfg" and guidance > 1.0
 

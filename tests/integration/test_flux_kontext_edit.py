@@ -62,8 +62,12 @@ def _edit_run_overrides(data: Path) -> list[str]:
 def edit_sweep(tmp_path_factory) -> Sweep:
     """The three families' LoRA runs (2 steps), one sweep on one edit dataset."""
     base = tmp_path_factory.mktemp("edit")
+    data = _edit_dataset(base / "data")
+    # Each run ends by sampling an edit of a reference image through its 2 stages.
+    prompts = f"sample.prompts=[{{prompt: 'mirror it: a star', control: {data}/control/001.png}}]"
     return Sweep(base / "sweep", f"model={','.join(EDIT_FAMILIES)}",
-                 *_edit_run_overrides(_edit_dataset(base / "data")), "train.max_steps=2")
+                 *_edit_run_overrides(data), "train.max_steps=2", prompts, "sample.steps=2",
+                 "sample.save_latents=true")
 
 
 @pytest.fixture(params=EDIT_FAMILIES)
@@ -106,6 +110,19 @@ def test_exported_edit_lora_reproduces_the_trained_model(edit_run):
         with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(edit_run / "lora"), inputs)
     assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_staged_edit_samples_equal_the_diffusers_pipeline(edit_run):
+    """The edit sampled at the end of the run equals the family's diffusers edit pipeline's
+    from the exported LoRA, the same reference image, prompt, seed and steps."""
+    from tests.integration.sampled import diffusers_latents, saved_latents
+
+    expected = diffusers_latents(edit_run, edit_run / "lora")
+    base = diffusers_latents(edit_run, None)
+    got = saved_latents(edit_run / "samples" / "step_2", 0)
+    torch.testing.assert_close(got, expected[0], rtol=1e-4, atol=1e-5)
+    assert (expected[0] - base[0]).abs().max() > 1e-4, "training left the sample unchanged"
 
 
 @pytest.mark.slow

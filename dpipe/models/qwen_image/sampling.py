@@ -20,12 +20,11 @@ Qwen-Image-Edit additionally appends the reference image's packed latents to the
 family's `make_inputs` does it from `d.control`) and reads the prediction from the target tokens
 only (the last layer already cuts them). Its text comes from `encode_prompts_with_controls`: the
 VL encoder sees the control image resized to ~1024x1024 pixels (`calculate_dimensions`), as the
-pipeline's `prompt_image`. One difference from the pipeline that is kept on purpose: the pipeline
-also VAE-encodes the reference at that ~1 MP size, whatever the output size, while dpipe encodes
-it at the request's size, as its training cache encodes control images (at the target's size).
-The two agree when the request's size is the pipeline's own size for its aspect ratio
-(`calculate_dimensions(1024 * 1024, width / height)`, e.g. 1024x1024 or 1184x896): then dpipe's
-sample equals the pipeline's; at other sizes the reference tokens (and their RoPE grid) differ.
+pipeline's `prompt_image`. The pipeline VAE-encodes the reference at ~1 MP whatever the output
+size (`calculate_dimensions(1024 * 1024, width / height)`, e.g. 1024x1024 or 1184x896), and so
+does dpipe's sampler (`control_size`): the control image is fitted to that size for its latents
+and for the prompt, so a sample shows the LoRA as the pipeline will use it. (Training fits
+control images to the target's size, as the dataset's buckets give them.)
 """
 
 from __future__ import annotations
@@ -132,18 +131,22 @@ class QwenImageSampling(FamilySampling):
 
 
 class QwenImageEditSampling(QwenImageSampling):
-    """See the module docstring: equal to `QwenImageEditPipeline` where the request's size is
-    the pipeline's size for the control's aspect ratio; elsewhere the reference latents are at
-    the request's size (dpipe's training convention) instead of ~1 MP."""
+    """See the module docstring: the reference at the pipeline's ~1 MP size."""
 
     needs_control = True
 
+    def control_size(self, request: SampleRequest) -> tuple[int, int]:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        width, height, _ = calculate_dimensions(1024 * 1024, request.width / request.height)
+        return width, height
+
     def control_image(self, request: SampleRequest):
-        """The control image as dpipe's sampler encodes it: fitted to the request's size (as
-        `dpipe.data.sources.load_image` does), 8-bit RGB."""
+        """The control image as dpipe's sampler encodes it: fitted to `control_size` (as
+        `dpipe.data.sources.load_image` does), 8-bit RGB; the pipeline keeps that size."""
         from dpipe.data.sources import fit, open_rgb
 
-        return fit(open_rgb(request.control), request.width, request.height)
+        return fit(open_rgb(request.control), *self.control_size(request))
 
     def pipeline_kwargs(self, request: SampleRequest) -> dict:
         # The edit pipeline cuts nothing with max_sequence_length (and refuses > 1024): the
