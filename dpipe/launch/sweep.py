@@ -31,6 +31,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dpipe.launch.dirnames import register_resolver
 from dpipe.errors import ConfigError
 from dpipe.launch import env as dist_env
 from dpipe.launch import jobs
@@ -100,6 +101,11 @@ class SubmititSlurmConf:
     python: Optional[str] = None
     additional_parameters: dict[str, Any] = field(default_factory=dict)
     poll_interval_s: float = 2.0
+
+
+# conf/config.yaml names sweep folders through this resolver; registered on import, so that the
+# processes that run sweep points (submitit's jobs unpickle this module) resolve it too.
+register_resolver()
 
 
 def register_launchers() -> None:
