@@ -50,6 +50,7 @@ SLOWEST_MODULES = {
     "tests.integration.test_families": 480,
     "tests.integration.test_slurm": 260,
     "tests.integration.test_training": 210,
+    "tests.integration.test_samples": 150,
     "tests.integration.test_video_clips": 155,
     "tests.integration.test_wan": 130,
     "tests.integration.test_data_training": 120,

@@ -1,7 +1,8 @@
 """What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
-rate; a one-frame clip is a PNG), optionally `<k>.safetensors` with the final latents, the same
-pictures in TensorBoard under `samples/<k>`, and `index.html`, a page with the prompts as rows and
-the rounds as columns that a browser opens from disk (no server, nothing fetched).
+rate; a one-frame clip is a PNG) and `prompts.json` (what each file shows), optionally
+`<k>.safetensors` with the final latents, the same pictures in TensorBoard under `samples/<k>`,
+and `index.html`, a page with the prompts as rows and the rounds as columns that a browser opens
+from disk (no server, nothing fetched).
 
 Every file is written atomically: a run killed while writing leaves the old file or none, and a
 resumed run that samples a step again writes the same names.
@@ -108,23 +109,34 @@ def add_to_tensorboard(writer, request: SampleRequest, pixels: torch.Tensor, fps
                                           step)
 
 
-def write_index(index_dir: Path, requests: list[SampleRequest],
-                rounds: list[Path] | None = None) -> Path:
-    """Records the prompts in `index_dir` and rewrites its index page: a column per round
-    folder (default: its `step_<N>` folders in step order, as training writes them), a row
-    per request."""
-    atomic_write_text(index_dir / PROMPTS_FILE, json.dumps(
-        [{"index": r.index, "prompt": r.prompt, "seed": r.seed, "size": [r.width, r.height],
-          "frames": r.frames} for r in requests], indent=1))
+def write_prompts(folder: Path, requests: list[SampleRequest]) -> None:
+    """A round's record of what its files show: index -> the request's label."""
+    atomic_write_text(folder / PROMPTS_FILE, json.dumps(
+        [{"index": r.index, "label": r.label, "prompt": r.prompt, "seed": r.seed,
+          "size": [r.width, r.height], "frames": r.frames} for r in requests], indent=1))
+
+
+def write_index(index_dir: Path, rounds: list[Path] | None = None) -> Path:
+    """Rewrites the index page of `index_dir`: a column per round folder (default: its
+    `step_<N>` folders in step order, as training writes them), a row per prompt that any round
+    sampled (each round's prompts.json says which of its files shows which: a resumed run may
+    have changed sample.prompts)."""
     if rounds is None:
         rounds = sorted((d for d in index_dir.iterdir() if d.is_dir() and _step(d) is not None),
                         key=_step)
+    shown: dict[str, dict[Path, int]] = {}  # label -> {round: file index}
+    for d in rounds:
+        listed = d / PROMPTS_FILE
+        for item in json.loads(listed.read_text()) if listed.is_file() else []:
+            shown.setdefault(item["label"], {})[d] = item["index"]
     head = "".join(f"<th>{html.escape(d.name)}</th>" for d in rounds)
     rows = []
-    for r in requests:
+    for label, files in shown.items():
         cells = []
         for d in rounds:
-            found = [p for p in (d / f"{r.index}.png", d / f"{r.index}.mp4") if p.is_file()]
+            index = files.get(d)
+            found = [] if index is None else [
+                p for p in (d / f"{index}.png", d / f"{index}.mp4") if p.is_file()]
             link = "" if not found else html.escape(str(found[0].relative_to(index_dir)))
             if not found:
                 cells.append("<td></td>")
@@ -132,7 +144,7 @@ def write_index(index_dir: Path, requests: list[SampleRequest],
                 cells.append(f'<td><a href="{link}"><img src="{link}" loading="lazy"></a></td>')
             else:
                 cells.append(f'<td><video src="{link}" controls loop muted></video></td>')
-        rows.append(f'<tr><th class="prompt">{html.escape(r.label)}</th>{"".join(cells)}</tr>')
+        rows.append(f'<tr><th class="prompt">{html.escape(label)}</th>{"".join(cells)}</tr>')
     title = html.escape(index_dir.parent.name if index_dir.name == "samples" else index_dir.name)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>samples: {title}</title>

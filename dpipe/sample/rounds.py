@@ -102,7 +102,8 @@ class SampleRound:
                     errors.append(f"decoding: {type(error).__name__}: {error}")
         if writer is not None:
             writer.flush()
-        outputs.write_index(index_dir, self.requests, [folder] if folder == index_dir else None)
+        outputs.write_prompts(folder, self.requests)
+        outputs.write_index(index_dir, [folder] if folder == index_dir else None)
         memory = f", {peak:.2f} GiB of GPU memory on top of what was resident" if peak else ""
         log.info("samples %s: %d in %.1f s (%d denoising steps%s) -> %s", what, written,
                  seconds, self.steps, memory, folder)

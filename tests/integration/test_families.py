@@ -17,9 +17,10 @@ every family's run are forked from one fork server that imported the libraries o
    stage, which receives activations and gradients both: HiDream's pass int64 ids and masks
    between float tensors, and DeepSpeed's shared receive buffers once failed there in step 2.
 
-4. Every run samples at its end through its stages (`sample.save_latents`): the latents equal
-   those of the family's diffusers pipeline from the exported weights (the LoRA, loaded the way
-   users load it; the full fine-tune's folder), with the same prompt, seed and steps.
+4. Every run samples before training and at its end through its stages (`sample.save_latents`):
+   the final latents equal those of the family's diffusers pipeline from the exported weights
+   (the LoRA, loaded the way users load it; the full fine-tune's folder), with the same prompt,
+   seed and steps, and differ from the first round's (the base model's).
 
 Add a family by adding its tiny config name to the list of its sample group.
 """
@@ -49,7 +50,7 @@ FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIE
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
 SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
          "train.checkpoint_every_steps=0", "train.progress_bar=false",
-         "sample.steps=2", "sample.save_latents=true"]
+         "sample.steps=2", "sample.save_latents=true", "sample.at_start=true"]
 PROMPT = "a red circle on a blue background"
 
 
@@ -162,11 +163,11 @@ def _check_samples(run_dir: Path, weights: Path, full: bool) -> None:
     from tests.integration.sampled import diffusers_latents, saved_latents
 
     expected = diffusers_latents(run_dir, weights, full)
-    base = diffusers_latents(run_dir, None)
     for k, latents in enumerate(expected):
         got = saved_latents(run_dir / "samples" / "step_2", k)
         torch.testing.assert_close(got, latents, **SAMPLE_TOLERANCE, msg=f"sample {k}")
-        assert (latents - base[k]).abs().max() > 10 * SAMPLE_TOLERANCE["atol"], \
+        before = saved_latents(run_dir / "samples" / "step_0", k)  # the base model's
+        assert (got - before).abs().max() > 10 * SAMPLE_TOLERANCE["atol"], \
             "training left the sample unchanged: the check could not tell the weights apart"
 
 

@@ -61,11 +61,11 @@ def run_dir(tmp_path_factory) -> Path:
 def test_every_round_is_written_once(run_dir):
     samples = run_dir / "samples"
     rounds = sorted(p.name for p in samples.iterdir() if p.is_dir())
-    assert rounds == [f"step_{n}" for n in sorted(ROUNDS, key=str)] or \
-        sorted(rounds) == sorted(f"step_{n}" for n in ROUNDS)
+    assert rounds == sorted(f"step_{n}" for n in ROUNDS)
     for n in ROUNDS:
         names = sorted(p.name for p in (samples / f"step_{n}").iterdir())
-        assert names == ["0.png", "0.safetensors", "1.png", "1.safetensors"], (n, names)
+        assert names == ["0.png", "0.safetensors", "1.png", "1.safetensors", "prompts.json"], \
+            (n, names)
     from PIL import Image
 
     assert Image.open(samples / "step_6" / "1.png").size == (48, 32)

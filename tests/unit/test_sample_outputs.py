@@ -57,12 +57,21 @@ def test_tensorboard_gets_images_and_clips(tmp_path):
 
 def test_the_index_page_has_a_row_per_prompt_and_a_column_per_step(tmp_path):
     for step in (10, 2):
-        outputs.write_sample(tmp_path / f"step_{step}", request(0), torch.zeros(3, 8, 16), 24.0)
+        for r in (request(0), request(1)):
+            outputs.write_sample(tmp_path / f"step_{step}", r, torch.zeros(3, 8, 16), 24.0)
+        outputs.write_prompts(tmp_path / f"step_{step}", [request(0), request(1)])
+    # A resumed run that changed sample.prompts: its prompt 1 is another prompt.
+    changed = SampleRequest(1, "a new prompt", "", 1, 16, 8)
+    outputs.write_sample(tmp_path / "step_12", changed, torch.zeros(3, 8, 16), 24.0)
+    outputs.write_prompts(tmp_path / "step_12", [changed])
     (tmp_path / "sampled-final").mkdir()  # dpipe-sample's: not a training round
-    page = outputs.write_index(tmp_path, [request(0), request(1)]).read_text()
-    assert page.index("<th>step_2</th>") < page.index("<th>step_10</th>")
+    page = outputs.write_index(tmp_path).read_text()
+    assert page.index("<th>step_2</th>") < page.index("<th>step_10</th>") < page.index("step_12")
     assert "sampled-final" not in page
-    assert 'src="step_10/0.png"' in page and "prompt &lt;1&gt;" in page
+    rows = {row.split("</th>")[0].split(">")[-1]: row for row in page.split("<tr>")[2:]}
+    assert 'src="step_10/1.png"' in rows["prompt &lt;1&gt; (seed 1, 16x8)"]
+    assert "step_12" not in rows["prompt &lt;1&gt; (seed 1, 16x8)"]
+    assert 'src="step_12/1.png"' in rows["a new prompt (seed 1, 16x8)"]
     assert "http" not in page  # opens from disk, fetches nothing
 
 
