@@ -7,6 +7,7 @@ message naming the key and what to change. It runs before any worker process sta
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -72,6 +73,40 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
+def _check_ranges(run: RunConfig) -> None:
+    """The range of each numeric key that `positive` (whole numbers >= 1) does not cover. NaN
+    and infinity fail every range: a NaN compares false, so a plain `lr <= 0` lets it through
+    to the first step. (DataSettings, eval and sample.* keys are checked where they are read.)"""
+    t, m, o, d = run.train, run.model, run.optim, run.dataset
+    lora_alpha = {} if m.lora.alpha is None else {"model.lora.alpha": m.lora.alpha}
+    above_zero = {"optim.lr": o.lr, "optim.eps": o.eps, "train.timesteps.shift": t.timesteps.shift,
+                  "train.timesteps.logit_std": t.timesteps.logit_std, **lora_alpha}
+    at_least_zero = {"optim.weight_decay": o.weight_decay, "optim.warmup_steps": o.warmup_steps,
+                     "optim.grad_clip": o.grad_clip, "model.min_snr_gamma": m.min_snr_gamma,
+                     "train.checkpoint_every_minutes": t.checkpoint_every_minutes,
+                     "train.audit_step": t.audit_step}
+    in_unit_interval = {"model.lora.dropout": m.lora.dropout}  # [0, 1)
+    whole_at_least_one = {"model.max_text_tokens": m.max_text_tokens, "dataset.num_images": d.num_images}
+    for key, value in above_zero.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{key} must be a number > 0, got {value}")
+    for key, value in at_least_zero.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{key} must be a number >= 0, got {value}")
+    for key, value in in_unit_interval.items():
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    for key, value in whole_at_least_one.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not math.isfinite(t.timesteps.logit_mean) or not math.isfinite(m.guidance):
+        raise ConfigError(f"train.timesteps.logit_mean and model.guidance must be finite numbers, "
+                          f"got {t.timesteps.logit_mean} and {m.guidance}")
+    if d.cache_workers is not None and d.cache_workers < 0:
+        raise ConfigError(f"dataset.cache_workers must be >= 0 (0: decode in this process) or "
+                          f"null (auto), got {d.cache_workers}")
+
+
 def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     p, t, m, o = run.pipeline, run.train, run.model, run.optim
 
@@ -87,14 +122,9 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
-    if o.lr <= 0:
-        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    _check_ranges(run)
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
-    if o.warmup_steps < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
-    if not 0 <= m.lora.dropout < 1:
-        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {m.lora.dropout}")
 
     if p.data_parallel is not None and p.data_parallel < 1:
         raise ConfigError(f"pipeline.data_parallel must be >= 1 or null (auto), got {p.data_parallel}")
@@ -152,7 +182,8 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             "reference implementation that builds every attention score in memory; drop "
             "pipeline.compile=false (on a GPU the layers compile by default), or use "
             "model.attention=sdpa")
-    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+    if p.memory_budget_gb is not None and not (math.isfinite(p.memory_budget_gb)
+                                               and p.memory_budget_gb > 0):
         raise ConfigError("pipeline.memory_budget_gb must be > 0, or null for the device's memory")
 
     if p.stages > 1 and p.micro_batches < p.stages:

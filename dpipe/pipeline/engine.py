@@ -187,6 +187,31 @@ def build_engine(
     )
 
 
+def apply_optim_config(engine, run: RunConfig) -> None:
+    """Makes a loaded checkpoint's optimizer follow the current `optim.*` from the next step on.
+
+    Loading restores each param group's lr, betas, eps and weight decay, the schedule's base lrs
+    and (in DeepSpeed's bf16 and ZeRO optimizers) the clipping norm as they were saved, so a
+    resume with a changed `optim.lr` would log the change and train on the old value. The
+    schedule's position (`last_epoch`) and the AdamW moments stay the checkpoint's. The schedule
+    function itself is not saved (torch stores functions as None): it is already the current one.
+    """
+    scheduler = engine.lr_scheduler
+    # Ours, the AdamW: DeepSpeed's wrappers forward their param_groups to it.
+    groups = scheduler.optimizer.param_groups
+    factor = lr_lambda(run.optim, run.train.max_steps)
+    scheduler.base_lrs = [run.optim.lr] * len(groups)
+    scheduler.lr_lambdas = [factor] * len(groups)
+    for group in groups:
+        group.update(initial_lr=run.optim.lr, lr=run.optim.lr * factor(scheduler.last_epoch),
+                     betas=tuple(run.optim.betas), eps=run.optim.eps,
+                     weight_decay=run.optim.weight_decay)
+    scheduler._last_lr = [group["lr"] for group in groups]
+    if _deepspeed_wraps_optimizer(run):
+        engine.optimizer.clip_grad = run.optim.grad_clip
+    # Otherwise dpipe's own clipping (install_clipping) was installed with the current norm.
+
+
 def _release_other_stages(layers: list[nn.Module], module) -> None:
     """Frees the weights of layers that other stages own: each rank keeps only its share."""
     local = {id(layer) for layer in module.forward_funcs}

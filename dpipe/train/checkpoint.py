@@ -26,7 +26,8 @@ CONFIG = "config.yaml"  # the resolved run config the checkpoint was written wit
 log = logging.getLogger("dpipe")
 
 # Settings a checkpoint cannot follow on resume, and why. Every other change (steps, learning
-# rate, schedule, logging, data, batch size, seed) is allowed and logged.
+# rate, schedule, logging, data, batch size, seed) is allowed, logged and applied: the optim.*
+# values replace the loaded optimizer's (dpipe.pipeline.engine.apply_optim_config).
 INCOMPATIBLE = {
     "model.family": "another model",
     "model.mode": "LoRA and full fine-tunes save different tensors",
@@ -41,6 +42,11 @@ INCOMPATIBLE = {
 }
 # Full fine-tunes in bf16 keep fp32 master weights in DeepSpeed's bf16 optimizer.
 INCOMPATIBLE_FULL = {"train.precision": "the optimizer state's layout (bf16 vs fp32)"}
+# ...or, with optim.master_weights=false, train the bf16 weights in a plain AdamW.
+INCOMPATIBLE_FULL_BF16 = {
+    "optim.master_weights": "the optimizer state's layout (DeepSpeed's fp32 master weights or "
+                            "a plain AdamW over the bf16 weights)",
+}
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -111,6 +117,8 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
     blocking = dict(INCOMPATIBLE)
     if current.get("model.mode") == "full" or saved.get("model.mode") == "full":
         blocking.update(INCOMPATIBLE_FULL)
+        if "bf16" in (current.get("train.precision"), saved.get("train.precision")):
+            blocking.update(INCOMPATIBLE_FULL_BF16)
     incompatible, harmless = {}, {}
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
@@ -131,7 +139,7 @@ def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
         return newest
     incompatible, harmless = resume_changes((path / CONFIG).read_text(), current_yaml)
     if incompatible:
-        why = {**INCOMPATIBLE, **INCOMPATIBLE_FULL}
+        why = {**INCOMPATIBLE, **INCOMPATIBLE_FULL, **INCOMPATIBLE_FULL_BF16}
         lines = "\n".join(f"  {k}: {_show(old)} in the checkpoint, {_show(new)} now ({why[k]})"
                           for k, (old, new) in incompatible.items())
         raise ConfigError(

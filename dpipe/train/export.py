@@ -22,6 +22,12 @@ from dpipe.models.spec import ModelSpec, PipelineLayer
 STEP_PREFIX = "step_"
 
 
+def export_dir(run_dir: Path, lora: bool, step: int | None = None) -> Path:
+    """`<run>/lora/` (`<run>/model/` for a full fine-tune), or its `step_<N>/` export."""
+    top = run_dir / ("lora" if lora else "model")
+    return top if step is None else top / f"{STEP_PREFIX}{step}"
+
+
 def export(
     local_layers: list[PipelineLayer], spec: ModelSpec, lora: bool, run_dir: Path,
     stage: int, stages: int, dp_rank: int, step: int | None = None, keep: int = 0,
@@ -33,8 +39,7 @@ def export(
     `<run>/lora/step_<N>/`, after which only the newest `keep` of those stay (0: all). Either
     is written whole beside its place, then renamed into it; a re-run step rewrites its folder.
     """
-    top = run_dir / ("lora" if lora else "model")
-    out_dir = top if step is None else top / f"{STEP_PREFIX}{step}"
+    top, out_dir = export_dir(run_dir, lora), export_dir(run_dir, lora, step)
     # Temporary folders beside `top`, named for the destination: a step export's never meets
     # the final export's, and no half-written one ever looks like a step export.
     name = top.name if step is None else f"{top.name}.{out_dir.name}"

@@ -18,7 +18,8 @@ from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
+from dpipe.pipeline.engine import (apply_optim_config, build_engine, init_distributed,
+                                   quiet_deepspeed)
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.sample.requests import sample_requests
 from dpipe.sample.training import TrainingSamples
@@ -26,7 +27,7 @@ from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.attention import use_sdpa_kernels
-from dpipe.train.export import export
+from dpipe.train.export import export, export_dir
 from dpipe.train.flops import StepFlops, architecture
 from dpipe.train.trainable import load_denoiser, trainable_layers
 
@@ -77,6 +78,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     resumed = checkpoint.newest_complete(run_dir) if run.train.resume else None
     if resumed is not None:
         step = checkpoint.load(engine, run_dir, resumed[1], lora)
+        apply_optim_config(engine, run)  # the changes check_resume logged take effect now
     prepare.resume_plan(dataset, step, run_dir)  # the data order continues exactly; logs changes
     if rank == 0:
         _summary(run, built, plan, len(layers), world, resumed)
@@ -95,6 +97,10 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
                           dp_rank, run.train.seed, run_dir)
     evaluator.maybe_run(engine, step, reporter)
+    if _step_export_due(run, step) and _missing(export_dir(run_dir, lora, step)):
+        # Killed between the checkpoint it resumes from and that step's export: made now.
+        export(list(engine.module.forward_funcs), spec, lora, run_dir, built.stage,
+               run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
     samples = TrainingSamples(spec, run, requests, run_dir, dataset, engine, device, cache_dtype)
     if samples.missing(step):  # sample.at_start, or a round that a killed run did not finish
         samples.run(step, getattr(reporter, "writer", None))
@@ -232,11 +238,18 @@ def _checkpoint_due(run: RunConfig, step: int, last_saved: int, last_time: float
     return bool(by_steps or by_time or stop)
 
 
+def _missing(path: Path) -> bool:
+    """Whether `path` is absent, as rank 0 sees it (a collective: every rank gets its answer)."""
+    answer = [not path.exists()]
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
 def _step_export_due(run: RunConfig, step: int) -> bool:
     """An intermediate export (`<run>/lora/step_<N>/`) at this step; the last step has the final
     export. Every rank computes the same answer (the export is collective)."""
     every = run.train.export_every_steps
-    return bool(every) and step % every == 0 and step < run.train.max_steps
+    return bool(every and step and step % every == 0 and step < run.train.max_steps)
 
 
 def _summary(run, built, plan, num_layers, world, resumed) -> None:

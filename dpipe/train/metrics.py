@@ -6,6 +6,28 @@ import json
 import time
 from pathlib import Path
 
+from dpipe.io import atomic_write_text
+
+
+def _drop_steps_after(jsonl: Path, step: int) -> None:
+    """Removes the lines of steps past `step`: a killed run logged them after the checkpoint that
+    its resume starts from, and the resume logs them again. A line the kill cut short goes too."""
+    if not jsonl.is_file():
+        return
+    kept, dropped = [], False
+    for line in jsonl.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped = True
+            continue
+        if record.get("step", 0) > step:
+            dropped = True
+        else:
+            kept.append(line + "\n")
+    if dropped:  # atomically: a kill now leaves the old file or the new one, never a part
+        atomic_write_text(jsonl, "".join(kept))
+
 
 class Reporter:
     def __init__(self, run_dir: Path, start_step: int, max_steps: int, samples_per_step: int,
@@ -18,7 +40,9 @@ class Reporter:
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                     purge_step=start_step + 1 if start_step else None)
         # One JSON line per logged step: easy to read for scripts, sweep summaries and tests.
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        jsonl = run_dir / "metrics.jsonl"
+        _drop_steps_after(jsonl, start_step)  # as TensorBoard's purge_step: each step once
+        self.jsonl = jsonl.open("a")
         self.samples_per_step = samples_per_step
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                         disable=not progress_bar, dynamic_ncols=True)

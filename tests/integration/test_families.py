@@ -50,20 +50,24 @@ FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIE
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
 SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
          "train.checkpoint_every_steps=0", "train.progress_bar=false",
-         "sample.steps=2", "sample.save_latents=true", "sample.at_start=true"]
+         "sample.save_latents=true", "sample.at_start=true"]
 PROMPT = "a red circle on a blue background"
 
 
-def sample_prompts(model: str, control: Path) -> str:
-    """The sample.prompts override for a family's group; the samples are made at the end of its
-    run, through its 2 (LoRA) or 3 (full) stages, with the family's default guidance."""
-    if model in VIDEO_FAMILIES:  # a 9-frame clip and an image, pipelined together
-        return f"sample.prompts=[{{prompt: {PROMPT}, frames: 9}}, {{prompt: a cat, seed: 5}}]"
+def sample_args(model: str, control: Path) -> list[str]:
+    """The sample.prompts (and steps) of a family's group; the samples are made before training
+    and at the end of its run, through its 2 (LoRA) or 3 (full) stages, with the family's
+    default guidance."""
+    if model in VIDEO_FAMILIES:  # a 9-frame clip and an image, pipelined together. 3 steps:
+        # Wan 2.2 A14B's trained (low-noise) expert takes the third, the frozen one the first two
+        return [f"sample.prompts=[{{prompt: {PROMPT}, frames: 9}}, {{prompt: a cat, seed: 5}}]",
+                "sample.steps=3"]
     if model in EDIT_FAMILIES:
-        return f"sample.prompts=[{{prompt: {PROMPT}, control: {control}}}]"
+        return [f"sample.prompts=[{{prompt: {PROMPT}, control: {control}}}]", "sample.steps=2"]
     if model in FIRST_FRAME_FAMILIES:
-        return f"sample.prompts=[{{prompt: {PROMPT}, control: {control}, frames: 9}}]"
-    return f"sample.prompts=[{PROMPT}]"
+        return [f"sample.prompts=[{{prompt: {PROMPT}, control: {control}, frames: 9}}]",
+                "sample.steps=2"]
+    return [f"sample.prompts=[{PROMPT}]", "sample.steps=2"]
 
 
 def _group(model: str) -> list[str]:
@@ -92,7 +96,7 @@ class SweepsByGroup:
         key = group[0]
         if key not in self.sweeps:
             self.sweeps[key] = Sweep(self.root / key, f"model={','.join(group)}", *SWEEP,
-                                     sample_prompts(key, self.control), *self.args)
+                                     *sample_args(key, self.control), *self.args)
         return self.sweeps[key].run_dir(f"model={model}")
 
 

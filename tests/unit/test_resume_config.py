@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -17,7 +19,10 @@ from dpipe.config.store import register_schemas
 from dpipe.errors import ConfigError
 from dpipe.launch.summary import PointResult, write_summary
 from dpipe.launch.sweep import register_launchers
+from dpipe.pipeline.engine import apply_optim_config
 from dpipe.train.checkpoint import MARKER, check_resume, resume_changes, tag_for
+from dpipe.train.optim import build_optimizer
+from dpipe.train.schedule import lr_lambda
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -78,6 +83,61 @@ def test_mode_and_family_and_precision_of_full_fine_tunes(tmp_path):
     full = ("model.mode=full", "pipeline.zero_stage=1")
     incompatible, _ = resume_changes(run_yaml(*full), run_yaml(*full, "train.precision=bf16"))
     assert set(incompatible) == {"train.precision"}
+
+
+def test_master_weights_of_bf16_full_fine_tunes_cannot_change():
+    full_bf16 = ("model.mode=full", "train.precision=bf16", "pipeline.zero_stage=1")
+    incompatible, _ = resume_changes(run_yaml(*full_bf16),
+                                     run_yaml(*full_bf16, "optim.master_weights=false"))
+    assert set(incompatible) == {"optim.master_weights"}
+    # LoRA never uses DeepSpeed's bf16 optimizer: the setting changes nothing there
+    incompatible, harmless = resume_changes(run_yaml("train.precision=bf16"),
+                                            run_yaml("train.precision=bf16",
+                                                     "optim.master_weights=false"))
+    assert not incompatible and "optim.master_weights" in harmless
+
+
+def _adamw_with_schedule(run):
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = build_optimizer([weight], run.optim)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(run.optim, run.train.max_steps))
+
+
+def test_a_loaded_optimizer_follows_the_current_optim_settings():
+    """What DeepSpeed's load does to the AdamW and its LambdaLR (load_state_dict), then the
+    current optim.* replace the saved hyperparameters; the moments and schedule position stay."""
+    saved_run = validate(compose_run("optim.warmup_steps=4", "train.max_steps=10"))
+    optimizer, scheduler = _adamw_with_schedule(saved_run)
+    for _ in range(2):
+        optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+
+    run = validate(compose_run("optim.warmup_steps=4", "train.max_steps=10", "optim.lr=5e-4",
+                               "optim.weight_decay=0.1", "optim.betas=[0.8,0.95]",
+                               "optim.eps=1e-6", "optim.grad_clip=0.5"))
+    optimizer, scheduler = _adamw_with_schedule(run)
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 3 / 4)  # the saved config's
+    apply_optim_config(SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer), run)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(5e-4 * 3 / 4)  # step 3 of the 4 warm-up steps
+    assert (group["weight_decay"], group["betas"], group["eps"]) == (0.1, (0.8, 0.95), 1e-6)
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 2  # the moments are the saved ones
+    scheduler.step()
+    assert group["lr"] == pytest.approx(5e-4)  # warm-up done: the new base lr
+
+    # DeepSpeed's bf16 and ZeRO optimizers wrap the AdamW and restore the saved clipping norm.
+    wrapped = validate(compose_run("model.mode=full", "pipeline.zero_stage=1",
+                                   "optim.grad_clip=0.5"))
+    optimizer, scheduler = _adamw_with_schedule(wrapped)
+    deepspeed_optimizer = SimpleNamespace(clip_grad=1.0, param_groups=optimizer.param_groups)
+    apply_optim_config(SimpleNamespace(lr_scheduler=scheduler, optimizer=deepspeed_optimizer),
+                       wrapped)
+    assert deepspeed_optimizer.clip_grad == 0.5
 
 
 def test_no_checkpoint_or_no_saved_config(tmp_path, caplog):
