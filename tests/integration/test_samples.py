@@ -164,3 +164,18 @@ def test_dpipe_sample_names_the_exports_a_run_has(run_dir):
 
     with pytest.raises(ConfigError, match="The run has: final, step_2, step_4"):
         plan_job([f"run={run_dir}", "export=step_5"])
+
+
+def test_data_parallel_replicas_share_the_prompts(tmp_path):
+    """2 stages x 2 data-parallel replicas: each replica samples its share of 3 prompts, rank 0
+    writes them all, and they equal dpipe-sample's in one process from the same export."""
+    run_dir = tmp_path / "run"
+    result = dpipe_train(*train_args(
+        run_dir, "model=tiny_flux", "dataset=synthetic", "pipeline.stages=2",
+        "pipeline.data_parallel=2", "train.max_steps=1", "optim.lr=1e-3", "sample.steps=2",
+        "sample.save_latents=true", "sample.prompts=[a cat, a dog, {prompt: a cow, seed: 4}]"))
+    assert result.code == 0, result.out + result.err
+    _sample(f"run={run_dir}", "name=one")
+    for k in range(3):
+        torch.testing.assert_close(saved_latents(run_dir / "samples" / "one", k),
+                                   saved_latents(run_dir / "samples" / "step_1", k), **TOLERANCE)
