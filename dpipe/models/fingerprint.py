@@ -48,6 +48,8 @@ def sha256_of(path: str | Path) -> str:
     view = memoryview(buffer)
     try:
         with open(path, "rb", buffering=0) as file:
+            if hasattr(os, "posix_fadvise"):  # a larger read-ahead: the disk reads while we hash
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             while n := file.readinto(buffer):
                 digest.update(view[:n])  # releases the GIL: files hash on several cores
     except OSError as error:

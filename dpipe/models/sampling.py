@@ -71,6 +71,8 @@ class FamilySampling:
     video: ClassVar[bool] = False
     frame_step: ClassVar[int] = 4
     fps: ClassVar[float] = 24.0
+    # Whether decoding adds the VAE's shift_factor back (some pipelines divide by the scale alone).
+    decode_shift: ClassVar[bool] = True
     # Families that need a control image for every sample (edits, image-to-video), and those
     # that take one where given (FLUX.2's references, Wan 2.2 TI2V's first frame).
     needs_control: ClassVar[bool] = False
@@ -213,7 +215,8 @@ class FamilySampling:
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Final latents (1, ...) -> pixels in [-1, 1]: (3, H, W), or (3, F, H, W) for video."""
         c = vae.config
-        x = latents.to(vae.device, vae.dtype) / c.scaling_factor + (c.shift_factor or 0.0)
+        shift = (c.shift_factor or 0.0) if self.decode_shift else 0.0
+        x = latents.to(vae.device, vae.dtype) / c.scaling_factor + shift
         return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the reference -----------------------------------------------------------------------

@@ -154,6 +154,12 @@ class ModelSpec(abc.ABC):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         """The denoiser as an ordered list of layers exchanging tuples of tensors."""
 
+    def pipeline_layer_count(self) -> int | None:
+        """len(pipeline_layers(...)) read from the denoiser's config file, without building it,
+        so a pipeline too long for the model fails before any worker starts; None where the
+        family does not read it (the workers check it once the denoiser is built)."""
+        return None
+
     @abc.abstractmethod
     def make_inputs(self, batch: NoisedBatch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(first layer's input tuple, labels tuple given to `loss`) for one micro-batch."""

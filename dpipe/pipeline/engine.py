@@ -44,6 +44,24 @@ def init_distributed(backend: str) -> None:
         ) from None
 
 
+def start_rank(run: RunConfig) -> torch.device:
+    """This process as one rank of a run (RANK/WORLD_SIZE/MASTER_* set): its GPU, with the
+    attention kernels chosen before any layer runs or is traced, or its share of the CPU cores;
+    then the process group. Returns its device."""
+    if torch.cuda.is_available():
+        from dpipe.train.attention import use_sdpa_kernels
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        use_sdpa_kernels(run.model, run.pipeline.compiles)
+        init_distributed("nccl")
+        return torch.device("cuda", torch.cuda.current_device())
+    # Workers on one machine share its cores; more threads than cores makes them spin.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    init_distributed("gloo")
+    return torch.device("cpu")
+
+
 def _pipeline_module_class():
     from deepspeed.pipe import PipelineModule
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,23 +46,16 @@ def run_sampling(job: SampleJob) -> None:
     from dpipe.config.schema import Precision
     from dpipe.data.prepare import prepare_prompts
     from dpipe.models.registry import build_spec
-    from dpipe.pipeline.engine import init_distributed
+    from dpipe.pipeline.engine import start_rank
     from dpipe.pipeline.partition import stage_bounds
     from dpipe.sample.link import StageLink
     from dpipe.sample.requests import sample_requests
     from dpipe.sample.rounds import SampleRound
 
     run = validate(OmegaConf.create(job.run_yaml))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    init_distributed("nccl" if cuda else "gloo")
+    device = start_rank(run)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    bf16 = run.train.precision == Precision.bf16 and cuda
+    bf16 = run.train.precision == Precision.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16 else torch.float32
 
     spec = build_spec(run.model)

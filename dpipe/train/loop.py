@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -18,15 +17,14 @@ from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import (apply_optim_config, build_engine, init_distributed,
-                                   quiet_deepspeed)
+from dpipe.pipeline.engine import (apply_optim_config, build_engine, quiet_deepspeed,
+                                   start_rank)
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.sample.requests import sample_requests
 from dpipe.sample.training import TrainingSamples
 from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
-from dpipe.train.attention import use_sdpa_kernels
 from dpipe.train.export import export, export_dir
 from dpipe.train.flops import StepFlops, architecture
 from dpipe.train.trainable import load_denoiser, trainable_layers
@@ -36,17 +34,9 @@ log = logging.getLogger("dpipe")
 
 def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     """Trains on this rank (RANK/WORLD_SIZE/MASTER_* already set). Returns the export on rank 0."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        use_sdpa_kernels(run.model, run.pipeline.compiles)  # before any layer runs or is traced
-    else:
-        # Workers on one machine share its cores; more threads than cores makes them spin.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    init_distributed("nccl" if cuda else "gloo")
+    device = start_rank(run)
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     data_parallel = world // run.pipeline.stages
     lora = run.model.mode == TrainMode.lora
     bf16 = run.train.precision == Precision.bf16

@@ -12,6 +12,7 @@ from dpipe.models.sampling import FamilySampling, SampleRequest
 
 
 class AuraFlowSampling(FamilySampling):
+    decode_shift = False  # the pipeline divides by the VAE's scale alone
     default_steps = 50
     default_guidance = 3.5
 
@@ -31,9 +32,3 @@ class AuraFlowSampling(FamilySampling):
                     guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
                     generator=torch.Generator().manual_seed(request.seed),
                     output_type="latent").images
-
-    @torch.no_grad()
-    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        # AuraFlowPipeline divides by the scaling factor alone (its VAE has no shift).
-        x = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
-        return vae.decode(x, return_dict=False)[0][0].float()

@@ -80,6 +80,11 @@ class FluxSpec(ModelSpec):
     def _vae_config(self) -> dict[str, Any]:
         return self._read_config("vae")
 
+    def pipeline_layer_count(self) -> int:
+        """flux_layers: the embedding, every double- and single-stream block, the head."""
+        transformer = self._read_config("transformer")
+        return 2 + transformer["num_layers"] + transformer["num_single_layers"]
+
     @property
     def pixel_multiple(self) -> int:
         # VAE downscale (x8 for FLUX.1), then 2x2 patch packing.

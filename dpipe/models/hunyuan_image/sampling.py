@@ -33,6 +33,7 @@ DISTILLED_GUIDANCE = 3.25  # HunyuanImagePipeline.__call__'s distilled_guidance_
 
 
 class HunyuanImageSampling(FamilySampling):
+    decode_shift = False  # the pipeline divides by the VAE's scale alone
     default_steps = 50  # HunyuanImagePipeline.__call__ (the distilled model's card uses 8)
 
     # ---- the model folder ----------------------------------------------------------------------
@@ -150,12 +151,6 @@ class HunyuanImageSampling(FamilySampling):
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
         d.state["step"] += 1  # the guider's step count (the last stage's; `guide` runs there)
         super().step(d, t, prediction)
-
-    # ---- decoding ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        x = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
-        return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the reference -------------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

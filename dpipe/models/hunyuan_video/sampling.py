@@ -16,6 +16,7 @@ from dpipe.models.sampling import FamilySampling, SampleRequest
 
 
 class HunyuanVideoSampling(FamilySampling):
+    decode_shift = False  # the pipeline divides by the VAE's scale alone
     default_steps = 50
     default_guidance = 6.0
     video = True
@@ -47,11 +48,6 @@ class HunyuanVideoSampling(FamilySampling):
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
         scheduler.set_timesteps(sigmas=sigmas, device=latents.device)
         return scheduler.timesteps
-
-    @torch.no_grad()
-    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        x = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
-        return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
