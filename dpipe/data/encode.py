@@ -163,9 +163,9 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
         flush()
         for negative in (False, True):
             plain = [t for t in texts if t.control is None and t.negative == negative]
-            encode = spec.encode_negative_prompts if negative else spec.encode_prompts
             for start in range(0, len(plain), TEXT_BATCH):
                 chunk = plain[start:start + TEXT_BATCH]
+                encode = spec.encode_negative_prompts if negative else spec.encode_prompts
                 embeds = encode(encoders, [t.caption for t in chunk])
                 _put_texts(writer, chunk, embeds)
                 counts["texts"] += len(chunk)

@@ -290,7 +290,8 @@ def _request_jobs(requests: list, spec: ModelSpec, dtype: torch.dtype, latent_ke
     """Adds the entries that sample requests need (their prompts' and negative prompts'
     embeddings, their control images' latents) to `jobs` and `texts`; returns their keys."""
     sees_control = getattr(spec, "text_sees_control", False)
-    negative_key = _negative_key(spec, dtype) if spec.negative_prompts_differ else None
+    negative_key = (_negative_key(spec, dtype) if requests and spec.negative_prompts_differ
+                    else None)
     sampling = spec.sampling() if requests else None
     out = []
     for request in requests:
