@@ -12,6 +12,7 @@ the last two cases the ranks come from the environment and no workers are starte
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -21,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dpipe.config.checks import validate
+from dpipe.config.checks import check_before_workers, unknown_key_message, validate
 from dpipe.config.store import register_schemas
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
@@ -38,6 +39,7 @@ log = logging.getLogger("dpipe")
 
 def train_task(cfg: DictConfig) -> int:
     """Hydra's task function: one run (or one point of a sweep)."""
+    _restore_hydra_errors()  # from here Hydra reports the errors it meets as it always did
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_point = hydra_cfg.mode == RunMode.MULTIRUN
@@ -57,7 +59,13 @@ def train_task(cfg: DictConfig) -> int:
             checkpoint.check_resume(run_dir, run_yaml(run))
         spec = build_spec(run.model)
         spec.ensure_available()  # a bad model path fails before any worker starts
-        sample_requests(run.sample, spec, run.dataset)  # so does a bad sample.prompts item
+        # So does a bad sample.prompts item.
+        requests = sample_requests(run.sample, spec, run.dataset)
+        done = _finished_message(run, run_dir, lambda: requests)
+        if done is not None:  # nothing to train: no worker starts, nothing is rewritten
+            print(done, flush=True)
+            return 0
+        check_before_workers(run, run_dir, spec)
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world)
@@ -84,6 +92,16 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         run = validate(cfg, world_size=env.world_size)
         if run.train.resume:
             checkpoint.check_resume(run_dir, run_yaml(run))  # the same verdict on every rank
+        from dpipe.models.registry import build_spec
+
+        # The sample requests are made only for a finished run: they read the model's files,
+        # which a tiny model's first run has not created yet.
+        done = _finished_message(
+            run, run_dir, lambda: sample_requests(run.sample, build_spec(run.model), run.dataset))
+        if done is not None:  # every rank reads the same files: all return, none waits
+            if env.is_main:
+                print(done, flush=True)
+            return 0
         if env.is_main:
             save_run_config(run, run_dir)
         preemption.install()  # SLURM's time-limit signal -> checkpoint + requeue (submitit only)
@@ -97,6 +115,32 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         _record_error(run_dir, env.rank, f"rank {env.rank} crashed: {type(err).__name__}: {err}")
         sys.exit(1)
     return _exit_on_failure(code)
+
+
+def _finished_message(run, run_dir: Path, requests_of) -> str | None:
+    """The one line that a run with nothing left to do prints instead of training (None if it
+    has something to do). Started again, such a run would start every worker to train no step
+    and rewrite its export. Its final sampling round must be complete too: a run killed while
+    sampling, or given new sample.prompts, makes the missing samples."""
+    from dpipe.config.schema import TrainMode
+    from dpipe.sample.training import round_dir
+    from dpipe.train import checkpoint
+    from dpipe.train.export import export_dir
+
+    if not run.train.resume:
+        return None
+    export = export_dir(run_dir, run.model.mode == TrainMode.lora)
+    step = checkpoint.finished_run(run_dir, run.train.max_steps, export)
+    if step is None:
+        return None
+    if run.sample.prompts:
+        folder = round_dir(run_dir, step)
+        if not all((folder / f"{r.index}.png").is_file() or (folder / f"{r.index}.mp4").is_file()
+                   for r in requests_of()):
+            return None
+    return (f"{run_dir} is complete at step {step}: its outputs are in {export} (and "
+            f"{run_dir}'s checkpoints/, metrics.jsonl); add `train.max_steps=M` (M > {step}) to "
+            f"continue it, or `name=...` (another name, or `hydra.run.dir=...`) for a new run")
 
 
 def run_yaml(run) -> str:
@@ -132,7 +176,74 @@ def main() -> None:
     if dist_env.process_rank() != 0:
         # Under torchrun or srun every rank composes the config, but only rank 0 owns the run dir.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(train_task)()
+    hydra_main = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+    _run_hydra(hydra_main(train_task))
+
+
+# Whether the user set HYDRA_FULL_ERROR (then Hydra's errors are theirs to read, untouched).
+_USER_FULL_ERROR = "HYDRA_FULL_ERROR" in os.environ
+
+
+def _run_hydra(hydra_main) -> None:
+    """Runs Hydra, telling the mistakes it meets before the task starts in one line.
+
+    Hydra reports what fails while it reads the config files and makes the run dir with a
+    traceback for anything not its own: a YAML syntax error in a config file (conf/local/, a
+    --config-dir), a run dir under a file or unwritable. With HYDRA_FULL_ERROR set it raises
+    instead, to here: so it is set until the task starts (`_restore_hydra_errors`), and what
+    is not such a mistake goes back to Hydra's own report.
+    """
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except Exception as err:
+        message = None if _USER_FULL_ERROR else _startup_error(err)
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+        _restore_hydra_errors()
+        if _USER_FULL_ERROR:
+            raise
+        from hydra._internal.utils import run_and_report
+
+        failure = err  # (`err` is unbound once this block ends)
+
+        def report():
+            raise failure
+
+        run_and_report(report)
+
+
+def _restore_hydra_errors() -> None:
+    if not _USER_FULL_ERROR:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def _startup_error(err: Exception) -> str | None:
+    """The message of a user's mistake that stopped Hydra before the task; None otherwise."""
+    import yaml
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, yaml.YAMLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:
+        mark = cause.problem_mark
+        return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML "
+                f"({cause.problem}); fix this config file")
+    if cause is not None:
+        return f"a config file is not valid YAML: {cause}"
+    from hydra.errors import ConfigCompositionException
+
+    text = str(err)
+    if isinstance(err, ConfigCompositionException) and text.startswith("Could not override '"):
+        return unknown_key_message(text.split("'")[1])
+    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(err.__traceback__)}
+    if isinstance(err, OSError) and "run_job" in frames and "train_task" not in frames:
+        why = ("a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError))
+               else err.strerror)
+        return (f"cannot write the run dir: {err.filename}: {why}; choose another (`name=...` "
+                "or `hydra.run.dir=...`), or make it a folder you can write")
+    return None
 
 
 if __name__ == "__main__":

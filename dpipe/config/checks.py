@@ -86,7 +86,8 @@ def _check_ranges(run: RunConfig) -> None:
                      "train.checkpoint_every_minutes": t.checkpoint_every_minutes,
                      "train.audit_step": t.audit_step}
     in_unit_interval = {"model.lora.dropout": m.lora.dropout}  # [0, 1)
-    whole_at_least_one = {"model.max_text_tokens": m.max_text_tokens, "dataset.num_images": d.num_images}
+    whole_at_least_one = {"model.max_text_tokens": m.max_text_tokens,
+                          "dataset.num_images": d.num_images}
     for key, value in above_zero.items():
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{key} must be a number > 0, got {value}")
@@ -202,3 +203,69 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     if t.keep_exports < 0:
         raise ConfigError(f"train.keep_exports must be >= 0 (0: keep every step export), "
                           f"got {t.keep_exports}")
+
+
+def check_before_workers(run: RunConfig, run_dir, spec) -> None:
+    """What only the files can tell, checked before any worker starts (in the workers each
+    would fail at once, after every process had started and loaded its libraries): the run dir
+    is writable, `dataset.cache_dir` can be a folder, the dataset's folders exist, and the
+    pipeline fits the model's layer count where the family reads it from its config."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from dpipe.config.schema import DatasetKind
+    from dpipe.data.sources import check_directory
+
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        raise ConfigError(f"the run dir {run_dir} is not writable ({err.strerror}): choose "
+                          "another (`name=...` or `hydra.run.dir=...`) or fix its "
+                          "permissions") from None
+    cache = Path(run.dataset.cache_dir).expanduser()
+    existing = next(p for p in (cache, *cache.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        where = "is a file" if existing == cache else f"is inside {existing}, which is a file"
+        raise ConfigError(f"dataset.cache_dir={run.dataset.cache_dir} {where}: give a folder "
+                          "(it is created if missing)")
+    if run.dataset.kind == DatasetKind.folder:  # a synthetic dataset's folder is drawn into
+        folders = [("dataset.path", run.dataset.path)] if run.dataset.path else []
+        folders += [("dataset.directories", d.path) for d in run.dataset.directories]
+        for eval_set in run.dataset.eval.sets:
+            folders += [(f"dataset.eval.sets[name={eval_set.name}]", d.path)
+                        for d in eval_set.directories]
+        for key, folder in folders:
+            check_directory(Path(folder), what=f"{key} folder")
+    layers = spec.pipeline_layer_count()
+    p = run.pipeline
+    if layers is not None and p.stages > layers:
+        raise ConfigError(f"pipeline.stages={p.stages} but the model has only {layers} pipeline "
+                          f"layers: use pipeline.stages <= {layers}")
+    if layers is not None and p.split and p.split[-1] >= layers:
+        raise ConfigError(f"pipeline.split={p.split}: layer indices must be < {layers} (the "
+                          "model's layer count)")
+
+
+def unknown_key_message(full_key: str) -> str | None:
+    """The message for an override of a key the run config does not have (Hydra's own would
+    suggest `+key=`, which `validate` refuses); None for a key outside the run config's
+    groups (hydra.*, whose keys Hydra adds)."""
+    parts = full_key.split(".")
+    schema: type | None = RunConfig
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    if parts[0] not in names:
+        return None
+    for depth, part in enumerate(parts[:-1]):
+        child = _dataclass_of(get_type_hints(schema)[part]) if part in names else None
+        if child is None:  # past the schema's dataclasses (a list's items): no key list to give
+            break
+        schema, names = child, {f.name for f in dataclasses.fields(child)}
+    else:
+        group = ".".join(parts[:-1]) or "the run"
+        return (f"unknown config key(s): '{full_key}' (valid keys of '{group}': "
+                f"{', '.join(sorted(names))}). Check the spelling against `dpipe-train --cfg "
+                "job`; keys cannot be added with `+`.")
+    return (f"unknown config key(s): '{full_key}'. Check the spelling against `dpipe-train "
+            "--cfg job`; keys cannot be added with `+`.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,8 +27,9 @@ CONFIG = "config.yaml"  # the resolved run config the checkpoint was written wit
 log = logging.getLogger("dpipe")
 
 # Settings a checkpoint cannot follow on resume, and why. Every other change (steps, learning
-# rate, schedule, logging, data, batch size, seed) is allowed, logged and applied: the optim.*
-# values replace the loaded optimizer's (dpipe.pipeline.engine.apply_optim_config).
+# rate, schedule, logging, data settings (not the dataset's folders), batch size, seed) is
+# allowed, logged and applied: the optim.* values replace the loaded optimizer's
+# (dpipe.pipeline.engine.apply_optim_config).
 INCOMPATIBLE = {
     "model.family": "another model",
     "model.mode": "LoRA and full fine-tunes save different tensors",
@@ -137,7 +139,9 @@ def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
     if not (path / CONFIG).is_file():
         log.warning("checkpoint %s has no %s: resuming without checking the config", path, CONFIG)
         return newest
-    incompatible, harmless = resume_changes((path / CONFIG).read_text(), current_yaml)
+    saved_yaml = (path / CONFIG).read_text()
+    _refuse_another_dataset(run_dir, path, step, saved_yaml, current_yaml)
+    incompatible, harmless = resume_changes(saved_yaml, current_yaml)
     if incompatible:
         why = {**INCOMPATIBLE, **INCOMPATIBLE_FULL, **INCOMPATIBLE_FULL_BF16}
         lines = "\n".join(f"  {k}: {_show(old)} in the checkpoint, {_show(new)} now ({why[k]})"
@@ -152,6 +156,57 @@ def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
         changes = ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, (old, new) in harmless.items())
         log.info("resuming from %s with changed settings: %s", path.name, changes)
     return newest
+
+
+def dataset_folders(config_yaml: str) -> list[str]:
+    """The folders a run config trains on: `dataset.path`, then each `dataset.directories` path."""
+    dataset = OmegaConf.to_container(OmegaConf.create(config_yaml)).get("dataset") or {}
+    folders = [dataset["path"]] if dataset.get("path") else []
+    return folders + [entry.get("path") for entry in dataset.get("directories") or []]
+
+
+def _same_folder(a: str, b: str) -> bool:
+    a, b = os.path.expanduser(a), os.path.expanduser(b)
+    if os.path.normpath(a) == os.path.normpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # another spelling (a link, a relative path) of one folder
+    except OSError:
+        return False
+
+
+def _refuse_another_dataset(run_dir: Path, path: Path, step: int, saved_yaml: str,
+                            current_yaml: str) -> None:
+    """A resume trains on the checkpoint's folders (files added to them are new data of the
+    same run); other folders are another run, which must not continue this one's weights."""
+    old, new = dataset_folders(saved_yaml), dataset_folders(current_yaml)
+    if len(old) == len(new) and all(_same_folder(a, b) for a, b in zip(old, new)):
+        return
+    name = OmegaConf.create(current_yaml).get("name") or "run"
+    suggested = f"{name}-{Path(new[0]).name}" if new else f"{name}-2"
+    raise ConfigError(
+        f"cannot resume {run_dir} from its checkpoint {path.name} (step {step}): it trained on "
+        f"another dataset.\n  dataset folders in the checkpoint: {', '.join(old) or '(none)'}\n"
+        f"  dataset folders now: {', '.join(new) or '(none)'}\n"
+        f"A different dataset is a new run: give it another name, e.g. `name={suggested}` (or "
+        "`hydra.run.dir=...`); or `train.resume=false` to train from scratch in this run dir. "
+        "(Files added to the same folders are fine: such a run resumes.)"
+    )
+
+
+def finished_run(run_dir: Path, max_steps: int, export_dir: Path) -> int | None:
+    """The step of a run with nothing left to do (None if it has): its newest complete
+    checkpoint is at `max_steps` or later, and `export_dir` (`<run>/lora` or `<run>/model`)
+    holds the final export written after that checkpoint (an export from an earlier, shorter
+    run does not count, nor a folder of step exports only)."""
+    newest = newest_complete(run_dir)
+    if newest is None or newest[0] < max_steps or not export_dir.is_dir():
+        return None
+    step, path = newest
+    final_export = [p for p in export_dir.iterdir() if not p.name.startswith(PREFIX)]
+    if not final_export or export_dir.stat().st_mtime < (path / MARKER).stat().st_mtime:
+        return None
+    return step
 
 
 def _flat(node, prefix: str = "") -> dict:
