@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -26,9 +27,10 @@ from dpipe.config.checks import check_before_workers, unknown_key_message, valid
 from dpipe.config.store import register_schemas
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
+from dpipe.launch import run_lock
 from dpipe.launch.quiet import quiet_libraries
 from dpipe.io import atomic_write_text
-from dpipe.launch.local import ERRORS_DIR, launch_workers, world_size_for
+from dpipe.launch.local import ERRORS_DIR, Stopped, launch_workers, world_size_for
 from dpipe.launch.run_rank import run_rank, save_run_config, train_job
 from dpipe.launch.sweep import register_launchers
 from dpipe.sample.requests import sample_requests
@@ -46,8 +48,11 @@ def train_task(cfg: DictConfig) -> int:
     env = dist_env.from_environ()
     if env is not None:  # torchrun or a SLURM task: this process is one of the ranks
         return _run_as_rank(cfg, run_dir, env)
+    lock = None
     try:
         run = validate(cfg)
+        # Before anything reads or writes the run dir: a second run on it stops here.
+        lock = run_lock.acquire(run_dir)
         import torch
 
         from dpipe.models.registry import build_spec
@@ -68,15 +73,39 @@ def train_task(cfg: DictConfig) -> int:
         check_before_workers(run, run_dir, spec)
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
-        code = launch_workers(run_dir, world)
+        code = launch_workers(run_dir, world, graceful_stop=True)
     except UserError as err:
         if sweep_point:
             raise  # the launcher records it and goes on with the next point
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as stop:  # a sweep stops too: the user stopped this process
+        print(_stopped_message(run_dir, stop), file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:  # Ctrl-C while checking, before any worker started
+        print("stopped on SIGINT before training started", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+    finally:
+        if lock is not None:  # the workers have ended: the next point or run may take it
+            lock.release()
     if code and sweep_point:
         raise RuntimeError(_first_error(run_dir) or f"a worker process exited with code {code}")
     return _exit_on_failure(code)
+
+
+def _stopped_message(run_dir: Path, stop: Stopped) -> str:
+    from dpipe.train import checkpoint
+
+    name = signal.Signals(stop.signum).name
+    saved = checkpoint.newest_complete(run_dir)
+    resume = "run the same command to resume"
+    if stop.forced:
+        where = (f"the newest checkpoint is {saved[1]} (step {saved[0]})" if saved
+                 else "no checkpoint yet")
+        return f"stopped at once on a second {name}: workers killed; {where}; {resume}"
+    if saved is None:  # the workers ended before a first step (e.g. one failed to start)
+        return f"stopped on {name} before a first checkpoint"
+    return f"stopped at step {saved[0]} on {name}: checkpoint {saved[1]}; {resume}"
 
 
 def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
@@ -90,6 +119,8 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
     dist_env.export(env)
     try:
         run = validate(cfg, world_size=env.world_size)
+        if env.is_main:  # the one owner of the run dir in this process group; held until exit
+            run_lock.acquire(run_dir)
         if run.train.resume:
             checkpoint.check_resume(run_dir, run_yaml(run))  # the same verdict on every rank
         from dpipe.models.registry import build_spec
@@ -106,6 +137,9 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
             save_run_config(run, run_dir)
         preemption.install()  # SLURM's time-limit signal -> checkpoint + requeue (submitit only)
         code = run_rank(train_job(run, run_dir), run_dir)
+    except run_lock.RunDirBusy as err:  # not recorded in the run dir: it is the holder's
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except UserError as err:
         _record_error(run_dir, env.rank, str(err))
         print(f"error: {err}", file=sys.stderr, flush=True)

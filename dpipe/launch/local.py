@@ -15,6 +15,10 @@ environment of the moment; only what the preloaded libraries read when imported 
 first run. A worker's parent is the fork server, not this process, so each worker watches a pipe
 from this process and ends itself when that closes (this process died, even by SIGKILL).
 
+A user's stop (`graceful_stop`, training): the first SIGINT (Ctrl-C) or SIGTERM is forwarded to
+every worker, which raise the flag of dpipe.train.preemption: the ranks agree on a step, save it
+and exit, and `Stopped` tells the caller. A second signal kills the workers at once.
+
 The workers meet at a rendezvous store that this process hosts (`hosted_store`), as torchrun's
 agent does, rather than at one that rank 0 opens on a port picked in advance.
 """
@@ -82,10 +86,25 @@ def hosted_store():
         del store
 
 
-def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.worker") -> int:
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """The user stopped the run with `signum`; every worker has ended. `forced`: by a second
+    signal, the workers killed without a checkpoint of the step they were in."""
+
+    def __init__(self, signum: int, forced: bool):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.forced = signum, forced
+
+
+def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.worker",
+                   graceful_stop: bool = False) -> int:
     """Runs the workers to completion; returns 0, or the exit code of the first that failed.
 
     `module` is the worker's entry point: its `main()` reads the run dir from sys.argv[1].
+    `graceful_stop`: SIGINT/SIGTERM are forwarded to the workers (which must stop at a step and
+    exit 0, as training's do), and raise `Stopped` once they have ended.
     """
     errors = run_dir / ERRORS_DIR
     for old in errors.glob("*.txt") if errors.exists() else []:
@@ -97,6 +116,20 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
     procs = []
     user_error = []
     previous = signal.signal(USER_ERROR_SIGNAL, lambda *_: user_error.append(True))
+    stops: list[int] = []
+
+    def forward_stop(signum, frame) -> None:  # noqa: ARG001
+        stops.append(signum)
+        if len(stops) == 1:  # a second one: _wait returns, and the workers are killed
+            for proc in procs:
+                if proc.pid is not None:
+                    try:
+                        os.kill(proc.pid, signum)
+                    except ProcessLookupError:
+                        pass
+
+    previous_stop = {sig: signal.signal(sig, forward_stop)
+                     for sig in (STOP_SIGNALS if graceful_stop else ())}
     try:
         with hosted_store() as port:
             for rank in range(world_size):
@@ -110,16 +143,23 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
                 proc.start()
                 procs.append(proc)
             launcher_alive.close()
-            code = _wait(procs, user_error)
+            code = _wait(procs, user_error, stops)
     except BaseException:
         _stop(procs)
         raise
     finally:
         signal.signal(USER_ERROR_SIGNAL, previous)
+        for sig, handler in previous_stop.items():
+            signal.signal(sig, handler)
         alive_writer.close()
+    if len(stops) > 1:
+        _stop(procs)
+        raise Stopped(stops[0], forced=True)
     if code:
         _stop(procs)
         _report_errors(errors)
+    elif stops:
+        raise Stopped(stops[0], forced=False)
     return code
 
 
@@ -157,10 +197,17 @@ def _die_with_launcher(launcher_alive) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait(procs, user_error: list) -> int:
+def _wait(procs, user_error: list, stops: list) -> int:
+    told = False
     while True:
         if user_error:
             return 2
+        if len(stops) > 1:
+            return 128 + stops[0]
+        if stops and not told:  # here, not in the handler: printing there can re-enter stderr
+            print(f"dpipe: {signal.Signals(stops[0]).name}: finishing the step and saving a "
+                  "checkpoint; send it again to stop at once", file=sys.stderr, flush=True)
+            told = True
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:

@@ -15,3 +15,19 @@ import transformers  # noqa: F401
 
 import dpipe.pipeline.engine  # noqa: F401
 import dpipe.train.loop  # noqa: F401
+
+import atexit  # noqa: E402
+import os  # noqa: E402
+
+_SERVER_PID = os.getpid()
+
+
+def _end_server_at_once() -> None:
+    """The server ends when the launcher does: without freeing every module above one by one
+    (~3 s of CPU), it is gone with the launcher's workers. The forked workers inherit this
+    handler: in them it does nothing."""
+    if os.getpid() == _SERVER_PID:
+        os._exit(0)
+
+
+atexit.register(_end_server_at_once)

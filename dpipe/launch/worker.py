@@ -12,6 +12,9 @@ from dpipe.launch.run_rank import RUN_CONFIG, exit_process, load_run_config, run
 
 
 def main() -> int:
+    from dpipe.train import preemption
+
+    preemption.install_local_stop()  # a user's SIGINT/SIGTERM: checkpoint the step, then stop
     quiet_libraries()
     run_dir = Path(sys.argv[1])
     return run_rank(train_job(load_run_config(run_dir / RUN_CONFIG), run_dir), run_dir)

@@ -154,7 +154,14 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                 samples.run(step, reporter.writer if reporter else None)
         if preemption.stop_agreed() and step < run.train.max_steps:
             loader.close()
-            preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
+            if preemption.requeues():
+                preemption.requeue_and_exit(step)  # SLURM's time-limit signal: saved above; exits
+            # A user's stop (SIGINT/SIGTERM to the local launcher): saved above; the launcher
+            # says where. No export: the run is not finished, and resumes from this checkpoint.
+            if reporter is not None:
+                reporter.close()
+            dist.barrier()
+            return None
     loader.close()
     if step != last_saved:
         checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)

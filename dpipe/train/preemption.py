@@ -11,6 +11,10 @@ resumes from that checkpoint (train.resume).
 An external requeue or a preemption sends SIGTERM with no warning: nothing happens here (submitit
 ignores SIGTERM, SLURM kills the job after its grace time); the job restarts and resumes from the
 newest complete periodic checkpoint.
+
+The workers of the local launcher (dpipe.launch.local) use the same flag and the same agreement
+for a user's stop: SIGINT (Ctrl-C) or SIGTERM, which the launcher forwards to them
+(`install_local_stop`). They save the agreed step and leave the loop; nothing is requeued.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ log = logging.getLogger("dpipe")
 EXIT_REQUEUED = 75  # EX_TEMPFAIL: this attempt ended to be requeued
 
 _state = {"installed": False, "requested": False, "stop": False, "submitit_handler": None,
-          "signal": signal.SIGUSR2}
+          "signal": signal.SIGUSR2, "requeue": True}
 
 
 def install() -> bool:
@@ -58,6 +62,26 @@ def _on_signal(signum, frame) -> None:  # noqa: ARG001
     _state["requested"] = True
 
 
+def install_local_stop() -> None:
+    """A worker of the local launcher: SIGINT and SIGTERM raise the stop flag (the ranks then
+    save the step they agree on and return, see `requeues`). A terminal's Ctrl-C reaches every
+    worker as well as the launcher: each signal only sets the flag again; a second one is the
+    launcher's to act on (it kills the workers)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
+    _state["installed"], _state["requeue"] = True, False
+
+
+def _on_stop_signal(signum, frame) -> None:  # noqa: ARG001
+    _state["requested"] = True
+
+
+def requeues() -> bool:
+    """Whether an agreed stop requeues the job (SLURM's time limit) rather than ends the run
+    after its checkpoint (a user's stop, under the local launcher)."""
+    return _state["requeue"]
+
+
 def request() -> None:
     """Asks for a checkpoint and requeue as the signal would (for tests and callers)."""
     _state["requested"] = True
@@ -75,12 +99,22 @@ def agree(time_due_on_rank0: bool, timed_checkpoints: bool) -> tuple[bool, bool]
         [int(time_due_on_rank0 and dist.get_rank() == 0), int(_state["requested"])],
         dtype=torch.int32,
     )
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        flags = flags.cuda()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    # Over gloo, between the hosts: through NCCL the flags would go to the GPU and back, a host
+    # sync at every step (the GPU idles while the host queues the next step's first kernels).
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_host_group())
     time_due, stop = bool(flags[0].item()), bool(flags[1].item())
     _state["stop"] = stop
     return time_due, stop
+
+
+def _host_group():
+    """A gloo group of every rank, made at the first agreement (a collective: every rank calls
+    `agree` at the same step); the default group where that already is gloo."""
+    if dist.get_backend() == "gloo":
+        return None
+    if _state.get("host_group") is None:
+        _state["host_group"] = dist.new_group(backend="gloo")
+    return _state["host_group"]
 
 
 def stop_agreed() -> bool:
