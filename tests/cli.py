@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,21 @@ def dpipe_train(*args: str, timeout: float = 240, cwd: Path | None = None) -> Re
         out, err = proc.communicate()
         raise AssertionError(f"dpipe-train timed out after {timeout}s\n{out}\n{err}") from None
     return Result(proc.returncode, out, err)
+
+
+def train_killed_at(run_dir: Path, marker: str, *overrides: str, timeout: float = 240) -> None:
+    """Starts `dpipe-train` on `run_dir` with `overrides` and kills its whole process tree
+    (SIGKILL, no warning) the moment `run_dir / marker` exists (e.g. a checkpoint's COMPLETE)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpipe.cli.train", *train_args(run_dir, *overrides)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not (run_dir / marker).exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, f"no {marker} appeared"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
+    proc.wait()
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -67,6 +67,9 @@ class FamilySampling:
     # scale exceeds 1; "embedded": a guidance-distilled model takes the scale as an input.
     guidance_kind: ClassVar[str] = "cfg"
     scheduler_class: ClassVar[str] = "FlowMatchEulerDiscreteScheduler"
+    # The max_shift that the pipeline's calculate_shift call assumes where the scheduler's
+    # config has none (SD3's pipeline: 1.16).
+    default_max_shift: ClassVar[float] = 1.15
     # Video families: frames must be `frame_step` * k + 1; `fps` of the written clips.
     video: ClassVar[bool] = False
     frame_step: ClassVar[int] = 4
@@ -151,7 +154,7 @@ class FamilySampling:
         """diffusers' `calculate_shift`: mu linear in the image's token count."""
         c = scheduler.config
         base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-        base, top = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+        base, top = c.get("base_shift", 0.5), c.get("max_shift", self.default_max_shift)
         m = (top - base) / (max_len - base_len)
         return self.image_tokens(latents) * m + base - m * base_len
 
@@ -226,3 +229,15 @@ class FamilySampling:
         transformer, run with the request's prompt, seed and size: its final latents in the
         layout of `Denoising.latents` (before decoding)."""
         raise NotImplementedError(f"{self.spec.family}: no diffusers reference sampler")
+
+    def pipeline_latents(self, pipeline_cls, denoiser, request: SampleRequest, steps: int,
+                         guidance: float, **kwargs) -> torch.Tensor:
+        """`diffusers_sample` for a pipeline that takes the request as most do: the prompt and
+        negative prompt, the size, steps, guidance_scale and max_sequence_length (the run's
+        `model.max_text_tokens`), the seed's CPU generator; its latents as it returns them."""
+        pipe = pipeline_cls.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
+        return pipe(request.prompt, negative_prompt=request.negative_prompt,
+                    height=request.height, width=request.width, num_inference_steps=steps,
+                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
+                    generator=torch.Generator().manual_seed(request.seed),
+                    output_type="latent", **kwargs).images

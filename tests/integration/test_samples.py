@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.cli import REPO, dpipe_train, train_args
+from tests.cli import REPO, dpipe_train, train_args, train_killed_at
 from tests.integration.sampled import diffusers_latents, requests_of, saved_latents
 
 pytestmark = pytest.mark.slow
@@ -40,17 +38,7 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 def run_dir(tmp_path_factory) -> Path:
     """The run, killed after its step-4 checkpoint and resumed to the end."""
     run_dir = tmp_path_factory.mktemp("samples") / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", *train_args(run_dir, *RUN)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = run_dir / "checkpoints" / "step_00000004" / "COMPLETE"
-    deadline = time.monotonic() + 240
-    while not marker.exists():
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    train_killed_at(run_dir, "checkpoints/step_00000004/COMPLETE", *RUN)
     assert not (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
     result = dpipe_train(*train_args(run_dir, *RUN))
     assert result.code == 0, result.out + result.err

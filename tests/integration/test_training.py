@@ -6,18 +6,13 @@ One LoRA run on 1, 2 and 4 stages (a sweep) is shared by several tests; each oth
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import REPO, Sweep, dpipe_train, metrics, train_args
+from tests.cli import Sweep, dpipe_train, metrics, train_args, train_killed_at
 from tests.integration.trained import run_config
 
 pytestmark = pytest.mark.slow
@@ -113,18 +108,8 @@ def test_lora_covers_every_linear_of_the_blocks_and_nothing_else(two_stage_lora)
 
 def test_killed_run_resumes_to_identical_weights(two_stage_lora, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", *train_args(run_dir, *BASE, "pipeline.stages=2")],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
-    deadline = time.monotonic() + 180
-    while not marker.exists():
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker, with no warning
-    proc.wait()
+    train_killed_at(run_dir, "checkpoints/step_00000002/COMPLETE", *BASE, "pipeline.stages=2",
+                    timeout=180)
     assert not (run_dir / "lora").exists(), "the run finished before the kill; nothing resumed"
     # A newer checkpoint that was cut off mid-write must never be picked.
     broken = run_dir / "checkpoints" / "step_00000005"

@@ -25,10 +25,4 @@ class AuraFlowSampling(FamilySampling):
                          guidance: float) -> torch.Tensor:
         from diffusers import AuraFlowPipeline
 
-        pipe = AuraFlowPipeline.from_pretrained(self.path, transformer=denoiser,
-                                                dtype=torch.float32)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").images
+        return self.pipeline_latents(AuraFlowPipeline, denoiser, request, steps, guidance)

@@ -15,6 +15,7 @@ from dpipe.models.sampling import FamilySampling, SampleRequest
 class SD3Sampling(FamilySampling):
     default_steps = 28
     default_guidance = 7.0
+    default_max_shift = 1.16  # the pipeline's calculate_shift call's (FLUX's is 1.15)
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
         # The pipeline passes num_inference_steps and no sigmas: the scheduler spaces the
@@ -29,22 +30,8 @@ class SD3Sampling(FamilySampling):
         patch = int(self.spec._transformer_config().get("patch_size", 2))
         return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
 
-    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
-        # As the pipeline's calculate_shift call, whose max_shift default is 1.16 (not 1.15).
-        c = scheduler.config
-        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-        base, top = c.get("base_shift", 0.5), c.get("max_shift", 1.16)
-        m = (top - base) / (max_len - base_len)
-        return self.image_tokens(latents) * m + base - m * base_len
-
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         from diffusers import StableDiffusion3Pipeline
 
-        pipe = StableDiffusion3Pipeline.from_pretrained(self.path, transformer=denoiser,
-                                                        dtype=torch.float32)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").images
+        return self.pipeline_latents(StableDiffusion3Pipeline, denoiser, request, steps, guidance)
