@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+from dpipe.errors import UserError
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -39,3 +43,52 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
         import shutil
 
         shutil.rmtree(old)
+
+
+class WriteFailed(UserError):
+    """A file could not be written (a full disk, a quota, a read-only place); the message names
+    the path, the bytes needed and free, and what is left intact."""
+
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def is_write_error(error: BaseException) -> bool:
+    """An error of a write: an OSError, or the RuntimeError that torch.save's C++ writer raises
+    on a full disk ("basic_ios::clear: iostream error", "file write failed")."""
+    return isinstance(error, OSError) or (
+        isinstance(error, RuntimeError)
+        and any(s in str(error) for s in ("iostream error", "write failed", "No space left",
+                                         "unexpected pos")))
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (or of its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def show_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def write_failure(what: str, path: Path, needed: int, error: BaseException) -> str:
+    """One message for a failed write of `what` at `path`: the disk is full (or the write needed
+    more than is free) with the bytes needed and free, or the OS's reason."""
+    free = free_bytes(path)
+    full = getattr(error, "errno", None) in _DISK_FULL_ERRNOS or (needed and free < needed) \
+        or "iostream error" in str(error) or "write failed" in str(error)
+    if full:
+        return (f"no space left to write {what} {path}: it needs about {show_bytes(needed)} "
+                f"({needed} bytes), {show_bytes(free)} ({free} bytes) are free there. Free some "
+                "space (or point the run at a larger disk)")
+    reason = getattr(error, "strerror", None) or str(error)
+    return f"cannot write {what} {path} ({reason}): check that the place is writable"

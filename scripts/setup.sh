@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv with dpipe and its dependencies; fast when nothing changed.
-#   DPIPE_TORCH   the torch requirement to install first (default: torch==2.13.0, the CPU build
-#                 this project's CI uses). On a GPU machine install the torch build for your CUDA
-#                 first, or set e.g. DPIPE_TORCH="torch==2.11.0" with your index URL in PIP_INDEX_URL.
+#   DPIPE_TORCH        the torch requirement installed first (default: torch==2.13.0, the version
+#                      CI tests on).
+#   DPIPE_TORCH_INDEX  the index torch comes from (default: pip's own). It picks the build:
+#                        CPU only:  DPIPE_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#                        CUDA GPU:  DPIPE_TORCH_INDEX=https://download.pytorch.org/whl/cu130
+#                                   (the cuXYZ of your driver's CUDA; pytorch.org lists them)
+#                      From plain PyPI on Linux, torch is the CUDA build (several GB).
+# Torch is installed only into a .venv without one: to change the build, remove .venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,8 +30,10 @@ fi
 
 # torch first: an unpinned torch pulled in by deepspeed/peft would be a multi-GB CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  echo "[setup] installing ${DPIPE_TORCH:-torch==2.13.0}"
-  .venv/bin/python -m pip install -q "${DPIPE_TORCH:-torch==2.13.0}"
+  torch_index=()
+  [ -n "${DPIPE_TORCH_INDEX:-}" ] && torch_index=(--index-url "$DPIPE_TORCH_INDEX")
+  echo "[setup] installing ${DPIPE_TORCH:-torch==2.13.0}${DPIPE_TORCH_INDEX:+ from $DPIPE_TORCH_INDEX}"
+  .venv/bin/python -m pip install -q "${torch_index[@]}" "${DPIPE_TORCH:-torch==2.13.0}"
 fi
 echo "[setup] installing dpipe and its dependencies"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true

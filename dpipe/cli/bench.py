@@ -33,8 +33,8 @@ PEAK_TFLOPS = 790.0  # measured bf16 dense matmul rate of an H200 here (see docs
 DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "train.progress_bar=false"]
 
 
-def main() -> None:
-    quiet_libraries()
+def arg_parser() -> argparse.ArgumentParser:
+    """dpipe-bench's arguments; tests/unit/test_docs_commands.py checks the docs with it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--size", default="dev", help="the model size (flux: dev, schnell; "
                         "hunyuan_video: 13b; hidream: i1; z_image: 6b; lumina2: 2b; "
@@ -53,7 +53,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step: its kernel time by kind, per rank, in "
                              "OUT/NAME/profile_rank<N>.txt (dpipe.bench.profile)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    quiet_libraries()
+    args = arg_parser().parse_args()
 
     import torch
 

@@ -183,10 +183,8 @@ def _logging(rank: int) -> None:
                         force=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dpipe.errors import UserError
-    from dpipe.launch.quiet import disable_library_progress_bars, quiet_libraries
-
+def arg_parser() -> argparse.ArgumentParser:
+    """dpipe-cache's arguments; tests/unit/test_docs_commands.py checks the docs with it."""
     parser = argparse.ArgumentParser(
         prog="dpipe-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["build", "show", "prune"])
@@ -194,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-run", action="append", default=[], metavar="RUN_DIR",
                         help="prune: also keep the entries this run's data history uses")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for dpipe-train")
-    args = parser.parse_intermixed_args(argv)  # flags may come after the overrides
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dpipe.errors import UserError
+    from dpipe.launch.quiet import disable_library_progress_bars, quiet_libraries
+
+    args = arg_parser().parse_intermixed_args(argv)  # flags may come after the overrides
     quiet_libraries()
     _logging(0)
     try:

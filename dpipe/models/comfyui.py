@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dpipe.models.lora_files import NotInFormat
+
 COMFY_PREFIX = "diffusion_model."
 
 
@@ -54,7 +56,8 @@ def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
                mapping: Iterable[tuple[str, list[str], list[int]]]) -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-named ones. `mapping` lists (original module name,
     the diffusers modules it stacks, their output sizes); diffusers modules with a LoRA that no
-    entry covers raise, so a trained weight is never dropped silently."""
+    entry covers raise NotInFormat (with the weights of the others), so a trained weight is
+    never dropped silently."""
     pairs = peft_pairs(state_dict)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -68,8 +71,7 @@ def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
         out[f"{COMFY_PREFIX}{original}.lora_B.weight"] = b
     left = sorted(set(pairs) - used)
     if left:
-        raise ValueError(f"no ComfyUI name known for the LoRA on {', '.join(left[:5])}"
-                         + (" ..." if len(left) > 5 else ""))
+        raise NotInFormat("ComfyUI", left, out)
     return out
 
 
@@ -84,8 +86,9 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
     return out
 
 
-def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], path: Path) -> Path:
-    """Write {ComfyUI module name: (A, B, alpha)} as a ComfyUI LoRA: keys
+def comfy_lora_tensors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+                       ) -> dict[str, torch.Tensor]:
+    """{ComfyUI module name: (A, B, alpha)} as a ComfyUI LoRA's tensors: keys
     "diffusion_model.<module>.lora_A.weight" / ".lora_B.weight" / ".alpha", which ComfyUI's LoRA
     loader maps onto its own model keys ("diffusion_model.<module>.weight") for any model."""
     tensors = {}
@@ -93,7 +96,12 @@ def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], 
         tensors[f"{COMFY_PREFIX}{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{COMFY_PREFIX}{module}.lora_B.weight"] = b.contiguous()
         tensors[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
-    save_file(tensors, path, metadata={"format": "pt"})
+    return tensors
+
+
+def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], path: Path) -> Path:
+    """Writes `comfy_lora_tensors(pairs)` to `path`."""
+    save_file(comfy_lora_tensors(pairs), path, metadata={"format": "pt"})
     return path
 
 

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dpipe.config.schema import ModelConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.errors import ConfigError
+from dpipe.errors import ConfigError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -154,11 +154,13 @@ class ModelSpec(abc.ABC):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         """The denoiser as an ordered list of layers exchanging tuples of tensors."""
 
+    @abc.abstractmethod
     def pipeline_layer_count(self) -> int | None:
-        """len(pipeline_layers(...)) read from the denoiser's config file, without building it,
-        so a pipeline too long for the model fails before any worker starts; None where the
-        family does not read it (the workers check it once the denoiser is built)."""
-        return None
+        """len(pipeline_layers(...)) for the denoiser the workers will load, read from its config
+        file (`denoiser_config`) without building it, so that `pipeline.stages` or
+        `pipeline.split` beyond the model's layers fail before any worker starts. None only
+        where no config file is on disk (an SDXL single file whose header does not tell);
+        the workers check the count once the denoiser is built."""
 
     @abc.abstractmethod
     def make_inputs(self, batch: NoisedBatch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -239,6 +241,28 @@ class ModelSpec(abc.ABC):
     @abc.abstractmethod
     def load_exported_full(self, export_dir: Path) -> nn.Module:
         """The denoiser from a full fine-tune's export folder, via `from_pretrained`."""
+
+
+def denoiser_config(folder: Path, class_name: str, *keys: str) -> list[Any]:
+    """The values of `keys` in the denoiser config `folder`/config.json, as diffusers'
+    `class_name` reads them: a key the file leaves out takes the class's default (diffusers is
+    imported only then: this runs in the launcher, before any worker)."""
+    import json
+
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from None
+    missing = [key for key in keys if key not in config]
+    if missing:
+        import inspect
+
+        import diffusers
+
+        params = inspect.signature(getattr(diffusers, class_name).__init__).parameters
+        config = {**{k: params[k].default for k in missing}, **config}
+    return [config[key] for key in keys]
 
 
 # The embedder's and the head's time relative to a transformer block, measured on FLUX.1-dev

@@ -100,7 +100,68 @@ def _pipeline_module_class():
             # DeepSpeed sends stage outputs as they are, and refuses non-contiguous tensors.
             return tuple(t.contiguous() for t in x) if isinstance(x, tuple) else x.contiguous()
 
+        def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+            """Each layer's weights (the trainable ones for LoRA) as safetensors, not pickles: a
+            checkpoint's weights load without running code. Spread over the data-parallel
+            ranks as DeepSpeed spreads its own layer files."""
+            from safetensors.torch import save_file
+
+            from dpipe.train.checkpoint import layer_file
+
+            dp_rank, dp_size = self._grid.data_parallel_id, self._grid.data_parallel_size
+            num_layers = len(self.forward_funcs)
+            if self.checkpoint_parallel_write_pipeline:
+                offsets = ds_partition_uniform(num_layers, dp_size)
+                start, end = offsets[dp_rank], offsets[dp_rank + 1]
+            elif dp_rank != 0:
+                return
+            else:
+                start, end = 0, num_layers
+            checkpoint_engine.makedirs(save_dir, exist_ok=True)
+            for idx in range(start, end):
+                layer = self.forward_funcs[idx]
+                if not hasattr(layer, "state_dict"):
+                    continue
+                state = layer.state_dict()
+                if exclude_frozen_params:
+                    for name in self._get_frozen_parameter_names(layer):
+                        state.pop(name, None)
+                save_file(_unshared_cpu(state), layer_file(save_dir, idx + self._local_start),
+                          metadata={"format": "pt"})
+
+        def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+            """Loads each layer's file (safetensors, or an older checkpoint's pickle) after a
+            strict key and shape check: every trainable tensor (every tensor when `strict`)
+            must be there with its shape, or a block would silently keep its fresh weights."""
+            from dpipe.train.checkpoint import check_layer_state, read_layer_state
+
+            for idx, layer in enumerate(self.forward_funcs):
+                if not hasattr(layer, "load_state_dict"):
+                    continue
+                index = idx + self._local_start
+                state, path = read_layer_state(load_dir, index)
+                check_layer_state(layer, state, path, strict)
+                layer.load_state_dict(state, strict=strict)
+            self._synchronize_tied_weights()
+
     return StagedPipelineModule
+
+
+def ds_partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    from deepspeed.runtime.utils import partition_uniform
+
+    return partition_uniform(num_items, num_parts)
+
+
+def _unshared_cpu(state: dict) -> dict:
+    """The tensors on the CPU, contiguous, none sharing memory (safetensors refuses shared)."""
+    out, seen = {}, set()
+    for name, tensor in state.items():
+        t = tensor.detach().to("cpu").contiguous()
+        storage = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if storage in seen else t
+        seen.add(storage)
+    return out
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 A checkpoint is `<run_dir>/checkpoints/step_<N>/`. Every rank writes its part, then rank 0 adds
 COMPLETE (atomically) once all ranks have finished; a folder without it is a checkpoint that was
-interrupted and is never loaded. The run config is saved beside it, so a resume can compare.
+interrupted and is never loaded. COMPLETE lists every file with its size and sha256: a resume
+verifies them before DeepSpeed reads any pickle, and a damaged checkpoint is skipped for the
+previous one. The run config is saved beside it, so a resume can compare.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dpipe.errors import ConfigError
-from dpipe.io import atomic_write_text
+from dpipe.errors import ConfigError, UserError
+from dpipe.io import (WriteFailed, atomic_write_text, free_bytes, is_write_error,
+                      write_failure)
+from dpipe.models.fingerprint import sha256_of
 
 MARKER = "COMPLETE"
 PREFIX = "step_"
@@ -65,8 +70,9 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in root.glob(f"{PREFIX}*"):
-        if (path / MARKER).is_file():
-            found.append((json.loads((path / MARKER).read_text())["step"], path))
+        # The step is the folder's (tag_for): a damaged COMPLETE is found, and reported, too.
+        if (path / MARKER).is_file() and path.name[len(PREFIX):].isdigit():
+            found.append((int(path.name[len(PREFIX):]), path))
     return sorted(found)
 
 
@@ -76,22 +82,176 @@ def newest_complete(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def save(engine, run_dir: Path, step: int, config_yaml: str, lora: bool, keep: int) -> Path:
+    """Writes the checkpoint of `step` on every rank (a collective), then its COMPLETE manifest.
+
+    A write that fails on any rank (a full disk, a quota, a read-only place) fails on every
+    rank: the partial folder is removed and each rank raises the same WriteFailed, which names
+    the path, the bytes needed and free, and the previous complete checkpoint, still intact.
+    """
     root = checkpoint_root(run_dir)
     tag = tag_for(step)
-    engine.save_checkpoint(
-        str(root), tag=tag, client_state={"step": step}, exclude_frozen_parameters=lora
-    )
-    dist.barrier()
     path = root / tag
+    needed = _bytes_needed(engine, lora)
+    # DeepSpeed's save has barriers of its own: a rank whose write failed joins its last one.
+    _together(lambda: _fresh_folder(root, path) if dist.get_rank() == 0 else None,
+              run_dir, path, needed)
+    _together(lambda: engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
+                                             exclude_frozen_parameters=lora),
+              run_dir, path, needed, joins_barrier=True)
+    _together(lambda: atomic_write_text(path / CONFIG, config_yaml)
+              if dist.get_rank() == 0 else None, run_dir, path, needed)
+    files = _hash_files(path)
     if dist.get_rank() == 0:
-        atomic_write_text(path / CONFIG, config_yaml)
-        atomic_write_text(path / MARKER, json.dumps({"step": step, "time": time.time()}))
+        manifest = {"step": step, "time": time.time(), "files": files}
+    _together(lambda: atomic_write_text(path / MARKER, json.dumps(manifest, indent=1))
+              if dist.get_rank() == 0 else None, run_dir, path, needed)
+    if dist.get_rank() == 0:
         _prune(run_dir, keep)
     dist.barrier()
     return path
 
 
+def _fresh_folder(root: Path, path: Path) -> None:
+    """The root, and no older folder of this step: a damaged checkpoint that a resume skipped,
+    or one interrupted earlier, is written anew, never mixed with its old files."""
+    root.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def _together(write, run_dir: Path, path: Path, needed: int, joins_barrier: bool = False) -> None:
+    """Runs this rank's part of a write; every rank learns whether any rank's part failed (one
+    gather: a rank that raised alone would leave the others waiting in the next collective)."""
+    failure = None
+    try:
+        write()
+    except Exception as error:  # noqa: BLE001 - every write error, reported by every rank below
+        if not (is_write_error(error) or free_bytes(path) < needed):
+            raise
+        failure = (dist.get_rank(), write_failure("the checkpoint", path, needed, error))
+        if joins_barrier:
+            dist.barrier()
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failures = [f for f in failures if f is not None]
+    if not failures:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a partial checkpoint is never loaded: space back
+    dist.barrier()
+    rank, message = failures[0]
+    previous = newest_complete(run_dir)
+    kept = (f"the previous complete checkpoint {previous[1]} (step {previous[0]}) is intact, and "
+            "the same command resumes from it once there is space" if previous else
+            "there is no earlier checkpoint: the run starts from scratch when started again")
+    raise WriteFailed(f"{message}. The partial checkpoint {path.name} was removed (rank {rank} "
+                      f"failed to write it); {kept}.")
+
+
+def _bytes_needed(engine, lora: bool) -> int:
+    """About how many bytes a checkpoint of this run writes: the saved weights (the trainable
+    ones for LoRA) and the optimizer state, summed over the ranks (a collective)."""
+    module = engine.module
+    params = [p for p in module.parameters() if p.requires_grad or not lora]
+    total = sum(p.numel() * p.element_size() for p in params)
+    total += sum(b.numel() * b.element_size() for b in module.buffers()) if not lora else 0
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in getattr(optimizer, "state", {}).values():
+        total += sum(t.numel() * t.element_size() for t in state.values()
+                     if isinstance(t, torch.Tensor))
+    sizes = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, total)
+    return int(sum(sizes))
+
+
+def _hash_files(path: Path) -> dict | None:
+    """{relative path: {"size", "sha256"}} of every file in the checkpoint, on rank 0 (None on
+    the others); the ranks share the hashing (a collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [None]
+    if rank == 0:
+        names = [sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                        if p.is_file() and p.name != MARKER)]
+    dist.broadcast_object_list(names, src=0)
+    mine = {name: {"size": (path / name).stat().st_size, "sha256": sha256_of(path / name)}
+            for i, name in enumerate(names[0]) if i % world == rank}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    if rank != 0:
+        return None
+    return dict(sorted((name, entry) for part in parts for name, entry in part.items()))
+
+
+class CheckpointError(UserError):
+    """No checkpoint in the run dir can be loaded (each is damaged)."""
+
+
+def problem(path: Path) -> str | None:
+    """What is wrong with the complete checkpoint `path` (a missing, resized or changed file,
+    as its COMPLETE lists them), or None when it verifies. A COMPLETE written before
+    checkpoints listed their files cannot be verified: None, with a warning."""
+    try:
+        files = json.loads((path / MARKER).read_text()).get("files")
+    except (OSError, ValueError) as error:
+        return f"its {MARKER} cannot be read ({error})"
+    if files is None:
+        log.warning("checkpoint %s lists no files in its %s (written by an older dpipe): its "
+                    "files cannot be verified", path, MARKER)
+        return None
+    for name, entry in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"its file {file} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"its file {file} has {size} bytes, {entry['size']} were written"
+        if sha256_of(file) != entry["sha256"]:
+            return f"its file {file} changed since it was written (its sha256 differs)"
+    return None
+
+
+def newest_verified(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint whose files verify (None: no complete checkpoint). A
+    damaged one is skipped with a warning naming its file and the checkpoint used instead;
+    raises CheckpointError when every complete checkpoint is damaged."""
+    complete = complete_checkpoints(run_dir)
+    damaged = []
+    for step, path in reversed(complete):
+        wrong = problem(path)
+        if wrong is None:
+            for name, why in damaged:
+                log.warning("checkpoint %s is damaged: %s; resuming from %s (step %d) instead",
+                            name, why, path.name, step)
+            return step, path
+        damaged.append((path.name, wrong))
+    if not damaged:
+        return None
+    lines = "\n".join(f"  {name}: {why}" for name, why in damaged)
+    raise CheckpointError(
+        f"no checkpoint in {checkpoint_root(run_dir)} can be loaded: every complete one is "
+        f"damaged:\n{lines}\nRestore the files from a backup, or train from scratch in this run "
+        "dir with `train.resume=false` (or start a new run with another `name=...`).")
+
+
+def agreed_resume(run_dir: Path) -> tuple[int, Path] | None:
+    """`newest_verified` as rank 0 finds it, the same on every rank (a collective): every rank
+    loads the same step, and a CheckpointError is raised by all."""
+    answer: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [("ok", newest_verified(run_dir))]
+        except CheckpointError as error:
+            answer = [("error", str(error))]
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return None if value is None else (value[0], Path(value[1]))
+
+
 def load(engine, run_dir: Path, path: Path, lora: bool) -> int:
+    """Loads a checkpoint that `agreed_resume` verified: DeepSpeed's pickles are read only then.
+    The layer weights load with a strict key and shape check (dpipe.pipeline.engine)."""
     _, client_state = engine.load_checkpoint(
         str(checkpoint_root(run_dir)), tag=path.name, load_module_strict=not lora
     )
@@ -131,8 +291,9 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
 
 def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
     """The checkpoint a resume will start from, after checking that the current config can use
-    it: raises ConfigError naming the keys it cannot follow; logs the other changes."""
-    newest = newest_complete(run_dir)
+    it: raises ConfigError naming the keys it cannot follow; logs the other changes. It is the
+    checkpoint the workers load: the newest one whose files verify (`newest_verified`)."""
+    newest = newest_verified(run_dir)
     if newest is None:
         return None
     step, path = newest
@@ -223,3 +384,53 @@ def _flat(node, prefix: str = "") -> dict:
 
 def _show(value) -> str:
     return "(unset)" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def layer_file(checkpoint_dir, index: int) -> Path:
+    """The safetensors file of pipeline layer `index` (the pickles of older checkpoints were
+    `layer_<ii>-model_states.pt`)."""
+    return Path(checkpoint_dir) / f"layer_{index:02d}-model_states.safetensors"
+
+
+def read_layer_state(checkpoint_dir, index: int) -> tuple[dict, Path]:
+    """The saved tensors of pipeline layer `index` and the file they came from."""
+    path = layer_file(checkpoint_dir, index)
+    if path.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path), path
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(_damaged(path, f"it cannot be read ({error})")) from None
+    legacy = Path(checkpoint_dir) / f"layer_{index:02d}-model_states.pt"
+    if not legacy.is_file():
+        raise CheckpointError(_damaged(path, "the file is missing"))
+    try:  # an older checkpoint's pickle, as DeepSpeed wrote it
+        return torch.load(legacy, map_location="cpu", weights_only=False), legacy
+    except Exception as error:  # noqa: BLE001 - any unreadable pickle is a damaged file
+        raise CheckpointError(_damaged(legacy, f"it cannot be read ({error})")) from None
+
+
+def check_layer_state(layer, state: dict, path: Path, strict: bool) -> None:
+    """Raises CheckpointError unless `state` holds every trainable tensor of `layer` (every
+    tensor when `strict`) with its shape, and nothing the layer lacks."""
+    own = layer.state_dict()
+    wanted = set(own) if strict else {n for n, p in layer.named_parameters() if p.requires_grad}
+    missing = sorted(wanted - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k} {tuple(state[k].shape)} (the layer's: {tuple(own[k].shape)})"
+                    for k in set(state) & set(own) if tuple(state[k].shape) != tuple(own[k].shape))
+    wrong = [f"{len(missing)} tensors missing (e.g. {', '.join(missing[:3])})" if missing else "",
+             f"{len(unexpected)} unknown tensors (e.g. {', '.join(unexpected[:3])})"
+             if unexpected else "",
+             f"other shapes: {'; '.join(shapes[:3])}" if shapes else ""]
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise CheckpointError(_damaged(path, "; ".join(wrong)))
+
+
+def _damaged(path: Path, why: str) -> str:
+    return (f"cannot load the checkpoint file {path}: {why}. This checkpoint does not belong to "
+            f"this model or is damaged: delete its folder {path.parent} to resume from the "
+            "previous checkpoint, or train from scratch with `train.resume=false`.")

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from dpipe.config.checks import validate
 from dpipe.models.registry import build_spec
-from dpipe.train.checkpoint import newest_complete
+from dpipe.train.checkpoint import newest_complete, read_layer_state
 from dpipe.train.lora import make_trainable
 
 
@@ -29,7 +29,7 @@ def trained_layers(run_dir: Path):
     layers = spec.pipeline_layers(denoiser)
     _, ckpt = newest_complete(run_dir)
     for i, layer in enumerate(layers):
-        state = torch.load(ckpt / f"layer_{i:02d}-model_states.pt", map_location="cpu")
+        state, _ = read_layer_state(ckpt, i)
         missing, unexpected = layer.load_state_dict(state, strict=False)
         assert not unexpected, unexpected
     return spec, layers

@@ -118,14 +118,33 @@ def test_pipeline_longer_than_the_model_fails_before_the_workers(tmp_path):
         check_before_workers(run, tmp_path, spec)
 
 
-def test_the_layer_count_from_the_config_is_the_built_pipelines():
-    """tiny_flux's count from its config file equals the layers the workers build."""
+TINY_MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("tiny_*.yaml"))
+# Options that pick another denoiser than the tiny config's own: Wan 2.2's high-noise expert
+# (transformer/; the config trains transformer_2/).
+OTHER_DENOISERS = [("tiny_wan22_a14b", ["model.min_t=0.875", "model.max_t=1"])]
+
+
+@pytest.mark.parametrize("model, overrides", [(m, []) for m in TINY_MODELS] + OTHER_DENOISERS,
+                         ids=[*TINY_MODELS, *(f"{m}-{o[0]}" for m, o in OTHER_DENOISERS)])
+def test_the_layer_count_from_the_config_is_the_built_pipelines(model, overrides):
+    """Every family's count, read from its config file, equals the layers the workers build."""
     import torch
 
-    spec = build_spec(validate(_compose([])).model)
+    spec = build_spec(validate(_compose([f"model={model}", *overrides])).model)
     spec.ensure_available()
+    count = spec.pipeline_layer_count()
     built = spec.pipeline_layers(spec.load_denoiser(torch.float32))
-    assert spec.pipeline_layer_count() == len(built)
+    assert count == len(built) > 2
+
+
+def test_an_sdxl_single_files_layer_count_comes_from_its_tensor_names():
+    """Without a diffusers folder for its configs, the count is read from the file's header."""
+    folder = build_spec(validate(_compose(["model=tiny_sdxl"])).model)
+    folder.ensure_available()
+    single = build_spec(validate(_compose(
+        ["model=tiny_sdxl", f"model.path={folder.path / 'sd_xl_base_1.0.safetensors'}"])).model)
+    assert single._config_dir is None
+    assert single.pipeline_layer_count() == folder.pipeline_layer_count()
 
 
 def test_a_cache_dir_that_is_a_file_fails_before_the_workers(tmp_path):

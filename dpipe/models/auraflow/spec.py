@@ -28,9 +28,10 @@ from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -114,6 +115,13 @@ class AuraFlowSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return auraflow_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """auraflow_layers: the embedding, every joint and single block, the head."""
+        joint, single = denoiser_config(
+            self.path / "transformer", "AuraFlowTransformer2DModel", "num_mmdit_layers",
+            "num_single_dit_layers")
+        return 2 + joint + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, (AuraFlowJointBlock, AuraFlowSingleBlock))
 
@@ -131,14 +139,13 @@ class AuraFlowSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import AuraFlowPipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(AuraFlowPipeline, weights, metadata, out_dir)
-        save_file(comfyui_lora(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
-                  metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(AuraFlowPipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)),
+                        {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

@@ -35,9 +35,10 @@ from dpipe.models.diffusers_folder import (
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.spec import _image_ids, _pack
 from dpipe.models.lora_files import (
-    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -132,6 +133,13 @@ class ChromaSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return chroma_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """chroma_layers: the embedding, every double- and single-stream block, the head."""
+        double, single = denoiser_config(
+            self.path / "transformer", "ChromaTransformer2DModel", "num_layers",
+            "num_single_layers")
+        return 2 + double + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, (ChromaDoubleBlock, ChromaSingleBlock))
 
@@ -165,11 +173,9 @@ class ChromaSpec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(ChromaPipeline, weights, metadata, out_dir)
-        from safetensors.torch import save_file
-
-        save_file(comfyui_lora(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA)
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(ChromaPipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)))])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

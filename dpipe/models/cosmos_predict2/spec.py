@@ -42,9 +42,10 @@ from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -212,6 +213,12 @@ class CosmosPredict2Spec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return cosmos_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """cosmos_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(
+            self.path / "transformer", "CosmosTransformer3DModel", "num_layers")
+        return 2 + blocks
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Time per layer relative to a block: the blocks are identical, and the embedding and
         head are a few Linears over the tokens (parameter counts would weigh the embedding's large
@@ -257,14 +264,13 @@ class CosmosPredict2Spec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir)
-        save_file(lora_to_comfyui(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
-                  metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                        {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.cosmos_predict2.comfyui import original_state_dict

@@ -25,10 +25,12 @@ from dpipe.models.flux.bfl import comfyui_lora, flux1_layout, from_bfl, save_bfl
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
-    EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops)
+    EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, denoiser_config,
+    joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2")
@@ -82,8 +84,9 @@ class FluxSpec(ModelSpec):
 
     def pipeline_layer_count(self) -> int:
         """flux_layers: the embedding, every double- and single-stream block, the head."""
-        transformer = self._read_config("transformer")
-        return 2 + transformer["num_layers"] + transformer["num_single_layers"]
+        double, single = denoiser_config(self.path / "transformer", "FluxTransformer2DModel",
+                                         "num_layers", "num_single_layers")
+        return 2 + double + single
 
     @property
     def pixel_multiple(self) -> int:
@@ -175,15 +178,14 @@ class FluxSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import FluxPipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(FluxPipeline, weights, metadata, out_dir)
-        comfy = comfyui_lora(weights, lora_scale(metadata),
-                             flux1_layout(self._read_config("transformer")))
-        save_file(comfy, out_dir / self.comfyui_lora_name, metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / self.comfyui_lora_name]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(FluxPipeline, weights, metadata, out_dir),
+            [LoraFormat(self.comfyui_lora_name, lambda: comfyui_lora(
+                weights, lora_scale(metadata), flux1_layout(self._read_config("transformer"))),
+                {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

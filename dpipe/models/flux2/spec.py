@@ -37,9 +37,10 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
@@ -154,6 +155,12 @@ class Flux2Spec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return flux2_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """flux2_layers: the embedding, every double- and single-stream block, the head."""
+        double, single = denoiser_config(
+            self.path / "transformer", "Flux2Transformer2DModel", "num_layers", "num_single_layers")
+        return 2 + double + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, (Flux2DoubleBlock, Flux2SingleBlock))
 
@@ -189,15 +196,13 @@ class Flux2Spec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import Flux2Pipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(Flux2Pipeline, weights, metadata, out_dir)
-        comfy = comfyui_lora(weights, lora_scale(metadata), flux2_layout(
-            read_json(self.path / "transformer" / "config.json")))
-        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(Flux2Pipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata), flux2_layout(
+                read_json(self.path / "transformer" / "config.json"))), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model

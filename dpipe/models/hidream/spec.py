@@ -36,9 +36,10 @@ from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
                   "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -139,6 +140,13 @@ class HiDreamSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hidream_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """hidream_layers: the embedding, every dual- and single-stream block, the head."""
+        dual, single = denoiser_config(
+            self.path / "transformer", "HiDreamImageTransformer2DModel", "num_layers",
+            "num_single_layers")
+        return 2 + dual + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Modelled forward FLOPs (dpipe.models.hidream.costs) at a 1024x1024 image."""
         return costs.layer_forward_flops(layers, costs.NOMINAL_IMAGE_TOKENS,
@@ -160,19 +168,17 @@ class HiDreamSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import HiDreamImagePipeline
-        from safetensors.torch import save_file
+
+        from dpipe.models.comfyui import renamed
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(HiDreamImagePipeline, weights, metadata, out_dir)
         # ComfyUI (and diffusion-pipe) name HiDream LoRAs after the original model, whose module
         # names diffusers kept: `diffusion_model.<module>.lora_A/lora_B.weight`, no alpha, so the
         # scale alpha / rank is folded into lora_B.
-        scale = lora_scale(metadata)
-        comfy = {f"diffusion_model.{k}": (v * scale if ".lora_B." in k else v).contiguous()
-                 for k, v in weights.items()}
-        save_file(comfy, out_dir / COMFYUI_FILE)
-        return [diffusers_file, out_dir / COMFYUI_FILE]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(HiDreamImagePipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_FILE, lambda: renamed(weights, lora_scale(metadata)))])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

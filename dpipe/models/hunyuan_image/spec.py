@@ -32,9 +32,10 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
-from dpipe.models.lora_files import DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, block_costs
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,14 @@ class HunyuanImageSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hunyuan_image_layers(denoiser, self.cfg.attention)
 
+    def pipeline_layer_count(self) -> int:
+        """hunyuan_image_layers: the embedding (which runs the first double-stream block), the
+        other double- and every single-stream block, the head."""
+        double, single = denoiser_config(
+            self.path / "transformer", "HunyuanImageTransformer2DModel", "num_layers",
+            "num_single_layers")
+        return 1 + double + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, HunyuanImageBlock)
 
@@ -165,17 +174,20 @@ class HunyuanImageSpec(ModelSpec):
         # the diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
         # metadata), which the transformer's own `load_lora_adapter` reads.
         from diffusers.loaders.lora_base import LoraBaseMixin
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        LoraBaseMixin._save_lora_weights(
-            out_dir, lora_layers={"transformer": weights}, lora_metadata={"transformer": metadata},
-            weight_name=DIFFUSERS_LORA)
-        config = self._config("transformer")
-        save_file(comfyui_lora(weights, lora_scale(metadata), config),
-                  out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [out_dir / DIFFUSERS_LORA, out_dir / COMFYUI_LORA]
+
+        def write_diffusers() -> Path:
+            LoraBaseMixin._save_lora_weights(
+                out_dir, lora_layers={"transformer": weights},
+                lora_metadata={"transformer": metadata}, weight_name=DIFFUSERS_LORA)
+            return out_dir / DIFFUSERS_LORA
+
+        return write_lora_files(out_dir, write_diffusers, [LoraFormat(
+            COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata),
+                                               self._config("transformer")),
+            {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

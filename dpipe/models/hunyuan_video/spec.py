@@ -27,10 +27,12 @@ from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_l
 from dpipe.models.hunyuan_video.original import from_original
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, block_costs, joint_attention_train_flops)
+    ModelSpec, NoisedBatch, PipelineLayer, block_costs, denoiser_config,
+    joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -165,6 +167,13 @@ class HunyuanVideoSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hunyuan_video_layers(denoiser, self.cfg.attention)
 
+    def pipeline_layer_count(self) -> int:
+        """hunyuan_video_layers: the embedding, every double- and single-stream block, the head."""
+        double, single = denoiser_config(
+            self.path / "transformer", "HunyuanVideoTransformer3DModel", "num_layers",
+            "num_single_layers")
+        return 2 + double + single
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         return block_costs(layers, HunyuanVideoBlock)
 
@@ -185,14 +194,13 @@ class HunyuanVideoSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import HunyuanVideoPipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir)
-        comfy = to_comfyui(weights, lora_scale(metadata), comfyui_mapping(self._transformer_config(), weights))
-        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
+                self._transformer_config(), weights)), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.hunyuan_video.original import original_state_dict

@@ -31,9 +31,11 @@ from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -154,6 +156,12 @@ class HunyuanVideo15Spec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return hunyuan_video15_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """hunyuan_video15_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(
+            self.path / "transformer", "HunyuanVideo15Transformer3DModel", "num_layers")
+        return 2 + blocks
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Parameters x the tokens they process in a typical clip (`token_weighted_params`)."""
         return [token_weighted_params(layer.named_parameters(), NOMINAL_VIDEO_TOKENS,
@@ -182,14 +190,13 @@ class HunyuanVideo15Spec(ModelSpec):
         # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
         # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
         from diffusers import HunyuanVideoPipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir)
-        comfy = to_comfyui(weights, lora_scale(metadata), comfyui_mapping(self._transformer_config(), weights))
-        save_file(comfy, out_dir / COMFYUI_LORA, metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
+                self._transformer_config(), weights)), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

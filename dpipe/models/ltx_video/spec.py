@@ -27,9 +27,10 @@ from dpipe.models.hunyuan_video.spec import as_video, frames_ok
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -202,6 +203,11 @@ class LTXVideoSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return ltx_layers(denoiser, self._ratios())
 
+    def pipeline_layer_count(self) -> int:
+        """ltx_layers (and LTX-2's ltx2_layers): the embedding, every block, the head."""
+        blocks, = denoiser_config(self.path / "transformer", self.transformer_class, "num_layers")
+        return 2 + blocks
+
     def make_inputs(self, batch: NoisedBatch):
         p, pt = self._patches
         x0, noisy, t = batch.latents, batch.noisy, batch.timesteps
@@ -241,16 +247,15 @@ class LTXVideoSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         import diffusers
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
-                                             metadata, out_dir)
         # ComfyUI's LTX-Video model uses diffusers' module names under `diffusion_model.`.
-        save_file(renamed(weights, lora_scale(metadata)), out_dir / self.comfyui_lora,
-                  metadata={"format": "comfyui"})
-        return [diffusers_file, out_dir / self.comfyui_lora]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
+                                                 metadata, out_dir),
+            [LoraFormat(self.comfyui_lora, lambda: renamed(weights, lora_scale(metadata)),
+                        {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

@@ -18,19 +18,20 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.models.attention_mask import trim_text_padding
-from dpipe.models.comfyui import fused_pair, peft_pairs, save_comfy_lora
+from dpipe.models.comfyui import comfy_lora_tensors, fused_pair, peft_pairs
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.qwen_image.shared import weighted_labels, weighted_mse
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -133,6 +134,14 @@ class Lumina2Spec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return lumina2_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """lumina2_layers: the embedding, the caption's and the image's refiner blocks, the join,
+        every main block, the head."""
+        refiners, blocks = denoiser_config(
+            self.path / "transformer", "Lumina2Transformer2DModel", "num_refiner_layers",
+            "num_layers")
+        return 3 + 2 * refiners + blocks
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption
         (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
@@ -158,10 +167,10 @@ class Lumina2Spec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(Lumina2Pipeline, weights, metadata, out_dir)
-        comfy = save_comfy_lora(comfy_lora_pairs(weights, metadata["lora_alpha"]),
-                                out_dir / COMFY_LORA)
-        return [diffusers_file, comfy]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(Lumina2Pipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
+                comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

@@ -17,18 +17,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.models.comfyui import peft_pairs, save_comfy_lora
+from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora)
+    DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.qwen_image.shared import weighted_mse
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, joint_attention_train_flops
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, joint_attention_train_flops)
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -154,6 +156,12 @@ class QwenImageSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return qwen_image_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """qwen_image_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(
+            self.path / "transformer", "QwenImageTransformer2DModel", "num_layers")
+        return 2 + blocks
+
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         shapes = image_grids((1, h // 2, w // 2))
@@ -174,10 +182,11 @@ class QwenImageSpec(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(self._pipeline(), weights, metadata, out_dir)
         # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
         pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
-        return [diffusers_file, save_comfy_lora(pairs, out_dir / COMFY_LORA)]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(self._pipeline(), weights, metadata, out_dir),
+            [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

@@ -27,11 +27,12 @@ from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,11 @@ class SD3Spec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return sd3_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """sd3_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(self.path / "transformer", "SD3Transformer2DModel", "num_layers")
+        return 2 + blocks
+
     def make_inputs(self, batch: NoisedBatch):
         # SD3 patchifies inside its embedding: the first layer takes (B, C, H, W) latents.
         inputs = (batch.noisy, batch.timesteps, batch.text["text"], batch.text["pooled"])
@@ -144,22 +150,14 @@ class SD3Spec(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import StableDiffusion3Pipeline
 
-        weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(StableDiffusion3Pipeline, weights, metadata, out_dir)
-        from safetensors.torch import save_file
-
         from dpipe.models.sd3.comfyui import comfyui_lora
 
-        written = [diffusers_file]
-        try:
-            comfy = comfyui_lora(weights, lora_scale(metadata),
-                                 self._transformer_config()["num_layers"])
-        except ValueError as err:  # custom targets without an original-layout equivalent
-            log.warning("no ComfyUI LoRA file written: %s", err)
-            return written
-        save_file(comfy, out_dir / COMFYUI_LORA)
-        return [*written, out_dir / COMFYUI_LORA]
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(StableDiffusion3Pipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(
+                weights, lora_scale(metadata), self._transformer_config()["num_layers"]))])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

@@ -29,11 +29,13 @@ from torch import nn
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
-from dpipe.models.lora_files import lora_metadata, peft_to_diffusers, save_diffusers_lora
+from dpipe.models.lora_files import (
+    lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, counted_layer_flops
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, counted_layer_flops, denoiser_config)
 
 REQUIRED_PARTS = ("model_index.json", "unet", "vae", "text_encoder", "text_encoder_2",
                   "tokenizer", "tokenizer_2", "scheduler")
@@ -213,6 +215,40 @@ class SDXLSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return sdxl_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int | None:
+        """sdxl_layers: the embedding; each down block's resnets (with their transformers) and
+        its downsampler; the mid block; each up block's resnets (one more than a down block's)
+        and its upsampler; the head. Every block but the last (down) or first (up) resamples.
+        From the UNet's config, or else from a single file's tensor names; None for a single
+        .ckpt without a config folder (a pickle, unread before the workers)."""
+        if self._config_dir is not None:
+            per_block, kinds = denoiser_config(self._config_dir / "unet", "UNet2DConditionModel",
+                                               "layers_per_block", "down_block_types")
+            blocks = len(kinds)
+            resnets = sum(per_block) if isinstance(per_block, list) else per_block * blocks
+            return 3 + 2 * resnets + blocks + 2 * (blocks - 1)
+        if self.path.suffix != ".safetensors":
+            return None
+        import re
+
+        from safetensors import SafetensorError, safe_open
+
+        from dpipe.models.sdxl.ldm import UNET_PREFIX
+
+        # SGM's names: input_blocks.0 is conv_in, then one per resnet or downsampler;
+        # output_blocks hold a resnet each, some with an upsampler (`.<i>.conv`) in them.
+        try:
+            with safe_open(self.path, "pt") as f:  # the header only, no tensor
+                names = [k.removeprefix(UNET_PREFIX) for k in f.keys()
+                         if k.startswith(UNET_PREFIX)]
+        except (OSError, SafetensorError) as err:
+            raise ModelLoadError(f"cannot read model.path={self.path}: {err}") from None
+        inputs = {n.split(".")[1] for n in names if n.startswith("input_blocks.")}
+        outputs = {n.split(".")[1] for n in names if n.startswith("output_blocks.")}
+        upsamplers = {n.split(".")[1] for n in names
+                      if re.fullmatch(r"output_blocks\.\d+\.\d+\.conv\.weight", n)}
+        return 2 + (len(inputs) - 1) + 1 + len(outputs) + len(upsamplers)
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at 1024^2 (dpipe.models.sdxl.costs): parameter counts
         misweigh a UNet's layers, whose work follows the resolution they run at."""
@@ -251,20 +287,19 @@ class SDXLSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import StableDiffusionXLPipeline
-        from safetensors.torch import save_file
 
         from dpipe.models.sdxl.ldm import kohya_lora
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
         rank, alpha = metadata["r"], metadata["lora_alpha"]
-        diffusers_file = save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata, out_dir,
-                                             component="unet")
-        kohya = out_dir / KOHYA_FILE
-        save_file(kohya_lora(weights, self._unet_config_dict(), alpha), kohya,
-                  metadata={"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
-                            "ss_network_alpha": str(alpha), "ss_base_model_version": "sdxl_base_v1-0"})
-        return [diffusers_file, kohya]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata,
+                                                 out_dir, component="unet"),
+            [LoraFormat(KOHYA_FILE, lambda: kohya_lora(weights, self._unet_config_dict(), alpha),
+                        {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
+                         "ss_network_alpha": str(alpha),
+                         "ss_base_model_version": "sdxl_base_v1-0"})])
 
     def _unet_config_dict(self) -> dict[str, Any]:
         if self._unet_config is None:

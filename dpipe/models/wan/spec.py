@@ -48,9 +48,10 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    lora_metadata, lora_scale, peft_to_diffusers, save_diffusers_lora)
+    lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
 from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
+    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, attention_train_flops, model_params)
 from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
@@ -308,6 +309,11 @@ class WanSpec(ModelSpec):
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return wan_layers(denoiser)
 
+    def pipeline_layer_count(self) -> int:
+        """wan_layers: the embedding, every block, the head; of the expert this run trains."""
+        blocks, = denoiser_config(self.root / self.expert, "WanTransformer3DModel", "num_layers")
+        return 2 + blocks
+
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Time per layer relative to a block: the blocks are identical, and the embedding and
         head are a few Linears over the tokens (parameter counts would weigh the embedding's large
@@ -349,14 +355,13 @@ class WanSpec(ModelSpec):
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import WanPipeline
-        from safetensors.torch import save_file
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        diffusers_file = save_diffusers_lora(WanPipeline, weights, metadata, out_dir)
-        save_file(lora_to_comfyui(weights, lora_scale(metadata)), out_dir / COMFYUI_LORA,
-                  metadata={"format": "comfyui", "expert": self.expert})
-        return [diffusers_file, out_dir / COMFYUI_LORA]
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(WanPipeline, weights, metadata, out_dir),
+            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                        {"format": "comfyui", "expert": self.expert})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from safetensors import safe_open
