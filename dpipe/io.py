@@ -80,6 +80,12 @@ def show_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+def _exact(n: int) -> str:
+    """`show_bytes` with the byte count beside a rounded size ("1.5 MiB (1572864 bytes)")."""
+    shown = show_bytes(n)
+    return shown if shown.endswith(" bytes") else f"{shown} ({n} bytes)"
+
+
 def write_failure(what: str, path: Path, needed: int, error: BaseException) -> str:
     """One message for a failed write of `what` at `path`: the disk is full (or the write needed
     more than is free) with the bytes needed and free, or the OS's reason."""
@@ -87,8 +93,8 @@ def write_failure(what: str, path: Path, needed: int, error: BaseException) -> s
     full = getattr(error, "errno", None) in _DISK_FULL_ERRNOS or (needed and free < needed) \
         or "iostream error" in str(error) or "write failed" in str(error)
     if full:
-        return (f"no space left to write {what} {path}: it needs about {show_bytes(needed)} "
-                f"({needed} bytes), {show_bytes(free)} ({free} bytes) are free there. Free some "
-                "space (or point the run at a larger disk)")
+        needs = f"it needs about {_exact(needed)}, " if needed else ""
+        return (f"no space left to write {what} {path}: {needs}{_exact(free)} are free there. "
+                "Free some space (or point the run at a larger disk)")
     reason = getattr(error, "strerror", None) or str(error)
     return f"cannot write {what} {path} ({reason}): check that the place is writable"

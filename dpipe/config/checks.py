@@ -21,6 +21,7 @@ from dpipe.config.schema import (
     RunConfig,
     TrainMode,
 )
+from dpipe.config.optim_checks import check_optimizer
 from dpipe.errors import ConfigError
 
 
@@ -80,7 +81,9 @@ def _check_ranges(run: RunConfig) -> None:
     t, m, o, d = run.train, run.model, run.optim, run.dataset
     lora_alpha = {} if m.lora.alpha is None else {"model.lora.alpha": m.lora.alpha}
     above_zero = {"optim.lr": o.lr, "optim.eps": o.eps, "train.timesteps.shift": t.timesteps.shift,
-                  "train.timesteps.logit_std": t.timesteps.logit_std, **lora_alpha}
+                  "train.timesteps.logit_std": t.timesteps.logit_std,
+                  "train.huber_delta": t.huber_delta, "train.smooth_l1_beta": t.smooth_l1_beta,
+                  **lora_alpha}
     at_least_zero = {"optim.weight_decay": o.weight_decay, "optim.warmup_steps": o.warmup_steps,
                      "optim.grad_clip": o.grad_clip, "model.min_snr_gamma": m.min_snr_gamma,
                      "train.checkpoint_every_minutes": t.checkpoint_every_minutes,
@@ -124,8 +127,7 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     _check_ranges(run)
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+    check_optimizer(run)  # betas and each optimizer's own keys
 
     if p.data_parallel is not None and p.data_parallel < 1:
         raise ConfigError(f"pipeline.data_parallel must be >= 1 or null (auto), got {p.data_parallel}")

@@ -44,7 +44,19 @@ class LrSchedule(str, Enum):
 
 
 class OptimizerName(str, Enum):
-    adamw = "adamw"
+    adamw = "adamw"  # torch's AdamW: the default
+    adamw8bit = "adamw8bit"  # bitsandbytes' AdamW with 8-bit states: ~1/4 of AdamW's state memory
+    adafactor = "adafactor"  # torch's Adafactor: factored second moments, no first moment
+    came = "came"  # CAME (pytorch-optimizer): Adafactor-like memory, confidence-guided updates
+    prodigy = "prodigy"  # Prodigy (prodigyopt): estimates the step size itself; optim.lr=1
+    schedulefree_adamw = "schedulefree_adamw"  # schedulefree's AdamW: no learning-rate schedule
+    muon = "muon"  # Muon (pytorch-optimizer) for matrices, AdamW for the 1-D parameters
+
+
+class LossKind(str, Enum):
+    mse = "mse"  # squared error: the default, what the models were trained with
+    huber = "huber"  # squared below train.huber_delta, linear beyond: outliers pull less
+    smooth_l1 = "smooth_l1"  # Huber divided by its threshold (train.smooth_l1_beta)
 
 
 class DatasetKind(str, Enum):
@@ -325,6 +337,33 @@ class OptimConfig:
     # optimizer, ~16 bytes per parameter); false trains the bf16 weights directly with AdamW
     # states in bf16 (~8 bytes per parameter, as most trainers do), when memory is short.
     master_weights: bool = True
+    # Weight decay on the 1-D parameters (norm scales, biases) too. False, the default, decays
+    # only the matrices, as most trainers do: decay pulls a norm's scale towards 0, not 1.
+    weight_decay_1d: bool = False
+    # The keys below belong to one optimizer each (conf/optim/<name>.yaml sets them); `betas`
+    # is two numbers, three for came.
+    # adamw8bit: tensors with fewer elements keep 32-bit states (bitsandbytes' default, 4096).
+    min_8bit_size: int = 4096
+    # adafactor, came: the update's RMS is clipped to this (Adafactor's d).
+    clip_threshold: float = 1.0
+    # adafactor: the second moment decays with beta2_t = 1 - t^beta2_decay.
+    beta2_decay: float = -0.8
+    # prodigy: the first step-size estimate and a multiplier of every estimate; safeguard_warmup
+    # keeps the estimate from growing in warm-up (recommended with optim.warmup_steps).
+    d0: float = 1e-6
+    d_coef: float = 1.0
+    safeguard_warmup: bool = False
+    use_bias_correction: bool = False
+    # schedulefree_adamw: the averaging weights grow as lr^weight_lr_power * t^r; its warm-up is
+    # optim.warmup_steps, inside the optimizer (optim.schedule must be constant).
+    r: float = 0.0
+    weight_lr_power: float = 2.0
+    # muon: momentum and Newton-Schulz steps for the matrices; the 1-D parameters train with
+    # AdamW at muon_adamw_lr with optim.betas and optim.eps.
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    muon_adamw_lr: float = 3e-4
 
 
 @dataclass
@@ -375,6 +414,11 @@ class TrainConfig:
     seed: int = 42
     precision: Precision = Precision.fp32
     timesteps: TimestepConfig = field(default_factory=TimestepConfig)
+    # The error per element between prediction and target (dpipe.models.loss), weighted by the
+    # dataset's masks in every family.
+    loss: LossKind = LossKind.mse
+    huber_delta: float = 1.0  # train.loss=huber: where the error turns from squared to linear
+    smooth_l1_beta: float = 1.0  # train.loss=smooth_l1: the same threshold
     log_every: int = 1
     checkpoint_every_steps: int = 50  # 0 disables step-based checkpoints
     checkpoint_every_minutes: float = 0.0  # 0 disables time-based checkpoints

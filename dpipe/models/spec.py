@@ -27,9 +27,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dpipe.config.schema import ModelConfig
+from dpipe.config.schema import ModelConfig, TrainConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.loss import ElementError
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class ModelSpec(abc.ABC):
     # Whether the family trains on `model.min_t`/`max_t` (it maps t with `train_timesteps` where
     # it noises and where it builds the denoiser's inputs); others refuse a range.
     supports_timestep_range: ClassVar[bool] = False
+    # The error per element that `loss` averages: MSE unless the trainer sets train.loss.
+    element_error: ElementError = ElementError()
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -84,6 +87,10 @@ class ModelSpec(abc.ABC):
         if (lo, hi) != (0.0, 1.0) and not self.supports_timestep_range:
             raise ConfigError(f"model.family={self.family} trains on every t: leave model.min_t=0 "
                               "and model.max_t=1")
+
+    def use_loss(self, train: TrainConfig) -> None:
+        """Makes `loss` average the error of `train.loss` (dpipe.models.loss)."""
+        self.element_error = ElementError.of(train)
 
     def train_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """Sampled t in [0, 1] -> the t this model trains on, linearly in [min_t, max_t]."""
@@ -168,7 +175,8 @@ class ModelSpec(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Scalar loss from the last layer's outputs and the labels of `make_inputs`."""
+        """Scalar loss from the last layer's outputs and the labels of `make_inputs`: the mean
+        of `self.element_error` between prediction and target, with the family's weights."""
 
     # ---- sampling ----------------------------------------------------------------------------
     def sampling(self):

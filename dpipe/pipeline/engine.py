@@ -18,8 +18,7 @@ from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.pipeline.recompute import recomputed
 from dpipe.train.grad_clip import install_clipping
-from dpipe.train.optim import build_optimizer
-from dpipe.train.schedule import lr_lambda
+from dpipe.train.optim import ROLE, base_lr, build_optimizer, group_hyperparameters, lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +244,7 @@ def build_engine(
         )
     optimizer = build_optimizer(trainable, run.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(run.optim, run.train.max_steps)
+        optimizer, lr_factor(run.optim, run.train.max_steps)
     )
     engine, _, _, _ = deepspeed.initialize(
         model=module,
@@ -269,22 +268,24 @@ def build_engine(
 def apply_optim_config(engine, run: RunConfig) -> None:
     """Makes a loaded checkpoint's optimizer follow the current `optim.*` from the next step on.
 
-    Loading restores each param group's lr, betas, eps and weight decay, the schedule's base lrs
-    and (in DeepSpeed's bf16 and ZeRO optimizers) the clipping norm as they were saved, so a
-    resume with a changed `optim.lr` would log the change and train on the old value. The
-    schedule's position (`last_epoch`) and the AdamW moments stay the checkpoint's. The schedule
+    Loading restores each param group's lr and hyperparameters (betas, eps, weight decay and
+    each optimizer's own), the schedule's base lrs and (in DeepSpeed's bf16 and ZeRO optimizers)
+    the clipping norm as they were saved, so a resume with a changed `optim.lr` would log the
+    change and train on the old value. The schedule's position (`last_epoch`), the optimizer's
+    moments and its running estimates (Prodigy's d) stay the checkpoint's. The schedule
     function itself is not saved (torch stores functions as None): it is already the current one.
     """
     scheduler = engine.lr_scheduler
-    # Ours, the AdamW: DeepSpeed's wrappers forward their param_groups to it.
+    # Ours: DeepSpeed's wrappers forward their param_groups to it.
     groups = scheduler.optimizer.param_groups
-    factor = lr_lambda(run.optim, run.train.max_steps)
-    scheduler.base_lrs = [run.optim.lr] * len(groups)
+    factor = lr_factor(run.optim, run.train.max_steps)
+    # Each group's role (dpipe.train.optim) was saved with it; "decay" in older checkpoints.
+    roles = [group.get(ROLE, "decay") for group in groups]
+    scheduler.base_lrs = [base_lr(run.optim, role) for role in roles]
     scheduler.lr_lambdas = [factor] * len(groups)
-    for group in groups:
-        group.update(initial_lr=run.optim.lr, lr=run.optim.lr * factor(scheduler.last_epoch),
-                     betas=tuple(run.optim.betas), eps=run.optim.eps,
-                     weight_decay=run.optim.weight_decay)
+    for group, role, lr in zip(groups, roles, scheduler.base_lrs):
+        group.update(initial_lr=lr, lr=lr * factor(scheduler.last_epoch),
+                     **group_hyperparameters(run.optim, role))
     scheduler._last_lr = [group["lr"] for group in groups]
     if _deepspeed_wraps_optimizer(run):
         engine.optimizer.clip_grad = run.optim.grad_clip

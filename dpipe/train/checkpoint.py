@@ -21,9 +21,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dpipe.errors import ConfigError, UserError
-from dpipe.io import (WriteFailed, atomic_write_text, free_bytes, is_write_error,
-                      write_failure)
+from dpipe.io import atomic_write_text
 from dpipe.models.fingerprint import sha256_of
+from dpipe.train.shared_write import write_together
 
 MARKER = "COMPLETE"
 PREFIX = "step_"
@@ -46,14 +46,23 @@ INCOMPATIBLE = {
     "pipeline.partition": "which layers each stage (and its optimizer state) holds",
     "pipeline.split": "which layers each stage (and its optimizer state) holds",
     "pipeline.zero_stage": "the optimizer state's layout",
+    "optim.name": "each optimizer keeps its own state (moments, estimates)",
 }
-# Full fine-tunes in bf16 keep fp32 master weights in DeepSpeed's bf16 optimizer.
-INCOMPATIBLE_FULL = {"train.precision": "the optimizer state's layout (bf16 vs fp32)"}
+# Full fine-tunes in bf16 keep fp32 master weights in DeepSpeed's bf16 optimizer; and only
+# full fine-tunes train 1-D parameters (LoRA's are matrices), which weight_decay_1d moves
+# between parameter groups.
+INCOMPATIBLE_FULL = {"train.precision": "the optimizer state's layout (bf16 vs fp32)",
+                     "optim.weight_decay_1d": "the optimizer's parameter groups (1-D parameters "
+                                              "with or without weight decay)"}
 # ...or, with optim.master_weights=false, train the bf16 weights in a plain AdamW.
 INCOMPATIBLE_FULL_BF16 = {
     "optim.master_weights": "the optimizer state's layout (DeepSpeed's fp32 master weights or "
                             "a plain AdamW over the bf16 weights)",
 }
+
+# Keys newer than some checkpoints, with the value that does what the versions before the key
+# did: a checkpoint whose config lacks one compares as that value.
+BEFORE_THE_KEY = {"optim.weight_decay_1d": True}  # dpipe 0.1.0 of 2026-12-04 and before
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -120,32 +129,17 @@ def _fresh_folder(root: Path, path: Path) -> None:
 
 
 def _together(write, run_dir: Path, path: Path, needed: int, joins_barrier: bool = False) -> None:
-    """Runs this rank's part of a write; every rank learns whether any rank's part failed (one
-    gather: a rank that raised alone would leave the others waiting in the next collective)."""
-    failure = None
-    try:
-        write()
-    except Exception as error:  # noqa: BLE001 - every write error, reported by every rank below
-        if not (is_write_error(error) or free_bytes(path) < needed):
-            raise
-        failure = (dist.get_rank(), write_failure("the checkpoint", path, needed, error))
-        if joins_barrier:
-            dist.barrier()
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    failures = [f for f in failures if f is not None]
-    if not failures:
-        return
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)  # a partial checkpoint is never loaded: space back
-    dist.barrier()
-    rank, message = failures[0]
-    previous = newest_complete(run_dir)
-    kept = (f"the previous complete checkpoint {previous[1]} (step {previous[0]}) is intact, and "
-            "the same command resumes from it once there is space" if previous else
-            "there is no earlier checkpoint: the run starts from scratch when started again")
-    raise WriteFailed(f"{message}. The partial checkpoint {path.name} was removed (rank {rank} "
-                      f"failed to write it); {kept}.")
+    """This rank's part of writing the checkpoint `path`; a failure on any rank removes the
+    partial folder and fails every rank, naming the previous complete checkpoint."""
+    def what_is_left(rank: int) -> str:
+        previous = newest_complete(run_dir)
+        kept = (f"the previous complete checkpoint {previous[1]} (step {previous[0]}) is intact, "
+                "and the same command resumes from it once there is space" if previous else
+                "there is no earlier checkpoint: the run starts from scratch when started again")
+        return (f"The partial checkpoint {path.name} was removed (rank {rank} failed to write "
+                f"it); {kept}.")
+
+    write_together(write, "the checkpoint", path, needed, [path], what_is_left, joins_barrier)
 
 
 def _bytes_needed(engine, lora: bool) -> int:
@@ -275,6 +269,7 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
     """(incompatible, harmless) differences between a checkpoint's config and the current one,
     each {key: (saved, current)}."""
     saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    saved = {**BEFORE_THE_KEY, **saved}
     current = _flat(OmegaConf.to_container(OmegaConf.create(current_yaml)))
     blocking = dict(INCOMPATIBLE)
     if current.get("model.mode") == "full" or saved.get("model.mode") == "full":

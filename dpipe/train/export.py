@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from dpipe.io import atomic_write_text, replace_dir
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import ModelSpec, PipelineLayer
+from dpipe.train.shared_write import write_together
 
 
 STEP_PREFIX = "step_"
@@ -43,21 +44,41 @@ def export(
     # Temporary folders beside `top`, named for the destination: a step export's never meets
     # the final export's, and no half-written one ever looks like a step export.
     name = top.name if step is None else f"{top.name}.{out_dir.name}"
-    tmp = run_dir / f".{name}.partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    if dp_rank == 0:  # data-parallel replicas hold identical weights
-        write_stage_shard(local_layers, lora, tmp / f"stage-{stage:03d}.safetensors")
-    dist.barrier()
-    if dist.get_rank() != 0:
-        dist.barrier()
-        return None
+    tmp, final_tmp = run_dir / f".{name}.partial", run_dir / f".{name}.new"
+
+    def together(write, needed: int) -> None:  # a full disk on any rank fails every rank
+        write_together(write, "the export", out_dir, needed, [tmp, final_tmp],
+                       lambda rank: _what_is_left(run_dir, rank))
+
+    together(lambda: _fresh(tmp) if dist.get_rank() == 0 else None, 0)
+    shard_bytes = _trainable_bytes(local_layers, lora) if dp_rank == 0 else 0
+    # Data-parallel replicas hold identical weights: one replica of each stage writes its shard.
+    together(lambda: write_stage_shard(local_layers, lora, tmp / f"stage-{stage:03d}.safetensors")
+             if dp_rank == 0 else None, shard_bytes)
     shards = [tmp / f"stage-{s:03d}.safetensors" for s in range(stages)]
-    final_tmp = run_dir / f".{name}.new"
-    shutil.rmtree(final_tmp, ignore_errors=True)
-    final_tmp.mkdir()
+    # Rank 0 writes every format from the shards: about twice their bytes (ComfyUI's copy, or a
+    # single file beside the diffusers folder).
+    needed = 2 * sum(s.stat().st_size for s in shards) if dist.get_rank() == 0 else 0
+    together(lambda: _write_formats(spec, lora, shards, tmp, final_tmp, top, out_dir, step, keep)
+             if dist.get_rank() == 0 else None, needed)
+    return out_dir if dist.get_rank() == 0 else None
+
+
+def _fresh(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+
+
+def _trainable_bytes(local_layers: list[PipelineLayer], lora: bool) -> int:
+    return sum(p.numel() * p.element_size() for layer in local_layers
+               for p in layer.parameters() if p.requires_grad or not lora)
+
+
+def _write_formats(spec: ModelSpec, lora: bool, shards: list[Path], tmp: Path, final_tmp: Path,
+                   top: Path, out_dir: Path, step: int | None, keep: int) -> None:
+    """Rank 0: the family's files from the stage shards, written beside `out_dir`, then renamed
+    into it (the final export takes the step exports along)."""
+    _fresh(final_tmp)
     if lora:
         merged = {}
         for shard in shards:
@@ -73,8 +94,16 @@ def export(
     replace_dir(final_tmp, out_dir)
     if step is not None:
         prune_step_exports(top, keep)
-    dist.barrier()
-    return out_dir
+
+
+def _what_is_left(run_dir: Path, rank: int) -> str:
+    from dpipe.train.checkpoint import newest_complete
+
+    newest = newest_complete(run_dir)
+    kept = (f"the newest complete checkpoint is {newest[1]} (step {newest[0]}): the same command "
+            "resumes from it and writes the export once there is space" if newest else
+            "there is no checkpoint to write it from")
+    return f"The partial export was removed (rank {rank} failed to write it); {kept}."
 
 
 def step_exports(top: Path) -> list[Path]:

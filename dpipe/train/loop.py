@@ -26,6 +26,7 @@ from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.export import export, export_dir
+from dpipe.train.optim import evaluation_weights, logged_scalars
 from dpipe.train.flops import StepFlops, architecture
 from dpipe.train.trainable import load_denoiser, trainable_layers
 
@@ -42,6 +43,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     bf16 = run.train.precision == Precision.bf16
 
     spec = build_spec(run.model)
+    spec.use_loss(run.train)
     if rank == 0:
         spec.ensure_available()  # may create the tiny model once, for every rank
     dist.barrier()
@@ -86,14 +88,21 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                                       run.pipeline.micro_batches, run.pipeline.memory_budget_gb)
     evaluator = Evaluator(spec, dataset, run.dataset.eval, run.train.timesteps, data_parallel,
                           dp_rank, run.train.seed, run_dir)
-    evaluator.maybe_run(engine, step, reporter)
+    # Our optimizer (DeepSpeed's wrappers keep it as the scheduler's): schedule-free AdamW's
+    # averaged weights are what evaluation, samples and exports see (evaluation_weights).
+    optimizer = engine.lr_scheduler.optimizer
+    # A resumed run skips the eval of its first step (it ran before the checkpoint).
+    with _evaluating(optimizer, evaluator.due(step) and step == 0):
+        evaluator.maybe_run(engine, step, reporter)
     if _step_export_due(run, step) and _missing(export_dir(run_dir, lora, step)):
         # Killed between the checkpoint it resumes from and that step's export: made now.
-        export(list(engine.module.forward_funcs), spec, lora, run_dir, built.stage,
-               run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
+        with evaluation_weights(optimizer):
+            export(list(engine.module.forward_funcs), spec, lora, run_dir, built.stage,
+                   run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
     samples = TrainingSamples(spec, run, requests, run_dir, dataset, engine, device, cache_dtype)
     if samples.missing(step):  # sample.at_start, or a round that a killed run did not finish
-        samples.run(step, getattr(reporter, "writer", None))
+        with evaluation_weights(optimizer):
+            samples.run(step, getattr(reporter, "writer", None))
 
     def make_step(at: int, records: list | None):
         return step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, at,
@@ -122,7 +131,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                 step_flops.count_watched()
         if audit is not None:
             _report_audit(audit, step, run.pipeline, built.stage, device, reporter)
-        evaluator.maybe_run(engine, step, reporter)
+        with _evaluating(optimizer, evaluator.due(step)):
+            evaluator.maybe_run(engine, step, reporter)
         if auto_ckpt is not None:
             auto_ckpt.after_first_step()
             auto_ckpt = None
@@ -134,6 +144,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             if reporter is not None and logged:
                 # Rank 0's micro-batches stand for every data-parallel rank's (one bucket).
                 flops = step_flops.take()
+                reporter.scalars(logged_scalars(optimizer, run.optim))  # Prodigy's d
                 reporter.step(step, step_loss, engine.get_lr()[0], grad_norm,
                               None if flops is None else flops * data_parallel / world)
             problem = not_finite(step_loss, grad_norm)
@@ -147,10 +158,13 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             last_save_time, last_saved = time.monotonic(), step
         if _step_export_due(run, step):
             # Synchronous, like a checkpoint: training waits for the write, and no longer.
-            export([f for f in engine.module.forward_funcs], spec, lora, run_dir, built.stage,
-                   run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
+            with evaluation_weights(optimizer):
+                export([f for f in engine.module.forward_funcs], spec, lora, run_dir,
+                       built.stage, run.pipeline.stages, dp_rank, step=step,
+                       keep=run.train.keep_exports)
         if step < run.train.max_steps and samples.due(step):  # the last step's: after its checkpoint
-            with _not_training(reporter, cuda) if reporter else contextlib.nullcontext():
+            with _not_training(reporter, cuda) if reporter else contextlib.nullcontext(), \
+                    evaluation_weights(optimizer):
                 samples.run(step, reporter.writer if reporter else None)
         if preemption.stop_agreed() and step < run.train.max_steps:
             loader.close()
@@ -165,17 +179,25 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     loader.close()
     if step != last_saved:
         checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
-    if samples.missing(step):  # the final round (a finished run that is run again has it)
-        samples.run(step, getattr(reporter, "writer", None))
-    if reporter is not None:
-        reporter.close()
+    # The last checkpoint is saved: from here on the model holds the weights to keep.
+    with evaluation_weights(optimizer):
+        if samples.missing(step):  # the final round (a finished run that is run again has it)
+            samples.run(step, getattr(reporter, "writer", None))
+        if reporter is not None:
+            reporter.close()
 
-    local_layers = [f for f in engine.module.forward_funcs]
-    out = export(local_layers, spec, lora, run_dir, built.stage, run.pipeline.stages, dp_rank)
+        local_layers = [f for f in engine.module.forward_funcs]
+        out = export(local_layers, spec, lora, run_dir, built.stage, run.pipeline.stages,
+                     dp_rank)
     if rank == 0:
         log.info("exported %s", out)
     dist.barrier()
     return out
+
+
+def _evaluating(optimizer, due: bool):
+    """evaluation_weights around an eval that runs: a swap for nothing would cost a copy."""
+    return evaluation_weights(optimizer) if due else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

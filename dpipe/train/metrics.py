@@ -48,6 +48,7 @@ class Reporter:
                         disable=not progress_bar, dynamic_ncols=True)
         self.last, self.last_step = time.perf_counter(), start_step
         self.pending: dict = {}  # recorded with the next logged step
+        self.pending_scalars: dict = {}  # TensorBoard scalars, the same
 
     def audit(self, step: int, host_syncs: int, backward_passes: float,
               peak_memory_gib: float | None = None) -> None:
@@ -60,6 +61,14 @@ class Reporter:
         if peak_memory_gib is not None:
             self.writer.add_scalar("perf/peak_memory_gib", peak_memory_gib, step)
             self.pending["peak_memory_gib"] = peak_memory_gib
+
+    def scalars(self, values: dict[str, float]) -> None:
+        """Values recorded with the next logged step, such as an optimizer's own estimates
+        (dpipe.train.optim.logged_scalars): in TensorBoard under their names ("optim/prodigy_d")
+        and in metrics.jsonl under the last part of the name ("prodigy_d")."""
+        for name, value in values.items():
+            self.pending_scalars[name] = value
+            self.pending[name.rsplit("/", 1)[-1]] = value
 
     def pause(self, seconds: float) -> None:
         """Leaves `seconds` of work that is not training (counting FLOPs) out of the step time."""
@@ -80,6 +89,9 @@ class Reporter:
             self.writer.add_scalar("train/grad_norm", grad_norm, step)
         self.writer.add_scalar("perf/step_time_s", step_time, step)
         self.writer.add_scalar("perf/samples_per_s", samples_per_s, step)
+        for name, value in self.pending_scalars.items():
+            self.writer.add_scalar(name, value, step)
+        self.pending_scalars = {}
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "samples_per_s": samples_per_s, **self.pending}
         shown = {"loss": f"{loss:.4f}", "samples_s": f"{samples_per_s:.2f}"}

@@ -1,6 +1,7 @@
 """A resume with a changed `optim.lr` trains with the new value from its first step, and
-`metrics.jsonl` lists each step once. Two `dpipe-train` calls: a straight run, then a resume of
-its middle checkpoint with another learning rate."""
+`metrics.jsonl` lists each step once; one with a changed `train.loss` trains on that loss.
+Three `dpipe-train` calls: a straight run, then resumes of its middle checkpoint with another
+learning rate and with another loss."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _train(run_dir, *overrides: str):
     return result
 
 
-def test_resume_with_a_changed_lr_trains_with_it_and_logs_each_step_once(tmp_path):
+def test_resume_with_a_changed_lr_or_loss_trains_with_it_and_logs_each_step_once(tmp_path):
     run_dir = tmp_path / "run"
     _train(run_dir, "optim.lr=1e-3")
     straight = {m["step"]: m for m in metrics(run_dir)}
@@ -47,3 +48,12 @@ def test_resume_with_a_changed_lr_trains_with_it_and_logs_each_step_once(tmp_pat
     weights = load_file(run_dir / LORA)
     assert weights.keys() == straight_weights.keys()
     assert any(not torch.equal(weights[k], straight_weights[k]) for k in weights)
+
+
+    # Again from step 2, with Huber at a small threshold: each element's error is at most
+    # delta * |error| instead of its square, so step 3's loss (the same weights) falls far below
+    # the straight run's MSE.
+    (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").unlink()
+    _train(run_dir, "optim.lr=5e-4", "train.loss=huber", "train.huber_delta=0.01")
+    huber = {m["step"]: m["loss"] for m in metrics(run_dir)}
+    assert 0 < huber[3] < 0.05 * straight[3]["loss"], (huber[3], straight[3]["loss"])

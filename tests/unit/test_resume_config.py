@@ -97,8 +97,26 @@ def test_master_weights_of_bf16_full_fine_tunes_cannot_change():
     assert not incompatible and "optim.master_weights" in harmless
 
 
+def test_the_optimizer_and_full_fine_tunes_groups_cannot_change():
+    incompatible, _ = resume_changes(run_yaml(), run_yaml("optim=prodigy"))
+    assert "optim.name" in incompatible
+    incompatible, harmless = resume_changes(run_yaml(), run_yaml("optim.weight_decay_1d=true"))
+    assert not incompatible and "optim.weight_decay_1d" in harmless  # LoRA: matrices only
+    incompatible, _ = resume_changes(run_yaml("model.mode=full"),
+                                     run_yaml("model.mode=full", "optim.weight_decay_1d=true"))
+    assert set(incompatible) == {"optim.weight_decay_1d"}
+    # A checkpoint from before the key decayed every parameter (one group): refused for a
+    # full fine-tune with today's default, followed with optim.weight_decay_1d=true.
+    older = "\n".join(line for line in run_yaml("model.mode=full").splitlines()
+                      if "weight_decay_1d" not in line)
+    incompatible, _ = resume_changes(older, run_yaml("model.mode=full"))
+    assert set(incompatible) == {"optim.weight_decay_1d"}
+    incompatible, _ = resume_changes(older, run_yaml("model.mode=full", "optim.weight_decay_1d=true"))
+    assert not incompatible
+
+
 def _adamw_with_schedule(run):
-    weight = torch.nn.Parameter(torch.ones(3))
+    weight = torch.nn.Parameter(torch.ones(3, 2))  # a matrix: weight decay applies
     optimizer = build_optimizer([weight], run.optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(run.optim, run.train.max_steps))
@@ -110,7 +128,7 @@ def test_a_loaded_optimizer_follows_the_current_optim_settings():
     saved_run = validate(compose_run("optim.warmup_steps=4", "train.max_steps=10"))
     optimizer, scheduler = _adamw_with_schedule(saved_run)
     for _ in range(2):
-        optimizer.param_groups[0]["params"][0].grad = torch.ones(3)
+        optimizer.param_groups[0]["params"][0].grad = torch.ones(3, 2)
         optimizer.step()
         scheduler.step()
     saved = optimizer.state_dict(), scheduler.state_dict()

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
@@ -32,6 +31,7 @@ from dpipe.models.lora_files import (
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -131,10 +131,8 @@ class AuraFlowSpec(ModelSpec):
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

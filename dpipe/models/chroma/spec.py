@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
@@ -39,6 +38,7 @@ from dpipe.models.lora_files import (
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -162,10 +162,8 @@ class ChromaSpec(ModelSpec):
         return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # per-element loss weights (masks)
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with per-element loss weights (masks)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -47,6 +47,7 @@ from dpipe.models.lora_files import (
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -250,10 +251,8 @@ class CosmosPredict2Spec(ModelSpec):
         return inputs, (target,) if weight is None else (target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # weights broadcast over the elements (masks, given frames)
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with weights broadcast over the elements (masks, given frames)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- sampling ----------------------------------------------------------------------------
     def sampling(self):

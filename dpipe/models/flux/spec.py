@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.config.schema import TrainMode
@@ -27,6 +26,7 @@ from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
+from dpipe.models.loss import weighted_mean
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, denoiser_config,
@@ -170,10 +170,8 @@ class FluxSpec(ModelSpec):
         return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # per-element loss weights (masks)
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with per-element loss weights (masks)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

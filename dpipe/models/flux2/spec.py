@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
@@ -41,6 +40,7 @@ from dpipe.models.lora_files import (
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
@@ -188,10 +188,8 @@ class Flux2Spec(ModelSpec):
     def loss(self, outputs, labels) -> torch.Tensor:
         target = labels[0]
         pred = outputs[:, :target.shape[1]]  # reference image tokens (edit training) carry no loss
-        if len(labels) == 1:
-            return F.mse_loss(pred.float(), target.float())
-        weight = labels[1]  # per-token loss weights (masks), broadcast over channels
-        return (weight.float() * (pred.float() - target.float()).square()).mean()
+        # labels[1:]: per-token loss weights (masks), broadcast over channels, where given
+        return weighted_mean(self.element_error(pred, target), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.attention_mask import (
@@ -36,6 +35,7 @@ from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.loss import weighted_mean
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,8 @@ class HunyuanImageSpec(ModelSpec):
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -29,6 +29,7 @@ from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
+from dpipe.models.loss import weighted_mean
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, block_costs, denoiser_config,
@@ -189,7 +190,7 @@ class HunyuanVideoSpec(ModelSpec):
         return inputs, loss_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return video_loss(outputs, labels)
+        return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
@@ -266,13 +267,13 @@ def loss_labels(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:
     return (batch.target,) if weight is None else (batch.target, weight)
 
 
-def video_loss(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE against the target of (B, C, F, h, w) latents; mask weights broadcast over C and F."""
+def video_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean of the per-element `error` against the target of (B, C, F, h, w) latents; mask
+    weights (labels[1], (B, 1, h, w)) broadcast over C and F."""
     if len(labels) == 1:
-        return F.mse_loss(outputs.float(), labels[0].float())
-    target, weight = labels
-    weight = weight.float().view(weight.shape[0], 1, 1, *weight.shape[-2:])
-    return (weight * (outputs.float() - target.float()).square()).mean()
+        return weighted_mean(error)
+    weight = labels[1]
+    return weighted_mean(error, weight.view(weight.shape[0], 1, 1, *weight.shape[-2:]))
 
 
 def prompt_template(tokenizer) -> dict[str, Any]:

@@ -182,7 +182,7 @@ class HunyuanVideo15Spec(ModelSpec):
         return inputs, loss_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return video_loss(outputs, labels)
+        return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

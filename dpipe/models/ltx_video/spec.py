@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ConfigError, DataError
@@ -32,6 +31,7 @@ from dpipe.models.lora_files import (
 from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
@@ -60,15 +60,14 @@ def unpack(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int) ->
     return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
-def ltx_loss(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE over the tokens that are denoised. Labels: (target,) or (target, weight, trained):
-    `weight` multiplies each element (mask weights, 0 on condition tokens), `trained` (B, N, 1)
-    marks the tokens that count, so the mean is over them alone."""
+def ltx_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean of the per-element `error` over the tokens that are denoised. Labels: (target,)
+    or (target, weight, trained): `weight` multiplies each element (mask weights, 0 on condition
+    tokens), `trained` (B, N, 1) marks the tokens that count, so the mean is over them alone."""
     if len(labels) == 1:
-        return F.mse_loss(outputs.float(), labels[0].float())
+        return weighted_mean(error)
     target, weight, trained = labels
-    error = weight.float() * (outputs.float() - target.float()).square()
-    return error.sum() / (trained.float().sum() * target.shape[-1]).clamp(min=1)
+    return (weight.float() * error).sum() / (trained.float().sum() * target.shape[-1]).clamp(min=1)
 
 
 class LTXVideoSpec(ModelSpec):
@@ -242,7 +241,7 @@ class LTXVideoSpec(ModelSpec):
         return inputs, (target, weight, trained)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return ltx_loss(outputs, labels)
+        return ltx_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

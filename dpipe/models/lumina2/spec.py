@@ -27,11 +27,12 @@ from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.qwen_image.shared import weighted_labels, weighted_mse
+from dpipe.models.qwen_image.shared import weighted_labels
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -159,7 +160,7 @@ class Lumina2Spec(ModelSpec):
         return (batch.noisy, t_model, cap, cap_len, cap_mask.long()), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mse(outputs, labels)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -31,18 +31,9 @@ def key_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
 
 def weighted_labels(batch) -> tuple[torch.Tensor, ...]:
     """(target,) or, when the dataset gives per-pixel loss weights (masks, (B, 1, h, w) at latent
-    resolution), (target, weight) for `weighted_mse`; the target is (B, C, h, w)."""
+    resolution), (target, weight) for `dpipe.models.loss.weighted_mean`; the target is (B, C, h, w)."""
     weight = getattr(batch, "loss_weight", None)
     return (batch.target,) if weight is None else (batch.target, weight)
-
-
-def weighted_mse(outputs: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE, or with a (B, 1, h, w) weight broadcast over channels as flow-matching losses of
-    masked datasets are (the mean over all elements, as the unweighted loss)."""
-    err = (outputs.float() - labels[0].float()).square()
-    if len(labels) == 1:
-        return err.mean()
-    return (labels[1].float() * err).mean()
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -21,12 +21,12 @@ from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.attention_mask import padding_mask
+from dpipe.models.loss import weighted_mean
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.qwen_image.shared import weighted_mse
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
@@ -176,7 +176,7 @@ class QwenImageSpec(ModelSpec):
         return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mse(outputs, labels)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.diffusers_folder import (
@@ -33,6 +32,7 @@ from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.loss import weighted_mean
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,8 @@ class SD3Spec(ModelSpec):
         return inputs, (batch.target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # per-pixel loss weights (masks), broadcast over channels
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -279,7 +279,7 @@ class SDXLSpec(ModelSpec):
 
     def loss(self, outputs, labels) -> torch.Tensor:
         target, weights, *mask = labels  # per-sample (min-SNR) weights; per-pixel mask weights
-        error = (outputs.float() - target.float()).square()
+        error = self.element_error(outputs, target)
         if mask:
             error = error * mask[0].float()
         return (error.flatten(1).mean(1) * weights.float()).mean()

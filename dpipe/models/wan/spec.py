@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
@@ -56,6 +55,7 @@ from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -347,10 +347,8 @@ class WanSpec(ModelSpec):
         return inputs, (target,) if weight is None else (target, weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        if len(labels) == 1:
-            return F.mse_loss(outputs.float(), labels[0].float())
-        target, weight = labels  # weights broadcast over the elements (masks, given frames)
-        return (weight.float() * (outputs.float() - target.float()).square()).mean()
+        # labels: (target,) or (target, weight) with weights broadcast over the elements (masks, given frames)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -26,13 +26,14 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.qwen_image.shared import round_up, weighted_labels, weighted_mse
+from dpipe.models.qwen_image.shared import round_up, weighted_labels
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
 from dpipe.models.z_image.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -164,7 +165,7 @@ class ZImageSpec(ModelSpec):
         return (batch.noisy, t_model, cap, cap_len, cap_mask), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mse(outputs, labels)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
