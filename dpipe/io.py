@@ -54,12 +54,16 @@ _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def is_write_error(error: BaseException) -> bool:
-    """An error of a write: an OSError, or the RuntimeError that torch.save's C++ writer raises
-    on a full disk ("basic_ios::clear: iostream error", "file write failed")."""
-    return isinstance(error, OSError) or (
-        isinstance(error, RuntimeError)
-        and any(s in str(error) for s in ("iostream error", "write failed", "No space left",
-                                         "unexpected pos")))
+    """An error of a write: an OSError, the RuntimeError that torch.save's C++ writer raises
+    on a full disk ("basic_ios::clear: iostream error", "file write failed"), or safetensors'
+    SafetensorError ("I/O error: No space left on device (os error 28)")."""
+    if isinstance(error, OSError):
+        return True
+    from safetensors import SafetensorError
+
+    return isinstance(error, (RuntimeError, SafetensorError)) and any(
+        s in str(error) for s in ("iostream error", "write failed", "No space left",
+                                  "unexpected pos", "I/O error"))
 
 
 def free_bytes(path: Path) -> int:
@@ -91,7 +95,7 @@ def write_failure(what: str, path: Path, needed: int, error: BaseException) -> s
     more than is free) with the bytes needed and free, or the OS's reason."""
     free = free_bytes(path)
     full = getattr(error, "errno", None) in _DISK_FULL_ERRNOS or (needed and free < needed) \
-        or "iostream error" in str(error) or "write failed" in str(error)
+        or any(s in str(error) for s in ("iostream error", "write failed", "No space left"))
     if full:
         needs = f"it needs about {_exact(needed)}, " if needed else ""
         return (f"no space left to write {what} {path}: {needs}{_exact(free)} are free there. "

@@ -23,6 +23,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from dpipe.io import WriteFailed, is_write_error, write_failure
+
 # Part of every key. Bump it whenever the encoding of entries changes (what is stored, how
 # images are preprocessed or encoded, tensor names or layouts): old entries then stop matching
 # and are recomputed, instead of being loaded as if they were made by the new code.
@@ -128,20 +130,28 @@ class TensorStore:
         ):
             raise TypeError(f"safetensors metadata must map str to str, got {metadata!r}")
 
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Hidden and unique per writer: concurrent writers never share a temp file, and a listing
         # of `*.safetensors` never shows one.
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             save_file(prepared, tmp, metadata=metadata)
             # Flush to disk before the rename: otherwise a power cut can leave the new name
             # pointing at a file whose data never reached the disk.
             with open(tmp, "r+b") as file:
                 os.fsync(file.fileno())
             os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
-        except BaseException:
+        except BaseException as error:
             tmp.unlink(missing_ok=True)
-            raise
+            if not is_write_error(error):
+                raise
+            # No byte count: an entry is small, and its size beside the free bytes would read
+            # as if it fitted (the disk's own blocks and the file's header count too).
+            raise WriteFailed(
+                f"{write_failure('the cache entry', path, 0, error)}. The entries written "
+                "so far are kept: the same command goes on from them once there is space, or "
+                f"set `dataset.cache_dir=` to a folder on a larger disk (now {self.root})"
+            ) from None
 
 
     def keys(self) -> set[str]:

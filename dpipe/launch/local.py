@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from dpipe.config.schema import RunConfig
 from dpipe.errors import ConfigError
-from dpipe.launch.run_rank import USER_ERROR_SIGNAL
+from dpipe.launch.run_rank import USER_ERROR_SIGNAL, error_folders
 
 ERRORS_DIR = ".errors"
 
@@ -106,9 +107,10 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
     `graceful_stop`: SIGINT/SIGTERM are forwarded to the workers (which must stop at a step and
     exit 0, as training's do), and raise `Stopped` once they have ended.
     """
-    errors = run_dir / ERRORS_DIR
-    for old in errors.glob("*.txt") if errors.exists() else []:
-        old.unlink()
+    errors = error_folders(run_dir, str(os.getpid()))
+    for folder in errors:
+        for old in folder.glob("*.txt") if folder.exists() else []:
+            old.unlink()
     context = _fork_server()
     # Only this process holds the writing end: when it dies, even by SIGKILL, every worker reads
     # end-of-file and stops (they would otherwise train on as orphans of the fork server).
@@ -226,11 +228,13 @@ def _stop(procs) -> None:
         p.join(timeout=max(0.1, deadline - time.monotonic()))
 
 
-def _report_errors(errors: Path) -> None:
+def _report_errors(folders: list[Path]) -> None:
     seen = []
-    for path in sorted(errors.glob("*.txt")) if errors.exists() else []:
-        message = path.read_text().strip()
-        if message and message not in seen:
-            seen.append(message)
+    for folder in folders:
+        for path in sorted(folder.glob("*.txt")) if folder.exists() else []:
+            message = path.read_text().strip()
+            if message and message not in seen:
+                seen.append(message)
+    shutil.rmtree(folders[-1], ignore_errors=True)  # the temp dir's: this launcher's alone
     for message in seen:
         print(f"error: {message}", file=sys.stderr)

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -67,6 +68,23 @@ def train_job(run: RunConfig, run_dir: Path) -> Callable[[], object]:
     return job
 
 
+def error_folders(run_dir: Path, launcher_pid: str) -> list[Path]:
+    """Where the ranks of one launcher record their user errors, in order: the run dir's
+    `.errors`, then a folder in the temp dir, for when the run dir's disk is the one that is
+    full (a WriteFailed) and not even the message fits there."""
+    return [Path(run_dir) / ".errors", Path(tempfile.gettempdir()) / f"dpipe-errors-{launcher_pid}"]
+
+
+def _record(message: str, rank: int, folders: list[Path]) -> bool:
+    for folder in folders:
+        try:
+            atomic_write_text(folder / f"rank{rank:05d}.txt", message)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def run_rank(job: Callable[[], object], run_dir: Path) -> int:
     """Runs `job` as this rank (training: `train_job`; dpipe-sample's) and records its user
     errors in `run_dir`."""
@@ -79,12 +97,11 @@ def run_rank(job: Callable[[], object], run_dir: Path) -> int:
         job()
     except UserError as err:
         # The launcher prints each distinct message once; a rank on its own prints it itself.
-        errors = run_dir / ".errors"
-        atomic_write_text(errors / f"rank{rank:05d}.txt", str(err))
         launcher = os.environ.get("DPIPE_LAUNCHER_PID")
-        if launcher is None:
+        if launcher is None or not _record(str(err), rank, error_folders(run_dir, launcher)):
             print(f"error: {err}", file=sys.stderr)
-            return 2
+            if launcher is None:
+                return 2
         # Tell the launcher before exiting: it stops every worker at once, before the others
         # notice this one's sockets closing and print tracebacks of a lost peer.
         os.kill(int(launcher), USER_ERROR_SIGNAL)
