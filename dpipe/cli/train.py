@@ -122,7 +122,9 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         if env.is_main:  # the one owner of the run dir in this process group; held until exit
             run_lock.acquire(run_dir)
         if run.train.resume:
-            checkpoint.check_resume(run_dir, run_yaml(run))  # the same verdict on every rank
+            # The same config verdict on every rank; the main rank alone reads the files (rank
+            # 0 of training reuses its verdict, dpipe.train.checkpoint.VERDICTS).
+            checkpoint.check_resume(run_dir, run_yaml(run), verify=env.is_main)
         from dpipe.models.registry import build_spec
 
         # The sample requests are made only for a finished run: they read the model's files,

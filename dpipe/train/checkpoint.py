@@ -204,6 +204,27 @@ def problem(path: Path) -> str | None:
     return None
 
 
+# Verdicts of `problem` that this process and the workers it starts share (JSON in the
+# environment, which they inherit): a resume hashes each checkpoint's files once, in the
+# launcher, and warns of a damaged one once. Keyed by the checkpoint and its COMPLETE's mtime:
+# a checkpoint written again is verified again.
+VERDICTS = "DPIPE_CHECKPOINT_VERDICTS"
+
+
+def _verdict(path: Path) -> tuple[str | None, bool]:
+    """(`problem(path)`, whether an earlier verdict of this run's processes gave it)."""
+    try:
+        key = f"{path.resolve()}@{(path / MARKER).stat().st_mtime_ns}"
+    except OSError:
+        return problem(path), False
+    known = json.loads(os.environ.get(VERDICTS, "{}"))
+    if key in known:
+        return known[key], True
+    known[key] = problem(path)
+    os.environ[VERDICTS] = json.dumps(known)
+    return known[key], False
+
+
 def newest_verified(run_dir: Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint whose files verify (None: no complete checkpoint). A
     damaged one is skipped with a warning naming its file and the checkpoint used instead;
@@ -211,16 +232,17 @@ def newest_verified(run_dir: Path) -> tuple[int, Path] | None:
     complete = complete_checkpoints(run_dir)
     damaged = []
     for step, path in reversed(complete):
-        wrong = problem(path)
+        wrong, said_before = _verdict(path)
         if wrong is None:
-            for name, why in damaged:
-                log.warning("checkpoint %s is damaged: %s; resuming from %s (step %d) instead",
-                            name, why, path.name, step)
+            for name, why, said in damaged:
+                if not said:
+                    log.warning("checkpoint %s is damaged: %s; resuming from %s (step %d) "
+                                "instead", name, why, path.name, step)
             return step, path
-        damaged.append((path.name, wrong))
+        damaged.append((path.name, wrong, said_before))
     if not damaged:
         return None
-    lines = "\n".join(f"  {name}: {why}" for name, why in damaged)
+    lines = "\n".join(f"  {name}: {why}" for name, why, _ in damaged)
     raise CheckpointError(
         f"no checkpoint in {checkpoint_root(run_dir)} can be loaded: every complete one is "
         f"damaged:\n{lines}\nRestore the files from a backup, or train from scratch in this run "
@@ -284,11 +306,14 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
     return incompatible, harmless
 
 
-def check_resume(run_dir: Path, current_yaml: str) -> tuple[int, Path] | None:
+def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
+                 ) -> tuple[int, Path] | None:
     """The checkpoint a resume will start from, after checking that the current config can use
     it: raises ConfigError naming the keys it cannot follow; logs the other changes. It is the
-    checkpoint the workers load: the newest one whose files verify (`newest_verified`)."""
-    newest = newest_verified(run_dir)
+    checkpoint the workers load: the newest one whose files verify (`newest_verified`).
+    `verify=False` takes the newest complete one unverified (ranks other than the one that
+    verifies: a resume reads each file once, not once per rank)."""
+    newest = newest_verified(run_dir) if verify else newest_complete(run_dir)
     if newest is None:
         return None
     step, path = newest
