@@ -11,10 +11,23 @@ from pathlib import Path
 from dpipe.errors import UserError
 
 
+def _file_mode() -> int:
+    """The mode `open` gives a new file (0o666 less the umask). mkstemp's files are 0o600: an
+    export or config written through it would be unreadable to the rest of a team (or to a
+    ComfyUI running as another user). The umask is read, not set: setting it is process-wide."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = 0o022
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -53,6 +53,7 @@ def train_task(cfg: DictConfig) -> int:
         run = validate(cfg)
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
+        save_hydra_files(cfg, run_dir)
         import torch
 
         from dpipe.models.registry import build_spec
@@ -121,6 +122,7 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         run = validate(cfg, world_size=env.world_size)
         if env.is_main:  # the one owner of the run dir in this process group; held until exit
             run_lock.acquire(run_dir)
+            save_hydra_files(cfg, run_dir)
         if run.train.resume:
             # The same config verdict on every rank; the main rank alone reads the files (rank
             # 0 of training reuses its verdict, dpipe.train.checkpoint.VERDICTS).
@@ -179,6 +181,18 @@ def _finished_message(run, run_dir: Path, requests_of) -> str | None:
             f"continue it, or `name=...` (another name, or `hydra.run.dir=...`) for a new run")
 
 
+def save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
+    """What Hydra keeps of a run in <run>/.hydra/: the composed config, Hydra's own config and
+    the command line's overrides (as `hydra.output_subdir` would, which dpipe sets to null so
+    that a run the lock refuses writes nothing)."""
+    hydra_cfg = HydraConfig.get()
+    folder = run_dir / ".hydra"
+    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(folder / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
+    atomic_write_text(folder / "overrides.yaml",
+                      OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
+
+
 def run_yaml(run) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(run))
 
@@ -209,9 +223,12 @@ def main() -> None:
     quiet_libraries()
     register_schemas()
     register_launchers()
+    # Hydra would write the run dir's .hydra/ files before the task, even for a run that the run
+    # lock then refuses: the task writes them once it holds the lock (save_hydra_files).
+    sys.argv += ["hydra.output_subdir=null"]
     if dist_env.process_rank() != 0:
         # Under torchrun or srun every rank composes the config, but only rank 0 owns the run dir.
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        sys.argv += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
     hydra_main = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
     _run_hydra(hydra_main(train_task))
 

@@ -34,13 +34,19 @@ def test_a_second_run_on_a_busy_run_dir_stops_and_a_killed_runs_lock_is_taken_ov
             assert time.monotonic() < deadline, "the first run wrote no metrics"
             time.sleep(0.05)
 
-        second = dpipe_train(*train_args(run_dir, *RUN, "train.max_steps=100000"))
+        hydra_files = {p: p.stat().st_mtime_ns for p in (run_dir / ".hydra").glob("*.yaml")}
+        assert len(hydra_files) == 3  # config, hydra, overrides: written under the lock
+        second = dpipe_train(*train_args(run_dir, *RUN, "train.max_steps=100000",
+                                         "optim.lr=5e-5"))
         assert second.code == 2, f"exit {second.code}\n{second.out}\n{second.err[-3000:]}"
         assert first.poll() is None, "the first run ended: the refusal proves nothing"
         error = [line for line in second.err.splitlines() if line.startswith("error: ")]
         assert len(error) == 1 and f"{run_dir} is in use" in error[0], second.err
         assert f"PID {first.pid}" in error[0] and "host " in error[0] and "since " in error[0]
         assert "starting" not in second.out + second.err  # no worker started
+        # Nothing of the refused run is written: Hydra's record is still the first run's.
+        assert {p: p.stat().st_mtime_ns for p in hydra_files} == hydra_files
+        assert "optim.lr" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the launcher and every worker, with no warning
         first.wait()
