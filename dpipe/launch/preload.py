@@ -5,16 +5,32 @@ modules stay lazy (a run needs one). Nothing here may initialize CUDA: a forked 
 use it (see launch/local.py).
 """
 
-import deepspeed  # noqa: F401
-import deepspeed.runtime.pipe  # noqa: F401
-import diffusers.models  # noqa: F401
-import diffusers.models.transformers  # noqa: F401  (imports every diffusers transformer module)
-import peft  # noqa: F401
-import torch  # noqa: F401
-import transformers  # noqa: F401
+import sys
 
-import dpipe.pipeline.engine  # noqa: F401
-import dpipe.train.loop  # noqa: F401
+# bitsandbytes (optim=adamw8bit) initializes CUDA when imported on a GPU machine (it reads each
+# device's compute capability), and peft imports it whenever it is installed. Hidden here, peft
+# and diffusers take it for absent (they use it only for bnb-quantized layers, which dpipe does
+# not train); a worker imports it after the fork, where CUDA may start.
+_hidden = "bitsandbytes" not in sys.modules
+if _hidden:
+    sys.modules["bitsandbytes"] = None  # find_spec says absent; an import raises ImportError
+
+import deepspeed  # noqa: F401, E402
+import deepspeed.runtime.pipe  # noqa: F401, E402
+import diffusers.models  # noqa: F401, E402
+import diffusers.models.transformers  # noqa: F401, E402  (every diffusers transformer module)
+import peft  # noqa: F401, E402
+import torch  # noqa: F401, E402
+import transformers  # noqa: F401, E402
+
+import dpipe.pipeline.engine  # noqa: F401, E402
+import dpipe.train.loop  # noqa: F401, E402
+
+if _hidden:
+    del sys.modules["bitsandbytes"]
+if torch.cuda.is_initialized():
+    raise RuntimeError("an import in dpipe.launch.preload initialized CUDA, which forked workers "
+                       "cannot use: import that module in the worker instead")
 
 import atexit  # noqa: E402
 import os  # noqa: E402
