@@ -46,7 +46,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def measure(name: str, model: nn.Module, steps: int) -> dict:
     cfg = compose_run([f"optim={name}", "optim.min_8bit_size=4096"]).optim
     params = [p for p in model.parameters()]
-    optimizer = build_optimizer(params, cfg)
+    optimizer = build_optimizer(list(model.named_parameters()), cfg)
     cuda = params[0].is_cuda
     times, peak = [], 0
     weights_and_grads = 2 * sum(p.numel() * p.element_size() for p in params)

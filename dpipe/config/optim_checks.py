@@ -4,6 +4,7 @@ builds them)."""
 from __future__ import annotations
 
 import math
+import re
 
 from dpipe.config.schema import OptimizerName, Precision, RunConfig, TrainMode
 from dpipe.errors import ConfigError
@@ -46,6 +47,19 @@ def check_optimizer(run: RunConfig) -> None:
                f"pipeline.zero_stage={p.zero_stage}")
             + " hands it flat fp32 copies: use optim.master_weights=false (bf16 weights and "
             "states) with pipeline.zero_stage=0, or optim=adamw / adamw8bit / prodigy")
+    for i, group in enumerate(o.param_groups):
+        key = f"optim.param_groups[{i}]"
+        try:
+            re.compile(group.match)
+        except re.error as error:
+            raise ConfigError(f"{key}.match={group.match!r} is not a regular expression "
+                              f"({error})") from None
+        if group.lr is not None and not (math.isfinite(group.lr) and group.lr > 0):
+            raise ConfigError(f"{key}.lr must be a number > 0 (or null: optim.lr), got {group.lr}")
+        if group.weight_decay is not None and not (math.isfinite(group.weight_decay)
+                                                   and group.weight_decay >= 0):
+            raise ConfigError(f"{key}.weight_decay must be a number >= 0 (or null), got "
+                              f"{group.weight_decay}")
     package = _PACKAGE.get(o.name)
     if package is not None:
         import importlib.util

@@ -341,6 +341,17 @@ class OptimConfig:
     # only the matrices, as most trainers do: decay pulls a norm's scale towards 0, not 1.
     weight_decay_1d: bool = False
     # The keys below belong to one optimizer each (conf/optim/<name>.yaml sets them); `betas`
+@dataclass
+class ParamGroupConfig:
+    """Trainable parameters with their own learning rate or weight decay (optim.param_groups)."""
+    # A regular expression searched in each trainable parameter's name, as the diffusers model
+    # names it ("transformer_blocks.3.attn.to_q.lora_B.default.weight"); the first group whose
+    # pattern matches takes the parameter, the rest keep the optimizer's values.
+    match: str = MISSING
+    lr: Optional[float] = None  # null: optim.lr
+    weight_decay: Optional[float] = None  # null: optim.weight_decay (1-D parameters: none)
+
+
     # is two numbers, three for came.
     # adamw8bit: tensors with fewer elements keep 32-bit states (bitsandbytes' default, 4096).
     min_8bit_size: int = 4096
@@ -358,6 +369,9 @@ class OptimConfig:
     # optim.warmup_steps, inside the optimizer (optim.schedule must be constant).
     r: float = 0.0
     weight_lr_power: float = 2.0
+    # e.g. [{match: lora_B, lr: 1.6e-3}] (LoRA+: the B matrices at 16x the rate), or a text
+    # adapter's own rate; schedule and warm-up scale every group alike.
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
     # muon: momentum and Newton-Schulz steps for the matrices; the 1-D parameters train with
     # AdamW at muon_adamw_lr with optim.betas and optim.eps.
     momentum: float = 0.95

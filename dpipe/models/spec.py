@@ -60,14 +60,15 @@ class PipelineLayer(nn.Module):
         setattr(self, attr, module)
         self.source_names[attr] = source_name
 
-    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
-        out = {}
+    def source_named_parameters(self):
+        """(name in the diffusers model, parameter) of each of the layer's parameters."""
         for name, param in self.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
             attr, rest = name.split(".", 1)
-            out[f"{self.source_names[attr]}.{rest}"] = param.detach()
-        return out
+            yield f"{self.source_names[attr]}.{rest}", param
+
+    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        return {name: param.detach() for name, param in self.source_named_parameters()
+                if param.requires_grad or not trainable_only}
 
 
 class ModelSpec(abc.ABC):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 from torch import nn
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
@@ -18,7 +19,8 @@ from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.pipeline.recompute import recomputed
 from dpipe.train.grad_clip import install_clipping
-from dpipe.train.optim import ROLE, base_lr, build_optimizer, group_hyperparameters, lr_factor
+from dpipe.train.optim import (ROLE, base_lr, build_optimizer, group_hyperparameters,
+                               lr_factor, user_group)
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +244,11 @@ def build_engine(
             "to train: with LoRA its layers hold no adapters. Use fewer pipeline.stages, or "
             "pipeline.partition=explicit with a pipeline.split that gives every stage a block"
         )
-    optimizer = build_optimizer(trainable, run.optim)
+    named = [(name, q) for layer in module.forward_funcs
+             for name, q in layer.source_named_parameters() if q.requires_grad]
+    assert len(named) == len(trainable), "a trainable parameter outside the pipeline layers"
+    _check_param_groups(named, run)
+    optimizer = build_optimizer(named, run.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_factor(run.optim, run.train.max_steps)
     )
@@ -263,6 +269,28 @@ def build_engine(
         stage=engine.stage_id,
         trainable_parameters=sum(q.numel() for q in trainable),
     )
+
+
+def _check_param_groups(named: list, run: RunConfig) -> None:
+    """Every `optim.param_groups` pattern must take some parameter on some stage (a collective):
+    one that takes none is a misspelt name, which would train at the default rate unnoticed."""
+    groups = run.optim.param_groups
+    if not groups:
+        return
+    mine = [0] * len(groups)
+    for name, _ in named:
+        index = user_group(name, run.optim)
+        if index is not None:
+            mine[index] += 1
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for i, group in enumerate(groups):
+        if not any(counts[i] for counts in every):
+            examples = ", ".join(name for name, _ in named[:3])
+            raise ConfigError(
+                f"optim.param_groups[{i}].match={group.match!r} is found in no trainable "
+                f"parameter's name (they look like: {examples}); fix the pattern (a Python "
+                "regular expression, searched in each name)")
 
 
 def apply_optim_config(engine, run: RunConfig) -> None:

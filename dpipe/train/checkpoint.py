@@ -47,6 +47,8 @@ INCOMPATIBLE = {
     "pipeline.split": "which layers each stage (and its optimizer state) holds",
     "pipeline.zero_stage": "the optimizer state's layout",
     "optim.name": "each optimizer keeps its own state (moments, estimates)",
+    "optim.param_groups": "which parameters each optimizer group holds (their `match` "
+                          "patterns; a changed lr or weight_decay is followed)",
 }
 # Full fine-tunes in bf16 keep fp32 master weights in DeepSpeed's bf16 optimizer; and only
 # full fine-tunes train 1-D parameters (LoRA's are matrices), which weight_decay_1d moves
@@ -302,7 +304,8 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
         if old != new:
-            (incompatible if key in blocking else harmless)[key] = (old, new)
+            follows = key == "optim.param_groups" and _patterns(old) == _patterns(new)
+            (incompatible if key in blocking and not follows else harmless)[key] = (old, new)
     return incompatible, harmless
 
 
@@ -314,6 +317,10 @@ def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
     `verify=False` takes the newest complete one unverified (ranks other than the one that
     verifies: a resume reads each file once, not once per rank)."""
     newest = newest_verified(run_dir) if verify else newest_complete(run_dir)
+def _patterns(groups) -> list:
+    return [group.get("match") for group in groups or []]
+
+
     if newest is None:
         return None
     step, path = newest

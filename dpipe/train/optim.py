@@ -8,12 +8,14 @@ the weights. Every optimizer here updates each tensor on its own; Prodigy's step
 The parameters split into groups by role, saved in each group (`dpipe_role`), so that
 `apply_optim_config` can give every group its current hyperparameters after a resume: "decay"
 (matrices; all parameters with `optim.weight_decay_1d`), "no_decay" (1-D: norm scales, biases),
-and for Muon "muon" (matrices) and "adamw" (the rest, as Muon's authors train them).
+and for Muon "muon" (matrices) and "adamw" (the rest, as Muon's authors train them). The
+parameters of `optim.param_groups[i]` have their own groups, the role suffixed "@i".
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable
 
 import torch
@@ -24,25 +26,56 @@ from dpipe.train.schedule import lr_lambda
 ROLE = "dpipe_role"
 
 
-def _roles(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[tuple[str, list]]:
-    matrices = [p for p in params if p.ndim >= 2]
-    vectors = [p for p in params if p.ndim < 2]
-    if cfg.name == OptimizerName.muon:
-        return [("muon", matrices), ("adamw", vectors)]
-    if cfg.weight_decay_1d:
-        return [("decay", list(params))]
-    return [("decay", matrices), ("no_decay", vectors)]
+def _roles(named: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig
+           ) -> list[tuple[str, list]]:
+    """(role, parameters) of each group: the user's groups (`optim.param_groups`, "@<index>"
+    on the role) and the rest, each split by shape."""
+    parts: dict[int | None, list] = {}
+    for name, param in named:
+        parts.setdefault(user_group(name, cfg), []).append(param)
+    roles = []
+    for index in [None, *range(len(cfg.param_groups))]:
+        params = parts.get(index, [])
+        suffix = "" if index is None else f"@{index}"
+        matrices = [p for p in params if p.ndim >= 2]
+        vectors = [p for p in params if p.ndim < 2]
+        if cfg.name == OptimizerName.muon:
+            split = [("muon", matrices), ("adamw", vectors)]
+        elif cfg.weight_decay_1d:
+            split = [("decay", params)]
+        else:
+            split = [("decay", matrices), ("no_decay", vectors)]
+        roles += [(role + suffix, group) for role, group in split]
+    return roles
+
+
+def user_group(name: str, cfg: OptimConfig) -> int | None:
+    """The index of the first `optim.param_groups` entry whose pattern is found in `name`."""
+    return next((i for i, group in enumerate(cfg.param_groups) if re.search(group.match, name)),
+                None)
+
+
+def _user(cfg: OptimConfig, role: str):
+    """(the role without its group, that group's ParamGroupConfig or None)."""
+    base, _, index = role.partition("@")
+    return base, (cfg.param_groups[int(index)] if index else None)
 
 
 def base_lr(cfg: OptimConfig, role: str) -> float:
-    return cfg.muon_adamw_lr if role == "adamw" else cfg.lr
+    base, group = _user(cfg, role)
+    if group is not None and group.lr is not None:
+        return group.lr
+    return cfg.muon_adamw_lr if base == "adamw" else cfg.lr
 
 
 def group_hyperparameters(cfg: OptimConfig, role: str) -> dict:
     """The `optim.*` values of one param group, except its learning rate (the schedule's). Keys
     an optimizer keeps as its own running state in the group (Prodigy's d, schedulefree's k and
     weight sums) are not among them."""
-    decay = cfg.weight_decay if role in ("decay", "muon") or cfg.weight_decay_1d else 0.0
+    role, group = _user(cfg, role)
+    weight_decay = cfg.weight_decay if group is None or group.weight_decay is None \
+        else group.weight_decay
+    decay = weight_decay if role in ("decay", "muon") or cfg.weight_decay_1d else 0.0
     name = cfg.name
     if name == OptimizerName.muon:
         if role == "muon":
@@ -63,14 +96,18 @@ def group_hyperparameters(cfg: OptimConfig, role: str) -> dict:
     return common  # adamw, adamw8bit
 
 
-def param_groups(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[dict]:
+def param_groups(named: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> list[dict]:
     return [{"params": group, ROLE: role, "lr": base_lr(cfg, role),
              **group_hyperparameters(cfg, role)}
-            for role, group in _roles(params, cfg) if group]
+            for role, group in _roles(named, cfg) if group]
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(params, cfg)
+def build_optimizer(named: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig
+                    ) -> torch.optim.Optimizer:
+    """The optimizer over this stage's trainable parameters, each named as the diffusers model
+    names it (what `optim.param_groups` patterns match)."""
+    params = [p for _, p in named]
+    groups = param_groups(named, cfg)
     name = cfg.name
     if name == OptimizerName.adamw:
         on_gpu = bool(params) and params[0].is_cuda

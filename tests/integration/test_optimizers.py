@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import Sweep, metrics
+from tests.cli import Sweep, dpipe_train, metrics, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +75,19 @@ def test_prodigy_logs_its_step_size_estimate(straight):
     d = [m["prodigy_d"] for m in steps]
     assert all(value > 0 for value in d)
     assert d[-1] > d[0]  # it grows from optim.d0 as it learns the scale of the problem
+
+
+def test_param_groups_reach_the_stages_optimizers_by_the_diffusers_names(tmp_path):
+    """A pattern over the diffusers names of the adapters sets their rate on both stages (the
+    logged lr is the first group's); a pattern that names nothing stops the run, naming it."""
+    result = dpipe_train(*train_args(tmp_path / "run", *ARGS[:-1], "train.max_steps=1",
+                                     "optim.param_groups=[{match: 'lora_[AB]', lr: 3e-3}]"))
+    assert result.code == 0, result.err[-3000:]
+    assert [m["lr"] for m in metrics(tmp_path / "run")] == [3e-3]
+
+    result = dpipe_train(*train_args(tmp_path / "typo", *ARGS[:-1], "train.max_steps=1",
+                                     "optim.param_groups=[{match: lora_b, lr: 3e-3}]"))
+    said = result.out + result.err
+    assert result.code != 0
+    assert "optim.param_groups[0].match='lora_b' is found in no trainable parameter" in said
+    assert "lora_B" in said and "Traceback" not in said, said[-3000:]

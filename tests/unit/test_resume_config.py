@@ -115,9 +115,19 @@ def test_the_optimizer_and_full_fine_tunes_groups_cannot_change():
     assert not incompatible
 
 
+def test_param_groups_may_change_their_rates_not_their_patterns():
+    before = run_yaml("optim.param_groups=[{match: lora_B, lr: 1e-3}]")
+    incompatible, harmless = resume_changes(
+        before, run_yaml("optim.param_groups=[{match: lora_B, lr: 2e-3}]"))
+    assert not incompatible and "optim.param_groups" in harmless
+    incompatible, _ = resume_changes(
+        before, run_yaml("optim.param_groups=[{match: lora_A, lr: 1e-3}]"))
+    assert set(incompatible) == {"optim.param_groups"}
+
+
 def _adamw_with_schedule(run):
     weight = torch.nn.Parameter(torch.ones(3, 2))  # a matrix: weight decay applies
-    optimizer = build_optimizer([weight], run.optim)
+    optimizer = build_optimizer([("weight", weight)], run.optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(run.optim, run.train.max_steps))
 
