@@ -12,13 +12,14 @@ whose files have always kept it (`save_comfy_lora`), written as `.alpha`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from dpipe.models.lora_files import NotInFormat
+from dpipe.models.single_file import swap_halves
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -35,11 +36,16 @@ def peft_pairs(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Ten
     return {name: (ab["lora_A"], ab["lora_B"]) for name, ab in pairs.items()}
 
 
-def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: list[int],
+def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: list[int | None],
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One (A, B) for a weight that stacks `parts` along its output dimension. A part without a
-    LoRA (None) contributes zero rows of its `out_dims` size."""
+    LoRA (None) contributes zero rows of its `out_dims` size; a size None is the part's own
+    (its B's rows), which only a part with a LoRA has."""
     present = [p for p in parts if p is not None]
+    out_dims = [p[1].shape[0] if p is not None and rows is None else rows
+                for p, rows in zip(parts, out_dims)]
+    if None in out_dims:
+        raise ValueError("the output size of a fused part without a LoRA is needed")
     a = torch.cat([p[0] for p in present], dim=0)
     b = torch.zeros(sum(out_dims), a.shape[0], dtype=present[0][1].dtype)
     row = col = 0
@@ -53,11 +59,15 @@ def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: 
 
 
 def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
-               mapping: Iterable[tuple[str, list[str], list[int]]]) -> dict[str, torch.Tensor]:
+               mapping: Iterable[tuple[str, list[str], list[int | None]]],
+               swapped: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-named ones. `mapping` lists (original module name,
-    the diffusers modules it stacks, their output sizes); diffusers modules with a LoRA that no
-    entry covers raise NotInFormat (with the weights of the others), so a trained weight is
-    never dropped silently."""
+    the diffusers modules it stacks, their output sizes, None for a part's own); diffusers
+    modules with a LoRA that no entry covers raise NotInFormat (with the weights of the others),
+    so a trained weight is never dropped silently. The original modules in `swapped` hold the
+    diffusers module's two output halves exchanged (a final modulation's (shift, scale) against
+    diffusers' (scale, shift)): swap(W + B A) = swap(W) + swap(B) A, so their B's halves are
+    exchanged."""
     pairs = peft_pairs(state_dict)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -68,7 +78,8 @@ def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
         used.update(p for p in parts if p in pairs)
         a, b = fused_pair(found, out_dims, scale)
         out[f"{COMFY_PREFIX}{original}.lora_A.weight"] = a
-        out[f"{COMFY_PREFIX}{original}.lora_B.weight"] = b
+        out[f"{COMFY_PREFIX}{original}.lora_B.weight"] = (
+            swap_halves(b).contiguous() if original in swapped else b)
     left = sorted(set(pairs) - used)
     if left:
         raise NotInFormat("ComfyUI", left, out)

@@ -120,3 +120,20 @@ def write_lora_files(out_dir: Path, write_diffusers: Callable[[], Path],
         written.append(path)
     atomic_write_text(out_dir / EXPORTS_RECORD, json.dumps({"formats": record}, indent=2) + "\n")
     return written
+
+
+def export_gaps(out_dir: Path) -> str | None:
+    """One line naming the format files of `out_dir`'s exports.json that were not written or
+    leave modules out, or None when every format holds every trained module."""
+    path = out_dir / EXPORTS_RECORD
+    if not path.is_file():
+        return None
+    gaps = []
+    for name, held in json.loads(path.read_text())["formats"].items():
+        if not held.get("written"):
+            gaps.append(f"{name} not written ({held.get('error', 'no reason recorded')})")
+        elif held.get("left_out"):
+            gaps.append(f"{name} leaves out {len(held['left_out'])} module(s)")
+    if not gaps:
+        return None
+    return f"LoRA export {out_dir}: {'; '.join(gaps)}; see {path} (the diffusers file holds all)"

@@ -166,7 +166,9 @@ def test_comfyui_lora_names_are_comfyuis_renames_of_the_file(folder, tmp_path):
     native = _keys(write_single_file(folder, tmp_path / FILE))
     renamed = {comfyui_key(k) for k in native}
     modules = [m for m, _, _ in comfyui_mapping(config)]
-    assert len(modules) == 10 * config["num_layers"] + 3 * config["num_single_layers"]
+    blocks = [m for m in modules if m.startswith(("double_blocks.", "single_blocks."))]
+    assert len(blocks) == 10 * config["num_layers"] + 3 * config["num_single_layers"]
     for module in modules:
         assert f"{module}.weight" in renamed and f"{module}.bias" in renamed, module
     assert "double_blocks.0.img_attn.qkv" in modules and "single_blocks.1.modulation.lin" in modules
+    assert "time_in.in_layer" in modules and "txt_in.individual_token_refiner.blocks.0.self_attn.qkv" in modules

@@ -37,16 +37,15 @@ RANK, ALPHA = 2, 3.0
 # {tiny config: {format file: [diffusers modules it leaves out]}}. Empty: every format holds all.
 LEFT_OUT: dict[str, dict[str, list[str]]] = {}
 
-# Tiny configs whose ComfyUI/original name map does not yet cover every Linear (as of
-# 2026-12-04; issue 28 item 8): the token refiner, embedders and final layer of the HunyuanVideo
-# families, Wan's condition embedder, SD3's and Cosmos's time embedders. For these the test
-# asserts what a run does meanwhile: the diffusers file holds every module, and exports.json
+# Tiny configs whose ComfyUI/original name map does not yet cover every Linear. For these the
+# test asserts what a run does meanwhile: the diffusers file holds every module, and exports.json
 # records the gap. A completed map makes the test fail until the config leaves this list.
-INCOMPLETE_MAPS = {
-    "tiny_hunyuan_video", "tiny_hunyuan_video15", "tiny_hunyuan_image", "tiny_sd3",
-    "tiny_wan", "tiny_wan_i2v", "tiny_wan22_a14b", "tiny_wan22_ti2v",
-    "tiny_cosmos_predict2", "tiny_cosmos_predict2_v2w",
-}
+# Empty as of 2026-12-04: every family names every Linear.
+INCOMPLETE_MAPS: set[str] = set()
+
+# The original modules whose two output halves are diffusers' exchanged: the final modulation is
+# (shift, scale) in the original checkpoints, (scale, shift) in diffusers' AdaLayerNormContinuous.
+SWAPPED_FINAL = {"diffusion_model.final_layer.adaLN_modulation.1": "norm_out.linear"}
 
 
 def _spec(config_name: str):
@@ -158,5 +157,39 @@ def test_every_format_holds_every_linear(config_name, tmp_path):
         assert missing == sorted(expected_left_out.get(path.name, [])), path.name
         assert not unmatched, f"{path.name}: {unmatched} rows that no trained module made"
         assert record["formats"][path.name]["left_out"] == missing
+        _check_swapped_halves(peft, load_file(path), path.name)
     assert sorted(name for name, held in record["formats"].items()
                   if held["written"]) == sorted(p.name for p in files)
+
+
+def _check_swapped_halves(peft: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                          file: str) -> None:
+    """Row multisets cannot see two halves in the wrong order: where a file names the final
+    modulation, its delta must be diffusers' with the halves exchanged."""
+    deltas = _deltas_of_file(tensors)
+    for original, module in SWAPPED_FINAL.items():
+        if original not in deltas or f"{module}.lora_A.default.weight" not in peft:
+            continue
+        a = peft[f"{module}.lora_A.default.weight"].double()
+        b = peft[f"{module}.lora_B.default.weight"].double()
+        scale_half, shift_half = (ALPHA / RANK * b @ a).chunk(2, dim=0)
+        torch.testing.assert_close(deltas[original], torch.cat([shift_half, scale_half]),
+                                   rtol=1e-5, atol=1e-5, msg=f"{file}: {original}")
+
+
+def test_export_gaps_names_each_format_with_a_gap(tmp_path):
+    """The one-line warning the trainer logs after a LoRA export (dpipe.train.export)."""
+    from dpipe.models.lora_files import export_gaps
+
+    assert export_gaps(tmp_path) is None
+    formats = {DIFFUSERS_LORA: {"written": True, "left_out": []},
+               "full.safetensors": {"written": True, "left_out": []}}
+    (tmp_path / EXPORTS_RECORD).write_text(json.dumps({"formats": formats}))
+    assert export_gaps(tmp_path) is None
+    formats["broken.safetensors"] = {"written": False, "error": "KeyError: 'x'"}
+    formats["partial.safetensors"] = {"written": True, "left_out": ["proj_out", "norm_out.linear"]}
+    (tmp_path / EXPORTS_RECORD).write_text(json.dumps({"formats": formats}))
+    line = export_gaps(tmp_path)
+    assert "broken.safetensors not written (KeyError: 'x')" in line
+    assert "partial.safetensors leaves out 2 module(s)" in line
+    assert "full.safetensors" not in line and "\n" not in line

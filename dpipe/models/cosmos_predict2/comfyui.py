@@ -3,8 +3,9 @@
 ComfyUI's Cosmos-Predict2 model ("MiniTrainDIT") keeps the names of NVIDIA's checkpoints without
 their `net.` prefix, and its LoRA loader takes `diffusion_model.<module>.lora_A.weight` /
 `.lora_B.weight`: `diffusion_model.blocks.0.self_attn.q_proj.lora_A.weight`. The mapping is one to
-one (diffusers' `convert_cosmos_transformer_checkpoint_to_diffusers`, inverted, for the Linears of
-the blocks).
+one (diffusers' `convert_cosmos_transformer_checkpoint_to_diffusers`, inverted, for every Linear:
+the blocks', `x_embedder.proj.1`, `t_embedder.1.linear_1/2`, `final_layer.adaln_modulation.1/2`
+and `final_layer.linear`).
 
 Whole transformers (single files): NVIDIA's checkpoints and ComfyUI's repackaged files hold the
 state dict under the same names, with `net.` in front (ComfyUI also loads them without it), plus
@@ -17,6 +18,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from dpipe.models.lora_files import NotInFormat
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -42,6 +45,9 @@ _TOP_RENAMES = {
     "norm_out.linear_2": "final_layer.adaln_modulation.2",
     "proj_out": "final_layer.linear",
 }
+# The Linears among them (the time embedding's norm is an RMSNorm); their halves keep their order:
+# diffusers' converter renames the final layer's modulation without swapping it.
+_TOP_LINEARS = set(_TOP_RENAMES) - {"time_embed.norm"}
 _BLOCK_PARTS = {
     **_BLOCK_RENAMES,
     "attn1.norm_q": "self_attn.q_norm", "attn1.norm_k": "self_attn.k_norm",
@@ -51,8 +57,11 @@ _BLOCK_MODULE = re.compile(r"transformer_blocks\.(\d+)\.(.+)")
 
 
 def original_module_name(diffusers_name: str) -> str:
-    """NVIDIA's name (without `net.`) of a Linear in a transformer block; KeyError for anything
-    outside the mapping, so a trained weight is never dropped or misnamed silently."""
+    """NVIDIA's name (without `net.`) of a Linear: in a transformer block, or outside (the patch
+    embedder, the time embedder, the final layer); KeyError for anything outside the mapping, so
+    a trained weight is never dropped or misnamed silently."""
+    if diffusers_name in _TOP_LINEARS:
+        return _TOP_RENAMES[diffusers_name]
     match = _BLOCK_MODULE.fullmatch(diffusers_name)
     if match is None or match.group(2) not in _BLOCK_RENAMES:
         raise KeyError(f"no ComfyUI name for Cosmos module {diffusers_name!r}")
@@ -61,14 +70,22 @@ def original_module_name(diffusers_name: str) -> str:
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-format ones; the scale alpha/rank is folded into B and
-    no `.alpha` is written, so every loader applies 1."""
-    out = {}
+    no `.alpha` is written, so every loader applies 1. Modules without an original name raise
+    NotInFormat, with the tensors of the others."""
+    out, unnamed = {}, set()
     for key, value in weights.items():
         module, part = key.rsplit(".lora_", 1)
         if not part.startswith(("A.", "B.")):
             raise KeyError(f"not a LoRA weight: {key!r}")
+        try:
+            name = original_module_name(module)
+        except KeyError:
+            unnamed.add(module)
+            continue
         value = value * scale if part.startswith("B.") else value
-        out[f"{COMFY_PREFIX}{original_module_name(module)}.lora_{part}"] = value.contiguous()
+        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
+    if unnamed:
+        raise NotInFormat("ComfyUI (original Cosmos-Predict2)", sorted(unnamed), out)
     return out
 
 

@@ -20,11 +20,11 @@ One table per version lists every Linear of the BFL layout with the diffusers mo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from dpipe.models.single_file import FusedLinear, split_fused, stack_fused, swap_halves
+from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
 
 # (BFL module, the diffusers modules stacked in it, their output sizes; None where one module
 # maps to one, so nothing is split)
@@ -164,26 +164,9 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict
     W_fused += B A where A = the A_i stacked (rank k*r) and B = the B_i block-diagonal (a part
     without a LoRA contributes zero rows). alpha / rank is folded into B, so no alpha is written
     and ComfyUI applies scale 1 (what it does without an alpha)."""
-    from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
+    from dpipe.models.comfyui import to_comfyui
 
-    out = to_comfyui(weights, scale, _with_sizes(layout[0], weights))
-    for bfl in _SWAPPED:  # W' = swap(W + B A) = swap(W) + swap(B) A
-        key = f"{COMFY_PREFIX}{bfl}.lora_B.weight"
-        if key in out:
-            out[key] = swap_halves(out[key]).contiguous()
-    return out
-
-
-def _with_sizes(linears: list[Linear], weights: dict[str, torch.Tensor]) -> Iterable[Linear]:
-    # Output sizes matter only where a part has no LoRA (its zero rows); a one-to-one entry takes
-    # its size from its own B when it has one (and is skipped when it has none).
-    for bfl, parts, sizes in linears:
-        yield bfl, parts, [s if s is not None else _rows(weights, p) for p, s in zip(parts, sizes)]
-
-
-def _rows(weights: dict[str, torch.Tensor], module: str) -> int:
-    b = weights.get(f"{module}.lora_B.weight", weights.get(f"{module}.lora_B.default.weight"))
-    return 0 if b is None else b.shape[0]
+    return to_comfyui(weights, scale, layout[0], swapped=_SWAPPED)
 
 
 COMFYUI_PREFIX = "model.diffusion_model."

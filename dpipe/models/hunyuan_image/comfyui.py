@@ -1,4 +1,4 @@
-"""A HunyuanImage 2.1 LoRA in the module names ComfyUI runs the model with.
+"""A HunyuanImage 2.1 LoRA in the module names ComfyUI runs the model with, for every Linear.
 
 ComfyUI runs HunyuanImage 2.1 on its HunyuanVideo model (its model detection sends checkpoints
 with `txt_in.individual_token_refiner...` and `byt5_in` there), renaming the file's original keys
@@ -9,7 +9,12 @@ Flux-style:
 fused, in that order), `linear2`, `modulation.lin`. kohya's sd-scripts converts its HunyuanImage
 LoRAs to ComfyUI's by exactly these renames (`img_mlp_fc1` -> `img_mlp_0`, `img_mod_linear` ->
 `img_mod_lin`, `modulation_linear` -> `modulation_lin`; its `img_attn_qkv`, `linear1` already
-match). Read in both sources, not run against a ComfyUI build here.
+match). Outside the blocks the same renames give the token refiner's `self_attn.qkv`,
+`self_attn.proj`, `mlp.0` / `.2`, the embedder MLPs' `in_layer` / `out_layer` (`time_in`,
+`txt_in.t_embedder`, `txt_in.c_embedder`), and leave `txt_in.input_embedder`, `byt5_in.fc1..3`
+and `final_layer.linear` / `.adaLN_modulation.1` as they are; the final modulation is
+(shift, scale) there, so its B's halves are exchanged. Read in both sources, not run against a
+ComfyUI build here.
 
 ComfyUI's LoRA loader takes `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` for any
 model. LoRAs on the separate diffusers projections become one exact LoRA on the fused Linear
@@ -24,20 +29,22 @@ import torch
 
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.hunyuan_image.original import comfyui_module, layout
+from dpipe.models.hunyuan_video.original import SWAPPED
 
 
-def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int]]]:
+def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int | None]]]:
     """(ComfyUI module, the diffusers modules stacked in it, their output sizes) for every
-    Linear of both kinds of blocks: the blocks' Linears of the original layout (`original.py`,
-    the table single files load by), under the names ComfyUI renames them to."""
+    Linear of the original layout (`original.py`, the table single files load by: the blocks,
+    the token refiner, the embedders and the final layer) under the names ComfyUI renames them
+    to. The norms are left out: no LoRA targets them."""
     for original, parts, sizes in layout(config):
-        if original.startswith(("double_blocks.", "single_blocks.")) and None not in sizes:
+        if not parts[0].rsplit(".", 1)[-1].startswith("norm"):
             yield comfyui_module(original), parts, sizes
 
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
                  config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return to_comfyui(weights, scale, comfyui_mapping(config))
+    return to_comfyui(weights, scale, comfyui_mapping(config), swapped=SWAPPED)
 
 
 def comfyui_block_weights(state_dict: dict[str, torch.Tensor],
@@ -46,6 +53,8 @@ def comfyui_block_weights(state_dict: dict[str, torch.Tensor],
     names (what a ComfyUI LoRA is merged into; for checks)."""
     out = {}
     for original, parts, _ in comfyui_mapping(config):
+        if not original.startswith(("double_blocks.", "single_blocks.")):
+            continue
         for param in ("weight", "bias"):
             keys = [f"{p}.{param}" for p in parts]
             if all(k in state_dict for k in keys):

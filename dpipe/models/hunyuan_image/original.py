@@ -44,37 +44,12 @@ import torch
 from torch import nn
 
 from dpipe.models.flux.bfl import from_bfl, to_bfl
+# ComfyUI runs this model on its HunyuanVideo code, renaming the file's keys as for HunyuanVideo.
+from dpipe.models.hunyuan_video.original import comfyui_key, comfyui_module  # noqa: F401
 
 # (original module, the diffusers modules stacked in it along the output, their output sizes;
 # None for weights that are never split and are no LoRA target: norms, embedders' inputs, head)
 Linear = tuple[str, list[str], list[int | None]]
-
-# The renames ComfyUI applies to the original keys when it loads a HunyuanVideo-family file, in
-# its order (the embedder MLPs before the generic `mlp.fc1`, which they do not match anyway).
-_COMFYUI_RENAMES = [
-    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
-    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
-    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
-    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
-    ("_mod.linear.", "_mod.lin."), ("_attn_qkv.", "_attn.qkv."),
-    ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
-    ("_attn_q_norm.weight", "_attn.norm.query_norm.scale"),
-    ("_attn_k_norm.weight", "_attn.norm.key_norm.scale"),
-    (".q_norm.weight", ".norm.query_norm.scale"), (".k_norm.weight", ".norm.key_norm.scale"),
-    ("_attn_proj.", "_attn.proj."), (".modulation.linear.", ".modulation.lin."),
-    ("_in.mlp.2.", "_in.out_layer."), ("_in.mlp.0.", "_in.in_layer."),
-]
-
-
-def comfyui_key(key: str) -> str:
-    """An original key as ComfyUI names it inside its model (what its LoRAs address)."""
-    for old, new in _COMFYUI_RENAMES:
-        key = key.replace(old, new)
-    return key
-
-
-def comfyui_module(module: str) -> str:
-    return comfyui_key(module + ".").removesuffix(".")
 
 
 def _one(original: str, diffusers: str, size: int | None = None) -> Linear:

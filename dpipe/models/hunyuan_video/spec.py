@@ -24,7 +24,7 @@ from dpipe.models.comfyui import to_comfyui
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
-from dpipe.models.hunyuan_video.original import from_original
+from dpipe.models.hunyuan_video.original import SWAPPED, from_original, lora_linears
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
@@ -201,7 +201,7 @@ class HunyuanVideoSpec(ModelSpec):
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights)), {"format": "comfyui"})])
+                self._transformer_config(), weights), swapped=SWAPPED), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.hunyuan_video.original import original_state_dict
@@ -290,29 +290,8 @@ def prompt_template(tokenizer) -> dict[str, Any]:
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(original HunyuanVideo module, diffusers modules it stacks, their output sizes) for every
-    block that has LoRA weights: the names ComfyUI (and diffusion-pipe, musubi-tuner) use."""
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    mlp = int(hidden * config.get("mlp_ratio", 4.0))
-    blocks = {tuple(k.split(".")[:2]) for k in weights if k.split(".")[0].endswith("transformer_blocks")}
-    for kind, index in sorted(blocks):
-        d = f"{kind}.{index}"
-        if kind == "transformer_blocks":
-            o = f"double_blocks.{index}"
-            yield f"{o}.img_attn_qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [hidden] * 3
-            yield f"{o}.txt_attn_qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                                        f"{d}.attn.add_v_proj"], [hidden] * 3
-            for original, part, size in [
-                ("img_attn_proj", "attn.to_out.0", hidden), ("txt_attn_proj", "attn.to_add_out", hidden),
-                ("img_mlp.fc1", "ff.net.0.proj", mlp), ("img_mlp.fc2", "ff.net.2", hidden),
-                ("txt_mlp.fc1", "ff_context.net.0.proj", mlp), ("txt_mlp.fc2", "ff_context.net.2", hidden),
-                ("img_mod.linear", "norm1.linear", 6 * hidden),
-                ("txt_mod.linear", "norm1_context.linear", 6 * hidden),
-            ]:
-                yield f"{o}.{original}", [f"{d}.{part}"], [size]
-        else:
-            o = f"single_blocks.{index}"
-            yield (f"{o}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
-                   [hidden, hidden, hidden, mlp])
-            yield f"{o}.linear2", [f"{d}.proj_out"], [hidden]
-            yield f"{o}.modulation.linear", [f"{d}.norm.linear"], [3 * hidden]
+    """(LoRA module, diffusers modules it stacks, their output sizes) for every original Linear
+    that holds a module with LoRA weights: the original HunyuanVideo names ComfyUI maps back (as
+    diffusion-pipe's and musubi-tuner's LoRAs have them), and ComfyUI's own names for the
+    embedder MLPs, whose original names its loader does not map (`original.lora_module`)."""
+    return lora_linears(config, weights)

@@ -29,6 +29,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from dpipe.models.hunyuan_video.original import comfyui_module
 from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
 
 # (diffusers module, Tencent module, ComfyUI runtime module (None: no LoRA name), output rows).
@@ -37,54 +38,60 @@ from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
 Row = tuple[str, str, str | None, int | None]
 
 # Tencent's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
-_SWAPPED = {"final_layer.adaLN_modulation.1"}
+# ComfyUI keeps the name (and the order).
+_SWAPPED = SWAPPED = {"final_layer.adaLN_modulation.1"}
 
 
 def layout(config: dict[str, Any]) -> list[Row]:
     """Every weight-holding module of a HunyuanVideo15Transformer3DModel with this config."""
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = int(hidden * config.get("mlp_ratio", 4.0))
+    c = comfyui_module  # ComfyUI's name of a Linear outside the double blocks
     rows: list[Row] = [
         ("x_embedder.proj", "img_in.proj", None, None),
-        ("time_embed.timestep_embedder.linear_1", "time_in.mlp.0", None, None),
-        ("time_embed.timestep_embedder.linear_2", "time_in.mlp.2", None, None),
-        ("context_embedder.proj_in", "txt_in.input_embedder", None, None),
-        ("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0",
-         None, None),
-        ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2",
-         None, None),
-        ("context_embedder.time_text_embed.text_embedder.linear_1", "txt_in.c_embedder.linear_1",
-         None, None),
-        ("context_embedder.time_text_embed.text_embedder.linear_2", "txt_in.c_embedder.linear_2",
-         None, None),
+        ("time_embed.timestep_embedder.linear_1", "time_in.mlp.0", c("time_in.mlp.0"), None),
+        ("time_embed.timestep_embedder.linear_2", "time_in.mlp.2", c("time_in.mlp.2"), None),
+        ("context_embedder.proj_in", "txt_in.input_embedder", c("txt_in.input_embedder"), None),
+    ]
+    for d, o in [("timestep_embedder.linear_1", "t_embedder.mlp.0"),
+                 ("timestep_embedder.linear_2", "t_embedder.mlp.2"),
+                 ("text_embedder.linear_1", "c_embedder.linear_1"),
+                 ("text_embedder.linear_2", "c_embedder.linear_2")]:
+        rows.append((f"context_embedder.time_text_embed.{d}", f"txt_in.{o}", c(f"txt_in.{o}"), None))
+    rows += [
         ("context_embedder_2.norm", "byt5_in.layernorm", None, None),
-        ("context_embedder_2.linear_1", "byt5_in.fc1", None, None),
-        ("context_embedder_2.linear_2", "byt5_in.fc2", None, None),
-        ("context_embedder_2.linear_3", "byt5_in.fc3", None, None),
+        ("context_embedder_2.linear_1", "byt5_in.fc1", c("byt5_in.fc1"), None),
+        ("context_embedder_2.linear_2", "byt5_in.fc2", c("byt5_in.fc2"), None),
+        ("context_embedder_2.linear_3", "byt5_in.fc3", c("byt5_in.fc3"), None),
         # vision_in.proj is Sequential(LayerNorm, Linear, GELU, Linear, LayerNorm).
         ("image_embedder.norm_in", "vision_in.proj.0", None, None),
-        ("image_embedder.linear_1", "vision_in.proj.1", None, None),
-        ("image_embedder.linear_2", "vision_in.proj.3", None, None),
+        ("image_embedder.linear_1", "vision_in.proj.1", c("vision_in.proj.1"), None),
+        ("image_embedder.linear_2", "vision_in.proj.3", c("vision_in.proj.3"), None),
         ("image_embedder.norm_out", "vision_in.proj.4", None, None),
         ("cond_type_embed", "cond_type_embedding", None, None),
-        ("norm_out.linear", "final_layer.adaLN_modulation.1", None, None),
-        ("proj_out", "final_layer.linear", None, None),
+        ("norm_out.linear", "final_layer.adaLN_modulation.1", c("final_layer.adaLN_modulation.1"),
+         None),
+        ("proj_out", "final_layer.linear", c("final_layer.linear"), None),
     ]
     if config.get("use_meanflow"):  # the step-distilled checkpoints' second timestep
-        rows += [("time_embed.timestep_embedder_r.linear_1", "time_r_in.mlp.0", None, None),
-                 ("time_embed.timestep_embedder_r.linear_2", "time_r_in.mlp.2", None, None)]
+        rows += [("time_embed.timestep_embedder_r.linear_1", "time_r_in.mlp.0",
+                  c("time_r_in.mlp.0"), None),
+                 ("time_embed.timestep_embedder_r.linear_2", "time_r_in.mlp.2",
+                  c("time_r_in.mlp.2"), None)]
     for i in range(config["num_refiner_layers"]):
         d = f"context_embedder.token_refiner.refiner_blocks.{i}"
         o = f"txt_in.individual_token_refiner.blocks.{i}"
+        qkv = c(f"{o}.self_attn_qkv")
         rows += [(f"{d}.norm1", f"{o}.norm1", None, None),
-                 (f"{d}.attn.to_q", f"{o}.self_attn_qkv", None, hidden),
-                 (f"{d}.attn.to_k", f"{o}.self_attn_qkv", None, hidden),
-                 (f"{d}.attn.to_v", f"{o}.self_attn_qkv", None, hidden),
-                 (f"{d}.attn.to_out.0", f"{o}.self_attn_proj", None, None),
+                 (f"{d}.attn.to_q", f"{o}.self_attn_qkv", qkv, hidden),
+                 (f"{d}.attn.to_k", f"{o}.self_attn_qkv", qkv, hidden),
+                 (f"{d}.attn.to_v", f"{o}.self_attn_qkv", qkv, hidden),
+                 (f"{d}.attn.to_out.0", f"{o}.self_attn_proj", c(f"{o}.self_attn_proj"), None),
                  (f"{d}.norm2", f"{o}.norm2", None, None),
-                 (f"{d}.ff.net.0.proj", f"{o}.mlp.fc1", None, None),
-                 (f"{d}.ff.net.2", f"{o}.mlp.fc2", None, None),
-                 (f"{d}.norm_out.linear", f"{o}.adaLN_modulation.1", None, None)]
+                 (f"{d}.ff.net.0.proj", f"{o}.mlp.fc1", c(f"{o}.mlp.fc1"), None),
+                 (f"{d}.ff.net.2", f"{o}.mlp.fc2", c(f"{o}.mlp.fc2"), None),
+                 (f"{d}.norm_out.linear", f"{o}.adaLN_modulation.1", c(f"{o}.adaLN_modulation.1"),
+                  None)]
     for i in range(config["num_layers"]):
         d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
         rows += [
@@ -145,12 +152,15 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor] | None = None
-                    ) -> Iterable[tuple[str, list[str], list[int]]]:
-    """(ComfyUI module, diffusers modules it stacks, their output sizes) for `dpipe.models.comfyui.
-    to_comfyui`: every double-block Linear (the LoRA targets); `weights` is not needed (entries
-    without a LoRA are skipped there) and kept for the callers' signature."""
+                    ) -> Iterable[tuple[str, list[str], list[int | None]]]:
+    """(ComfyUI module, diffusers modules it stacks, their output sizes, None for a module's own)
+    for `dpipe.models.comfyui.to_comfyui`: every Linear; with `weights` (diffusers-named LoRA
+    weights), only those holding a module with a LoRA."""
+    trained = None if weights is None else {k.rsplit(".lora_", 1)[0] for k in weights}
     for comfy, group in _groups(layout(config), 2).items():
-        yield comfy, [row[0] for row in group], [row[3] for row in group]
+        parts = [row[0] for row in group]
+        if trained is None or trained.intersection(parts):
+            yield comfy, parts, [row[3] for row in group]
 
 
 def _config_of(weights: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from dpipe.models.hunyuan_video.spec import as_video, frames_ok, loss_labels, vi
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
-    comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
+    SWAPPED, comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
@@ -196,7 +196,7 @@ class HunyuanVideo15Spec(ModelSpec):
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights)), {"format": "comfyui"})])
+                self._transformer_config(), weights), swapped=SWAPPED), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder
@@ -286,10 +286,12 @@ def template_length(tokenizer, system_message: str) -> int:
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(ComfyUI module, diffusers modules it stacks, output sizes) of the double-stream blocks.
+    """(ComfyUI module, diffusers modules it stacks, output sizes) of every Linear with a LoRA.
 
-    ComfyUI runs HunyuanVideo 1.5 on its Flux-style DoubleStreamBlock, whose module names are
-    `img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the same
-    for `txt_`; its LoRA loader accepts `diffusion_model.<those names>`. The names come from the
-    one table of original.py, which also maps the single-file weights."""
+    ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo code, whose double blocks are Flux-style
+    (`img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the
+    same for `txt_`) and whose other modules are the original ones under its renames (the token
+    refiner's `self_attn.qkv`, the embedder MLPs' `in_layer` / `out_layer`); its LoRA loader
+    accepts `diffusion_model.<those names>`. The names come from the one table of original.py,
+    which also maps the single-file weights."""
     return _comfyui_mapping(config, weights)

@@ -5,7 +5,10 @@ diffusers splits the original fused projections: `joint_blocks.N.x_block.attn.qk
 `convert_sd3_transformer_checkpoint_to_diffusers`). A LoRA on the three split Linears is exactly a
 LoRA on the fused one: down = the three downs stacked (rank 3r), up = the three ups placed block-
 diagonally. The scale alpha / rank is folded into `up`, so the file needs no alpha entries.
-Keys: `diffusion_model.<original module>.lora_A.weight` / `.lora_B.weight`.
+Outside the blocks the names are those of the same converter: `t_embedder.mlp.0/2`,
+`y_embedder.mlp.0/2`, `context_embedder`, `final_layer.linear` and `final_layer.adaLN_modulation.1`
+(whose output halves are (shift, scale), diffusers' (scale, shift): the up-projection's halves are
+exchanged). Keys: `diffusion_model.<original module>.lora_A.weight` / `.lora_B.weight`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import re
 
 import torch
+
+from dpipe.models.lora_files import NotInFormat
+from dpipe.models.single_file import swap_halves
 
 # diffusers module (inside transformer_blocks.N) -> (original module inside joint_blocks.N,
 # index of the chunk in a fused q/k/v projection, or None for a plain Linear)
@@ -31,25 +37,45 @@ _BLOCK_MAP = {
     "ff_context.net.0.proj": ("context_block.mlp.fc1", None),
     "ff_context.net.2": ("context_block.mlp.fc2", None),
 }
+# diffusers module outside the blocks -> original module (a Linear each)
+TOP_LINEARS = {
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "context_embedder": "context_embedder",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",  # (scale, shift) -> (shift, scale)
+}
 _KEY = re.compile(r"transformer_blocks\.(\d+)\.(.+)\.lora_([AB])\.weight")
 
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
                  num_layers: int) -> dict[str, torch.Tensor]:
     """diffusers-named LoRA weights (`transformer_blocks.N.<module>.lora_A/B.weight`, no prefix)
-    -> ComfyUI/original-named ones, with `scale` (alpha / rank) folded in."""
+    -> ComfyUI/original-named ones, with `scale` (alpha / rank) folded in. A module without an
+    original name raises NotInFormat, with the tensors of the others."""
     parts: dict[str, dict[int | None, dict[str, torch.Tensor]]] = {}
+    unnamed: set[str] = set()
     for key, tensor in weights.items():
+        module, _, which = key.rpartition(".lora_")
+        if module in TOP_LINEARS:
+            which = which.removesuffix(".weight")
+            if module == "norm_out.linear" and which == "B":
+                tensor = swap_halves(tensor)
+            name = f"diffusion_model.{TOP_LINEARS[module]}"
+            parts.setdefault(name, {}).setdefault(None, {})[which] = tensor
+            continue
         m = _KEY.fullmatch(key)
         if m is None or m.group(2) not in _BLOCK_MAP:
-            raise ValueError(f"no ComfyUI (original SD3) name for the LoRA weight {key}")
+            unnamed.add(module)
+            continue
         block, module, which = int(m.group(1)), m.group(2), m.group(3)
         target, chunk = _BLOCK_MAP[module]
         if block == num_layers - 1 and module == "norm1_context.linear" and which == "B":
             # The last block's context modulation is stored (shift, scale) in the original and
             # (scale, shift) in diffusers: swap the up-projection's halves back.
-            scale_half, shift_half = tensor.chunk(2, dim=0)
-            tensor = torch.cat([shift_half, scale_half], dim=0)
+            tensor = swap_halves(tensor)
         name = f"diffusion_model.joint_blocks.{block}.{target}"
         parts.setdefault(name, {}).setdefault(chunk, {})[which] = tensor
     out = {}
@@ -65,4 +91,6 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
         ups = [chunks[i]["B"] * scale for i in range(3)]
         out[f"{name}.lora_A.weight"] = torch.cat(downs, dim=0).contiguous()
         out[f"{name}.lora_B.weight"] = torch.block_diag(*ups).contiguous()
+    if unnamed:
+        raise NotInFormat("ComfyUI (original SD3)", sorted(unnamed), out)
     return out

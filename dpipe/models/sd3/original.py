@@ -16,7 +16,7 @@ import re
 import torch
 from torch import nn
 
-from dpipe.models.sd3.comfyui import _BLOCK_MAP
+from dpipe.models.sd3.comfyui import _BLOCK_MAP, TOP_LINEARS
 
 # A key every original SD3 transformer has (diffusers detects the family by it).
 MARKER = "joint_blocks.0.context_block.adaLN_modulation.1.bias"
@@ -25,13 +25,7 @@ MARKER = "joint_blocks.0.context_block.adaLN_modulation.1.bias"
 _TOP = {
     "pos_embed.pos_embed": "pos_embed",
     "pos_embed.proj": "x_embedder.proj",
-    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
-    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
-    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
-    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
-    "context_embedder": "context_embedder",
-    "proj_out": "final_layer.linear",
-    "norm_out.linear": "final_layer.adaLN_modulation.1",  # (scale, shift) -> (shift, scale)
+    **TOP_LINEARS,  # the embedders' and final layer's Linears; norm_out.linear's halves swapped
 }
 # The q/k norms (SD3.5), not in the LoRA table.
 _NORMS = {

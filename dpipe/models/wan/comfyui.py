@@ -2,9 +2,10 @@
 users hold them.
 
 A Wan LoRA for ComfyUI names each module as the original checkpoint does, prefixed with
-`diffusion_model.`: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` / `.lora_B.weight`.
-diffusers' `WanPipeline.load_lora_weights` reads that layout too (it converts it back). The
-mapping is one to one: Wan's original blocks keep q, k, v, o apart, as diffusers does.
+`diffusion_model.`: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` / `.lora_B.weight`,
+`diffusion_model.time_embedding.0...`, `head.head`. diffusers' `WanPipeline.load_lora_weights`
+reads that layout too (it converts it back). The mapping is one to one: Wan's original blocks keep
+q, k, v, o apart, as diffusers does.
 
 Single-file transformers (wan2.1_t2v_14B_bf16.safetensors, ...) hold the whole state dict under
 those names without a prefix; `original_state_dict` writes it (diffusers'
@@ -17,6 +18,8 @@ import re
 
 import torch
 
+from dpipe.models.lora_files import NotInFormat
+
 COMFY_PREFIX = "diffusion_model."
 
 # diffusers module name -> original Wan module name, for every Linear of a block.
@@ -28,13 +31,27 @@ _BLOCK_RENAMES = {
     "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
     "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
 }
+# diffusers module outside the blocks -> original Wan module, for every Linear there (the
+# condition embedder's MLPs, the image embedder's MLP inside `img_emb.proj`, the head).
+_TOP_LINEARS = {
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "proj_out": "head.head",
+}
 _BLOCK_MODULE = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
 def original_module_name(diffusers_name: str) -> str:
-    """The original Wan name of a Linear in a transformer block ("blocks.3.attn1.to_q" ->
-    "blocks.3.self_attn.q"); raises KeyError for a module outside the mapping, so a trained weight
-    is never dropped or misnamed silently."""
+    """The original Wan name of a Linear ("blocks.3.attn1.to_q" -> "blocks.3.self_attn.q",
+    "condition_embedder.time_proj" -> "time_projection.1"); raises KeyError for a module outside
+    the mapping, so a trained weight is never dropped or misnamed silently."""
+    if diffusers_name in _TOP_LINEARS:
+        return _TOP_LINEARS[diffusers_name]
     match = _BLOCK_MODULE.fullmatch(diffusers_name)
     if match is None or match.group(2) not in _BLOCK_RENAMES:
         raise KeyError(f"no ComfyUI name for Wan module {diffusers_name!r}")
@@ -43,31 +60,32 @@ def original_module_name(diffusers_name: str) -> str:
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-format ones (`<module>.lora_A.weight`, ...). The LoRA
-    scale alpha/rank is folded into B and no `.alpha` is written: every loader then applies 1."""
-    out = {}
+    scale alpha/rank is folded into B and no `.alpha` is written: every loader then applies 1.
+    Modules without an original name raise NotInFormat, with the tensors of the others."""
+    out, unnamed = {}, set()
     for key, value in weights.items():
         module, part = key.rsplit(".lora_", 1)
         if not part.startswith(("A.", "B.")):
             raise KeyError(f"not a LoRA weight: {key!r}")
+        try:
+            name = original_module_name(module)
+        except KeyError:
+            unnamed.add(module)
+            continue
         value = value * scale if part.startswith("B.") else value
-        out[f"{COMFY_PREFIX}{original_module_name(module)}.lora_{part}"] = value.contiguous()
+        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
+    if unnamed:
+        raise NotInFormat("ComfyUI (original Wan)", sorted(unnamed), out)
     return out
 
 
 # Whole-transformer names (a full fine-tune in the original / ComfyUI single-file layout): the
 # inverse of diffusers' `convert_wan_transformer_to_diffusers`.
 _TOP_RENAMES = {
+    **_TOP_LINEARS,
     "patch_embedding": "patch_embedding",
-    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
-    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-    "condition_embedder.time_proj": "time_projection.1",
     "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
-    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
-    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
     "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
-    "proj_out": "head.head",
 }
 _BLOCK_PARTS = {  # diffusers module in a block -> original module (its .weight/.bias follow)
     **_BLOCK_RENAMES,
