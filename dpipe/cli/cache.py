@@ -100,9 +100,13 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
     if rank == 0:
         s = dataset.stats
         made = s["latents"] + s["masks"] + s["texts"]
-        log.info("cache ready in %.1f s: %d entries, %d made now (%d latents, %d masks, %d texts), "
-                 "%d file(s) read, %d unreadable", time.perf_counter() - start, s["entries"], made,
-                 s["latents"], s["masks"], s["texts"], s["files_read"], s["failed"])
+        # Two different reads: the file index opens new or changed files for their size (none on
+        # a rerun), and each latent or mask made decodes one file; "0 read" after encoding new
+        # images would look like nothing happened.
+        log.info("cache ready in %.1f s: %d entries, %d made now (%d latents, %d masks, %d texts); "
+                 "%d file(s) decoded to encode, %d new or changed file(s) indexed, %d unreadable",
+                 time.perf_counter() - start, s["entries"], made, s["latents"], s["masks"],
+                 s["texts"], s["latents"] + s["masks"], s["files_read"], s["failed"])
     if world > 1:
         dist.destroy_process_group()
 

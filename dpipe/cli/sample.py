@@ -81,6 +81,9 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
         if "export" in special:
             raise ConfigError("export= picks a step export of a run: give run=<run dir> too")
         cfg = _compose(CONF_DIR, "config", overrides + ["name=samples"])
+        if cfg.sample.ema:
+            raise ConfigError("sample.ema=true samples from the EMA export of a run: give "
+                              "run=<run dir> (or lora= with its ema/ file, without sample.ema)")
     run = validate(cfg)
     spec = build_spec(run.model)
     spec.ensure_available()
@@ -99,6 +102,10 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
         exports = run_dir / ("lora" if lora else "model")
         export = special.get("export")
         weights_dir = exports / export if export else exports
+        if run.sample.ema:  # the run had train.ema.decay > 0 (validate checks)
+            from dpipe.train.export import EMA_DIR
+
+            weights_dir = weights_dir / EMA_DIR
         if not weights_dir.is_dir() or export is not None and not export.startswith("step_"):
             steps = sorted(p.name for p in exports.glob("step_*")) if exports.is_dir() else []
             have = (["final"] if exports.is_dir() and any(exports.glob("*.safetensors"))
@@ -108,7 +115,8 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
                 f"exist. The run has: {', '.join(have) or 'no export yet'} (step exports come "
                 "from train.export_every_steps)")
         weights = "lora" if lora else "full"
-        name = special.get("name") or f"sampled-{export or 'final'}"
+        name = special.get("name") or (f"sampled-{export or 'final'}"
+                                       f"{'-ema' if run.sample.ema else ''}")
         folder = run_dir / "samples" / name
     else:
         out = Path(special.get("out", "outputs/samples")).expanduser().resolve()

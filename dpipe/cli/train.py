@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.checks import check_before_workers, unknown_key_message, validate
+from dpipe.cli.train_help import help_text, wants_help
 from dpipe.config.store import register_schemas
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
@@ -220,17 +221,30 @@ def _exit_on_failure(code: int) -> int:
 
 
 def main() -> None:
+    if wants_help(sys.argv[1:]):  # dpipe's help, not Hydra's (which suggests `+key=`)
+        print(help_text(Path(CONF_DIR)), end="")
+        return
     quiet_libraries()
     register_schemas()
     register_launchers()
     # Hydra would write the run dir's .hydra/ files before the task, even for a run that the run
     # lock then refuses: the task writes them once it holds the lock (save_hydra_files).
-    sys.argv += ["hydra.output_subdir=null"]
+    extra = ["hydra.output_subdir=null"]
     if dist_env.process_rank() != 0:
         # Under torchrun or srun every rank composes the config, but only rank 0 owns the run dir.
-        sys.argv += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+        extra += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+    sys.argv = _with_overrides(sys.argv, extra)
     hydra_main = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
     _run_hydra(hydra_main(train_task))
+
+
+def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """argv with `extra` overrides next to the user's own: argparse takes one run of positional
+    arguments, so appended after `a=1 --cfg job` they would be refused as unrecognized."""
+    for i, arg in enumerate(argv[1:], start=1):
+        if "=" in arg and not arg.startswith("-"):
+            return [*argv[:i + 1], *extra, *argv[i + 1:]]
+    return [*argv, *extra]
 
 
 # Whether the user set HYDRA_FULL_ERROR (then Hydra's errors are theirs to read, untouched).

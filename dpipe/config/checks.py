@@ -7,6 +7,7 @@ message naming the key and what to change. It runs before any worker process sta
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
 from typing import Any, get_args, get_origin, get_type_hints
@@ -16,11 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 from dpipe.config.schema import (
     AttentionKernel,
     BaseDtype,
+    OptimizerName,
     PartitionMethod,
     Precision,
     RunConfig,
     TrainMode,
 )
+from dpipe.config.logger_checks import check_loggers
 from dpipe.config.optim_checks import check_optimizer
 from dpipe.errors import ConfigError
 
@@ -80,7 +83,8 @@ def _check_ranges(run: RunConfig) -> None:
     to the first step. (DataSettings, eval and sample.* keys are checked where they are read.)"""
     t, m, o, d = run.train, run.model, run.optim, run.dataset
     lora_alpha = {} if m.lora.alpha is None else {"model.lora.alpha": m.lora.alpha}
-    above_zero = {"optim.lr": o.lr, "optim.eps": o.eps, "train.timesteps.shift": t.timesteps.shift,
+    shift = {} if t.timesteps.auto_shift else {"train.timesteps.shift": _shift_number(t.timesteps)}
+    above_zero = {"optim.lr": o.lr, "optim.eps": o.eps, **shift,
                   "train.timesteps.logit_std": t.timesteps.logit_std,
                   "train.huber_delta": t.huber_delta, "train.smooth_l1_beta": t.smooth_l1_beta,
                   **lora_alpha}
@@ -88,9 +92,11 @@ def _check_ranges(run: RunConfig) -> None:
                      "optim.grad_clip": o.grad_clip, "model.min_snr_gamma": m.min_snr_gamma,
                      "train.checkpoint_every_minutes": t.checkpoint_every_minutes,
                      "train.audit_step": t.audit_step}
-    in_unit_interval = {"model.lora.dropout": m.lora.dropout}  # [0, 1)
+    in_unit_interval = {"model.lora.dropout": m.lora.dropout,  # [0, 1)
+                        "train.ema.decay": t.ema.decay}
     whole_at_least_one = {"model.max_text_tokens": m.max_text_tokens,
-                          "dataset.num_images": d.num_images}
+                          "dataset.num_images": d.num_images,
+                          "train.ema.every_steps": t.ema.every_steps}
     for key, value in above_zero.items():
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{key} must be a number > 0, got {value}")
@@ -106,9 +112,38 @@ def _check_ranges(run: RunConfig) -> None:
     if not math.isfinite(t.timesteps.logit_mean) or not math.isfinite(m.guidance):
         raise ConfigError(f"train.timesteps.logit_mean and model.guidance must be finite numbers, "
                           f"got {t.timesteps.logit_mean} and {m.guidance}")
+    scale = t.timesteps.mode_scale
+    if not -1.0 <= scale <= MODE_SCALE_MAX:  # beyond, mode sampling's map leaves (0, 1)
+        raise ConfigError(f"train.timesteps.mode_scale must be in [-1, {MODE_SCALE_MAX:.4f}] "
+                          f"(2/(pi-2)), got {scale}")
     if d.cache_workers is not None and d.cache_workers < 0:
         raise ConfigError(f"dataset.cache_workers must be >= 0 (0: decode in this process) or "
                           f"null (auto), got {d.cache_workers}")
+
+
+def _check_ema(run: RunConfig) -> None:
+    if run.sample.ema and not run.train.ema.decay:
+        raise ConfigError(
+            "sample.ema=true samples with the EMA of the trained weights, but this run keeps "
+            "none (train.ema.decay=0): set train.ema.decay (e.g. 0.999) or drop sample.ema")
+    if run.train.ema.decay and run.optim.name == OptimizerName.schedulefree_adamw:
+        raise ConfigError(
+            "train.ema.decay with optim=schedulefree_adamw: schedule-free AdamW already "
+            "evaluates, samples and exports an average of its weights; set train.ema.decay=0, "
+            "or use another optimizer (e.g. optim=adamw) for the EMA")
+
+
+MODE_SCALE_MAX = 2 / (math.pi - 2)
+
+
+def _shift_number(timesteps) -> float:
+    """train.timesteps.shift as a number; a word other than auto is refused."""
+    try:
+        return float(timesteps.shift)
+    except ValueError:
+        raise ConfigError(f"train.timesteps.shift={timesteps.shift!r}: give a number > 0 (1: no "
+                          "shift) or auto (the shift the model's sampler uses at each "
+                          "resolution)") from None
 
 
 def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
@@ -128,6 +163,8 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     _check_ranges(run)
     check_optimizer(run)  # betas and each optimizer's own keys
+    check_loggers(run)
+    _check_ema(run)
 
     if p.data_parallel is not None and p.data_parallel < 1:
         raise ConfigError(f"pipeline.data_parallel must be >= 1 or null (auto), got {p.data_parallel}")
@@ -240,6 +277,7 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
                         for d in eval_set.directories]
         for key, folder in folders:
             check_directory(Path(folder), what=f"{key} folder")
+    spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
     layers = spec.pipeline_layer_count()
     p = run.pipeline
     if layers is not None and p.stages > layers:
@@ -252,22 +290,26 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
 
 def unknown_key_message(full_key: str) -> str | None:
     """The message for an override of a key the run config does not have (Hydra's own would
-    suggest `+key=`, which `validate` refuses); None for a key outside the run config's
-    groups (hydra.*, whose keys Hydra adds)."""
+    suggest `+key=`, which `validate` refuses): the closest valid keys, then all the keys of the
+    level where the spelling went wrong. None for hydra.* (Hydra's own keys, its own message)."""
     parts = full_key.split(".")
+    if parts[0] == "hydra":
+        return None
     schema: type | None = RunConfig
     names = {f.name for f in dataclasses.fields(RunConfig)}
-    if parts[0] not in names:
-        return None
-    for depth, part in enumerate(parts[:-1]):
-        child = _dataclass_of(get_type_hints(schema)[part]) if part in names else None
+    for depth, part in enumerate(parts):
+        if part not in names:  # the first part that is misspelt: list this level's keys
+            group = ".".join(parts[:depth])
+            near = difflib.get_close_matches(part, sorted(names), n=3, cutoff=0.6)
+            hint = (f"did you mean {' or '.join(repr('.'.join([*parts[:depth], n])) for n in near)}? "
+                    if near else "")
+            return (f"unknown config key(s): '{full_key}': {hint}valid keys of "
+                    f"{repr(group) if group else 'the run config'}: {', '.join(sorted(names))}. "
+                    "Check the spelling against `dpipe-train --cfg job`; keys cannot be added "
+                    "with `+`.")
+        child = _dataclass_of(get_type_hints(schema)[part])
         if child is None:  # past the schema's dataclasses (a list's items): no key list to give
             break
         schema, names = child, {f.name for f in dataclasses.fields(child)}
-    else:
-        group = ".".join(parts[:-1]) or "the run"
-        return (f"unknown config key(s): '{full_key}' (valid keys of '{group}': "
-                f"{', '.join(sorted(names))}). Check the spelling against `dpipe-train --cfg "
-                "job`; keys cannot be added with `+`.")
     return (f"unknown config key(s): '{full_key}'. Check the spelling against `dpipe-train "
             "--cfg job`; keys cannot be added with `+`.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional, Union, get_type_hints
 
 from omegaconf import MISSING
 
@@ -33,8 +33,23 @@ class PartitionMethod(str, Enum):
 
 
 class TimestepSampling(str, Enum):
-    uniform = "uniform"
+    """How training draws t in (0, 1) (1: pure noise), before `train.timesteps.shift`."""
+
+    uniform = "uniform"  # every noise level alike
+    # sigmoid(N(logit_mean, logit_std)): most steps at mid noise (SD3's and diffusers' default)
     logit_normal = "logit_normal"
+    sigmoid = "logit_normal"  # kohya's name for logit_normal (its `shift` scheme: with shift=N)
+    # diffusers' mode sampling: uniform bent by mode_scale (> 0: more mid noise, < 0: the ends)
+    mode = "mode"
+    cosmap = "cosmap"  # SD3's CosMap: t = 1 - 1/(tan(pi/2 u) + 1), slightly towards mid noise
+
+
+class TimestepWeighting(str, Enum):
+    """A per-sample loss weight from the noise level t: diffusers' SD3 loss weightings."""
+
+    none = "none"  # every sample weighs 1: the default
+    sigma_sqrt = "sigma_sqrt"  # 1 / t^2: favours low noise (fine detail); large near t = 0
+    cosmap = "cosmap"  # 2 / (pi (1 - 2t + 2t^2)): CosMap's density as a weight, towards mid noise
 
 
 class LrSchedule(str, Enum):
@@ -57,6 +72,12 @@ class LossKind(str, Enum):
     mse = "mse"  # squared error: the default, what the models were trained with
     huber = "huber"  # squared below train.huber_delta, linear beyond: outliers pull less
     smooth_l1 = "smooth_l1"  # Huber divided by its threshold (train.smooth_l1_beta)
+
+
+class LoggerName(str, Enum):
+    tensorboard = "tensorboard"  # <run>/tensorboard: scalars and samples
+    jsonl = "jsonl"  # <run>/metrics.jsonl: one line per logged step (always: summaries read it)
+    wandb = "wandb"  # Weights & Biases: TensorBoard's scalars and samples, and the run config
 
 
 class DatasetKind(str, Enum):
@@ -142,6 +163,9 @@ class ModelConfig:
     prediction_type: Optional[str] = None
     # Noise-prediction models (SDXL): min-SNR-gamma loss weighting (5.0 is the usual gamma); 0: off.
     min_snr_gamma: float = 0.0
+    # Noise-prediction models (SDXL): debiased estimation, the loss weighed by 1/sqrt(SNR)
+    # (Yu et al. 2023; with min_snr_gamma, both weights multiply).
+    debiased_estimation: bool = False
     # With `path` naming a single-file checkpoint (.safetensors, as SDXL fine-tunes are shared):
     # a diffusers folder or hub id holding the matching configs and tokenizers. null: diffusers'
     # default for the checkpoint's type (fetched from the hub once, then from its cache).
@@ -324,6 +348,17 @@ class DatasetConfig(DataSettings):
 
 
 @dataclass
+class ParamGroupConfig:
+    """Trainable parameters with their own learning rate or weight decay (optim.param_groups)."""
+    # A regular expression searched in each trainable parameter's name, as the diffusers model
+    # names it ("transformer_blocks.3.attn.to_q.lora_B.default.weight"); the first group whose
+    # pattern matches takes the parameter, the rest keep the optimizer's values.
+    match: str = MISSING
+    lr: Optional[float] = None  # null: optim.lr
+    weight_decay: Optional[float] = None  # null: optim.weight_decay (1-D parameters: none)
+
+
+@dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.adamw
     lr: float = 1e-4
@@ -340,18 +375,10 @@ class OptimConfig:
     # Weight decay on the 1-D parameters (norm scales, biases) too. False, the default, decays
     # only the matrices, as most trainers do: decay pulls a norm's scale towards 0, not 1.
     weight_decay_1d: bool = False
+    # e.g. [{match: lora_B, lr: 1.6e-3}] (LoRA+: the B matrices at 16x the rate), or a text
+    # adapter's own rate; schedule and warm-up scale every group alike.
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
     # The keys below belong to one optimizer each (conf/optim/<name>.yaml sets them); `betas`
-@dataclass
-class ParamGroupConfig:
-    """Trainable parameters with their own learning rate or weight decay (optim.param_groups)."""
-    # A regular expression searched in each trainable parameter's name, as the diffusers model
-    # names it ("transformer_blocks.3.attn.to_q.lora_B.default.weight"); the first group whose
-    # pattern matches takes the parameter, the rest keep the optimizer's values.
-    match: str = MISSING
-    lr: Optional[float] = None  # null: optim.lr
-    weight_decay: Optional[float] = None  # null: optim.weight_decay (1-D parameters: none)
-
-
     # is two numbers, three for came.
     # adamw8bit: tensors with fewer elements keep 32-bit states (bitsandbytes' default, 4096).
     min_8bit_size: int = 4096
@@ -369,9 +396,6 @@ class ParamGroupConfig:
     # optim.warmup_steps, inside the optimizer (optim.schedule must be constant).
     r: float = 0.0
     weight_lr_power: float = 2.0
-    # e.g. [{match: lora_B, lr: 1.6e-3}] (LoRA+: the B matrices at 16x the rate), or a text
-    # adapter's own rate; schedule and warm-up scale every group alike.
-    param_groups: list[ParamGroupConfig] = field(default_factory=list)
     # muon: momentum and Newton-Schulz steps for the matrices; the 1-D parameters train with
     # AdamW at muon_adamw_lr with optim.betas and optim.eps.
     momentum: float = 0.95
@@ -414,12 +438,57 @@ class PipelineConfig:
         return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0)
 
 
+SHIFT_AUTO = "auto"  # train.timesteps.shift's keyword
+
+
 @dataclass
 class TimestepConfig:
     sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0
-    shift: float = 1.0  # t' = shift*t / (1 + (shift-1)*t); 1 disables
+    # sampling=mode: diffusers' default 1.29; 0 is uniform; in [-1, 2/(pi-2)] (t stays in (0, 1))
+    mode_scale: float = 1.29
+    # t' = shift*t / (1 + (shift-1)*t); 1 disables. "auto": the shift the family's sampler
+    # applies at each micro-batch's resolution (FLUX's from its token count; else the
+    # scheduler's fixed shift). omegaconf keeps `shift=3` an int and `shift=auto` a str;
+    # `checks.py` refuses any other word.
+    shift: Union[float, int, str] = 1.0
+    weighting: TimestepWeighting = TimestepWeighting.none
+
+    @property
+    def auto_shift(self) -> bool:
+        return self.shift == SHIFT_AUTO
+
+    @property
+    def fixed_shift(self) -> float:
+        """The number `shift` gives (not for `auto`, which each micro-batch resolves)."""
+        if self.auto_shift:
+            raise ValueError("train.timesteps.shift=auto has no fixed value")
+        return float(self.shift)
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the trainable weights (dpipe.train.ema), kept per
+    pipeline stage, saved in checkpoints and exported to `<export>/ema/` beside the weights."""
+
+    decay: float = 0.0  # 0: no EMA; e.g. 0.999 averages over about the last 1000 updates
+    cpu: bool = False  # keep it in host memory: no GPU memory, a copy to the host per update
+    every_steps: int = 1  # update it every N steps (the decay applies per update)
+    # The decay of update k is min(decay, (1 + k) / (10 + k)): early on the average follows
+    # the weights instead of staying near where they started. false: `decay` from the first.
+    warmup: bool = True
+
+
+@dataclass
+class WandbConfig:
+    """train.loggers=[tensorboard, jsonl, wandb]: where the wandb run goes. `mode` offline keeps
+    it in <run>/wandb/ (`wandb sync` uploads it later); null: WANDB_MODE, else online."""
+    project: str = "dpipe"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null: the run dir's name
+    tags: list[str] = field(default_factory=list)
+    mode: Optional[str] = None  # online, offline or null
 
 
 @dataclass
@@ -434,6 +503,10 @@ class TrainConfig:
     huber_delta: float = 1.0  # train.loss=huber: where the error turns from squared to linear
     smooth_l1_beta: float = 1.0  # train.loss=smooth_l1: the same threshold
     log_every: int = 1
+    # Where rank 0 logs: TensorBoard and metrics.jsonl by default; add wandb (train.wandb.*).
+    loggers: list[LoggerName] = field(
+        default_factory=lambda: [LoggerName.tensorboard, LoggerName.jsonl])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint_every_steps: int = 50  # 0 disables step-based checkpoints
     checkpoint_every_minutes: float = 0.0  # 0 disables time-based checkpoints
     keep_checkpoints: int = 2
@@ -449,6 +522,7 @@ class TrainConfig:
     # (each drains the GPU's queue) and autograd passes per micro-batch (1 is the minimum).
     # The second step by default: the first compiles and measures. 0 turns the count off.
     audit_step: int = 2
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
 
 # The keys a `sample.prompts` item may set besides `prompt` (dpipe.sample.requests checks them).
@@ -477,6 +551,9 @@ class SampleConfig:
     # Also write each sample's final latents (<k>.safetensors beside <k>.png), to decode them
     # elsewhere or compare runs exactly.
     save_latents: bool = False
+    # Sample with the EMA of the weights (train.ema.decay > 0) instead of the weights themselves;
+    # `dpipe-sample run=...` then samples from the export's ema/ folder.
+    ema: bool = False
 
 
 @dataclass

@@ -13,13 +13,14 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from dpipe.config.schema import TimestepConfig
+from dpipe.config.schema import TimestepConfig, TimestepWeighting
 from dpipe.data.cache_store import TensorStore
 from dpipe.data.manifest import Sample
 from dpipe.data.plan import BatchPlan
 from dpipe.diffusion.noise import sample_generator
 from dpipe.diffusion.timesteps import sample_timesteps
-from dpipe.errors import DataError
+from dpipe.diffusion.weighting import timestep_weights
+from dpipe.errors import ConfigError, DataError
 from dpipe.models.spec import ModelSpec, NoisedBatch
 
 
@@ -127,18 +128,37 @@ def noised_batch(
     loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
     timesteps: torch.Tensor | None = None, conditions: dict | None = None,
 ) -> DataBatch:
-    """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them;
+    """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them (evals:
+    then no timestep weighting, so eval losses compare across `train.timesteps.weighting`);
     `conditions`: `sample_conditions` of the samples."""
     noise, t = [], []
+    # shift=auto: the family sampler's shift at this micro-batch's (its bucket's) latent size.
+    shift = spec.training_shift(latents.shape[1:]) if timesteps_cfg.auto_shift else None
     for slot, x0 in zip(slots, latents):
         noise.append(torch.randn(x0.shape, generator=sample_generator(seed, step, slot, "noise")))
         if timesteps is None:
-            t.append(sample_timesteps(timesteps_cfg, 1, sample_generator(seed, step, slot, "t")))
+            t.append(sample_timesteps(timesteps_cfg, 1, sample_generator(seed, step, slot, "t"),
+                                      shift))
     noise_t = torch.stack(noise).to(latents.dtype)
     t_t = torch.cat(t) if timesteps is None else timesteps.to(torch.float32)
     noisy, target = spec.noise(latents, noise_t, t_t)
+    if timesteps is None and timesteps_cfg.weighting != TimestepWeighting.none:
+        weights = timestep_weights(timesteps_cfg.weighting, spec.train_timesteps(t_t))
+        loss_weight = weigh_samples(loss_weight, weights, latents)
     return DataBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
                      text=text, loss_weight=loss_weight, control=control, **(conditions or {}))
+
+
+def weigh_samples(loss_weight: torch.Tensor | None, weights: torch.Tensor | None,
+                  latents: torch.Tensor) -> torch.Tensor | None:
+    """The per-pixel loss weights (masks, or 1) times each sample's weight: the path every
+    family's loss already averages with, so per-sample weights need nothing of the families."""
+    if weights is None:
+        return loss_weight
+    # (B, 1, h, w) for images, (B, 1, 1, h, w) for video: as `CachedDataset` builds mask weights.
+    shape = (len(latents), *([1] * (latents.dim() - 3)), *latents.shape[-2:])
+    base = torch.ones(shape) if loss_weight is None else loss_weight.float()
+    return base * weights.view(-1, *([1] * (base.dim() - 1)))
 
 
 def choose_texts(samples: list[Sample], empty_text: str | None, seed: int, step: int,
@@ -167,10 +187,13 @@ def step_micro_batches(
         texts = choose_texts(batch.samples, batch.empty_text, seed, step, batch.slots)
         latents, text, weight, control = dataset.collate(batch.samples, texts)
         dataset.write_log(step, micro, dp_rank, batch, latents, records)
-        inputs, labels = spec.make_inputs(noised_batch(spec, latents, text, timesteps_cfg, seed,
-                                                       step, batch.slots, weight, control,
-                                                       conditions=sample_conditions(batch.samples)))
-        if weight is not None and len(labels) < 2:  # never ignore masks silently
+        noised = noised_batch(spec, latents, text, timesteps_cfg, seed, step, batch.slots,
+                              weight, control, conditions=sample_conditions(batch.samples))
+        inputs, labels = spec.make_inputs(noised)
+        if noised.loss_weight is not None and len(labels) < 2:  # never ignore weights silently
+            if weight is None:
+                raise ConfigError(f"model.family={spec.family} does not apply per-sample loss "
+                                  "weights yet: set train.timesteps.weighting=none")
             raise DataError(f"model family {spec.family} does not apply per-pixel loss weights "
                             "yet: remove mask_dir from the dataset config")
         yield inputs, labels

@@ -10,29 +10,25 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from dpipe.config.schema import EvalConfig, TimestepConfig, TimestepSampling
+from dpipe.config.schema import EvalConfig, TimestepConfig
 from dpipe.data.batches import CachedDataset, noised_batch, sample_conditions
 from dpipe.data.manifest import Manifest, Sample
-from dpipe.diffusion.timesteps import shift_timesteps
+from dpipe.diffusion.timesteps import shift_timesteps, timestep_quantile
 from dpipe.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
-def quantile_timestep(cfg: TimestepConfig, q: float) -> float:
-    """The q-quantile of the training timestep distribution (after the shift)."""
-    if cfg.sampling == TimestepSampling.uniform:
-        t = torch.tensor(q, dtype=torch.float64)
-    else:  # logit-normal: sigmoid of a normal quantile
-        z = math.sqrt(2.0) * torch.special.erfinv(torch.tensor(2 * q - 1, dtype=torch.float64))
-        t = torch.sigmoid(cfg.logit_mean + cfg.logit_std * z)
-    return float(shift_timesteps(t, cfg.shift))
+def quantile_timestep(cfg: TimestepConfig, q: float, shift: float | None = None) -> float:
+    """The q-quantile of the training timestep distribution, after the shift (`shift`, else
+    the number `cfg.shift` gives)."""
+    t = timestep_quantile(cfg, q)
+    return float(shift_timesteps(t, cfg.fixed_shift if shift is None else shift))
 
 
 def split_for_ranks(manifest: Manifest, data_parallel: int):
@@ -65,7 +61,9 @@ class Evaluator:
                  timesteps: TimestepConfig, data_parallel: int, dp_rank: int, seed: int,
                  run_dir: Path | None = None):
         self.spec, self.dataset, self.cfg, self.seed = spec, dataset, cfg, seed
-        self.times = [(q, quantile_timestep(timesteps, q)) for q in cfg.quantiles]
+        # shift=auto: each micro-batch's t follows from its size (`micro_batches`).
+        self.times = [(q, None if timesteps.auto_shift else quantile_timestep(timesteps, q))
+                      for q in cfg.quantiles]
         self.timesteps_cfg = timesteps
         self.sets = {}
         for name, manifest in dataset.evals.items():
@@ -93,16 +91,21 @@ class Evaluator:
             return None
         return self.run(engine, step, getattr(reporter, "writer", None))
 
-    def micro_batches(self, name: str, t: float) -> Iterator[tuple[tuple, tuple]]:
+    def micro_batches(self, name: str, q: float, t: float | None) -> Iterator[tuple[tuple, tuple]]:
+        """The set's micro-batches at the q-quantile timestep: `t`, or with t None, the
+        quantile under the shift (`shift=auto`) of each micro-batch's size."""
         number = list(self.sets).index(name)
         for members in self.sets[name]:
             samples = [s for s, _ in members]
             latents, text, weight, control = self.dataset.collate(
                 samples, [s.texts[0] for s in samples])
+            t_here = t if t is not None else quantile_timestep(
+                self.timesteps_cfg, q, self.spec.training_shift(latents.shape[1:]))
             batch = noised_batch(
                 self.spec, latents, text, self.timesteps_cfg, self.seed, -1 - number,
                 [i for _, i in members], weight, control,
-                timesteps=torch.full((len(samples),), t), conditions=sample_conditions(samples))
+                timesteps=torch.full((len(samples),), t_here),
+                conditions=sample_conditions(samples))
             yield self.spec.make_inputs(batch)
 
     def run(self, engine, step: int, writer=None) -> dict[str, float]:
@@ -113,7 +116,7 @@ class Evaluator:
                 continue
             losses = []
             for q, t in self.times:
-                loss = engine.eval_batch(iter(self.micro_batches(name, t)),
+                loss = engine.eval_batch(iter(self.micro_batches(name, q, t)),
                                          num_micro_batches=len(mine))
                 losses.append(float(loss))
                 results[f"{name}/q{q:g}"] = losses[-1]

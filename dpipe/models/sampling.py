@@ -158,6 +158,25 @@ class FamilySampling:
         m = (top - base) / (max_len - base_len)
         return self.image_tokens(latents) * m + base - m * base_len
 
+    def training_shift(self, latents: torch.Tensor) -> float:
+        """The shift of t (`dpipe.diffusion.timesteps.shift_timesteps`) that this family's
+        schedule applies at `latents`' size, for `train.timesteps.shift=auto`: with dynamic
+        shifting in the scheduler's config, exp(mu) (or mu, time_shift_type "linear") with
+        `shift_mu`; else its fixed `shift` (`flow_shift` for flow sigmas of UniPC and DPM-Solver);
+        1.0 for a scheduler of another kind (DDPM families). The schedule's other changes
+        (shift_terminal, Karras sigmas) have no counterpart in the t training draws."""
+        from dpipe.diffusion.timesteps import shift_of_mu
+
+        scheduler = self.new_scheduler()
+        c = scheduler.config
+        flow_sigmas = bool(c.get("use_flow_sigmas"))
+        if "shift" not in c and not flow_sigmas:
+            return 1.0
+        if c.get("use_dynamic_shifting"):
+            return shift_of_mu(self.shift_mu(scheduler, latents),
+                               c.get("time_shift_type", "exponential"))
+        return float(c["flow_shift"] if flow_sigmas else c["shift"])
+
     def start(self, request: SampleRequest, steps: int, guidance: float,
               text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None,
               control: torch.Tensor | None, device: torch.device) -> Denoising:

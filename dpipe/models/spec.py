@@ -98,6 +98,23 @@ class ModelSpec(abc.ABC):
         lo, hi = getattr(self.cfg, "min_t", 0.0), getattr(self.cfg, "max_t", 1.0)
         return t if (lo, hi) == (0.0, 1.0) else lo + (hi - lo) * t
 
+    def training_shift(self, latent_shape: tuple[int, ...]) -> float:
+        """`train.timesteps.shift=auto`: the shift of t that the family's sampler applies to
+        latents of one sample's `latent_shape` (as cached, no batch dimension); computed once
+        per shape from the scheduler config (`FamilySampling.training_shift`)."""
+        shape = tuple(int(n) for n in latent_shape)
+        shifts = self.__dict__.setdefault("_training_shifts", {})
+        if shape not in shifts:
+            try:
+                sampling = self.sampling()
+            except ConfigError:
+                raise ConfigError(f"model.family={self.family} has no sampler to take "
+                                  "train.timesteps.shift=auto from: give the shift as a "
+                                  "number") from None
+            # A meta tensor: the shift depends on the shape alone.
+            shifts[shape] = sampling.training_shift(torch.empty((1, *shape), device="meta"))
+        return shifts[shape]
+
     # ---- components -------------------------------------------------------------------------
     @abc.abstractmethod
     def ensure_available(self) -> None:

@@ -65,6 +65,9 @@ INCOMPATIBLE_FULL_BF16 = {
 # Keys newer than some checkpoints, with the value that does what the versions before the key
 # did: a checkpoint whose config lacks one compares as that value.
 BEFORE_THE_KEY = {"optim.weight_decay_1d": True}  # dpipe 0.1.0 of 2026-12-04 and before
+# train.ema and sample.ema came after dpipe 0.1.0: no EMA.
+BEFORE_THE_KEY.update({"train.ema.decay": 0.0, "train.ema.cpu": False, "train.ema.every_steps": 1,
+                       "train.ema.warmup": True, "sample.ema": False})
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -92,8 +95,11 @@ def newest_complete(run_dir: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def save(engine, run_dir: Path, step: int, config_yaml: str, lora: bool, keep: int) -> Path:
+def save(engine, run_dir: Path, step: int, config_yaml: str, lora: bool, keep: int,
+         extra=None) -> Path:
     """Writes the checkpoint of `step` on every rank (a collective), then its COMPLETE manifest.
+    `extra`: this rank's part besides DeepSpeed's (the EMA, dpipe.train.ema), with
+    `write(folder)` and `nbytes`; the manifest lists its files like DeepSpeed's.
 
     A write that fails on any rank (a full disk, a quota, a read-only place) fails on every
     rank: the partial folder is removed and each rank raises the same WriteFailed, which names
@@ -102,13 +108,14 @@ def save(engine, run_dir: Path, step: int, config_yaml: str, lora: bool, keep: i
     root = checkpoint_root(run_dir)
     tag = tag_for(step)
     path = root / tag
-    needed = _bytes_needed(engine, lora)
+    needed = _bytes_needed(engine, lora, extra.nbytes if extra is not None else 0)
     # DeepSpeed's save has barriers of its own: a rank whose write failed joins its last one.
     _together(lambda: _fresh_folder(root, path) if dist.get_rank() == 0 else None,
               run_dir, path, needed)
     _together(lambda: engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
                                              exclude_frozen_parameters=lora),
               run_dir, path, needed, joins_barrier=True)
+    _together(lambda: extra.write(path) if extra is not None else None, run_dir, path, needed)
     _together(lambda: atomic_write_text(path / CONFIG, config_yaml)
               if dist.get_rank() == 0 else None, run_dir, path, needed)
     files = _hash_files(path)
@@ -144,12 +151,13 @@ def _together(write, run_dir: Path, path: Path, needed: int, joins_barrier: bool
     write_together(write, "the checkpoint", path, needed, [path], what_is_left, joins_barrier)
 
 
-def _bytes_needed(engine, lora: bool) -> int:
+def _bytes_needed(engine, lora: bool, extra: int = 0) -> int:
     """About how many bytes a checkpoint of this run writes: the saved weights (the trainable
-    ones for LoRA) and the optimizer state, summed over the ranks (a collective)."""
+    ones for LoRA), the optimizer state and this rank's `extra` bytes, summed over the ranks (a
+    collective)."""
     module = engine.module
     params = [p for p in module.parameters() if p.requires_grad or not lora]
-    total = sum(p.numel() * p.element_size() for p in params)
+    total = extra + sum(p.numel() * p.element_size() for p in params)
     total += sum(b.numel() * b.element_size() for b in module.buffers()) if not lora else 0
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in getattr(optimizer, "state", {}).values():
@@ -309,6 +317,10 @@ def resume_changes(saved_yaml: str, current_yaml: str) -> tuple[dict, dict]:
     return incompatible, harmless
 
 
+def _patterns(groups) -> list:
+    return [group.get("match") for group in groups or []]
+
+
 def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
                  ) -> tuple[int, Path] | None:
     """The checkpoint a resume will start from, after checking that the current config can use
@@ -317,10 +329,6 @@ def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
     `verify=False` takes the newest complete one unverified (ranks other than the one that
     verifies: a resume reads each file once, not once per rank)."""
     newest = newest_verified(run_dir) if verify else newest_complete(run_dir)
-def _patterns(groups) -> list:
-    return [group.get("match") for group in groups or []]
-
-
     if newest is None:
         return None
     step, path = newest

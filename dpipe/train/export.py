@@ -7,6 +7,7 @@ then hands the shards to the model spec. No rank ever holds the whole model for 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,12 +16,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from dpipe.io import atomic_write_text, replace_dir
+from dpipe.models.lora_files import export_gaps
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import ModelSpec, PipelineLayer
 from dpipe.train.shared_write import write_together
 
+log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
+EMA_DIR = "ema"  # the EMA's export inside each export folder (train.ema.decay > 0)
 
 
 def export_dir(run_dir: Path, lora: bool, step: int | None = None) -> Path:
@@ -32,6 +36,7 @@ def export_dir(run_dir: Path, lora: bool, step: int | None = None) -> Path:
 def export(
     local_layers: list[PipelineLayer], spec: ModelSpec, lora: bool, run_dir: Path,
     stage: int, stages: int, dp_rank: int, step: int | None = None, keep: int = 0,
+    ema=None,
 ) -> Path | None:
     """Collective: every rank calls it. Returns the export folder on rank 0.
 
@@ -39,6 +44,8 @@ def export(
     `step_<N>/` exports inside it carry over. `step=N`: an intermediate export to
     `<run>/lora/step_<N>/`, after which only the newest `keep` of those stay (0: all). Either
     is written whole beside its place, then renamed into it; a re-run step rewrites its folder.
+    `ema` (a dpipe.train.ema.WeightAverage, on every rank or on none): its average is exported
+    too, in the same formats, to the folder's `ema/`, renamed into place with it.
     """
     top, out_dir = export_dir(run_dir, lora), export_dir(run_dir, lora, step)
     # Temporary folders beside `top`, named for the destination: a step export's never meets
@@ -53,15 +60,26 @@ def export(
     together(lambda: _fresh(tmp) if dist.get_rank() == 0 else None, 0)
     shard_bytes = _trainable_bytes(local_layers, lora) if dp_rank == 0 else 0
     # Data-parallel replicas hold identical weights: one replica of each stage writes its shard.
-    together(lambda: write_stage_shard(local_layers, lora, tmp / f"stage-{stage:03d}.safetensors")
-             if dp_rank == 0 else None, shard_bytes)
+    together(lambda: _write_shards(local_layers, lora, tmp, stage, ema) if dp_rank == 0 else None,
+             shard_bytes * (2 if ema is not None else 1))
     shards = [tmp / f"stage-{s:03d}.safetensors" for s in range(stages)]
+    ema_shards = ([tmp / f"ema-stage-{s:03d}.safetensors" for s in range(stages)]
+                  if ema is not None else [])
     # Rank 0 writes every format from the shards: about twice their bytes (ComfyUI's copy, or a
     # single file beside the diffusers folder).
-    needed = 2 * sum(s.stat().st_size for s in shards) if dist.get_rank() == 0 else 0
-    together(lambda: _write_formats(spec, lora, shards, tmp, final_tmp, top, out_dir, step, keep)
-             if dist.get_rank() == 0 else None, needed)
+    needed = (2 * sum(s.stat().st_size for s in shards + ema_shards)
+              if dist.get_rank() == 0 else 0)
+    together(lambda: _write_formats(spec, lora, shards, ema_shards, tmp, final_tmp, top, out_dir,
+                                    step, keep) if dist.get_rank() == 0 else None, needed)
     return out_dir if dist.get_rank() == 0 else None
+
+
+def _write_shards(local_layers: list[PipelineLayer], lora: bool, tmp: Path, stage: int,
+                  ema) -> None:
+    write_stage_shard(local_layers, lora, tmp / f"stage-{stage:03d}.safetensors")
+    if ema is not None:
+        with ema.swapped_in():
+            write_stage_shard(local_layers, lora, tmp / f"ema-stage-{stage:03d}.safetensors")
 
 
 def _fresh(folder: Path) -> None:
@@ -74,18 +92,16 @@ def _trainable_bytes(local_layers: list[PipelineLayer], lora: bool) -> int:
                for p in layer.parameters() if p.requires_grad or not lora)
 
 
-def _write_formats(spec: ModelSpec, lora: bool, shards: list[Path], tmp: Path, final_tmp: Path,
-                   top: Path, out_dir: Path, step: int | None, keep: int) -> None:
-    """Rank 0: the family's files from the stage shards, written beside `out_dir`, then renamed
-    into it (the final export takes the step exports along)."""
+def _write_formats(spec: ModelSpec, lora: bool, shards: list[Path], ema_shards: list[Path],
+                   tmp: Path, final_tmp: Path, top: Path, out_dir: Path, step: int | None,
+                   keep: int) -> None:
+    """Rank 0: the family's files from the stage shards (and the EMA's into `ema/`), written
+    beside `out_dir`, then renamed into it (the final export takes the step exports along)."""
     _fresh(final_tmp)
-    if lora:
-        merged = {}
-        for shard in shards:
-            merged.update(load_file(shard))
-        spec.export_lora(merged, final_tmp)
-    else:
-        spec.export_full(shards, final_tmp)
+    _write_family_files(spec, lora, shards, final_tmp)
+    if ema_shards:
+        (final_tmp / EMA_DIR).mkdir()
+        _write_family_files(spec, lora, ema_shards, final_tmp / EMA_DIR)
     shutil.rmtree(tmp)
     if step is None:
         _carry_step_exports(top, final_tmp)
@@ -94,6 +110,19 @@ def _write_formats(spec: ModelSpec, lora: bool, shards: list[Path], tmp: Path, f
     replace_dir(final_tmp, out_dir)
     if step is not None:
         prune_step_exports(top, keep)
+
+
+def _write_family_files(spec: ModelSpec, lora: bool, shards: list[Path], folder: Path) -> None:
+    if lora:
+        merged = {}
+        for shard in shards:
+            merged.update(load_file(shard))
+        spec.export_lora(merged, folder)
+        gaps = export_gaps(folder)
+        if gaps:  # one line at the end of the export, whatever the formats warned on the way
+            log.warning(gaps)
+    else:
+        spec.export_full(shards, folder)
 
 
 def _what_is_left(run_dir: Path, rank: int) -> str:

@@ -25,6 +25,7 @@ from dpipe.sample.training import TrainingSamples
 from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
+from dpipe.train.ema import WeightAverage
 from dpipe.train.export import export, export_dir
 from dpipe.train.optim import evaluation_weights, logged_scalars
 from dpipe.train.flops import StepFlops, architecture
@@ -71,6 +72,11 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     if resumed is not None:
         step = checkpoint.load(engine, run_dir, resumed[1], lora)
         apply_optim_config(engine, run)  # the changes check_resume logged take effect now
+    ema = None
+    if run.train.ema.decay:  # after the load: a checkpoint without an EMA starts it from there
+        ema = WeightAverage(engine.module, run.train.ema, built.stage, writes=dp_rank == 0)
+        if resumed is not None:
+            ema.resume(resumed[1], step, logs=rank == 0)
     prepare.resume_plan(dataset, step, run_dir)  # the data order continues exactly; logs changes
     if rank == 0:
         _summary(run, built, plan, len(layers), world, resumed)
@@ -80,7 +86,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         from dpipe.train.metrics import Reporter
 
         reporter = Reporter(run_dir, step, run.train.max_steps, plan.global_batch,
-                            run.train.progress_bar)
+                            run.train.progress_bar, run)
     last_save_time, last_saved = time.monotonic(), step
     auto_ckpt = None
     if run.pipeline.activation_checkpointing == "auto" and cuda:
@@ -98,10 +104,10 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         # Killed between the checkpoint it resumes from and that step's export: made now.
         with evaluation_weights(optimizer):
             export(list(engine.module.forward_funcs), spec, lora, run_dir, built.stage,
-                   run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports)
+                   run.pipeline.stages, dp_rank, step=step, keep=run.train.keep_exports, ema=ema)
     samples = TrainingSamples(spec, run, requests, run_dir, dataset, engine, device, cache_dtype)
     if samples.missing(step):  # sample.at_start, or a round that a killed run did not finish
-        with evaluation_weights(optimizer):
+        with evaluation_weights(optimizer), _sampling_ema(ema, run):
             samples.run(step, getattr(reporter, "writer", None))
 
     def make_step(at: int, records: list | None):
@@ -124,6 +130,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         with audit.counting() if audit else contextlib.nullcontext():
             loss = engine.train_batch(data_iter=micro_batches)
         step += 1
+        if ema is not None and ema.due(step):
+            ema.update()
         if step_flops is not None:
             # A new shape takes seconds to count: left out of the step times. Lookups do not.
             with _not_training(reporter, cuda) if step_flops.new_shapes() \
@@ -154,17 +162,18 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                     reporter.close()
                 raise diverged(problem, step, run, run_dir)
         if due:
-            checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
+            checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints,
+                            extra=ema)
             last_save_time, last_saved = time.monotonic(), step
         if _step_export_due(run, step):
             # Synchronous, like a checkpoint: training waits for the write, and no longer.
             with evaluation_weights(optimizer):
                 export([f for f in engine.module.forward_funcs], spec, lora, run_dir,
                        built.stage, run.pipeline.stages, dp_rank, step=step,
-                       keep=run.train.keep_exports)
+                       keep=run.train.keep_exports, ema=ema)
         if step < run.train.max_steps and samples.due(step):  # the last step's: after its checkpoint
             with _not_training(reporter, cuda) if reporter else contextlib.nullcontext(), \
-                    evaluation_weights(optimizer):
+                    evaluation_weights(optimizer), _sampling_ema(ema, run):
                 samples.run(step, reporter.writer if reporter else None)
         if preemption.stop_agreed() and step < run.train.max_steps:
             loader.close()
@@ -178,21 +187,29 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             return None
     loader.close()
     if step != last_saved:
-        checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints)
+        checkpoint.save(engine, run_dir, step, config_yaml, lora, run.train.keep_checkpoints,
+                        extra=ema)
     # The last checkpoint is saved: from here on the model holds the weights to keep.
     with evaluation_weights(optimizer):
         if samples.missing(step):  # the final round (a finished run that is run again has it)
-            samples.run(step, getattr(reporter, "writer", None))
+            with _sampling_ema(ema, run):
+                samples.run(step, getattr(reporter, "writer", None))
         if reporter is not None:
             reporter.close()
 
         local_layers = [f for f in engine.module.forward_funcs]
         out = export(local_layers, spec, lora, run_dir, built.stage, run.pipeline.stages,
-                     dp_rank)
+                     dp_rank, ema=ema)
     if rank == 0:
         log.info("exported %s", out)
     dist.barrier()
     return out
+
+
+def _sampling_ema(ema: WeightAverage | None, run: RunConfig):
+    """The EMA's weights in the model for a sample round with sample.ema=true (the checks
+    refuse sample.ema without an EMA)."""
+    return ema.swapped_in() if ema is not None and run.sample.ema else contextlib.nullcontext()
 
 
 def _evaluating(optimizer, due: bool):

@@ -23,8 +23,13 @@ def test_build_show_prune(tmp_path, capsys):
     assert "use 6 entries: 0 cached, 6 missing" in capsys.readouterr().out
 
     assert main(["build", *args]) == 0
+    # Each latent made decodes its image: the count says so (it once said "0 file(s) read").
+    err = capsys.readouterr().err
+    assert "6 made now (3 latents, 0 masks, 3 texts); 3 file(s) decoded to encode" in err, err
     store = TensorStore(tmp_path / "cache")
     assert len(store.keys()) == 6
+    assert main(["build", *args]) == 0  # a rerun finds everything cached and decodes nothing
+    assert "0 made now (0 latents, 0 masks, 0 texts); 0 file(s) decoded" in capsys.readouterr().err
     assert main(["show", *args]) == 0
     out = capsys.readouterr().out
     assert re.search(r"latents\s+3", out) and re.search(r"text\s+3", out)

@@ -247,5 +247,6 @@ def test_a_run_dir_under_a_file_is_one_line(tmp_path):
 def test_a_misspelt_key_is_not_told_to_use_plus():
     proc = _cli("model.lora_rnk=3", "--cfg", "job")
     assert proc.returncode == 2, proc.stderr
-    assert "error: unknown config key(s): 'model.lora_rnk' (valid keys of 'model':" in proc.stderr
+    assert "error: unknown config key(s): 'model.lora_rnk': did you mean 'model.lora'? valid keys " \
+        "of 'model':" in proc.stderr
     assert "+model.lora_rnk" not in proc.stderr and "Traceback" not in proc.stderr

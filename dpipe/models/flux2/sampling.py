@@ -63,16 +63,21 @@ class Flux2Sampling(FamilySampling):
         return (channels, request.height // factor, request.width // factor)
 
     # ---- the schedule ------------------------------------------------------------------------
+    def shift_mu(self, scheduler, latents: torch.Tensor, steps: int | None = None) -> float:
+        """FLUX.2's mu; at `default_steps` where no step count is given (for training's
+        `shift=auto`, which samples no steps)."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        tokens = latents.shape[-2] * latents.shape[-1]  # one token per position
+        return compute_empirical_mu(image_seq_len=tokens, num_steps=steps or self.default_steps)
+
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
         import numpy as np
-
-        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if scheduler.config.get("use_flow_sigmas"):
             sigmas = None
-        tokens = latents.shape[-2] * latents.shape[-1]  # one token per position
-        mu = compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
+        mu = self.shift_mu(scheduler, latents, steps)
         scheduler.set_timesteps(steps if sigmas is None else None, sigmas=sigmas,
                                 device=latents.device, mu=mu)
         return scheduler.timesteps

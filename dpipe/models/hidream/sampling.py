@@ -55,6 +55,10 @@ class HiDreamSampling(FamilySampling):
                                     mu=calculate_shift(self.max_seq()))
         return scheduler.timesteps
 
+    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
+        """The mu `set_timesteps` passes: from the model's largest image, at every size."""
+        return calculate_shift(self.max_seq())
+
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         return -output.reshape(d.latents.shape).float()  # the pipeline's `noise_pred = -noise_pred`
 

@@ -1,4 +1,5 @@
-"""SDXL's training objective: discrete DDPM noising, epsilon or v targets, min-SNR weights.
+"""SDXL's training objective: discrete DDPM noising, epsilon or v targets, min-SNR and
+debiased-estimation weights.
 
 dpipe samples t in [0, 1] (1: pure noise) for every family; a DDPM model trains on integer
 timesteps T in [0, N) of its noise schedule (N = 1000 for SDXL), T = floor(t * N). Uniform t gives
@@ -43,14 +44,20 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, abar: torch.Tensor,
     return noisy, a * noise - s * x0  # v = sqrt(abar) eps - sqrt(1 - abar) x0
 
 
-def loss_weights(abar: torch.Tensor, prediction_type: str, min_snr_gamma: float) -> torch.Tensor:
-    """Per-sample loss weights: 1, or min-SNR-gamma (Hang et al. 2023) when gamma > 0.
+def loss_weights(abar: torch.Tensor, prediction_type: str, min_snr_gamma: float,
+                 debiased: bool = False) -> torch.Tensor:
+    """Per-sample loss weights: 1, min-SNR-gamma (Hang et al. 2023) when gamma > 0, times
+    debiased estimation's 1/sqrt(SNR) (Yu et al. 2023) with `debiased`.
 
     SNR = abar / (1 - abar). On the epsilon loss the weight is min(SNR, gamma) / SNR; on the v
-    loss, min(SNR, gamma) / (SNR + 1), which is the same weight on the x0 error.
+    loss, min(SNR, gamma) / (SNR + 1), which is the same weight on the x0 error. Debiasing
+    weighs the epsilon loss by 1/sqrt(SNR), so the v loss by sqrt(SNR) / (SNR + 1): the same
+    objective whichever the model predicts (kohya's sd-scripts weigh the v loss by 1/(SNR + 1)
+    instead, 1/SNR on the epsilon loss).
     """
-    if min_snr_gamma <= 0:
+    if min_snr_gamma <= 0 and not debiased:
         return torch.ones_like(abar)
     snr = abar / (1 - abar)
-    clipped = torch.clamp(snr, max=min_snr_gamma)
-    return clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1)
+    clipped = torch.clamp(snr, max=min_snr_gamma) if min_snr_gamma > 0 else snr
+    weight = clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1)
+    return weight * snr.rsqrt() if debiased else weight

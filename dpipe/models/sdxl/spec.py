@@ -6,7 +6,8 @@ file, `model.single_file_config` may name a diffusers folder or hub id with the 
 tokenizers (default: diffusers' SDXL base config from the hub cache).
 
 Objective: discrete DDPM (see `ddpm.py`): epsilon or v-prediction (`model.prediction_type`, default:
-the scheduler config's), optional min-SNR-gamma weighting (`model.min_snr_gamma`). SDXL was trained
+the scheduler config's), optional min-SNR-gamma weighting (`model.min_snr_gamma`) and debiased
+estimation (`model.debiased_estimation`). SDXL was trained
 on uniformly sampled timesteps: use `train.timesteps.sampling=uniform` (and shift 1).
 Conditioning: both encoders' penultimate hidden states (concatenated, 77 tokens) and CLIP-G's pooled
 projection through `StableDiffusionXLPipeline.encode_prompt`, plus SDXL's six size/crop numbers
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.config.schema import TimestepWeighting
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
@@ -65,6 +67,15 @@ class SDXLSpec(ModelSpec):
                               f"file checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)})")
         self._schedule: tuple[torch.Tensor, str] | None = None
         self._unet_config: dict[str, Any] | None = None
+
+    def use_loss(self, train) -> None:
+        super().use_loss(train)
+        if train.timesteps.weighting != TimestepWeighting.none:  # weights of a flow's sigma
+            raise ConfigError(
+                f"train.timesteps.weighting={train.timesteps.weighting.value} weighs flow-matching "
+                "noise levels; SDXL's DDPM loss has its own weights: set "
+                "train.timesteps.weighting=none and use model.min_snr_gamma or "
+                "model.debiased_estimation=true")
 
     # ---- where the configs live ---------------------------------------------------------------
     @property
@@ -268,7 +279,8 @@ class SDXLSpec(ModelSpec):
                               torch.zeros_like(target) if crop is None else crop, target],
                              dim=1).to(batch.noisy.dtype)
         _, prediction = self._objective()
-        weights = ddpm.loss_weights(abar, prediction, self.cfg.min_snr_gamma)
+        weights = ddpm.loss_weights(abar, prediction, self.cfg.min_snr_gamma,
+                                    self.cfg.debiased_estimation)
         inputs = (batch.noisy, steps, batch.text["text"], batch.text["pooled"], time_ids)
         mask = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         return inputs, (batch.target, weights) if mask is None else (batch.target, weights, mask)
