@@ -291,15 +291,18 @@ def test_full_export_is_the_expert_the_pipeline_loads(models, tmp_path):
         torch.testing.assert_close(loaded.state_dict()[name], value)
 
 
-def _single_file(models: Path, tmp_path: Path, case: str, dtype=torch.float32) -> Path:
-    """The tiny transformer in the original / ComfyUI single-file layout."""
+def _single_file(models: Path, tmp_path: Path, case: str, dtype=torch.float32,
+                 prefix: str = "") -> Path:
+    """The tiny transformer in the original / ComfyUI single-file layout, keys behind `prefix`
+    ("model.diffusion_model." as ComfyUI saves models)."""
     from safetensors.torch import save_file
 
     from dpipe.models.wan.comfyui import original_state_dict
 
     state = _spec(models, case).load_denoiser(torch.float32).state_dict()
     file = tmp_path / f"wan_{case}_tiny.safetensors"
-    save_file({k: v.to(dtype).contiguous() for k, v in original_state_dict(state).items()}, file)
+    save_file({prefix + k: v.to(dtype).contiguous()
+               for k, v in original_state_dict(state).items()}, file)
     return file
 
 
@@ -324,12 +327,15 @@ def test_single_file_transformer_loads_as_the_folder_one(models, tmp_path):
 
 
 def test_full_export_of_a_single_file_model_writes_that_layout_too(models, tmp_path):
+    """The file written beside the diffusers folder has the source's keys, in its order, behind
+    its `model.diffusion_model.` prefix and in its dtype, and loads back as the trained weights."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from diffusers import WanTransformer3DModel
 
-    file = _single_file(models, tmp_path, "t2v", dtype=torch.bfloat16)
+    file = _single_file(models, tmp_path, "t2v", dtype=torch.bfloat16,
+                        prefix="model.diffusion_model.")
     spec = WanSpec(ModelConfig(family="wan", path=str(file), mode=TrainMode.full,
                                single_file_config=str(models / "wan21_t2v")))
     spec.ensure_available()
@@ -344,8 +350,12 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(models, tmp_p
     save_file({k: v.contiguous() for k, v in weights.items()}, shard)
     spec.export_full([shard], tmp_path / "model")
     exported = tmp_path / "model" / file.name
+    with safe_open(file, "pt") as f:
+        source = list(f.keys())
     with safe_open(exported, "pt") as f:
-        assert f.get_tensor("blocks.0.self_attn.q.weight").dtype == torch.bfloat16
+        assert list(f.keys()) == source
+        assert f.get_tensor("model.diffusion_model.blocks.0.self_attn.q.weight").dtype == \
+            torch.bfloat16
     reloaded = WanTransformer3DModel.from_single_file(
         str(exported), config=str(models / "wan21_t2v"), subfolder="transformer",
         torch_dtype=torch.float32)

@@ -160,14 +160,18 @@ def test_single_file_config_errors(folders, files, tmp_path, family):
         missing.ensure_available()
 
 
-def test_hunyuan_video15_file_holds_tencents_names(files):
-    """The names of diffusers' conversion script (convert_hunyuan_video1_5_to_diffusers.py) for
-    every kind of weight: q, k, v apart in the double blocks, fused in the token refiner; the
-    ByT5 mapper, SigLIP projection, condition-type embedding and final layer; no diffusers name."""
+def test_hunyuan_video15_file_holds_tencents_names(folders, files):
+    """The tiny file is in the fused form ComfyUI loads (Comfy-Org's repackaged files): q, k, v
+    stacked in `img_attn_qkv` / `txt_attn_qkv` (q first), none apart; every other name is that of
+    diffusers' conversion script (convert_hunyuan_video1_5_to_diffusers.py): the token refiner's
+    fused qkv, the ByT5 mapper, SigLIP projection, condition-type embedding and final layer; no
+    diffusers name."""
+    from safetensors.torch import load_file
+
     keys = _keys(files["hunyuan_video15"])
-    for key in ("double_blocks.0.img_attn_q.weight", "double_blocks.3.txt_attn_v.bias",
+    for key in ("double_blocks.0.img_attn_qkv.weight", "double_blocks.3.txt_attn_qkv.bias",
                 "double_blocks.0.img_attn_q_norm.weight", "double_blocks.1.txt_mlp.fc2.weight",
-                "double_blocks.2.img_mod.linear.weight",
+                "double_blocks.2.img_mod.linear.weight", "double_blocks.2.img_attn_proj.weight",
                 "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
                 "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",
                 "txt_in.t_embedder.mlp.0.weight", "txt_in.c_embedder.linear_2.bias",
@@ -175,9 +179,30 @@ def test_hunyuan_video15_file_holds_tencents_names(files):
                 "cond_type_embedding.weight", "img_in.proj.weight", "time_in.mlp.2.weight",
                 "final_layer.adaLN_modulation.1.weight", "final_layer.linear.bias"):
         assert key in keys, key
+    assert not any(k.endswith(("_attn_q.weight", "_attn_k.bias", "_attn_v.weight")) for k in keys)
     assert keys["txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"].shape[0] == 3 * 32
     assert not any(k.startswith(("transformer_blocks.", "context_embedder", "x_embedder"))
                    for k in keys)
+    folder = {}
+    for shard in (folders["hunyuan_video15"] / "transformer").glob("*.safetensors"):
+        folder.update(load_file(shard))
+    for stream, names in (("img", ("to_q", "to_k", "to_v")),
+                          ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        qkv = torch.cat([folder[f"transformer_blocks.1.attn.{n}.weight"] for n in names])
+        assert torch.equal(keys[f"double_blocks.1.{stream}_attn_qkv.weight"], qkv), stream
+
+
+def test_hunyuan_video15_split_file_loads_too(folders, tmp_path):
+    """Tencent's release keeps q, k, v apart (`img_attn_q/_k/_v`): such a file loads as the
+    folder, and a fine-tune of it is exported in that form (the export test)."""
+    from dpipe.models.hunyuan_video15.tiny import write_single_file
+
+    file = write_single_file(folders["hunyuan_video15"], tmp_path / "split.safetensors",
+                             form="split")
+    keys = _keys(file)
+    assert "double_blocks.0.img_attn_q.weight" in keys and "double_blocks.0.txt_attn_v.bias" in keys
+    assert not any("_attn_qkv" in k and k.startswith("double_blocks.") for k in keys)
+    _assert_loads_as_folder("hunyuan_video15", folders["hunyuan_video15"], file)
 
 
 def test_hunyuan_video15_final_modulation_is_swapped(folders, files):
@@ -207,7 +232,7 @@ def test_hunyuan_video15_refiner_split_takes_the_model_sizes(folders, files, tmp
         spec.load_denoiser(torch.float32)
 
 
-@pytest.mark.parametrize("family", LOADED)
+@pytest.mark.parametrize("family", (*LOADED, "hunyuan_video15-split"))
 def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, files, tmp_path,
                                                                    family):
     """A full fine-tune trained from a single file is exported as the diffusers folder and as a
@@ -217,6 +242,10 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, file
     from safetensors.torch import save_file
 
     (tmp_path / "source").mkdir()
+    family, _, form = family.partition("-")  # HunyuanVideo 1.5 from Tencent's split file too
+    if form:
+        files = {family: _factories()[family][1](folders[family], tmp_path / files[family].name,
+                                                  form=form)}
     source_file = _fine_tune(files[family], tmp_path / "source" / files[family].name)
     spec = _spec(family, source_file, single_file_config=str(folders[family]), mode="full")
     spec.ensure_available()

@@ -1,22 +1,28 @@
 """HunyuanVideo 1.5 transformer weights under Tencent's original names: single files and ComfyUI
 LoRAs.
 
-Users hold the transformer as one file in Tencent's layout (tencent/HunyuanVideo-1.5
-`transformer/720p_t2v/diffusion_pytorch_model.safetensors`; Comfy-Org's repackaged
-`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, sometimes behind ComfyUI's `model.diffusion_model.`):
-`double_blocks.N.img_attn_q.weight`, `txt_in.individual_token_refiner.blocks.N.self_attn_qkv`,
-`byt5_in.fc1`, `vision_in.proj.0`, `cond_type_embedding`, `final_layer.adaLN_modulation.1`, ...
-diffusers 0.42.1 has no single-file converter for it; its conversion script
-(scripts/convert_hunyuan_video1_5_to_diffusers.py, `convert_hyvideo15_transformer_to_diffusers`)
-names every weight, and the table here follows it name for name. Two things it hard-codes are
-taken from the model's config here instead: the number of blocks (54 double, 2 refiner) and the
-split of the refiner's fused `self_attn_qkv` (three equal parts of the hidden width).
+Users hold the transformer as one file in Tencent's layout, in one of two forms:
+- split, as Tencent releases it (tencent/HunyuanVideo-1.5
+  `transformer/720p_t2v/diffusion_pytorch_model.safetensors`): q, k and v of the double blocks
+  apart, `double_blocks.N.img_attn_q/_k/_v.weight`. diffusers 0.42.1 has no single-file converter
+  for it; its conversion script (scripts/convert_hunyuan_video1_5_to_diffusers.py,
+  `convert_hyvideo15_transformer_to_diffusers`) pops these names, and the table here follows it
+  name for name.
+- fused, as Comfy-Org repackages it (`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, sometimes behind
+  ComfyUI's `model.diffusion_model.`): q, k, v stacked in `double_blocks.N.img_attn_qkv` /
+  `txt_attn_qkv`, HunyuanVideo 1.0's names; every other name is Tencent's.
+ComfyUI runs the model on its HunyuanVideo (Flux-style) modules: its loader renames keys
+(`_attn_qkv.` -> `_attn.qkv.`, `_attn_proj.` -> `_attn.proj.`, `mlp.fc1.` -> `mlp.0.`,
+`_mod.linear.` -> `_mod.lin.`) but fuses nothing, so a split file leaves its `img_attn.qkv`
+uninitialised there. dpipe therefore writes the fused form (tiny single files) and reads both;
+a full fine-tune is written back in the form of the file it was trained from (`file_form`), so
+each tool loads the result as it loaded the source. Two things the conversion script hard-codes
+are taken from the model's config here instead: the number of blocks (54 double, 2 refiner) and
+the split of the fused q, k, v (three equal parts of the hidden width).
 
-ComfyUI loads that file into its Flux-style modules, renaming and fusing as it goes (`img_attn_q/k/v`
--> `img_attn.qkv`, `img_attn_proj` -> `img_attn.proj`, `img_mlp.fc1` -> `img_mlp.0`, `img_mod.linear`
--> `img_mod.lin`), and its LoRA loader takes those runtime names. So each row of the table carries
-both names; it drives every direction:
-- file -> diffusers (`from_original`: Tencent's fused Linears split at the model's own sizes);
+ComfyUI's LoRA loader takes its runtime names (`img_attn.qkv`, `img_attn.proj`, `img_mlp.0`,
+`img_mod.lin`), so each row of the table carries both names; it drives every direction:
+- file -> diffusers (`from_original`: fused Linears split at the model's own sizes);
 - diffusers -> file (`original_state_dict`: tiny single files for tests, a full fine-tune written
   back in its source's layout);
 - diffusers LoRA -> ComfyUI LoRA (`comfyui_mapping`: rows grouped by the ComfyUI name).
@@ -41,9 +47,13 @@ Row = tuple[str, str, str | None, int | None]
 # ComfyUI keeps the name (and the order).
 _SWAPPED = SWAPPED = {"final_layer.adaLN_modulation.1"}
 
+# The two forms of the file (see above): q, k, v of the double blocks fused or apart.
+FUSED, SPLIT = "fused", "split"
 
-def layout(config: dict[str, Any]) -> list[Row]:
-    """Every weight-holding module of a HunyuanVideo15Transformer3DModel with this config."""
+
+def layout(config: dict[str, Any], form: str = FUSED) -> list[Row]:
+    """Every weight-holding module of a HunyuanVideo15Transformer3DModel with this config, under
+    the names of the file's `form` (FUSED or SPLIT)."""
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = int(hidden * config.get("mlp_ratio", 4.0))
     c = comfyui_module  # ComfyUI's name of a Linear outside the double blocks
@@ -94,18 +104,21 @@ def layout(config: dict[str, Any]) -> list[Row]:
                   None)]
     for i in range(config["num_layers"]):
         d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        # q, k, v: one module fused (rows stacked in table order), or three apart.
+        img = [f"{o}.img_attn_qkv"] * 3 if form == FUSED else [f"{o}.img_attn_{x}" for x in "qkv"]
+        txt = [f"{o}.txt_attn_qkv"] * 3 if form == FUSED else [f"{o}.txt_attn_{x}" for x in "qkv"]
         rows += [
             (f"{d}.norm1.linear", f"{o}.img_mod.linear", f"{o}.img_mod.lin", 6 * hidden),
             (f"{d}.norm1_context.linear", f"{o}.txt_mod.linear", f"{o}.txt_mod.lin", 6 * hidden),
-            (f"{d}.attn.to_q", f"{o}.img_attn_q", f"{o}.img_attn.qkv", hidden),
-            (f"{d}.attn.to_k", f"{o}.img_attn_k", f"{o}.img_attn.qkv", hidden),
-            (f"{d}.attn.to_v", f"{o}.img_attn_v", f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.to_q", img[0], f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.to_k", img[1], f"{o}.img_attn.qkv", hidden),
+            (f"{d}.attn.to_v", img[2], f"{o}.img_attn.qkv", hidden),
             (f"{d}.attn.norm_q", f"{o}.img_attn_q_norm", None, None),
             (f"{d}.attn.norm_k", f"{o}.img_attn_k_norm", None, None),
             (f"{d}.attn.to_out.0", f"{o}.img_attn_proj", f"{o}.img_attn.proj", hidden),
-            (f"{d}.attn.add_q_proj", f"{o}.txt_attn_q", f"{o}.txt_attn.qkv", hidden),
-            (f"{d}.attn.add_k_proj", f"{o}.txt_attn_k", f"{o}.txt_attn.qkv", hidden),
-            (f"{d}.attn.add_v_proj", f"{o}.txt_attn_v", f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.add_q_proj", txt[0], f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.add_k_proj", txt[1], f"{o}.txt_attn.qkv", hidden),
+            (f"{d}.attn.add_v_proj", txt[2], f"{o}.txt_attn.qkv", hidden),
             (f"{d}.attn.norm_added_q", f"{o}.txt_attn_q_norm", None, None),
             (f"{d}.attn.norm_added_k", f"{o}.txt_attn_k_norm", None, None),
             (f"{d}.attn.to_add_out", f"{o}.txt_attn_proj", f"{o}.txt_attn.proj", hidden),
@@ -131,13 +144,20 @@ def _fused(rows: list[Row]) -> list[FusedLinear]:
             for original, group in _groups(rows, 1).items()]
 
 
-def original_state_dict(weights: dict[str, torch.Tensor],
-                        config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """A diffusers HunyuanVideo15Transformer3DModel state dict under Tencent's names (fused
-    modules concatenated in table order). Without `config` the block counts are read off the
-    weights (the sizes are not needed this way). A weight without a name raises ValueError, so
-    nothing is dropped silently."""
-    out, used = stack_fused(weights, _fused(layout(config or _config_of(weights))), _SWAPPED)
+def file_form(keys: Iterable[str]) -> str:
+    """SPLIT if these (unprefixed) keys hold a double block's q apart, else FUSED."""
+    return SPLIT if any(k.startswith("double_blocks.") and
+                        k.endswith(("img_attn_q.weight", "txt_attn_q.weight")) for k in keys) \
+        else FUSED
+
+
+def original_state_dict(weights: dict[str, torch.Tensor], config: dict[str, Any] | None = None,
+                        form: str = FUSED) -> dict[str, torch.Tensor]:
+    """A diffusers HunyuanVideo15Transformer3DModel state dict under Tencent's names in `form`
+    (fused modules concatenated in table order). Without `config` the block counts are read off
+    the weights (the sizes are not needed this way). A weight without a name raises ValueError,
+    so nothing is dropped silently."""
+    out, used = stack_fused(weights, _fused(layout(config or _config_of(weights), form)), _SWAPPED)
     left = sorted(set(weights) - used)
     if left:
         raise ValueError(f"no original HunyuanVideo 1.5 name for {', '.join(left[:5])}")
@@ -145,10 +165,10 @@ def original_state_dict(weights: dict[str, torch.Tensor],
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tencent-named weights -> `model`'s diffusers names, fused modules split at the model's own
-    sizes. Names the table does not know pass through unchanged (a file already in diffusers names
-    loads as it is; anything else is reported by the loader as unexpected)."""
-    return split_fused(state, _fused(layout(dict(model.config))), _SWAPPED)
+    """Tencent-named weights (either form) -> `model`'s diffusers names, fused modules split at
+    the model's own sizes. Names the table does not know pass through unchanged (a file already
+    in diffusers names loads as it is; anything else is reported by the loader as unexpected)."""
+    return split_fused(state, _fused(layout(dict(model.config), file_form(state))), _SWAPPED)
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor] | None = None

@@ -29,7 +29,7 @@ from dpipe.models.hunyuan_video.spec import as_video, frames_ok, loss_labels, vi
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
-    SWAPPED, comfyui_mapping as _comfyui_mapping, from_original, original_state_dict)
+    SWAPPED, comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
@@ -201,8 +201,18 @@ class HunyuanVideo15Spec(ModelSpec):
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder
 
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        original_state_dict)
+        # Back in the form of the source file (Tencent's split one, Comfy-Org's fused one), so
+        # the tool that loaded the source loads the fine-tune.
+        return write_transformer_folder(
+            shards, out_dir, self.path, self.single_file,
+            lambda weights: original_state_dict(weights, form=self._source_form()))
+
+    def _source_form(self) -> str:
+        from safetensors import safe_open
+
+        with safe_open(self.single_file, "pt") as source:
+            return file_form([k.removeprefix("model.").removeprefix("diffusion_model.")
+                              for k in source.keys()])
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -95,14 +95,17 @@ def _write(out: Path, seed: int) -> None:
     assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index
 
 
-def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
-    """The transformer of the tiny folder at `folder` as one file in Tencent's original layout
-    (as hunyuanvideo1.5_720p_t2v_fp16.safetensors holds it: original names, no diffusers ones),
-    keys behind `prefix` ("model.diffusion_model." as ComfyUI saves models). Stored in the
-    folder's bf16, not the real file's fp16, so that loading it can be compared bit for bit."""
+def write_single_file(folder: Path, file: Path, prefix: str = "", form: str = "fused") -> Path:
+    """The transformer of the tiny folder at `folder` as one file in Tencent's original layout,
+    keys behind `prefix` ("model.diffusion_model." as ComfyUI saves models). `form` "fused": q, k,
+    v in `double_blocks.N.img_attn_qkv`, as hunyuanvideo1.5_720p_t2v_fp16.safetensors holds them
+    and ComfyUI loads them; "split": `img_attn_q/_k/_v`, as Tencent releases it (see original.py).
+    Stored in the folder's dtype, not the real file's fp16, so that loading it can be compared bit
+    for bit."""
     from dpipe.models.hunyuan_video15.original import original_state_dict
     from dpipe.models.single_file import write_transformer_file
 
     config = json.loads((Path(folder) / "transformer" / "config.json").read_text())
     return write_transformer_file(Path(folder) / "transformer", file,
-                                  lambda weights: original_state_dict(weights, config), prefix)
+                                  lambda weights: original_state_dict(weights, config, form),
+                                  prefix)

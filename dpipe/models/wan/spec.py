@@ -362,22 +362,13 @@ class WanSpec(ModelSpec):
                         {"format": "comfyui", "expert": self.expert})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from safetensors import safe_open
-        from safetensors.torch import load_file, save_file
-
+        from dpipe.models.single_file import export_like_source
         from dpipe.train.export import write_sharded_diffusers_model
 
         folder = write_sharded_diffusers_model(
             shards, out_dir / self.expert, self.root / self.expert / "config.json")
-        if self.single_file:  # also in the layout it came in, named and typed as the source
-            with safe_open(self.path, "pt") as source:
-                dtype = source.get_tensor(next(iter(source.keys()))).dtype
-            weights = {}
-            for shard in sorted(folder.glob("*.safetensors")):
-                weights.update(load_file(shard))
-            original = original_state_dict(weights)
-            save_file({k: v.to(dtype).contiguous() for k, v in original.items()},
-                      out_dir / self.path.name, metadata={"format": "pt"})
+        if self.single_file:  # also as the source: its keys (and prefix), order and dtypes
+            export_like_source(folder, self.path, original_state_dict, out_dir)
         return folder
 
     # ---- using exported weights ----------------------------------------------------------------
