@@ -121,6 +121,19 @@ def _check_ranges(run: RunConfig) -> None:
                           f"null (auto), got {d.cache_workers}")
 
 
+def _check_prior_preservation(run: RunConfig) -> None:
+    d = run.dataset
+    on = [f"dataset.directories[path={e.path}]" for e in d.directories if e.prior_preservation]
+    if d.prior_preservation:
+        on.insert(0, "dataset")
+    if on and run.model.mode != TrainMode.lora:
+        raise ConfigError(
+            f"{on[0]}.prior_preservation=true trains towards the base model's prediction with "
+            "the adapters switched off, which a full fine-tune has not: use model.mode=lora, or "
+            "drop prior_preservation (a directory's loss_weight, e.g. 0.5, weighs it down "
+            "instead)")
+
+
 def _check_ema(run: RunConfig) -> None:
     if run.sample.ema and not run.train.ema.decay:
         raise ConfigError(
@@ -165,6 +178,7 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     check_optimizer(run)  # betas and each optimizer's own keys
     check_loggers(run)
     _check_ema(run)
+    _check_prior_preservation(run)
 
     if p.data_parallel is not None and p.data_parallel < 1:
         raise ConfigError(f"pipeline.data_parallel must be >= 1 or null (auto), got {p.data_parallel}")

@@ -7,6 +7,7 @@ key's full name. Cross-field rules live in `checks.py`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Optional, Union, get_type_hints
@@ -215,6 +216,14 @@ class DataSettings:
     mask_dir: Optional[str] = None
     # Same-stem control/reference images (edit models), cached and delivered with each sample.
     control_dir: Optional[str] = None
+    # Each sample's loss counts this many times: e.g. 0.5 for a regularisation directory, so it
+    # steers less than the subject's own images.
+    loss_weight: float = 1.0
+    # Prior preservation (LoRA only): these files train towards the base model's own prediction
+    # (the adapters switched off, same noise and timestep) instead of the data, so the LoRA
+    # learns to leave such images as the base model makes them. Costs one extra forward pass
+    # (no backward) per micro-batch that holds such a file.
+    prior_preservation: bool = False
 
     def __post_init__(self):
         _check_settings(self, "dataset")
@@ -250,6 +259,8 @@ def _check_settings(s, where: str) -> None:
         bad("caption_dropout", s.caption_dropout, "must be in [0, 1)")
     if s.tag_separator is not None and not s.tag_separator.strip():
         bad("tag_separator", s.tag_separator, "must contain a visible character")
+    if s.loss_weight is not None and not (math.isfinite(s.loss_weight) and s.loss_weight > 0):
+        bad("loss_weight", s.loss_weight, "must be a number > 0 (1: the usual weight)")
 
 
 def _directory_post_init(self):

@@ -185,15 +185,29 @@ def step_micro_batches(
     for micro in range(plan.micro_batches):
         batch = plan.micro_batch(step, micro, dp_rank)
         texts = choose_texts(batch.samples, batch.empty_text, seed, step, batch.slots)
-        latents, text, weight, control = dataset.collate(batch.samples, texts)
+        latents, text, mask_weight, control = dataset.collate(batch.samples, texts)
         dataset.write_log(step, micro, dp_rank, batch, latents, records)
+        weight = weigh_samples(mask_weight, directory_weights(batch.samples), latents)
         noised = noised_batch(spec, latents, text, timesteps_cfg, seed, step, batch.slots,
                               weight, control, conditions=sample_conditions(batch.samples))
         inputs, labels = spec.make_inputs(noised)
         if noised.loss_weight is not None and len(labels) < 2:  # never ignore weights silently
-            if weight is None:
-                raise ConfigError(f"model.family={spec.family} does not apply per-sample loss "
-                                  "weights yet: set train.timesteps.weighting=none")
-            raise DataError(f"model family {spec.family} does not apply per-pixel loss weights "
-                            "yet: remove mask_dir from the dataset config")
+            used = [name for name, on in (
+                ("masks (mask_dir)", mask_weight is not None),
+                ("a directory's loss_weight", weight is not mask_weight),
+                ("train.timesteps.weighting", noised.loss_weight is not weight)) if on]
+            raise ConfigError(f"model.family={spec.family} does not apply loss weights yet: "
+                              f"remove {' and '.join(used)} from the config")
         yield inputs, labels
+
+
+def directory_weights(samples: list[Sample]) -> torch.Tensor | None:
+    """(B,) each sample's directory `loss_weight`, or None where every one is 1."""
+    if all(s.loss_weight is None for s in samples):
+        return None
+    return torch.tensor([1.0 if s.loss_weight is None else s.loss_weight for s in samples])
+
+
+def prior_rows(samples: list[Sample]) -> list[int]:
+    """The rows of a micro-batch whose directory trains with `prior_preservation`."""
+    return [i for i, s in enumerate(samples) if s.prior]

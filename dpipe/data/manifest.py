@@ -37,6 +37,10 @@ class Sample(NamedTuple):
     original_size: tuple[int, int] | None = None
     crop_top_left: tuple[int, int] | None = None
     fps: float | None = None  # the clip's frame rate as trained (after resampling); None: image
+    # The directory's `loss_weight` where it is not 1, and True for its `prior_preservation`
+    # (None otherwise: manifests without them keep their digest).
+    loss_weight: float | None = None
+    prior: bool | None = None
 
     @property
     def identity(self) -> tuple[str, int]:

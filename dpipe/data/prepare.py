@@ -382,7 +382,9 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             1 if eval_mode else settings.num_repeats,
             0.0 if eval_mode else settings.caption_dropout, None if eval_mode else empty,
             (src_h, src_w), crop_top_left(src_w, src_h, p.shape.width, p.shape.height),
-            None if fps is None else float(fps)))
+            None if fps is None else float(fps),
+            None if eval_mode or settings.loss_weight == 1 else float(settings.loss_weight),
+            True if settings.prior_preservation and not eval_mode else None))
     ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)

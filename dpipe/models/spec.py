@@ -196,6 +196,18 @@ class ModelSpec(abc.ABC):
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`: the mean
         of `self.element_error` between prediction and target, with the family's weights."""
 
+    def prediction_target(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last layer's `outputs` laid out as the `target` that `loss` compares them with,
+        so that `loss(outputs, (prediction_target(outputs, t), ...))` is 0: prior preservation
+        makes the base model's prediction the target (dpipe.train.prior). Families whose
+        outputs carry more than the target (reference tokens) cut them off."""
+        if outputs.shape != target.shape:
+            raise ConfigError(f"model.family={self.family} does not support prior_preservation "
+                              f"yet (its prediction {tuple(outputs.shape)} and target "
+                              f"{tuple(target.shape)} differ in layout): remove "
+                              "prior_preservation from the dataset config")
+        return outputs
+
     # ---- sampling ----------------------------------------------------------------------------
     def sampling(self):
         """The family's `dpipe.models.sampling.FamilySampling`: how its diffusers pipeline

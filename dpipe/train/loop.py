@@ -26,6 +26,7 @@ from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.ema import WeightAverage
+from dpipe.train.prior import PriorTargets
 from dpipe.train.export import export, export_dir
 from dpipe.train.optim import evaluation_weights, logged_scalars
 from dpipe.train.flops import StepFlops, architecture
@@ -114,6 +115,10 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         return step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed, at,
                                   dp_rank, records)
 
+    # Prior preservation (a directory's prior_preservation): the base model's prediction as the
+    # target of those files, made before each step that holds one.
+    priors = (PriorTargets(spec, engine, plan, dp_rank)
+              if any(s.prior for b in plan.manifest.buckets for s in b.samples) else None)
     workers = run.train.loader_workers
     loader = StepLoader(make_step, step, run.train.max_steps,
                         default_workers(cuda) if workers is None else workers, device,
@@ -125,6 +130,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         if audit is not None and cuda:
             torch.cuda.reset_peak_memory_stats()  # the audited step's own peak
         micro_batches = loader.next(step)
+        if priors is not None:
+            micro_batches = priors.retarget(step, micro_batches)
         if step_flops is not None:  # rank 0
             micro_batches = step_flops.watch(micro_batches)
         with audit.counting() if audit else contextlib.nullcontext():

@@ -191,6 +191,9 @@ class Flux2Spec(ModelSpec):
         # labels[1:]: per-token loss weights (masks), broadcast over channels, where given
         return weighted_mean(self.element_error(pred, target), *labels[1:])
 
+    def prediction_target(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return outputs[:, :target.shape[1]]  # without the reference image tokens, as `loss`
+
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
         from diffusers import Flux2Pipeline
