@@ -361,6 +361,7 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
     dropped, trimmed = list(s.discovery.dropped) + s.dropped, s.trimmed
     buckets: dict[str, Bucket] = {}
     reported: set[str] = set()
+    upscaled: dict[str, dict[str, tuple[int, int]]] = {}  # directory -> {file: (w, h)}
     for p, (latent, texts, mask, control, empty) in zip(s.placements, s.sample_keys):
         item = s.discovery.items[p.item]
         settings = s.discovery.directories[item.directory].settings
@@ -376,6 +377,10 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
                 p.shape.name, p.shape.width, p.shape.height, p.shape.frames, p.resolution,
                 _micro_batch_size(cfg, p.resolution, p.shape.frames, layout.micro_batch_size))
         src_w, src_h = item.info["w"], item.info["h"]
+        # Resized to cover the bucket: a source smaller than that on either side is enlarged.
+        if p.shape.width > src_w or p.shape.height > src_h:
+            directory = str(s.discovery.directories[item.directory].path)
+            upscaled.setdefault(directory, {})[item.path] = (src_w, src_h)
         fps = (settings.video_fps or item.info.get("fps")) if item.kind == "video" else None
         bucket.samples.append(Sample(
             item.path, p.start, latent, texts, mask, control,
@@ -408,6 +413,8 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
         raise DataError(f"no bucket holds enough samples for one batch:\n{lines}")
     report.manifest = Manifest(ordered, empty_text if not eval_mode else None)
     report.dropped, report.trimmed = dropped, trimmed
+    report.upscaled = {d: (len(files), min(files.values(), key=lambda wh: (wh[0] * wh[1], wh)))
+                       for d, files in sorted(upscaled.items())}
     return report.manifest, report
 
 

@@ -21,6 +21,9 @@ class DataReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)
     trimmed: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Directories whose files are smaller than their bucket, so enlarged to train: {directory:
+    # (files, the smallest (width, height))}. Training at 512 on 96 px images blurs them.
+    upscaled: dict[str, tuple[int, tuple[int, int]]] = field(default_factory=dict)
     cache: str = ""  # "n of m entries cached, k made now"
 
     def rows(self) -> list[tuple]:
@@ -53,6 +56,10 @@ class DataReport:
                 out += [f"    {path}: {why}" for path, why in shown]
                 if len(shown) < len(entries):
                     out.append(f"    ... and {len(entries) - len(shown)} more (see the report file)")
+        for directory, (files, (w, h)) in self.upscaled.items():
+            out.append(f"  upscaled: {files} file(s) in {directory} are smaller than their bucket "
+                       f"(smallest {w}x{h}) and are enlarged to train; lower dataset.resolutions "
+                       "to train them at their own size")
         out += [f"  warning: {w}" for w in self.warnings]
         return out
 

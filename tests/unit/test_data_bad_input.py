@@ -129,3 +129,20 @@ def test_no_bucket_filling_a_batch_is_an_error_with_the_table(tmp_path):
     with pytest.raises(DataError, match="no bucket holds enough samples") as info:
         _run(tmp_path, layout=Layout(micro_batch_size=4))
     assert "32x32" in str(info.value)
+
+
+def test_images_smaller_than_the_resolution_are_reported_per_directory(tmp_path):
+    """96 px images trained at 512 are enlarged without complaint by the resize: the report says
+    so, per directory, with the count and the smallest size; images at full size are not listed."""
+    from tests.unit.test_data_support import dataset_config
+
+    for i in range(3):
+        write_image(tmp_path / "data" / "small" / f"s{i}.png", (24 + 4 * i, 24 + 4 * i), seed=i)
+        write_image(tmp_path / "data" / "big" / f"b{i}.png", (48, 48), seed=i)
+    cfg = dataset_config(cache_dir=str(tmp_path / "cache"), resolutions=[32],
+                         directories=[{"path": str(tmp_path / "data" / d)} for d in ("small", "big")])
+    dataset = prepare(FakeSpec(videos=True), cfg, torch.device("cpu"), torch.float32, Layout())
+    report = dataset.reports["train"]
+    assert report.upscaled == {str(tmp_path / "data" / "small"): (2, (24, 24))}
+    (line,) = [x for x in report.lines() if "upscaled" in x]
+    assert "2 file(s)" in line and "smallest 24x24" in line and str(tmp_path / "data" / "small") in line
