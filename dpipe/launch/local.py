@@ -38,6 +38,7 @@ from pathlib import Path
 
 from dpipe.config.schema import RunConfig
 from dpipe.errors import ConfigError
+from dpipe.launch.console_log import LOG_FILE_ENV, run_log_file, tee_console
 from dpipe.launch.run_rank import USER_ERROR_SIGNAL, error_folders
 
 ERRORS_DIR = ".errors"
@@ -132,10 +133,12 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
 
     previous_stop = {sig: signal.signal(sig, forward_stop)
                      for sig in (STOP_SIGNALS if graceful_stop else ())}
+    log_file = run_log_file()  # the workers copy their console output into it
+    log_env = {LOG_FILE_ENV: str(log_file)} if log_file is not None else {}
     try:
         with hosted_store() as port:
             for rank in range(world_size):
-                env = dict(os.environ, **WORKERS_USE_HOSTED_STORE,
+                env = dict(os.environ, **WORKERS_USE_HOSTED_STORE, **log_env,
                            DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
                            WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -183,6 +186,8 @@ def _run_worker(module: str, run_dir: str, env: dict, launcher_alive) -> None:
                      name="dpipe-launcher-watch").start()
     os.environ.clear()
     os.environ.update(env)
+    if env.get(LOG_FILE_ENV):
+        tee_console(env[LOG_FILE_ENV])
     sys.argv = [module, run_dir]
     entry = importlib.import_module(module)
     from dpipe.launch.run_rank import exit_process
@@ -236,5 +241,9 @@ def _report_errors(folders: list[Path]) -> None:
             if message and message not in seen:
                 seen.append(message)
     shutil.rmtree(folders[-1], ignore_errors=True)  # the temp dir's: this launcher's alone
+    log_file = run_log_file()
     for message in seen:
         print(f"error: {message}", file=sys.stderr)
+        if log_file is not None:  # what the console shows, the run's log holds
+            with open(log_file, "a", encoding="utf-8") as f:
+                f.write(f"error: {message}\n")
