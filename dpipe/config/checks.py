@@ -23,6 +23,7 @@ from dpipe.config.schema import (
     RunConfig,
     TrainMode,
 )
+from dpipe.config.adapter_checks import check_adapter, check_adapter_files
 from dpipe.config.logger_checks import check_loggers
 from dpipe.config.optim_checks import check_optimizer
 from dpipe.errors import ConfigError
@@ -178,6 +179,7 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     check_optimizer(run)  # betas and each optimizer's own keys
     check_loggers(run)
     _check_ema(run)
+    check_adapter(run)
     _check_prior_preservation(run)
 
     if p.data_parallel is not None and p.data_parallel < 1:
@@ -292,6 +294,7 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
         for key, folder in folders:
             check_directory(Path(folder), what=f"{key} folder")
     spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
+    check_adapter_files(run, spec)
     layers = spec.pipeline_layer_count()
     p = run.pipeline
     if layers is not None and p.stages > layers:

@@ -105,6 +105,21 @@ class LoraConfig:
     dropout: float = 0.0
     # Module names (peft `target_modules`); None uses the family's default targets.
     targets: Optional[list[str]] = None
+    # An adapter file to start from instead of the adapter's fresh init: a diffusers-format file
+    # (`pytorch_lora_weights.safetensors`, or its folder) of the same adapter, rank, alpha and
+    # targets, as dpipe exports it. ComfyUI / kohya files are refused (no family maps their
+    # names back). null: a fresh adapter.
+    init_from: Optional[str] = None
+
+
+class Adapter(str, Enum):
+    """What model.mode=lora trains on each target Linear (peft's tuners), all sized by
+    model.lora.rank / alpha / dropout / targets."""
+
+    lora = "lora"  # B @ A: the default, read by every loader
+    lokr = "lokr"  # LyCORIS LoKr: a Kronecker product, far fewer weights at a given rank
+    loha = "loha"  # LyCORIS LoHa: a Hadamard product of two low-rank products (rank r^2)
+    dora = "dora"  # LoRA with a learned magnitude per output row (weight-decomposed)
 
 
 class BaseDtype(str, Enum):
@@ -145,6 +160,15 @@ class ModelConfig:
     tiny: bool = False
     mode: TrainMode = TrainMode.lora
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # The adapter model.mode=lora trains (see Adapter): lora, lokr, loha or dora.
+    adapter: Adapter = Adapter.lora
+    # LoKr only (peft's decompose_factor): the size of the Kronecker product's first factor;
+    # -1 splits each weight as squarely as it divides. Set it (e.g. 8) for fewer, larger blocks.
+    lokr_factor: int = -1
+    # Adapter files (diffusers format, any model.adapter kind) merged into the frozen base
+    # weights before training, in order, and before bf16 or model.base_dtype=fp8 round them:
+    # the trained adapter learns on top of them.
+    merge_adapters: list[str] = field(default_factory=list)
     # How the frozen base weights are stored under LoRA: auto or fp8 (see BaseDtype).
     base_dtype: BaseDtype = BaseDtype.auto
     # Guidance value fed to guidance-distilled models (FLUX.1-dev) during training.

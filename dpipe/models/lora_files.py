@@ -35,23 +35,31 @@ def save_diffusers_lora(loader, weights: dict[str, torch.Tensor], metadata: dict
 
 
 def lora_metadata(cfg, default_targets) -> dict[str, Any]:
-    """peft's adapter config as diffusers stores it: rank, alpha (the rank when unset), targets."""
-    rank = cfg.lora.rank
-    return {
-        "r": rank,
-        "lora_alpha": cfg.lora.alpha if cfg.lora.alpha is not None else rank,
-        "target_modules": cfg.lora.targets or default_targets,
-    }
+    """peft's adapter config as diffusers stores it (the keyword arguments of the adapter's peft
+    config class: `LoraConfig`, with `use_dora` for DoRA, `LoKrConfig` or `LoHaConfig`): rank,
+    alpha (the rank when unset), targets."""
+    from dpipe.models.adapters import adapter_metadata
+
+    return adapter_metadata(cfg, default_targets)
 
 
 def lora_scale(metadata: dict[str, Any]) -> float:
-    """alpha / rank: the factor peft applies to B @ A, which formats without an alpha fold into B."""
-    return metadata["lora_alpha"] / metadata["r"]
+    """alpha / rank: the factor peft applies to B @ A, which formats without an alpha fold into
+    B."""
+    return metadata.get("lora_alpha", metadata.get("alpha")) / metadata["r"]
 
 
 def peft_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """peft names carry the adapter name ("lora_A.default.weight"); diffusers' format does not."""
-    return {k.replace(".default.", "."): v.contiguous() for k, v in state_dict.items()}
+    """peft names carry the adapter name ("lora_A.default.weight", "lokr_w1.default");
+    diffusers' format does not, and names DoRA's magnitude as peft saves it
+    ("<module>.lora_magnitude_vector", no ".weight")."""
+    out = {}
+    for key, value in state_dict.items():
+        key = key.replace(".default.", ".").removesuffix(".default")
+        if key.endswith(".lora_magnitude_vector.weight"):
+            key = key.removesuffix(".weight")
+        out[key] = value.contiguous()
+    return out
 
 
 class NotInFormat(ValueError):
@@ -79,6 +87,58 @@ class LoraFormat:
     metadata: dict[str, str] | None = None
 
 
+class NotWritten(Exception):
+    """A format that has no exact form of the trained adapter: recorded in exports.json with the
+    reason, never written approximately."""
+
+
+def _refuse(reason: str) -> Callable[[], dict[str, torch.Tensor]]:
+    def build():
+        raise NotWritten(reason)
+    return build
+
+
+def adapter_formats(diffusers_file: Path, formats: list[LoraFormat]) -> list[LoraFormat]:
+    """The family's `formats` for a plain LoRA. The families' ComfyUI and kohya maps take LoRA
+    (A, B) pairs: for a DoRA they are refused (ComfyUI and kohya divide a `dora_scale` by the
+    norm of the base weight's rows, or of its columns; peft's magnitude divides by the norm of
+    the adapted weight's rows, so no file of theirs is exact without the base weights), and for
+    LoKr and LoHa, which have no pairs, a LyCORIS-named file takes their place."""
+    from safetensors import safe_open
+
+    from dpipe.config.schema import Adapter
+    from dpipe.models.adapters import adapter_kind, lycoris_tensors
+
+    with safe_open(diffusers_file, "pt") as f:
+        keys, meta = list(f.keys()), f.metadata() or {}
+    kind = adapter_kind(keys)
+    if kind == Adapter.lora:
+        return formats
+    diffusers = diffusers_file.name
+    if kind == Adapter.dora:
+        reason = (f"DoRA: this format has no exact form of DoRA's magnitude (its loaders normalise "
+                  f"by the base weight, peft by the adapted weight); {diffusers} holds the DoRA")
+        return [LoraFormat(f.file, _refuse(reason), f.metadata) for f in formats]
+    reason = (f"{kind.value}: this format's map takes LoRA (A, B) pairs, which a {kind.value} has "
+              f"not; {LYCORIS_FILE[kind.value]} and {diffusers} hold it")
+
+    def lycoris():
+        from safetensors.torch import load_file
+
+        tensors = load_file(diffusers_file)
+        prefix = keys[0].split(".", 1)[0] + "."  # the component: "transformer." or "unet."
+        config = json.loads(meta["lora_adapter_metadata"])
+        config = {k.removeprefix(prefix): v for k, v in config.items()}
+        return lycoris_tensors({k.removeprefix(prefix): v for k, v in tensors.items()}, config)
+
+    return ([LoraFormat(LYCORIS_FILE[kind.value], lycoris, {"format": "pt"})]
+            + [LoraFormat(f.file, _refuse(reason), f.metadata) for f in formats])
+
+
+# The LyCORIS-named file of a LoKr or LoHa, beside the diffusers file.
+LYCORIS_FILE = {"lokr": "lycoris_lokr.safetensors", "loha": "lycoris_loha.safetensors"}
+
+
 def write_lora_files(out_dir: Path, write_diffusers: Callable[[], Path],
                      formats: list[LoraFormat]) -> list[Path]:
     """The one way every family writes its LoRA files: the diffusers file first, and whatever
@@ -93,12 +153,17 @@ def write_lora_files(out_dir: Path, write_diffusers: Callable[[], Path],
     diffusers_file = write_diffusers()
     written = [diffusers_file]
     record: dict[str, dict[str, Any]] = {diffusers_file.name: {"written": True, "left_out": []}}
+    formats = adapter_formats(diffusers_file, formats)
     for fmt in formats:
         path = out_dir / fmt.file
         try:
             tensors, left_out = fmt.build(), []
         except NotInFormat as err:
             tensors, left_out = err.partial, err.modules
+        except NotWritten as err:  # an adapter the format has no exact form of: expected
+            log.info("%s not written: %s", fmt.file, err)
+            record[fmt.file] = {"written": False, "error": str(err)}
+            continue
         except OSError:
             raise
         except Exception as err:  # a bug or an unmapped layout in one format: keep the others

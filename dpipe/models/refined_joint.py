@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dpipe.models.adapters import is_adapter_param
 from dpipe.models.spec import PipelineLayer, attention_train_flops, model_params
 
 # A 1024x1024 image: 128x128 latents in 2x2 patches, the resolution both families train at.
@@ -52,7 +53,7 @@ def layer_forward_flops(layers: list[PipelineLayer], image_tokens: int, text_tok
                                                                   joint)
         total = 0.0
         for name, param in layer.named_parameters():
-            if not name.endswith("weight") or param.dim() != 2 or "lora_" in name:
+            if not name.endswith("weight") or param.dim() != 2 or is_adapter_param(name):
                 continue  # norms, biases, pad tokens, adapters
             if any(part in name for part in per_sample):
                 tokens = 1

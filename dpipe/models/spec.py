@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dpipe.config.schema import ModelConfig, TrainConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.adapters import is_adapter_param
 from dpipe.models.loss import ElementError
 
 
@@ -339,7 +340,7 @@ def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor,
 
 def model_params(module: nn.Module) -> int:
     """The module's parameters as the model-FLOP convention counts them: LoRA adapters left out."""
-    return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+    return sum(p.numel() for n, p in module.named_parameters() if not is_adapter_param(n))
 
 
 def attention_train_flops(seq: int, width: int, keys: int | None = None) -> float:

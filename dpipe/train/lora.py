@@ -10,26 +10,23 @@ from dpipe.errors import ConfigError
 
 
 def make_trainable(denoiser: nn.Module, cfg: ModelConfig, default_targets) -> None:
+    """A full fine-tune trains every weight; model.mode=lora freezes them and adds the adapter
+    of `model.adapter` (peft) on the targets, in fp32."""
     if cfg.mode == TrainMode.full:
         denoiser.requires_grad_(True)
         return
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
+
+    from dpipe.models.adapters import adapter_metadata, is_adapter_param, peft_config
 
     denoiser.requires_grad_(False)
-    lora = cfg.lora
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.targets) if lora.targets else default_targets,
-        init_lora_weights=True,
-    )
+    config = peft_config(cfg.adapter, adapter_metadata(cfg, default_targets), cfg.lora.dropout)
     try:
         inject_adapter_in_model(config, denoiser, adapter_name="default")
     except ValueError as err:  # peft: "Target modules ... not found in the base model"
         raise ConfigError(f"model.lora.targets: {err}") from None
     for name, param in denoiser.named_parameters():
-        if "lora_" in name:
+        if is_adapter_param(name):
             # Adapters train in fp32 even over bf16 base weights: their updates are tiny.
             param.data = param.data.float()
             param.requires_grad_(True)

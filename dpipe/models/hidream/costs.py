@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dpipe.models.adapters import is_adapter_param
 from dpipe.models.hidream.layers import (
     HiDreamDualBlock,
     HiDreamEmbed,
@@ -48,7 +49,7 @@ def weight_flops(layer: nn.Module, image_tokens: int, text_tokens: int, executed
     flops = 0.0
     for name, param in layer.named_parameters():
         parts = name.split(".")
-        if param.dim() < 2 or any(p.startswith("lora_") for p in parts):
+        if param.dim() < 2 or is_adapter_param(name):
             continue
         if "adaLN_modulation" in parts or "t_embedder" in parts or "p_embedder" in parts:
             tokens = 1  # the timestep and pooled conditioning: once per sample

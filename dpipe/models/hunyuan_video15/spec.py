@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import to_comfyui
@@ -280,7 +281,7 @@ def token_weighted_params(named_parameters, video_tokens: int, text_tokens: int,
                   "block": video_tokens + joint_text,
                   "transformer_blocks": video_tokens + joint_text}
     return float(sum(param.numel() * per_module.get(name.split(".")[0], video_tokens)
-                     for name, param in named_parameters if "lora_" not in name))
+                     for name, param in named_parameters if not is_adapter_param(name)))
 
 
 def template_length(tokenizer, system_message: str) -> int:

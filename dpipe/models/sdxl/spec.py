@@ -304,7 +304,7 @@ class SDXLSpec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        rank, alpha = metadata["r"], metadata["lora_alpha"]
+        rank, alpha = metadata["r"], metadata.get("lora_alpha", metadata.get("alpha"))  # LoKr, LoHa: alpha
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata,
                                                  out_dir, component="unet"),

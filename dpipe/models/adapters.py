@@ -1,0 +1,172 @@
+"""Adapters besides LoRA (`model.adapter`): DoRA, LoKr and LoHa, as peft trains them, and their
+files.
+
+Every family writes its adapter through `lora_files.write_lora_files`, which sees the adapter in
+the diffusers file's keys (`adapter_kind`): a plain LoRA goes to every format of the family; the
+others keep the diffusers file (peft's keys and config, which `load_lora_weights` reads for DoRA
+and LoKr) and, for LoKr and LoHa, get a LyCORIS-named file (`lycoris_tensors`). The families'
+ComfyUI and kohya maps take LoRA (A, B) pairs, so for the other adapters they are recorded as not
+written, with the reason, in exports.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpipe.config.schema import Adapter
+
+# The first part of every trainable parameter name peft gives an adapter: lora_A / lora_B /
+# lora_magnitude_vector (LoRA, DoRA), lokr_w1 / lokr_w1_a ... (LoKr), hada_w1_a ... (LoHa).
+ADAPTER_PARTS = ("lora_", "lokr_", "hada_")
+
+LYCORIS_PREFIX = "lycoris_"  # LyCORIS's name for a module of the network it wraps
+LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether `name` (a parameter or state-dict key) belongs to a peft adapter of any kind."""
+    return any(part.startswith(ADAPTER_PARTS) for part in name.split("."))
+
+
+def adapter_kind(keys) -> Adapter:
+    """The adapter whose weights `keys` name (peft or diffusers names)."""
+    keys = list(keys)
+    if any(".lokr_" in k for k in keys):
+        return Adapter.lokr
+    if any(".hada_" in k for k in keys):
+        return Adapter.loha
+    if any(".lora_magnitude_vector" in k for k in keys):
+        return Adapter.dora
+    return Adapter.lora
+
+
+def adapter_metadata(cfg, default_targets) -> dict[str, Any]:
+    """The keyword arguments of the adapter's peft config class, as diffusers stores them in a
+    LoRA file's metadata and reads them back (`LoraConfig(**metadata)`, `LoKrConfig(**...)`)."""
+    rank = cfg.lora.rank
+    alpha = cfg.lora.alpha if cfg.lora.alpha is not None else rank
+    targets = cfg.lora.targets or default_targets
+    kind = Adapter(getattr(cfg, "adapter", Adapter.lora))
+    if kind in (Adapter.lora, Adapter.dora):
+        meta = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
+        if kind == Adapter.dora:
+            meta["use_dora"] = True
+        return meta
+    meta = {"r": rank, "alpha": alpha, "target_modules": targets}
+    if kind == Adapter.lokr:
+        meta["decompose_factor"] = cfg.lokr_factor
+    return meta
+
+
+def peft_config(kind: Adapter, metadata: dict[str, Any], dropout: float = 0.0):
+    """peft's config for `kind` from `adapter_metadata`; `dropout` is LoRA's input dropout, and
+    for LoKr and LoHa (which have none) their rank dropout."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if kind in (Adapter.lora, Adapter.dora):
+        return LoraConfig(**metadata, lora_dropout=dropout, init_lora_weights=True)
+    cls = LoKrConfig if kind == Adapter.lokr else LoHaConfig
+    return cls(**metadata, rank_dropout=dropout, init_weights=True)
+
+
+def modules_of(weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """{module: {part: tensor}} from diffusers-named adapter weights (`<module>.lokr_w1`,
+    `<module>.lora_A.weight`)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        at = next(i for i, p in enumerate(parts) if p.startswith(ADAPTER_PARTS))
+        out.setdefault(".".join(parts[:at]), {})[".".join(parts[at:])] = value
+    return out
+
+
+def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
+                    ) -> dict[str, torch.Tensor]:
+    """A LoKr's or LoHa's diffusers-named weights (`<module>.lokr_w1`, no prefix) under the names
+    LyCORIS gives a network over the same model: `lycoris_<module, dots as underscores>.lokr_w1`
+    (ComfyUI's loader reads these names for FLUX.1's diffusers modules), with `.alpha`.
+
+    The loaders scale by alpha / the rank of a decomposed factor, as peft scales by alpha / r, so
+    alpha is written as trained. A LoKr module whose two factors are both full matrices has no
+    rank: the loaders then apply scale 1, so peft's alpha / r is folded into `lokr_w2` and no
+    alpha is written."""
+    scale = metadata["alpha"] / metadata["r"]
+    out = {}
+    for module, parts in sorted(modules_of(weights).items()):
+        name = LYCORIS_PREFIX + module.replace(".", "_")
+        unknown = set(parts) - set(LOKR_PARTS) - set(LOHA_PARTS)
+        if unknown:
+            raise ValueError(f"{module}: no LyCORIS name for {sorted(unknown)}")
+        full_lokr = "lokr_w1" in parts and "lokr_w2" in parts
+        for part, value in parts.items():
+            if full_lokr and part == "lokr_w2":
+                value = value * scale
+            out[f"{name}.{part}"] = value.contiguous()
+        if not full_lokr:
+            out[f"{name}.alpha"] = torch.tensor(float(metadata["alpha"]))
+    return out
+
+
+def lycoris_delta(tensors: dict[str, torch.Tensor], module: str, shape) -> torch.Tensor:
+    """The weight delta a LyCORIS file's `module` (its diffusers name) adds, as LyCORIS and
+    ComfyUI compute it: for tests, and for merging by hand."""
+    name = LYCORIS_PREFIX + module.replace(".", "_")
+    t = {k[len(name) + 1:]: v.float() for k, v in tensors.items() if k.startswith(name + ".")}
+    if "hada_w1_a" in t:
+        rank = t["hada_w1_b"].shape[0]
+        scale = t["alpha"].item() / rank if "alpha" in t else 1.0
+        delta = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * scale
+        return delta.reshape(shape)
+    rank = None
+    w1 = t.get("lokr_w1")
+    if w1 is None:
+        w1, rank = t["lokr_w1_a"] @ t["lokr_w1_b"], t["lokr_w1_b"].shape[0]
+    w2 = t.get("lokr_w2")
+    if w2 is None:
+        w2, rank = t["lokr_w2_a"] @ t["lokr_w2_b"], t["lokr_w2_b"].shape[0]
+    scale = t["alpha"].item() / rank if rank is not None and "alpha" in t else 1.0
+    return (torch.kron(w1, w2) * scale).reshape(shape)
+
+
+def load_adapter_file(model: torch.nn.Module, file, prefix: str = "transformer",
+                      adapter_name: str = "default") -> None:
+    """Puts a diffusers-format adapter file of dpipe's (peft's keys under `<prefix>.`, peft's
+    config in its metadata) on `model` through peft: the way to load a LoHa, which diffusers has
+    no loader for (any other adapter loads this way too). A LoRA file without the config gets
+    each module's rank from its shapes and scale 1, as diffusers reads such a file. Raises
+    ValueError naming the keys the model has no place for."""
+    import json
+
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors import safe_open
+
+    lead = f"{prefix}." if prefix else ""
+    with safe_open(str(file), "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+        tensors = {k.removeprefix(lead): f.get_tensor(k) for k in f.keys() if k.startswith(lead)}
+    meta = {k.removeprefix(lead): v for k, v in meta.items() if k.startswith(lead)}
+    kind = adapter_kind(tensors)
+    if not meta:
+        if kind != Adapter.lora:
+            raise ValueError(f"{file}: a {kind.value} file without its adapter config "
+                             "(lora_adapter_metadata)")
+        meta = _lora_config_from_shapes(tensors)
+    inject_adapter_in_model(peft_config(kind, meta), model, adapter_name=adapter_name)
+    result = set_peft_model_state_dict(model, tensors, adapter_name=adapter_name)
+    if result.unexpected_keys:
+        raise ValueError(f"{file}: the model has no place for {result.unexpected_keys[:5]}")
+
+
+def _lora_config_from_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """LoraConfig arguments for a LoRA file without its config: each module's rank from its A,
+    alpha = rank (scale 1)."""
+    from collections import Counter
+
+    ranks = {m: parts["lora_A.weight"].shape[0] for m, parts in modules_of(tensors).items()}
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    other = {m: v for m, v in ranks.items() if v != r}
+    return {"r": r, "lora_alpha": r, "target_modules": sorted(ranks),
+            "rank_pattern": other, "alpha_pattern": dict(other)}
