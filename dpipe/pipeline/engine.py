@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import importlib
 import logging
 import os
@@ -76,7 +77,14 @@ def _pipeline_module_class():
             self._input_dtype = input_dtype  # data (floats needing no grad) is cast to it
             self.checkpointed: set[int] = set()  # local layer indices that recompute
             self.probe: ActivationProbe | None = None
-            super().__init__(layers, partition_method="dpipe", **kwargs)
+            # DeepSpeed prints its seed settings and the topology on rank 0 with print(); dpipe
+            # logs the stages itself. Any other line it prints still reaches the console.
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                super().__init__(layers, partition_method="dpipe", **kwargs)
+            for line in out.getvalue().splitlines():
+                if not line.startswith(("SEED_LAYERS=", "Using topology:")):
+                    print(line)
 
         def _partition_layers(self, method="dpipe"):
             self.parts = list(self._dpipe_bounds)
