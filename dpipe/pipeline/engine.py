@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import importlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ def _pipeline_module_class():
                     for name in self._get_frozen_parameter_names(layer):
                         state.pop(name, None)
                 save_file(_unshared_cpu(state), layer_file(save_dir, idx + self._local_start),
-                          metadata={"format": "pt"})
+                          metadata={"format": "pt", **export_names_metadata(layer, state)})
 
         def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
             """Loads each layer's file (safetensors, or an older checkpoint's pickle) after a
@@ -160,6 +161,19 @@ def ds_partition_uniform(num_items: int, num_parts: int) -> list[int]:
     from deepspeed.runtime.utils import partition_uniform
 
     return partition_uniform(num_items, num_parts)
+
+
+def export_names_metadata(layer, state: dict) -> dict[str, str]:
+    """The diffusers name of each parameter in a layer file (`EXPORT_NAMES`, JSON), so that
+    `dpipe-export` writes a checkpoint's weights in the family's formats without building the
+    model; buffers have none (exports hold parameters only)."""
+    from dpipe.train.checkpoint import EXPORT_NAMES
+
+    if not hasattr(layer, "source_named_parameters"):
+        return {}
+    names = {local: source for (local, _), (source, _) in
+             zip(layer.named_parameters(), layer.source_named_parameters()) if local in state}
+    return {EXPORT_NAMES: json.dumps(names)}
 
 
 def _unshared_cpu(state: dict) -> dict:

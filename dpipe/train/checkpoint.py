@@ -421,6 +421,10 @@ def _show(value) -> str:
     return "(unset)" if value is None else repr(value) if isinstance(value, str) else str(value)
 
 
+# A layer file's metadata key: {tensor name in the file: its name in the diffusers model}.
+EXPORT_NAMES = "dpipe_export_names"
+
+
 def layer_file(checkpoint_dir, index: int) -> Path:
     """The safetensors file of pipeline layer `index` (the pickles of older checkpoints were
     `layer_<ii>-model_states.pt`)."""

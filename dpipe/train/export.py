@@ -69,7 +69,7 @@ def export(
     # single file beside the diffusers folder).
     needed = (2 * sum(s.stat().st_size for s in shards + ema_shards)
               if dist.get_rank() == 0 else 0)
-    together(lambda: _write_formats(spec, lora, shards, ema_shards, tmp, final_tmp, top, out_dir,
+    together(lambda: write_formats(spec, lora, shards, ema_shards, tmp, final_tmp, top, out_dir,
                                     step, keep) if dist.get_rank() == 0 else None, needed)
     return out_dir if dist.get_rank() == 0 else None
 
@@ -92,7 +92,7 @@ def _trainable_bytes(local_layers: list[PipelineLayer], lora: bool) -> int:
                for p in layer.parameters() if p.requires_grad or not lora)
 
 
-def _write_formats(spec: ModelSpec, lora: bool, shards: list[Path], ema_shards: list[Path],
+def write_formats(spec: ModelSpec, lora: bool, shards: list[Path], ema_shards: list[Path],
                    tmp: Path, final_tmp: Path, top: Path, out_dir: Path, step: int | None,
                    keep: int) -> None:
     """Rank 0: the family's files from the stage shards (and the EMA's into `ema/`), written

@@ -2,9 +2,9 @@
 
 The commands are read from README.md, docs/*.md and docs/models/*.md: each line of a fenced code
 block (backslash continuations joined, `NAME="..."` assignments of the file expanded) and each
-inline code span that starts with `dpipe-train`, `dpipe-sample`, `dpipe-cache`, `dpipe-bench`
-(also as `.venv/bin/dpipe-...` or `python -m dpipe.cli.<name>`) or `make`. A lone `...` stands
-for "the overrides shown before" and is dropped; any other placeholder (`<overrides>`,
+inline code span that starts with `dpipe-train`, `dpipe-sample`, `dpipe-cache`, `dpipe-bench`,
+`dpipe-export` (also as `.venv/bin/dpipe-...` or `python -m dpipe.cli.<name>`) or `make`. A lone
+`...` stands for "the overrides shown before" and is dropped; any other placeholder (`<overrides>`,
 `[export=...]`) fails, so the docs keep to commands a user can paste.
 
 How each is checked, in-process (a few seconds for all):
@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROGRAMS = ("dpipe-train", "dpipe-sample", "dpipe-cache", "dpipe-bench")
+PROGRAMS = ("dpipe-train", "dpipe-sample", "dpipe-cache", "dpipe-bench", "dpipe-export")
 SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")  # fenced blocks whose lines are commands
 FENCE = re.compile(r"^[ \t]*```[ \t]*(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)?)`")  # a span may wrap onto the next line
@@ -179,6 +179,13 @@ def check_bench(args: list[str]) -> None:
         compose_run(DEFAULTS + overrides.split())
 
 
+def check_export(args: list[str]) -> None:
+    from dpipe.cli.export import KEYS
+
+    given = dict(arg.partition("=")[::2] for arg in _overrides(args))
+    assert set(given) <= set(KEYS) and "run" in given, f"dpipe-export {args}: keys {KEYS}"
+
+
 def check_make(args: list[str]) -> None:
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     for target in args:
@@ -186,7 +193,7 @@ def check_make(args: list[str]) -> None:
 
 
 CHECKS = {"dpipe-train": check_train, "dpipe-sample": check_sample, "dpipe-cache": check_cache,
-          "dpipe-bench": check_bench, "make": check_make}
+          "dpipe-bench": check_bench, "dpipe-export": check_export, "make": check_make}
 
 
 def check(command: Command) -> None:
