@@ -63,7 +63,10 @@ class _Tee(io.TextIOBase):
 def tee_console(path: str | Path) -> None:
     """From now on, this process's stdout and stderr (and the log handlers already writing to
     them, e.g. DeepSpeed's, made when the fork server imported it) also go to `path`."""
-    file = open(path, "a", encoding="utf-8", buffering=1)  # appended beside the launcher's records
+    try:  # appended beside the launcher's records
+        file = open(path, "a", encoding="utf-8", buffering=1)
+    except OSError:  # the run dir gone or unwritable: the console still has it all
+        return
     old = {id(sys.stdout): _Tee(sys.stdout, file), id(sys.stderr): _Tee(sys.stderr, file)}
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]
