@@ -105,10 +105,38 @@ def run_sampling(job: SampleJob) -> None:
 
 
 def _load_denoiser(spec, job: SampleJob):
-    if job.weights == "lora":
+    if job.weights == "lora" and _peft_only(Path(job.weights_dir)):
+        from dpipe.models.adapters import load_adapter_file
+        from dpipe.models.lora_files import DIFFUSERS_LORA
+
+        denoiser = spec.load_denoiser(torch.float32)
+        file = Path(job.weights_dir) / DIFFUSERS_LORA
+        load_adapter_file(denoiser, file, _component(file))
+    elif job.weights == "lora":
         denoiser = spec.load_denoiser_with_lora(Path(job.weights_dir))
     elif job.weights == "full":
         denoiser = spec.load_exported_full(Path(job.weights_dir))
     else:
         denoiser = spec.load_denoiser(torch.float32)
     return denoiser.requires_grad_(False).eval()
+
+
+def _peft_only(lora_dir: Path) -> bool:
+    """Whether the export holds a LoKr or LoHa: the families' pipelines load LoRA (and DoRA)
+    keys only (diffusers reads LoKr through the transformer, LoHa not at all), so these go on
+    the denoiser through peft."""
+    from safetensors import safe_open
+
+    from dpipe.config.schema import Adapter
+    from dpipe.models.adapters import adapter_kind
+    from dpipe.models.lora_files import DIFFUSERS_LORA
+
+    with safe_open(str(lora_dir / DIFFUSERS_LORA), "pt") as f:
+        return adapter_kind(f.keys()) in (Adapter.lokr, Adapter.loha)
+
+
+def _component(file: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return next(iter(f.keys())).split(".", 1)[0]
