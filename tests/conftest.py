@@ -56,6 +56,7 @@ SLOWEST_MODULES = {
     "tests.integration.test_data_training": 120,
     "tests.integration.test_flux_kontext_edit": 95,
     "tests.integration.test_hunyuan_video_checkpointing": 90,
+    "tests.integration.test_adapters": 120,
     "tests.integration.test_bad_input": 85,
     "tests.integration.test_sweeps": 80,
     "tests.integration.test_launch": 60,

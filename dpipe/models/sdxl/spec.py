@@ -304,7 +304,8 @@ class SDXLSpec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        rank, alpha = metadata["r"], metadata.get("lora_alpha", metadata.get("alpha"))  # LoKr, LoHa: alpha
+        # LoKr and LoHa name it "alpha" (their kohya file is not written: adapter_formats)
+        rank, alpha = metadata["r"], metadata.get("lora_alpha", metadata.get("alpha"))
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata,
                                                  out_dir, component="unet"),
