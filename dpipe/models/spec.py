@@ -57,15 +57,18 @@ class PipelineLayer(nn.Module):
         super().__init__()
         self.source_names: dict[str, str] = {}
 
-    def adopt(self, attr: str, module: nn.Module, source_name: str) -> None:
+    def adopt(self, attr: str, module: nn.Module | nn.Parameter, source_name: str) -> None:
+        """Attaches a submodule, or a parameter that the denoiser holds directly (a pad or
+        register token, a modulation table), under `attr`; `source_name` is its name there."""
         setattr(self, attr, module)
         self.source_names[attr] = source_name
 
     def source_named_parameters(self):
         """(name in the diffusers model, parameter) of each of the layer's parameters."""
         for name, param in self.named_parameters():
-            attr, rest = name.split(".", 1)
-            yield f"{self.source_names[attr]}.{rest}", param
+            attr, dot, rest = name.partition(".")
+            source = self.source_names[attr]
+            yield (f"{source}.{rest}" if source else rest) if dot else source, param
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.source_named_parameters()

@@ -28,7 +28,7 @@ class AuraFlowEmbed(PipelineLayer):
         for name in ("pos_embed", "time_step_embed", "time_step_proj", "context_embedder"):
             self.adopt(name, getattr(transformer, name), name)
         # A bare parameter of the transformer: held directly, exported under its own name.
-        self.register_tokens = transformer.register_tokens
+        self.adopt("register_tokens", transformer.register_tokens, "register_tokens")
 
     def forward(self, inputs):
         latents, t, text = inputs

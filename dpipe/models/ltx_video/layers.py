@@ -90,7 +90,7 @@ class LTXHead(PipelineLayer):
         self.adopt("norm_out", transformer.norm_out, "norm_out")
         self.adopt("proj_out", transformer.proj_out, "proj_out")
         # A bare parameter of the transformer, kept under its own (dot-free) name.
-        self.scale_shift_table = transformer.scale_shift_table
+        self.adopt("scale_shift_table", transformer.scale_shift_table, "scale_shift_table")
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
         out = {}

@@ -120,12 +120,10 @@ class WanHead(PipelineLayer):
         super().__init__()
         self.adopt("norm_out", transformer.norm_out, "norm_out")
         self.adopt("proj_out", transformer.proj_out, "proj_out")
+        # At the transformer's top level: "" gives it its public name with no prefix. (Kept in
+        # a module, not adopted as a parameter, so checkpoints keep their key names.)
         self.adopt("table", _Table(transformer.scale_shift_table), "")
         self.patch_size = tuple(transformer.config.patch_size)
-
-    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
-        # The table lives at the transformer's top level: its public name has no prefix.
-        return {k.lstrip("."): v for k, v in super().denoiser_state_dict(trainable_only).items()}
 
     def forward(self, inputs):
         hidden, context, proj, temb, grid = inputs

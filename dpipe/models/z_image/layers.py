@@ -47,8 +47,8 @@ class ZImageEmbed(PipelineLayer):
         self.adopt("t_embedder", transformer.t_embedder, "t_embedder")
         self.adopt("cap_embedder", transformer.cap_embedder, "cap_embedder")
         # The pad tokens are Parameters at the denoiser's top level: same names here.
-        self.x_pad_token = transformer.x_pad_token
-        self.cap_pad_token = transformer.cap_pad_token
+        self.adopt("x_pad_token", transformer.x_pad_token, "x_pad_token")
+        self.adopt("cap_pad_token", transformer.cap_pad_token, "cap_pad_token")
         self.t_scale = float(cfg.t_scale)
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
