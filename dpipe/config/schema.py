@@ -39,7 +39,9 @@ class TimestepSampling(str, Enum):
     uniform = "uniform"  # every noise level alike
     # sigmoid(N(logit_mean, logit_std)): most steps at mid noise (SD3's and diffusers' default)
     logit_normal = "logit_normal"
-    sigmoid = "logit_normal"  # kohya's name for logit_normal (its `shift` scheme: with shift=N)
+    sigmoid = "logit_normal"  # kohya's name for logit_normal
+    # ... and its `shift` scheme's: logit_normal shifted by train.timesteps.shift (e.g. 3.0)
+    shifted_sigmoid = "logit_normal"
     # diffusers' mode sampling: uniform bent by mode_scale (> 0: more mid noise, < 0: the ends)
     mode = "mode"
     cosmap = "cosmap"  # SD3's CosMap: t = 1 - 1/(tan(pi/2 u) + 1), slightly towards mid noise

@@ -89,8 +89,9 @@ def test_eval_quantiles_are_the_sampled_distributions(cfg):
                                                                 abs=0.005)
 
 
-def test_sigmoid_is_logit_normals_other_name():
-    run = validate(_compose(["train.timesteps.sampling=sigmoid"]))
+@pytest.mark.parametrize("name", ["sigmoid", "shifted_sigmoid"])
+def test_sigmoid_is_logit_normals_other_name(name):
+    run = validate(_compose([f"train.timesteps.sampling={name}"]))
     assert run.train.timesteps.sampling is TimestepSampling.logit_normal
 
 
