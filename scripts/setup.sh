@@ -37,7 +37,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing dpipe and its dependencies"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import dpipe, deepspeed, diffusers, hydra" \
-  || { echo "[setup] the install failed; see the messages above" >&2; exit 1; }
+# DeepSpeed logs its accelerator choice on import: shown only when the import fails.
+if ! .venv/bin/python -c "import dpipe, deepspeed, diffusers, hydra" >/dev/null 2>&1; then
+  .venv/bin/python -c "import dpipe, deepspeed, diffusers, hydra"
+  echo "[setup] the install failed; see the messages above" >&2
+  exit 1
+fi
 echo "$want" > "$stamp"
-echo "[setup] ready: $(.venv/bin/python -c 'import torch, deepspeed, diffusers; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, diffusers {diffusers.__version__}")')"
+echo "[setup] ready: $(.venv/bin/python -c 'import torch, deepspeed, diffusers; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, diffusers {diffusers.__version__}")' 2>/dev/null | tail -n 1)"
