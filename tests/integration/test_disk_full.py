@@ -61,9 +61,15 @@ def small_disk(tmp_path):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("disk_full") / "straight"
-    result = dpipe_train(*train_args(run_dir, *RUN, "train.checkpoint_every_steps=2"))
+    # Its own cache dir: the size of this dataset's cache, whatever else the session cached.
+    result = dpipe_train(*train_args(run_dir, *RUN, "train.checkpoint_every_steps=2",
+                                     f"dataset.cache_dir={_own_cache(run_dir)}"))
     assert result.code == 0, f"{result.out}\n{result.err}"
     return run_dir
+
+
+def _own_cache(straight: Path) -> Path:
+    return straight.parent / "cache"
 
 
 def _sizes(straight: Path) -> tuple[int, int, int]:
@@ -130,9 +136,7 @@ def test_a_full_disk_at_the_export(straight, small_disk):
 def test_a_full_disk_while_caching(straight, small_disk, tmp_path):
     """The latents of a new cache dir on the small disk: the entries written are kept, and the
     next run makes only the rest."""
-    cache = _on_disk(Path(os.environ.get("DPIPE_CACHE", Path.home() / ".cache" / "dpipe"))
-                     / "latents")
-    small_disk.mount(max(8 * PAGE, cache // 8))
+    small_disk.mount(max(8 * PAGE, _on_disk(_own_cache(straight)) // 2))  # half the entries
     cache_dir = small_disk.where / "cache"
     args = (f"dataset.cache_dir={cache_dir}", "train.checkpoint_every_steps=0")
     run_dir = tmp_path / "run"
