@@ -534,7 +534,7 @@ class TrainConfig:
     seed: int = 42
     precision: Precision = Precision.fp32
     timesteps: TimestepConfig = field(default_factory=TimestepConfig)
-    # The error per element between prediction and target (dpipe.models.loss), weighted by the
+    # The error per element between prediction and target (dpipe.diffusion.loss), weighted by the
     # dataset's masks in every family.
     loss: LossKind = LossKind.mse
     huber_delta: float = 1.0  # train.loss=huber: where the error turns from squared to linear

@@ -1,10 +1,15 @@
-"""The training loss's per-element error (`train.loss`), one function for every family.
+"""The training loss: the per-element error (`train.loss`), the labels and the weighted mean,
+one of each for every family.
 
 Each family's `ModelSpec.loss` takes its prediction and target apart (packed tokens, reference
 tokens, video frames) and averages with its own weights (masks, min-SNR); the error per element
 between them is `ElementError`, chosen by the run. Huber and smooth L1 grow linearly beyond
 their threshold, so a few badly predicted elements (outlier timesteps, sharp mask edges) pull
 less on the update than under MSE.
+
+It lives with the diffusion math (timesteps, noise, flow-matching targets, min-SNR weights) and
+not with the models: it is a pure function of the noised batch's target, the prediction and the
+dataset's mask weights, the same for every family; a family only unpacks its tokens first.
 """
 
 from __future__ import annotations
@@ -43,3 +48,19 @@ def weighted_mean(error: torch.Tensor, weight: torch.Tensor | None = None) -> to
     if weight is None:
         return error.mean()
     return (weight.float() * error).mean()
+
+
+def weighted_labels(batch) -> tuple[torch.Tensor, ...]:
+    """(target,) or, when the dataset gives per-pixel loss weights (masks, (B, 1, h, w) at latent
+    resolution), (target, weight) for `weighted_mean`."""
+    weight = getattr(batch, "loss_weight", None)
+    return (batch.target,) if weight is None else (batch.target, weight)
+
+
+def video_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean of the per-element `error` against the target of (B, C, F, h, w) latents; mask
+    weights (labels[1], (B, 1, h, w)) broadcast over C and F."""
+    if len(labels) == 1:
+        return weighted_mean(error)
+    weight = labels[1]
+    return weighted_mean(error, weight.view(weight.shape[0], 1, 1, *weight.shape[-2:]))

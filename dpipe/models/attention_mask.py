@@ -64,6 +64,13 @@ def joint_padding_mask(*streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
     return (torch.arange(int(real.max()))[None, :] < real[:, None]).long()
 
 
+def key_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) bool mask of the first `lengths[i]` positions, made on the lengths' device.
+    Whether any mask is needed is decided where batches are made, on the CPU
+    (`has_padding`): reading the lengths on a GPU would make the host wait."""
+    return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
+
+
 def trim_or_drop(text: torch.Tensor, mask: torch.Tensor):
     """`trim_text_padding`, but a stream with no real token in any sample (HunyuanImage's and
     HunyuanVideo 1.5's glyph text without quoted words) keeps no positions at all."""

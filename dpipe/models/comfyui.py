@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dpipe.models.common.key_tables import swap_halves
 from dpipe.models.lora_files import NotInFormat
-from dpipe.models.single_file import swap_halves
 
 COMFY_PREFIX = "diffusion_model."
 

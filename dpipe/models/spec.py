@@ -29,9 +29,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dpipe.config.schema import ModelConfig, TrainConfig
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.diffusion.loss import ElementError
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.adapters import is_adapter_param
-from dpipe.models.loss import ElementError
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class ModelSpec(abc.ABC):
                               "and model.max_t=1")
 
     def use_loss(self, train: TrainConfig) -> None:
-        """Makes `loss` average the error of `train.loss` (dpipe.models.loss)."""
+        """Makes `loss` average the error of `train.loss` (dpipe.diffusion.loss)."""
         self.element_error = ElementError.of(train)
 
     def train_timesteps(self, t: torch.Tensor) -> torch.Tensor:

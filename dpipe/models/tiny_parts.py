@@ -54,7 +54,7 @@ def tiny_corpus() -> list[str]:
     return lines + _EXTRA
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's byte -> printable character table; its order is the order of CLIP's vocab."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
@@ -87,13 +87,13 @@ def train_clip_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[
     ])
     words = Counter(word for line in tiny_corpus()
                     for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
-    merges = _learn_bpe({(*w[:-1], w[-1] + "</w>"): n for w, n in words.items()}, num_merges)
-    alphabet = list(_bytes_to_unicode().values())
+    merges = learn_bpe({(*w[:-1], w[-1] + "</w>"): n for w, n in words.items()}, num_merges)
+    alphabet = list(bytes_to_unicode().values())
     vocab = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
     return tuple(vocab + [CLIP_BOS, CLIP_EOS]), merges
 
 
-def _learn_bpe(words: dict[tuple[str, ...], int], num_merges: int) -> tuple[tuple[str, str], ...]:
+def learn_bpe(words: dict[tuple[str, ...], int], num_merges: int) -> tuple[tuple[str, str], ...]:
     """Textbook BPE: merge the most frequent adjacent pair, again and again.
 
     Written out rather than using `tokenizers.trainers.BpeTrainer`, which breaks ties between
@@ -243,11 +243,6 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-def round_up(n: int, multiple: int) -> int:
-    """Embedding tables of real checkpoints are padded past the tokenizer (T5: 32100 -> 32128)."""
-    return -(-n // multiple) * multiple
 
 
 def write_atomically(target_dir: Path, writer_fn: Callable[[Path], None]) -> Path:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.comfyui import apply_comfy_lora
-from dpipe.models.flux.bfl import flux1_layout, flux2_layout, from_bfl, to_bfl
+from dpipe.models.common.bfl_layout import flux1_layout, flux2_layout, from_bfl, to_bfl
 from dpipe.models.flux.tiny import write_bfl_single_file
 from dpipe.models.registry import build_spec
 
@@ -295,7 +295,7 @@ def test_flux1_comfyui_lora_is_what_diffusers_reads_as_kohya_at_real_sizes():
     from diffusers import FluxTransformer2DModel
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
 
-    from dpipe.models.flux.bfl import comfyui_lora
+    from dpipe.models.common.bfl_layout import comfyui_lora
 
     config = dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,

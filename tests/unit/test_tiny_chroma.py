@@ -157,9 +157,9 @@ def test_mask_weights_follow_the_packing(spec):
                             timesteps=torch.tensor([0.5]), loss_weight=weight)
     inputs, labels = spec.make_inputs(batch)
     error = torch.randn(1, 4, 16, 16)
-    from dpipe.models.flux.spec import _pack
+    from dpipe.models.common.latent_packing import pack
 
-    out = labels[0] + _pack(error)
+    out = labels[0] + pack(error)
     expected = error[:, :, 8:].square().sum() / error.numel()
     torch.testing.assert_close(spec.loss(out, labels), expected)
 

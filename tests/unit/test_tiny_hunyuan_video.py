@@ -21,7 +21,7 @@ from dpipe.models.comfyui import peft_pairs
 from dpipe.models.hunyuan_video.spec import (
     COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideoSpec, comfyui_mapping, prompt_template)
 from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
-from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
     attention_masks_of_layers_and_diffusers, deltas, lora_denoiser, lora_state_dict, micro_batch)

@@ -21,7 +21,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from dpipe.config.schema import ModelConfig
 from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSpec, pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
-from dpipe.models.qwen_image.tiny_tokenizer import TEMPLATES
+from dpipe.models.common.tiny_qwen_tokenizer import TEMPLATES
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 

@@ -11,15 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
-
-
-def needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # Frozen embedders (LoRA) give outputs without grad; DeepSpeed's backward of the first stage
-    # needs a leaf that requires one (see docs: "Pipeline stage I/O").
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 class AuraFlowEmbed(PipelineLayer):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
 from dpipe.models.diffusers_folder import (
@@ -31,7 +32,6 @@ from dpipe.models.lora_files import (
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.tiny_parts import round_up, seeded, tiny_corpus, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.tiny_parts import seeded, tiny_corpus, write_atomically
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # UMT5 d_model = transformer joint_attention_dim

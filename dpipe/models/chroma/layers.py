@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
-from dpipe.models.flux.layers import _needs_grad
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -34,7 +34,7 @@ class ChromaEmbed(PipelineLayer):
         mods = self.distilled_guidance_layer(self.time_text_embed(t.to(hidden.dtype) * 1000))
         text_hidden = self.context_embedder(text)
         ids = torch.cat([txt_ids, img_ids], dim=0).long()
-        return _needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(mods), ids, mask
+        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(mods), ids, mask
 
 
 class ChromaDoubleBlock(PipelineLayer):

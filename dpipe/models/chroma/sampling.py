@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.flux.sampling import unpack
+from dpipe.models.common.latent_packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 

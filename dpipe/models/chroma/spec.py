@@ -26,19 +26,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
+from dpipe.models.common.latent_packing import image_ids, pack
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.spec import _image_ids, _pack
 from dpipe.models.lora_files import (
     lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -145,7 +145,7 @@ class ChromaSpec(ModelSpec):
 
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
-        packed = _pack(batch.noisy)
+        packed = pack(batch.noisy)
         # Cut after the longest prompt (and its one attended pad token): at one sample per
         # micro-batch no padding is left and no attention call gets a mask (attention_mask.py).
         text, text_mask = trim_text_padding(batch.text["t5"], batch.text["mask"] > 0.5)
@@ -154,12 +154,12 @@ class ChromaSpec(ModelSpec):
             # The transformer's mask covers text then image tokens; every image token attends.
             mask = torch.cat([mask, torch.ones(b, packed.shape[1], dtype=torch.long)], dim=1)
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
-        inputs = (packed, batch.timesteps, text, mask, txt_ids, _image_ids(h // 2, w // 2))
+        inputs = (packed, batch.timesteps, text, mask, txt_ids, image_ids(h // 2, w // 2))
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         if weight is None:
-            return inputs, (_pack(batch.target),)
+            return inputs, (pack(batch.target),)
         # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
         # labels: (target,) or (target, weight) with per-element loss weights (masks)

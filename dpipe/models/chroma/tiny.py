@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32

@@ -1,5 +1,7 @@
 """FLUX.1 and FLUX.2 in Black Forest Labs' original layout: single files and ComfyUI LoRAs.
 
+Shared by the flux, flux_kontext and flux2 families (one layout, two table versions).
+
 Users hold FLUX transformers as one safetensors file in BFL's layout (`flux1-dev.safetensors`,
 `flux2-dev.safetensors`: `double_blocks.N.img_attn.qkv.weight`, ...), often with ComfyUI's
 `model.diffusion_model.` prefix. That layout fuses what diffusers keeps apart: q, k, v into one
@@ -24,15 +26,11 @@ from typing import Any
 
 import torch
 
-from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
+from dpipe.models.common.key_tables import FINAL_MODULATION, FusedLinear, from_original, to_original
 
 # (BFL module, the diffusers modules stacked in it, their output sizes; None where one module
 # maps to one, so nothing is split)
 Linear = FusedLinear
-
-# BFL's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
-_SWAPPED = {"final_layer.adaLN_modulation.1"}
-
 
 def _one(bfl: str, diffusers: str) -> Linear:
     return bfl, [diffusers], [None]
@@ -132,14 +130,7 @@ def _single_norms(o: str, d: str) -> dict[str, str]:
 def to_bfl(state_dict: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
     """A diffusers transformer state dict in BFL's layout (fused Linears concatenated in order)."""
     linears, norms = layout
-    out, used = stack_fused(state_dict, linears, _SWAPPED)
-    for bfl, diffusers in norms.items():
-        out[bfl] = state_dict[diffusers]
-        used.add(diffusers)
-    left = sorted(set(state_dict) - used)
-    if left:
-        raise ValueError(f"no BFL name for {', '.join(left[:5])}")
-    return out
+    return to_original(state_dict, linears, "BFL", norms)
 
 
 def from_bfl(native: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
@@ -147,11 +138,7 @@ def from_bfl(native: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]
     layout does not know pass through unchanged (a file already in diffusers names loads as it
     is; anything else is reported by the caller as unexpected)."""
     linears, norms = layout
-    out = split_fused(native, linears, _SWAPPED)
-    for bfl, diffusers in norms.items():
-        if bfl in out:
-            out[diffusers] = out.pop(bfl)
-    return out
+    return from_original(native, linears, norms)
 
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict[str, torch.Tensor]:
@@ -166,7 +153,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float, layout) -> dict
     and ComfyUI applies scale 1 (what it does without an alpha)."""
     from dpipe.models.comfyui import to_comfyui
 
-    return to_comfyui(weights, scale, layout[0], swapped=_SWAPPED)
+    return to_comfyui(weights, scale, layout[0], swapped=FINAL_MODULATION)
 
 
 COMFYUI_PREFIX = "model.diffusion_model."

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe, tiny_corpus
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus
 
 # Llama-3's pre-tokenizer split (as in its tokenizer.json).
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -35,7 +35,7 @@ def _llama3_pre_tokenizer():
 
 @lru_cache(maxsize=4)
 def train_llama3_bpe(extra_text: tuple[str, ...] = (), num_merges: int = 768):
-    """Byte-level BPE merges learnt (deterministically, see tiny_parts._learn_bpe) on the test
+    """Byte-level BPE merges learnt (deterministically, see tiny_parts.learn_bpe) on the test
     captions plus `extra_text` (e.g. a prompt template), split exactly as Llama-3 splits text."""
     splitter = _llama3_pre_tokenizer()
     words: dict[tuple[str, ...], int] = {}
@@ -43,8 +43,8 @@ def train_llama3_bpe(extra_text: tuple[str, ...] = (), num_merges: int = 768):
         for word, _ in splitter.pre_tokenize_str(line):
             key = tuple(word)
             words[key] = words.get(key, 0) + 1
-    merges = _learn_bpe(words, num_merges)
-    vocab = list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    merges = learn_bpe(words, num_merges)
+    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
     return tuple(vocab), merges
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from tokenizers import Regex, normalizers, pre_tokenizers
 
-from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe, tiny_corpus
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus
 
 # transformers' Qwen2Tokenizer pre-tokenizer (the real tokenizer.json has the same regex).
-_QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 # Added tokens in the order of the real Qwen2 / Qwen2.5-VL vocab (151643 ...); `special` as there.
-_QWEN2_ADDED = [
+QWEN2_ADDED = [
     ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
     ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
     ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
@@ -84,7 +84,7 @@ def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[
     """(vocab, merges): the 256 byte symbols, then one token per merge, learnt on `tiny_corpus()`
     (plus the chat-template words) split as Qwen splits text."""
     splitter = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     normalizer = normalizers.NFC()
@@ -94,8 +94,8 @@ def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[
     lines = tiny_corpus() + [t.replace("{}", "") for t in TEMPLATES] * 2
     words = Counter(word for line in lines
                     for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
-    merges = _learn_bpe({tuple(w): n for w, n in words.items()}, num_merges)
-    vocab = list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    merges = learn_bpe({tuple(w): n for w, n in words.items()}, num_merges)
+    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
     return tuple(vocab), merges
 
 
@@ -108,7 +108,7 @@ def save_qwen_tokenizer(directory: Path, flavor: str, model_max_length: int = 13
     if flavor not in ("qwen2.5-vl", "qwen3"):
         raise ValueError(f"unknown Qwen tokenizer flavor {flavor!r}")
     vocab, merges = train_qwen_bpe()
-    added = _QWEN2_ADDED + (_QWEN3_EXTRA if flavor == "qwen3" else [])
+    added = QWEN2_ADDED + (_QWEN3_EXTRA if flavor == "qwen3" else [])
     ids = {token: len(vocab) + i for i, (token, _) in enumerate(added)}
     directory.mkdir(parents=True, exist_ok=True)
     vocab_ids = {t: i for i, t in enumerate(vocab)}

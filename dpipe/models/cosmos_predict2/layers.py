@@ -25,16 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
-
-
-def _needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
-    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
@@ -72,7 +65,7 @@ class CosmosEmbed(PipelineLayer):
             temb, embedded = self.time_embed(hidden, t)
         if self.projects_text:
             text = self.crossattn_proj(text)
-        return (_needs_grad(hidden), _needs_grad(text), _needs_grad(temb), _needs_grad(embedded),
+        return (needs_grad(hidden), needs_grad(text), needs_grad(temb), needs_grad(embedded),
                 grid)
 
 

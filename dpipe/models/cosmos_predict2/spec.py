@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
@@ -47,7 +48,6 @@ from dpipe.models.lora_files import (
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")

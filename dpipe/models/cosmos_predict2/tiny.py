@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512

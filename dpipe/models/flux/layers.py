@@ -10,15 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
-
-
-def _needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
-    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 class FluxEmbed(PipelineLayer):
@@ -38,7 +31,7 @@ class FluxEmbed(PipelineLayer):
             temb = self.time_text_embed(timestep, pooled)
         text_hidden = self.context_embedder(text)
         ids = torch.cat([txt_ids, img_ids], dim=0).long()
-        return _needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb), ids
+        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), ids
 
 
 class FluxBlock(PipelineLayer):

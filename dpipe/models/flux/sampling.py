@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.models.common.latent_packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
-
-
-def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B, h/2 * w/2, 4C) -> (B, C, h, w) shaped as `like`: the inverse of FLUX's packing."""
-    b, c, h, w = like.shape
-    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
 
 
 class FluxSampling(FamilySampling):

@@ -5,7 +5,7 @@ own `FluxPipeline` so prompts are tokenised and embedded exactly as at inference
 may instead come from one file in Black Forest Labs' layout (`flux1-dev.safetensors`, with or
 without ComfyUI's `model.diffusion_model.` prefix): model.path names the file and
 model.single_file_config the diffusers folder that gives the VAE, text encoders and configs.
-LoRAs are written for diffusers and for ComfyUI (BFL layout, fused q/k/v: see `flux/bfl.py`).
+LoRAs are written for diffusers and for ComfyUI (BFL layout, fused q/k/v: see `common/bfl_layout.py`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import torch
 from torch import nn
 
 from dpipe.config.schema import TrainMode
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.common.bfl_layout import comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format
+from dpipe.models.common.latent_packing import image_ids, pack
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.bfl import comfyui_lora, flux1_layout, from_bfl, save_bfl_file, source_format
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.loss import weighted_mean
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, denoiser_config,
@@ -155,19 +156,19 @@ class FluxSpec(ModelSpec):
 
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
-        packed = _pack(batch.noisy)
+        packed = pack(batch.noisy)
         text = batch.text["t5"]
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
-        img_ids = _image_ids(h // 2, w // 2)
+        img_ids = image_ids(h // 2, w // 2)
         guidance = getattr(batch, "guidance", None)  # set when sampling
         if guidance is None:
             guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         if weight is None:
-            return inputs, (_pack(batch.target),)
+            return inputs, (pack(batch.target),)
         # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (_pack(batch.target), _pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
     def loss(self, outputs, labels) -> torch.Tensor:
         # labels: (target,) or (target, weight) with per-element loss weights (masks)
@@ -237,17 +238,3 @@ class FluxSpec(ModelSpec):
         packed, _t, text = inputs[:3]
         seq = packed.shape[1] + text.shape[1]
         return joint_attention_train_flops(denoiser, packed.shape[0], seq, full)
-
-
-def _pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): FLUX's 2x2 patch packing (as FluxPipeline._pack_latents)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def _image_ids(h: int, w: int) -> torch.Tensor:
-    ids = torch.zeros(h, w, 3, dtype=torch.long)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3)

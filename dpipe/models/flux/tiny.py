@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from dpipe.models.common.shapes import round_up
 from dpipe.models.tiny_parts import (
-    round_up, save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
@@ -45,11 +46,11 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
             raise FileExistsError(
                 f"{path} exists but has no model_index.json, so it is not a tiny model written by"
                 " make_tiny_flux; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write_tiny_flux(tmp, seed))
+        write_atomically(path, lambda tmp: write_tiny_flux(tmp, seed))
     return path
 
 
-def _write_tiny_flux(out: Path, seed: int) -> None:
+def write_tiny_flux(out: Path, seed: int) -> None:
     from diffusers import (
         AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
     from transformers import (
@@ -135,6 +136,6 @@ def write_bfl_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The transformer of a tiny FLUX.1 / Kontext / FLUX.2 diffusers folder as one safetensors file
     in Black Forest Labs' layout (`flux1-dev.safetensors`, `flux2-dev.safetensors`), each key
     after `prefix` ("model.diffusion_model." gives ComfyUI's layout), in the folder's dtype."""
-    from dpipe.models.flux.bfl import save_bfl_file
+    from dpipe.models.common.bfl_layout import save_bfl_file
 
     return save_bfl_file(Path(folder) / "transformer", file, prefix)

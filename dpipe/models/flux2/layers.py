@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.flux.layers import _needs_grad
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -49,8 +49,8 @@ class Flux2Embed(PipelineLayer):
                 self.single_stream_modulation(temb))
         text_hidden = self.context_embedder(text)
         ids = torch.cat([txt_ids, img_ids], dim=0).long()
-        return (_needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb),
-                *(_needs_grad(m) for m in mods), ids)
+        return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb),
+                *(needs_grad(m) for m in mods), ids)
 
 
 class Flux2DoubleBlock(PipelineLayer):

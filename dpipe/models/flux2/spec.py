@@ -19,7 +19,7 @@ Single files: model.path may name the transformer as one file in Black Forest La
 (`flux2-dev.safetensors`, with or without ComfyUI's `model.diffusion_model.` prefix), converted
 by diffusers' own `convert_flux2_transformer_checkpoint_to_diffusers`; model.single_file_config
 then names the diffusers folder for the VAE, text encoder and configs. LoRAs are written for
-diffusers and for ComfyUI (BFL layout, q/k/v fused: see `flux/bfl.py`).
+diffusers and for ComfyUI (BFL layout, q/k/v fused: see `common/bfl_layout.py`).
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.bfl_layout import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.flux.bfl import comfyui_lora, flux2_layout, save_bfl_file, source_format
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")

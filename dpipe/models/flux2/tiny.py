@@ -137,16 +137,16 @@ def save_processor(directory: Path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe
+    from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe
 
     split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     # The system message starts every prompt: weighted so that its words become single tokens
     # (as in the real vocabulary) and a short max_sequence_length still reaches the caption.
     lines = tiny_corpus() + SYSTEM_MESSAGE.splitlines() * 8
     words = Counter(w for line in lines for w, _ in split.pre_tokenize_str(line))
-    merges = _learn_bpe({tuple(w): n for w, n in words.items()}, 600)
+    merges = learn_bpe({tuple(w): n for w, n in words.items()}, 600)
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for token in list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]:
+    for token in list(bytes_to_unicode().values()) + ["".join(m) for m in merges]:
         vocab.setdefault(token, len(vocab))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False))
     backend.pre_tokenizer = split

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.flux.sampling import FluxSampling, unpack
+from dpipe.models.common.latent_packing import unpack
+from dpipe.models.flux.sampling import FluxSampling
 from dpipe.models.sampling import Denoising, SampleRequest
 
 

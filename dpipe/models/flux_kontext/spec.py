@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.latent_packing import image_ids, pack
 from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
-from dpipe.models.flux.spec import REQUIRED_PARTS, FluxSpec, _image_ids, _pack
+from dpipe.models.flux.spec import REQUIRED_PARTS, FluxSpec
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.spec import NoisedBatch
 
@@ -63,9 +64,9 @@ class FluxKontextSpec(FluxSpec):
                           "control_dir to train edits", stacklevel=2)
             return inputs, labels
         packed, t, text, pooled, guidance, txt_ids, img_ids = inputs
-        ref_ids = _image_ids(control.shape[-2] // 2, control.shape[-1] // 2)
+        ref_ids = image_ids(control.shape[-2] // 2, control.shape[-1] // 2)
         ref_ids[:, 0] = 1
-        packed = torch.cat([packed, _pack(control.to(packed.dtype))], dim=1)
+        packed = torch.cat([packed, pack(control.to(packed.dtype))], dim=1)
         img_ids = torch.cat([img_ids, ref_ids], dim=0)
         return (packed, t, text, pooled, guidance, txt_ids, img_ids), labels
 

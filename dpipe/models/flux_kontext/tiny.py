@@ -29,9 +29,9 @@ def make_tiny_flux_kontext(path: Path, seed: int = 0) -> Path:
 
 
 def _write(out: Path, seed: int) -> None:
-    from dpipe.models.flux.tiny import _write_tiny_flux
+    from dpipe.models.flux.tiny import write_tiny_flux
 
-    _write_tiny_flux(out, seed)
+    write_tiny_flux(out, seed)
     index = json.loads((out / "model_index.json").read_text())
     index["_class_name"] = "FluxKontextPipeline"
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -23,17 +23,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.hidream.moe import make_sync_free
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
-
-
-def needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # Frozen embedders (LoRA) give outputs without grad; DeepSpeed's backward of the first stage
-    # needs a leaf that requires one (see docs: "Pipeline stage I/O").
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 class HiDreamEmbed(PipelineLayer):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ModelLoadError
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
@@ -39,7 +40,6 @@ from dpipe.models.lora_files import (
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
                   "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")

@@ -11,7 +11,7 @@ folder); the tiny model puts a tiny Llama there, and model_index.json leaves bot
 the real one does.
 
 Not reproduced: the real vocabularies (the Llama tokenizer is a byte-level BPE learnt on the test
-captions, as `dpipe.models.hunyuan_video.tokenizers` writes it).
+captions, as `dpipe.models.common.tiny_llama3_tokenizer` writes it).
 
 Sizes: 64x64 images -> VAE (4x, 16 channels) -> 16x16 latents -> 2x2 patches -> 64 tokens of 32.
 """
@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dpipe.models.common.shapes import round_up
 from dpipe.models.tiny_parts import (
-    round_up, save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
 LATENT_CHANNELS = 16
 CLIP_L, CLIP_G, T5_DIM, LLAMA_DIM = 32, 48, 32, 32
@@ -51,7 +52,7 @@ def _write(out: Path, seed: int) -> None:
         CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, LlamaConfig, LlamaForCausalLM,
         T5Config, T5EncoderModel, T5TokenizerFast)
 
-    from dpipe.models.hunyuan_video.tokenizers import save_llama3_tokenizer
+    from dpipe.models.common.tiny_llama3_tokenizer import save_llama3_tokenizer
 
     clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_POSITIONS)
     save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_POSITIONS)

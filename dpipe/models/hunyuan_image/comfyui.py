@@ -28,8 +28,9 @@ from typing import Any, Iterator
 import torch
 
 from dpipe.models.comfyui import to_comfyui
-from dpipe.models.hunyuan_image.original import comfyui_module, layout
-from dpipe.models.hunyuan_video.original import SWAPPED
+from dpipe.models.common.comfyui_hunyuan import comfyui_module
+from dpipe.models.common.key_tables import FINAL_MODULATION
+from dpipe.models.hunyuan_image.original import layout
 
 
 def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], list[int | None]]]:
@@ -44,7 +45,7 @@ def comfyui_mapping(config: dict[str, Any]) -> Iterator[tuple[str, list[str], li
 
 def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
                  config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return to_comfyui(weights, scale, comfyui_mapping(config), swapped=SWAPPED)
+    return to_comfyui(weights, scale, comfyui_mapping(config), swapped=FINAL_MODULATION)
 
 
 def comfyui_block_weights(state_dict: dict[str, torch.Tensor],

@@ -21,16 +21,9 @@ from torch import nn
 
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask, padding_mask, real_tokens
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
-
-
-def needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # Frozen embedders (LoRA) give outputs without grad; DeepSpeed's backward of the first stage
-    # needs a leaf that requires one (see docs: "Pipeline stage I/O").
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 def order_text(text, mask, glyph, glyph_mask):

@@ -31,8 +31,8 @@ One table (`layout`) lists every weight of the original layout with the diffuser
 in it, at the model's own sizes; it drives loading (`from_original`), writing a file in that
 layout (tiny files for tests, a full fine-tune back in the layout it came in: `to_original`),
 the split form (`_split`) and, through `comfyui_key`, the ComfyUI LoRA (`comfyui.py`). It is
-driven by the same fused-Linear code as FLUX's BFL layout (`flux/bfl.py`), whose final layer is
-swapped alike.
+driven by the shared table engine (`dpipe.models.common.key_tables`), as FLUX's BFL layout is;
+the final layer is swapped alike.
 No real HunyuanImage file was loaded here (offline): the names rest on the sources above.
 """
 
@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.models.flux.bfl import from_bfl, to_bfl
 # ComfyUI runs this model on its HunyuanVideo code, renaming the file's keys as for HunyuanVideo.
-from dpipe.models.hunyuan_video.original import comfyui_key, comfyui_module  # noqa: F401
+from dpipe.models.common.comfyui_hunyuan import comfyui_key
+from dpipe.models.common.key_tables import from_original as _split_original, to_original as _stack_original
 
 # (original module, the diffusers modules stacked in it along the output, their output sizes;
 # None for weights that are never split and are no LoRA target: norms, embedders' inputs, head)
@@ -118,7 +118,7 @@ def layout(config: dict[str, Any]) -> list[Linear]:
         out += _mlp("time_r_in", f"{g}.timestep_embedder_r", hidden)
     if config.get("guidance_embeds"):
         out += _mlp("guidance_in", f"{g}.guidance_embedder", hidden)
-    # (shift, scale) in the file: flux.bfl swaps this name to diffusers' (scale, shift)
+    # (shift, scale) in the file: common.key_tables swaps it to diffusers' (scale, shift)
     out += [_one("final_layer.linear", "proj_out"),
             _one("final_layer.adaLN_modulation.1", "norm_out.linear", 2 * hidden)]
     return out
@@ -167,7 +167,7 @@ def to_original(state_dict: dict[str, torch.Tensor], config: dict[str, Any],
     """A diffusers state dict in the original layout, in `form` (fused weights concatenated in
     order); every weight must have a place (ValueError naming those without)."""
     table = layout(config)
-    native = to_bfl(state_dict, (_split(table) if form == SPLIT else table, {}))
+    native = _stack_original(state_dict, _split(table) if form == SPLIT else table, "original HunyuanImage")
     return {comfyui_key(k): v for k, v in native.items()} if form == COMFYUI else native
 
 
@@ -180,4 +180,4 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
         known = {f"{m}.{p}" for m, _, _ in table for p in ("weight", "bias")}
         renamed = {comfyui_key(k): k for k in known}
         state = {renamed.get(k, k): v for k, v in state.items()}
-    return from_bfl(state, (_split(table) if form == SPLIT else table, {}))
+    return _split_original(state, _split(table) if form == SPLIT else table)

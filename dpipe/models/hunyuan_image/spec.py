@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
@@ -35,7 +36,6 @@ from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-from dpipe.models.loss import weighted_mean
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dpipe.models.tiny_parts import _bytes_to_unicode, _learn_bpe, seeded, tiny_corpus, write_atomically
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, seeded, tiny_corpus, write_atomically
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -123,27 +123,27 @@ def write_single_file(folder: Path, file: Path, prefix: str = "", form: str = "f
 
 
 def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
-    """A Qwen2.5-VL tokenizer folder as `dpipe.models.qwen_image.tiny_tokenizer` writes it, with
+    """A Qwen2.5-VL tokenizer folder as `dpipe.models.common.tiny_qwen_tokenizer` writes it, with
     merges learnt on the test captions plus `template` (so its words are whole tokens).
     Returns {added token: id}."""
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    from dpipe.models.qwen_image import tiny_tokenizer as qt
+    from dpipe.models.common import tiny_qwen_tokenizer as qt
 
     splitter = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(qt._QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(qt.QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    specials = [t for t, _ in qt._QWEN2_ADDED]
+    specials = [t for t, _ in qt.QWEN2_ADDED]
     plain = template
     for s in specials:
         plain = plain.replace(s, "\n")  # split there, as the added tokens split the text
     lines = tiny_corpus() + [plain] * 4  # seen often enough for every word to merge fully
     words = Counter(w for line in lines
                     for w, _ in splitter.pre_tokenize_str(normalizers.NFC().normalize_str(line)))
-    merges = _learn_bpe({tuple(w): n for w, n in words.items()}, 768)
-    vocab = list(_bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    merges = learn_bpe({tuple(w): n for w, n in words.items()}, 768)
+    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
     ids = {t: len(vocab) + i for i, t in enumerate(specials)}
     directory.mkdir(parents=True, exist_ok=True)
     vocab_ids = {t: i for i, t in enumerate(vocab)}
@@ -157,7 +157,7 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
     _write_json(directory / "tokenizer_config.json", {
         "add_bos_token": False, "add_prefix_space": False,
         "added_tokens_decoder": {str(ids[t]): {"content": t, **entry, "special": s}
-                                 for t, s in qt._QWEN2_ADDED},
+                                 for t, s in qt.QWEN2_ADDED},
         "bos_token": None, "chat_template": qt.QWEN2_VL_CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
         "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,

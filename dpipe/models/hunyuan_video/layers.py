@@ -15,16 +15,9 @@ from torch import nn
 
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
-
-
-def needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
-    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 def rotary(rope: nn.Module, grid: torch.Tensor, patch: int, patch_t: int, device) -> tuple:

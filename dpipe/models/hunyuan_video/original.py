@@ -18,6 +18,7 @@ import re
 import torch
 from torch import nn
 
+from dpipe.models.common.comfyui_hunyuan import comfyui_module
 from dpipe.models.single_file import FusedWeights, block_original_module
 
 # A key every original HunyuanVideo transformer has (diffusers detects the family by it).
@@ -110,23 +111,6 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out | fused.stacked()
 
 
-# The renames ComfyUI applies to the original keys when it loads a file of the HunyuanVideo
-# family (HunyuanVideo, 1.5 and HunyuanImage 2.1 all run on its HunyuanVideo model code), in its
-# order (the embedder MLPs before the generic `mlp.fc1`, which they do not match anyway). Its
-# modules, and so the names its LoRA loader addresses first, are the renamed ones.
-COMFYUI_RENAMES = [
-    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
-    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
-    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
-    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
-    ("_mod.linear.", "_mod.lin."), ("_attn_qkv.", "_attn.qkv."),
-    ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
-    ("_attn_q_norm.weight", "_attn.norm.query_norm.scale"),
-    ("_attn_k_norm.weight", "_attn.norm.key_norm.scale"),
-    (".q_norm.weight", ".norm.query_norm.scale"), (".k_norm.weight", ".norm.key_norm.scale"),
-    ("_attn_proj.", "_attn.proj."), (".modulation.linear.", ".modulation.lin."),
-    ("_in.mlp.2.", "_in.out_layer."), ("_in.mlp.0.", "_in.in_layer."),
-]
 # ComfyUI's LoRA loader also reads a HunyuanVideo LoRA under the original names (the format of
 # diffusion-pipe's LoRAs) by undoing these renames of its module names; it does not undo the
 # embedders' (`time_in.in_layer` stays, where the original says `time_in.mlp.0`).
@@ -134,19 +118,6 @@ _UNDONE_FOR_LORAS = [
     ("_mod.lin.", "_mod.linear."), ("_attn.qkv.", "_attn_qkv."), ("_attn.proj.", "_attn_proj."),
     ("mlp.0.", "mlp.fc1."), ("mlp.2.", "mlp.fc2."), (".modulation.lin.", ".modulation.linear."),
 ]
-# The final modulation emits (shift, scale) in the original, (scale, shift) in diffusers.
-SWAPPED = {"final_layer.adaLN_modulation.1"}
-
-
-def comfyui_key(key: str) -> str:
-    """An original key as ComfyUI names it inside its model."""
-    for old, new in COMFYUI_RENAMES:
-        key = key.replace(old, new)
-    return key
-
-
-def comfyui_module(module: str) -> str:
-    return comfyui_key(module + ".").removesuffix(".")
 
 
 def lora_module(original: str) -> str:

@@ -55,7 +55,7 @@ class HunyuanVideoSampling(FamilySampling):
         from diffusers import HunyuanVideoPipeline
 
         from dpipe.models.hunyuan_video.spec import prompt_template
-        from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+        from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
         # The tokenizer as dpipe loads it (transformers 5 would drop its byte-level
         # pre-tokenizer: tokenizers.py), and the template cropped where the prompt starts with

@@ -18,18 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpipe.diffusion.loss import video_loss, weighted_labels
 from dpipe.errors import DataError
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
+from dpipe.models.common.key_tables import FINAL_MODULATION
+from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
-from dpipe.models.hunyuan_video.original import SWAPPED, from_original, lora_linears
+from dpipe.models.hunyuan_video.original import from_original, lora_linears
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.loss import weighted_mean
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, block_costs, denoiser_config,
@@ -50,20 +52,6 @@ _BLOCK_LINEARS = [
     r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
 ]
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
-
-
-def frames_ok(frames: int, temporal_ratio: int) -> bool:
-    """Causal video VAEs encode the first frame alone, then groups of `temporal_ratio`."""
-    return frames >= 1 and (frames - 1) % temporal_ratio == 0
-
-
-def as_video(pixels: torch.Tensor) -> torch.Tensor:
-    """(B, 3, H, W) images -> (B, 3, 1, H, W) one-frame videos; (B, 3, F, H, W) as is."""
-    if pixels.ndim == 4:
-        return pixels.unsqueeze(2)
-    if pixels.ndim == 5:
-        return pixels
-    raise ValueError(f"expected pixels of shape (B, 3, H, W) or (B, 3, F, H, W), got {tuple(pixels.shape)}")
 
 
 class HunyuanVideoSpec(ModelSpec):
@@ -104,7 +92,7 @@ class HunyuanVideoSpec(ModelSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import HunyuanVideoPipeline
 
-        from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+        from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
         # HunyuanVideo pads prompts on the right and crops its template off the front.
         tokenizer = load_or_fail(lambda: load_byte_level_tokenizer(
@@ -187,7 +175,7 @@ class HunyuanVideoSpec(ModelSpec):
         # attention then runs unmasked, on SDPA's flash kernel.
         text, text_mask = trim_text_padding(batch.text["llama"], batch.text["mask"].long())
         inputs = (batch.noisy, batch.timesteps, text, text_mask, batch.text["pooled"], guidance)
-        return inputs, loss_labels(batch)
+        return inputs, weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return video_loss(self.element_error(outputs, labels[0]), labels)
@@ -201,7 +189,7 @@ class HunyuanVideoSpec(ModelSpec):
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights), swapped=SWAPPED), {"format": "comfyui"})])
+                self._transformer_config(), weights), swapped=FINAL_MODULATION), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.hunyuan_video.original import original_state_dict
@@ -259,21 +247,6 @@ class HunyuanVideoSpec(ModelSpec):
         tokens = (f // c.patch_size_t) * (h // c.patch_size) * (w // c.patch_size)
         seq = tokens + text.shape[1]  # joint attention over video and (trimmed) text tokens
         return joint_attention_train_flops(denoiser, b, seq, full)
-
-
-def loss_labels(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:
-    """(target,) or, when the dataset has masks, (target, per-pixel weight (B, 1, 1, h, w))."""
-    weight = getattr(batch, "loss_weight", None)
-    return (batch.target,) if weight is None else (batch.target, weight)
-
-
-def video_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The mean of the per-element `error` against the target of (B, C, F, h, w) latents; mask
-    weights (labels[1], (B, 1, h, w)) broadcast over C and F."""
-    if len(labels) == 1:
-        return weighted_mean(error)
-    weight = labels[1]
-    return weighted_mean(error, weight.view(weight.shape[0], 1, 1, *weight.shape[-2:]))
 
 
 def prompt_template(tokenizer) -> dict[str, Any]:

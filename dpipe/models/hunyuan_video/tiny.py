@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.hunyuan_video.tokenizers import LLAMA3_SPECIALS, save_llama3_tokenizer
-from dpipe.models.tiny_parts import round_up, save_clip_tokenizer, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.common.tiny_llama3_tokenizer import LLAMA3_SPECIALS, save_llama3_tokenizer
+from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_atomically
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # LLaMA hidden size (text_embed_dim) and CLIP hidden size (pooled_projection_dim)
@@ -49,7 +51,7 @@ def _write(out: Path, seed: int) -> None:
     from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
 
-    from dpipe.models.hunyuan_video.tokenizers import load_byte_level_tokenizer
+    from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
     llama_vocab = save_llama3_tokenizer(out / "tokenizer",
                                         extra_text=(DEFAULT_PROMPT_TEMPLATE["template"],))
@@ -102,21 +104,6 @@ def _write(out: Path, seed: int) -> None:
     # The real folder names LlamaTokenizerFast (which transformers 5 loads wrongly; see tokenizers.py).
     index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
-                 dtype: torch.dtype = DTYPE) -> None:
-    """`save_pretrained` in `dtype`, split into about `shards` files (+ index) when > 1, as the
-    real checkpoints are, so code reading the weight files meets the same layout."""
-    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
-    sizes = [t.numel() * t.element_size() for t in unique]
-    # Greedy filling up to one share (or the largest tensor, if bigger): at least `shards` files,
-    # and more when one tensor dominates (as the ByT5 projection does in tiny HunyuanVideo 1.5).
-    model.save_pretrained(directory, max_shard_size=max(-(-sum(sizes) // shards), max(sizes)))
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

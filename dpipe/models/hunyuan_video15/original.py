@@ -35,17 +35,13 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from dpipe.models.hunyuan_video.original import comfyui_module
-from dpipe.models.single_file import FusedLinear, split_fused, stack_fused
+from dpipe.models.common.comfyui_hunyuan import comfyui_module
+from dpipe.models.common.key_tables import FusedLinear, from_original as _split_original, to_original
 
 # (diffusers module, Tencent module, ComfyUI runtime module (None: no LoRA name), output rows).
 # Rows sharing a Tencent (or ComfyUI) module are stacked in it along the output dimension in
 # table order; the rows are needed only to split such a module.
 Row = tuple[str, str, str | None, int | None]
-
-# Tencent's final modulation emits (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
-# ComfyUI keeps the name (and the order).
-_SWAPPED = SWAPPED = {"final_layer.adaLN_modulation.1"}
 
 # The two forms of the file (see above): q, k, v of the double blocks fused or apart.
 FUSED, SPLIT = "fused", "split"
@@ -157,18 +153,15 @@ def original_state_dict(weights: dict[str, torch.Tensor], config: dict[str, Any]
     (fused modules concatenated in table order). Without `config` the block counts are read off
     the weights (the sizes are not needed this way). A weight without a name raises ValueError,
     so nothing is dropped silently."""
-    out, used = stack_fused(weights, _fused(layout(config or _config_of(weights), form)), _SWAPPED)
-    left = sorted(set(weights) - used)
-    if left:
-        raise ValueError(f"no original HunyuanVideo 1.5 name for {', '.join(left[:5])}")
-    return out
+    return to_original(weights, _fused(layout(config or _config_of(weights), form)),
+                       "original HunyuanVideo 1.5")
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """Tencent-named weights (either form) -> `model`'s diffusers names, fused modules split at
     the model's own sizes. Names the table does not know pass through unchanged (a file already
     in diffusers names loads as it is; anything else is reported by the loader as unexpected)."""
-    return split_fused(state, _fused(layout(dict(model.config), file_form(state))), _SWAPPED)
+    return _split_original(state, _fused(layout(dict(model.config), file_form(state))))
 
 
 def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor] | None = None

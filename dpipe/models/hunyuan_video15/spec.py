@@ -19,18 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import video_loss, weighted_labels
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import to_comfyui
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.common.key_tables import FINAL_MODULATION
+from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.hunyuan_video.spec import as_video, frames_ok, loss_labels, video_loss
+from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
-from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.hunyuan_video15.original import (
-    SWAPPED, comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
+    comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
+from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
@@ -180,7 +182,7 @@ class HunyuanVideo15Spec(ModelSpec):
         glyph, glyph_mask = trim_or_drop(batch.text["byt5"], batch.text["byt5_mask"])
         joint = joint_padding_mask((glyph, glyph_mask), (text, mask))
         inputs = (x, batch.timesteps, text, mask.long(), glyph, glyph_mask.long(), joint)
-        return inputs, loss_labels(batch)
+        return inputs, weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return video_loss(self.element_error(outputs, labels[0]), labels)
@@ -197,7 +199,7 @@ class HunyuanVideo15Spec(ModelSpec):
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights), swapped=SWAPPED), {"format": "comfyui"})])
+                self._transformer_config(), weights), swapped=FINAL_MODULATION), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_transformer_folder

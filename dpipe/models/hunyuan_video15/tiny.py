@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpipe.models.hunyuan_video.tiny import save_sharded
-from dpipe.models.tiny_parts import round_up, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.tiny_parts import seeded, write_atomically
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # Qwen2.5-VL hidden size (text_embed_dim; 3584 for the 7B)
@@ -48,7 +49,7 @@ def _write(out: Path, seed: int) -> None:
         T5EncoderModel)
 
     from dpipe.models.hunyuan_video15.sizes import HUNYUAN_VIDEO15_TINY  # imports this module's sizes
-    from dpipe.models.qwen_image.tiny_tokenizer import save_qwen_tokenizer
+    from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl")
     ByT5Tokenizer().save_pretrained(out / "tokenizer_2")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.hunyuan_video.layers import needs_grad
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes

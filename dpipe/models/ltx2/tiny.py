@@ -22,8 +22,9 @@ import torch
 
 from tokenizers import processors
 
-from dpipe.models.hunyuan_video.tiny import save_sharded
-from dpipe.models.tiny_parts import _learn_bpe, round_up, seeded, tiny_corpus, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_atomically
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # Gemma 3 hidden size (3840 for the 12B)
@@ -49,7 +50,7 @@ def _gemma_bpe(num_merges: int = 512):
     """SentencePiece-style BPE as Gemma's: spaces become "▁" and nothing splits the text, so
     merges may span words; byte-fallback tokens <0x00>..<0xFF> spell anything else."""
     lines = ["▁" + line.replace(" ", "▁") for line in tiny_corpus()]
-    merges = _learn_bpe({tuple(line): 1 for line in lines} | {tuple(line): 2 for line in lines},
+    merges = learn_bpe({tuple(line): 1 for line in lines} | {tuple(line): 2 for line in lines},
                         num_merges)
     chars = sorted({c for line in lines for c in line})
     vocab = _SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + chars + ["".join(m) for m in merges]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding
-from dpipe.models.hunyuan_video.layers import needs_grad
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
 

@@ -17,21 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.hunyuan_video.spec import as_video, frames_ok
-from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
-from dpipe.models.ltx_video.original import from_original, original_state_dict
+from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
+from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
+from dpipe.models.ltx_video.original import from_original, original_state_dict
 from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.hunyuan_video.tiny import save_sharded
-from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # T5 d_model (caption_channels)

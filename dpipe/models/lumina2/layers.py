@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.attention_mask import has_padding, padding_mask
-from dpipe.models.qwen_image.shared import key_mask, needs_grad
+from dpipe.models.attention_mask import key_mask, has_padding, padding_mask
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.qwen_image.shared import round_up, save_component
-from dpipe.models.tiny_parts import _learn_bpe, seeded, tiny_corpus, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_atomically
 
 LATENT_CHANNELS = 4
 DIM = 48
@@ -56,7 +57,7 @@ def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
     lines = tiny_corpus() + [SYSTEM_PROMPT + " <Prompt Start> "] * 4
     seqs = Counter(tuple(w) for line in lines
                    for w in line.replace(" ", " ▁").split(" ") if w)
-    merges = _learn_bpe(dict(seqs), 600)
+    merges = learn_bpe(dict(seqs), 600)
     vocab = {t: i for i, t in enumerate(_SPECIAL)}
     for b in range(256):  # byte fallback pieces, as in Gemma's vocab
         vocab[f"<0x{b:02X}>"] = len(vocab)

@@ -17,16 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.attention_mask import padding_mask
-from dpipe.models.loss import weighted_mean
-from dpipe.models.qwen_image.layers import (
-    grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
+from dpipe.models.qwen_image.layers import (
+    grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.qwen_image.shared import round_up, save_component
-from dpipe.models.qwen_image.tiny_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.tiny_parts import seeded, write_atomically
 
 Z_DIM = 4  # latent channels (16 in the real VAE)

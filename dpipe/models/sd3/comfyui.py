@@ -17,8 +17,8 @@ import re
 
 import torch
 
+from dpipe.models.common.key_tables import swap_halves
 from dpipe.models.lora_files import NotInFormat
-from dpipe.models.single_file import swap_halves
 
 # diffusers module (inside transformer_blocks.N) -> (original module inside joint_blocks.N,
 # index of the chunk in a fused q/k/v projection, or None for a plain Linear)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.flux.layers import _needs_grad
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -30,7 +30,7 @@ class SD3Embed(PipelineLayer):
         # StableDiffusion3Pipeline passes the scheduler's timesteps, t * 1000, unscaled.
         temb = self.time_text_embed(t.to(hidden.dtype) * 1000, pooled)
         text_hidden = self.context_embedder(text)
-        return _needs_grad(hidden), _needs_grad(text_hidden), _needs_grad(temb), size
+        return needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), size
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
         out = super().denoiser_state_dict(trainable_only)

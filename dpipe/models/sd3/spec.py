@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
@@ -32,7 +33,6 @@ from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
-from dpipe.models.loss import weighted_mean
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from dpipe.models.common.shapes import round_up
 from dpipe.models.tiny_parts import (
-    round_up, save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
 LATENT_CHANNELS = 4
 CLIP_DIM = 32

@@ -22,15 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
-
-
-def needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # Frozen (LoRA) or input tensors carry no grad; DeepSpeed's backward of a stage needs every
-    # float it sends to require one (see docs: "Pipeline stage I/O").
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 class SDXLEmbed(PipelineLayer):

@@ -24,16 +24,9 @@ import copy
 import torch
 from torch import nn
 
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
-
-
-def _needs_grad(t: torch.Tensor) -> torch.Tensor:
-    # With LoRA the embedders are frozen, so their outputs carry no grad; DeepSpeed's backward of
-    # the first stage then fails. A leaf that requires grad gives backward a valid end point.
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_()
-    return t
 
 
 def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
@@ -66,7 +59,7 @@ class WanEmbed(PipelineLayer):
         proj = proj.unflatten(-1, (6, -1))
         if image_context is not None:
             context = torch.cat([image_context, context], dim=1)
-        return (_needs_grad(hidden), _needs_grad(context), _needs_grad(proj), _needs_grad(temb),
+        return (needs_grad(hidden), needs_grad(context), needs_grad(proj), needs_grad(temb),
                 grid)
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
@@ -55,7 +56,6 @@ from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")

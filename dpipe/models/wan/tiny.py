@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.tiny_parts import round_up, save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.shapes import round_up
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
 
 TEXT_DIM = 32  # UMT5 d_model = the transformer's text_dim
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding, padding_mask
-from dpipe.models.qwen_image.shared import needs_grad, round_up
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 

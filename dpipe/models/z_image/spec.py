@@ -19,21 +19,21 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.diffusion.loss import weighted_labels, weighted_mean
 from dpipe.models.comfyui import comfy_lora_tensors, fused_pair, peft_pairs
+from dpipe.models.common.shapes import round_up
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.qwen_image.shared import round_up, weighted_labels
-from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
 from dpipe.models.z_image.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.loss import weighted_mean
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 

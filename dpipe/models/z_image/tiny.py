@@ -4,7 +4,7 @@ Same components and classes as the real repo's model_index.json (ZImagePipeline:
 FlowMatchEulerDiscreteScheduler, AutoencoderKL, Qwen3Model, Qwen2Tokenizer,
 ZImageTransformer2DModel), bf16 safetensors, the transformer and text encoder sharded with index
 files; only the sizes shrink. The tokenizer is a small byte-level BPE with Qwen's added tokens and a
-chat template reduced to text turns (see `dpipe.models.qwen_image.tiny_tokenizer`).
+chat template reduced to text turns (see `dpipe.models.common.tiny_qwen_tokenizer`).
 
 Sizes: 64x64 images -> VAE (4x, 4 latent channels) -> 16x16 latents -> 2x2 patches -> 64 image
 tokens of width 32; text: Qwen3 (hidden 32, 2 layers; the pipeline takes the second-to-last hidden
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.qwen_image.shared import round_up, save_component
-from dpipe.models.qwen_image.tiny_tokenizer import save_qwen_tokenizer
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.tiny_parts import seeded, write_atomically
 
 LATENT_CHANNELS = 4

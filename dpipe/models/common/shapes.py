@@ -1,0 +1,25 @@
+"""Shape rules several families share: padded lengths, valid frame counts, images as videos."""
+
+from __future__ import annotations
+
+import torch
+
+
+def round_up(n: int, multiple: int) -> int:
+    """`n` padded up to a multiple: sequence lengths the kernels want (Z-Image's 32), and the
+    embedding tables of real checkpoints, padded past the tokenizer (T5: 32100 -> 32128)."""
+    return -(-n // multiple) * multiple
+
+
+def frames_ok(frames: int, temporal_ratio: int) -> bool:
+    """Causal video VAEs encode the first frame alone, then groups of `temporal_ratio`."""
+    return frames >= 1 and (frames - 1) % temporal_ratio == 0
+
+
+def as_video(pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) images -> (B, 3, 1, H, W) one-frame videos; (B, 3, F, H, W) as is."""
+    if pixels.ndim == 4:
+        return pixels.unsqueeze(2)
+    if pixels.ndim == 5:
+        return pixels
+    raise ValueError(f"expected pixels of shape (B, 3, H, W) or (B, 3, F, H, W), got {tuple(pixels.shape)}")

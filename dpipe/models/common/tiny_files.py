@@ -1,0 +1,46 @@
+"""Writing tiny models' components in the real repos' layout (shards and index files as released).
+
+Two writers with two shard rules, kept as they are so the tiny folders the tests assert on stay
+byte for byte the same: `save_sharded` (the video families) fills files up to one share or the
+largest tensor; `save_component` (the Qwen-Image family and its kin) also gives one dominating
+tensor a file of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+    """`save_pretrained` in `dtype`, split into about `shards` files (+ index) when > 1, as the
+    real checkpoints are, so code reading the weight files meets the same layout."""
+    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
+    sizes = [t.numel() * t.element_size() for t in unique]
+    # Greedy filling up to one share (or the largest tensor, if bigger): at least `shards` files,
+    # and more when one tensor dominates (as the ByT5 projection does in tiny HunyuanVideo 1.5).
+    model.save_pretrained(directory, max_shard_size=max(-(-sum(sizes) // shards), max(sizes)))
+
+
+def save_component(model: torch.nn.Module, directory: Path, shards: int, dtype: torch.dtype) -> None:
+    """save_pretrained in `dtype`; with shards > 1, split into about that many files with an index
+    file, as the real repos' large components are (a tensor is never split, so one dominating
+    tensor can leave fewer files; never just one)."""
+    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules, which these have none of.
+    torch.nn.Module.to(model, dtype)
+    if shards == 1:
+        model.save_pretrained(directory)
+        return
+    # One entry per storage: tied weights are written once.
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
+    sizes = [t.numel() * t.element_size() for t in unique]
+    cap = max(-(-sum(sizes) // shards), max(sizes))
+    if cap >= sum(sizes):  # one tensor outweighs the rest: give it a file of its own
+        cap = max(sizes)
+    model.save_pretrained(directory, max_shard_size=cap)
