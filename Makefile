@@ -13,6 +13,6 @@ demo: setup
 test: setup
 	bash scripts/test.sh
 
-# Unit tests only: seconds.
+# The unit tests not marked slow, on every core: about TIME on 2 cores.
 test-fast: setup
-	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" -n auto

@@ -110,6 +110,7 @@ def test_few_micro_batches_are_advised_against():
         validate(_compose(["pipeline.stages=2", "pipeline.micro_batches=4"]))
 
 
+@pytest.mark.slow
 def test_cli_prints_the_composed_job_config():
     out = subprocess.run(
         [sys.executable, "-m", "dpipe.cli.train", "--cfg", "job", "model=flux",
@@ -119,6 +120,7 @@ def test_cli_prints_the_composed_job_config():
     assert "stages: 4" in out and "lr: 2.0e-05" in out and "family: flux" in out
 
 
+@pytest.mark.slow
 def test_cli_reports_a_config_error_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dpipe.cli.train", f"hydra.run.dir={tmp_path}", "+model.foo=1"],

@@ -126,6 +126,7 @@ OTHER_DENOISERS = [("tiny_wan22_a14b", ["model.min_t=0.875", "model.max_t=1"])]
 
 @pytest.mark.parametrize("model, overrides", [(m, []) for m in TINY_MODELS] + OTHER_DENOISERS,
                          ids=[*TINY_MODELS, *(f"{m}-{o[0]}" for m, o in OTHER_DENOISERS)])
+@pytest.mark.slow
 def test_the_layer_count_from_the_config_is_the_built_pipelines(model, overrides):
     """Every family's count, read from its config file, equals the layers the workers build."""
     import torch
@@ -226,6 +227,7 @@ def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_yaml_syntax_error_in_a_users_config_file_is_one_line(tmp_path):
     local = tmp_path / "conf" / "local"
     local.mkdir(parents=True)
@@ -236,6 +238,7 @@ def test_a_yaml_syntax_error_in_a_users_config_file_is_one_line(tmp_path):
     assert f"error: {local / 'default.yaml'}, line 3, column 1: not valid YAML" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_run_dir_under_a_file_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     proc = _cli(f"hydra.run.dir={tmp_path / 'a_file' / 'run'}")
@@ -244,6 +247,7 @@ def test_a_run_dir_under_a_file_is_one_line(tmp_path):
     assert f"error: cannot write the run dir: {tmp_path / 'a_file' / 'run'}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_misspelt_key_is_not_told_to_use_plus():
     proc = _cli("model.lora_rnk=3", "--cfg", "job")
     assert proc.returncode == 2, proc.stderr

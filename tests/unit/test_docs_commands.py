@@ -205,6 +205,7 @@ COMMANDS = documented_commands()
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
+@pytest.mark.slow
 def test_documented_command_works(command):
     check(command)
 

@@ -130,6 +130,7 @@ def _missing_modules(peft: dict[str, torch.Tensor], file_deltas: dict[str, torch
 
 
 @pytest.mark.parametrize("config_name", TINY_CONFIGS)
+@pytest.mark.slow
 def test_every_format_holds_every_linear(config_name, tmp_path):
     spec = _spec(config_name)
     denoiser = spec.load_denoiser(torch.float32)

@@ -37,6 +37,7 @@ def _spec(config: str, kind: str, extra: list[str]):
 
 @pytest.mark.parametrize("kind, extra", LOSSES)
 @pytest.mark.parametrize("config", TINY_CONFIGS)
+@pytest.mark.slow
 def test_every_family_averages_the_chosen_error(config, kind, extra):
     """Errors on both sides of the thresholds; without mask weights the loss is the plain mean
     (SDXL's labels carry per-sample min-SNR weights, here 1)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.cli import REPO
 
 CHECK = """
@@ -22,6 +24,7 @@ print("ok", bitsandbytes.__version__)
 """
 
 
+@pytest.mark.slow
 def test_the_preload_leaves_bitsandbytes_and_cuda_to_the_workers():
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

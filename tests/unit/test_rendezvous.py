@@ -37,12 +37,14 @@ def _rank(rank: int, port: int, world: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_workers_rendezvous_through_the_hosted_store():
     with hosted_store() as port:
         # Every rank a client: were rank 0 to host a store too, it would fail on the held port.
         mp.spawn(_rank, args=(port, 2), nprocs=2, join=True)
 
 
+@pytest.mark.slow
 def test_a_taken_rendezvous_port_is_a_clear_error():
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -31,6 +31,7 @@ def test_fake_tensors_count_what_the_layers_run(sdxl):
     assert counted_layer_flops(layers, inputs) == real and all(f > 0 for f in real)
 
 
+@pytest.mark.slow
 def test_the_costs_are_the_flops_at_1024(sdxl):
     spec, layers = sdxl
     inputs = nominal_inputs(spec._unet_config_dict(), spec._vae_scale(), torch.device("cpu"))

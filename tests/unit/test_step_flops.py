@@ -34,6 +34,7 @@ def executed(family: str, overrides: list[str]) -> float | None:
 
 @pytest.mark.parametrize("family", tiny_families())
 @pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.slow
 def test_bf16_training_counts_what_fp32_counts(family, mode):
     fp32 = executed(family, [f"model.mode={mode}", "train.precision=fp32"])
     bf16 = executed(family, [f"model.mode={mode}", "train.precision=bf16",
@@ -42,6 +43,7 @@ def test_bf16_training_counts_what_fp32_counts(family, mode):
     assert bf16 == fp32
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_counts_more_than_lora():
     """Weight gradients: a full fine-tune's backward adds a matmul per weight, attention is the
     same in both (FLUX.1-dev at 1024^2: 223 against 166 TFLOP per image, 1.34x). Rank 1: the

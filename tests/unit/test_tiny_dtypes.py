@@ -49,6 +49,7 @@ def _stored_dtypes(directory: Path) -> set[torch.dtype]:
 
 
 @pytest.mark.parametrize("config_name", TINY_CONFIGS)
+@pytest.mark.slow
 def test_components_load_in_the_dtype_their_config_states(config_name):
     folder = _folder(config_name)
     index = json.loads((folder / "model_index.json").read_text())

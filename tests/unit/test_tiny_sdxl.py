@@ -151,6 +151,7 @@ def test_min_snr_weights(tiny):
     assert spec.loss(out, (target, torch.tensor([1.0, 0.0]))).item() == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_kohya_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     spec = _spec(tiny)
     unet = spec.load_denoiser(torch.float32)
@@ -183,6 +184,7 @@ def test_kohya_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_exported_config_roundtrip(tiny, tmp_path):
     """A full export from a single-file base writes a UNet folder `from_pretrained` loads."""
     from safetensors.torch import save_file

@@ -6,6 +6,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from tests.cli import REPO
 
 DPIPE_TRAIN = str(REPO / ".venv" / "bin" / "dpipe-train")
@@ -33,6 +35,7 @@ def test_help_is_dpipes_own_and_lists_every_group_and_option():
     assert len(re.findall(r"^  dpipe-train ", examples, re.M)) == 5, examples
 
 
+@pytest.mark.slow
 def test_a_misspelt_key_names_the_keys_near_it():
     top = _run("optm.lr=1", "--cfg", "job")  # an option after the overrides, as users type it
     assert top.returncode == 2, top.stderr
