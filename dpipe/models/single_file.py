@@ -11,10 +11,14 @@ export writes one more file, named as the source, beside the diffusers folder: e
 source in its order, prefix and dtype, each transformer weight replaced by the trained one, and
 what the source holds besides the transformer (LTX-Video's VAE, NVIDIA's training buffers) copied
 unchanged (`export_like_source`).
+
+Quantized files (ComfyUI's scaled fp8, int8 with scales: `common/quantized_files.py`) are read
+dequantized, so the families' key maps see ordinary weights.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +26,10 @@ from typing import Any, Callable
 import torch
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized,
+                                                 is_quantization_key, quantized_format)
+
+log = logging.getLogger(__name__)
 
 # Prefixes in front of the original names in the files users hold: ComfyUI's saves, NVIDIA's.
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
@@ -56,17 +64,28 @@ def check_single_file(single_file: Path | None) -> None:
         raise ModelLoadError(f"model.path={single_file} does not exist")
 
 
+def read_single_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every key of `file` (read as diffusers' `from_single_file` reads it: safetensors, or a
+    torch pickle loaded weights-only), quantized weights dequantized to `dtype` and their scales
+    and marker left out; other tensors as stored."""
+    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
+
+    state = load_single_file_checkpoint(str(file))
+    fmt = quantized_format(state, file)
+    if fmt is not None:
+        log.info("%s: %s, dequantized to %s", file, fmt, str(dtype).removeprefix("torch."))
+    return dequantized(state, file, dtype)
+
+
 def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
                           convert: Callable | None = None) -> torch.nn.Module:
-    """A diffusers transformer from one file (read as diffusers' `from_single_file` reads it:
-    safetensors, or a torch pickle loaded weights-only): keys stripped of ComfyUI's
+    """A diffusers transformer from one file (`read_single_file`): keys stripped of ComfyUI's
     "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file uses other
     names, loaded into weights allocated once (no random init of billions of parameters)."""
     from accelerate import init_empty_weights
-    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 
     state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
-             for k, v in load_single_file_checkpoint(str(file)).items()}
+             for k, v in read_single_file(file, dtype).items()}
     with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
     if convert is not None:
@@ -113,7 +132,9 @@ def write_transformer_file(transformer_dir: Path, file: Path, to_original: Calla
 def export_like_source(folder: Path, source: Path, to_original: Callable, out_dir: Path) -> Path:
     """Write the diffusers transformer in `folder` (its safetensors shards) as `out_dir /
     source.name`, laid out as `source`. `to_original` maps diffusers names to the original
-    names without prefix. Returns the file written."""
+    names without prefix. Returns the file written. A quantized source's scaled weights are
+    written in bf16 without their scales and marker: a plain file that loads where the source
+    did (its scales were fitted to the base weights, not the trained ones)."""
     from diffusers.loaders.single_file_utils import load_single_file_checkpoint
     from safetensors.torch import load_file, save_file
 
@@ -124,8 +145,11 @@ def export_like_source(folder: Path, source: Path, to_original: Callable, out_di
     out, placed = {}, set()
     for key, value in load_single_file_checkpoint(str(source)).items():
         name = _unprefixed(key)
+        if is_quantization_key(key):
+            continue
         if name in trained:
-            out[key] = trained[name].to(value.dtype).contiguous()
+            dtype = torch.bfloat16 if value.dtype in QUANTIZED_DTYPES else value.dtype
+            out[key] = trained[name].to(dtype).contiguous()
             placed.add(name)
         else:
             out[key] = value

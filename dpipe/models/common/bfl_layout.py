@@ -185,10 +185,15 @@ def save_bfl_file(transformer_dir: Path, file: Path, prefix: str = "",
 
 def source_format(file: Path) -> tuple[str, torch.dtype]:
     """(key prefix, dtype) of a single-file transformer: ComfyUI's prefix or none, and the dtype
-    of its first weight."""
+    of its first weight; bf16 for a quantized file (its scales were fitted to the base weights,
+    not the trained ones: the export is a plain bf16 file that loads where the source did)."""
     from safetensors import safe_open
+
+    from dpipe.models.common.quantized_files import file_is_quantized
 
     with safe_open(file, "pt") as source:
         key = next(iter(source.keys()))
         dtype = source.get_slice(key)[:1].dtype
+    if file_is_quantized(file):
+        dtype = torch.bfloat16
     return (COMFYUI_PREFIX if key.startswith(COMFYUI_PREFIX) else ""), dtype

@@ -29,6 +29,7 @@ from torch import nn
 
 from dpipe.config.schema import TimestepWeighting
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.common.quantized_files import file_is_quantized
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.lora_files import (
@@ -36,6 +37,7 @@ from dpipe.models.lora_files import (
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
+from dpipe.models.single_file import read_single_file
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, counted_layer_flops, denoiser_config)
 
@@ -148,8 +150,12 @@ class SDXLSpec(ModelSpec):
 
         try:
             if self.single_file:
+                # A quantized file goes in dequantized: diffusers' converter would keep the
+                # 8-bit values and drop their scales.
+                source = (read_single_file(self.path, dtype) if file_is_quantized(self.path)
+                          else str(self.path))
                 unet = UNet2DConditionModel.from_single_file(
-                    str(self.path), config=self.cfg.single_file_config, subfolder="unet",
+                    source, config=self.cfg.single_file_config, subfolder="unet",
                     torch_dtype=dtype)
             else:
                 unet = UNet2DConditionModel.from_pretrained(self.path, subfolder="unet",
