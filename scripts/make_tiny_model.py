@@ -42,6 +42,7 @@ FACTORIES: dict[str, str] = {
     "lumina2": "dpipe.models.lumina2.tiny:make_tiny_lumina2",
     "qwen_image": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image",
     "qwen_image_edit": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image_edit",
+    "krea2": "dpipe.models.krea2.tiny:make_tiny_krea2",
 }
 
 

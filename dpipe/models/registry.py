@@ -29,6 +29,7 @@ FAMILIES: dict[str, str] = {
     "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
     "qwen_image": "dpipe.models.qwen_image.spec:QwenImageSpec",
     "qwen_image_edit": "dpipe.models.qwen_image.edit:QwenImageEditSpec",
+    "krea2": "dpipe.models.krea2.spec:Krea2Spec",
 }
 
 

@@ -1,0 +1,71 @@
+"""Krea 2 samples as `Krea2Pipeline` does: noise in (C, h, w) from the seed, packed in 2x2
+patches; sigmas 1 -> 1/steps, shifted by the scheduler with `mu` from the packed token count
+(`calculate_shift` with the scheduler config's Krea 2 parameters), or the fixed mu 1.15 of the
+distilled checkpoint (`is_distilled` in model_index.json); the transformer gets t / 1000; the
+flow-matching Euler step.
+
+Guidance is Krea 2's convention: `cond + scale * (cond - uncond)`, on whenever scale > 0 (the
+usual CFG at scale 1 + scale), the negative prompt "" when none is given (dpipe's default), 4.5
+by default; 0 turns it off (the distilled checkpoint's setting). Decoding un-normalises with the
+VAE's latents_mean / latents_std and decodes one frame of the video VAE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.common.latent_packing import unpack
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+DISTILLED_MU = 1.15  # Krea2Pipeline's fixed shift for is_distilled checkpoints
+
+
+class Krea2Sampling(FamilySampling):
+    default_steps = 28  # num_inference_steps
+    default_guidance = 4.5  # guidance_scale
+
+    def uses_uncond(self, guidance: float) -> bool:
+        return guidance > 0  # the pipeline's do_classifier_free_guidance
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
+        return cond + d.guidance * (cond - uncond)
+
+    # ---- latents and schedule ----------------------------------------------------------------
+    def vae_factor(self) -> int:
+        return 2 ** len(self.vae_config()["temperal_downsample"])
+
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        f = self.vae_factor()
+        return (self.vae_config()["z_dim"], request.height // f, request.width // f)
+
+    def shift_mu(self, scheduler, latents: torch.Tensor) -> float:
+        if read_json(self.path / "model_index.json").get("is_distilled"):
+            return DISTILLED_MU
+        # calculate_shift with the pipeline's fallbacks (max_image_seq_len 6400)
+        c = scheduler.config
+        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 6400)
+        base, top = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+        m = (top - base) / (max_len - base_len)
+        return self.image_tokens(latents) * m + base - m * base_len
+
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        return unpack(output.float(), d.latents)
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        c = vae.config
+        x = latents.to(vae.device, vae.dtype)[:, :, None]
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        x = x / inv_std + mean
+        return vae.decode(x, return_dict=False)[0][0, :, 0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import Krea2Pipeline
+
+        packed = self.pipeline_latents(Krea2Pipeline, denoiser, request, steps, guidance)
+        return unpack(packed.float(), torch.empty(1, *self.latent_shape(request)))

@@ -1,0 +1,100 @@
+"""Tiny random Krea 2, written in the layout `Krea2Pipeline.save_pretrained` gives a converted
+Krea 2 checkpoint: model_index.json (with the pipeline's `text_encoder_select_layers`,
+`is_distilled` and `patch_size`), scheduler/, vae/ (AutoencoderKLQwenImage), text_encoder/
+(transformers' Qwen3VLModel), tokenizer/ (a Qwen tokenizer) and transformer/
+(Krea2Transformer2DModel). bf16 safetensors with the large parts sharded; only the sizes shrink.
+
+The tokenizer's merges make every word of the Qwen-Image prompt template one token, as in the
+real vocabulary, so the pipeline's fixed template lengths (a 34-token prefix it drops, a 5-token
+suffix after the padding) hold.
+
+Sizes: 64x64 images -> VAE (4x, 4 latent channels; the real one: 8x, 16) -> 16x16 latents -> 2x2
+packing -> 64 image tokens of 16 channels; transformer 2 blocks of 2 heads x 16 (1 key/value
+head); text: Qwen3-VL with 4 decoder layers of width 32, three hidden states tapped (the real
+pipeline taps 12 of Qwen3-VL-4B's 37).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
+from dpipe.models.tiny_parts import seeded, write_atomically
+
+Z_DIM = 4  # latent channels (16 in the real VAE)
+TEXT_DIM = 32  # Qwen3-VL hidden size = the transformer's text_hidden_dim (2560 for Qwen3-VL-4B)
+SELECT_LAYERS = (1, 2, 4)  # hidden_states taps (0 is the embedding output), as (2, 5, ..., 35)
+NUM_TEXT_LAYERS = len(SELECT_LAYERS)
+DTYPE = torch.bfloat16
+# The scheduler config the pipeline's docstring requires: dynamic (exponential) shifting with the
+# Krea 2 parameters.
+SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                 max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400)
+
+
+def make_tiny_krea2(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Krea 2 diffusers folder at `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_krea2; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
+        Krea2Transformer2DModel)
+    from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLModel
+
+    from dpipe.models.krea2.sizes import KREA2_TINY  # imports this module's sizes
+
+    added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=262144)
+    vocab = max(added.values()) + 1
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    with seeded(seed):
+        text_encoder = Qwen3VLModel(Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
+                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"],
+                pad_token_id=added["<|endoftext|>"]),
+            vision_config=dict(
+                depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                out_hidden_size=TEXT_DIM, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
+            vision_start_token_id=added["<|vision_start|>"],
+            vision_end_token_id=added["<|vision_end|>"]))
+    with seeded(seed + 1):
+        transformer = Krea2Transformer2DModel.from_config(KREA2_TINY)
+        # The zero-initialised modulation tables and norm scales would make a random model
+        # blind to parts of its input: small random values, as a trained checkpoint has.
+        for name, param in transformer.named_parameters():
+            if "scale_shift_table" in name or name.endswith("norm.weight") or ".norm" in name:
+                param.data.normal_(0.0, 0.1)
+    with seeded(seed + 2):
+        vae = AutoencoderKLQwenImage(
+            base_dim=16, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
+            temperal_downsample=[False, True],  # two levels: 4x (the real VAE: three, 8x)
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],  # the real first four channels'
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558])
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_component(transformer, out / "transformer", shards=3, dtype=DTYPE)
+    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
+    Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                  transformer=transformer, text_encoder_select_layers=SELECT_LAYERS,
+                  is_distilled=False, patch_size=2).save_config(out)
