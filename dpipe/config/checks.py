@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.schema import (
     AttentionKernel,
-    BaseDtype,
     OptimizerName,
     PartitionMethod,
     Precision,
@@ -227,11 +226,12 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     if t.loader_workers is not None and t.loader_workers < 0:
         raise ConfigError(f"train.loader_workers must be >= 0 (0: no worker processes) or null "
                           f"(auto), got {t.loader_workers}")
-    if m.base_dtype == BaseDtype.fp8 and m.mode == TrainMode.full:
+    if m.base_dtype.quantized and m.mode == TrainMode.full:
         raise ConfigError(
-            "model.base_dtype=fp8 stores the frozen base weights in 8 bits, but model.mode=full "
-            "trains every weight (their updates would be lost to fp8 rounding); use "
-            "model.mode=lora with fp8, or model.base_dtype=auto for a full fine-tune")
+            f"model.base_dtype={m.base_dtype.value} stores the frozen base weights in 8 bits, but "
+            "model.mode=full trains every weight (their updates would be lost to 8-bit rounding); "
+            f"use model.mode=lora with {m.base_dtype.value}, or model.base_dtype=auto for a full "
+            "fine-tune")
     if m.attention == AttentionKernel.flex and p.compile is False:  # null compiles on a GPU
         raise ConfigError(
             "model.attention=flex needs compiled layers: uncompiled, FlexAttention runs a "

@@ -126,9 +126,21 @@ class Adapter(str, Enum):
 
 class BaseDtype(str, Enum):
     auto = "auto"  # the training precision: bf16 under train.precision=bf16, else fp32
-    # LoRA only: the blocks' frozen Linear weights stored as float8_e4m3fn with a scale per
-    # output row, upcast to the compute dtype inside each Linear (half of bf16's memory).
+    # LoRA only: the blocks' frozen Linear weights stored in 8 bits with a scale per output row,
+    # upcast to the compute dtype inside each Linear (half of bf16's memory; dpipe.train.fp8).
+    # float8_e4m3fn (3 mantissa bits): the default choice, and the format of most fp8 files.
     fp8 = "fp8"
+    # float8_e5m2 (2 mantissa bits, more range): coarser than e4m3 (twice its Linear error on
+    # the tiny model); for a base that will run in e5m2 at inference.
+    fp8_e5m2 = "fp8_e5m2"
+    # int8 (uniform steps of a row's largest weight / 127): closer to bf16 than e4m3 where rows
+    # have no outliers (a sixth of e4m3's Linear error on the tiny model's weights), coarser for
+    # the small weights of a row with one large outlier.
+    int8 = "int8"
+
+    @property
+    def quantized(self) -> bool:
+        return self is not BaseDtype.auto
 
 
 class AttentionKernel(str, Enum):
@@ -171,7 +183,7 @@ class ModelConfig:
     # weights before training, in order, and before bf16 or model.base_dtype=fp8 round them:
     # the trained adapter learns on top of them.
     merge_adapters: list[str] = field(default_factory=list)
-    # How the frozen base weights are stored under LoRA: auto or fp8 (see BaseDtype).
+    # How the frozen base weights are stored under LoRA: auto, fp8, fp8_e5m2 or int8 (BaseDtype).
     base_dtype: BaseDtype = BaseDtype.auto
     # Guidance value fed to guidance-distilled models (FLUX.1-dev) during training.
     guidance: float = 1.0

@@ -1,5 +1,6 @@
-"""fp8 base weights for LoRA (`model.base_dtype=fp8`): the blocks' frozen Linear weights stored
-as float8_e4m3fn with one scale per output row, upcast to the compute dtype inside forward.
+"""8-bit base weights for LoRA (`model.base_dtype=fp8|fp8_e5m2|int8`): the blocks' frozen Linear
+weights stored as float8_e4m3fn, float8_e5m2 or int8 with one scale per output row, upcast to the
+compute dtype inside forward.
 
 This halves the frozen weights' memory against bf16 (FLUX.1-dev: 22.2 -> ~11.1 GiB), which is what
 lets a FLUX.1-dev LoRA fit a 24 GB card. The matmuls still run in bf16 (or fp32): only storage is
@@ -15,19 +16,24 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# model.base_dtype -> the storage dtype of the frozen block weights.
+STORAGE = {"fp8": FP8, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+# The largest stored value a row's largest weight maps to. int8 stops at 127, not -128, so that
+# a row's weights map symmetrically.
+_TOP = {FP8: FP8_MAX, torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max, torch.int8: 127.0}
 
 
 # The matmul is a custom op with its own backward, opaque to torch.compile: compiled inside a
 # block as one autograd.Function, AOTAutograd's partitioner saved the upcast bf16 weights for
 # backward (seen with saved-tensor hooks), which would hold a bf16 copy of every weight.
-# The op multiplies by the fp8 weight cast to bf16 (exact: a plain cast, reading 1 byte and
+# The op multiplies by the 8-bit weight cast to bf16 (exact: a plain cast, reading 1 byte and
 # writing 2 per weight); the per-row scale is applied to the output outside the op,
 # x @ (s * W8)^T = (x @ W8^T) * s, where a compiled block fuses it into its neighbours. On an
 # H200 at FLUX.1-dev size, dequantizing through fp32 inside the op cost 0.12 s per image, and
 # scaling the output inside it (an extra pass over the activations) 0.09.
 @torch.library.custom_op("dpipe::fp8_matmul", mutates_args=())
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x @ weight^T in `dtype`, weight in fp8; saves only the fp8 weight for backward."""
+    """x @ weight^T in `dtype`, weight in 8 bits; saves only the 8-bit weight for backward."""
     return F.linear(x.to(dtype), weight.to(dtype))
 
 
@@ -62,23 +68,28 @@ def _backward(ctx, grad):
 fp8_matmul.register_autograd(_backward, setup_context=_setup_context)
 
 
-class Fp8Linear(nn.Module):
-    """A frozen Linear with float8_e4m3fn weights and an fp32 scale per output row.
+class QuantizedLinear(nn.Module):
+    """A frozen Linear with 8-bit weights (`storage`: float8_e4m3fn, float8_e5m2 or int8) and an
+    fp32 scale per output row.
 
     `weight` stays a (frozen) Parameter under its Linear name, so checkpoints that leave out frozen
     parameters leave it out, and parameter counts are unchanged; `scale` is derived from it (not
     saved: it is recomputed from the base model's file on every start).
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, storage: torch.dtype = FP8):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.storage = storage
+        top = _TOP[storage]
         w = linear.weight.detach().to(torch.float32)
-        # Per-row scaling puts each row's largest weight at fp8's largest value: rows of very
-        # different magnitude (common in attention projections) each keep 3 mantissa bits.
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        self.weight = nn.Parameter((w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8),
-                                   requires_grad=False)
+        # Per-row scaling puts each row's largest weight at the format's largest value: rows of
+        # very different magnitude (common in attention projections) each keep their precision.
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
+        q = (w / scale[:, None]).clamp(-top, top)
+        if storage == torch.int8:
+            q = q.round()  # to nearest: a plain cast would truncate toward zero
+        self.weight = nn.Parameter(q.to(storage), requires_grad=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
@@ -97,12 +108,13 @@ class Fp8Linear(nn.Module):
         return self.weight.to(torch.float32) * self.scale[:, None]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{str(self.storage).removeprefix('torch.')}")
 
 
-def frozen_linears_to_fp8(denoiser: nn.Module) -> int:
+def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8) -> int:
     """Replaces the frozen nn.Linear modules of the repeated blocks (every nn.ModuleList) with
-    Fp8Linear, peft's LoRA `base_layer`s included; returns how many. Trainable Linears (LoRA's A
+    QuantizedLinear in `storage`, peft's LoRA `base_layer`s included; returns how many. Trainable Linears (LoRA's A
     and B) stay as they are. The embedders and the output head outside the blocks stay in the
     compute dtype: they are <1% of the weights, and some families read their weight's dtype to
     cast inputs."""
@@ -116,6 +128,6 @@ def frozen_linears_to_fp8(denoiser: nn.Module) -> int:
             continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and not child.weight.requires_grad:
-                setattr(parent, name, Fp8Linear(child))
+                setattr(parent, name, QuantizedLinear(child, storage))
                 count += 1
     return count

@@ -117,11 +117,11 @@ def test_fp8_base_weights_compiled_train_close_to_bf16(tmp_path):
 def test_fp8_linears_hold_no_bf16_weight_copy_for_backward(compiled):
     from torch import nn
 
-    from dpipe.train.fp8 import Fp8Linear
+    from dpipe.train.fp8 import QuantizedLinear
 
     torch.manual_seed(0)
     layers = nn.Sequential(*[
-        Fp8Linear(nn.Linear(4096, 4096, bias=False).to("cuda", torch.bfloat16).requires_grad_(False))
+        QuantizedLinear(nn.Linear(4096, 4096, bias=False).to("cuda", torch.bfloat16).requires_grad_(False))
         for _ in range(8)])
     model = torch.compile(layers) if compiled else layers
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -282,7 +282,7 @@ def test_lokr_and_loha_train_over_fp8_base_weights(adapter):
     """peft's LoKr and LoHa read only the base weight's shape, so fp8 base layers (stored scaled
     per row) serve them as they serve LoRA: the output is bf16's within fp8's rounding, and a
     step moves only the adapter."""
-    from dpipe.train.fp8 import Fp8Linear
+    from dpipe.train.fp8 import QuantizedLinear
 
     outputs = {}
     for base_dtype in ("auto", "fp8"):
@@ -299,7 +299,7 @@ def test_lokr_and_loha_train_over_fp8_base_weights(adapter):
             for layer in layers:
                 x = layer(x)
         outputs[base_dtype] = x.float()
-    assert any(isinstance(m, Fp8Linear) for layer in layers for m in layer.modules())
+    assert any(isinstance(m, QuantizedLinear) for layer in layers for m in layer.modules())
     x.float().pow(2).mean().backward()
     grads = [p.grad for layer in layers for p in layer.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
