@@ -36,3 +36,50 @@ def test_trains_from_a_comfyui_single_file_transformer(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     comfy = load_file(run_dir / "lora" / "flux_lora_comfyui.safetensors")
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in comfy
+
+
+@pytest.mark.slow
+def test_trains_from_a_comfyui_fp8_scaled_single_file(tmp_path):
+    """2 stages from a ComfyUI fp8_scaled file (the `scaled_fp8` marker, e4m3 weights, a
+    `scale_weight` per tensor): the run's base weights are the file's fp8 values times their
+    scales, and its exported LoRA, loaded by FluxPipeline onto the transformer read from that
+    file, reproduces the trained model."""
+    import json
+
+    from dpipe.models.common.bfl_layout import flux1_layout, from_bfl
+    from dpipe.models.common.quantized_files import write_quantized_copy
+    from dpipe.models.flux.tiny import make_tiny_flux, write_bfl_single_file
+    from tests.integration.trained import exported_lora_and_trained, train_lora_from_single_file
+
+    folder = make_tiny_flux(tmp_path / "tiny-flux")
+    plain = write_bfl_single_file(folder, tmp_path / "plain.safetensors",
+                                  prefix="model.diffusion_model.")
+    file = write_quantized_copy(plain, tmp_path / "flux1-dev-fp8-scaled.safetensors",
+                                torch.float8_e4m3fn)
+    stored = load_file(file)
+    assert stored["model.diffusion_model.scaled_fp8"].dtype == torch.float8_e4m3fn
+    run_dir = tmp_path / "run"
+    spec, layers = train_lora_from_single_file(run_dir, "tiny_flux", file, folder)
+
+    frozen = {}
+    for layer in layers:
+        frozen.update({k.replace(".base_layer", ""): v for k, v in
+                       layer.denoiser_state_dict(trainable_only=False).items() if "lora_" not in k})
+    # The file by hand: each fp8 weight times its scale, then the BFL names mapped (diffusers'
+    # converter splits at FLUX.1-dev's widths only).
+    by_hand = {}
+    for key, value in stored.items():
+        name = key.removeprefix("model.diffusion_model.")
+        if name == "scaled_fp8" or name.endswith(".scale_weight"):
+            continue
+        scale = stored.get(key.removesuffix(".weight") + ".scale_weight")
+        by_hand[name] = value.float() * scale if scale is not None else value.float()
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    by_hand = from_bfl(by_hand, flux1_layout(config))
+    assert frozen.keys() == by_hand.keys()
+    for name, value in by_hand.items():
+        torch.testing.assert_close(frozen[name].float(), value.to(frozen[name].dtype).float(),
+                                   rtol=0, atol=0, msg=name)
+
+    _, got, want = exported_lora_and_trained(run_dir, spec, layers)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
