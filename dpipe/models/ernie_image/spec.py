@@ -1,0 +1,216 @@
+"""ERNIE-Image: ErnieImageTransformer2DModel + AutoencoderKLFlux2 + Mistral3 text encoder.
+
+Loads the diffusers folder layout of baidu/ERNIE-Image (`ErnieImagePipeline`). Prompts go through
+the pipeline's own `encode_prompt`: each prompt alone, <s> first, no template, the text encoder's
+hidden_states[-2] for every token; the cache keeps them zero-padded to max_text_tokens with each
+length, and a batch is cut after its longest prompt (the transformer masks by length, so the
+padding changes nothing). The prompt enhancer (`pe`) is not run: prompts are trained as given.
+
+Conventions, from `ErnieImagePipeline.__call__`: latents are the VAE's, 2x2-patchified and
+normalised with its BatchNorm running statistics (the pipeline decodes `x * sqrt(var + 1e-5) +
+mean`, then unpatchifies); the transformer gets the scheduler's timestep, sigma * 1000, and
+predicts the flow velocity noise - x0 that the Euler flow-matching scheduler steps with (dpipe's
+default objective).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
+from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
+from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, block_costs, denoiser_config,
+    model_params)
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                  "scheduler")
+
+# Every Linear of every ErnieImageSharedAdaLNBlock: attention projections and the gated MLP.
+LORA_TARGETS = (r"layers\.\d+\.(?:self_attention\.(?:to_q|to_k|to_v|to_out\.0)"
+                r"|mlp\.(?:gate_proj|up_proj|linear_fc2))")
+BN_EPS = 1e-5  # the pipeline's decode hard-codes it (its TODO: the trained value)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """ErnieImagePipeline._patchify_latents: (B, C, H, W) -> (B, 4C, H/2, W/2)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c * 4, h // 2, w // 2)
+
+
+def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the patchified latents, (1, 4C, 1, 1), as the pipeline un-normalises."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    return mean, torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + BN_EPS)
+
+
+class ErnieImageSpec(ModelSpec):
+    family = "ernie_image"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.ernie_image.tiny import make_tiny_ernie_image
+
+            make_tiny_ernie_image(self.path)
+        check_folder(self.path, REQUIRED_PARTS, "ERNIE-Image", "baidu/ERNIE-Image")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # The pipeline's vae_scale_factor: the VAE's downscale (x8) times the 2x2 patchify.
+        return 2 ** len(self._vae_config()["block_out_channels"])
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import ErnieImagePipeline
+
+        # The prompt enhancer (an LLM that rewrites prompts) is never run: not loaded.
+        return load_encoders(ErnieImagePipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"), pe=None, pe_tokenizer=None)
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import ErnieImageTransformer2DModel
+
+        return load_denoiser(ErnieImageTransformer2DModel, self.path, None, dtype)
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "latent": "mode, 2x2 patchified, batch-norm normalised (eps 1e-5)"}
+        return {
+            "family": self.family,
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "pipeline encode_prompt: hidden_states[-2], zero-padded + length",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+        mean, std = bn_stats(vae)
+        return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        # The pipeline truncates at the tokenizer's model_max_length: here max_text_tokens, so
+        # every prompt fits the cache's fixed length.
+        tokenizer, length = encoders.tokenizer, self.cfg.max_text_tokens
+        saved, tokenizer.model_max_length = tokenizer.model_max_length, length
+        try:
+            hiddens = encoders.encode_prompt(list(prompts), device=encoders.vae.device)
+        finally:
+            tokenizer.model_max_length = saved
+        padded = hiddens[0].new_zeros(len(hiddens), length, hiddens[0].shape[-1])
+        for i, h in enumerate(hiddens):
+            padded[i, :h.shape[0]] = h
+        lengths = torch.tensor([[h.shape[0]] for h in hiddens], dtype=torch.float32)
+        return {"text": padded, "text_len": lengths}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return ernie_image_layers(denoiser)
+
+    def pipeline_layer_count(self) -> int:
+        """ernie_image_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(self.path / "transformer", "ErnieImageTransformer2DModel",
+                                  "num_layers")
+        return 2 + blocks
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        # The embedding is two projections and the timestep MLP, the head one projection:
+        # each far below a block, so every stage gets blocks.
+        return block_costs(layers, (ErnieImageBlock,))
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, c, h, w = batch.latents.shape
+        lens = batch.text["text_len"].reshape(-1).round().long()
+        # Cut after the longest prompt, on the CPU where batches are made (no device sync).
+        text = batch.text["text"][:, :max(int(lens.max()), 1)]
+        inputs = (batch.noisy, batch.timesteps, text, lens)
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (batch.target,)
+        return inputs, (batch.target, weight.expand(b, c, h, w))
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import ErnieImagePipeline
+
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        # The diffusers file only: no ComfyUI layout is established offline
+        # (docs/models/ernie_image.md).
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(ErnieImagePipeline, weights, metadata, out_dir),
+            [])
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_transformer_folder
+
+        return write_transformer_folder(shards, out_dir, self.path)
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        image, t, text, text_lens = inputs
+        return denoiser(hidden_states=image, timestep=(t * 1000).to(image.dtype),
+                        text_bth=text.to(image.dtype), text_lens=text_lens,
+                        return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import ErnieImagePipeline
+
+        pipe = ErnieImagePipeline.from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None, pe=None, pe_tokenizer=None,
+            transformer=self.load_denoiser(torch.float32))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import ErnieImageTransformer2DModel
+
+        return ErnieImageTransformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.ernie_image.sampling import ErnieImageSampling
+
+        return ErnieImageSampling(self)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        return torch.randn(shapes["latents"]), {
+            "text": torch.randn(shapes["text"]),
+            "text_len": torch.tensor([float(shapes["valid"])])}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """6 (full) or 4 (LoRA) x parameters x joint tokens, plus the blocks' attention."""
+        image, _t, text = inputs[:3]
+        c = denoiser.config
+        seq = image.shape[-2] * image.shape[-1] // c.patch_size ** 2 + text.shape[1]
+        attention = attention_train_flops(seq, c.hidden_size) * c.num_layers
+        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)

@@ -1,0 +1,161 @@
+"""The tiny ERNIE-Image loads and runs through diffusers' real code; its layers, prompts, latents
+and sampling schedule are the pipeline's."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLFlux2, ErnieImagePipeline, ErnieImageTransformer2DModel,
+    FlowMatchEulerDiscreteScheduler)
+from transformers import Mistral3Model
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.ernie_image.sampling import unpatchify
+from dpipe.models.ernie_image.spec import ErnieImageSpec, patchify
+from dpipe.models.ernie_image.tiny import make_tiny_ernie_image
+from dpipe.models.sampling import SampleRequest
+from dpipe.models.spec import NoisedBatch
+
+CAPTIONS = ["a red circle on a blue background", "a cat"]
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_ernie_image(tmp_path_factory.mktemp("models") / "ernie_image")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> ErnieImagePipeline:
+    return ErnieImagePipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+def _spec(path: Path, tokens: int = TOKENS) -> ErnieImageSpec:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "ernie_image", "path": str(path), "max_text_tokens": tokens})
+    return ErnieImageSpec(OmegaConf.to_object(cfg))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny, pipe):
+    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKLFlux2,
+                "text_encoder": Mistral3Model, "transformer": ErnieImageTransformer2DModel}
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "ErnieImagePipeline"
+    assert index["tokenizer"] == ["transformers", "TokenizersBackend"]
+    for rel in ["tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors", "vae/diffusion_pytorch_model.safetensors"]:
+        assert (tiny / rel).is_file(), rel
+    assert pipe.tokenizer("a cat")["input_ids"][0] == pipe.tokenizer.bos_token_id == 1
+    assert not pipe.scheduler.config.use_dynamic_shifting  # the pipeline passes no mu
+
+
+def _inputs(spec, encoders, captions, seed=0):
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+
+
+def test_prompts_are_the_pipelines(tiny, pipe):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    assert encoders.pe is None
+    text = spec.encode_prompts(encoders, CAPTIONS)
+    expected = pipe.encode_prompt(CAPTIONS, device=torch.device("cpu"))
+    assert text["text"].shape == (2, TOKENS, 32)
+    assert text["text_len"].flatten().tolist() == [e.shape[0] for e in expected]
+    for i, e in enumerate(expected):
+        assert torch.equal(text["text"][i, :e.shape[0]], e)
+        assert not text["text"][i, e.shape[0]:].any()
+    # Longer prompts are cut at max_text_tokens, as the pipeline's tokenizer cuts at its
+    # model_max_length; the tokenizer is left as it was.
+    short = _spec(tiny, tokens=4).encode_prompts(encoders, CAPTIONS[:1])
+    pipe.tokenizer.model_max_length = 4
+    assert torch.equal(short["text"][0], pipe.encode_prompt(CAPTIONS[:1], torch.device("cpu"))[0])
+    assert encoders.tokenizer.model_max_length > 10**6
+
+
+def test_latents_are_what_the_pipeline_decodes(tiny, pipe):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    latents = spec.encode_images(encoders, pixels)
+    assert latents.shape == (1, 16, 8, 8)
+    # The pipeline's decode: x * sqrt(var + 1e-5) + mean, then unpatchify.
+    bn = pipe.vae.bn
+    raw = latents * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + 1e-5) \
+        + bn.running_mean.view(1, -1, 1, 1)
+    expected = pipe.vae.encode(pixels).latent_dist.mode()
+    torch.testing.assert_close(pipe._unpatchify_latents(raw), expected)
+    x = torch.randn(1, 4, 16, 16)
+    assert torch.equal(patchify(x), pipe._patchify_latents(x))
+    assert torch.equal(unpatchify(patchify(x)), pipe._unpatchify_latents(patchify(x)))
+    assert spec.pixel_multiple == pipe.vae_scale_factor == 8
+
+
+def test_layers_equal_the_transformer_in_fp32(tiny):
+    spec = _spec(tiny)
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    inputs, labels = _inputs(spec, encoders, CAPTIONS)
+    assert inputs[2].shape[1] == int(inputs[3].max()) < TOKENS  # cut after the longest prompt
+    assert inputs[3][0] != inputs[3][1]  # a padded prompt: the mask matters
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    assert len(layers) == spec.pipeline_layer_count() == 4
+    with torch.no_grad():
+        x = inputs
+        for layer in layers:
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        # The pipeline's call: padded to the batch's longest prompt, timestep as sigma * 1000.
+        image, t, text, lens = inputs
+        direct = denoiser(hidden_states=image, timestep=t * 1000, text_bth=text, text_lens=lens,
+                          return_dict=False)[0]
+    assert x.shape == labels[0].shape == (2, 16, 8, 8)
+    assert torch.equal(x, expected) and torch.equal(x, direct)
+    assert x.abs().sum() > 0
+    assert torch.isfinite(spec.loss(x, labels))
+
+
+def test_every_parameter_is_in_a_layer(tiny):
+    spec = _spec(tiny)
+    denoiser = spec.load_denoiser(torch.float32)
+    names = {n for layer in spec.pipeline_layers(denoiser)
+             for n, _ in layer.source_named_parameters()}
+    assert names == {n for n, _ in denoiser.named_parameters()}
+
+
+def test_sampling_is_the_pipelines(tiny):
+    spec = _spec(tiny)
+    sampling = spec.sampling()
+    scheduler = sampling.new_scheduler()
+    timesteps = sampling.set_timesteps(scheduler, 4, torch.zeros(1, 16, 8, 8))
+    reference = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny, subfolder="scheduler")
+    reference.set_timesteps(sigmas=torch.linspace(1.0, 0.0, 5)[:-1])
+    assert torch.equal(timesteps, reference.timesteps)
+    request = SampleRequest(0, CAPTIONS[0], "", seed=3, width=64, height=64)
+    assert sampling.latent_shape(request) == (16, 8, 8)
+    assert sampling.uses_uncond(4.0) and not sampling.uses_uncond(1.0)
