@@ -43,6 +43,7 @@ FACTORIES: dict[str, str] = {
     "qwen_image": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image",
     "qwen_image_edit": "dpipe.models.qwen_image.tiny:make_tiny_qwen_image_edit",
     "krea2": "dpipe.models.krea2.tiny:make_tiny_krea2",
+    "ideogram4": "dpipe.models.ideogram4.tiny:make_tiny_ideogram4",
     "ernie_image": "dpipe.models.ernie_image.tiny:make_tiny_ernie_image",
 }
 

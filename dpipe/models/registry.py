@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "qwen_image": "dpipe.models.qwen_image.spec:QwenImageSpec",
     "qwen_image_edit": "dpipe.models.qwen_image.edit:QwenImageEditSpec",
     "krea2": "dpipe.models.krea2.spec:Krea2Spec",
+    "ideogram4": "dpipe.models.ideogram4.spec:Ideogram4Spec",
     "ernie_image": "dpipe.models.ernie_image.spec:ErnieImageSpec",
 }
 

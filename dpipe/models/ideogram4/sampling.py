@@ -1,0 +1,114 @@
+"""Ideogram 4 samples as `Ideogram4Pipeline` does: noise drawn from the seed in the packed token
+shape (N, 4C); the pipeline's resolution-aware logit-normal sigmas (mu 0 + log(pixels / 512^2)
+/ 2, std 1.5) set on the scheduler; the transformer gets model time 1 - sigma; the Euler step
+with the negated velocity.
+
+Guidance is the pipeline's asymmetric CFG: `v = g * v_cond + (1 - g) * v_uncond`, v_uncond from
+the separate `unconditional_transformer` on the image tokens alone with zero text features. dpipe
+runs the conditional model through the pipeline stages and the unconditional one on the last
+stage (loaded there on first use, base weights: a LoRA trains the conditional model alone), so
+no negative-prompt pass goes through the stages. `g` is constant over the steps (the pipeline's
+`guidance_scale`), 7.0 by default, the pipeline's recommended schedule's main value; at g = 1 the
+unconditional model is not loaded. Decoding un-normalises with the VAE's BatchNorm statistics,
+unpatches and decodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpipe.models.ideogram4.spec import bn_stats, from_tokens, to_tokens, unpatchify
+from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+
+
+class Ideogram4Sampling(FamilySampling):
+    default_steps = 48  # num_inference_steps
+    default_guidance = 7.0  # the recommended schedule's value for all but the last 3 steps
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._unconditional = None
+
+    def uses_uncond(self, guidance: float) -> bool:
+        return False  # the unconditional branch is another model: see `step`
+
+    # ---- latents and schedule ----------------------------------------------------------------
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        factor = self.spec.pixel_multiple  # vae_scale_factor x patch 2
+        return (4 * self.vae_config()["latent_channels"], request.height // factor,
+                request.width // factor)
+
+    def initial_latents(self, request: SampleRequest) -> torch.Tensor:
+        c, h, w = self.latent_shape(request)
+        generator = torch.Generator().manual_seed(request.seed)
+        return from_tokens(torch.randn((1, h * w, c), generator=generator), h, w)
+
+    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import (
+            _logit_normal_sigmas, _resolution_aware_mu)
+
+        f = self.spec.pixel_multiple
+        mu = _resolution_aware_mu(latents.shape[-2] * f, latents.shape[-1] * f, base_mu=0.0)
+        sigmas = _logit_normal_sigmas(steps, mu, std=1.5)
+        scheduler.set_timesteps(sigmas=sigmas.tolist(), device=latents.device)
+        return scheduler.timesteps
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
+        # The scheduler steps with -v (the pipeline's scheduler.step(-v, ...)).
+        return -from_tokens(output.float(), *d.latents.shape[-2:])
+
+    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
+        if d.guidance != 1.0:
+            uncond = -self.unconditional_velocity(d.latents, t)
+            prediction = d.guidance * prediction + (1.0 - d.guidance) * uncond
+        d.latents = d.scheduler.step(prediction, t, d.latents, return_dict=False)[0]
+
+    @torch.no_grad()
+    def unconditional_velocity(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The pipeline's negative pass: image tokens only, zero text features, float32 out."""
+        from diffusers import Ideogram4Transformer2DModel
+
+        model = self._unconditional
+        if model is None or model.device != latents.device:
+            dtype = torch.bfloat16 if latents.device.type == "cuda" else torch.float32
+            model = Ideogram4Transformer2DModel.from_pretrained(
+                self.path, subfolder="unconditional_transformer", dtype=dtype)
+            self._unconditional = model = model.to(latents.device).eval()
+        h, w = latents.shape[-2:]
+        tokens = to_tokens(latents)
+        device = latents.device
+        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device),
+                                indexing="ij")
+        ids = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(1, h * w, 3) + 65536
+        ones = torch.ones((1, h * w), dtype=torch.long, device=device)
+        t_model = (1.0 - t.float() / 1000).reshape(1).to(device, model.dtype)
+        out = model(hidden_states=tokens.to(model.dtype), timestep=t_model,
+                    encoder_hidden_states=tokens.new_zeros(
+                        1, h * w, model.config.llm_features_dim, dtype=model.dtype),
+                    position_ids=ids, segment_ids=ones, indicator=ones * 2,
+                    return_dict=False)[0]
+        return from_tokens(out.float(), h, w)
+
+    # ---- decoding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        x = latents.to(vae.device, vae.dtype)
+        mean, std = bn_stats(vae)
+        x = unpatchify(x * std.to(x.dtype) + mean.to(x.dtype))
+        return vae.decode(x, return_dict=False)[0][0].float()
+
+    # ---- the reference -----------------------------------------------------------------------
+    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
+                         guidance: float) -> torch.Tensor:
+        from diffusers import Ideogram4Pipeline
+
+        pipe = Ideogram4Pipeline.from_pretrained(self.path, transformer=denoiser,
+                                                 dtype=torch.float32)
+        out = pipe(request.prompt, height=request.height, width=request.width,
+                   num_inference_steps=steps, guidance_scale=guidance, guidance_schedule=None,
+                   max_sequence_length=self.spec.cfg.max_text_tokens,
+                   generator=torch.Generator().manual_seed(request.seed),
+                   output_type="latent").images
+        c, h, w = self.latent_shape(request)
+        return from_tokens(out.float(), h, w)

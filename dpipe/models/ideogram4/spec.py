@@ -1,0 +1,246 @@
+"""Ideogram 4: Ideogram4Transformer2DModel (x2) + AutoencoderKLFlux2 + Qwen3-VL text encoder.
+
+Loads the diffusers folder layout of `Ideogram4Pipeline`. Prompts go through the pipeline's own
+`encode_prompt`: the Qwen3 chat template, left-padded to max_text_tokens, the 13 tapped Qwen3-VL
+layers concatenated per token and zeroed on padding; the cache keeps those text rows with each
+prompt's token count, and a batch is cut to its longest prompt (padding sits in its own
+attention segment, so it changes no image token). The prompt enhancer is not run.
+
+Conventions, from `Ideogram4Pipeline.__call__`: latents are the VAE's in 2x2 patches, channels
+ordered (row, column, channel) as the pipeline unpatches them, normalised with the VAE's
+BatchNorm statistics (it decodes `z * sqrt(var + eps) + mean`); the cache holds them as
+(4C, h/2, w/2). The transformer gets model time 1 - sigma and predicts x0 - noise (the pipeline
+steps with its negation), so the label is minus dpipe's flow target noise - x0. Only the
+conditional `transformer` trains; the `unconditional_transformer` of the asymmetric guidance
+stays the base one, as the pipeline loads LoRAs into `transformer` alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
+from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+from dpipe.models.spec import (
+    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, block_costs, denoiser_config,
+    model_params)
+from dpipe.models.sync_free import carrier
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "unconditional_transformer", "vae",
+                  "text_encoder", "tokenizer", "scheduler")
+
+# Every Linear of every Ideogram4TransformerBlock: attention, the SwiGLU and the AdaLN projection.
+LORA_TARGETS = (r"layers\.\d+\.(?:attention\.(?:to_q|to_k|to_v|to_out\.0)"
+                r"|feed_forward\.(?:w1|w2|w3)|adaln_modulation)")
+
+
+def to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, 4C, h, w) -> (B, h * w, 4C), the pipeline's token order."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, h, w)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents (B, C, H, W) -> (B, 4C, H/2, W/2), channels (row, column, channel): the
+    inverse of the pipeline's unpatching view/permute."""
+    b, c, hh, ww = latents.shape
+    x = latents.view(b, c, hh // 2, 2, ww // 2, 2).permute(0, 3, 5, 1, 2, 4)
+    return x.reshape(b, 4 * c, hh // 2, ww // 2)
+
+
+def unpatchify(x: torch.Tensor) -> torch.Tensor:
+    b, c4, h, w = x.shape
+    return x.view(b, 2, 2, c4 // 4, h, w).permute(0, 3, 4, 1, 5, 2).reshape(b, c4 // 4, 2 * h, 2 * w)
+
+
+def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std), (1, 4C, 1, 1), as the pipeline un-normalises (with the config's eps)."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    return mean, torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, -1, 1, 1)
+
+
+class Ideogram4Spec(ModelSpec):
+    family = "ideogram4"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.ideogram4.tiny import make_tiny_ideogram4
+
+            make_tiny_ideogram4(self.path)
+        check_folder(self.path, REQUIRED_PARTS, "Ideogram 4", "ideogram-ai/ideogram-4 in "
+                     "diffusers format")
+        self._vae_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return read_json(self.path / "vae" / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # The pipeline's vae_scale_factor (2 ** (blocks - 1), 8 for the real VAE) x patch 2.
+        return 2 ** len(self._vae_config()["block_out_channels"])
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        from diffusers import Ideogram4Pipeline
+
+        return load_encoders(Ideogram4Pipeline, self.path, device, dtype,
+                             frozen=("vae", "text_encoder"), unconditional_transformer=None,
+                             prompt_enhancer_head=None)
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import Ideogram4Transformer2DModel
+
+        return load_denoiser(Ideogram4Transformer2DModel, self.path, None, dtype)
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
+        return {
+            "family": self.family,
+            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
+            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = encoders.vae
+        latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+        mean, std = bn_stats(vae)
+        return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        # The text rows of the pipeline's packed conditioning (a 1x1 grid: the image rows are
+        # zeros it appends); a prompt over max_text_tokens fails as in the pipeline.
+        length = self.cfg.max_text_tokens
+        embeds, _pos, _seg, indicator = encoders.encode_prompt(
+            list(prompts), grid_h=1, grid_w=1, max_sequence_length=length,
+            device=encoders.vae.device)
+        lens = (indicator[:, :length] == 3).sum(dim=1, keepdim=True).float()
+        return {"text": embeds[:, :length], "text_len": lens}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return ideogram4_layers(denoiser)
+
+    def pipeline_layer_count(self) -> int:
+        """ideogram4_layers: the embedding, every block, the head."""
+        blocks, = denoiser_config(self.path / "transformer", "Ideogram4Transformer2DModel",
+                                  "num_layers")
+        return 2 + blocks
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        # The embedding is a few projections (the text one over text tokens only), the head
+        # one: each below a block, so every stage gets blocks.
+        return block_costs(layers, (Ideogram4Block,))
+
+    def make_inputs(self, batch: NoisedBatch):
+        b, c, h, w = batch.latents.shape
+        lens = batch.text["text_len"].reshape(-1).round().long()
+        # Left-padded: keep the last `longest` slots, on the CPU where batches are made.
+        text = batch.text["text"]
+        text = text[:, text.shape[1] - max(int(lens.max()), 1):]
+        inputs = (to_tokens(batch.noisy), batch.timesteps, text, lens, carrier(h, w))
+        target = -to_tokens(batch.target)  # x0 - noise: what the transformer predicts
+        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
+        if weight is None:
+            return inputs, (target,)
+        return inputs, (target, to_tokens(weight.expand(b, c, h, w)))
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import Ideogram4Pipeline
+
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        # The diffusers file only: no ComfyUI LoRA layout is established offline
+        # (docs/models/ideogram4.md).
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(Ideogram4Pipeline, weights, metadata, out_dir),
+            [])
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_transformer_folder
+
+        return write_transformer_folder(shards, out_dir, self.path)
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        """The transformer called as the pipeline calls it: the packed sequence with zero image
+        rows in the text features and zero text rows in the latents, ids from `_prepare_ids`."""
+        from diffusers import Ideogram4Pipeline
+
+        from dpipe.models.sync_free import sizes
+
+        image, t, text, lens, grid = inputs
+        h, w = sizes(grid)
+        b, n, tokens = image.shape[0], image.shape[1], text.shape[1]
+        ids = Ideogram4Pipeline._prepare_ids(lens.tolist(), h, w, tokens, image.device)
+        z = torch.cat([image.new_zeros(b, tokens, image.shape[2]), image], dim=1)
+        features = torch.cat([text, text.new_zeros(b, n, text.shape[2])], dim=1)
+        out = denoiser(hidden_states=z, timestep=(1.0 - t).to(image.dtype),
+                       encoder_hidden_states=features.to(image.dtype), position_ids=ids[0],
+                       segment_ids=ids[1], indicator=ids[2], return_dict=False)[0]
+        return out[:, tokens:]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        from diffusers import Ideogram4Pipeline
+
+        pipe = Ideogram4Pipeline.from_pretrained(
+            self.path, text_encoder=None, vae=None, tokenizer=None,
+            unconditional_transformer=None, transformer=self.load_denoiser(torch.float32))
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import Ideogram4Transformer2DModel
+
+        return Ideogram4Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.ideogram4.sampling import Ideogram4Sampling
+
+        return Ideogram4Sampling(self)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        text = torch.randn(shapes["text"])
+        text[: shapes["text"][0] - shapes["valid"]] = 0.0  # left padding, zeroed
+        return torch.randn(shapes["latents"]), {
+            "text": text, "text_len": torch.tensor([float(shapes["valid"])])}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """6 (full) or 4 (LoRA) x parameters x packed tokens, plus the blocks' attention: an
+        overcount of the text projection, which runs over the text tokens only."""
+        image, _t, text = inputs[:3]
+        c = denoiser.config
+        seq = image.shape[1] + text.shape[1]
+        width = c.num_attention_heads * c.attention_head_dim
+        attention = attention_train_flops(seq, width) * c.num_layers
+        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)

@@ -1,0 +1,117 @@
+"""Tiny random Ideogram 4, written in the layout `Ideogram4Pipeline.save_pretrained` gives it:
+model_index.json, scheduler/, vae/ (AutoencoderKLFlux2 with its BatchNorm statistics),
+text_encoder/ (transformers' Qwen3VLModel), tokenizer/ (a Qwen3 tokenizer with its chat
+template), transformer/ and unconditional_transformer/ (two Ideogram4Transformer2DModel: the
+pipeline's asymmetric guidance runs a separate unconditional model). bf16 safetensors with the
+large parts sharded; only the sizes shrink. The optional prompt enhancer head is left out, as the
+pipeline allows: dpipe trains prompts as given.
+
+Sizes: 64x64 images -> VAE (4x, 4 latent channels; the real Flux 2 VAE: 8x, 32) -> 16x16 ->
+2x2 patches -> 64 image tokens of 16 channels; transformer 2 blocks of 2 heads x 16; text:
+Qwen3-VL with 36 decoder layers of width 16 (the pipeline taps layers 0, 3, ..., 33, 35 of the
+real 36, a fixed list, so the depth stays), 13 x 16 = 208 text features per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
+from dpipe.models.tiny_parts import seeded, write_atomically
+
+Z_DIM = 4  # the VAE's latent channels (32 in the real one); 4x after the 2x2 patches
+TEXT_DIM = 16  # Qwen3-VL hidden size (4096 for Qwen3-VL-8B)
+TEXT_LAYERS = 36  # as Qwen3-VL-8B: the pipeline's tapped layers go up to 35
+TAPS = 13  # len(QWEN3_VL_ACTIVATION_LAYERS)
+DTYPE = torch.bfloat16
+# The pipeline replaces the sigmas (its logit-normal schedule), so only an unshifted scheduler
+# keeps them as given.
+# Qwen3-VL-Instruct's chat template, reduced to what the pipeline renders: one user turn whose
+# content is a list of typed parts, the text parts concatenated (images, videos and tools, which
+# the real template also handles, never occur), then the assistant prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+
+
+def make_tiny_ideogram4(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Ideogram 4 diffusers folder at `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_ideogram4; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _transformer(seed: int):
+    from diffusers import Ideogram4Transformer2DModel
+
+    from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY  # imports this module's sizes
+
+    with seeded(seed):
+        return Ideogram4Transformer2DModel.from_config(IDEOGRAM4_TINY)
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
+    from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLModel
+
+    added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=262144)
+    vocab = max(added.values()) + 1
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    with seeded(seed):
+        text_encoder = Qwen3VLModel(Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=32,
+                num_hidden_layers=TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"],
+                pad_token_id=added["<|endoftext|>"]),
+            vision_config=dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                out_hidden_size=TEXT_DIM, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
+            vision_start_token_id=added["<|vision_start|>"],
+            vision_end_token_id=added["<|vision_end|>"]))
+    transformer, unconditional = _transformer(seed + 1), _transformer(seed + 3)
+    with seeded(seed + 2):
+        vae = AutoencoderKLFlux2(
+            in_channels=3, out_channels=3, latent_channels=Z_DIM,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
+        # The pipeline un-normalises with the BatchNorm statistics: random ones make a missing
+        # or wrong normalisation show.
+        vae.bn.running_mean.copy_(0.3 * torch.randn(4 * Z_DIM))
+        vae.bn.running_var.copy_(0.5 + torch.rand(4 * Z_DIM))
+
+    scheduler.save_pretrained(out / "scheduler")
+    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_component(unconditional, out / "unconditional_transformer", shards=2, dtype=DTYPE)
+    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out / "tokenizer")
+    Ideogram4Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                      tokenizer=tokenizer, transformer=transformer,
+                      unconditional_transformer=unconditional).save_config(out)

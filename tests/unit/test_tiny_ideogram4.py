@@ -1,0 +1,150 @@
+"""The tiny Ideogram 4 loads and runs through diffusers' real code; its layers, prompts and
+latents are the pipeline's."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLFlux2, Ideogram4Pipeline, Ideogram4Transformer2DModel
+from transformers import Qwen3VLModel
+
+from dpipe.config.schema import ModelConfig
+from dpipe.models.ideogram4.layers import packed_ids
+from dpipe.models.ideogram4.spec import Ideogram4Spec, bn_stats, to_tokens
+from dpipe.models.spec import NoisedBatch
+
+CAPTIONS = ["a red circle on a blue background", "a cat"]
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from dpipe.models.ideogram4.tiny import make_tiny_ideogram4
+
+    return make_tiny_ideogram4(tmp_path_factory.mktemp("models") / "ideogram4")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> Ideogram4Pipeline:
+    return Ideogram4Pipeline.from_pretrained(tiny, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny) -> Ideogram4Spec:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "ideogram4", "path": str(tiny), "max_text_tokens": TOKENS})
+    return Ideogram4Spec(OmegaConf.to_object(cfg))
+
+
+def test_generates_an_image(pipe):
+    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+               guidance_schedule=None, max_sequence_length=TOKENS,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+    assert np.isfinite(out.images).all()
+
+
+def test_components_and_layout(tiny, pipe, spec):
+    expected = {"vae": AutoencoderKLFlux2, "text_encoder": Qwen3VLModel,
+                "transformer": Ideogram4Transformer2DModel,
+                "unconditional_transformer": Ideogram4Transformer2DModel}
+    for name, cls in expected.items():
+        assert isinstance(getattr(pipe, name), cls), name
+    index = json.loads((tiny / "model_index.json").read_text())
+    assert index["_class_name"] == "Ideogram4Pipeline"
+    for rel in ["tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json",
+                "unconditional_transformer/diffusion_pytorch_model.safetensors.index.json",
+                "text_encoder/model.safetensors.index.json",
+                "vae/diffusion_pytorch_model.safetensors"]:
+        assert (tiny / rel).is_file(), rel
+    assert spec.pixel_multiple == pipe.vae_scale_factor * pipe.patch_size == 8
+
+
+def test_prompts_are_the_pipelines(pipe, spec):
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    text = spec.encode_prompts(encoders, CAPTIONS)
+    with torch.no_grad():
+        embeds, pos, seg, indicator = pipe.encode_prompt(CAPTIONS, 8, 8, TOKENS, "cpu")
+    assert text["text"].shape == (2, TOKENS, 13 * 16)
+    assert torch.equal(text["text"], embeds[:, :TOKENS])
+    lens = text["text_len"].reshape(-1).long()
+    assert torch.equal(lens, (indicator == 3).sum(1)) and lens[0] > lens[1]
+    # The packed layout the embedding layer builds on the device is the pipeline's.
+    for mine, theirs in zip(packed_ids(lens, TOKENS, 8, 8), (pos, seg, indicator)):
+        assert torch.equal(mine, theirs)
+
+
+def test_latents_are_what_the_pipeline_decodes(pipe, spec):
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    latents = spec.encode_images(encoders, pixels)
+    assert latents.shape == (1, 16, 8, 8)
+    # The pipeline's decode path: tokens * std + mean, then its view/permute unpatching.
+    mean, std = bn_stats(pipe.vae)
+    z = to_tokens(latents) * std.view(1, 1, -1) + mean.view(1, 1, -1)
+    z = z.view(1, 8, 8, 2, 2, 4).permute(0, 5, 1, 3, 2, 4).reshape(1, 4, 16, 16)
+    torch.testing.assert_close(z, pipe.vae.encode(pixels).latent_dist.mode())
+
+
+def _inputs(spec, encoders, captions, seed=0):
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text)), (x0, noise)
+
+
+def test_layers_equal_the_transformer_in_fp32(spec):
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    (inputs, labels), (x0, noise) = _inputs(spec, encoders, CAPTIONS)
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    assert len(layers) == spec.pipeline_layer_count() == 4
+    with torch.no_grad():
+        x = inputs
+        for layer in layers:
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+    assert x.shape == labels[0].shape == (2, 64, 16)
+    assert torch.equal(x, expected)
+    # The label is what the transformer predicts: x0 - noise.
+    assert torch.equal(labels[0], to_tokens(x0 - noise))
+    assert torch.isfinite(spec.loss(x, labels))
+
+
+def test_every_parameter_is_in_a_layer(spec):
+    denoiser = spec.load_denoiser(torch.float32)
+    names = {n for layer in spec.pipeline_layers(denoiser)
+             for n, _ in layer.source_named_parameters()}
+    assert names == {n for n, _ in denoiser.named_parameters()}
+
+
+def test_sampling_matches_the_pipeline(spec):
+    from dpipe.models.sampling import SampleRequest
+
+    sampling = spec.sampling()
+    request = SampleRequest(0, CAPTIONS[0], "", 3, 64, 64)
+    latents = sampling.initial_latents(request)
+    scheduler = sampling.new_scheduler()
+    timesteps = sampling.set_timesteps(scheduler, 4, latents)
+    ref = sampling.new_scheduler()
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import (
+        _logit_normal_sigmas, _resolution_aware_mu)
+    ref.set_timesteps(sigmas=_logit_normal_sigmas(4, _resolution_aware_mu(64, 64, 0.0),
+                                                  std=1.5).tolist())
+    assert torch.equal(timesteps, ref.timesteps)
+    # The pipeline's starting noise, (1, N, 4C) from the seed.
+    noise = torch.randn((1, 64, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(to_tokens(latents), noise)
