@@ -68,12 +68,14 @@ def reexport(run_dir: Path, checkpoint_name: str | None = None) -> Path:
                 ema_shards.append(shard)
         write_formats(spec, lora, shards, ema_shards, tmp, final_tmp, top, out_dir,
                       None if final else step, keep=0)
-    except OSError as error:
+    except BaseException as error:  # nothing half-written stays beside the exports
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final_tmp, ignore_errors=True)
-        raise UserError(f"cannot write the export {out_dir}: {error}; nothing was replaced. "
-                        "Free space there (or fix its permissions) and run the same "
-                        "command again") from None
+        if isinstance(error, OSError):
+            raise UserError(f"cannot write the export {out_dir}: {error}; nothing was replaced. "
+                            "Free space there (or fix its permissions) and run the same "
+                            "command again") from None
+        raise
     log.info("exported %s from checkpoint %s (step %d)", out_dir, path.name, step)
     return out_dir
 
