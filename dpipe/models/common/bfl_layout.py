@@ -50,17 +50,12 @@ def flux1_layout(config: dict[str, Any]) -> tuple[list[Linear], dict[str, str]]:
                _one("final_layer.linear", "proj_out"),
                _one("final_layer.adaLN_modulation.1", "norm_out.linear")]
     if config.get("guidance_embeds"):
-        linears += [_one("guidance_in.in_layer", f"{t}.guidance_embedder.linear_1"),
-                    _one("guidance_in.out_layer", f"{t}.guidance_embedder.linear_2")]
+        linears += _guidance(t)
     norms = {}
     for i in range(config["num_layers"]):
         o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         linears += [
-            (f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3),
-            (f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                                   f"{d}.attn.add_v_proj"], [inner] * 3),
-            _one(f"{o}.img_attn.proj", f"{d}.attn.to_out.0"),
-            _one(f"{o}.txt_attn.proj", f"{d}.attn.to_add_out"),
+            *_double_attention(o, d, inner),
             _one(f"{o}.img_mlp.0", f"{d}.ff.net.0.proj"), _one(f"{o}.img_mlp.2", f"{d}.ff.net.2"),
             _one(f"{o}.txt_mlp.0", f"{d}.ff_context.net.0.proj"),
             _one(f"{o}.txt_mlp.2", f"{d}.ff_context.net.2"),
@@ -92,17 +87,12 @@ def flux2_layout(config: dict[str, Any]) -> tuple[list[Linear], dict[str, str]]:
                _one("final_layer.linear", "proj_out"),
                _one("final_layer.adaLN_modulation.1", "norm_out.linear")]
     if config.get("guidance_embeds"):
-        linears += [_one("guidance_in.in_layer", f"{t}.guidance_embedder.linear_1"),
-                    _one("guidance_in.out_layer", f"{t}.guidance_embedder.linear_2")]
+        linears += _guidance(t)
     norms = {}
     for i in range(config["num_layers"]):
         o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         linears += [
-            (f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3),
-            (f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                                   f"{d}.attn.add_v_proj"], [inner] * 3),
-            _one(f"{o}.img_attn.proj", f"{d}.attn.to_out.0"),
-            _one(f"{o}.txt_attn.proj", f"{d}.attn.to_add_out"),
+            *_double_attention(o, d, inner),
             _one(f"{o}.img_mlp.0", f"{d}.ff.linear_in"), _one(f"{o}.img_mlp.2", f"{d}.ff.linear_out"),
             _one(f"{o}.txt_mlp.0", f"{d}.ff_context.linear_in"),
             _one(f"{o}.txt_mlp.2", f"{d}.ff_context.linear_out")]
@@ -113,6 +103,23 @@ def flux2_layout(config: dict[str, Any]) -> tuple[list[Linear], dict[str, str]]:
                     _one(f"{o}.linear2", f"{d}.attn.to_out")]
         norms.update(_single_norms(o, d))
     return linears, norms
+
+
+def _guidance(t: str) -> list[Linear]:
+    """The guidance embedder of FLUX.1-dev and FLUX.2 under their time embedding `t`."""
+    return [_one("guidance_in.in_layer", f"{t}.guidance_embedder.linear_1"),
+            _one("guidance_in.out_layer", f"{t}.guidance_embedder.linear_2")]
+
+
+def _double_attention(o: str, d: str, inner: int) -> list[Linear]:
+    """A double block's attention (BFL `o`, diffusers `d`): fused q/k/v per stream and the two
+    output projections, alike in FLUX.1 and FLUX.2."""
+    return [
+        (f"{o}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3),
+        (f"{o}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                               f"{d}.attn.add_v_proj"], [inner] * 3),
+        _one(f"{o}.img_attn.proj", f"{d}.attn.to_out.0"),
+        _one(f"{o}.txt_attn.proj", f"{d}.attn.to_add_out")]
 
 
 def _double_norms(o: str, d: str) -> dict[str, str]:
