@@ -16,8 +16,9 @@ from diffusers import AutoencoderKLFlux2, Ideogram4Pipeline, Ideogram4Transforme
 from transformers import Qwen3VLModel
 
 from dpipe.config.schema import ModelConfig
+from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.ideogram4.layers import packed_ids
-from dpipe.models.ideogram4.spec import Ideogram4Spec, bn_stats, to_tokens
+from dpipe.models.ideogram4.spec import Ideogram4Spec, to_tokens
 from dpipe.models.spec import NoisedBatch
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
@@ -90,7 +91,7 @@ def test_latents_are_what_the_pipeline_decodes(pipe, spec):
     latents = spec.encode_images(encoders, pixels)
     assert latents.shape == (1, 16, 8, 8)
     # The pipeline's decode path: tokens * std + mean, then its view/permute unpatching.
-    mean, std = bn_stats(pipe.vae)
+    mean, std = batch_norm_stats(pipe.vae)
     z = to_tokens(latents) * std.view(1, 1, -1) + mean.view(1, 1, -1)
     z = z.view(1, 8, 8, 2, 2, 4).permute(0, 5, 1, 3, 2, 4).reshape(1, 4, 16, 16)
     torch.testing.assert_close(z, pipe.vae.encode(pixels).latent_dist.mode())

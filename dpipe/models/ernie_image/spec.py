@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
 from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
@@ -49,9 +50,8 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
 
 
 def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the patchified latents, (1, 4C, 1, 1), as the pipeline un-normalises."""
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    return mean, torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + BN_EPS)
+    """(mean, std) of the patchified latents as the pipeline un-normalises: with BN_EPS."""
+    return batch_norm_stats(vae, BN_EPS)
 
 
 class ErnieImageSpec(ModelSpec):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -93,10 +94,9 @@ class Flux2Sampling(FamilySampling):
         from diffusers import Flux2Pipeline
 
         x = latents.to(vae.device, vae.dtype)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(x.device, x.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
-            x.device, x.dtype)
-        x = Flux2Pipeline._unpatchify_latents(x * std + mean)
+        mean, std = batch_norm_stats(vae)
+        x = Flux2Pipeline._unpatchify_latents(
+            x * std.to(x.device, x.dtype) + mean.to(x.device, x.dtype))
         return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the reference -----------------------------------------------------------------------
@@ -130,8 +130,7 @@ class Flux2Sampling(FamilySampling):
         if packed.ndim == 4:
             # Flux2KleinPipeline's "latent" output is the VAE's: BatchNorm statistics undone and
             # unpatchified. Back to the sampler's layout, as `_encode_vae_image` does it.
-            vae = pipe.vae
-            mean = vae.bn.running_mean.view(1, -1, 1, 1).to(packed.dtype)
-            std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-            return (pipe._patchify_latents(packed) - mean) / std.to(packed.dtype)
+            mean, std = batch_norm_stats(pipe.vae)
+            return ((pipe._patchify_latents(packed) - mean.to(packed.dtype))
+                    / std.to(packed.dtype))
         return unpack(packed, torch.empty(1, *self.latent_shape(request)))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.ideogram4.spec import bn_stats, from_tokens, to_tokens, unpatchify
+from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.ideogram4.spec import from_tokens, to_tokens, unpatchify
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
@@ -94,7 +95,7 @@ class Ideogram4Sampling(FamilySampling):
     @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         x = latents.to(vae.device, vae.dtype)
-        mean, std = bn_stats(vae)
+        mean, std = batch_norm_stats(vae)
         x = unpatchify(x * std.to(x.dtype) + mean.to(x.dtype))
         return vae.decode(x, return_dict=False)[0][0].float()
 

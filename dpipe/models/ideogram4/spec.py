@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
@@ -63,12 +64,6 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
 def unpatchify(x: torch.Tensor) -> torch.Tensor:
     b, c4, h, w = x.shape
     return x.view(b, 2, 2, c4 // 4, h, w).permute(0, 3, 4, 1, 5, 2).reshape(b, c4 // 4, 2 * h, 2 * w)
-
-
-def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std), (1, 4C, 1, 1), as the pipeline un-normalises (with the config's eps)."""
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    return mean, torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, -1, 1, 1)
 
 
 class Ideogram4Spec(ModelSpec):
@@ -121,7 +116,7 @@ class Ideogram4Spec(ModelSpec):
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         vae = encoders.vae
         latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
-        mean, std = bn_stats(vae)
+        mean, std = batch_norm_stats(vae)
         return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
 
     @torch.no_grad()

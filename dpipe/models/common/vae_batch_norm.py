@@ -1,0 +1,15 @@
+"""The BatchNorm statistics of VAEs that normalise their 2x2-patched latents with a `bn` layer
+(AutoencoderKLFlux2 and its kin: FLUX.2, Ideogram 4, ERNIE-Image). Encoding divides by them and
+decoding undoes them, as each family's pipeline does."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_norm_stats(vae, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the patched latents, each (1, 4C, 1, 1). `eps`: the one the family's
+    pipeline adds to the variance; None takes the VAE config's `batch_norm_eps`."""
+    eps = vae.config.batch_norm_eps if eps is None else eps
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    return mean, torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + eps)
