@@ -17,7 +17,7 @@ from diffusers import (AutoencoderKLWan, Cosmos2TextToImagePipeline, Cosmos2Vide
 from PIL import Image
 from safetensors import safe_open
 
-from dpipe.models.cosmos_predict2.spec import _nearest_resize_without_torchvision
+from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 from dpipe.models.cosmos_predict2.tiny import VARIANTS, make_tiny_cosmos_predict2
 
 CAPTION = "a red circle on a blue background"
@@ -46,7 +46,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def test_text2image_pipeline_generates(folders):
     pipe = Cosmos2TextToImagePipeline.from_pretrained(
         folders["text2image"], safety_checker=_NoGuardrail(), dtype=torch.float32)
-    with _nearest_resize_without_torchvision():
+    with nearest_resize_without_torchvision():
         image = pipe(prompt=CAPTION, height=64, width=64, num_inference_steps=2,
                      guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
                      output_type="np").images
@@ -56,7 +56,7 @@ def test_text2image_pipeline_generates(folders):
 def test_video2world_pipeline_generates_from_an_image(folders):
     pipe = Cosmos2VideoToWorldPipeline.from_pretrained(
         folders["video2world"], safety_checker=_NoGuardrail(), dtype=torch.float32)
-    with _nearest_resize_without_torchvision():
+    with nearest_resize_without_torchvision():
         frames = pipe(image=Image.new("RGB", (64, 64), (220, 40, 40)), prompt=CAPTION, height=64,
                       width=64, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
                       generator=torch.Generator().manual_seed(0), output_type="np").frames

@@ -157,7 +157,7 @@ class CosmosPredict2Sampling(FamilySampling):
                          guidance: float) -> torch.Tensor:
         import diffusers
 
-        from dpipe.models.cosmos_predict2.spec import _nearest_resize_without_torchvision
+        from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 
         cls = getattr(diffusers, self.spec.variant.pipeline)
         pipe = cls.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32,
@@ -166,7 +166,7 @@ class CosmosPredict2Sampling(FamilySampling):
                       height=request.height, width=request.width, num_inference_steps=steps,
                       guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
                       generator=torch.Generator().manual_seed(request.seed), output_type="latent")
-        with _nearest_resize_without_torchvision():
+        with nearest_resize_without_torchvision():
             if not self.spec.variant.video2world:
                 return pipe(**kwargs).images.unsqueeze(2)  # (1, C, h, w) -> (1, C, 1, h, w)
             from dpipe.data.sources import fit, open_rgb

@@ -25,19 +25,17 @@ files hold it) with that folder as model.single_file_config for the rest.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
 from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
@@ -292,7 +290,7 @@ class CosmosPredict2Spec(ModelSpec):
         spatial = self.variant.spatial
         padding_mask = hidden.new_zeros(1, 1, hidden.shape[-2] * spatial,
                                         hidden.shape[-1] * spatial)
-        with _nearest_resize_without_torchvision():
+        with nearest_resize_without_torchvision():
             return denoiser(hidden_states=hidden[:, :z], timestep=t, encoder_hidden_states=text,
                             fps=fps or None, padding_mask=padding_mask, return_dict=False,
                             **kwargs)[0]
@@ -310,35 +308,3 @@ class CosmosPredict2Spec(ModelSpec):
 
         return CosmosTransformer3DModel.from_pretrained(export_dir / "transformer")
 
-
-@contextlib.contextmanager
-def _nearest_resize_without_torchvision():
-    """diffusers' Cosmos forward resizes the padding mask with torchvision (nearest), an optional
-    dependency dpipe does not need: without torchvision, this lends it the same operation
-    (torchvision's nearest resize of a tensor is `F.interpolate(mode="nearest")`)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        yield
-        return
-    import diffusers.models.transformers.transformer_cosmos as module
-
-    class _Functional:
-        @staticmethod
-        def resize(x, size, interpolation=None):
-            return F.interpolate(x, size=size, mode="nearest")
-
-    class _Transforms:
-        functional = _Functional
-
-        class InterpolationMode:
-            NEAREST = "nearest"
-
-    had = hasattr(module, "transforms")
-    previous = getattr(module, "transforms", None)
-    module.transforms = _Transforms
-    try:
-        yield
-    finally:
-        if had:
-            module.transforms = previous
-        else:
-            del module.transforms
