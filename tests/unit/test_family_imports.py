@@ -24,6 +24,10 @@ ALLOWED = {
     # LTX-2: LTX-Video's spec and head, with an audio stream and Gemma text.
     ("ltx2", "ltx_video"): {"LTXVideoSpec", "ENCODING_VERSION", "LTXHead", "frame_rate",
                             "text_bias", "unpack"},
+    # Anima: Cosmos-Predict2's spec, layers and original names, with a trained text adapter.
+    ("anima", "cosmos_predict2"): {"CosmosPredict2Spec", "CosmosVariant", "CosmosEmbed",
+                                   "CosmosBlock", "cosmos_layers", "COMFY_PREFIX",
+                                   "original_module_name", "original_state_dict"},
     # HunyuanVideo 1.5: HunyuanVideo's sampling, rotary embedding call and unpatchify.
     ("hunyuan_video15", "hunyuan_video"): {"HunyuanVideoSampling", "rotary", "unpatchify"},
 }
