@@ -326,7 +326,7 @@ class AnimaSpec(CosmosPredict2Spec):
         """As diffusers users load an Anima LoRA: AnimaModularPipeline's `load_lora_weights`
         (AnimaLoraLoaderMixin), into both its transformer and its text conditioner."""
         denoiser = self.load_denoiser(torch.float32)
-        load_lora_like_pipeline(denoiser, lora_dir, weight_name or DIFFUSERS_LORA)
+        load_lora_like_pipeline(denoiser, lora_dir, weight_name or DIFFUSERS_LORA, self.path)
         return denoiser
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:
@@ -362,18 +362,13 @@ def save_anima_lora(weights: dict[str, torch.Tensor], metadata: dict[str, Any],
     return out_dir / DIFFUSERS_LORA
 
 
-def load_lora_like_pipeline(denoiser: AnimaDenoiser, lora_dir: Path, weight_name: str) -> None:
-    """AnimaLoraLoaderMixin.load_lora_weights on an object holding the two models, as the
-    modular pipeline holds them (its other components play no part in loading a LoRA)."""
-    from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
+def load_lora_like_pipeline(denoiser: AnimaDenoiser, lora_dir: Path, weight_name: str,
+                           folder: Path) -> None:
+    """`AnimaModularPipeline.load_lora_weights`, on the folder's pipeline holding the two models
+    (its other components play no part in loading a LoRA and stay unloaded)."""
+    from diffusers import AnimaModularPipeline
 
-    class _Holder(AnimaLoraLoaderMixin):
-        components: dict[str, Any] = {}
-
-        def __init__(self, transformer, text_conditioner):
-            self.transformer, self.text_conditioner = transformer, text_conditioner
-
-    holder = _Holder(denoiser.transformer, denoiser.text_conditioner)
-    holder.components = {"transformer": denoiser.transformer,
-                         "text_conditioner": denoiser.text_conditioner}
-    holder.load_lora_weights(str(lora_dir), weight_name=weight_name)
+    pipe = AnimaModularPipeline.from_pretrained(str(folder))
+    pipe.update_components(transformer=denoiser.transformer,
+                           text_conditioner=denoiser.text_conditioner)
+    pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
