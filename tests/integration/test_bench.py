@@ -66,7 +66,8 @@ def test_no_stage_syncs_the_host_within_a_step(rows):
 
 @pytest.mark.parametrize("model", ["tiny_flux", "tiny_hunyuan_video", "tiny_hidream",
                                    "tiny_z_image", "tiny_lumina2", "tiny_qwen_image",
-                                   "tiny_hunyuan_video15", "tiny_wan"])
+                                   "tiny_hunyuan_video15", "tiny_wan", "tiny_krea2",
+                                   "tiny_ideogram4", "tiny_ernie_image"])
 def test_random_models_train_through_their_layers(model):
     """What dpipe-bench builds, for each family with benchmark sizes (at "tiny"): a random
     denoiser and random samples that its layers train on, and a FLOP count for the MFU."""
