@@ -5,7 +5,9 @@ video only: each block runs its video path as `LTX2VideoTransformerBlock.forward
 audio-to-video cross-attention off (`isolate_modalities=True` in the transformer's forward), where
 the video output does not depend on the audio stream at all; the audio stream is not computed.
 Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid, rate); `temb_prompt`
-only for LTX-2.3-style checkpoints with prompt modulation; `rate` (B,) is each clip's frame rate
+only for LTX-2.3-style checkpoints with prompt modulation (`cross_attn_mod`: 9 modulation rows per
+block, the text keys/values modulated by the sigma's own embedding; the attention gates of
+`gated_attn` run inside the attention modules); `rate` (B,) is each clip's frame rate
 in thousandths of a frame per second; `grid` and `rate` are carried in shapes, as LTX-Video's.
 Rotary embeddings are rebuilt per block from them.
 """
@@ -33,7 +35,10 @@ class LTX2Embed(PipelineLayer):
         super().__init__()
         self.prompt_modulation = bool(transformer.prompt_modulation
                                       and transformer.config.use_prompt_adaln_single)
-        names = ["proj_in", "time_embed", "caption_projection"]
+        # LTX-2.0 projects the prompt tokens here; LTX-2.3's connectors already give them at the
+        # transformer's width (`use_prompt_embeddings=False`, no caption_projection).
+        self.project_text = bool(transformer.config.use_prompt_embeddings)
+        names = ["proj_in", "time_embed"] + (["caption_projection"] if self.project_text else [])
         if self.prompt_modulation:
             names.append("prompt_adaln")
         for name in names:
@@ -48,7 +53,8 @@ class LTX2Embed(PipelineLayer):
         temb, embedded = self.time_embed(timestep, batch_size=b, hidden_dtype=hidden.dtype)
         temb = temb.view(b, -1, temb.shape[-1])
         embedded = embedded.view(b, -1, embedded.shape[-1])
-        text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
+        text_hidden = (self.caption_projection(text).view(b, -1, hidden.shape[-1])
+                       if self.project_text else text)
         out = [needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded)]
         if self.prompt_modulation:
             temb_prompt, _ = self.prompt_adaln(timestep, batch_size=b, hidden_dtype=hidden.dtype)

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError
-from dpipe.models.diffusers_folder import load_encoders
+from dpipe.models.diffusers_folder import check_folder, load_encoders
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
-from dpipe.models.ltx2.original import from_original, original_state_dict
+from dpipe.models.ltx2.original import from_original, original_module, original_state_dict
+from dpipe.models.ltx2.release import RELEASES, check_release
 from dpipe.models.attention_mask import has_padding
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.ltx_video.layers import frame_rate
@@ -52,6 +53,8 @@ class LTX2Spec(LTXVideoSpec):
     text_key = "video_text"
     single_file_convert = staticmethod(from_original)
     single_file_names = staticmethod(original_state_dict)
+    # ComfyUI's LTX-2 model holds the original names (patchify_proj, adaln_single, ...)
+    comfyui_module = staticmethod(original_module)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -59,12 +62,23 @@ class LTX2Spec(LTXVideoSpec):
             raise ConfigError("model.i2v=true: dpipe trains LTX-2 text-to-video (and images) only; "
                               "leave model.i2v unset")
 
+    # Which LTX-2 release the family trains (dpipe.models.ltx2.release): a folder or single
+    # file of another is refused, naming what it holds and the family that takes it.
+    release = "2.0"
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.ltx2.tiny import make_tiny_ltx2
+            self.make_tiny(self.path)
+        _family, example = RELEASES[self.release]
+        check_folder(self.path, REQUIRED_PARTS, f"LTX-{self.release}", example)
+        check_release(self.path, self.single_file, self.release)  # before any other config
+        self._check_folder(REQUIRED_PARTS, f"LTX-{self.release}", example)
 
-            make_tiny_ltx2(self.path)
-        self._check_folder(REQUIRED_PARTS, "LTX-2", "Lightricks/LTX-2")
+    @staticmethod
+    def make_tiny(path: Path) -> Path:
+        from dpipe.models.ltx2.tiny import make_tiny_ltx2
+
+        return make_tiny_ltx2(path)
 
     default_fps = FRAME_RATE  # LTX-2 positions frames by the frame rate itself
 
@@ -157,7 +171,11 @@ class LTX2Spec(LTXVideoSpec):
         # A one-token stand-in for the audio stream: with isolated modalities the video output
         # does not depend on it.
         audio = packed.new_zeros(b, 1, cfg.audio_in_channels)
-        audio_text = text.new_zeros(b, text.shape[1], cfg.caption_channels)
+        # LTX-2.0's audio prompt tokens are projected in the transformer; LTX-2.3's come at the
+        # audio stream's width from the connectors.
+        audio_width = (cfg.caption_channels if cfg.use_prompt_embeddings
+                       else cfg.audio_cross_attention_dim)
+        audio_text = text.new_zeros(b, text.shape[1], audio_width)
         timestep = (t * 1000).flatten()  # (B, 1): one t per sample
         text_mask = text_mask if has_padding(text_mask) else None  # cut with none left
         return denoiser(

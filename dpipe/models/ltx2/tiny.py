@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,16 +33,58 @@ TEXT_LAYERS = 2  # the connectors read every hidden state: layers + the embeddin
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 _IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
+# The tiny components' configs (LTX-2.0; `make_tiny_ltx2`'s overrides change them for LTX-2.3).
+TRANSFORMER = {
+    "in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS, "patch_size": 1,
+    "patch_size_t": 1, "num_attention_heads": 2, "attention_head_dim": 16,
+    "cross_attention_dim": 32, "vae_scale_factors": (8, 8, 8),
+    "audio_in_channels": 4, "audio_out_channels": 4,  # 2 channels x 2 mel bins
+    "audio_num_attention_heads": 2, "audio_attention_head_dim": 8,
+    "audio_cross_attention_dim": 16,
+    # 4 blocks: the embedders outweigh a tiny block, and each of 2 stages needs blocks.
+    "num_layers": 4, "caption_channels": TEXT_DIM, "qk_norm": "rms_norm_across_heads",
+    "rope_type": "split",
+}
+CONNECTORS = {
+    "caption_channels": TEXT_DIM, "text_proj_in_factor": TEXT_LAYERS + 1,
+    "video_connector_num_attention_heads": 2, "video_connector_attention_head_dim": 16,
+    "video_connector_num_layers": 1, "video_connector_num_learnable_registers": 8,
+    "audio_connector_num_attention_heads": 2, "audio_connector_attention_head_dim": 16,
+    "audio_connector_num_layers": 1, "audio_connector_num_learnable_registers": 8,
+    "connector_rope_base_seq_len": 32, "rope_theta": 10000.0, "rope_type": "split",
+}
+VAE = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": LATENT_CHANNELS,
+    "block_out_channels": (8, 16, 16), "down_block_types": ("LTX2VideoDownBlock3D",) * 3,
+    "decoder_block_out_channels": (8, 16, 16), "layers_per_block": (1, 1, 1, 1),
+    "decoder_layers_per_block": (1, 1, 1, 1), "spatio_temporal_scaling": (True, True, True),
+    "decoder_spatio_temporal_scaling": (True, True, True), "decoder_inject_noise": (False,) * 4,
+    # Three 2x spatio-temporal levels, no pixel patch: 8x spatial and 8x temporal (the real
+    # VAE: 32x spatial with a 4x4 patch, 8x temporal).
+    "downsample_type": ("spatiotemporal",) * 3, "upsample_residual": (False,) * 3,
+    "upsample_factor": (1,) * 3, "timestep_conditioning": False, "patch_size": 1,
+    "patch_size_t": 1,
+}
+VOCODER = {
+    "in_channels": 2 * 8, "hidden_channels": 32, "out_channels": 2,
+    "upsample_kernel_sizes": [4, 4], "upsample_factors": [2, 2], "resnet_kernel_sizes": [3],
+    "resnet_dilations": [[1, 3, 5]], "leaky_relu_negative_slope": 0.1,
+    "output_sampling_rate": 16000,
+}
 
-def make_tiny_ltx2(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random LTX-2 diffusers folder at `path` and return `path`."""
+
+def make_tiny_ltx2(path: Path, seed: int = 0, **overrides: dict[str, Any]) -> Path:
+    """Write (once) a tiny random LTX-2 diffusers folder at `path` and return `path`.
+    `overrides`: {part: config changes} for a later release of the same classes (LTX-2.3,
+    `dpipe.models.ltx23.tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
+    there names another vocoder class of diffusers.pipelines.ltx2.vocoder)."""
     path = Path(path)
     if not (path / "model_index.json").is_file():
         if path.is_dir() and any(path.iterdir()):
             raise FileExistsError(
                 f"{path} exists but has no model_index.json, so it is not a tiny model written by"
                 " make_tiny_ltx2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
+        write_atomically(path, lambda tmp: _write(tmp, seed, overrides))
     return path
 
 
@@ -73,12 +116,12 @@ def save_gemma_tokenizer(directory: Path) -> dict[str, int]:
     return {t: tok.convert_tokens_to_ids(t) for t in _IMAGE_TOKENS} | {"vocab_size": len(tok)}
 
 
-def _write(out: Path, seed: int) -> None:
+def _write(out: Path, seed: int, overrides: dict[str, dict[str, Any]]) -> None:
     from diffusers import (
         AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
         LTX2Pipeline, LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from diffusers.pipelines.ltx2 import vocoder as vocoders
     from transformers import (
         Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaTokenizer,
         SiglipVisionConfig)
@@ -101,33 +144,12 @@ def _write(out: Path, seed: int) -> None:
             eoi_token_index=tokens["<end_of_image>"],
             image_token_index=tokens["<image_soft_token>"]))
     with seeded(seed + 1):
-        connectors = LTX2TextConnectors(
-            caption_channels=TEXT_DIM, text_proj_in_factor=TEXT_LAYERS + 1,
-            video_connector_num_attention_heads=2, video_connector_attention_head_dim=16,
-            video_connector_num_layers=1, video_connector_num_learnable_registers=8,
-            audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=16,
-            audio_connector_num_layers=1, audio_connector_num_learnable_registers=8,
-            connector_rope_base_seq_len=32, rope_theta=10000.0, rope_type="split")
+        connectors = LTX2TextConnectors(**{**CONNECTORS, **overrides.get("connectors", {})})
     with seeded(seed + 2):
         transformer = LTX2VideoTransformer3DModel(
-            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, patch_size=1,
-            patch_size_t=1, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
-            vae_scale_factors=(8, 8, 8), audio_in_channels=4, audio_out_channels=4,  # 2 ch x 2 mel
-            audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16,
-            # 4 blocks: the embedders outweigh a tiny block, and each of 2 stages needs blocks.
-            num_layers=4, caption_channels=TEXT_DIM, qk_norm="rms_norm_across_heads",
-            rope_type="split")
+            **{**TRANSFORMER, **overrides.get("transformer", {})})
     with seeded(seed + 3):
-        vae = AutoencoderKLLTX2Video(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            block_out_channels=(8, 16, 16), down_block_types=("LTX2VideoDownBlock3D",) * 3,
-            decoder_block_out_channels=(8, 16, 16), layers_per_block=(1, 1, 1, 1),
-            decoder_layers_per_block=(1, 1, 1, 1), spatio_temporal_scaling=(True, True, True),
-            decoder_spatio_temporal_scaling=(True, True, True), decoder_inject_noise=(False,) * 4,
-            # Three 2x spatio-temporal levels, no pixel patch: 8x spatial and 8x temporal (the
-            # real VAE: 32x spatial with a 4x4 patch, 8x temporal).
-            downsample_type=("spatiotemporal",) * 3, upsample_residual=(False,) * 3,
-            upsample_factor=(1,) * 3, timestep_conditioning=False, patch_size=1, patch_size_t=1)
+        vae = AutoencoderKLLTX2Video(**{**VAE, **overrides.get("vae", {})})
         vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS) * 0.1)
         vae.latents_std.copy_(torch.rand(LATENT_CHANNELS) + 0.5)
     with seeded(seed + 4):
@@ -138,10 +160,8 @@ def _write(out: Path, seed: int) -> None:
             mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
             mel_bins=8)
     with seeded(seed + 5):
-        vocoder = LTX2Vocoder(
-            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
-            upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
-            leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+        vocoder_config = {**VOCODER, **overrides.get("vocoder", {})}
+        vocoder = getattr(vocoders, vocoder_config.pop("class", "LTX2Vocoder"))(**vocoder_config)
 
     scheduler.save_pretrained(out / "scheduler")
     save_sharded(transformer, out / "transformer", shards=2)

@@ -80,6 +80,9 @@ class LTXVideoSpec(ModelSpec):
     single_file_convert = staticmethod(from_original)
     # diffusers names -> the original ones, for writing a full fine-tune back in the file's layout.
     single_file_names = staticmethod(original_state_dict)
+    # A diffusers module name -> ComfyUI's, for its LoRA file: ComfyUI's LTX-Video model uses
+    # diffusers' names.
+    comfyui_module = staticmethod(lambda name: name)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -249,11 +252,12 @@ class LTXVideoSpec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
-        # ComfyUI's LTX-Video model uses diffusers' module names under `diffusion_model.`.
+        # ComfyUI's names (`comfyui_module`) under `diffusion_model.`.
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
                                                  metadata, out_dir),
-            [LoraFormat(self.comfyui_lora, lambda: renamed(weights, lora_scale(metadata)),
+            [LoraFormat(self.comfyui_lora,
+                        lambda: renamed(weights, lora_scale(metadata), self.comfyui_module),
                         {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:

@@ -1,0 +1,125 @@
+"""LTX-2.3 (22B audio-video), video only: LTX-2's family (`dpipe.models.ltx2`) on the LTX-2.3
+release, whose diffusers classes are LTX-2's with 2.3's switches on (see tiny.py): gated
+attention, the text cross-attention modulated by the timestep (`prompt_adaln`, 9 modulation rows
+per block), prompt tokens projected per stream by the connectors (no caption_projection), a
+larger VAE decoder and a vocoder with bandwidth extension.
+
+Loads the diffusers folder of the release (diffusers/LTX-2.3-Diffusers), or the transformer from
+Lightricks' single file (ltx-2.3-22b-dev.safetensors) with that folder as
+model.single_file_config. Training, sampling and exports are LTX-2's (video stream only: each
+block's video path with isolated modalities); what 2.3 adds is trained too: the LoRA covers the
+video attentions' gates (`attn1.to_gate_logits`, `attn2.to_gate_logits`) next to LTX-2's
+Linears, and a full fine-tune updates `prompt_adaln` and the blocks' prompt modulation tables.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.models.adapters import is_adapter_param
+from dpipe.models.ltx2.layers import LTX2VideoBlock
+from dpipe.models.ltx2.spec import LTX2Spec
+from dpipe.models.ltx23.sizes import SAMPLE_SHAPES, SIZES, VAES
+from dpipe.models.spec import PipelineLayer, attention_train_flops, block_costs
+
+COMFYUI_LORA = "ltx23_lora_comfyui.safetensors"
+
+# LTX-2's video-path Linears of every block and the per-head gates LTX-2.3 adds to them.
+LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn1\.to_q|attn1\.to_k|attn1\.to_v|attn1\.to_out\.0"
+                r"|attn1\.to_gate_logits|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.to_out\.0"
+                r"|attn2\.to_gate_logits|ff\.net\.0\.proj|ff\.net\.2)")
+
+
+class LTX23Spec(LTX2Spec):
+    family = "ltx23"
+    release = "2.3"
+    comfyui_lora = COMFYUI_LORA
+
+    @staticmethod
+    def make_tiny(path: Path) -> Path:
+        from dpipe.models.ltx23.tiny import make_tiny_ltx23
+
+        return make_tiny_ltx23(path)
+
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    # ---- the configs: the folder's, or a benchmark size's -----------------------------------
+    _bench_size: str | None = None
+
+    def _transformer_config(self) -> dict[str, Any]:
+        return SIZES[self._bench_size] if self._bench_size else super()._transformer_config()
+
+    def _vae_config(self) -> dict[str, Any]:
+        return VAES[self._bench_size] if self._bench_size else super()._vae_config()
+
+    def pipeline_layer_count(self) -> int:
+        if self._bench_size:
+            return 2 + SIZES[self._bench_size]["num_layers"]
+        return super().pipeline_layer_count()
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Equal blocks, light embedder and head. By parameters the embedder (time_embed's
+        9-row and prompt_adaln's modulation, ~200M at 22B) would weigh half a block, and every
+        block carries its audio half, which video-only training never runs; the embedder and
+        head run a few Linears on one timestep token or memory-bound per-token ones."""
+        return block_costs(layers, (LTX2VideoBlock,))
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def for_benchmark(self, size: str) -> "LTX23Spec":
+        spec = copy.copy(self)
+        spec._bench_size = size  # the size's configs stand for the folder's
+        return spec
+
+    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Made in `dtype` directly: 22B parameters in fp32 (88 GB) would not fit an 80 GB GPU
+        on the way to bf16."""
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return super().random_denoiser(size, dtype, device)
+        finally:
+            torch.set_default_dtype(default)
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        tokens = shapes["video_text"][0]
+        return torch.randn(shapes["latents"]), {"video_text": torch.randn(shapes["video_text"]),
+                                                "mask": torch.ones(tokens, dtype=torch.long)}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """The video stream's: its weights x the tokens each sees (the text keys and values of
+        the cross-attention see the prompt tokens, the embedders one timestep), self-attention
+        over the video and cross-attention to the prompt; the audio stream is not run."""
+        packed, _t, text = inputs[:3]
+        b, video = packed.shape[:2]
+        weights = sum(p.numel() * _tokens_of(name, video, text.shape[1])
+                      for name, p in denoiser.named_parameters() if not is_adapter_param(name))
+        c = denoiser.config
+        width = c.num_attention_heads * c.attention_head_dim
+        attention = c.num_layers * (attention_train_flops(video, width)
+                                    + attention_train_flops(video, width, text.shape[1]))
+        return b * ((6 if full else 4) * weights + attention)
+
+
+def _tokens_of(name: str, video: int, text: int) -> int:
+    """How many tokens the weight `name` of the transformer processes per sample in video-only
+    training: 0 for the audio stream's and the audio<->video attention's."""
+    parts = name.split(".")
+    if parts[0] in ("proj_in", "proj_out"):
+        return video
+    if parts[0] in ("time_embed", "prompt_adaln"):
+        return 1
+    if parts[0] != "transformer_blocks":
+        return 0
+    module = parts[2]
+    if module == "attn2" and parts[3] in ("to_k", "to_v", "norm_k"):
+        return text
+    return video if module in ("attn1", "attn2", "ff") else 0
