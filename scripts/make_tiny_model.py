@@ -28,6 +28,7 @@ FACTORIES: dict[str, str] = {
     "wan22_i2v_a14b": "dpipe.models.wan.tiny:make_tiny_wan22_i2v_a14b",
     "cosmos_predict2": "dpipe.models.cosmos_predict2.tiny:make_tiny_cosmos_predict2",
     "cosmos_predict2_v2w": "dpipe.models.cosmos_predict2.tiny:make_tiny_cosmos_predict2_v2w",
+    "cosmos1": "dpipe.models.cosmos1.tiny:make_tiny_cosmos1",
     "anima": "dpipe.models.anima.tiny:make_tiny_anima",
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "ltx_video": "dpipe.models.ltx_video.tiny:make_tiny_ltx_video",

@@ -15,6 +15,7 @@ FAMILIES: dict[str, str] = {
     "flux2": "dpipe.models.flux2.spec:Flux2Spec",
     "wan": "dpipe.models.wan.spec:WanSpec",
     "cosmos_predict2": "dpipe.models.cosmos_predict2.spec:CosmosPredict2Spec",
+    "cosmos1": "dpipe.models.cosmos1.spec:Cosmos1Spec",
     "anima": "dpipe.models.anima.spec:AnimaSpec",
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",

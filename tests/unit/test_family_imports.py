@@ -32,6 +32,10 @@ ALLOWED = {
                                    "original_module_name", "original_state_dict"},
     # HunyuanVideo 1.5: HunyuanVideo's sampling, rotary embedding call and unpatchify.
     ("hunyuan_video15", "hunyuan_video"): {"HunyuanVideoSampling", "rotary", "unpatchify"},
+    # Cosmos 1.0: Cosmos-Predict2's transformer layers (the same diffusers class) with the learnable
+    # position embedding added; its LoRA targets and folder parts.
+    ("cosmos1", "cosmos_predict2"): {"CosmosEmbed", "CosmosBlock", "CosmosHead", "LORA_TARGETS",
+                                     "REQUIRED_PARTS"},
 }
 
 

@@ -101,9 +101,14 @@ class CosmosPredict2Spec(ModelSpec):
                      "nvidia/Cosmos-Predict2-2B-Text2Image")
         check_single_file(self.single_file)
         config = self._config("transformer/config.json")
-        if config.get("extra_pos_embed_type") or config.get("img_context_dim_in"):
-            raise ModelLoadError(f"{self.path} is not a Cosmos-Predict2 transformer (Cosmos 1.0 "
-                                 "or 2.5 options are set): not supported")
+        if config.get("extra_pos_embed_type"):
+            raise ModelLoadError(
+                f"{self.path / 'transformer' / 'config.json'} sets extra_pos_embed_type="
+                f"{config['extra_pos_embed_type']!r} (a learnable position embedding): a Cosmos 1.0 "
+                "transformer, not Cosmos-Predict2: use model=cosmos1")
+        if config.get("img_context_dim_in"):
+            raise ModelLoadError(f"{self.path / 'transformer' / 'config.json'} sets "
+                                 "img_context_dim_in: a Cosmos 2.5 transformer, not supported")
         self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
 
     def _config(self, name: str) -> dict[str, Any]:

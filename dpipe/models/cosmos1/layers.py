@@ -1,0 +1,72 @@
+"""Cosmos 1.0's transformer (CosmosTransformer3DModel with the learnable absolute position
+embedding) as pipeline layers: Cosmos-Predict2's embed, blocks and head (the same diffusers
+class), plus that embedding.
+
+Every layer passes Cosmos-Predict2's tuple (`dpipe.models.cosmos_predict2.layers`) with one more
+tensor at its end:
+  pos  (1, tokens, D) the learnable position embedding of the latents' grid, made once by the
+       embedding layer from its weights and added to the hidden states at the start of every
+       block, as diffusers' `CosmosTransformerBlock` adds `extra_pos_emb` first thing. It is sent
+       without the batch dimension; in a full fine-tune its gradient flows back through the
+       stages to the embedding's weights.
+The first layer's input is `Cosmos1Spec.make_inputs`': (scaled latents c_in x (B, 16, F, h, w),
+c_noise (B,), T5 states (B, L, 1024), grid).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.cosmos_predict2.layers import CosmosBlock, CosmosEmbed, CosmosHead
+from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
+
+
+class Cosmos1Embed(CosmosEmbed):
+    def __init__(self, transformer: nn.Module):
+        super().__init__(transformer)
+        self.adopt("learnable_pos_embed", transformer.learnable_pos_embed, "learnable_pos_embed")
+
+    def forward(self, inputs):
+        latents, _, _, grid = inputs
+        frames, height, width, _ = sizes(grid)
+        p_t, p_h, p_w = self.learnable_pos_embed.patch_size
+        # The embedding reads the latents' shape (batch 1: it is the same for every sample) and
+        # dtype alone.
+        shape = (1, 0, frames * p_t, height * p_h, width * p_w)
+        pos = self.learnable_pos_embed(latents.new_empty(shape))
+        return (*super().forward(inputs), needs_grad(pos))
+
+
+class Cosmos1Block(CosmosBlock):
+    def forward(self, inputs):
+        hidden, text, temb, embedded, grid, pos = inputs
+        # diffusers' block: hidden_states = hidden_states + extra_pos_emb, then attention.
+        return (*super().forward((hidden + pos, text, temb, embedded, grid)), pos)
+
+
+class Cosmos1Head(CosmosHead):
+    def forward(self, inputs):
+        out = super().forward(inputs[:5])
+        # The position embedding ends here: when the head is alone on the last stage, the tensor
+        # it received still needs a gradient for the pipeline's backward pass.
+        return out + 0.0 * inputs[5].sum()
+
+
+def cosmos1_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    c = transformer.config
+    if c.extra_pos_embed_type != "learnable":
+        raise ValueError("a CosmosTransformer3DModel without the learnable position embedding is "
+                         "not Cosmos 1.0 (Cosmos-Predict2 has none: model=cosmos_predict2)")
+    if c.img_context_dim_in or c.controlnet_block_every_n or c.use_crossattn_projection:
+        raise ValueError("CosmosTransformer3DModel with image context, control blocks or a text "
+                         "projection (Cosmos 2.5) is not Cosmos 1.0")
+    layers: list[PipelineLayer] = [Cosmos1Embed(transformer)]
+    for i, block in enumerate(transformer.transformer_blocks):
+        layers.append(Cosmos1Block(block, transformer.rope, c.patch_size,
+                                   f"transformer_blocks.{i}"))
+    layers.append(Cosmos1Head(transformer))
+    return layers
+
+
