@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpipe.config.schema import Adapter, RunConfig, TrainMode
+from dpipe.config.schema import Adapter, BaseCompute, RunConfig, TrainMode
 from dpipe.errors import ConfigError
 
 
@@ -20,12 +20,13 @@ def check_adapter(run: RunConfig) -> None:
             "model.lora.init_from starts an adapter from a file, but model.mode=full trains no "
             "adapter: use model.mode=lora, or merge the file into the base with "
             "'model.merge_adapters=[<file>]'")
-    if m.adapter == Adapter.dora and m.base_dtype.quantized:
+    eight_bit = (f"model.base_dtype={m.base_dtype.value}" if m.base_dtype.quantized
+                 else "model.base_compute=fp8" if m.base_compute == BaseCompute.fp8 else None)
+    if m.adapter == Adapter.dora and eight_bit:
         raise ConfigError(
             "model.adapter=dora normalises each row of the adapted base weight, which "
-            f"model.base_dtype={m.base_dtype.value} stores scaled per row (DoRA would read the "
-            "scaled values): use model.base_dtype=auto with DoRA, or "
-            f"model.adapter=lora|lokr|loha with {m.base_dtype.value}")
+            f"{eight_bit} stores scaled per row (DoRA would read the scaled values): drop "
+            f"{eight_bit.split('=')[0]} with DoRA, or use model.adapter=lora|lokr|loha with it")
     if m.lokr_factor != -1 and m.adapter != Adapter.lokr:
         raise ConfigError(
             f"model.lokr_factor={m.lokr_factor} applies to model.adapter=lokr only "

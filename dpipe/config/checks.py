@@ -16,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.schema import (
     AttentionKernel,
+    BaseCompute,
+    BaseDtype,
     OptimizerName,
     PartitionMethod,
     Precision,
@@ -219,10 +221,12 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     elif p.split is not None:
         raise ConfigError("pipeline.split is only used with pipeline.partition=explicit")
     ac = p.activation_checkpointing
-    if ac not in ("none", "all", "auto") and not (ac.isdigit()):
+    if ac not in ("none", "all", "auto", "offload") and not (ac.isdigit()):
         raise ConfigError(
-            f"pipeline.activation_checkpointing={ac!r}: use none, all, auto, or a number of blocks"
+            f"pipeline.activation_checkpointing={ac!r}: use none, all, auto, offload, or a "
+            "number of blocks"
         )
+    _check_blocks_to_swap(p, m)
     if t.loader_workers is not None and t.loader_workers < 0:
         raise ConfigError(f"train.loader_workers must be >= 0 (0: no worker processes) or null "
                           f"(auto), got {t.loader_workers}")
@@ -232,6 +236,16 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             "model.mode=full trains every weight (their updates would be lost to 8-bit rounding); "
             f"use model.mode=lora with {m.base_dtype.value}, or model.base_dtype=auto for a full "
             "fine-tune")
+    if m.base_compute == BaseCompute.fp8 and m.mode == TrainMode.full:
+        raise ConfigError(
+            "model.base_compute=fp8 multiplies the frozen base weights of a LoRA in fp8, but "
+            "model.mode=full trains every weight: use model.mode=lora with it, or drop "
+            "model.base_compute for a full fine-tune")
+    if m.base_compute == BaseCompute.fp8 and m.base_dtype not in (BaseDtype.auto, BaseDtype.fp8):
+        raise ConfigError(
+            f"model.base_compute=fp8 multiplies float8_e4m3fn weights, but model.base_dtype="
+            f"{m.base_dtype.value} asks for another storage: drop model.base_dtype (fp8 compute "
+            "stores the weights as model.base_dtype=fp8 does), or drop model.base_compute")
     if m.attention == AttentionKernel.flex and p.compile is False:  # null compiles on a GPU
         raise ConfigError(
             "model.attention=flex needs compiled layers: uncompiled, FlexAttention runs a "
@@ -330,3 +344,25 @@ def unknown_key_message(full_key: str) -> str | None:
         schema, names = child, {f.name for f in dataclasses.fields(child)}
     return (f"unknown config key(s): '{full_key}'. Check the spelling against `dpipe-train "
             "--cfg job`; keys cannot be added with `+`.")
+
+
+def _check_blocks_to_swap(p, m) -> None:
+    """`pipeline.blocks_to_swap`: a count >= 0 or auto (with auto checkpointing), adapters only.
+    Whether each stage has that many layers is checked once the model is built
+    (dpipe.pipeline.engine)."""
+    swap = str(p.blocks_to_swap)
+    if swap != "auto" and not swap.isdigit():
+        raise ConfigError(f"pipeline.blocks_to_swap={swap!r}: use a number of layers per stage "
+                          "(0: none) or auto")
+    if swap == "auto" and p.activation_checkpointing != "auto":
+        raise ConfigError(
+            "pipeline.blocks_to_swap=auto lets the memory plan choose between swapping and "
+            "recomputing each layer: it needs pipeline.activation_checkpointing=auto "
+            f"(got {p.activation_checkpointing!r}); or give blocks_to_swap a number")
+    if swap != "0" and m.mode == TrainMode.full:
+        raise ConfigError(
+            f"pipeline.blocks_to_swap={swap} swaps frozen weights, but model.mode=full trains "
+            "every weight: there is nothing frozen to swap (moving trained weights would move "
+            "their gradients and optimizer state too, which dpipe does not do). Use "
+            "pipeline.blocks_to_swap=0 with pipeline.activation_checkpointing=offload or auto, "
+            "or more pipeline.stages")

@@ -143,6 +143,16 @@ class BaseDtype(str, Enum):
         return self is not BaseDtype.auto
 
 
+class BaseCompute(str, Enum):
+    auto = "auto"  # the frozen base multiplies in the training precision (bf16, or fp32)
+    # LoRA only: the blocks' frozen Linears multiply in fp8 (torch._scaled_mm): weights stored as
+    # model.base_dtype=fp8 stores them, activations quantised per token row on the fly, the
+    # input gradient in fp8 too (dpipe.train.fp8_compute). About twice the bf16 matmul rate on
+    # GPUs of compute capability 8.9+ (Ada, Hopper); elsewhere the run says why and multiplies
+    # in bf16 from the same fp8 weights.
+    fp8 = "fp8"
+
+
 class AttentionKernel(str, Enum):
     # The default: cudnn for LoRAs on the GPUs where its kernel has been checked in training
     # (compute capability 9.0: H100, H200; dpipe.train.attention.CUDNN_CHECKED), sdpa for full
@@ -185,6 +195,8 @@ class ModelConfig:
     merge_adapters: list[str] = field(default_factory=list)
     # How the frozen base weights are stored under LoRA: auto, fp8, fp8_e5m2 or int8 (BaseDtype).
     base_dtype: BaseDtype = BaseDtype.auto
+    # How the frozen base weights multiply under LoRA: auto or fp8 (BaseCompute).
+    base_compute: BaseCompute = BaseCompute.auto
     # Guidance value fed to guidance-distilled models (FLUX.1-dev) during training.
     guidance: float = 1.0
     # Longest text-encoder sequence (T5 tokens for Flux).
@@ -464,11 +476,19 @@ class PipelineConfig:
     partition: PartitionMethod = PartitionMethod.balanced
     split: Optional[list[int]] = None  # with partition=explicit
     # Which layers recompute their activations in backward instead of keeping them:
-    # "none", "all", "auto" (as few as the GPU memory budget needs; none on CPU), or a number N
-    # (the first N blocks of each stage).
+    # "none", "all", "auto" (as few as the GPU memory budget needs; none on CPU), a number N
+    # (the first N blocks of each stage), or "offload" (every layer, its input kept in pinned
+    # host memory until the recompute instead of on the GPU).
     activation_checkpointing: str = "none"
     # GPU memory that "auto" plans for, in GiB; null: 92% of the device's memory.
     memory_budget_gb: Optional[float] = None
+    # Block swap: the frozen weights of this many layers of each stage (the first N that hold
+    # frozen weights) live in pinned host memory and are copied to the GPU one layer ahead of
+    # their use, in forward and backward; trainable weights (LoRA) stay on the GPU. "auto" (with
+    # activation_checkpointing=auto): the memory plan chooses, per layer, between swapping and
+    # recomputing. LoRA and other adapters only. On the CPU it copies between host tensors (no
+    # memory saved; auto swaps nothing there).
+    blocks_to_swap: str = "0"
     # torch.compile each pipeline layer (each transformer block): ~1.3-1.5x faster on GPU after a
     # one-off compile of about a minute (FLUX.1-dev's LoRA step 1.48x on an H200; every tiny
     # family trains compiled there, tests/gpu). null, the default: on a GPU, off on the CPU,

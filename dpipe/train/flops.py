@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from dpipe.config.schema import AttentionKernel, BaseDtype, Precision, RunConfig
+from dpipe.config.schema import AttentionKernel, BaseCompute, BaseDtype, Precision, RunConfig
 
 log = logging.getLogger("dpipe")
 META = torch.device("meta")
@@ -60,6 +60,7 @@ class StepFlops:
         # counter knows (a fused kernel or the fp8 cast's custom op could hide them).
         counted.model.attention = AttentionKernel.sdpa
         counted.model.base_dtype = BaseDtype.auto
+        counted.model.base_compute = BaseCompute.auto
         # Counted in fp32, inputs and weights alike: a FLOP does not depend on its dtype, and
         # bf16 training's mixed dtypes (bf16 frozen weights, fp32 adapters and latents) are made
         # consistent by autocast, which the meta device lacks: ops such as SDPA and conv refuse

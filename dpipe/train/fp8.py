@@ -112,10 +112,11 @@ class QuantizedLinear(nn.Module):
                 f"{str(self.storage).removeprefix('torch.')}")
 
 
-def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8) -> int:
+def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8,
+                            make=None) -> int:
     """Replaces the frozen nn.Linear modules of the repeated blocks (every nn.ModuleList) with
-    QuantizedLinear in `storage`, peft's LoRA `base_layer`s included; returns how many. Trainable Linears (LoRA's A
-    and B) stay as they are. The embedders and the output head outside the blocks stay in the
+    QuantizedLinear in `storage` (or what `make(linear)` returns), peft's LoRA `base_layer`s
+    included; returns how many. Trainable Linears (LoRA's A and B) stay as they are. The embedders and the output head outside the blocks stay in the
     compute dtype: they are <1% of the weights, and some families read their weight's dtype to
     cast inputs."""
     in_blocks = set()
@@ -128,6 +129,6 @@ def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8) -> 
             continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and not child.weight.requires_grad:
-                setattr(parent, name, QuantizedLinear(child, storage))
+                setattr(parent, name, make(child) if make else QuantizedLinear(child, storage))
                 count += 1
     return count

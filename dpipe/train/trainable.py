@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.config.schema import BaseCompute, Precision, RunConfig, TrainMode
 from dpipe.train.attention import require_gpu_kernel, use_attention_kernel
 from dpipe.train.lora import frozen_dtype, make_trainable
 
@@ -39,7 +39,11 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
         frozen_dtype(denoiser, torch.bfloat16)
     elif bf16 and not run.optim.master_weights:
         denoiser.to(torch.bfloat16)  # trained as is: no fp32 copy anywhere
-    if run.model.base_dtype.quantized and run.model.mode == TrainMode.lora:
+    if run.model.base_compute == BaseCompute.fp8 and run.model.mode == TrainMode.lora:
+        from dpipe.train.fp8_compute import use_fp8_compute
+
+        use_fp8_compute(denoiser)  # after LoRA wrapping, as below
+    elif run.model.base_dtype.quantized and run.model.mode == TrainMode.lora:
         from dpipe.train.fp8 import STORAGE, quantize_frozen_linears
 
         # After LoRA wrapping: peft's base layers become 8-bit.
