@@ -118,6 +118,7 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
     """
     from dpipe.train import checkpoint, preemption
 
+    env = dist_env.reachable_master(env)  # a SLURM node name that does not resolve: its NodeAddr
     dist_env.export(env)
     try:
         run = validate(cfg, world_size=env.world_size)

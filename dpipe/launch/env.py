@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
-from typing import Mapping
+import socket
+import subprocess
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping
 
 # Rendezvous ports derived from the job id, below Linux's ephemeral range (32768-60999) so that
 # no outgoing connection holds them; consecutive job ids on one node get different ports.
@@ -82,10 +84,12 @@ def slurm_env(environ: Mapping[str, str]) -> DistEnv:
     """Ranks of a SLURM task: one process per GPU, `nodes x tasks_per_node` of them.
 
     Global rank = SLURM_PROCID (SLURM numbers the tasks node by node), the master is the first
-    node of the step (where rank 0 runs), the port comes from the job id, so every task of the job
-    computes the same one and concurrent jobs on a node do not collide. DPIPE_MASTER_PORT
-    overrides it (MASTER_PORT is not used: sbatch copies the submitting shell's environment into
-    every job of an array, so one inherited value would collide).
+    node of the step (where rank 0 runs; `reachable_master` turns its name into an address if it
+    does not resolve), the port comes from the job id, so every task of the job computes the same
+    one and concurrent jobs on a node do not collide. DPIPE_MASTER_PORT overrides the port and
+    DPIPE_MASTER_ADDR the address (MASTER_PORT/MASTER_ADDR are not used: sbatch copies the
+    submitting shell's environment into every job of an array, so one inherited value would
+    collide).
     """
     e = environ
     world = int(e.get("SLURM_STEP_NUM_TASKS") or e["SLURM_NTASKS"])
@@ -103,13 +107,75 @@ def slurm_env(environ: Mapping[str, str]) -> DistEnv:
         rank=int(e["SLURM_PROCID"]),
         world_size=world,
         local_rank=local_rank,
-        master_addr=hosts[0] if hosts else "127.0.0.1",
+        master_addr=e.get("DPIPE_MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
         master_port=port,
         local_world_size=local_world,
         node_rank=node_rank,
         num_nodes=nodes,
         device=cuda_device(e.get("CUDA_VISIBLE_DEVICES"), local_rank, local_world),
     )
+
+
+def resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
+
+
+def slurm_node_addr(node: str) -> str | None:
+    """The NodeAddr that slurm.conf gives `node` (SLURM's own address for it), or None."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bNodeAddr=(\S+)", out)
+    return m.group(1) if m else None
+
+
+def reachable_master(env: DistEnv, environ: Mapping[str, str] | None = None,
+                     resolve: Callable[[str], bool] = resolves,
+                     node_addr: Callable[[str], str | None] = slurm_node_addr) -> DistEnv:
+    """`env` with a master address the ranks can connect to.
+
+    SLURM names the first node of the step; where that name does not resolve (slurm.conf gives
+    the node a NodeAddr of its own, as clusters do whose nodes are reached by address or on a
+    network of their own), the node's NodeAddr from `scontrol show node` is used. An address
+    given in DPIPE_MASTER_ADDR is used as it is.
+    """
+    e = os.environ if environ is None else environ
+    if "DPIPE_MASTER_ADDR" in e or "SLURM_JOB_ID" not in e or resolve(env.master_addr):
+        return env
+    addr = node_addr(env.master_addr)
+    if not addr or addr == env.master_addr:
+        return env
+    return replace(env, master_addr=addr)
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """The name of the node this process runs on: SLURM's for it, else the host name."""
+    e = os.environ if environ is None else environ
+    return e.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def placement(stages_nodes: list[tuple[int, str]]) -> str:
+    """Which node runs which stage, from every rank's (stage, node) in rank order, e.g.
+    "stage 0: node1 (rank 0); stage 1: node2 (rank 1)" or "stage 0: gpu07 (ranks 0-3)"."""
+    by_stage: dict[int, dict[str, list[int]]] = {}
+    for rank, (stage, node) in enumerate(stages_nodes):
+        by_stage.setdefault(stage, {}).setdefault(node, []).append(rank)
+
+    def ranks(rs: list[int]) -> str:
+        if len(rs) == 1:
+            return f"rank {rs[0]}"
+        if rs == list(range(rs[0], rs[-1] + 1)):
+            return f"ranks {rs[0]}-{rs[-1]}"
+        return "ranks " + ", ".join(map(str, rs))
+
+    return "; ".join(f"stage {stage}: " + ", ".join(f"{node} ({ranks(rs)})" for node, rs in nodes.items())
+                     for stage, nodes in sorted(by_stage.items()))
 
 
 def cuda_device(visible: str | None, local_rank: int, local_world: int) -> int:

@@ -28,6 +28,12 @@ RESULT_GRACE_S = 3.0
 # A preempted job is normally requeued at once (PreemptMode=REQUEUE); one still PREEMPTED after
 # this long was not (PreemptMode=CANCEL) and will not run again.
 PREEMPTED_GRACE_S = 300.0
+# A job that lost a node (NODE_FAIL) is requeued by SLURM as soon as the node is marked DOWN
+# (dpipe submits with --requeue; it resumes from its newest complete checkpoint); one still
+# NODE_FAIL after this long was not requeued (JobRequeue=0 at the site, --no-requeue).
+NODE_FAIL_GRACE_S = 60.0
+# States that may still turn into a requeue, and how long to wait for it.
+REQUEUE_GRACE_S = {"PREEMPTED": PREEMPTED_GRACE_S, "NODE_FAIL": NODE_FAIL_GRACE_S}
 ERRORS_DIR = ".errors"
 
 
@@ -38,7 +44,7 @@ class Tracked:
     run_dir: Path
     state: str = ""
     ended_at: float | None = None  # when SLURM first said it ended without all results
-    preempted_at: float | None = None  # since when SLURM says PREEMPTED
+    preempted_at: float | None = None  # since when SLURM says PREEMPTED or NODE_FAIL
     status: str = ""  # set when done: completed | failed | cancelled | timed out
     message: str = ""
     job_return: Any = None  # hydra's JobReturn of rank 0
@@ -93,9 +99,10 @@ def check(t: Tracked) -> bool:
     paths = _result_paths(t.job)
     have = [p.exists() for p in paths]
     ended = base_state(state) not in ACTIVE
-    if base_state(state) == "PREEMPTED":
+    grace = REQUEUE_GRACE_S.get(base_state(state))
+    if grace is not None:
         t.preempted_at = t.preempted_at or time.monotonic()
-        ended = time.monotonic() - t.preempted_at > PREEMPTED_GRACE_S
+        ended = time.monotonic() - t.preempted_at > grace
     else:
         t.preempted_at = None
     if not all(have) and not ended:
@@ -125,7 +132,7 @@ def check(t: Tracked) -> bool:
 def _no_result(t: Tracked, state: str) -> None:
     base = base_state(state)
     t.status = {"CANCELLED": "cancelled", "TIMEOUT": "timed out", "DEADLINE": "timed out",
-                "PREEMPTED": "preempted"}.get(base, "failed")
+                "PREEMPTED": "preempted", "NODE_FAIL": "node failed"}.get(base, "failed")
     why = [f"SLURM state {state}" if base not in ("FINISHED", "INTERRUPTED") else
            f"job process {state.lower()}"]
     error = _first_error(t.run_dir)

@@ -95,6 +95,13 @@ class SubmititSlurmConf:
     array_parallelism: int = 256
     # Shell lines run in the job before srun (module load, conda activate, exports).
     setup: Optional[list[str]] = None
+    # The network interface the ranks talk over (e.g. ib0, eth1): exported to every task as
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, except where the job's environment already sets
+    # them. null: the libraries' choice (gloo: the address of the host name; NCCL: its own pick).
+    socket_ifname: Optional[str] = None
+    # Submit with --requeue: SLURM requeues a job that lost a node (NODE_FAIL) and dpipe's
+    # time-limit requeue needs it; the job resumes from its newest complete checkpoint.
+    requeue: bool = True
     # Extra srun arguments; dpipe always adds --kill-on-bad-exit=1 (one failed rank ends the job).
     srun_args: list[str] = field(default_factory=list)
     # The python that runs the tasks (default: the one submitting), e.g. a container wrapper.
@@ -192,6 +199,10 @@ class _SweepLauncher(Launcher):
 
         if cuda_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+        ifname = self.params.get("socket_ifname")
+        if ifname:  # the job's own environment (exported by the user) wins
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
         Singleton.set_state(singleton_state)
         setup_globals()
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
@@ -353,8 +364,10 @@ class SlurmLauncher(_SweepLauncher):
         executor = submitit.AutoExecutor(folder=p.pop("submitit_folder"), cluster="slurm",
                                          slurm_max_num_timeout=p.pop("max_num_timeout"),
                                          slurm_python=p.pop("python"))
-        for key in ("poll_interval_s", "tasks_per_node"):
+        for key in ("poll_interval_s", "tasks_per_node", "socket_ifname"):
             p.pop(key)
+        if p.pop("requeue"):
+            p["additional_parameters"] = {"requeue": True, **p["additional_parameters"]}
         generic = {"timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "mem_gb", "name",
                    "stderr_to_stdout"}
         params = {k if k in generic else f"slurm_{k}": v for k, v in p.items() if v is not None}

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.data import prepare
+from dpipe.launch import env as dist_env
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
@@ -66,6 +67,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
         built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
     engine = built.engine
     dp_rank = engine.grid.get_data_parallel_rank()
+    where = [None] * world  # which node holds which stage, for the log (a collective)
+    dist.all_gather_object(where, (built.stage, dist_env.node_name()))
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))
 
     step = 0
@@ -81,6 +84,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     prepare.resume_plan(dataset, step, run_dir)  # the data order continues exactly; logs changes
     if rank == 0:
         _summary(run, built, plan, len(layers), world, resumed)
+        log.info("stages on nodes: %s", dist_env.placement(where))
 
     reporter = None
     if rank == 0:

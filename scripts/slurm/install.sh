@@ -5,7 +5,8 @@
 # (a policy-rc.d blocks the packages' init scripts); start.sh starts them.
 set -euo pipefail
 
-PKGS=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+# iproute2 (`ip`): the two-node test bed's network namespaces (start.sh DPIPE_SLURM_NETNS_NODES)
+PKGS=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -62,7 +63,7 @@ if ! "${APT[@]}" install --no-install-recommends "${missing[@]}"; then
   "${APT[@]}" install --no-install-recommends "${missing[@]}"
 fi
 
-for b in slurmctld slurmd slurmdbd sinfo munged mungekey mariadbd mariadb-install-db; do
+for b in slurmctld slurmd slurmdbd sinfo munged mungekey mariadbd mariadb-install-db ip unshare nsenter; do
   command -v "$b" >/dev/null || { echo "slurm install: ERROR: $b not found after install" >&2; exit 1; }
 done
 echo "slurm install: done in $(( $(date +%s) - t0 )) s"

@@ -14,6 +14,23 @@
 #   DPIPE_SLURM_FIRST_JOB_ID first job id (default: time based, see below)
 #   DPIPE_SLURM_TIMEOUT      seconds to wait for each daemon (default: 60)
 #   DPIPE_SLURM_KEEP_ON_FAIL 1: leave the daemons running when the start fails (to debug)
+#   DPIPE_SLURM_NETNS_NODES  N >= 1: N compute nodes node1..nodeN instead of one on localhost, each
+#                            a network namespace of its own (own address, own hostname: a UTS
+#                            namespace) with its own slurmd; see "Several nodes" below. Needs root
+#                            and iproute2 (`ip`), util-linux (`unshare`, `nsenter`).
+#   DPIPE_SLURM_SUBNET       with DPIPE_SLURM_NETNS_NODES: the first three octets of the private
+#                            /24 for the nodes (default 10.213.B, B from the port block: 0..9)
+#   DPIPE_SLURMD_TIMEOUT     SlurmdTimeout: seconds of silence before a node is DOWN (default:
+#                            300, Slurm's; 10 with DPIPE_SLURM_NETNS_NODES)
+#
+# Several nodes (DPIPE_SLURM_NETNS_NODES=N): a bridge dpbr<port> in this (root) namespace holds
+# the controller's address <subnet>.254; node K is the namespace dpipe<port>n<K> whose veth
+# `dpnet0` has <subnet>.K, linked to the bridge. slurmctld, slurmdbd, MariaDB and munged stay
+# here (munge's socket is a file: every namespace reaches it); each slurmd runs inside its node's
+# namespace (`nsenter --net`, and `unshare --uts` so that its jobs see the node name as their
+# hostname). The filesystem is shared, as a cluster's shared filesystem is. ROOT/netns lists the
+# namespaces and links made; stop.sh removes them. node.sh ROOT NODE crash|start takes a node
+# down as a crash does (link down, every process in it killed) and brings it back.
 set -Eeuo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,15 +57,33 @@ PIDS=$ROOT/pids
 CONF=$ROOT/etc/slurm.conf
 DBDCONF=$ROOT/etc/slurmdbd.conf
 TIMEOUT=${DPIPE_SLURM_TIMEOUT:-60}
-for v in DPIPE_SLURM_CPUS DPIPE_SLURM_MEM_MB DPIPE_SLURM_DEF_MEM DPIPE_SLURM_PORT_BASE DPIPE_SLURM_FIRST_JOB_ID DPIPE_SLURM_TIMEOUT; do
+for v in DPIPE_SLURM_CPUS DPIPE_SLURM_MEM_MB DPIPE_SLURM_DEF_MEM DPIPE_SLURM_PORT_BASE DPIPE_SLURM_FIRST_JOB_ID DPIPE_SLURM_TIMEOUT DPIPE_SLURM_NETNS_NODES DPIPE_SLURMD_TIMEOUT; do
   case "${!v:-1}" in ''|*[!0-9]*) echo "slurm start: ERROR: $v must be a positive integer, not '${!v}'" >&2; exit 2 ;; esac
 done
 HOST=$(hostname -s)
 [ -n "$HOST" ] || { echo "slurm start: ERROR: empty hostname" >&2; exit 1; }
+NODES=${DPIPE_SLURM_NETNS_NODES:-0}
+if [ "$NODES" -gt 0 ]; then
+  [ "$(id -u)" = 0 ] || { echo "slurm start: ERROR: DPIPE_SLURM_NETNS_NODES needs root (network namespaces)" >&2; exit 1; }
+  for b in ip unshare nsenter; do
+    command -v "$b" >/dev/null || { echo "slurm start: ERROR: $b not found (DPIPE_SLURM_NETNS_NODES needs iproute2 and util-linux)" >&2; exit 1; }
+  done
+  NODE_NAMES=$(for k in $(seq 1 "$NODES"); do printf 'node%d ' "$k"; done)
+  SLURMDS=$(for n in $NODE_NAMES; do printf 'slurmd.%s ' "$n"; done)
+  SPOOL_SUFFIX=/%n  # one spool dir per slurmd: ROOT/state/d/<node>
+  FILE_SUFFIX=.%n   # and its own log and pid file: ROOT/log/slurmd.<node>.log
+  NODE_LEN=$(( ${#NODES} + 4 + ${#NODES} + 5 ))  # "/nodeK" + "nodeK" in the socket path
+else
+  NODE_NAMES=$HOST
+  SLURMDS=slurmd
+  SPOOL_SUFFIX=
+  FILE_SUFFIX=
+  NODE_LEN=${#HOST}
+fi
 # unix socket paths are limited to 107 bytes; the longest one under ROOT is a job step's
-# socket ROOT/state/d/<host>_<jobid>.<stepid> (stepid of a batch step: 10 digits)
-if [ $(( ${#ROOT} + ${#HOST} + 30 )) -gt 107 ]; then
-  echo "slurm start: ERROR: ROOT is too long for unix socket paths (${#ROOT} chars, max $((77 - ${#HOST})) with host $HOST): $ROOT" >&2
+# socket ROOT/state/d[/<node>]/<node>_<jobid>.<stepid> (stepid of a batch step: 10 digits)
+if [ $(( ${#ROOT} + NODE_LEN + 30 )) -gt 107 ]; then
+  echo "slurm start: ERROR: ROOT is too long for unix socket paths (${#ROOT} chars, max $((77 - NODE_LEN)) with node names of ${NODE_LEN} chars): $ROOT" >&2
   exit 2
 fi
 USER_NAME=$(id -un)
@@ -56,16 +91,17 @@ CLUSTER=dpipe
 PARTITION=debug
 export SLURM_CONF=$CONF
 
-# alive NAME: the PID recorded for NAME runs (not a zombie) and still is NAME
+# alive NAME: the PID recorded for NAME runs (not a zombie) and still is NAME (slurmd.node2: slurmd)
 alive() {
   local pid st
   pid=$(tr -dc 0-9 2>/dev/null < "$PIDS/$1.pid") && [ -n "$pid" ] || return 1
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${1%%.*}" ] || return 1
   st=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
   st=${st##*) }
   [ "${st%% *}" != Z ]
 }
-DAEMONS="munged mariadbd slurmdbd slurmctld slurmd"
+DAEMONS="munged mariadbd slurmdbd slurmctld $SLURMDS"
+N_DAEMONS=$(echo $DAEMONS | wc -w)
 
 write_env() {
   cat > "$ROOT/env.sh" <<ENV
@@ -74,6 +110,13 @@ export SLURM_CONF=$CONF
 export DPIPE_SLURM_ROOT=$ROOT
 export DPIPE_SLURM_PARTITION=$PARTITION
 ENV
+  if [ "$NODES" -gt 0 ]; then
+    cat >> "$ROOT/env.sh" <<ENV
+# the nodes' network interface (each namespace's own), for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+export DPIPE_SLURM_IFNAME=dpnet0
+export DPIPE_SLURM_NODES="${NODE_NAMES% }"
+ENV
+  fi
 }
 
 # ---- already running? ------------------------------------------------------------------
@@ -82,13 +125,13 @@ for d in $DAEMONS; do
   [ -f "$PIDS/$d.pid" ] && n_files=$((n_files + 1))
   alive "$d" && n_alive=$((n_alive + 1))
 done
-if [ "$n_alive" = 5 ] && [[ "$(sinfo -h -N -o %t 2>/dev/null || true)" =~ (idle|mix|alloc) ]]; then
+if [ "$n_alive" = "$N_DAEMONS" ] && [[ "$(sinfo -h -N -o %t 2>/dev/null || true)" =~ (idle|mix|alloc) ]]; then
   write_env
   log "already running under $ROOT (pids in $PIDS); source $ROOT/env.sh"
   exit 0
 fi
 if [ "$n_files" -gt 0 ]; then
-  log "found a partial or stale instance ($n_alive of 5 daemons alive): stopping it first"
+  log "found a partial or stale instance ($n_alive of $N_DAEMONS daemons alive): stopping it first"
   bash "$HERE/stop.sh" "$ROOT"
 fi
 
@@ -110,6 +153,23 @@ else
   [ -n "$PORT_BASE" ] || { echo "slurm start: ERROR: no free port block in 6817..6910 on 127.0.0.1; set DPIPE_SLURM_PORT_BASE" >&2; exit 1; }
 fi
 CTLD_PORT=$PORT_BASE; SLURMD_PORT=$((PORT_BASE + 1)); DBD_PORT=$((PORT_BASE + 2)); DB_PORT=$((PORT_BASE + 3))
+if [ "$NODES" -gt 0 ]; then
+  SUBNET=${DPIPE_SLURM_SUBNET:-10.213.$(( (PORT_BASE - 6817) / 10 % 256 ))}
+  [[ "$SUBNET" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "slurm start: ERROR: DPIPE_SLURM_SUBNET must be three octets like 10.213.0, not '$SUBNET'" >&2; exit 2; }
+  [ "$NODES" -le 250 ] || { echo "slurm start: ERROR: DPIPE_SLURM_NETNS_NODES must be at most 250" >&2; exit 2; }
+  if ip -4 addr show | grep -q "inet $SUBNET\."; then
+    echo "slurm start: ERROR: the subnet $SUBNET.0/24 is in use here (ip addr); set DPIPE_SLURM_SUBNET" >&2; exit 1
+  fi
+  CTLD_ADDR=$SUBNET.254
+  NODE_ADDRS=$(for k in $(seq 1 "$NODES"); do printf '%s.%d,' "$SUBNET" "$k"; done)
+  NODE_ADDRS=${NODE_ADDRS%,}
+  SLURMD_TIMEOUT=${DPIPE_SLURMD_TIMEOUT:-10}
+else
+  CTLD_ADDR=127.0.0.1
+  NODE_ADDRS=127.0.0.1
+  SLURMD_TIMEOUT=${DPIPE_SLURMD_TIMEOUT:-300}
+fi
+NODE_LIST=$(echo $NODE_NAMES | tr ' ' ,)
 
 # ---- failure handling: show the logs, stop what was started --------------------------------
 show_logs() {
@@ -184,14 +244,44 @@ render() {
       -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" \
       -e "s|@DBD_PORT@|$DBD_PORT|g" -e "s|@DB_PORT@|$DB_PORT|g" -e "s|@DB_PASS@|$DB_PASS|g" \
       -e "s|@CPUS@|$CPUS|g" -e "s|@MEM_MB@|$MEM_MB|g" -e "s|@DEF_MEM_PER_CPU@|$DEF_MEM|g" \
-      -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" "$1" > "$2"
+      -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" -e "s|@CTLD_ADDR@|$CTLD_ADDR|g" \
+      -e "s|@NODE_NAMES@|$NODE_LIST|g" -e "s|@NODE_ADDRS@|$NODE_ADDRS|g" \
+      -e "s|@SPOOL_SUFFIX@|$SPOOL_SUFFIX|g" -e "s|@FILE_SUFFIX@|$FILE_SUFFIX|g" -e "s|@SLURMD_TIMEOUT@|$SLURMD_TIMEOUT|g" "$1" > "$2"
   if grep -q '@[A-Z_]*@' "$2"; then fail "unfilled placeholder in $2: $(grep -o '@[A-Z_]*@' "$2" | head -1)"; fi
 }
 render "$HERE/slurm.conf.in" "$CONF"
 render "$HERE/slurmdbd.conf.in" "$DBDCONF"
 chmod 644 "$CONF"
 chmod 600 "$DBDCONF"   # slurmdbd refuses a slurmdbd.conf that others can read
-log "configs in $ROOT/etc (node $HOST: CPUs=$CPUS RealMemory=${MEM_MB}M DefMemPerCPU=${DEF_MEM}M, FirstJobId=$FIRST_JOB_ID)"
+log "configs in $ROOT/etc (nodes $NODE_LIST at $NODE_ADDRS: CPUs=$CPUS RealMemory=${MEM_MB}M DefMemPerCPU=${DEF_MEM}M, FirstJobId=$FIRST_JOB_ID)"
+
+# ---- 0. the nodes' network: a bridge here, a namespace + veth per node ------------------------
+if [ "$NODES" -gt 0 ]; then
+  BRIDGE=dpbr$CTLD_PORT
+  {
+    echo "SUBNET=$SUBNET"
+    echo "BRIDGE=$BRIDGE"
+    echo "NODES=\"${NODE_NAMES% }\""
+    echo "NS_PREFIX=dpipe${CTLD_PORT}"
+    echo "VETH_PREFIX=dpv${CTLD_PORT}"
+  } > "$ROOT/netns"  # read by node.sh and stop.sh (which removes all of it), written first
+  ip link add "$BRIDGE" type bridge || fail "could not create the bridge $BRIDGE (ip link add)"
+  ip addr add "$CTLD_ADDR/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  k=0
+  for n in $NODE_NAMES; do
+    k=$((k + 1))
+    ns=dpipe${CTLD_PORT}n$k; veth=dpv${CTLD_PORT}n$k
+    ip netns add "$ns" || fail "could not create the network namespace $ns (ip netns add)"
+    ip link add "$veth" type veth peer name dpnet0 netns "$ns"
+    ip link set "$veth" master "$BRIDGE"
+    ip link set "$veth" up
+    ip -n "$ns" addr add "$SUBNET.$k/24" dev dpnet0
+    ip -n "$ns" link set dpnet0 up
+    ip -n "$ns" link set lo up
+  done
+  log "network: bridge $BRIDGE $CTLD_ADDR/24; nodes $NODE_LIST at $NODE_ADDRS in namespaces dpipe${CTLD_PORT}n1..$NODES ($(elapsed) s)"
+fi
 
 # ---- 1. munged: own key, own socket ----------------------------------------------------------
 MSOCK=$ROOT/munge/munge.socket.2
@@ -235,11 +325,17 @@ log "slurmdbd up on 127.0.0.1:$DBD_PORT ($(elapsed) s)"
 # ---- 4. slurmctld, slurmd ------------------------------------------------------------------------
 spawn slurmctld slurmctld -D -f "$CONF"
 wait_for slurmctld "slurmctld answering (scontrol ping)" scontrol ping
-log "slurmctld up on 127.0.0.1:$CTLD_PORT ($(elapsed) s)"
-spawn slurmd slurmd -D -f "$CONF" -N "$HOST"
-node_idle() { [ "$(sinfo -h -N -p "$PARTITION" -o %t)" = idle ]; }
-wait_for slurmd "node $HOST idle in sinfo" node_idle
-log "slurmd up, node $HOST idle ($(elapsed) s)"
+log "slurmctld up on $CTLD_ADDR:$CTLD_PORT ($(elapsed) s)"
+if [ "$NODES" -gt 0 ]; then
+  for n in $NODE_NAMES; do bash "$HERE/node.sh" "$ROOT" "$n" start; done
+  first=slurmd.node1
+else
+  spawn slurmd slurmd -D -f "$CONF" -N "$HOST"
+  first=slurmd
+fi
+node_idle() { [ "$(sinfo -h -N -p "$PARTITION" -o %t | sort | uniq -c | awk '{print $1, $2}')" = "$(echo $NODE_NAMES | wc -w) idle" ]; }
+wait_for "$first" "nodes $NODE_LIST idle in sinfo" node_idle
+log "slurmd up, nodes $NODE_LIST idle ($(elapsed) s)"
 
 # ---- 5. accounting: the cluster must be known to slurmdbd for sacct ---------------------------------
 cluster_known() { local c; c=$(sacctmgr -n -P list cluster format=cluster) && [[ $'\n'"$c"$'\n' == *$'\n'"$CLUSTER"$'\n'* ]]; }

@@ -1,7 +1,9 @@
 #!/bin/bash
 # Stop the Slurm daemons that start.sh ROOT started, by the PIDs in ROOT/pids
 # (TERM, wait, then KILL). Jobs still queued or running are cancelled first, and
-# any job step left behind (slurmstepd with this ROOT's SLURM_CONF) is killed.
+# any job step left behind (slurmstepd with this ROOT's SLURM_CONF) is killed. With nodes in
+# network namespaces (start.sh's DPIPE_SLURM_NETNS_NODES), whatever still runs in them is killed
+# and the namespaces, their links and the bridge are removed (ROOT/netns lists them).
 # Never touches processes it did not start.
 #
 # usage: stop.sh ROOT     env: DPIPE_SLURM_STOP_WAIT seconds per daemon before KILL (default 10)
@@ -26,14 +28,15 @@ running() {
   [ "${st%% *}" != Z ]
 }
 
-# pid_of NAME: the recorded PID if that process is still alive and still is NAME
+# pid_of NAME: the recorded PID if that process is still alive and still is NAME (slurmd.node2:
+# a slurmd)
 pid_of() {
   local f=$PIDS/$1.pid pid comm
   [ -f "$f" ] || return 1
   pid=$(tr -dc 0-9 < "$f")
   [ -n "$pid" ] && running "$pid" || return 1
   comm=$(cat "/proc/$pid/comm" 2>/dev/null || true)
-  if [ "$comm" != "$1" ]; then
+  if [ "$comm" != "${1%%.*}" ]; then
     log "pid $pid in $f is now '$comm', not $1: not touching it" >&2
     return 1
   fi
@@ -73,7 +76,8 @@ stop_one() {
   log "stopped $name (pid $pid) in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s"
   rm -f "$PIDS/$name.pid"
 }
-for d in slurmd slurmctld slurmdbd mariadbd munged; do stop_one "$d"; done
+node_slurmds=$(cd "$PIDS" && ls slurmd.*.pid 2>/dev/null | sed 's/\.pid$//' | tr '\n' ' ' || true)
+for d in slurmd $node_slurmds slurmctld slurmdbd mariadbd munged; do stop_one "$d"; done
 
 # 3. job steps left behind: slurmstepd processes started by this ROOT's slurmd (their
 #    environment holds SLURM_CONF=ROOT/etc/slurm.conf), with all their descendants
@@ -109,6 +113,28 @@ if [ ${#steps[@]} -gt 0 ]; then
     [ "$left" = 0 ] && break
     sleep 0.1
   done
+fi
+# 4. the nodes' namespaces (anything still in them is killed), their veths and the bridge
+if [ -f "$ROOT/netns" ]; then
+  # shellcheck disable=SC1091
+  . "$ROOT/netns"
+  for ns in $(ip netns list 2>/dev/null | awk -v p="${NS_PREFIX}n" 'index($1, p) == 1 {print $1}'); do
+    pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ' || true)
+    if [ -n "${pids// /}" ]; then
+      log "killing what still runs in $ns: $pids"
+      # shellcheck disable=SC2086
+      kill -KILL $pids 2>/dev/null || true
+      for _ in $(seq 1 50); do
+        left=0
+        for pid in $pids; do running "$pid" && left=1; done
+        [ "$left" = 0 ] && break
+        sleep 0.1
+      done
+    fi
+    ip netns del "$ns" && log "removed network namespace $ns"
+  done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE" && log "removed bridge $BRIDGE"; fi
+  rm -f "$ROOT/netns"
 fi
 rm -f "$ROOT/munge/munge.socket.2" "$ROOT/munge/munge.socket.2.lock" "$ROOT/mysql/mysqld.sock"
 log "done"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dpipe.launch.env import (
-    cuda_device, expand_nodelist, from_environ, in_slurm_step, slurm_env, tasks_on_node,
+    cuda_device, expand_nodelist, from_environ, in_slurm_step, placement, reachable_master,
+    slurm_env, tasks_on_node,
 )
 
 
@@ -89,3 +90,36 @@ def test_slurm_lists():
     assert [tasks_on_node("4(x2),2", n) for n in range(3)] == [4, 4, 2]
     with pytest.raises(ValueError):
         tasks_on_node("four", 0)
+
+
+def test_master_name_that_does_not_resolve_becomes_its_node_addr():
+    task = two_node_task(5)
+    env = slurm_env(task)
+    asked = []
+
+    def node_addr(node):
+        asked.append(node)
+        return "10.213.0.7"
+
+    # a name the resolver knows is used as it is; SLURM is not asked
+    assert reachable_master(env, task, resolve=lambda h: True, node_addr=node_addr) == env
+    assert asked == []
+    # one it does not know: slurm.conf's NodeAddr for that node
+    fixed = reachable_master(env, task, resolve=lambda h: False, node_addr=node_addr)
+    assert asked == ["gpu07"] and fixed.master_addr == "10.213.0.7"
+    assert fixed.rank == env.rank and fixed.master_port == env.master_port
+    # NodeAddr unknown (or the same name): left alone, torch then names the host it failed on
+    assert reachable_master(env, task, resolve=lambda h: False, node_addr=lambda n: None) == env
+    # DPIPE_MASTER_ADDR wins and is never second-guessed
+    task = two_node_task(5, DPIPE_MASTER_ADDR="10.9.9.9")
+    env = slurm_env(task)
+    assert env.master_addr == "10.9.9.9"
+    assert reachable_master(env, task, resolve=lambda h: False, node_addr=node_addr) == env
+
+
+def test_placement_names_the_node_of_each_stage():
+    assert placement([(0, "node1"), (1, "node2")]) == "stage 0: node1 (rank 0); stage 1: node2 (rank 1)"
+    # 2 stages x 2 replicas, pipe-major ranks
+    assert (placement([(0, "node1"), (0, "node1"), (1, "node2"), (1, "node2")])
+            == "stage 0: node1 (ranks 0-1); stage 1: node2 (ranks 2-3)")
+    assert placement([(0, "a"), (0, "b"), (1, "a")]) == "stage 0: a (rank 0), b (rank 1); stage 1: a (rank 2)"

@@ -39,7 +39,7 @@ def tracked(tmp_path, state="RUNNING") -> jobs.Tracked:
 
 def test_running_and_requeued_jobs_are_waited_for(tmp_path):
     t = tracked(tmp_path)
-    for state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED"):
+    for state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED", "NODE_FAIL"):
         t.job.state = state
         assert not jobs.check(t), state
 
@@ -79,3 +79,11 @@ def test_a_failed_point_inside_a_completed_job(tmp_path):
     ret.return_value = ValueError("bad value")
     t.job.finish(("success", ret))
     assert jobs.check(t) and t.status == "failed" and "bad value" in t.message
+
+
+def test_a_lost_node_is_waited_on_for_the_requeue_then_reported(tmp_path):
+    t = tracked(tmp_path, "NODE_FAIL")
+    assert not jobs.check(t)  # SLURM requeues it once the node is DOWN
+    t.preempted_at -= jobs.NODE_FAIL_GRACE_S + 1  # ... but this one was never requeued
+    assert jobs.check(t)
+    assert t.status == "node failed" and "SLURM state NODE_FAIL" in t.message, t.message
