@@ -56,6 +56,7 @@ from dpipe.models.sync_free import carrier, sizes
 COMFYUI_LORA = "cosmos1_lora_comfyui.safetensors"
 PIPELINE = "CosmosTextToWorldPipeline"
 SINGLE_FILE_SUFFIXES = (".pt", ".safetensors")  # NVIDIA's model.pt / ComfyUI's files
+SIGMA_DATA = 0.5  # the released EDMEulerScheduler's (the folder's config is read where there is one)
 MAX_LATENT_FRAMES = 16  # the VAE's latent statistics cover 16 latent frames (121 frames)
 # What another Cosmos folder's model_index.json names, and what to use for it.
 _OTHER_PIPELINES = {
@@ -223,6 +224,14 @@ class Cosmos1Spec(ModelSpec):
 
     # ---- benchmarks --------------------------------------------------------------------------
     bench_configs = SIZES
+
+    def for_benchmark(self, size: str) -> "Cosmos1Spec":
+        """Without a folder: the released scheduler's sigma_data and VAE ratios."""
+        import copy
+
+        spec = copy.copy(self)
+        spec.__dict__.update(sigma_data=SIGMA_DATA, _vae={"spatial_compression_ratio": 8})
+        return spec
 
     def random_sample(self, size: str):
         shapes = SAMPLE_SHAPES[size]
