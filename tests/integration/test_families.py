@@ -44,7 +44,7 @@ IMAGE_FAMILIES = ["tiny_flux", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image
                   "tiny_lumina2", "tiny_flux2", "tiny_qwen_image", "tiny_krea2",
                   "tiny_ernie_image", "tiny_ideogram4"]
 VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2",
-                  "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b"]
+                  "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b", "tiny_ltx23"]
 EDIT_FAMILIES = ["tiny_flux_kontext"]
 FIRST_FRAME_FAMILIES = ["tiny_wan_i2v", "tiny_cosmos_predict2_v2w"]
 FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
