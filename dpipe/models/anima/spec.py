@@ -208,8 +208,10 @@ class AnimaSpec(CosmosPredict2Spec):
         _, p_h, p_w = self.variant.patch
         grid = carrier(frames, height // p_h, width // p_w, 0)
         text = batch.text
-        inputs = (hidden, t, text["qwen"], text["qwen_mask"], text["t5_ids"], text["t5_mask"],
-                  grid)
+        # The cache stores every text entry as float: ids and masks back to integers (exact:
+        # T5's 32128 ids are far below fp32's 2^24).
+        inputs = (hidden, t, text["qwen"], text["qwen_mask"].long(), text["t5_ids"].long(),
+                  text["t5_mask"].long(), grid)
         weight = getattr(batch, "loss_weight", None)  # masks, (B, 1, 1, h, w), or None
         return inputs, (target,) if weight is None else (target, weight)
 
