@@ -19,7 +19,7 @@ from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.errors import ConfigError
 from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
-from dpipe.pipeline.recompute import recomputed
+from dpipe.pipeline.recompute import offloaded, recomputed
 from dpipe.train.grad_clip import install_clipping
 from dpipe.train.optim import (ROLE, base_lr, build_optimizer, group_hyperparameters,
                                lr_factor, user_group)
@@ -77,6 +77,9 @@ def _pipeline_module_class():
             self._autocast_dtype = autocast_dtype
             self._input_dtype = input_dtype  # data (floats needing no grad) is cast to it
             self.checkpointed: set[int] = set()  # local layer indices that recompute
+            self.offload = False  # checkpointed layers keep their inputs in host memory
+            self.swap = None  # dpipe.pipeline.block_swap.BlockSwap, where layers swap
+            self.plans_swap = False  # blocks_to_swap=auto: the memory plan chooses them
             self.probe: ActivationProbe | None = None
             # DeepSpeed prints its seed settings and the topology on rank 0 with print(); dpipe
             # logs the stages itself. Any other line it prints still reaches the console.
@@ -100,13 +103,8 @@ def _pipeline_module_class():
                           else t for t in x)
             probe, self.probe = self.probe, None  # measures one micro-batch only
             with cast:
-                for i, layer in enumerate(self.forward_funcs):
-                    if probe is not None:
-                        probe.measure(i, layer, x)
-                    if i in self.checkpointed and torch.is_grad_enabled():
-                        x = recomputed(layer, x)
-                    else:
-                        x = layer(x)
+                x = forward_layers(self.forward_funcs, x, self.checkpointed, self.offload,
+                                   self.swap, probe)
             # DeepSpeed sends stage outputs as they are, and refuses non-contiguous tensors.
             return tuple(t.contiguous() for t in x) if isinstance(x, tuple) else x.contiguous()
 
@@ -155,6 +153,27 @@ def _pipeline_module_class():
             self._synchronize_tied_weights()
 
     return StagedPipelineModule
+
+
+def forward_layers(layers, x, checkpointed: set[int], offload: bool = False, swap=None,
+                   probe: ActivationProbe | None = None):
+    """A stage's forward over its layers: each checkpointed one recomputes in backward (its
+    input offloaded to the host with `offload`), a swapped one has its weights copied in around
+    its call (dpipe.pipeline.block_swap), and `probe` measures each layer first."""
+    for i, layer in enumerate(layers):
+        if swap is not None:
+            swap.before(i)
+        if probe is not None:
+            probe.measure(i, layer, x)
+        if i in checkpointed and torch.is_grad_enabled():
+            x = (offloaded if offload else recomputed)(layer, x)
+        else:
+            x = layer(x)
+        if swap is not None:
+            swap.after(i, x)
+    if swap is not None:
+        swap.end_pass()
+    return x
 
 
 def ds_partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -247,6 +266,7 @@ def build_engine(
         dynamic_shape=True,  # buckets change tensor shapes between micro-batches
     )
     _release_other_stages(layers, module)
+    module.swap, module.plans_swap = _block_swap(layers, bounds, module, run)
     if p.compiles:
         # One layer class's compiled forward serves every layer of that class and every shape
         # it meets: buckets, frame counts and prompt lengths (text padding is cut) each add
@@ -281,10 +301,13 @@ def build_engine(
         config=deepspeed_config(run, data_parallel),
     )
     engine = adopt(engine, p.stages)
+    if module.swap is not None:
+        module.swap.attach(engine.device)
     if not _deepspeed_wraps_optimizer(run):
         install_clipping(optimizer, run.optim.grad_clip, engine.grid.get_pipe_parallel_group())
     module.checkpointed = _fixed_checkpointing(p.activation_checkpointing,
                                                len(module.forward_funcs))
+    module.offload = p.activation_checkpointing == "offload"
     return BuiltEngine(
         engine=engine,
         bounds=bounds,
@@ -353,11 +376,71 @@ def _release_other_stages(layers: list[nn.Module], module) -> None:
 def _fixed_checkpointing(setting: str, num_local: int) -> set[int]:
     """The checkpointed local layers for a fixed setting; "auto" starts from none (and is planned
     from measurements by `dpipe.pipeline.memory`)."""
-    if setting == "all":
+    if setting in ("all", "offload"):
         return set(range(num_local))
     if setting.isdigit():
         return set(range(min(int(setting), num_local)))
     return set()
+
+
+def _block_swap(layers: list[nn.Module], bounds: list[int], module, run: RunConfig):
+    """This stage's BlockSwap (`pipeline.blocks_to_swap`) and whether the memory plan chooses its
+    layers, after the checks that need the model: every stage has the layers to swap, and the
+    budget is above what the weights alone take with every layer swapped. Every rank checks
+    every stage, so all of them raise together."""
+    from dpipe.pipeline.block_swap import BlockSwap, first_swappable, swappable
+
+    p = run.pipeline
+    auto = str(p.blocks_to_swap) == "auto"
+    count = 0 if auto else int(p.blocks_to_swap)
+    stages = [layers[bounds[s]:bounds[s + 1]] for s in range(p.stages)]
+    own = [swappable(stage) for stage in stages]
+    if count > min(len(o) for o in own):
+        stage = min(range(p.stages), key=lambda s: len(own[s]))
+        raise ConfigError(
+            f"pipeline.blocks_to_swap={count}, but pipeline stage {stage} (layers "
+            f"{bounds[stage]}-{bounds[stage + 1] - 1}) has {len(own[stage])} layers with frozen "
+            f"weights to swap; use at most {len(own[stage])} (or auto, with "
+            "pipeline.memory_budget_gb)")
+    if p.memory_budget_gb is not None and (auto or count):
+        _check_budget_reachable(stages, own, p.memory_budget_gb)
+    if not count and not (auto and torch.cuda.is_available()):
+        return None, False  # auto on the CPU swaps nothing, as auto checkpointing recomputes none
+    local = list(module.forward_funcs)
+    if not torch.cuda.is_available() and module.stage_id == 0:
+        log.info("pipeline.blocks_to_swap=%s on the CPU: the weights are copied between two "
+                 "host tensors, which saves no memory (it runs the GPU's bookkeeping)", count)
+    chosen = swappable(local) if auto else first_swappable(local, count)
+    return BlockSwap(local, chosen), auto
+
+
+def _check_budget_reachable(stages: list[list[nn.Module]], own: list[dict], budget_gb: float):
+    """The weights a stage keeps on the device with every layer swapped (trainable weights and
+    their gradients, frozen weights that cannot swap, the two largest swapped layers' frozen
+    weights) must fit the budget: a lower bound of the peak (optimizer state and activations
+    come on top)."""
+    from dpipe.pipeline.block_swap import frozen_bytes
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    need = []
+    for layers, swapped in zip(stages, own):
+        trainable = sum(2 * nbytes(q) for layer in layers for q in layer.parameters()
+                        if q.requires_grad)
+        frozen = sum(frozen_bytes(layer) for layer in layers)
+        moved = [sum(nbytes(t) for t in ts) for ts in swapped.values()]
+        need.append(trainable + frozen - sum(moved) + sum(sorted(moved, reverse=True)[:2]))
+    from dpipe.pipeline.memory import GiB
+
+    worst = max(range(len(stages)), key=need.__getitem__)
+    if need[worst] > budget_gb * GiB:
+        raise ConfigError(
+            f"pipeline.memory_budget_gb={budget_gb:g} is below what pipeline stage {worst} needs "
+            f"even with every layer swapped: {need[worst] / GiB:.2f} GiB for its weights alone "
+            "(trainable weights and gradients, frozen weights that cannot swap, two swapped "
+            "layers in flight), before optimizer state and activations; raise the budget to "
+            "more than that, use more pipeline.stages, or model.base_dtype=fp8")
 
 
 @contextlib.contextmanager

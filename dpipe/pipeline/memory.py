@@ -13,13 +13,24 @@ lost to fragmentation (H200, 2026-12-01). The measured peak covers the first, th
 The probe also undercounts what a kept layer holds through backward under per-block compile: with
 the measured peak in the plan (14.0 resident + 1.0 transient + 7.3 kept activations) that run
 still reached 23.1 GiB allocated, so kept activations are planned at KEPT_FACTOR times the probe.
+
+With `pipeline.blocks_to_swap=auto` the first step also swaps every layer that can be
+(dpipe.pipeline.block_swap): the least memory the stage can run in. The plan then chooses, layer
+by layer, between recomputing its activations and streaming its frozen weights from the host,
+cheapest seconds per byte saved first (`plan_swap`), from the measured forward time of each
+layer and the measured host->device bandwidth.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+from dpipe.errors import ConfigError
 
 log = logging.getLogger("dpipe")
 GiB = 1 << 30
@@ -43,6 +54,7 @@ class ActivationProbe:
 
     def __init__(self):
         self.bytes: dict[int, int] = {}
+        self.seconds: dict[int, float] = {}  # the forward's time: what a recompute costs
 
     def measure(self, index: int, layer, x) -> None:
         if not torch.is_grad_enabled():
@@ -54,6 +66,12 @@ class ActivationProbe:
         out_bytes = sum(t.numel() * t.element_size() for t in outputs if torch.is_tensor(t))
         self.bytes[index] = max(0, torch.cuda.memory_allocated() - before - out_bytes)
         del out, outputs  # frees the graph: this forward was only a measurement
+        # Timed on a second call: the first one compiles a compiled layer.
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        layer(x)
+        torch.cuda.synchronize()
+        self.seconds[index] = time.perf_counter() - start
 
 
 def in_flight_micro_batches(stage: int, stages: int, micro_batches: int) -> int:
@@ -81,6 +99,75 @@ def plan(probe: ActivationProbe, resident: int, budget: int, in_flight: int,
     return checkpointed
 
 
+@dataclass
+class LayerCost:
+    """What one local layer costs and saves, measured in the first step."""
+    activations: int  # bytes its kept activations take per micro-batch
+    forward_s: float  # its forward's time: the cost of a recompute
+    frozen: int = 0  # bytes of frozen weights it could swap (0: nothing to swap)
+    copy_s: float = 0.0  # their host->device copy at the measured bandwidth
+
+    @property
+    def swap_s(self) -> float:
+        """Seconds per micro-batch a swap adds: its two copies (forward and backward), less the
+        compute they overlap with (the layer before it in forward, about its forward time; the
+        one after it in backward, about twice that)."""
+        return max(0.0, self.copy_s - self.forward_s) + max(0.0, self.copy_s - 2 * self.forward_s)
+
+
+@dataclass
+class MemoryPlan:
+    checkpointed: set[int] = field(default_factory=set)
+    swapped: set[int] = field(default_factory=set)
+    peak: int = 0  # the estimated peak, bytes
+    minimum: int = 0  # the estimated peak with every layer recomputed and swapped
+    fits: bool = True
+
+
+def loaded_bytes(costs: dict[int, LayerCost], swapped: set[int]) -> int:
+    """Frozen bytes on the device at once: the unswapped layers', and two swapped layers' (the
+    one running and the one being copied in)."""
+    resident = sum(c.frozen for i, c in costs.items() if i not in swapped)
+    return resident + sum(sorted((costs[i].frozen for i in swapped), reverse=True)[:2])
+
+
+def plan_swap(costs: dict[int, LayerCost], base: int, budget: int, in_flight: int,
+              transient: int = 0) -> MemoryPlan:
+    """The layers to recompute and the layers to swap, so that the estimated peak stays within
+    `budget` bytes at the least added time.
+
+    `base`: what stays on the device whatever the plan (trainable weights, gradients, optimizer
+    state, frozen weights that cannot swap); `transient` as in `plan`. Each candidate (recompute
+    layer i: saves its kept activations on every micro-batch in flight; swap layer i: saves its
+    frozen bytes) is taken in the order of seconds added per byte saved until the peak fits."""
+    headroom = max([transient] + [c.activations for c in costs.values()]) \
+        + fragmentation_margin(budget)
+
+    def peak(checkpointed: set[int], swapped: set[int]) -> int:
+        kept = sum(c.activations for i, c in costs.items() if i not in checkpointed)
+        return int(base + headroom + loaded_bytes(costs, swapped)
+                   + in_flight * kept * KEPT_FACTOR)
+
+    candidates = [("recompute", i, c.forward_s, in_flight * c.activations * KEPT_FACTOR)
+                  for i, c in costs.items() if c.activations > 0]
+    candidates += [("swap", i, c.swap_s, c.frozen) for i, c in costs.items() if c.frozen > 0]
+    # Cheapest per byte first; at equal cost, the larger saving; then a fixed order.
+    candidates.sort(key=lambda a: (a[2] / a[3], -a[3], a[0], a[1]))
+    result = MemoryPlan()
+    for kind, index, _, _ in candidates:
+        if peak(result.checkpointed, result.swapped) <= budget:
+            break
+        (result.checkpointed if kind == "recompute" else result.swapped).add(index)
+    # One or two swapped layers save nothing (both may be on the device at once): undo them.
+    if len(result.swapped) <= 2:
+        result.swapped = set()
+    result.peak = peak(result.checkpointed, result.swapped)
+    everything = set(costs)
+    result.minimum = peak(everything, {i for i, c in costs.items() if c.frozen > 0})
+    result.fits = result.peak <= budget
+    return result
+
+
 def budget_bytes(budget_gb: float | None) -> int:
     if budget_gb is not None:
         return int(budget_gb * GiB)
@@ -89,7 +176,9 @@ def budget_bytes(budget_gb: float | None) -> int:
 
 class AutoCheckpointing:
     """Drives "auto" over the first step of a process: all layers recompute while measuring,
-    then the plan takes over."""
+    then the plan takes over. With a block swap that the plan chooses (`module.swap`,
+    `module.plans_swap`: `pipeline.blocks_to_swap=auto`), every swappable layer swaps in the
+    first step too, and the plan says which keep their weights on the device."""
 
     def __init__(self, module, stage: int, stages: int, micro_batches: int, budget_gb):
         self.module, self.stage = module, stage
@@ -105,6 +194,9 @@ class AutoCheckpointing:
                     if p.requires_grad and p.grad is None)
         resident = torch.cuda.memory_allocated() + grads
         transient = max(0, torch.cuda.max_memory_allocated() - resident)
+        swap = getattr(self.module, "swap", None)
+        if swap is not None and getattr(self.module, "plans_swap", False):
+            return self._plan_with_swap(swap, resident, transient)
         self.module.checkpointed = plan(self.probe, resident, self.budget, self.in_flight,
                                         transient)
         n, total = len(self.module.checkpointed), len(self.module.forward_funcs)
@@ -115,3 +207,35 @@ class AutoCheckpointing:
             "activations", self.stage, self.budget / GiB, n, total, resident / GiB,
             transient / GiB, self.in_flight, kept / GiB,
         )
+
+    def _plan_with_swap(self, swap, resident: int, transient: int) -> None:
+        frozen, bandwidth = swap.bytes, swap.bandwidth or float("inf")
+        costs = {i: LayerCost(self.probe.bytes.get(i, 0), self.probe.seconds.get(i, 0.0),
+                              frozen.get(i, 0), frozen.get(i, 0) / bandwidth)
+                 for i in range(len(self.module.forward_funcs))}
+        # The first step swapped every swappable layer: none of their bytes is in `resident`.
+        chosen = plan_swap(costs, resident, self.budget, self.in_flight, transient)
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, (self.stage, chosen.fits, chosen.minimum))
+        short = sorted({(s, m) for s, fits, m in stages if not fits})
+        if short:
+            raise ConfigError(
+                f"pipeline.memory_budget_gb={self.budget / GiB:.1f} is below what the model "
+                "reaches with every layer recomputed and swapped (measured in the first step): "
+                + ", ".join(f"stage {s} needs about {m / GiB:.1f} GiB" for s, m in short)
+                + "; raise the budget, use more pipeline.stages, or model.base_dtype=fp8")
+        swap.unswap(set(frozen) - chosen.swapped)
+        self.module.checkpointed = chosen.checkpointed
+        swapped = sorted(chosen.swapped)
+        log.info(
+            "stage %d memory plan (auto, budget %.1f GiB): %d of %d layers recompute, %d swap "
+            "(%.2f GiB of frozen weights at %.1f GB/s host->device; per layer and micro-batch "
+            "a swap adds %.1f ms, a recompute %.1f ms); estimated peak %.1f GiB",
+            self.stage, self.budget / GiB, len(chosen.checkpointed), len(costs), len(swapped),
+            sum(frozen[i] for i in swapped) / GiB, bandwidth / 1e9,
+            1e3 * _mean([costs[i].swap_s for i in frozen]),
+            1e3 * _mean([c.forward_s for c in costs.values()]), chosen.peak / GiB)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

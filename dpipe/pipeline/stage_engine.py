@@ -42,6 +42,14 @@ class StageEngine(PipelineEngine):
     _typed_buffers: dict  # (position, dtype) -> receive buffer, set by `adopt`
 
     def _exec_backward_pass(self, buffer_id):
+        try:
+            self._backward_pass(buffer_id)
+        finally:
+            swap = getattr(self.module, "swap", None)
+            if swap is not None:  # dpipe.pipeline.block_swap: nothing stays loaded
+                swap.end_pass()
+
+    def _backward_pass(self, buffer_id):
         if self.is_last_stage() or self.is_pipe_partitioned:
             # The loss's backward is DeepSpeed's own; partitioned outputs (tensor parallelism)
             # are not used by dpipe and keep DeepSpeed's path.
