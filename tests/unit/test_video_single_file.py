@@ -20,10 +20,10 @@ from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
 
 FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
-# With LTX-2, whose files diffusers 0.42.1 does not tell from LTX-Video's (its detection checks
-# LTX-Video's keys first), so the detection test leaves it out; and HunyuanVideo 1.5, which
+# With LTX-2 and LTX-2.3, whose files diffusers 0.42.1 does not tell from LTX-Video's (its
+# detection checks LTX-Video's keys first), so the detection test leaves them out; and HunyuanVideo 1.5, which
 # diffusers has no single-file support for at all.
-LOADED = (*FAMILIES, "ltx2", "hunyuan_video15")
+LOADED = (*FAMILIES, "ltx2", "ltx23", "hunyuan_video15")
 # Keys of the files' other components (VAE, audio VAE, vocoder) and NVIDIA's buffers.
 OTHERS = ("vae.", "audio_vae.", "vocoder.", "net.pos_embedder", "net.accum")
 
@@ -33,6 +33,7 @@ def _factories():
     from dpipe.models.hunyuan_video import tiny as hunyuan
     from dpipe.models.hunyuan_video15 import tiny as hunyuan15
     from dpipe.models.ltx2 import tiny as ltx2
+    from dpipe.models.ltx23 import tiny as ltx23
     from dpipe.models.ltx_video import tiny as ltx
 
     return {
@@ -43,6 +44,7 @@ def _factories():
         "cosmos_predict2": (cosmos.make_tiny_cosmos_predict2, cosmos.write_single_file,
                             "cosmos_predict2_2B_t2i.safetensors"),
         "ltx2": (ltx2.make_tiny_ltx2, ltx2.write_single_file, "ltx-2-19b-dev.safetensors"),
+        "ltx23": (ltx23.make_tiny_ltx23, ltx2.write_single_file, "ltx-2.3-22b-dev.safetensors"),
         "hunyuan_video15": (hunyuan15.make_tiny_hunyuan_video15, hunyuan15.write_single_file,
                             "hunyuanvideo1.5_720p_t2v_fp16.safetensors"),
     }
@@ -307,7 +309,7 @@ def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tm
     out.mkdir()
     spec.export_lora(lora_state_dict(denoiser), out)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
-    frames = {"cosmos_predict2": 1, "ltx_video": 9, "ltx2": 9}.get(family, 5)  # Text2Image: images only
+    frames = {"cosmos_predict2": 1, "ltx_video": 9, "ltx2": 9, "ltx23": 9}.get(family, 5)  # Text2Image: images only
     inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)
     with torch.no_grad():
         expected = spec.denoiser_forward(denoiser, inputs)

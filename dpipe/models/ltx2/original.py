@@ -15,6 +15,8 @@ is the inverse, for tests and single-file export.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,13 +44,19 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
     """Original-named weights (the `model.diffusion_model.` prefix already stripped) -> diffusers
     names; the file's VAE / audio VAE / vocoder weights are left out. Names already diffusers'
     convert to themselves."""
+    converted = diffusers_names(state)
+    own = {name.split(".", 1)[0] for name in model.state_dict()}
+    return {k: v for k, v in converted.items() if k.split(".", 1)[0] in own}
+
+
+def diffusers_names(state: dict[str, Any]) -> dict[str, Any]:
+    """{diffusers name: value} of original-named keys (values of any kind: the converter only
+    renames), every key kept."""
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
     converted = convert_ltx2_transformer_to_diffusers(dict(state))
-    converted = {".".join(_FROM_ORIGINAL.get(p, p) if i == 0 else p
-                          for i, p in enumerate(k.split("."))): v for k, v in converted.items()}
-    own = {name.split(".", 1)[0] for name in model.state_dict()}
-    return {k: v for k, v in converted.items() if k.split(".", 1)[0] in own}
+    return {".".join(_FROM_ORIGINAL.get(p, p) if i == 0 else p for i, p in enumerate(k.split("."))):
+            v for k, v in converted.items()}
 
 
 def original_module(name: str) -> str:

@@ -23,7 +23,8 @@ from dpipe.errors import ConfigError
 from dpipe.models.diffusers_folder import check_folder, load_encoders
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ltx2.layers import ltx2_layers
-from dpipe.models.ltx2.original import from_original, original_module, original_state_dict
+from dpipe.models.ltx2.original import (
+    diffusers_names, from_original, original_module, original_state_dict)
 from dpipe.models.ltx2.release import RELEASES, check_release
 from dpipe.models.attention_mask import has_padding
 from dpipe.models.lora_files import DIFFUSERS_LORA
@@ -149,8 +150,6 @@ class LTX2Spec(LTXVideoSpec):
                 with safe_open(weights, "pt") as f:
                     out.append((weights, {k: k for k in f.keys()}))
             return out
-        from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
-
         with safe_open(self.single_file, "pt") as f:
             stored = {k.removeprefix("model.").removeprefix("diffusion_model."): k for k in f.keys()}
         # The converter only renames keys, so run on {name: key in the file} it maps the names;
@@ -160,7 +159,7 @@ class LTX2Spec(LTXVideoSpec):
 
         with init_empty_weights():
             own = set(cls.from_config(cls.load_config(self.path / "transformer")).state_dict())
-        renamed = convert_ltx2_transformer_to_diffusers(dict(stored))
+        renamed = diffusers_names(stored)
         return [(self.single_file, {k: v for k, v in renamed.items() if k in own})]
 
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
