@@ -59,8 +59,10 @@ def start_rank(run: RunConfig) -> torch.device:
         init_distributed("nccl")
         return torch.device("cuda", torch.cuda.current_device())
     # Workers on one machine share its cores; more threads than cores makes them spin.
+    # A SLURM task uses the CPUs it was given (--cpus-per-task), not all of a shared node's.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    given = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    torch.set_num_threads(given or max(1, (os.cpu_count() or 1) // local_world))
     init_distributed("gloo")
     return torch.device("cpu")
 
