@@ -4,11 +4,12 @@ hostname, own slurmd), one slurmctld, munge and accounting shared, the filesyste
 
 The ranks meet over the nodes' addresses only: the preset's socket_ifname (here from the
 environment's DPIPE_SOCKET_IFNAME) names their interface, and the master's node name, which
-resolves nowhere, becomes its NodeAddr. Checked: a job array of two points over both nodes
-(2 nodes x 1 task, 2 nodes x 2 tasks) ends with the same losses and LoRA, bit for bit, as the
-same points on one node; a 2-node run takes the time-limit signal (USR2: checkpoint, requeue,
-resume), then loses node2 as a crash would and, requeued once the node is back, resumes from
-its newest complete checkpoint and ends equal to a straight run.
+resolves nowhere, becomes its NodeAddr. Checked: a job array of two 2 stages x 2 replicas points
+over both nodes completes, the one with the reference's settings with the same losses and LoRA,
+bit for bit, as on one node; a 2 nodes x 1 task run (stage 0 on node1, stage 1 on node2) takes
+the time-limit signal (USR2: checkpoint, requeue, resume), then loses node2 as a crash would and,
+requeued once the node is back, resumes from its newest complete checkpoint and ends equal, bit
+for bit, to the same run made straight on one node.
 
 Needs root, iproute2 and SLURM: skips without them, fails instead with DPIPE_REQUIRE_SLURM=1 (CI).
 """
@@ -34,9 +35,7 @@ from tests.integration.test_slurm import (
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 STEPS = 60  # room to signal, checkpoint and crash a node mid-run; each step ~0.1 s
-# 2 stages x 2 replicas over 2 nodes: one thread per rank (a 2 x 1 run's ranks would each take
-# both of a CI machine's cores, which the two "nodes" share)
-TWO_NODES = [f"train.max_steps={STEPS}", "hydra.launcher.nodes=2", "pipeline.data_parallel=2"]
+TWO_NODES = [f"train.max_steps={STEPS}", "hydra.launcher.nodes=2"]
 IFNAME = "dpnet0"  # each node's interface (scripts/slurm/start.sh)
 
 
@@ -97,49 +96,49 @@ def _node_list(job: str) -> str:
 
 @pytest.fixture(scope="module")
 def arrays(two_nodes, tmp_path_factory) -> tuple[Sweep, Sweep]:
-    """The same two points (2 stages x 1 and x 2 replicas), on one node each, then on two."""
+    """On one node: 2 stages x 1 and x 2 replicas (the references). On two nodes: one job array
+    of two 2 x 2 points (lr 1e-3, the reference's, and 5e-4)."""
     base = tmp_path_factory.mktemp("arrays")
     timings = {}
     sweeps = []
-    for nodes in (1, 2):
+    for nodes, points in ((1, "pipeline.data_parallel=1,2"),
+                          (2, "pipeline.data_parallel=2 optim.lr=1e-3,5e-4")):
         t = time.monotonic()
         sweep = start_sweep(base / f"nodes{nodes}", f"train.max_steps={STEPS}",
-                            f"hydra.launcher.nodes={nodes}", "pipeline.data_parallel=1,2")
+                            f"hydra.launcher.nodes={nodes}", *points.split())
         assert sweep.wait() == 0, sweep.output
         timings[nodes] = time.monotonic() - t
         sweeps.append(sweep)
-    print(f"job array of 2 points on 1 node each: {timings[1]:.1f} s; on 2 nodes: {timings[2]:.1f} s")
+    print(f"2 points on 1 node each: {timings[1]:.1f} s; job array of 2 points on 2 nodes: "
+          f"{timings[2]:.1f} s")
     return sweeps[0], sweeps[1]
 
 
 def test_two_node_job_array_equals_one_node(arrays):
     one, two = arrays
     ids = two.job_ids()
-    # one job array per task count (2 and 4 tasks here: two arrays of one job each)
-    assert all(re.fullmatch(r"\d+_\d+", j) for j in ids.values()), f"not array jobs: {ids}"
+    array = ids[0].split("_")[0]
+    assert sorted(ids.values()) == [f"{array}_0", f"{array}_1"], f"not one job array: {ids}"
     points = two.summary()
     assert [p["status"] for p in points] == ["completed", "completed"]
-    assert "| 1 | pipeline.data_parallel=2 | completed | 60 |" in two.output  # the printed summary
-    placements = {0: "stage 0: node1 (rank 0); stage 1: node2 (rank 1)",
-                  1: "stage 0: node1 (ranks 0-1); stage 1: node2 (ranks 2-3)"}
-    for point, job in ids.items():
+    assert [p["metrics"]["step"] for p in points] == [STEPS, STEPS]
+    assert re.search(r"\| 1 \| .*optim.lr=0.0005.* \| completed \| 60 \|", two.output), two.output
+    for job in ids.values():
         assert _node_list(job) == "node[1-2]", sacct(job, "JobID,NodeList")
         log = two.job_log(job)
-        assert f"stages on nodes: {placements[point]}" in log, log
-        # every rank of the step, 1 or 2 per node
+        assert "stages on nodes: stage 0: node1 (ranks 0-1); stage 1: node2 (ranks 2-3)" in log, log
         tasks = {row[0]: row[1] for row in sacct(job, "JobID,NTasks")}
-        assert tasks.get(f"{job}.0") == str(2 * (point + 1)), tasks
-        # the reference ran all its ranks on one node
-        ref_job = one.job_ids()[point]
-        assert re.fullmatch(r"node[12]", _node_list(ref_job)), sacct(ref_job, "JobID,NodeList")
-        ref_log = one.job_log(ref_job)
-        assert re.search(r"stages on nodes: stage 0: (node[12]) \(ranks? [0-9-]+\); "
-                         r"stage 1: \1 ", ref_log), ref_log
-        # the same losses at every step and the same LoRA, bit for bit (fp32, gloo)
-        run, ref = two.run_dir(point), one.run_dir(point)
-        assert metrics(run)[-1]["step"] == STEPS
-        assert _losses(run) == _losses(ref)
-        same_weights(run, ref)
+        assert tasks.get(f"{job}.0") == "4", tasks  # every rank of the step: 2 per node
+    # the reference (its point 1: 2 x 2, lr 1e-3) ran all its ranks on one node
+    ref_job = one.job_ids()[1]
+    assert re.fullmatch(r"node[12]", _node_list(ref_job)), sacct(ref_job, "JobID,NodeList")
+    assert re.search(r"stages on nodes: stage 0: (node[12]) \(ranks 0-1\); stage 1: \1 ",
+                     one.job_log(ref_job)), one.job_log(ref_job)
+    # the same losses at every step and the same LoRA, bit for bit (fp32, gloo)
+    run, ref = two.run_dir(0), one.run_dir(1)
+    assert metrics(run)[-1]["step"] == STEPS
+    assert _losses(run) == _losses(ref)
+    same_weights(run, ref)
 
 
 def _sinfo(node: str) -> str:
@@ -149,7 +148,9 @@ def _sinfo(node: str) -> str:
 
 
 def test_time_limit_signal_then_a_lost_node_resume_to_the_straight_run(arrays, two_nodes, tmp_path):
-    straight = arrays[1].run_dir(1)  # 2 nodes x 2 tasks, uninterrupted
+    # 2 nodes x 1 task (stage 0 on node1, stage 1 on node2) ends equal to the same run on one
+    # node, uninterrupted
+    straight = arrays[0].run_dir(0)
     sweep = start_sweep(tmp_path / "lost", *TWO_NODES)
     job = sweep.job_ids()[0]
     run_dir = None
@@ -168,7 +169,7 @@ def test_time_limit_signal_then_a_lost_node_resume_to_the_straight_run(arrays, t
     assert re.search(rf"resumed from \S+step_{saved:08d} \(step {saved}\)", log), log
     layers = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{saved:08d}").glob("layer_*"))
     assert layers, "no per-layer files"  # written by both stages: their layers together
-    assert "stages on nodes: stage 0: node1 (ranks 0-1); stage 1: node2 (ranks 2-3)" in log
+    assert "stages on nodes: stage 0: node1 (rank 0); stage 1: node2 (rank 1)" in log
 
     # 2. node2 dies (link down, slurmd and the job's processes killed) after a newer checkpoint
     def newer_checkpoint():
