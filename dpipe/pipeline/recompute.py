@@ -57,8 +57,9 @@ def offloaded(layer: nn.Module, x):
     # that does stands for the layer's trainable weights (their gradients accumulate in
     # backward's recompute, not through this input).
     anchor = torch.empty(0, device=inputs[0].device, requires_grad=trains)
-    outputs = _Offloaded.apply(layer, single, anchor, *inputs)
-    return outputs[0] if single else outputs
+    returns_tensor: list[bool] = []  # the function returns a tuple; the layer may not
+    outputs = _Offloaded.apply(layer, (single, returns_tensor), anchor, *inputs)
+    return outputs[0] if returns_tensor[0] else outputs
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -71,8 +72,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 class _Offloaded(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer, single, anchor, *inputs):
+    def forward(ctx, layer, kinds, anchor, *inputs):
         device = inputs[0].device
+        (single, returns_tensor) = kinds
         ctx.layer, ctx.single, ctx.device = layer, single, device
         ctx.autocast = (torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
@@ -81,6 +83,7 @@ class _Offloaded(torch.autograd.Function):
         ctx.inputs = [_to_host(t) if t.is_floating_point() else t for t in inputs]
         out = layer(inputs[0] if single else tuple(inputs))
         outputs = (out,) if torch.is_tensor(out) else tuple(out)
+        returns_tensor.append(torch.is_tensor(out))
         ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
         return outputs
 

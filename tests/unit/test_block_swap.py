@@ -203,3 +203,12 @@ def test_a_compiled_swapped_layer_does_not_recompile():
     plain_outs, plain_grads = _train(_layers())
     for got, want in zip(outs + grads, plain_outs + plain_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_offload_returns_what_the_layer_returns():
+    head = nn.Linear(WIDTH, 1)
+    h, _ = _micro_batches(1)[0]
+    single = offloaded(head, h.requires_grad_())
+    assert torch.is_tensor(single) and single.shape == (3, 1)
+    single.sum().backward()
+    assert head.weight.grad is not None
