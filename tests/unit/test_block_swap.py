@@ -212,3 +212,58 @@ def test_offload_returns_what_the_layer_returns():
     assert torch.is_tensor(single) and single.shape == (3, 1)
     single.sum().backward()
     assert head.weight.grad is not None
+
+
+def _run(**pipeline):
+    from types import SimpleNamespace
+
+    defaults = dict(stages=2, blocks_to_swap="0", memory_budget_gb=None)
+    return SimpleNamespace(pipeline=SimpleNamespace(**{**defaults, **pipeline}))
+
+
+def test_more_layers_to_swap_than_a_stage_has_is_refused_naming_the_count():
+    from dpipe.errors import ConfigError
+    from dpipe.pipeline.engine import _block_swap
+
+    layers = _layers()  # stage 0: layers 0-1, stage 1: layers 2-4
+    module = type("M", (), {"forward_funcs": layers[:2], "stage_id": 0})()
+    with pytest.raises(ConfigError, match=r"blocks_to_swap=3.*stage 0 \(layers 0-1\) has 2 .*"
+                                          r"at most 2"):
+        _block_swap(layers, [0, 2, 5], module, _run(blocks_to_swap="3"))
+    swap, auto = _block_swap(layers, [0, 2, 5], module, _run(blocks_to_swap="2"))
+    assert swap.order == [0, 1] and not auto
+
+
+def test_a_budget_below_the_weights_with_everything_swapped_names_the_minimum():
+    from dpipe.errors import ConfigError
+    from dpipe.pipeline.engine import _block_swap
+
+    layers = _layers()
+    module = type("M", (), {"forward_funcs": layers[2:], "stage_id": 1})()
+    # stage 1 keeps its LoRA weights and gradients and two swapped layers' frozen weights
+    lora = sum(2 * 4 * p.numel() for layer in layers[2:] for p in (layer.down, layer.up))
+    frozen = 4 * (WIDTH * WIDTH + 2 * WIDTH)
+    need = (lora + 2 * frozen) / (1 << 30)
+    with pytest.raises(ConfigError, match=f"stage 1 needs even with every layer swapped: "
+                                          f"{need:.2f} GiB"):
+        _block_swap(layers, [0, 2, 5], module, _run(blocks_to_swap="1",
+                                                      memory_budget_gb=need * 0.9))
+    _block_swap(layers, [0, 2, 5], module, _run(blocks_to_swap="1", memory_budget_gb=need * 1.1))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["pipeline.blocks_to_swap=many"], "blocks_to_swap='many': use a number"),
+    (["pipeline.blocks_to_swap=auto"], "needs pipeline.activation_checkpointing=auto"),
+    (["pipeline.blocks_to_swap=2", "model.mode=full"], "nothing frozen to swap"),
+    (["pipeline.activation_checkpointing=unload"], "none, all, auto, offload"),
+])
+def test_bad_swap_settings_are_refused_at_compose_time(overrides, message):
+    from dpipe.config.checks import validate
+    from dpipe.errors import ConfigError
+    from tests.unit.test_config import _compose
+
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose(["model=tiny_flux", *overrides]))
+    run = validate(_compose(["model=tiny_flux", "pipeline.blocks_to_swap=auto",
+                             "pipeline.activation_checkpointing=auto"]))
+    assert run.pipeline.blocks_to_swap == "auto"
