@@ -42,7 +42,7 @@ from tests.integration.trained import (
 IMAGE_FAMILIES = ["tiny_flux", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream",
                   "tiny_sd3", "tiny_chroma", "tiny_z_image", "tiny_cosmos_predict2",
                   "tiny_lumina2", "tiny_flux2", "tiny_qwen_image", "tiny_krea2",
-                  "tiny_ernie_image", "tiny_ideogram4"]
+                  "tiny_ernie_image", "tiny_ideogram4", "tiny_anima"]
 VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2",
                   "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b", "tiny_ltx23"]
 EDIT_FAMILIES = ["tiny_flux_kontext"]
