@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import dpipe_train, train_args
+from tests.cli import dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
 pytestmark = pytest.mark.slow
@@ -45,3 +45,25 @@ def test_fp8_lora_on_two_stages_exports_a_lora_diffusers_loads(tmp_path):
         with_lora = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), inputs)
     assert (with_lora - base).abs().max() > 1e-5, "training left the LoRA without effect"
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_compute_trains_on_two_stages_as_on_one(tmp_path):
+    """`model.base_compute=fp8` through the real engine: the CPU runs the same `_scaled_mm` path
+    as a GPU with fp8 matmuls, so the pipelined run must equal the one-stage run exactly, and
+    stay near the fp8-storage run (bf16-free math on the same e4m3 weights, fp8 activations)."""
+    runs = {}
+    for name, extra in [("one", ["pipeline.stages=1"]), ("two", ["pipeline.stages=2"]),
+                        ("storage", ["pipeline.stages=1", "model.base_dtype=fp8"])]:
+        compute = [] if name == "storage" else ["model.base_compute=fp8"]
+        result = dpipe_train(*train_args(
+            tmp_path / name, "model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3",
+            "train.max_steps=3", "train.checkpoint_every_steps=0", "pipeline.micro_batches=2",
+            "train.loader_workers=0", *compute, *extra))
+        assert result.code == 0, f"dpipe-train failed:\n{result.out}\n{result.err[-3000:]}"
+        runs[name] = torch.tensor([m["loss"] for m in metrics(tmp_path / name)])
+        if compute:
+            log = (tmp_path / name / "train.log").read_text()
+            assert "frozen Linears multiply in fp8" in log, log[-2000:]
+    assert torch.equal(runs["two"], runs["one"]), (runs["two"], runs["one"])
+    assert not torch.equal(runs["one"], runs["storage"])  # the activations were rounded
+    torch.testing.assert_close(runs["one"], runs["storage"], rtol=2e-2, atol=0)

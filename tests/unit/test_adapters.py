@@ -266,7 +266,9 @@ def test_merge_adapters_adds_each_module_s_delta_to_the_base(adapter, exports):
     (["model.mode=full", "model.adapter=lokr"], "model.adapter=lokr adds an adapter, but "
                                                 "model.mode=full"),
     (["model.adapter=dora", "model.base_dtype=fp8", "train.precision=bf16"],
-     "use model.base_dtype=auto with DoRA"),
+     "drop model.base_dtype with DoRA"),
+    (["model.adapter=dora", "model.base_compute=fp8", "train.precision=bf16"],
+     "drop model.base_compute with DoRA"),
     (["model.lokr_factor=8"], "model.lokr_factor=8 applies to model.adapter=lokr"),
     (["model.adapter=lokr", "model.lokr_factor=0"], "model.lokr_factor must be -1"),
     (["model.mode=full", "model.lora.init_from=/x.safetensors"],

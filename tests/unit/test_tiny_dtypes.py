@@ -33,7 +33,13 @@ def _folder(config_name: str) -> Path:
 
     spec = build_spec(compose_run([f"model={config_name}", "dataset=synthetic"]).model)
     spec.ensure_available()
-    return spec.path if (spec.path / "model_index.json").is_file() else spec.path.parent
+    here = spec.path if spec.path.is_dir() else spec.path.parent
+    return here if any((here / i).is_file() for i in INDEXES) else here.parent
+
+
+# A pipeline folder's index: model_index.json, or a modular pipeline's (Anima's), whose entries
+# are [library, class, {where to load it from}].
+INDEXES = ("model_index.json", "modular_model_index.json")
 
 
 def _stored_dtypes(directory: Path) -> set[torch.dtype]:
@@ -52,11 +58,13 @@ def _stored_dtypes(directory: Path) -> set[torch.dtype]:
 @pytest.mark.slow
 def test_components_load_in_the_dtype_their_config_states(config_name):
     folder = _folder(config_name)
-    index = json.loads((folder / "model_index.json").read_text())
+    index = json.loads(next(folder / i for i in INDEXES if (folder / i).is_file()).read_text())
     checked = 0
     for name, entry in index.items():
         # Components only: a pipeline's list-valued config (Krea 2's text_encoder_select_layers)
         # is no [library, class] pair.
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict):
+            entry = entry[:2]  # a modular pipeline's component
         if name.startswith("_") or not isinstance(entry, list) or None in entry \
                 or len(entry) != 2 or not all(isinstance(e, str) for e in entry):
             continue

@@ -5,7 +5,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DPIPE_CACHE=${DPIPE_CACHE:-/tmp/dpipe-cache}
 SIZE=${SIZE:-dev}
 PY=${PY:-python3}
-# Scripts before the twelfth session ran with the then-default attention kernels (flash); the
+# Scripts before 2026-12-03 (commit 6417d8a) ran with the then-default attention kernels (flash); the
 # default since, model.attention=auto, is cuDNN's on Hopper: add model.attention=sdpa for flash.
 L="train.precision=bf16 pipeline.micro_batches=8 pipeline.compile=true model.lora.rank=32 model.lora.alpha=32"
 LOG=$OUT/log.txt

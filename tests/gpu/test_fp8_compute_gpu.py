@@ -1,0 +1,91 @@
+"""`model.base_compute=fp8` on a GPU with fp8 matmuls (compute capability 8.9+): losses and LoRA
+gradients against bf16, and the memory its backward keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.cli import dpipe_train, metrics, train_args
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability() < (8, 9),
+                                 reason="needs a CUDA GPU with fp8 matmuls")]
+
+
+def _run(run_dir, *overrides):
+    result = dpipe_train(*train_args(
+        run_dir, "model=tiny_flux", "dataset=synthetic", "train.precision=bf16",
+        "train.max_steps=20", "pipeline.micro_batches=2", "train.checkpoint_every_steps=0",
+        "pipeline=single", "pipeline.compile=true", "optim.lr=1e-3", *overrides), timeout=900)
+    assert result.code == 0, result.err[-3000:]
+    return torch.tensor([m["loss"] for m in metrics(run_dir)]), result.out + result.err
+
+
+def test_fp8_compute_losses_stay_within_1pct_of_bf16_over_20_steps(tmp_path):
+    bf16, _ = _run(tmp_path / "bf16")
+    fp8, log = _run(tmp_path / "fp8", "model.base_compute=fp8")
+    assert "frozen Linears multiply in fp8" in log, log[-2000:]
+    assert len(fp8) == len(bf16) == 20
+    torch.testing.assert_close(fp8, bf16, rtol=1e-2, atol=0)
+
+
+def _lora_block(fp8: bool, dim: int = 1024, heads: int = 8):
+    """A FLUX single block (diffusers' class) at width `dim` with a LoRA on its Linears."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from dpipe.train.fp8_compute import use_fp8_compute
+
+    torch.manual_seed(0)
+    block = FluxSingleTransformerBlock(dim, heads, dim // heads).cuda()
+    block = inject_adapter_in_model(
+        LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian",
+                   target_modules=["to_q", "to_k", "to_v", "proj_mlp", "proj_out"]), block)
+    for name, p in block.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    holder = nn.ModuleDict({"blocks": nn.ModuleList([block])})
+    if fp8:
+        assert use_fp8_compute(holder) > 0
+    return block
+
+
+def test_fp8_compute_lora_gradients_align_with_bf16_per_parameter():
+    x = torch.randn(2, 1024, 1024, device="cuda")
+    temb = torch.randn(2, 1024, device="cuda")
+    grads = {}
+    for fp8 in (False, True):
+        block = _lora_block(fp8)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = block(x, temb, image_rotary_emb=None)
+        out = out[1] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        grads[fp8] = {n: p.grad.float() for n, p in block.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) == 10
+    for name, g in grads[False].items():
+        cos = F.cosine_similarity(grads[True][name].flatten(), g.flatten(), dim=0).item()
+        assert cos >= 0.99, (name, cos)
+
+
+def test_fp8_compute_keeps_no_activation_for_the_base_backward():
+    from dpipe.train.fp8_compute import Fp8Linear
+
+    layers = nn.Sequential(*[
+        Fp8Linear(nn.Linear(4096, 4096, bias=False).cuda().requires_grad_(False))
+        for _ in range(8)])
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layers(x).float().sum().backward()  # warm-up
+    x.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = layers(x)
+    held = torch.cuda.memory_allocated() - before
+    # Kept: the output (512 KiB) and nothing per layer: no input, no bf16 weight copy (32 MiB each).
+    assert held <= 2 * y.numel() * y.element_size(), f"{held / 2**20:.1f} MiB held after forward"
+    y.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
