@@ -13,8 +13,8 @@ from tests.integration.trained import cached_dataset, run_config, run_layers, tr
 pytestmark = pytest.mark.slow
 
 
-def test_fp8_lora_on_two_stages_exports_a_lora_diffusers_loads(tmp_path):
-    run_dir = tmp_path / "run"
+def train_fp8_storage_on_two_stages(run_dir):
+    """`model.base_dtype=fp8`: trains, and exports a LoRA that diffusers loads as usual."""
     result = dpipe_train(*train_args(
         run_dir, "model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3", "train.max_steps=3",
         "train.checkpoint_every_steps=2", "pipeline.micro_batches=2", "pipeline.stages=2",
@@ -47,23 +47,25 @@ def test_fp8_lora_on_two_stages_exports_a_lora_diffusers_loads(tmp_path):
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
 
 
-def test_fp8_compute_trains_on_two_stages_as_on_one(tmp_path):
-    """`model.base_compute=fp8` through the real engine: the CPU runs the same `_scaled_mm` path
+def test_fp8_storage_exports_a_lora_and_fp8_compute_trains_on_two_stages_as_on_one(tmp_path):
+    """One test for both, so the fp8-storage run serves as the reference of the compute runs.
+
+    `model.base_compute=fp8` through the real engine: the CPU runs the same `_scaled_mm` path
     as a GPU with fp8 matmuls, so the pipelined run must equal the one-stage run exactly, and
-    stay near the fp8-storage run (bf16-free math on the same e4m3 weights, fp8 activations)."""
-    runs = {}
-    for name, extra in [("one", ["pipeline.stages=1"]), ("two", ["pipeline.stages=2"]),
-                        ("storage", ["pipeline.stages=1", "model.base_dtype=fp8"])]:
-        compute = [] if name == "storage" else ["model.base_compute=fp8"]
+    stay near the fp8-storage run (bf16-free math on the same e4m3 weights, fp8 activations).
+    """
+    storage = tmp_path / "storage"
+    train_fp8_storage_on_two_stages(storage)
+    runs = {"storage": torch.tensor([m["loss"] for m in metrics(storage)])}
+    for name, stages in [("one", 1), ("two", 2)]:
         result = dpipe_train(*train_args(
             tmp_path / name, "model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3",
-            "train.max_steps=3", "train.checkpoint_every_steps=0", "pipeline.micro_batches=2",
-            "train.loader_workers=0", *compute, *extra))
+            "train.max_steps=3", "train.checkpoint_every_steps=2", "pipeline.micro_batches=2",
+            "train.loader_workers=1", "model.base_compute=fp8", f"pipeline.stages={stages}"))
         assert result.code == 0, f"dpipe-train failed:\n{result.out}\n{result.err[-3000:]}"
         runs[name] = torch.tensor([m["loss"] for m in metrics(tmp_path / name)])
-        if compute:
-            log = (tmp_path / name / "train.log").read_text()
-            assert "frozen Linears multiply in fp8" in log, log[-2000:]
+        log = (tmp_path / name / "train.log").read_text()
+        assert "frozen Linears multiply in fp8" in log, log[-2000:]
     assert torch.equal(runs["two"], runs["one"]), (runs["two"], runs["one"])
     assert not torch.equal(runs["one"], runs["storage"])  # the activations were rounded
     torch.testing.assert_close(runs["one"], runs["storage"], rtol=2e-2, atol=0)
