@@ -51,21 +51,28 @@ def test_fp8_storage_exports_a_lora_and_fp8_compute_trains_on_two_stages_as_on_o
     """One test for both, so the fp8-storage run serves as the reference of the compute runs.
 
     `model.base_compute=fp8` through the real engine: the CPU runs the same `_scaled_mm` path
-    as a GPU with fp8 matmuls, so the pipelined run must equal the one-stage run exactly, and
+    as a GPU with fp8 matmuls, so the pipelined run (recomputing, with block swap) must equal the
+    one-stage run exactly, and
     stay near the fp8-storage run (bf16-free math on the same e4m3 weights, fp8 activations).
     """
     storage = tmp_path / "storage"
     train_fp8_storage_on_two_stages(storage)
     runs = {"storage": torch.tensor([m["loss"] for m in metrics(storage)])}
-    for name, stages in [("one", 1), ("two", 2)]:
+    # The two-stage run also recomputes every layer and swaps each stage's first layer: the fp8
+    # matmul's backward must give the same result when it runs after a recompute, on weights
+    # copied back from the host.
+    for name, extra in [("one", ["pipeline.stages=1"]),
+                        ("two", ["pipeline.stages=2", "pipeline.activation_checkpointing=all",
+                                 "pipeline.blocks_to_swap=1"])]:
         result = dpipe_train(*train_args(
             tmp_path / name, "model=tiny_flux", "dataset=synthetic", "optim.lr=1e-3",
             "train.max_steps=3", "train.checkpoint_every_steps=2", "pipeline.micro_batches=2",
-            "train.loader_workers=1", "model.base_compute=fp8", f"pipeline.stages={stages}"))
+            "train.loader_workers=1", "model.base_compute=fp8", *extra))
         assert result.code == 0, f"dpipe-train failed:\n{result.out}\n{result.err[-3000:]}"
         runs[name] = torch.tensor([m["loss"] for m in metrics(tmp_path / name)])
         log = (tmp_path / name / "train.log").read_text()
         assert "frozen Linears multiply in fp8" in log, log[-2000:]
+        assert (name == "two") == ("pipeline.blocks_to_swap=1 on the CPU" in log), log[-2000:]
     assert torch.equal(runs["two"], runs["one"]), (runs["two"], runs["one"])
     assert not torch.equal(runs["one"], runs["storage"])  # the activations were rounded
     torch.testing.assert_close(runs["one"], runs["storage"], rtol=2e-2, atol=0)
