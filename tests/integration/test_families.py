@@ -44,10 +44,10 @@ IMAGE_FAMILIES = ["tiny_flux", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image
                   "tiny_lumina2", "tiny_flux2", "tiny_qwen_image", "tiny_krea2",
                   "tiny_ernie_image", "tiny_ideogram4", "tiny_anima"]
 VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2",
-                  "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b", "tiny_ltx23"]
+                  "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b", "tiny_ltx23",
+                  "tiny_cosmos1"]
 EDIT_FAMILIES = ["tiny_flux_kontext"]
 FIRST_FRAME_FAMILIES = ["tiny_wan_i2v", "tiny_cosmos_predict2_v2w"]
-VIDEO_FAMILIES += ["tiny_cosmos1"]  # Cosmos 1.0 Text2World: a clip and an image, as the others
 FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
 SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
@@ -265,8 +265,7 @@ def test_layers_run_on_the_meta_device(lora_run):
 
 # Families whose attention processors call PyTorch directly, not diffusers' attention dispatcher:
 # `model.attention` cannot choose their kernel, and flex is refused with a message.
-NOT_DISPATCHED = {"auraflow", "sdxl", "hidream", "sd3", "cosmos_predict2", "lumina2"}
-NOT_DISPATCHED |= {"cosmos1"}  # the Cosmos attention processors, as Cosmos-Predict2's
+NOT_DISPATCHED = {"auraflow", "sdxl", "hidream", "sd3", "cosmos_predict2", "lumina2", "cosmos1"}
 
 
 @pytest.mark.slow
