@@ -40,12 +40,14 @@ def compose(overrides: list[str]):
     from hydra.core.hydra_config import HydraConfig
 
     from dpipe.config.checks import validate
+    from dpipe.config.experiments import preset_overrides
     from dpipe.config.store import register_schemas
 
     register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+        cfg = hydra_compose("config", overrides=preset_overrides(overrides),
+                            return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # `name` interpolates Hydra's runtime choices
     return validate(cfg)
 

@@ -80,7 +80,9 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
     else:
         if "export" in special:
             raise ConfigError("export= picks a step export of a run: give run=<run dir> too")
-        cfg = _compose(CONF_DIR, "config", overrides + ["name=samples"])
+        from dpipe.config.experiments import preset_overrides
+
+        cfg = _compose(CONF_DIR, "config", preset_overrides(overrides) + ["name=samples"])
         if cfg.sample.ema:
             raise ConfigError("sample.ema=true samples from the EMA export of a run: give "
                               "run=<run dir> (or lora= with its ema/ file, without sample.ema)")

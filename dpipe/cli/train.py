@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.checks import check_before_workers, unknown_key_message, validate
 from dpipe.cli.train_help import help_text, wants_help
+from dpipe.config.experiments import preset_overrides
 from dpipe.config.store import register_schemas
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
@@ -225,6 +226,11 @@ def main() -> None:
     if wants_help(sys.argv[1:]):  # dpipe's help, not Hydra's (which suggests `+key=`)
         print(help_text(Path(CONF_DIR)), end="")
         return
+    try:  # `+experiment=x` as `experiment=x`; a preset name that is not one, refused here
+        sys.argv = [sys.argv[0], *preset_overrides(sys.argv[1:])]
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     quiet_libraries()
     register_schemas()
     register_launchers()

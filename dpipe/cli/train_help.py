@@ -65,10 +65,12 @@ def help_text(conf_dir: Path, prog: str = "dpipe-train") -> str:
         if not options:
             continue
         marked = [f"{o}*" if defaults.get(group) == o else o for o in options]
-        lines += textwrap.wrap(", ".join(marked), width=width, initial_indent=f"  {group + ':':<10}",
-                               subsequent_indent=" " * 12, break_on_hyphens=False)
+        lines += textwrap.wrap(", ".join(marked), width=width,
+                               initial_indent=f"  {group + ':':<12}", subsequent_indent=" " * 14,
+                               break_on_hyphens=False)
     lines += [
-        "  local:    conf/local/default.yaml, if it exists (git-ignored: this machine's settings)",
+        "  local:      conf/local/default.yaml, if it exists (git-ignored: this machine's "
+        "settings)",
         "",
         "Keys: set any key of the composed config with key=value (e.g. optim.lr=2e-5,",
         "train.max_steps=2000); `--cfg job` prints them all. Keys cannot be added with `+key=`:",

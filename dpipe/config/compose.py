@@ -9,6 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dpipe.config.checks import validate
+from dpipe.config.experiments import preset_overrides
 from dpipe.config.schema import RunConfig
 from dpipe.config.store import register_schemas
 
@@ -18,7 +19,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def compose_config(overrides: list[str]) -> DictConfig:
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        cfg = compose("config", overrides=preset_overrides(overrides), return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # `name` interpolates Hydra's runtime choices
     return cfg
 

@@ -416,11 +416,11 @@ def _block_swap(layers: list[nn.Module], bounds: list[int], module, run: RunConf
     return BlockSwap(local, chosen), auto
 
 
-def _check_budget_reachable(stages: list[list[nn.Module]], own: list[dict], budget_gb: float):
-    """The weights a stage keeps on the device with every layer swapped (trainable weights and
-    their gradients, frozen weights that cannot swap, the two largest swapped layers' frozen
-    weights) must fit the budget: a lower bound of the peak (optimizer state and activations
-    come on top)."""
+def weights_on_device(stages: list[list[nn.Module]], own: list[dict]) -> list[int]:
+    """Bytes of weights each stage keeps on the device with the layers of `own` swapped
+    (`swappable`'s dicts; empty: none): trainable weights and their gradients, frozen weights
+    not swapped, and the two largest swapped layers' frozen weights. A lower bound of the peak
+    (optimizer state and activations come on top); it needs no GPU (meta tensors do)."""
     from dpipe.pipeline.block_swap import frozen_bytes
 
     def nbytes(t):
@@ -433,8 +433,15 @@ def _check_budget_reachable(stages: list[list[nn.Module]], own: list[dict], budg
         frozen = sum(frozen_bytes(layer) for layer in layers)
         moved = [sum(nbytes(t) for t in ts) for ts in swapped.values()]
         need.append(trainable + frozen - sum(moved) + sum(sorted(moved, reverse=True)[:2]))
+    return need
+
+
+def _check_budget_reachable(stages: list[list[nn.Module]], own: list[dict], budget_gb: float):
+    """The weights a stage keeps on the device with every layer swapped must fit the budget
+    (`weights_on_device`)."""
     from dpipe.pipeline.memory import GiB
 
+    need = weights_on_device(stages, own)
     worst = max(range(len(stages)), key=need.__getitem__)
     if need[worst] > budget_gb * GiB:
         raise ConfigError(
