@@ -30,8 +30,9 @@ LATENT_CHANNELS = 4
 DIM = 48
 TEXT_DIM = 32  # Qwen2.5-VL hidden size = the transformer's text_feat_dim (2048 for the 3B)
 DTYPE = torch.bfloat16
-# model_index.json as the reference's pipeline registers its parts (its own transformer and
-# scheduler classes, transformers' for the MLLM and processor).
+# model_index.json: the parts the reference's OmniGen2Pipeline registers. Its library entries are
+# dpipe's reading of the reference code, not compared with the published file; dpipe reads the
+# folders and transformer/config.json, never these entries.
 MODEL_INDEX = {
     "_class_name": "OmniGen2Pipeline",
     "_diffusers_version": "0.33.1",
