@@ -22,26 +22,34 @@ from __future__ import annotations
 import math
 
 import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
 
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
-class OmniGen2Euler:
-    """The reference scheduler's schedule and step, with the two calls the sampler makes."""
+class OmniGen2Euler(ConfigMixin):
+    """The reference scheduler's schedule and step, with the calls the sampler makes. Its config
+    speaks diffusers' words for the reference's: `use_dynamic_shifting` is its
+    `dynamic_time_shift`, and it has no fixed `shift` (1.0); `sigmas` are 1 - t, ending at 0."""
 
-    def __init__(self, dynamic_time_shift: bool):
-        self.dynamic_time_shift = dynamic_time_shift
+    config_name = "scheduler_config.json"
+
+    @register_to_config
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 1.0,
+                 use_dynamic_shifting: bool = True):
         self.timesteps = torch.zeros(0)
+        self.sigmas = torch.zeros(0)
         self.step_index: int | None = None
 
     def set_timesteps(self, steps: int, latents: torch.Tensor) -> torch.Tensor:
         t = torch.linspace(0, 1, steps + 1, dtype=torch.float64)[:-1]
-        if self.dynamic_time_shift:
+        if self.config.use_dynamic_shifting:
             m = math.sqrt(latents.shape[-2] * latents.shape[-1]) / 40
             t = t / (m - m * t + t)
         self.timesteps = t.to(torch.float32)
         self._ends = torch.cat([self.timesteps, torch.ones(1)])
+        self.sigmas = torch.cat([1 - t, torch.zeros(1, dtype=torch.float64)]).float()
         return self.timesteps
 
     def set_begin_index(self, index: int) -> None:
@@ -64,7 +72,7 @@ class OmniGen2Sampling(FamilySampling):
         return bool(config.get("dynamic_time_shift", True))
 
     def new_scheduler(self):
-        return OmniGen2Euler(self._shifts())
+        return OmniGen2Euler(use_dynamic_shifting=self._shifts())
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
         return scheduler.set_timesteps(steps, latents)

@@ -210,10 +210,10 @@ class OmniGen2Spec(ModelSpec):
 
         from dpipe.train.export import write_transformer_folder
 
-        base = self.load_denoiser(torch.float32).state_dict()
         dtype = _shard_dtype(shards[0])
-        untouched = {k: v.to(dtype).contiguous() for k, v in base.items()
-                     if k.startswith(REFERENCE_IMAGE_WEIGHTS)}
+        untouched = {k: v.to(dtype).contiguous()
+                     for k, v in _base_tensors(self.path / "transformer",
+                                               REFERENCE_IMAGE_WEIGHTS).items()}
         extra = shards[-1].with_name("reference-image.safetensors")
         save_file(untouched, extra)
         return write_transformer_folder([*shards, extra], out_dir, self.path)
@@ -269,6 +269,18 @@ class OmniGen2Spec(ModelSpec):
         unused = sum(p.numel() for name, p in denoiser.named_parameters()
                      if name.startswith(REFERENCE_IMAGE_WEIGHTS))
         return flops - b * (6 if full else 4) * unused * (image + text)
+
+
+def _base_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of the model folder's safetensors whose names start with `prefixes`, read
+    without loading the rest."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(prefixes)})
+    return out
 
 
 def _shard_dtype(shard: Path) -> torch.dtype:
