@@ -48,6 +48,7 @@ FACTORIES: dict[str, str] = {
     "krea2": "dpipe.models.krea2.tiny:make_tiny_krea2",
     "ideogram4": "dpipe.models.ideogram4.tiny:make_tiny_ideogram4",
     "ernie_image": "dpipe.models.ernie_image.tiny:make_tiny_ernie_image",
+    "omnigen2": "dpipe.models.omnigen2.tiny:make_tiny_omnigen2",
 }
 
 

@@ -39,7 +39,7 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="dev", help="the model size (flux: dev, schnell; "
                         "hunyuan_video: 13b; hidream: i1; z_image: 6b; lumina2: 2b; "
                         "qwen_image: 20b; hunyuan_video15: 8b; wan: 14b; krea2: 12b; "
-                        "ideogram4: 9b (2048x2048), 9b-1024; ernie_image: 8b; ltx23: 22b; "
+                        "ideogram4: 9b (2048x2048), 9b-1024; ernie_image: 8b; ltx23: 22b; omnigen2: 4b; "
                         "every family that has sizes: tiny)")
     parser.add_argument("--run", action="append", required=True, metavar="NAME: OVERRIDES")
     parser.add_argument("--warmup", type=int, default=3)

@@ -35,6 +35,7 @@ FAMILIES: dict[str, str] = {
     "krea2": "dpipe.models.krea2.spec:Krea2Spec",
     "ideogram4": "dpipe.models.ideogram4.spec:Ideogram4Spec",
     "ernie_image": "dpipe.models.ernie_image.spec:ErnieImageSpec",
+    "omnigen2": "dpipe.models.omnigen2.spec:OmniGen2Spec",
 }
 
 

@@ -42,7 +42,7 @@ from tests.integration.trained import (
 IMAGE_FAMILIES = ["tiny_flux", "tiny_auraflow", "tiny_sdxl", "tiny_hunyuan_image", "tiny_hidream",
                   "tiny_sd3", "tiny_chroma", "tiny_z_image", "tiny_cosmos_predict2",
                   "tiny_lumina2", "tiny_flux2", "tiny_qwen_image", "tiny_krea2",
-                  "tiny_ernie_image", "tiny_ideogram4", "tiny_anima"]
+                  "tiny_ernie_image", "tiny_ideogram4", "tiny_anima", "tiny_omnigen2"]
 VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15", "tiny_ltx2",
                   "tiny_wan", "tiny_wan22_ti2v", "tiny_wan22_a14b", "tiny_ltx23",
                   "tiny_cosmos1"]
@@ -265,7 +265,9 @@ def test_layers_run_on_the_meta_device(lora_run):
 
 # Families whose attention processors call PyTorch directly, not diffusers' attention dispatcher:
 # `model.attention` cannot choose their kernel, and flex is refused with a message.
-NOT_DISPATCHED = {"auraflow", "sdxl", "hidream", "sd3", "cosmos_predict2", "lumina2", "cosmos1"}
+# (OmniGen2: diffusers' Lumina 2 blocks; Cosmos 1.0: the Cosmos attention processors.)
+NOT_DISPATCHED = {"auraflow", "sdxl", "hidream", "sd3", "cosmos_predict2", "lumina2", "cosmos1",
+                  "omnigen2"}
 
 
 @pytest.mark.slow

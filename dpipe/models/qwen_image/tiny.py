@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.tiny_parts import seeded, write_atomically
 
@@ -59,30 +59,14 @@ def _write(out: Path, seed: int, edit: bool) -> None:
     from diffusers import (
         AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
         QwenImagePipeline, QwenImageTransformer2DModel)
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    from transformers import Qwen2Tokenizer
 
     from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY  # imports this module's sizes
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl", model_max_length=131072)
-    vocab = max(added.values()) + 1
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     with seeded(seed):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                 "mrope_section": [2, 3, 3]},  # sums to head_dim / 2 = 8
-                bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"],
-                pad_token_id=added["<|endoftext|>"]),
-            vision_config=dict(
-                depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_DIM,
-                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                fullatt_block_indexes=[1]),
-            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
-            vision_start_token_id=added["<|vision_start|>"],
-            vision_end_token_id=added["<|vision_end|>"]))
+        text_encoder = tiny_qwen25_vl(added, TEXT_DIM)
     with seeded(seed + 1):
         transformer = QwenImageTransformer2DModel.from_config(QWEN_IMAGE_TINY)
     with seeded(seed + 2):

@@ -1,0 +1,291 @@
+"""OmniGen2: dpipe's OmniGen2Transformer2DModel + AutoencoderKL (FLUX's VAE) + Qwen2.5-VL-3B.
+
+Loads the folder layout of OmniGen2/OmniGen2 (model_index.json, transformer/, vae/, mllm/,
+processor/, scheduler/), as the reference's `OmniGen2Pipeline.from_pretrained` reads it
+(VectorSpaceLab/OmniGen2, commit 0f72fa9). No diffusers class runs it (diffusers 0.42.1 has
+OmniGen v1 only): the transformer is `dpipe.models.omnigen2.transformer`, whose weights and config
+are the reference's. Text-to-image only: the reference-image path (editing, in-context
+generation) is not trained, and its weights leave a full fine-tune as they came.
+
+Prompts as the reference pipeline's `encode_prompt`: a chat turn after the system prompt below,
+without a generation prompt; the MLLM's last hidden state (`hidden_states[-1]`) with its mask,
+padded on the right to `model.max_text_tokens` (the reference pads to the longest prompt; under
+causal attention the real tokens' states are the same). The negative prompt goes through the same
+template, so it is cached as a caption is.
+
+Conventions, from the reference's pipeline and scheduler: the transformer gets t in [0, 1] with
+1 the clean image (t = 1 - sigma) and predicts the velocity clean - noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.diffusion.loss import weighted_labels, weighted_mean
+from dpipe.errors import ModelLoadError
+from dpipe.models.attention_mask import trim_text_padding
+from dpipe.models.comfyui import renamed
+from dpipe.models.diffusers_folder import check_folder, kl_image_fingerprint, kl_latents, read_json
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    write_lora_files)
+from dpipe.models.omnigen2.layers import omnigen2_layers
+from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.refined_joint import (
+    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.single_file import load_or_fail
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+
+REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "mllm", "processor", "scheduler")
+TRANSFORMER_CLASS = "OmniGen2Transformer2DModel"
+SYSTEM_PROMPT = "You are a helpful assistant that generates high-quality images based on user instructions."
+
+# Every Linear of the text-to-image blocks (main layers and the caption's and image's refiners):
+# attention, the SwiGLU MLP and the adaLN modulation (norm1.linear; the context refiner has none).
+_BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+                  r"feed_forward\.linear_1", r"feed_forward\.linear_2", r"feed_forward\.linear_3",
+                  r"norm1\.linear"]
+LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+# The weights of the reference-image path, which no text-to-image layer holds.
+REFERENCE_IMAGE_WEIGHTS = ("ref_image_patch_embedder.", "ref_image_refiner.",
+                           "image_index_embedding")
+
+PER_SAMPLE_WEIGHTS = ("timestep_embedder", "norm1.linear", "norm_out.linear_1")
+TEXT_WEIGHTS = ("caption_embedder",)
+# ComfyUI runs OmniGen2 natively (comfy/ldm/omnigen/omnigen2.py) under the reference's module
+# names, and its LoRA loader maps "diffusion_model.<module>" onto them.
+COMFY_LORA = "comfyui_lora.safetensors"
+
+
+@dataclass
+class OmniGen2Encoders:
+    """What caching needs: the VAE, the MLLM and its tokenizer (processor/)."""
+
+    vae: nn.Module
+    mllm: nn.Module
+    tokenizer: Any
+
+
+class OmniGen2Spec(ModelSpec):
+    family = "omnigen2"
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
+
+            make_tiny_omnigen2(self.path)
+        check_folder(self.path, REQUIRED_PARTS, "OmniGen2", "OmniGen2/OmniGen2")
+        config = self.path / "transformer" / "config.json"
+        name = read_json(config).get("_class_name")
+        if name != TRANSFORMER_CLASS:
+            pipeline = read_json(self.path / "model_index.json").get("_class_name")
+            raise ModelLoadError(
+                f"model.path={self.path} is not an OmniGen2 folder: {config} names {name!r} "
+                f"(model_index.json: {pipeline!r}), not {TRANSFORMER_CLASS!r}; give a download "
+                "of OmniGen2/OmniGen2, or the model.family of that model")
+
+    @property
+    def pixel_multiple(self) -> int:
+        vae = read_json(self.path / "vae" / "config.json")
+        patch = read_json(self.path / "transformer" / "config.json").get("patch_size", 2)
+        return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> OmniGen2Encoders:
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        def load():
+            vae = AutoencoderKL.from_pretrained(self.path, subfolder="vae", dtype=dtype)
+            mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(self.path / "mllm",
+                                                                      dtype=dtype)
+            # Right padding: the reference joins each caption's first cap_len tokens.
+            tokenizer = AutoTokenizer.from_pretrained(self.path / "processor",
+                                                      padding_side="right")
+            return OmniGen2Encoders(vae, mllm, tokenizer)
+
+        encoders = load_or_fail(load, self.path)
+        for part in (encoders.vae, encoders.mllm):
+            part.to(device).requires_grad_(False).eval()
+        return encoders
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
+
+        return load_or_fail(lambda: OmniGen2Transformer2DModel.from_pretrained(
+            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            return kl_image_fingerprint(self.family, self.path)
+        return {
+            "family": self.family,
+            "mllm": folder_fingerprint(self.path / "mllm"),
+            "processor": folder_fingerprint(self.path / "processor"),
+            "max_text_tokens": self.cfg.max_text_tokens,
+            "layout": "chat template with the system prompt, hidden_states[-1], right-padded + mask",
+        }
+
+    # ---- caching -----------------------------------------------------------------------------
+    def encode_images(self, encoders: OmniGen2Encoders, pixels: torch.Tensor) -> torch.Tensor:
+        return kl_latents(encoders.vae, pixels)
+
+    def chat(self, tokenizer, prompt: str) -> str:
+        """The reference pipeline's `_apply_chat_template`."""
+        turns = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: OmniGen2Encoders, prompts: list[str]
+                       ) -> dict[str, torch.Tensor]:
+        tok = encoders.tokenizer
+        device = encoders.vae.device
+        text = tok([self.chat(tok, p) for p in prompts], padding="max_length",
+                   max_length=self.cfg.max_text_tokens, truncation=True, return_tensors="pt")
+        ids, mask = text.input_ids.to(device), text.attention_mask.to(device)
+        hidden = encoders.mllm(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        return {"cap": hidden, "cap_mask": mask.float()}
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        # OmniGen2 predicts clean - noise (its Euler step adds (t_next - t) * output, t rising).
+        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return omnigen2_layers(denoiser)
+
+    def pipeline_layer_count(self) -> int:
+        """omnigen2_layers: the embedding, the caption's and the image's refiner blocks, the join,
+        every main block, the head."""
+        refiners, blocks = denoiser_config(self.path / "transformer", TRANSFORMER_CLASS,
+                                           "num_refiner_layers", "num_layers")
+        return 3 + 2 * refiners + blocks
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
+        (`dpipe.models.refined_joint`)."""
+        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens,
+                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
+
+    def make_inputs(self, batch: NoisedBatch):
+        t_model = 1.0 - batch.timesteps  # the reference's t: 1 = the clean image
+        mask = batch.text["cap_mask"] > 0.5
+        cap_len = mask.sum(dim=1).long()  # right padding: the mask is a prefix
+        cap, cap_mask = trim_text_padding(batch.text["cap"], mask)
+        return (batch.noisy, t_model, cap, cap_len, cap_mask.long()), weighted_labels(batch)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers.loaders import Lumina2LoraLoaderMixin
+
+        # No diffusers pipeline runs OmniGen2; Lumina 2's loader mixin writes the same file for
+        # a "transformer" component (keys "transformer.<module>.lora_A.weight", peft's adapter
+        # config in the metadata), which the reference's OmniGen2Pipeline.load_lora_weights and
+        # this transformer's load_lora_adapter read.
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        scale = lora_scale(metadata)
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(Lumina2LoraLoaderMixin, weights, metadata,
+                                                 out_dir),
+            [LoraFormat(COMFY_LORA, lambda: renamed(weights, scale), {"format": "pt"})])
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        """The transformer folder in the reference's layout; the reference-image weights, which
+        text-to-image training does not use, copied from the base model into one more shard."""
+        from safetensors.torch import save_file
+
+        from dpipe.train.export import write_transformer_folder
+
+        dtype = _shard_dtype(shards[0])
+        untouched = {k: v.to(dtype).contiguous()
+                     for k, v in _base_tensors(self.path / "transformer",
+                                               REFERENCE_IMAGE_WEIGHTS).items()}
+        extra = shards[-1].with_name("reference-image.safetensors")
+        save_file(untouched, extra)
+        return write_transformer_folder([*shards, extra], out_dir, self.path)
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
+        latents, t_model, cap, cap_len, _cap_mask = inputs
+        mask = torch.arange(cap.shape[1])[None, :] < cap_len[:, None]
+        return denoiser(latents, t_model, cap, mask, return_dict=False)[0]
+
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        denoiser = self.load_denoiser(torch.float32)
+        denoiser.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
+        return denoiser
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
+
+        return OmniGen2Transformer2DModel.from_pretrained(export_dir / "transformer")
+
+    def sampling(self):
+        from dpipe.models.omnigen2.sampling import OmniGen2Sampling
+
+        return OmniGen2Sampling(self)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
+
+        config = {k: v for k, v in self.bench_configs[size].items() if k != "_class_name"}
+        with torch.device(device):
+            model = OmniGen2Transformer2DModel(**config)
+        return model.to(dtype)
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        mask = torch.zeros(shapes["cap"][0])
+        mask[:shapes["text_tokens"]] = 1.0
+        return torch.randn(shapes["latents"]), {"cap": torch.randn(shapes["cap"]),
+                                                "cap_mask": mask}
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """`refined_joint_train_flops`, less the reference-image weights, which text-to-image
+        never runs."""
+        latents, _t, cap = inputs[:3]
+        b, _, h, w = latents.shape
+        p = denoiser.config.patch_size
+        image, text = (h // p) * (w // p), cap.shape[1]
+        flops = refined_joint_train_flops(denoiser, b, image, text, denoiser.config.hidden_size,
+                                          denoiser.time_caption_embed.timestep_embedder, full)
+        unused = sum(p.numel() for name, p in denoiser.named_parameters()
+                     if name.startswith(REFERENCE_IMAGE_WEIGHTS))
+        return flops - b * (6 if full else 4) * unused * (image + text)
+
+
+def _base_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of the model folder's safetensors whose names start with `prefixes`, read
+    without loading the rest."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(prefixes)})
+    return out
+
+
+def _shard_dtype(shard: Path) -> torch.dtype:
+    from safetensors import safe_open
+
+    with safe_open(shard, "pt") as f:
+        keys = list(f.keys())
+        return f.get_tensor(keys[0]).dtype if keys else torch.float32

@@ -1,0 +1,97 @@
+"""A tiny random OmniGen2, written in the layout of OmniGen2/OmniGen2.
+
+The folders the reference's `OmniGen2Pipeline.from_pretrained` reads (VectorSpaceLab/OmniGen2
+pipeline_omnigen2.py: transformer, vae, scheduler, mllm, processor): model_index.json;
+transformer/ (`OmniGen2Transformer2DModel`'s config.json and sharded safetensors); vae/ (FLUX's
+AutoencoderKL design); mllm/ (`Qwen2_5_VLForConditionalGeneration`, transformers' real class);
+processor/ (the Qwen2.5-VL tokenizer with its chat template, and the image processor's
+preprocessor_config.json); scheduler/ (the reference's own FlowMatchEulerDiscreteScheduler config:
+num_train_timesteps, dynamic_time_shift). bf16 safetensors, only the sizes shrink.
+
+Sizes: 64x64 images -> VAE (8x, four levels as FLUX's; 4 latent channels, the real 16) -> 8x8
+latents -> 2x2 patches -> 16 image tokens of width 48 (2 heads of 24, 1 key/value head as the real
+grouped-query attention); text: Qwen2.5-VL (hidden 32 = text_feat_dim, 2 layers, a 2-block vision
+tower). 1 context-, 1 noise- and 1 reference-image-refiner block, 2 main blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
+from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
+from dpipe.models.tiny_parts import seeded, write_atomically
+
+LATENT_CHANNELS = 4
+DIM = 48
+TEXT_DIM = 32  # Qwen2.5-VL hidden size = the transformer's text_feat_dim (2048 for the 3B)
+DTYPE = torch.bfloat16
+# model_index.json: the parts the reference's OmniGen2Pipeline registers. Its library entries are
+# dpipe's reading of the reference code, not compared with the published file; dpipe reads the
+# folders and transformer/config.json, never these entries.
+MODEL_INDEX = {
+    "_class_name": "OmniGen2Pipeline",
+    "_diffusers_version": "0.33.1",
+    "mllm": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+    "processor": ["transformers", "Qwen2_5_VLProcessor"],
+    "scheduler": ["omnigen2", "FlowMatchEulerDiscreteScheduler"],
+    "transformer": ["omnigen2", "OmniGen2Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.33.1",
+             "dynamic_time_shift": True, "num_train_timesteps": 1000}
+
+
+def make_tiny_omnigen2(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random OmniGen2 folder at `path` and return `path`."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
+                " make_tiny_omnigen2; delete it or choose another folder")
+        write_atomically(path, lambda tmp: _write(tmp, seed))
+    return path
+
+
+def _write(out: Path, seed: int) -> None:
+    from diffusers import AutoencoderKL
+    from transformers import Qwen2VLImageProcessor
+
+    from dpipe.models.omnigen2.sizes import OMNIGEN2_TINY  # imports this module's sizes
+    from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
+
+    added = save_qwen_tokenizer(out / "processor", "qwen2.5-vl", model_max_length=131072)
+    Qwen2VLImageProcessor(
+        min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(out / "processor")
+    (out / "processor" / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    with seeded(seed):
+        mllm = tiny_qwen25_vl(added, TEXT_DIM)
+    with seeded(seed + 1):
+        config = {k: v for k, v in OMNIGEN2_TINY.items() if k != "_class_name"}
+        transformer = OmniGen2Transformer2DModel(**config)
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
+            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
+            scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+
+    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_component(mllm, out / "mllm", shards=2, dtype=DTYPE)
+    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    (out / "scheduler").mkdir()
+    _write_json(out / "scheduler" / "scheduler_config.json", SCHEDULER)
+    _write_json(out / "model_index.json", MODEL_INDEX)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
