@@ -40,6 +40,8 @@ def _folder(config_name: str) -> Path:
 # A pipeline folder's index: model_index.json, or a modular pipeline's (Anima's), whose entries
 # are [library, class, {where to load it from}].
 INDEXES = ("model_index.json", "modular_model_index.json")
+# Libraries of model_index.json that no installed package provides: dpipe's module for them.
+OWN_MODULES = {"omnigen2": "dpipe.models.omnigen2.transformer"}
 
 
 def _stored_dtypes(directory: Path) -> set[torch.dtype]:
@@ -69,10 +71,13 @@ def test_components_load_in_the_dtype_their_config_states(config_name):
                 or len(entry) != 2 or not all(isinstance(e, str) for e in entry):
             continue
         library, class_name = entry
-        # A library that is no package is a diffusers pipeline's own module (LTX-2's "ltx2").
+        # A library that is no package is a diffusers pipeline's own module (LTX-2's "ltx2"),
+        # or the reference repo's package of a model diffusers lacks, whose classes dpipe writes.
         module = library if library in ("diffusers", "transformers") else \
-            f"diffusers.pipelines.{library}"
-        cls = getattr(importlib.import_module(module), class_name)
+            OWN_MODULES.get(library, f"diffusers.pipelines.{library}")
+        cls = getattr(importlib.import_module(module), class_name, None)
+        if cls is None and library in OWN_MODULES:
+            continue  # the reference package's non-model parts (OmniGen2's scheduler)
         if not issubclass(cls, torch.nn.Module):
             continue
         model = cls.from_pretrained(folder / name)  # what the pipeline does: no dtype given
