@@ -1,7 +1,9 @@
 #!/bin/bash
-# Prepared 2026-12-05, not yet run (no device machine was lent that afternoon): (1) the GPU
-# tests of block swap and fp8 compute, never run on a GPU before; (2) dpipe-bench at the released sizes,
-# LoRA r32, 8 micro-batches, compiled, one GPU: Krea 2 (--size 12b), Ideogram 4 (--size 9b-1024), LTX-2.3 (--size 22b), as far as the call lasts.
+# Prepared 2026-12-05, not yet run (no device machine was lent that afternoon):
+# (1) the GPU tests of block swap and fp8 compute, never run on a GPU before;
+# (2) dpipe-bench at the released sizes, LoRA r32, 8 micro-batches, compiled, one GPU:
+#     Krea 2 (--size 12b), Ideogram 4 (--size 9b-1024), LTX-2.3 (--size 22b), as far as the
+#     call lasts (BUDGET seconds).
 source "$(dirname "$0")/../h200-1gpu-loader-fp8/common.sh"
 DEADLINE=$(( $(date +%s) + ${BUDGET:-480} ))
 echo "=== gpu tests ($(date -u +%T))" | tee -a $LOG
