@@ -227,6 +227,12 @@ class ModelConfig:
     single_file_config: Optional[str] = None
     # The attention kernel (see AttentionKernel): auto, sdpa, cudnn or flex.
     attention: AttentionKernel = AttentionKernel.auto
+    # Audio-video families (LTX-2, LTX-2.3, MiniMax H3): train the joint computation on clips'
+    # sound (the audio stream and both cross-modal attentions) as inference runs it. false: the
+    # video stream only. Families without audio refuse true.
+    audio: bool = False
+    # With model.audio=true: the loss is video loss + audio_loss_weight * audio loss.
+    audio_loss_weight: float = 1.0
 
 
 @dataclass

@@ -42,6 +42,13 @@ class DataBatch(NoisedBatch):
     # Sampling guidance-distilled models (float32, (B,)): the scale their guidance embedding
     # takes; None in training, where `model.guidance` applies.
     guidance: torch.Tensor | None = None
+    # Audio-video families with model.audio=true: each clip's clean audio latents (as
+    # `spec.encode_audio` gives them), their noise (its own stream, the sample's t), the noised
+    # latents and the target; None otherwise.
+    audio: torch.Tensor | None = None
+    audio_noise: torch.Tensor | None = None
+    audio_noisy: torch.Tensor | None = None
+    audio_target: torch.Tensor | None = None
 
 
 def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
@@ -127,10 +134,12 @@ def noised_batch(
     timesteps_cfg: TimestepConfig, seed: int, step: int, slots: range,
     loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
     timesteps: torch.Tensor | None = None, conditions: dict | None = None,
+    audio: torch.Tensor | None = None,
 ) -> DataBatch:
     """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them (evals:
     then no timestep weighting, so eval losses compare across `train.timesteps.weighting`);
-    `conditions`: `sample_conditions` of the samples."""
+    `conditions`: `sample_conditions` of the samples; `audio`: the clips' audio latents, noised
+    at the same t with noise of their own stream."""
     noise, t = [], []
     # shift=auto: the family sampler's shift at this micro-batch's (its bucket's) latent size.
     shift = spec.training_shift(latents.shape[1:]) if timesteps_cfg.auto_shift else None
@@ -145,8 +154,21 @@ def noised_batch(
     if timesteps is None and timesteps_cfg.weighting != TimestepWeighting.none:
         weights = timestep_weights(timesteps_cfg.weighting, spec.train_timesteps(t_t))
         loss_weight = weigh_samples(loss_weight, weights, latents)
+    sound = {} if audio is None else noised_audio(spec, audio, t_t, seed, step, slots)
     return DataBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
-                     text=text, loss_weight=loss_weight, control=control, **(conditions or {}))
+                     text=text, loss_weight=loss_weight, control=control, **(conditions or {}),
+                     **sound)
+
+
+def noised_audio(spec: ModelSpec, audio: torch.Tensor, t: torch.Tensor, seed: int, step: int,
+                 slots: range) -> dict[str, torch.Tensor]:
+    """The DataBatch audio fields: the audio latents noised at the video's t (audio-video
+    models denoise both streams on one schedule), from a noise stream of their own."""
+    noise = torch.stack([
+        torch.randn(a.shape, generator=sample_generator(seed, step, slot, "audio_noise"))
+        for slot, a in zip(slots, audio)]).to(audio.dtype)
+    noisy, target = spec.noise(audio, noise, t)
+    return {"audio": audio, "audio_noise": noise, "audio_noisy": noisy, "audio_target": target}
 
 
 def weigh_samples(loss_weight: torch.Tensor | None, weights: torch.Tensor | None,

@@ -35,6 +35,14 @@ from dpipe.models.adapters import is_adapter_param
 
 
 @dataclass(frozen=True)
+class AudioFormat:
+    """The sound an audio-video family's audio encoder takes."""
+
+    sample_rate: int  # samples per second per channel
+    channels: int  # 1: mono, 2: stereo
+
+
+@dataclass(frozen=True)
 class NoisedBatch:
     """One micro-batch after noising: what the denoiser sees and what it must predict."""
 
@@ -82,6 +90,9 @@ class ModelSpec(abc.ABC):
     supports_timestep_range: ClassVar[bool] = False
     # The error per element that `loss` averages: MSE unless the trainer sets train.loss.
     element_error: ElementError = ElementError()
+    # Whether the family trains on sound with `model.audio=true` (`audio_format`, `encode_audio`,
+    # and its layers take the DataBatch audio fields); others refuse model.audio=true.
+    trains_audio: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -92,6 +103,12 @@ class ModelSpec(abc.ABC):
         if (lo, hi) != (0.0, 1.0) and not self.supports_timestep_range:
             raise ConfigError(f"model.family={self.family} trains on every t: leave model.min_t=0 "
                               "and model.max_t=1")
+        if getattr(cfg, "audio", False) and not self.trains_audio:
+            raise ConfigError(f"model.audio=true: model.family={self.family} has no audio to "
+                              "train; leave model.audio=false")
+        if getattr(cfg, "audio_loss_weight", 1.0) < 0:
+            raise ConfigError(f"model.audio_loss_weight={cfg.audio_loss_weight}: give a weight "
+                              ">= 0")
 
     def use_loss(self, train: TrainConfig) -> None:
         """Makes `loss` average the error of `train.loss` (dpipe.diffusion.loss)."""
@@ -169,6 +186,17 @@ class ModelSpec(abc.ABC):
                                      controls: torch.Tensor) -> dict[str, torch.Tensor]:
         """Prompts, each with its control image (B, 3, H, W) in [-1, 1] -> as `encode_prompts`."""
         raise NotImplementedError(f"model.family={self.family} encodes prompts without images")
+
+    # ---- audio (audio-video families with model.audio=true) -------------------------------------
+    def audio_format(self) -> AudioFormat | None:
+        """What the family's audio encoder takes when it trains on sound: None (the default)
+        where the family has no audio or model.audio is false; the dataset then reads no audio."""
+        return None
+
+    def encode_audio(self, encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
+        """Waveforms (B, channels, samples), float in [-1, 1] at `audio_format().sample_rate`
+        -> normalised audio latents (B, ...), as the family's pipeline decodes them."""
+        raise NotImplementedError(f"model.family={self.family} has no audio encoder")
 
     # ---- training ----------------------------------------------------------------------------
     @abc.abstractmethod

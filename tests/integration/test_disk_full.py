@@ -85,10 +85,17 @@ def _train(run_dir: Path, *overrides: str):
     return result, result.out + result.err
 
 
-def _same_export(a: Path, b: Path) -> None:
+def _same_export(a: Path, b: Path, bitwise: bool = True) -> None:
     first, second = load_file(a / EXPORT), load_file(b / EXPORT)
     assert first.keys() == second.keys()
-    assert all(torch.equal(first[k], second[k]) for k in first)
+    if bitwise:
+        assert all(torch.equal(first[k], second[k]) for k in first)
+    else:
+        # Each LoRA tensor within 0.1% of its size: an entry encoded from another file, or one
+        # missing, moves the trained B matrices by their whole size.
+        for k in first:
+            scale = first[k].abs().max()
+            assert (first[k] - second[k]).abs().max() <= 1e-3 * scale, k
 
 
 def test_a_full_disk_at_a_checkpoint(straight, small_disk):
@@ -152,4 +159,7 @@ def test_a_full_disk_while_caching(straight, small_disk, tmp_path):
     result, said = _train(run_dir, *args)
     assert result.code == 0, said[-3000:]
     assert f"{kept} of" in said  # "cache: <kept> of <all> entries were present"
-    _same_export(straight, run_dir)
+    # The second run encodes the rest in other VAE batches than the straight run did, and a
+    # conv over a batch of one differs from one over several in the last bits (6.6e-7 on the
+    # tiny FLUX VAE, 2026-12-05): the same training, not the same bits.
+    _same_export(straight, run_dir, bitwise=False)
