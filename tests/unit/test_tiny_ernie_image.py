@@ -22,7 +22,7 @@ from dpipe.models.ernie_image.sampling import unpatchify
 from dpipe.models.ernie_image.spec import ErnieImageSpec, patchify
 from dpipe.models.ernie_image.tiny import make_tiny_ernie_image
 from dpipe.models.sampling import SampleRequest
-from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import noised_images
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
 TOKENS = 16
@@ -70,13 +70,7 @@ def test_components_and_layout(tiny, pipe):
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    return spec.make_inputs(noised_images(spec, encoders, captions, seed))
 
 
 def test_prompts_are_the_pipelines(tiny, pipe):

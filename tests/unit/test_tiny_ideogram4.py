@@ -19,7 +19,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.ideogram4.layers import packed_ids
 from dpipe.models.ideogram4.spec import Ideogram4Spec, to_tokens
-from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import noised_images
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
 TOKENS = 32
@@ -98,13 +98,8 @@ def test_latents_are_what_the_pipeline_decodes(pipe, spec):
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text)), (x0, noise)
+    batch = noised_images(spec, encoders, captions, seed)
+    return spec.make_inputs(batch), (batch.latents, batch.noise)
 
 
 def test_layers_equal_the_transformer_in_fp32(spec):

@@ -21,7 +21,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.common.latent_packing import pack
 from dpipe.models.krea2.spec import Krea2Spec
 from dpipe.models.krea2.tiny import make_tiny_krea2
-from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import noised_images
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
 TOKENS = 16
@@ -73,13 +73,8 @@ def test_components_and_layout(tiny, pipe):
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text)), (x0, noise)
+    batch = noised_images(spec, encoders, captions, seed)
+    return spec.make_inputs(batch), (batch.latents, batch.noise)
 
 
 def test_prompts_are_the_pipelines(tiny, pipe):

@@ -21,7 +21,7 @@ from dpipe.models.omnigen2.sizes import OMNIGEN2_4B, OMNIGEN2_TINY
 from dpipe.models.omnigen2.spec import COMFY_LORA, OmniGen2Spec
 from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
 from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-from dpipe.models.spec import NoisedBatch
+from tests.unit.video_checks import assert_same_files, noised_images
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -143,20 +143,11 @@ def test_layout(tiny):
 
 def test_idempotent_and_deterministic(tmp_path, tiny):
     again = make_tiny_omnigen2(tmp_path / "again", seed=0)
-    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert_same_files(tiny, again)
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    return spec.make_inputs(noised_images(spec, encoders, captions, seed))
 
 
 def test_prompts_as_the_reference_pipeline(tiny):

@@ -22,8 +22,8 @@ from dpipe.config.schema import ModelConfig
 from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSpec, pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.common.tiny_qwen_tokenizer import TEMPLATES
-from dpipe.models.spec import NoisedBatch
-from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
+from tests.unit.video_checks import (
+    assert_same_files, attention_masks_of_layers_and_diffusers, noised_images)
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -84,20 +84,11 @@ def test_templates_have_their_real_token_counts(pipe):
 
 def test_idempotent_and_deterministic(tmp_path, tiny):
     again = make_tiny_qwen_image(tmp_path / "again", seed=0)
-    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert_same_files(tiny, again)
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    return spec.make_inputs(noised_images(spec, encoders, captions, seed))
 
 
 def test_latents_and_prompts_as_the_pipeline_makes_them(tiny, pipe):

@@ -21,7 +21,8 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
 from dpipe.models.z_image.tiny import make_tiny_z_image
-from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
+from tests.unit.video_checks import (
+    assert_same_files, attention_masks_of_layers_and_diffusers, noised_images)
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -77,20 +78,11 @@ def test_components_and_layout(tiny, pipe):
 
 def test_idempotent_and_deterministic(tmp_path, tiny):
     again = make_tiny_z_image(tmp_path / "again", seed=0)
-    files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert_same_files(tiny, again)
 
 
 def _inputs(spec, encoders, captions, seed=0):
-    text = spec.encode_prompts(encoders, captions)
-    g = torch.Generator().manual_seed(seed)
-    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
-    noise = torch.randn(x0.shape, generator=g)
-    t = torch.rand(len(captions), generator=g)
-    noisy, target = spec.noise(x0, noise, t)
-    return spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text))
+    return spec.make_inputs(noised_images(spec, encoders, captions, seed))
 
 
 def test_layers_match_the_forward_for_captions_of_any_length(tiny):

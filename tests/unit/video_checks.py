@@ -5,6 +5,7 @@ checkpointing, the exactness of exported LoRA files, and which attention calls g
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -45,6 +46,25 @@ def micro_batch(spec, encoders, pixels: torch.Tensor, t=(0.3, 0.8), seed: int = 
     noisy, target = spec.noise(latents, noise, t)
     return spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy,
                                         target=target, text=text))
+
+
+def noised_images(spec, encoders, captions: list[str], seed: int = 0) -> NoisedBatch:
+    """A micro-batch of random 64x64 images with `captions`, noised at random t."""
+    text = spec.encode_prompts(encoders, captions)
+    g = torch.Generator().manual_seed(seed)
+    x0 = spec.encode_images(encoders, torch.rand(len(captions), 3, 64, 64, generator=g) * 2 - 1)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.rand(len(captions), generator=g)
+    noisy, target = spec.noise(x0, noise, t)
+    return NoisedBatch(x0, noise, t, noisy, target, text)
+
+
+def assert_same_files(folder: Path, again: Path) -> None:
+    """The same files with the same bytes (a tiny model made twice)."""
+    files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (folder / rel).read_bytes() == (again / rel).read_bytes(), rel
 
 
 def latent_inputs(spec, encoders, latents: torch.Tensor, prompts: list[str], t) -> tuple:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
 
 LATENT_CHANNELS = 4
@@ -43,7 +44,7 @@ def make_tiny_chroma(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
+        ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
     t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
@@ -65,13 +66,7 @@ def _write(out: Path, seed: int) -> None:
             axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
             approximator_layers=2)
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS)
 
     scheduler.save_pretrained(out / "scheduler")
     _save(transformer, out / "transformer", shards=2)

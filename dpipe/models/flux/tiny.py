@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
@@ -52,7 +53,7 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
 
 def write_tiny_flux(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
+        FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
     from transformers import (
         CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast)
 
@@ -88,15 +89,7 @@ def write_tiny_flux(out: Path, seed: int) -> None:
             joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
     with seeded(seed + 3):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            # Three levels downscale 4x (the real VAE: four levels, 8x).
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            # FLUX's latent normalisation, and no 1x1 quant convs, as in the real VAE.
-            scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS)
 
     scheduler.save_pretrained(out / "scheduler")
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
@@ -46,7 +47,7 @@ def make_tiny_hidream(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline,
+        FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline,
         HiDreamImageTransformer2DModel)
     from transformers import (
         CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, LlamaConfig, LlamaForCausalLM,
@@ -90,12 +91,7 @@ def _write(out: Path, seed: int) -> None:
             num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(8, 4, 4),
             max_resolution=(32, 32), llama_layers=list(range(LLAMA_LAYERS)))
     with seeded(seed + 5):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
-            sample_size=64, force_upcast=True, scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS)
 
     scheduler.save_pretrained(out / "scheduler")
     transformer.save_pretrained(out / "transformer")

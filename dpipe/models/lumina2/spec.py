@@ -18,7 +18,7 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_labels, weighted_mean
-from dpipe.models.attention_mask import trim_text_padding
+from dpipe.models.common.lumina_layers import lumina_inputs, lumina_layer_count
 from dpipe.models.comfyui import comfy_lora_tensors, fused_pair, peft_pairs
 from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
@@ -31,7 +31,7 @@ from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -135,12 +135,7 @@ class Lumina2Spec(ModelSpec):
         return lumina2_layers(denoiser)
 
     def pipeline_layer_count(self) -> int:
-        """lumina2_layers: the embedding, the caption's and the image's refiner blocks, the join,
-        every main block, the head."""
-        refiners, blocks = denoiser_config(
-            self.path / "transformer", "Lumina2Transformer2DModel", "num_refiner_layers",
-            "num_layers")
-        return 3 + 2 * refiners + blocks
+        return lumina_layer_count(self.path / "transformer", "Lumina2Transformer2DModel")
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption
@@ -150,13 +145,7 @@ class Lumina2Spec(ModelSpec):
                                    per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
 
     def make_inputs(self, batch: NoisedBatch):
-        t_model = 1.0 - batch.timesteps  # the pipeline's 1 - t / 1000
-        mask = batch.text["cap_mask"] > 0.5
-        # The tokenizer pads on the right, so the mask is a prefix: its length says it all.
-        cap_len = mask.sum(dim=1).long()
-        # Cut after the longest caption, on the CPU: with one item nothing is left to mask.
-        cap, cap_mask = trim_text_padding(batch.text["cap"], mask)
-        return (batch.noisy, t_model, cap, cap_len, cap_mask.long()), weighted_labels(batch)
+        return lumina_inputs(batch), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])

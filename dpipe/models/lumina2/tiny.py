@@ -23,6 +23,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_atomically
 
 LATENT_CHANNELS = 4
@@ -97,7 +98,7 @@ def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
+        FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
     from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
     from dpipe.models.lumina2.sizes import LUMINA2_TINY  # imports this module's sizes
@@ -113,14 +114,7 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 1):
         transformer = Lumina2Transformer2DModel.from_config(LUMINA2_TINY)
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            # Four levels, 8x, as the real (FLUX) VAE: Lumina2Pipeline hard-codes that factor.
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS, levels=4)  # Lumina2Pipeline hard-codes 8x
 
     scheduler.save_pretrained(out / "scheduler")
     save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)

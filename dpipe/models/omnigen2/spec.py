@@ -29,7 +29,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_labels, weighted_mean
 from dpipe.errors import ModelLoadError
-from dpipe.models.attention_mask import trim_text_padding
+from dpipe.models.common.lumina_layers import lumina_inputs, lumina_layer_count
 from dpipe.models.comfyui import renamed
 from dpipe.models.diffusers_folder import check_folder, kl_image_fingerprint, kl_latents, read_json
 from dpipe.models.fingerprint import folder_fingerprint
@@ -41,7 +41,7 @@ from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.single_file import load_or_fail
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "mllm", "processor", "scheduler")
 TRANSFORMER_CLASS = "OmniGen2Transformer2DModel"
@@ -165,11 +165,7 @@ class OmniGen2Spec(ModelSpec):
         return omnigen2_layers(denoiser)
 
     def pipeline_layer_count(self) -> int:
-        """omnigen2_layers: the embedding, the caption's and the image's refiner blocks, the join,
-        every main block, the head."""
-        refiners, blocks = denoiser_config(self.path / "transformer", TRANSFORMER_CLASS,
-                                           "num_refiner_layers", "num_layers")
-        return 3 + 2 * refiners + blocks
+        return lumina_layer_count(self.path / "transformer", TRANSFORMER_CLASS)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption
@@ -178,11 +174,7 @@ class OmniGen2Spec(ModelSpec):
                                    per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
 
     def make_inputs(self, batch: NoisedBatch):
-        t_model = 1.0 - batch.timesteps  # the reference's t: 1 = the clean image
-        mask = batch.text["cap_mask"] > 0.5
-        cap_len = mask.sum(dim=1).long()  # right padding: the mask is a prefix
-        cap, cap_mask = trim_text_padding(batch.text["cap"], mask)
-        return (batch.noisy, t_model, cap, cap_len, cap_mask.long()), weighted_labels(batch)
+        return lumina_inputs(batch), weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])

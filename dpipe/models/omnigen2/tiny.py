@@ -24,6 +24,7 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import seeded, write_atomically
 
 LATENT_CHANNELS = 4
@@ -59,7 +60,6 @@ def make_tiny_omnigen2(path: Path, seed: int = 0) -> Path:
 
 
 def _write(out: Path, seed: int) -> None:
-    from diffusers import AutoencoderKL
     from transformers import Qwen2VLImageProcessor
 
     from dpipe.models.omnigen2.sizes import OMNIGEN2_TINY  # imports this module's sizes
@@ -77,13 +77,7 @@ def _write(out: Path, seed: int) -> None:
         config = {k: v for k, v in OMNIGEN2_TINY.items() if k != "_class_name"}
         transformer = OmniGen2Transformer2DModel(**config)
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS, levels=4)
 
     save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
     save_component(mllm, out / "mllm", shards=2, dtype=DTYPE)

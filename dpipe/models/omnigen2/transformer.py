@@ -35,6 +35,9 @@ from diffusers.models.normalization import LuminaLayerNormContinuous
 from diffusers.models.transformers.transformer_lumina2 import Lumina2TransformerBlock
 from torch import nn
 
+from dpipe.models.common.lumina_layers import (
+    image_ids, image_tokens, join, joint_ids, patchify, unpatchify)
+
 ROPE_THETA = 10000.0
 MAX_REFERENCE_IMAGES = 5  # rows of image_index_embedding
 
@@ -53,49 +56,19 @@ def rope_frequencies(ids: torch.Tensor, axes_dim: tuple[int, ...],
     return torch.cat(parts, dim=-1)
 
 
-def caption_ids(length: int, batch: int, device: torch.device) -> torch.Tensor:
-    """(B, length, 3): caption token i at (i, i, i)."""
-    pos = torch.arange(length, device=device)
-    return pos[None, :, None].expand(batch, length, 3)
+class OmniGen2Positions:
+    """Caption token i at (i, i, i) on the three RoPE axes (Lumina 2: (i, 0, 0)); rotations
+    computed from positions (`dpipe.models.common.lumina_layers.RotaryPositions`)."""
 
+    def __init__(self, axes_dim: tuple[int, ...]):
+        self.axes_dim = axes_dim
 
-def image_ids(cap_len: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """(B, h*w, 3): (caption length, row, column) per patch, row-major."""
-    b, device = cap_len.shape[0], cap_len.device
-    ids = torch.empty(b, h * w, 3, dtype=torch.long, device=device)
-    ids[..., 0] = cap_len[:, None]
-    ids[..., 1] = torch.arange(h, device=device).repeat_interleave(w)[None]
-    ids[..., 2] = torch.arange(w, device=device).repeat(h)[None]
-    return ids
+    def caption(self, length: int, batch: int, device: torch.device) -> torch.Tensor:
+        pos = torch.arange(length, device=device)
+        return pos[None, :, None].expand(batch, length, 3)
 
-
-def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/p * W/p, p*p*C), features ordered (row in patch, column, channel)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
-    return x.reshape(b, (h // p) * (w // p), p * p * c)
-
-
-def unpatchify(tokens: torch.Tensor, h: int, w: int, p: int, channels: int) -> torch.Tensor:
-    """The inverse of `patchify` for h x w patches."""
-    b = tokens.shape[0]
-    x = tokens.view(b, h, w, p, p, channels).permute(0, 5, 1, 3, 2, 4)
-    return x.reshape(b, channels, h * p, w * p)
-
-
-def join(cap: torch.Tensor, cap_len: torch.Tensor, img: torch.Tensor):
-    """Per item [cap[:cap_len], img], zero-padded to the longest item: (joint (B, L, D), its
-    (B, L, 3) RoPE positions, which position is real (B, L))."""
-    b, lc, d = cap.shape
-    li = img.shape[1]
-    length = lc + li
-    pos = torch.arange(length, device=img.device)[None, :].expand(b, length)
-    in_cap = pos < cap_len[:, None]
-    in_img = (pos >= cap_len[:, None]) & (pos < cap_len[:, None] + li)
-    source = torch.cat([cap, img, cap.new_zeros(b, 1, d)], dim=1)
-    index = torch.where(in_cap, pos, torch.where(in_img, pos - cap_len[:, None] + lc, lc + li))
-    joint = torch.gather(source, 1, index[..., None].expand(b, length, d))
-    return joint, in_cap, in_img
+    def rotations(self, ids: torch.Tensor) -> torch.Tensor:
+        return rope_frequencies(ids, self.axes_dim)
 
 
 class OmniGen2TimeCaptionEmbedding(nn.Module):
@@ -179,32 +152,25 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             raise NotImplementedError("dpipe's OmniGen2 transformer runs text-to-image only: "
                                       "reference images (editing) are not implemented")
         c = self.config
-        p, axes = c.patch_size, tuple(c.axes_dim_rope)
+        p, positions = c.patch_size, OmniGen2Positions(tuple(c.axes_dim_rope))
         b, _, height, width = hidden_states.shape
         h, w = height // p, width // p
         mask = text_attention_mask.bool()
         cap_len = mask.sum(dim=1)
         temb, cap = self.time_caption_embed(timestep, text_hidden_states, hidden_states.dtype)
-        cap_freqs = rope_frequencies(caption_ids(cap.shape[1], b, cap.device), axes)
+        cap_freqs = positions.rotations(positions.caption(cap.shape[1], b, cap.device))
         cap_freqs = cap_freqs * mask[..., None]  # zero past each caption, as the reference
         for layer in self.context_refiner:
             cap = layer(cap, mask, cap_freqs)
         x = self.x_embedder(patchify(hidden_states, p))
-        img_freqs = rope_frequencies(image_ids(cap_len, h, w), axes)
+        img_freqs = positions.rotations(image_ids(cap_len, h, w))
         for layer in self.noise_refiner:
             x = layer(x, None, img_freqs, temb)
         joint, in_cap, in_img = join(cap, cap_len, x)
-        ids = torch.where(in_cap[..., None], caption_ids(joint.shape[1], b, joint.device), 0)
-        img_part = torch.gather(image_ids(cap_len, h, w), 1,
-                                (torch.arange(joint.shape[1], device=joint.device)[None]
-                                 - cap_len[:, None]).clamp(0, h * w - 1)[..., None].expand(-1, -1, 3))
-        ids = torch.where(in_img[..., None], img_part, ids)
-        freqs = rope_frequencies(ids, axes)
+        freqs = positions.rotations(joint_ids(positions, cap_len, in_cap, in_img, h, w))
         real = in_cap | in_img
         for layer in self.layers:
             joint = layer(joint, real, freqs, temb)
-        out = self.norm_out(joint, temb)
-        index = cap_len[:, None] + torch.arange(h * w, device=out.device)[None]
-        img = torch.gather(out, 1, index[..., None].expand(-1, -1, out.shape[-1]))
+        img = image_tokens(self.norm_out(joint, temb), cap_len, h, w)
         sample = unpatchify(img, h, w, p, self.out_channels)
         return (sample,) if not return_dict else {"sample": sample}

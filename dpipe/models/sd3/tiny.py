@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
@@ -53,7 +54,7 @@ def make_tiny_sd3(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+        FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
         StableDiffusion3Pipeline)
     from transformers import (
         CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
@@ -93,13 +94,7 @@ def _write(out: Path, seed: int) -> None:
             pooled_projection_dim=2 * CLIP_DIM, pos_embed_max_size=32,
             dual_attention_layers=(0,), qk_norm="rms_norm")
     with seeded(seed + 4):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            scaling_factor=1.5305, shift_factor=0.0609,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609)
 
     scheduler.save_pretrained(out / "scheduler")
     _save(transformer, out / "transformer", shards=1)

@@ -21,6 +21,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
+from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import seeded, write_atomically
 
 LATENT_CHANNELS = 4
@@ -43,7 +44,7 @@ def make_tiny_z_image(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
+        FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     from dpipe.models.z_image.sizes import Z_IMAGE_TINY  # imports this module's sizes
@@ -67,14 +68,7 @@ def _write(out: Path, seed: int) -> None:
         torch.nn.init.normal_(transformer.x_pad_token, std=0.5)
         torch.nn.init.normal_(transformer.cap_pad_token, std=0.5)
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
-            # FLUX's VAE and latent normalisation, which Z-Image uses.
-            scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False)
+        vae = tiny_flux_vae(LATENT_CHANNELS)
 
     scheduler.save_pretrained(out / "scheduler")
     save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
