@@ -135,10 +135,14 @@ def _decoded(container, stream, rate: int, channels: int, zero: float,
     `rate` and `channels`, decoded until `until` s (and a little past it)."""
     import av
 
-    layout = {1: "mono", 2: "stereo"}.get(channels)
-    if layout is None:
+    layouts = {1: "mono", 2: "stereo"}
+    if channels not in layouts:
         raise DataError(f"the model asks for {channels} audio channels: dpipe mixes to 1 or 2")
-    resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
+    # Mono and stereo keep their channels through the resampler and are mixed here, at full
+    # level (libswresample's mono -> stereo upmix is 3 dB quieter); other layouts (5.1, ...)
+    # are mixed down by libswresample.
+    own = stream.channels if stream.channels in layouts else channels
+    resampler = av.AudioResampler(format="fltp", layout=layouts[own], rate=rate)
     parts: list[np.ndarray] = []
     offset = None
     for frame in container.decode(stream):
@@ -153,5 +157,8 @@ def _decoded(container, stream, rate: int, channels: int, zero: float,
     if offset is None:
         raise DataError(f"{container.name}: the audio stream holds no sound; replace it, or "
                         "set audio_missing and remove the stream")
-    samples = np.concatenate(parts, axis=1) if parts else np.zeros((channels, 0), np.float32)
+    samples = np.concatenate(parts, axis=1) if parts else np.zeros((own, 0), np.float32)
+    if own != channels:  # mono -> both channels, stereo -> their mean
+        samples = (np.repeat(samples, channels, axis=0) if own == 1
+                   else samples.mean(axis=0, keepdims=True))
     return offset, samples.astype(np.float32, copy=False)

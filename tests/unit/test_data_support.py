@@ -34,9 +34,10 @@ def write_image(path: Path, size=(32, 32), seed: int = 0, caption: str | None = 
 
 def write_video(path: Path, frames: int, fps: int = 8, size=(32, 24), codec: str = "mpeg4",
                 caption: str | None = "a clip", tones: list[tuple[float, float]] | None = None,
-                audio_codec: str = "aac", rate: int = 48000) -> Path:
+                audio_codec: str = "aac", rate: int = 48000, audio_start: float = 0.0) -> Path:
     """A clip whose frame i is flat grey at level 10 * i (so tests can tell frames apart); with
-    `tones` [(Hz, seconds), ...] a mono audio track playing them one after the other."""
+    `tones` [(Hz, seconds), ...] a mono audio track playing them one after the other, from
+    `audio_start` seconds after the first frame."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +62,7 @@ def write_video(path: Path, frames: int, fps: int = 8, size=(32, 24), codec: str
                 chunk = (chunk * 32767).astype(np.int16) if s16 else chunk
                 frame = av.AudioFrame.from_ndarray(chunk, format="s16" if s16 else "fltp",
                                                    layout="mono")
-                frame.sample_rate, frame.pts = rate, start
+                frame.sample_rate, frame.pts = rate, start + round(audio_start * rate)
                 for packet in sound.encode(frame):
                     container.mux(packet)
             for packet in sound.encode():
