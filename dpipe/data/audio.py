@@ -24,6 +24,7 @@ AUDIO_EXTENSIONS = (".wav", ".flac")  # same-stem sidecars that replace a clip's
 # and codecs end tracks a codec frame or two early (an AAC frame is 21 ms at 48 kHz). A larger
 # gap is bad input: the clip is reported unreadable (dropped, or an error with dataset.strict).
 SHORT_SLACK_S = 0.1
+SEEK_MARGIN_S = 1.0  # clips that start later than twice this seek to this much before them
 # Part of every audio cache key: bump when the decoding, resampling or cutting changes.
 AUDIO_DECODE_VERSION = 1
 
@@ -94,7 +95,7 @@ def load_audio(source: AudioSource, start: int, frames: int, fps: float, rate: i
                                 f"count ({stream.rate} Hz, {stream.channels} channels): re-encode "
                                 "it (e.g. ffmpeg -i in -ar 48000 out.wav) or replace it.")
             zero = _video_start(container) if source.origin == "track" else 0.0
-            offset, samples = _decoded(container, stream, rate, channels, zero,
+            offset, samples = _decoded(container, stream, rate, channels, zero, begin,
                                        begin + frames / fps)
     except av.error.FFmpegError as error:
         raise DataError(f"cannot decode the audio of {path} ({error}): replace the file or "
@@ -129,10 +130,25 @@ def _video_start(container) -> float:
     return float((video.start_time or 0) * video.time_base)
 
 
-def _decoded(container, stream, rate: int, channels: int, zero: float,
+def _decoded(container, stream, rate: int, channels: int, zero: float, begin: float,
              until: float) -> tuple[float, np.ndarray]:
     """(start in s on the clip's timeline, float32 (channels, n)) of the stream resampled to
-    `rate` and `channels`, decoded until `until` s (and a little past it)."""
+    `rate` and `channels`, decoded from before `begin` until `until` s (and a little past)."""
+    if begin - SEEK_MARGIN_S > SEEK_MARGIN_S:
+        # A clip far into a long file: start a margin before it (a decoder's first frames after
+        # a seek may be off, and the resampler warms up); decode from the start if the seek
+        # landed after the clip.
+        container.seek(int((zero + begin - SEEK_MARGIN_S) / stream.time_base), stream=stream,
+                       backward=True)
+        offset, samples = _decode(container, stream, rate, channels, zero, until)
+        if offset <= begin:
+            return offset, samples
+        container.seek(0, stream=stream, backward=True)
+    return _decode(container, stream, rate, channels, zero, until)
+
+
+def _decode(container, stream, rate: int, channels: int, zero: float,
+            until: float) -> tuple[float, np.ndarray]:
     import av
 
     layouts = {1: "mono", 2: "stereo"}

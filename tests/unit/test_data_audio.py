@@ -216,3 +216,15 @@ def test_a_bucket_of_clips_at_different_rates_is_refused(tmp_path):
         _prepare(SoundSpec(), tmp_path)
     dataset = _prepare(SoundSpec(), tmp_path, video_fps=8.0)
     assert dataset.audio(list(_samples(dataset).values())).shape == (2, 1, RATE)
+
+
+@pytest.mark.parametrize("suffix,codec", [(".mp4", "aac"), (".mkv", "pcm_s16le")])
+def test_a_clip_far_into_its_file_seeks_to_the_same_sound(tmp_path, suffix, codec):
+    path = write_video(tmp_path / f"long{suffix}", frames=48, fps=8, audio_codec=codec,
+                       tones=[(440, 4.0), (880, 2.0)])
+    track = AudioSource("track", str(path), None)
+    # Frames 28..35: 3.5-4.5 s (a seek to 2.5 s first); the change at 4.0 s is half way.
+    sound = load_audio(track, 28, 8, 8.0, RATE, 1)[0]
+    assert abs(switch_sample(sound, 440, 880) - RATE // 2) <= 2
+    whole = load_audio(track, 0, 48, 8.0, RATE, 1)[0]  # decoded from the start, no seek
+    assert torch.allclose(sound, whole[round(3.5 * RATE):round(4.5 * RATE)], atol=1e-3)
