@@ -97,7 +97,7 @@ def load_audio(source: AudioSource, start: int, frames: int, fps: float, rate: i
             zero = _video_start(container) if source.origin == "track" else 0.0
             offset, samples = _decoded(container, stream, rate, channels, zero, begin,
                                        begin + frames / fps)
-    except av.error.FFmpegError as error:
+    except (av.error.FFmpegError, ValueError) as error:  # ValueError: a layout PyAV cannot mix
         raise DataError(f"cannot decode the audio of {path} ({error}): replace the file or "
                         "put a same-stem .wav/.flac next to the clip.") from None
     # Samples [first, first + wanted) of the timeline; the decoded sound starts at `offset` s.
