@@ -1,0 +1,138 @@
+"""MiniMax H3's transformer as pipeline layers: embed -> blocks -> head.
+
+MiniMax H3 runs one stack of blocks over one packed sequence per sample,
+`[text | audio | video]` (MiniMaxH3PrepareLayoutStep's t2va layout), with full self-attention
+over it: the video rows attend to the text and audio rows in every block, so the video
+prediction depends on the audio rows. Training video only (no audio rows) is therefore not the
+computation t2va sampling runs, which always carries the soundtrack's rows; with `model.audio`
+the audio rows ride along and both heads are trained (docs/models/minimax_h3.md).
+
+The diffusers forward takes one layout that every batch item shares; a sample's layout depends
+on its prompt's length (text rows come first and the media's rotary clock starts after them), so
+the layers run each sample as its own sequence, exactly as the diffusers forward runs it with a
+batch of 1, and stack the samples padded at the end to the longest.
+
+The first layer takes `MiniMaxH3Spec.make_inputs`' tuple
+  (video (B, Nv, C*4) patchified rows, [audio (B, Na, Ca) rows,] t (B,) the model's t
+   (1 - sigma; 1 is clean), text (B, L, D) padded, text_lengths carrier (L_1, ..., L_B),
+   layout carrier (frames, h, w, audio latents per channel))
+and the layers pass (hidden (B, S, hidden), temb (B, time_embed_dim), text_lengths, layout).
+The head returns the video rows' prediction (B, Nv, C*4), and with audio rows the audio's
+(B, Na, Ca). Rotary positions, modality tags and row indices are rebuilt per layer from the
+carried sizes by the pipeline's own `build_packed_sequence` (cached per layout), on the host.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import sizes
+
+AUDIO_CHANNELS = 2  # stereo, packed channel-major (MINIMAX_H3_AUDIO_CHANNELS)
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
+
+
+@lru_cache(maxsize=64)
+def packed_layout(text_length: int, frames: int, height: int, width: int, audio_latents: int,
+                  patch: tuple[int, int, int]):
+    """(position_ids (S, 3) float64, token_tags (S,), video, audio and text row indices) of one
+    sample, as MiniMaxH3PrepareLayoutStep builds the t2va layout: on the CPU."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    positions, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.full((text_length,), TEXT_TAG, dtype=torch.long), frames, height, width,
+        audio_latents, patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
+    return positions, tags, video, audio, text
+
+
+def _layout(text_lengths: torch.Tensor, layout: torch.Tensor, patch) -> list[tuple]:
+    frames, height, width, audio = sizes(layout)
+    return [packed_layout(n, frames, height, width, audio, patch) for n in sizes(text_lengths)]
+
+
+def _stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Samples' (1, S_i, D) sequences stacked into (B, length, D), zero rows at the end."""
+    return torch.cat([nn.functional.pad(r, (0, 0, 0, length - r.shape[1])) for r in rows])
+
+
+class MiniMaxH3Embed(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.patch = tuple(transformer.config.patch_size)
+        for name in ("proj_in", "audio_proj_in", "context_embedder", "time_proj", "time_embedder",
+                     "token_refiner"):
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        if len(inputs) == 6:
+            video, audio, t, text, text_lengths, layout = inputs
+        else:
+            (video, t, text, text_lengths, layout), audio = inputs, None
+        dtype = lambda m: next(m.parameters()).dtype  # noqa: E731 - mixed-precision release
+        video = self.proj_in(video.to(dtype(self.proj_in)))
+        if audio is not None:
+            audio = self.audio_proj_in(audio.to(dtype(self.audio_proj_in)))
+        text = self.context_embedder(text.to(dtype(self.context_embedder)))
+        rows = []
+        for i, n in enumerate(sizes(text_lengths)):
+            # The refiner attends over the prompt's own tokens only, as the pipeline gives them.
+            parts = [self.token_refiner(text[i:i + 1, :n])]
+            if audio is not None:
+                parts.append(audio[i:i + 1].to(parts[0].dtype))
+            parts.append(video[i:i + 1].to(parts[0].dtype))
+            rows.append(torch.cat(parts, dim=1))
+        hidden = _stack(rows, max(r.shape[1] for r in rows))
+        temb = self.time_embedder(self.time_proj(t).to(dtype(self.time_embedder)))
+        return needs_grad(hidden), needs_grad(temb), text_lengths, layout
+
+
+class MiniMaxH3Block(PipelineLayer):
+    def __init__(self, transformer: nn.Module, index: int):
+        super().__init__()
+        self.patch = tuple(transformer.config.patch_size)
+        self.adopt("block", transformer.transformer_blocks[index], f"transformer_blocks.{index}")
+        self.rope = transformer.rope  # no parameters: the inv_freq buffer, computed
+
+    def forward(self, inputs):
+        hidden, temb, text_lengths, layout = inputs
+        out = []
+        for i, (positions, tags, *_rows) in enumerate(_layout(text_lengths, layout, self.patch)):
+            n = tags.shape[0]
+            rotary = self.rope(positions.to(hidden.device, torch.float32))
+            # One timestep per sample: every row's AdaLN row is its modality's (t index 0).
+            out.append(self.block(hidden[i:i + 1, :n], temb[i:i + 1], tags.to(hidden.device),
+                                  rotary))
+        return _stack(out, hidden.shape[1]), temb, text_lengths, layout
+
+
+class MiniMaxH3Head(PipelineLayer):
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.patch = tuple(transformer.config.patch_size)
+        for name in ("norm_out", "proj_out", "audio_proj_out"):
+            self.adopt(name, getattr(transformer, name), name)
+
+    def forward(self, inputs):
+        hidden, temb, text_lengths, layout = inputs
+        video_out, audio_out = [], []
+        for i, (_p, tags, video, audio, _t) in enumerate(_layout(text_lengths, layout, self.patch)):
+            n, device = tags.shape[0], hidden.device
+            x = self.norm_out(hidden[i:i + 1, :n], temb[i:i + 1], tags.new_zeros(n).to(device))
+            x = x.to(self.proj_out.weight.dtype)
+            video_out.append(self.proj_out(x.index_select(1, video.to(device))))
+            if audio.numel():
+                audio_out.append(self.audio_proj_out(x.index_select(1, audio.to(device))))
+        video_pred = torch.cat(video_out)
+        return (video_pred, torch.cat(audio_out)) if audio_out else video_pred
+
+
+def minimax_h3_layers(transformer: nn.Module) -> list[PipelineLayer]:
+    blocks = len(transformer.transformer_blocks)
+    return ([MiniMaxH3Embed(transformer)]
+            + [MiniMaxH3Block(transformer, i) for i in range(blocks)]
+            + [MiniMaxH3Head(transformer)])

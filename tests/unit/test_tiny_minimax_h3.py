@@ -1,0 +1,211 @@
+"""The tiny MiniMax H3 folder loads and generates through diffusers' MiniMaxH3ModularPipeline;
+dpipe's layers equal the diffusers forward (per sample, with and without the audio rows); the
+exported LoRA loads into the pipeline's transformer and reproduces the trained layers; the
+encoders follow the pipeline's conventions (docs/models/minimax_h3.md)."""
+
+import os
+
+# Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.minimax_h3.tiny import REPO, make_tiny_minimax_h3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_tiny_minimax_h3(tmp_path_factory.mktemp("models") / "tiny-minimax_h3")
+
+
+def _spec(folder: Path, *overrides: str):
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+
+    run = compose_run(["model=tiny_minimax_h3", f"model.path={folder}", "dataset=synthetic",
+                       *overrides])
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    return run, spec
+
+
+def _pipeline(folder: Path):
+    """The t2va pipeline with every component as `load_components` loads it, but the processor:
+    transformers builds Qwen3VLProcessor only with torchvision (`load_processor`)."""
+    from diffusers import ModularPipeline
+
+    from dpipe.models.minimax_h3.processor import load_processor
+
+    pipe = ModularPipeline.from_pretrained(str(folder), workflow="t2va")
+    pipe.load_components(names=[n for n in pipe.pretrained_component_names if n != "processor"],
+                         dtype=torch.float32)
+    pipe.update_components(processor=load_processor(folder / "processor"))
+    return pipe
+
+
+def test_modular_pipeline_generates_with_its_defaults(folder):
+    """5 s (the shortest the pipeline makes: 120 frames, rounded up to 17k+5 = 124) of 64x64
+    video with its stereo soundtrack, 2 steps, the pipeline's other defaults."""
+    pipe = _pipeline(folder)
+    out = pipe(prompt="a red circle on a blue background", num_frames=120, height=64, width=64,
+               num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+               output_type="pt")
+    video, audio = out.get("videos"), out.get("audio")
+    assert video.shape == (1, 124, 3, 64, 64) and video.std() > 0
+    assert audio.shape[:2] == (1, 2) and audio.std() > 0
+    assert audio.shape[2] == round(124 / 24 * 40) * 800  # 40 latents/s, an 800-sample hop
+    assert out.get("sampling_rate") == 32000
+
+
+def test_folder_is_laid_out_as_the_release(folder):
+    index = json.loads((folder / "modular_model_index.json").read_text())
+    assert index["_class_name"] == "MiniMaxH3ModularPipeline"
+    for name in ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder",
+                 "tokenizer", "processor", "scheduler", "audio_scheduler"):
+        assert index[name][2] == {**index[name][2], "pretrained_model_name_or_path": REPO,
+                                  "subfolder": name}
+        assert (folder / name).is_dir()
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    # The release's mixed precision: input and output projections and the time MLP in fp32.
+    dtypes = {}
+    for file in (folder / "transformer").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            dtypes.update({k: f.get_tensor(k).dtype for k in f.keys()})
+    assert dtypes["proj_in.weight"] == dtypes["audio_proj_out.bias"] == torch.float32
+    assert dtypes["time_embedder.linear_1.weight"] == torch.float32
+    assert dtypes["transformer_blocks.0.attn.to_q.weight"] == torch.bfloat16
+    text = json.loads((folder / "text_encoder" / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] > 50  # hidden_states[50] is read
+    assert json.loads((folder / "audio_scheduler" / "scheduler_config.json").read_text())[
+        "shift"] == 3.0
+
+
+def _inputs(spec, folder, audio: bool, g: torch.Generator):
+    """A micro-batch of 2 samples whose prompts differ in length, through `make_inputs`."""
+    from dpipe.data.batches import DataBatch
+
+    latents = torch.randn(2, 8, 2, 4, 4, generator=g)
+    noise = torch.randn(latents.shape, generator=g)
+    t = torch.tensor([0.3, 0.8])
+    noisy, target = spec.noise(latents, noise, t.view(-1, 1, 1, 1, 1))
+    text = torch.randn(2, 64, 32, generator=g)
+    mask = torch.zeros(2, 64, dtype=torch.long)
+    mask[0, :5], mask[1, :9] = 1, 1
+    sound = {}
+    if audio:
+        a = torch.randn(2, 2 * 3, 8, generator=g)
+        a_noise = torch.randn(a.shape, generator=g)
+        a_noisy, a_target = spec.noise(a, a_noise, t.view(-1, 1, 1))
+        sound = dict(audio=a, audio_noise=a_noise, audio_noisy=a_noisy, audio_target=a_target)
+    batch = DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
+                      text={"qwen": text, "qwen_mask": mask}, **sound)
+    return spec.make_inputs(batch)
+
+
+@pytest.mark.parametrize("audio", [False, True])
+def test_layers_equal_the_diffusers_forward(folder, audio):
+    """fp32: the layers, sample by sample, equal the transformer's forward with the pipeline's
+    layout; the loss is the video's (plus the audio's) flow-matching loss."""
+    _, spec = _spec(folder, f"model.audio={str(audio).lower()}")
+    denoiser = spec.load_denoiser(torch.float32)
+    inputs, labels = _inputs(spec, folder, audio, torch.Generator().manual_seed(0))
+    x = inputs
+    with torch.no_grad():
+        for layer in spec.pipeline_layers(denoiser):
+            x = layer(x)
+        expected = spec.denoiser_forward(denoiser, inputs)
+    if audio:
+        assert x[0].shape == (2, 8, 32) and x[1].shape == (2, 6, 8)
+        for ours, theirs in zip(x, expected):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    else:
+        assert x.shape == (2, 8, 32)
+        torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    loss = spec.loss(x, labels)
+    assert loss.ndim == 0 and loss > 0
+    if audio:  # the video rows attend to the audio rows: they change the video's prediction
+        from dpipe.models.sync_free import carrier, sizes
+
+        f, h, w, _ = sizes(inputs[5])
+        video_only = (inputs[0], *inputs[2:5], carrier(f, h, w, 0))
+        with torch.no_grad():
+            alone = spec.denoiser_forward(denoiser, video_only)
+        assert (alone - x[0]).abs().max() > 1e-4
+
+
+def test_lora_export_loads_into_diffusers_and_reproduces(folder, tmp_path):
+    """Random LoRA weights on every default target: the exported file, loaded by the modular
+    pipeline's `load_lora_weights`, gives the transformer that the layers compute."""
+    from dpipe.train.trainable import trainable_layers
+
+    run, spec = _spec(folder, "model.lora.rank=2", "model.lora.alpha=3", "model.audio=true")
+    layers = trainable_layers(spec, run)
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for layer in layers:
+        for name, p in layer.source_named_parameters():
+            if p.requires_grad:
+                p.data = torch.randn(p.shape, generator=g) * 0.3
+                state[name] = p.data.clone()
+    assert any(".adaln_proj.linear.lora_A" in k for k in state)
+    assert [p.name for p in spec.export_lora(state, tmp_path)] == [
+        "pytorch_lora_weights.safetensors"]
+    inputs, _ = _inputs(spec, folder, True, g)
+    loaded = spec.load_denoiser_with_lora(tmp_path)
+    base = spec.load_denoiser(torch.float32)
+    with torch.no_grad():
+        x = inputs
+        for layer in layers:
+            x = layer(tuple(t.float() if t.is_floating_point() else t for t in x))
+        ours, theirs = spec.denoiser_forward(loaded, inputs), spec.denoiser_forward(base, inputs)
+    for a, b in zip(x, ours):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (ours[0] - theirs[0]).abs().max() > 1e-3
+
+
+def test_encoders_follow_the_pipeline(folder):
+    """Prompts: the text-encoder step's embeds, padded with their mask; clips of 17k+5 frames
+    and images encode, other lengths are refused naming the frame buckets; stereo audio becomes
+    the pipeline's channel-major rows."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+    _, spec = _spec(folder, "model.audio=true")
+    enc = spec.load_encoders(torch.device("cpu"), torch.float32)
+    out = spec.encode_prompts(enc, ["a red fox", "a blue circle on a red square"])
+    ids = enc.tokenizer("a red fox", add_special_tokens=False)["input_ids"]
+    expected = get_qwen3vl_prompt_embeds(enc.text_encoder, enc.processor, ids, {}, 50)[0]
+    assert out["qwen"].shape == (2, 64, 32)
+    assert out["qwen_mask"][0].sum() == len(ids)
+    torch.testing.assert_close(out["qwen"][0, :len(ids)], expected)
+    assert out["qwen"][0, len(ids):].abs().sum() == 0
+    with pytest.raises(DataError, match="empty caption"):
+        spec.encode_prompts(enc, [""])
+
+    g = torch.Generator().manual_seed(0)
+    assert spec.encode_images(enc, torch.rand(1, 3, 64, 64, generator=g) * 2 - 1).shape == (
+        1, 8, 1, 4, 4)
+    assert spec.encode_videos(enc, torch.rand(1, 3, 22, 64, 64, generator=g) * 2 - 1).shape == (
+        1, 8, 7, 4, 4)
+    with pytest.raises(DataError, match=r"17k\+5 frames.*dataset.frame_buckets"):
+        spec.encode_videos(enc, torch.zeros(1, 3, 9, 64, 64))
+
+    assert spec.audio_format().sample_rate == 32000 and spec.audio_format().channels == 2
+    wave = torch.rand(1, 2, 2400, generator=g) * 2 - 1
+    rows = spec.encode_audio(enc, wave)
+    assert rows.shape == (1, 6, 8)
+    left = spec.encode_audio(enc, wave[:, :1].repeat(1, 2, 1))
+    torch.testing.assert_close(rows[:, :3], left[:, :3])  # the left channel's latents first
+
+
+def test_another_familys_folder_is_refused_naming_it(folder, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    with pytest.raises(ModelLoadError, match="WanPipeline folder, not MiniMax H3"):
+        _spec(folder, f"model.path={other}")
