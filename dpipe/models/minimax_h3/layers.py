@@ -13,13 +13,16 @@ the layers run each sample as its own sequence, exactly as the diffusers forward
 batch of 1, and stack the samples padded at the end to the longest.
 
 The first layer takes `MiniMaxH3Spec.make_inputs`' tuple
-  (video (B, Nv, C*4) patchified rows, [audio (B, Na, Ca) rows,] t (B,) the model's t
-   (1 - sigma; 1 is clean), text (B, L, D) padded, text_lengths carrier (L_1, ..., L_B),
+  (video (B, Nv, C*4) patchified rows, [audio (B, Na, Ca) rows,] t (B, 2) the model's t of the
+   video and of the audio rows (1 - sigma; 1 is clean; text rows take the video's, as in the
+   pipeline), text (B, L, D) padded, text_lengths carrier (L_1, ..., L_B),
    layout carrier (frames, h, w, audio latents per channel))
-and the layers pass (hidden (B, S, hidden), temb (B, time_embed_dim), text_lengths, layout).
-The head returns the video rows' prediction (B, Nv, C*4), and with audio rows the audio's
-(B, Na, Ca). Rotary positions, modality tags and row indices are rebuilt per layer from the
-carried sizes by the pipeline's own `build_packed_sequence` (cached per layout), on the host.
+and the layers pass (hidden (B, S, hidden), temb (B, 2, time_embed_dim), text_lengths, layout).
+The head returns the video rows' prediction (B, Nv, C*4); with audio rows, the video's and the
+audio's predictions flattened and joined, (B, Nv*C*4 + Na*Ca): one tensor, as the sampler's
+stages pass it (the spec splits it). Rotary positions, modality tags and row indices are rebuilt
+per layer from the carried sizes by the pipeline's own `build_packed_sequence` (cached per
+layout), on the host.
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 @lru_cache(maxsize=64)
 def packed_layout(text_length: int, frames: int, height: int, width: int, audio_latents: int,
                   patch: tuple[int, int, int]):
-    """(position_ids (S, 3) float64, token_tags (S,), video, audio and text row indices) of one
-    sample, as MiniMaxH3PrepareLayoutStep builds the t2va layout: on the CPU."""
+    """One sample's layout, as MiniMaxH3PrepareLayoutStep builds the t2va layout (on the CPU):
+    (position_ids (S, 3) float64, token_tags (S,), video, audio and text row indices,
+    time_index (S,): 1 on audio rows (the audio's t), 0 elsewhere, and adaln (S,): each row's
+    row of the AdaLN table, time_index * 3 + tag, as the transformer addresses it)."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
 
     positions, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
         torch.full((text_length,), TEXT_TAG, dtype=torch.long), frames, height, width,
         audio_latents, patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
-    return positions, tags, video, audio, text
+    time_index = (tags == AUDIO_TAG).long()
+    return positions, tags, video, audio, text, time_index, time_index * 3 + tags
 
 
 def _layout(text_lengths: torch.Tensor, layout: torch.Tensor, patch) -> list[tuple]:
@@ -87,8 +93,8 @@ class MiniMaxH3Embed(PipelineLayer):
             parts.append(video[i:i + 1].to(parts[0].dtype))
             rows.append(torch.cat(parts, dim=1))
         hidden = _stack(rows, max(r.shape[1] for r in rows))
-        temb = self.time_embedder(self.time_proj(t).to(dtype(self.time_embedder)))
-        return needs_grad(hidden), needs_grad(temb), text_lengths, layout
+        temb = self.time_embedder(self.time_proj(t.reshape(-1)).to(dtype(self.time_embedder)))
+        return needs_grad(hidden), needs_grad(temb.view(*t.shape, -1)), text_lengths, layout
 
 
 class MiniMaxH3Block(PipelineLayer):
@@ -101,12 +107,11 @@ class MiniMaxH3Block(PipelineLayer):
     def forward(self, inputs):
         hidden, temb, text_lengths, layout = inputs
         out = []
-        for i, (positions, tags, *_rows) in enumerate(_layout(text_lengths, layout, self.patch)):
+        for i, (positions, tags, *_, adaln) in enumerate(_layout(text_lengths, layout,
+                                                                  self.patch)):
             n = tags.shape[0]
             rotary = self.rope(positions.to(hidden.device, torch.float32))
-            # One timestep per sample: every row's AdaLN row is its modality's (t index 0).
-            out.append(self.block(hidden[i:i + 1, :n], temb[i:i + 1], tags.to(hidden.device),
-                                  rotary))
+            out.append(self.block(hidden[i:i + 1, :n], temb[i], adaln.to(hidden.device), rotary))
         return _stack(out, hidden.shape[1]), temb, text_lengths, layout
 
 
@@ -120,15 +125,18 @@ class MiniMaxH3Head(PipelineLayer):
     def forward(self, inputs):
         hidden, temb, text_lengths, layout = inputs
         video_out, audio_out = [], []
-        for i, (_p, tags, video, audio, _t) in enumerate(_layout(text_lengths, layout, self.patch)):
+        for i, (_p, tags, video, audio, _t, time_index, _a) in enumerate(
+                _layout(text_lengths, layout, self.patch)):
             n, device = tags.shape[0], hidden.device
-            x = self.norm_out(hidden[i:i + 1, :n], temb[i:i + 1], tags.new_zeros(n).to(device))
+            x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index.to(device))
             x = x.to(self.proj_out.weight.dtype)
             video_out.append(self.proj_out(x.index_select(1, video.to(device))))
             if audio.numel():
                 audio_out.append(self.audio_proj_out(x.index_select(1, audio.to(device))))
         video_pred = torch.cat(video_out)
-        return (video_pred, torch.cat(audio_out)) if audio_out else video_pred
+        if not audio_out:
+            return video_pred
+        return torch.cat([video_pred.flatten(1), torch.cat(audio_out).flatten(1)], dim=1)
 
 
 def minimax_h3_layers(transformer: nn.Module) -> list[PipelineLayer]:

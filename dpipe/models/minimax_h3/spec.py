@@ -64,6 +64,13 @@ def patchify(latents: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor
                                                           latents.shape[1] * _prod(patch))
 
 
+def split_prediction(joined: torch.Tensor, video_shape, audio_shape):
+    """The head's joined (B, Nv*Cv + Na*Ca) output -> (video rows, audio rows)."""
+    n = int(torch.Size(video_shape[1:]).numel())
+    return (joined[:, :n].reshape(video_shape),
+            joined[:, n:].reshape(joined.shape[0], *audio_shape[1:]))
+
+
 def _prod(patch) -> int:
     return int(patch[0] * patch[1] * patch[2])
 
@@ -189,17 +196,20 @@ class MiniMaxH3Spec(ModelSpec):
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         """MiniMaxH3TextEncoderStep's prompt_embeds per prompt, padded to max_text_tokens, with
-        their (B, max_text_tokens) mask."""
+        their (B, max_text_tokens) mask. An empty prompt (the sampler's unused negative prompt)
+        encodes to no tokens: the pipeline has none to give it."""
         from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
 
         n = self.cfg.max_text_tokens
         embeds, masks = [], []
         for prompt in prompts:
             ids = encoders.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise DataError(
-                    "an empty caption: MiniMax H3 is guidance-distilled and has no empty-prompt "
-                    "conditioning; give every item a caption and leave caption dropout at 0")
+            if not ids:  # an all-zero mask: refused where it would train (`make_inputs`)
+                embeds.append(torch.zeros(n, encoders.text_encoder.config.text_config.hidden_size,
+                                          dtype=encoders.text_encoder.dtype,
+                                          device=encoders.text_encoder.device))
+                masks.append(torch.zeros(n, dtype=torch.long, device=embeds[-1].device))
+                continue
             if len(ids) > n:
                 raise DataError(
                     f"a caption of {len(ids)} tokens is longer than model.max_text_tokens={n} "
@@ -266,16 +276,25 @@ class MiniMaxH3Spec(ModelSpec):
         frames, height, width = latents.shape[2:]
         video = patchify(batch.noisy, self.patch)
         target = patchify(batch.target, self.patch)
-        t = (1 - batch.timesteps).to(latents.dtype)  # the transformer's t: 1 is clean
+        # The transformer's t (1 is clean) of the video rows and of the audio rows: the audio's
+        # own in sampling (its schedule is shifted otherwise), the video's in training.
+        audio_t = getattr(batch, "audio_timesteps", None)
+        sigmas = torch.stack([batch.timesteps, batch.timesteps if audio_t is None else audio_t], 1)
+        t = (1 - sigmas).to(latents.dtype)
         mask = batch.text["qwen_mask"]
         lengths = [int(n) for n in mask.sum(dim=1).tolist()]  # CPU: where batches are made
+        if min(lengths) == 0:
+            raise DataError(
+                "an empty caption: MiniMax H3 is guidance-distilled and has no empty-prompt "
+                "conditioning; give every item a caption and leave caption dropout at 0")
         text = batch.text["qwen"][:, :max(lengths)]
-        audio = getattr(batch, "audio_noisy", None) if self.cfg.audio else None
+        # Audio rows: the dataset's with model.audio=true, and always in sampling (t2va).
+        audio = getattr(batch, "audio_noisy", None)
         audio_latents = 0 if audio is None else audio.shape[1] // AUDIO_CHANNELS
         layout = carrier(frames, height, width, audio_latents)
         media = (video,) if audio is None else (video, audio)
         inputs = (*media, t, text, carrier(*lengths), layout)
-        labels = (target,) if audio is None else (target, batch.audio_target)
+        labels = (target,) if audio is None else (target, getattr(batch, "audio_target", audio))
         weight = getattr(batch, "loss_weight", None)  # masks, (B, 1, 1, h, w), or None
         if weight is not None:
             weight = patchify(weight.expand_as(latents).to(latents.dtype), self.patch)
@@ -284,13 +303,19 @@ class MiniMaxH3Spec(ModelSpec):
 
     def loss(self, outputs, labels) -> torch.Tensor:
         """The video rows' loss; with audio rows, plus model.audio_loss_weight x the audio's."""
-        if isinstance(outputs, (tuple, list)):
-            video, audio = outputs
+        if outputs.ndim == 2:  # the video's and the audio's predictions joined (layers.py)
             target, audio_target, *weight = labels
+            video, audio = split_prediction(outputs, target.shape, audio_target.shape)
             return (weighted_mean(self.element_error(video, target), *weight)
                     + self.cfg.audio_loss_weight
                     * weighted_mean(self.element_error(audio, audio_target)))
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- sampling ----------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.minimax_h3.sampling import MiniMaxH3Sampling
+
+        return MiniMaxH3Sampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
@@ -341,7 +366,8 @@ class MiniMaxH3Spec(ModelSpec):
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs):
         """As the pipeline's denoiser step calls the transformer, one sample at a time (its
-        layout is the sample's own): one timestep, every row at index 0."""
+        layout is the sample's own), the video's and the audio's t as its two timesteps; the
+        output as the head's."""
         from dpipe.models.minimax_h3.layers import packed_layout
         from dpipe.models.sync_free import sizes
 
@@ -352,21 +378,23 @@ class MiniMaxH3Spec(ModelSpec):
         frames, height, width, audio_latents = sizes(layout)
         videos, audios = [], []
         for i, n in enumerate(sizes(text_lengths)):
-            positions, tags, v_rows, a_rows, t_rows = packed_layout(
+            positions, tags, v_rows, a_rows, t_rows, time_index, _ = packed_layout(
                 n, frames, height, width, audio_latents, self.patch)
             device = video.device
             sound = (audio[i:i + 1] if audio is not None
                      else video.new_zeros(1, 0, denoiser.config.audio_in_channels))
             v, a = denoiser(
                 hidden_states=video[i:i + 1], audio_hidden_states=sound,
-                encoder_hidden_states=text[i:i + 1, :n], timestep=t[i:i + 1],
-                timestep_indices=torch.zeros_like(tags).to(device), token_tags=tags.to(device),
+                encoder_hidden_states=text[i:i + 1, :n], timestep=t[i],
+                timestep_indices=time_index.to(device), token_tags=tags.to(device),
                 position_ids=positions.to(device), video_indices=v_rows.to(device),
                 audio_indices=a_rows.to(device), text_indices=t_rows.to(device),
                 return_dict=False)
             videos.append(v)
             audios.append(a)
-        return torch.cat(videos) if audio is None else (torch.cat(videos), torch.cat(audios))
+        if audio is None:
+            return torch.cat(videos)
+        return torch.cat([torch.cat(videos).flatten(1), torch.cat(audios).flatten(1)], dim=1)
 
     def _pipeline(self):
         from diffusers import MiniMaxH3ModularPipeline
