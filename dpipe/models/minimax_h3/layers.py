@@ -27,6 +27,7 @@ layout), on the host.
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import torch
@@ -102,7 +103,9 @@ class MiniMaxH3Block(PipelineLayer):
         super().__init__()
         self.patch = tuple(transformer.config.patch_size)
         self.adopt("block", transformer.transformer_blocks[index], f"transformer_blocks.{index}")
-        self.rope = transformer.rope  # no parameters: the inv_freq buffer, computed
+        # Its own copy of the rotary module (no parameters; a computed inv_freq buffer): a shared
+        # one would go to the meta device with the layers of other stages.
+        self.rope = copy.deepcopy(transformer.rope)
 
     def forward(self, inputs):
         hidden, temb, text_lengths, layout = inputs
