@@ -149,17 +149,25 @@ def test_lora_export_loads_into_diffusers_and_reproduces(folder, tmp_path):
                 p.data = torch.randn(p.shape, generator=g) * 0.3
                 state[name] = p.data.clone()
     assert any(".adaln_proj.linear.lora_A" in k for k in state)
+    from dpipe.models.minimax_h3.spec import COMFYUI_LORA
+
     assert [p.name for p in spec.export_lora(state, tmp_path)] == [
-        "pytorch_lora_weights.safetensors"]
+        "pytorch_lora_weights.safetensors", COMFYUI_LORA]
+    with safe_open(tmp_path / COMFYUI_LORA, "pt") as f:
+        assert "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight" in f.keys()
+        assert "diffusion_model.blocks.1.mlp.fc1.lora_B.weight" in f.keys()
     inputs, _ = _inputs(spec, folder, True, g)
     loaded = spec.load_denoiser_with_lora(tmp_path)
+    comfy = spec.load_denoiser_with_lora(tmp_path, COMFYUI_LORA)  # diffusers' converter reads it
     base = spec.load_denoiser(torch.float32)
     with torch.no_grad():
         x = inputs
         for layer in layers:
             x = layer(tuple(t.float() if t.is_floating_point() else t for t in x))
         ours, theirs = spec.denoiser_forward(loaded, inputs), spec.denoiser_forward(base, inputs)
+        from_comfy = spec.denoiser_forward(comfy, inputs)
     torch.testing.assert_close(x, ours, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(from_comfy, ours, rtol=1e-4, atol=1e-5)
     assert (ours - theirs).abs().max() > 1e-3
 
 
@@ -234,3 +242,43 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder):
     assert video.shape == (1, 8, 37, 4, 4) and audio.shape == (1, 2 * 207, 8)
     pixels = sampling.decode(sampling.load_vae(torch.device("cpu"), torch.float32), d.latents)
     assert pixels.shape == (3, 124, 64, 64) and -1 <= pixels.min() < pixels.max() <= 1
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_single_file_loads_as_diffusers_reads_it_and_exports_in_its_layout(folder, tmp_path,
+                                                                          prefix):
+    """A single file in the published layout: diffusers' own `from_single_file` and dpipe read
+    the same weights (so the key table is diffusers' reading of the release); a full fine-tune
+    is written back in the file's layout (its keys and prefix) beside the diffusers folder."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from safetensors.torch import load_file, save_file
+
+    from dpipe.models.minimax_h3.tiny import write_single_file
+
+    file = write_single_file(folder, tmp_path / "minimax_h3_t2va_tiny.safetensors", prefix)
+    keys = set(load_file(file))
+    assert prefix + "blocks.0.attn.qkv_proj.weight" in keys
+    assert prefix + "final_layer.video_out.weight" in keys
+    _, spec = _spec(folder, f"model.path={file}", f"model.single_file_config={folder}")
+    _, base = _spec(folder)
+    loaded = spec.load_denoiser(torch.float32).state_dict()
+    expected = base.load_denoiser(torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    if not prefix:  # diffusers reads the files ComfyUI's repo publishes, unprefixed
+        theirs = MiniMaxH3Transformer3DModel.from_single_file(
+            str(file), config=str(folder), subfolder="transformer",
+            torch_dtype=torch.float32).state_dict()
+        assert all(torch.equal(theirs[k], expected[k]) for k in expected)
+
+    trained = {k: v + 1 for k, v in expected.items()}
+    names = sorted(trained)
+    shards = [tmp_path / "stage-0.safetensors", tmp_path / "stage-1.safetensors"]
+    save_file({k: trained[k] for k in names[:30]}, shards[0])
+    save_file({k: trained[k] for k in names[30:]}, shards[1])
+    spec.export_full(shards, tmp_path / "model")
+    exported = spec.load_exported_full(tmp_path / "model").state_dict()
+    assert all(torch.equal(exported[k], trained[k]) for k in names)
+    written = load_file(tmp_path / "model" / file.name)
+    assert set(written) == keys
+    q, k, v = written[prefix + "blocks.1.attn.qkv_proj.weight"].chunk(3)
+    assert torch.equal(k, trained["transformer_blocks.1.attn.to_k.weight"].to(k.dtype))

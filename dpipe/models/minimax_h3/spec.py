@@ -33,11 +33,16 @@ from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+    DIFFUSERS_LORA, LoraFormat, lora_metadata, lora_scale, peft_to_diffusers,
+    save_diffusers_lora, write_lora_files)
+from dpipe.models.minimax_h3.comfyui import (
+    diffusers_state_dict, lora_to_comfyui, original_state_dict)
 from dpipe.models.minimax_h3.layers import AUDIO_CHANNELS, MiniMaxH3Block, minimax_h3_layers
 from dpipe.models.minimax_h3.processor import load_processor
 from dpipe.models.minimax_h3.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.minimax_h3.tiny import INDEX, REPO
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_transformer_file, split_path)
 from dpipe.models.spec import (
     AudioFormat, ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
     model_params)
@@ -48,6 +53,7 @@ REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tok
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the pipeline's, ImageNet's
 SAMPLE_RATE = 32000
+COMFYUI_LORA = "minimax_h3_lora_comfyui.safetensors"
 
 # Every Linear of the blocks: attention, the SwiGLU feed-forward and the AdaLN projection (the
 # published H3 LoRAs train all three). A peft regex over diffusers names.
@@ -79,6 +85,12 @@ class MiniMaxH3Spec(ModelSpec):
     family = "minimax_h3"
     trains_audio = True
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
+        # rest from the diffusers folder named by model.single_file_config.
+        self.path, self.single_file = split_path(cfg)
+
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
             from dpipe.models.minimax_h3.tiny import make_tiny_minimax_h3
@@ -91,6 +103,7 @@ class MiniMaxH3Spec(ModelSpec):
                 f"model.path={self.path} is a {name} folder, not MiniMax H3: a MiniMax H3 folder "
                 f"is a modular pipeline with {INDEX} (MiniMaxH3ModularPipeline), as {REPO}")
         check_folder(self.path, REQUIRED_PARTS, "MiniMax H3", REPO)
+        check_single_file(self.single_file)
         index = read_json(self.path / INDEX)
         if index.get("_class_name") != "MiniMaxH3ModularPipeline":
             raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
@@ -143,11 +156,27 @@ class MiniMaxH3Spec(ModelSpec):
                                text_encoder=text_encoder, vae=vae, audio_vae=audio_vae,
                                _execution_device=device)
 
+    @cached_property
+    def transformer_config(self) -> dict[str, Any]:
+        """What the original layout's key table needs of the transformer's config."""
+        keys = ("num_layers", "num_refiner_layers", "num_attention_heads", "attention_head_dim")
+        values = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel", *keys)
+        return dict(zip(keys, values))
+
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import MiniMaxH3Transformer3DModel
 
-        return load_or_fail(lambda: MiniMaxH3Transformer3DModel.from_pretrained(
-            self.path, subfolder="transformer", torch_dtype=dtype), self.path / "transformer")
+        if self.single_file is None:
+            return load_or_fail(lambda: MiniMaxH3Transformer3DModel.from_pretrained(
+                self.path, subfolder="transformer", torch_dtype=dtype), self.path / "transformer")
+        model = load_transformer_file(
+            MiniMaxH3Transformer3DModel, self.path / "transformer", self.single_file, dtype,
+            lambda state, m: diffusers_state_dict(state, m.config))
+        keep = model._keep_in_fp32_modules  # as from_pretrained keeps the release's fp32 parts
+        for name, module in model.named_modules():
+            if any(part in keep for part in name.split(".")):
+                torch.nn.Module.to(module, torch.float32)
+        return model
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
@@ -353,15 +382,24 @@ class MiniMaxH3Spec(ModelSpec):
 
         weights = peft_to_diffusers(state_dict)
         metadata = lora_metadata(self.cfg, self.lora_targets())
+        config = self.transformer_config
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(MiniMaxH3ModularPipeline, weights, metadata,
-                                                 out_dir), [])
+                                                 out_dir),
+            [LoraFormat(COMFYUI_LORA,
+                        lambda: lora_to_comfyui(weights, lora_scale(metadata), config),
+                        {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.train.export import write_sharded_diffusers_model
 
-        return write_sharded_diffusers_model(shards, out_dir / "transformer",
-                                             self.path / "transformer" / "config.json")
+        folder = write_sharded_diffusers_model(shards, out_dir / "transformer",
+                                               self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also as the source: its keys, prefix, order, dtypes
+            config = self.transformer_config
+            export_like_source(folder, self.single_file,
+                               lambda w: original_state_dict(w, config), out_dir)
+        return folder
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs):

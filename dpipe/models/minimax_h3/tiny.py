@@ -150,6 +150,22 @@ def _write(out: Path, seed: int) -> None:
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The tiny folder's transformer as the published single files hold it: the original names
+    (`comfyui.original_state_dict`), q, k, v stacked, the release's dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    from dpipe.models.minimax_h3.comfyui import original_state_dict
+
+    weights = {}
+    for shard in sorted((folder / "transformer").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    tensors = original_state_dict(weights, TRANSFORMER)
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, file,
+              metadata={"format": "pt"})
+    return file
+
+
 # Qwen3-VL's pixel conventions (patch 16, 2x2 merge, 2-frame temporal patches, mean = std = 0.5).
 _VISION = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
                image_std=[0.5, 0.5, 0.5])
