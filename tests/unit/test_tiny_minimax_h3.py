@@ -124,6 +124,9 @@ def test_layers_equal_the_diffusers_forward(folder, audio):
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
     loss = spec.loss(x, labels)
     assert loss.ndim == 0 and loss > 0
+    if audio:  # clips without their audio latents are refused, not trained as video only
+        with pytest.raises(DataError, match="model.audio=true.*no audio latents"):
+            _inputs(spec, folder, False, torch.Generator().manual_seed(0))
     if audio:  # the video rows attend to the audio rows: they change the video's prediction
         from dpipe.models.sync_free import carrier, sizes
 

@@ -319,6 +319,11 @@ class MiniMaxH3Spec(ModelSpec):
         text = batch.text["qwen"][:, :max(lengths)]
         # Audio rows: the dataset's with model.audio=true, and always in sampling (t2va).
         audio = getattr(batch, "audio_noisy", None)
+        if audio is None and self.cfg.audio and frames > 1:
+            raise DataError(
+                "model.audio=true, but this micro-batch of clips carries no audio latents: the "
+                "dataset gave none (images train without audio; clips need their audio track "
+                "decoded and cached by the dataset); set model.audio=false to train video only")
         audio_latents = 0 if audio is None else audio.shape[1] // AUDIO_CHANNELS
         layout = carrier(frames, height, width, audio_latents)
         media = (video,) if audio is None else (video, audio)
