@@ -285,3 +285,22 @@ def test_single_file_loads_as_diffusers_reads_it_and_exports_in_its_layout(folde
     assert set(written) == keys
     q, k, v = written[prefix + "blocks.1.attn.qkv_proj.weight"].chunk(3)
     assert torch.equal(k, trained["transformer_blocks.1.attn.to_k.weight"].to(k.dtype))
+
+
+def test_the_released_size_builds_for_the_benchmark():
+    """dpipe-bench --size 33b: the published config builds (meta device) with MiniMax H3's 33B
+    parameters, and its random sample packs into rows as the pipeline would."""
+    from dpipe.bench.worker import fixed_micro_batches
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+    from dpipe.models.spec import model_params
+
+    run = compose_run(["model=minimax_h3", "model.path=/unused", "dataset=synthetic"])
+    spec = build_spec(run.model).for_benchmark("33b")
+    denoiser = spec.random_denoiser("33b", torch.float32, torch.device("meta"))
+    assert 32.5e9 < model_params(denoiser) < 33.5e9
+    (inputs, _), = fixed_micro_batches(spec, "33b", 1, 1, seed=0)
+    video, t, text = inputs[:3]
+    assert video.shape == (1, 7 * 16 * 28, 24 * 4) and t.shape == (1, 2)
+    assert text.shape == (1, 120, 5120)  # cut to the prompt
+    assert spec.train_flops(denoiser, inputs, full=False) > 0
