@@ -203,6 +203,8 @@ def test_encoders_follow_the_pipeline(folder):
     wave = torch.rand(1, 2, 2400, generator=g) * 2 - 1
     rows = spec.encode_audio(enc, wave)
     assert rows.shape == (1, 6, 8)
+    # 56 frames at 24 fps: 74667 samples, 94 hops padded, the pipeline's round(56 / 24 * 40) = 93
+    assert spec.encode_audio(enc, torch.zeros(1, 2, 74667)).shape == (1, 2 * 93, 8)
     left = spec.encode_audio(enc, wave[:, :1].repeat(1, 2, 1))
     torch.testing.assert_close(rows[:, :3], left[:, :3])  # the left channel's latents first
 

@@ -273,6 +273,8 @@ class MiniMaxH3Spec(ModelSpec):
             raise DataError(f"MiniMax H3 trains on stereo audio; got {channels} channel(s)")
         mono = waveforms.reshape(b * channels, 1, samples).to(vae.device, vae.dtype)
         latents = vae.encode(mono).latent_dist.mode().float()  # (B * 2, C, n)
+        # The VAE pads to a whole hop; the pipeline gives a clip round(seconds * 40) latents.
+        latents = latents[..., :max(1, round(samples / vae.hop_length))]
         mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1)
         std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1)
         latents = (latents - mean) / std
