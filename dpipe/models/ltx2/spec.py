@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.errors import ConfigError
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.errors import ConfigError, DataError
 from dpipe.models.diffusers_folder import check_folder, load_encoders
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.ltx2.av_layers import ltx2_av_layers
 from dpipe.models.ltx2.layers import ltx2_layers
 from dpipe.models.ltx2.original import (
     diffusers_names, from_original, original_module, original_state_dict)
@@ -44,6 +46,23 @@ FRAME_RATE = 24.0
 # audio stream and the audio<->video attention are not trained.
 LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn1\.to_q|attn1\.to_k|attn1\.to_v|attn1\.to_out\.0"
                 r"|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)")
+# With model.audio: the audio stream's Linears (self-attention, text cross-attention, MLP) and
+# both cross-modal attentions' (audio-to-video: video queries; video-to-audio: audio queries).
+AUDIO_LORA_TARGETS = (r"|transformer_blocks\.\d+\.(?:(?:audio_attn1|audio_attn2|audio_to_video_attn"
+                      r"|video_to_audio_attn)\.(?:to_q|to_k|to_v|to_out\.0)"
+                      r"|audio_ff\.net\.0\.proj|audio_ff\.net\.2)")
+# The cached prompt tokens of the audio stream (model.audio=true), next to "video_text".
+AUDIO_TEXT_KEY = "audio_text"
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, L, M) audio latents -> (B, L, C * M) tokens, as LTX2Pipeline._pack_audio_latents."""
+    return latents.transpose(1, 2).flatten(2, 3)
+
+
+def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
+    """The inverse of `pack_audio`, as LTX2Pipeline._unpack_audio_latents."""
+    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)
 
 
 class LTX2Spec(LTXVideoSpec):
@@ -52,6 +71,7 @@ class LTX2Spec(LTXVideoSpec):
     transformer_class = "LTX2VideoTransformer3DModel"
     comfyui_lora = COMFYUI_LORA
     text_key = "video_text"
+    trains_audio = True  # model.audio=true: both streams (av_layers.py)
     single_file_convert = staticmethod(from_original)
     single_file_names = staticmethod(original_state_dict)
     # ComfyUI's LTX-2 model holds the original names (patchify_proj, adaln_single, ...)
@@ -104,15 +124,52 @@ class LTX2Spec(LTXVideoSpec):
         embeds, mask, _, _ = encoders.encode_prompt(
             prompts, do_classifier_free_guidance=False, device=encoders.vae.device,
             max_sequence_length=self.cfg.max_text_tokens)
-        video, _audio, mask = encoders.connectors(
+        video, audio, mask = encoders.connectors(
             embeds, mask, padding_side=getattr(encoders.tokenizer, "padding_side", "left"))
-        return {"video_text": video, "mask": mask.long()}
+        text = {"video_text": video, "mask": mask.long()}
+        if self.cfg.audio:  # the audio stream's prompt tokens (one mask for both)
+            text[AUDIO_TEXT_KEY] = audio
+        return text
 
     def lora_targets(self) -> str:
-        return LORA_TARGETS
+        return LORA_TARGETS + AUDIO_LORA_TARGETS if self.cfg.audio else LORA_TARGETS
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ltx2_layers(denoiser)
+        return ltx2_av_layers(denoiser) if self.cfg.audio else ltx2_layers(denoiser)
+
+    def make_inputs(self, batch):
+        """With model.audio: the video's inputs and labels, then the packed noisy audio latents
+        (B, L, C * M) and the audio prompt tokens as inputs, the packed audio target as the
+        last label; a micro-batch without sound has zero audio tokens (av_layers.py)."""
+        inputs, labels = super().make_inputs(batch)
+        if not self.cfg.audio:
+            return inputs, labels
+        if AUDIO_TEXT_KEY not in batch.text:
+            raise DataError(f"model.audio=true: the cached prompts lack the audio stream's "
+                            f"tokens ('{AUDIO_TEXT_KEY}'); they were encoded with "
+                            "model.audio=false: re-run the cache with model.audio=true")
+        audio_text = batch.text[AUDIO_TEXT_KEY][:, :inputs[2].shape[1]]  # trimmed as the video's
+        b = batch.latents.shape[0]
+        if getattr(batch, "audio_noisy", None) is None:
+            c = self._transformer_config()
+            audio = audio_text.new_zeros(b, 0, c["audio_in_channels"])
+            target = audio_text.new_zeros(b, 0, c.get("audio_out_channels")
+                                          or c["audio_in_channels"])
+        else:
+            audio, target = pack_audio(batch.audio_noisy), pack_audio(batch.audio_target)
+        return (*inputs, audio, audio_text), (*labels, target)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        """Video flow-matching loss (its weights as with model.audio=false), plus
+        model.audio_loss_weight x the audio one (the plain mean over the audio latents; 0 for
+        a micro-batch without sound)."""
+        if not self.cfg.audio:
+            return super().loss(outputs, labels)
+        (video, audio), target = outputs, labels[-1]
+        loss = super().loss(video, labels[:-1])
+        if target.numel() == 0:
+            return loss + 0.0 * audio.sum()  # the audio head stays in the graph
+        return loss + self.cfg.audio_loss_weight * weighted_mean(self.element_error(audio, target))
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """The pipeline layers hold the video path and whole blocks, not the transformer's
@@ -162,11 +219,26 @@ class LTX2Spec(LTXVideoSpec):
         renamed = diffusers_names(stored)
         return [(self.single_file, {k: v for k, v in renamed.items() if k in own})]
 
-    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        packed, t, text, text_mask, grid, rate = inputs
+    def denoiser_forward(self, denoiser: nn.Module, inputs):
+        """The transformer's forward on `make_inputs`' tuple: the video stream with isolated
+        modalities (model.audio=false); with model.audio, (video, audio) predictions of the
+        joint computation as LTX2Pipeline runs it (`isolate_modalities=False`), or of the video
+        path alone and an empty audio one for a micro-batch without sound (av_layers.py)."""
+        packed, t, text, text_mask, grid, rate, *sound = inputs
         f, h, w = sizes(grid)
         b = packed.shape[0]
         cfg = denoiser.config
+        timestep = (t * 1000).flatten()  # (B, 1): one t per sample
+        text_mask = text_mask if has_padding(text_mask) else None  # cut with none left
+        if sound and sound[0].shape[1] > 0:
+            audio, audio_text = sound
+            return tuple(denoiser(
+                hidden_states=packed, audio_hidden_states=audio, encoder_hidden_states=text,
+                audio_encoder_hidden_states=audio_text, timestep=timestep, sigma=timestep,
+                encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
+                num_frames=f, height=h, width=w, fps=frame_rate(rate, 3),
+                audio_num_frames=audio.shape[1], isolate_modalities=False,
+                use_cross_timestep=True, return_dict=False))
         # A one-token stand-in for the audio stream: with isolated modalities the video output
         # does not depend on it.
         audio = packed.new_zeros(b, 1, cfg.audio_in_channels)
@@ -175,14 +247,16 @@ class LTX2Spec(LTXVideoSpec):
         audio_width = (cfg.caption_channels if cfg.use_prompt_embeddings
                        else cfg.audio_cross_attention_dim)
         audio_text = text.new_zeros(b, text.shape[1], audio_width)
-        timestep = (t * 1000).flatten()  # (B, 1): one t per sample
-        text_mask = text_mask if has_padding(text_mask) else None  # cut with none left
-        return denoiser(
+        video = denoiser(
             hidden_states=packed, audio_hidden_states=audio, encoder_hidden_states=text,
             audio_encoder_hidden_states=audio_text, timestep=timestep, sigma=timestep,
             encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
             num_frames=f, height=h, width=w, fps=frame_rate(rate, 3), audio_num_frames=1,
             isolate_modalities=True, return_dict=False)[0]
+        if not sound:
+            return video
+        out = cfg.audio_out_channels or cfg.audio_in_channels
+        return video, packed.new_zeros(b, 0, out)
 
     def sampling(self):
         from dpipe.models.ltx2.sampling import LTX2Sampling

@@ -33,6 +33,10 @@ COMFYUI_LORA = "ltx23_lora_comfyui.safetensors"
 LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn1\.to_q|attn1\.to_k|attn1\.to_v|attn1\.to_out\.0"
                 r"|attn1\.to_gate_logits|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.to_out\.0"
                 r"|attn2\.to_gate_logits|ff\.net\.0\.proj|ff\.net\.2)")
+# With model.audio: LTX-2's audio-path Linears and the gates of those attentions.
+AUDIO_LORA_TARGETS = (r"|transformer_blocks\.\d+\.(?:(?:audio_attn1|audio_attn2|audio_to_video_attn"
+                      r"|video_to_audio_attn)\.(?:to_q|to_k|to_v|to_out\.0|to_gate_logits)"
+                      r"|audio_ff\.net\.0\.proj|audio_ff\.net\.2)")
 
 
 class LTX23Spec(LTX2Spec):
@@ -47,7 +51,7 @@ class LTX23Spec(LTX2Spec):
         return make_tiny_ltx23(path)
 
     def lora_targets(self) -> str:
-        return LORA_TARGETS
+        return LORA_TARGETS + AUDIO_LORA_TARGETS if self.cfg.audio else LORA_TARGETS
 
     # ---- the configs: the folder's, or a benchmark size's -----------------------------------
     _bench_size: str | None = None
