@@ -185,3 +185,58 @@ def test_exported_lora_reproduces_both_outputs(spec, encoders, tmp_path):
                                            inputs)
             for got, want in zip(loaded, expected):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sound", [True, False])
+def test_two_stages_give_the_one_stage_gradients(spec, encoders, sound):
+    """Stages as DeepSpeed's engine runs them: the second receives the first's tensors as leaves,
+    and every float it received needs a gradient to send back (the head alone on the last stage
+    reads few of them); the first runs its backward from those gradients. The LoRA gradients
+    equal the 1-stage ones, with sound and without."""
+    inputs, labels = audio_batch(spec, encoders, sound=sound)
+    denoiser = lora_denoiser(spec)
+    layers = spec.pipeline_layers(denoiser)
+
+    def lora_grads():
+        out = {n: p.grad.clone() for n, p in denoiser.named_parameters()
+               if "lora_" in n and p.grad is not None}
+        denoiser.zero_grad(set_to_none=True)
+        return out
+
+    spec.loss(run(layers, inputs), labels).backward()
+    whole = lora_grads()
+    for cut in (3, len(layers) - 1):
+        sent = run(layers[:cut], inputs)
+        received = tuple(x.detach().requires_grad_() if x.is_floating_point() else x
+                         for x in sent)
+        spec.loss(run(layers[cut:], received), labels).backward()
+        floats = [(s, r) for s, r in zip(sent, received) if r.is_floating_point()]
+        assert all(r.grad is not None for _, r in floats), "a received float has no gradient"
+        torch.autograd.backward([s for s, _ in floats], [r.grad for _, r in floats])
+        split = lora_grads()
+        assert split.keys() == whole.keys() and any("audio" in n for n in whole) == sound
+        for name in whole:
+            torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-7)
+
+
+def test_full_export_of_both_streams_loads(spec, tmp_path):
+    from diffusers import LTX2VideoTransformer3DModel
+    from safetensors.torch import save_file
+
+    denoiser = spec.load_denoiser(torch.float32)
+    with torch.no_grad():  # trained weights of both streams' embedders and heads
+        for module in (denoiser.audio_proj_in, denoiser.audio_proj_out, denoiser.proj_in):
+            module.weight.add_(1.0)
+    layers = spec.pipeline_layers(denoiser)
+    shards = []
+    for i, part in enumerate((layers[:3], layers[3:])):
+        state = {}
+        for layer in part:
+            state.update(layer.denoiser_state_dict(trainable_only=False))
+        shards.append(tmp_path / f"stage-{i}.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
+    loaded = LTX2VideoTransformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "o"))
+    want = denoiser.state_dict()
+    assert loaded.state_dict().keys() == want.keys()
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, want[k], msg=k)
