@@ -240,3 +240,19 @@ def test_full_export_of_both_streams_loads(spec, tmp_path):
     assert loaded.state_dict().keys() == want.keys()
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, want[k], msg=k)
+
+
+def test_layer_costs_and_flops_count_the_audio_stream(spec, encoders):
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    costs = spec.layer_costs(layers)
+    blocks = [c for layer, c in zip(layers, costs) if isinstance(layer, LTX2AVBlock)]
+    assert len(blocks) == 4 and len(set(blocks)) == 1  # every block runs both streams
+    if spec.family != "ltx23":  # the FLOP model is LTX-2.3's (dpipe-bench)
+        return
+    with_sound, _ = audio_batch(spec, encoders)
+    silent, _ = audio_batch(spec, encoders, sound=False)
+    video_only = make_spec(spec.path, spec.family)
+    flops = [s.train_flops(denoiser, x, full=False)
+             for s, x in ((spec, with_sound), (spec, silent), (video_only, silent[:6]))]
+    assert flops[0] > flops[1] and flops[1] == flops[2]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dpipe.models.adapters import is_adapter_param
+from dpipe.models.ltx2.av_layers import LTX2AVBlock
 from dpipe.models.ltx2.layers import LTX2VideoBlock
 from dpipe.models.ltx2.spec import LTX2Spec
 from dpipe.models.ltx23.sizes import SAMPLE_SHAPES, SIZES, VAES
@@ -71,8 +72,9 @@ class LTX23Spec(LTX2Spec):
         """Equal blocks, light embedder and head. By parameters the embedder (time_embed's
         9-row and prompt_adaln's modulation, ~200M at 22B) would weigh half a block, and every
         block carries its audio half, which video-only training never runs; the embedder and
-        head run a few Linears on one timestep token or memory-bound per-token ones."""
-        return block_costs(layers, (LTX2VideoBlock,))
+        head run a few Linears on one timestep token or memory-bound per-token ones. With
+        model.audio every block runs both streams: the blocks stay equal."""
+        return block_costs(layers, (LTX2VideoBlock, LTX2AVBlock))
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
@@ -99,31 +101,60 @@ class LTX23Spec(LTX2Spec):
                                                 "mask": torch.ones(tokens, dtype=torch.long)}
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
-        """The video stream's: its weights x the tokens each sees (the text keys and values of
-        the cross-attention see the prompt tokens, the embedders one timestep), self-attention
-        over the video and cross-attention to the prompt; the audio stream is not run."""
+        """The streams that run: their weights x the tokens each sees (the text keys and values
+        of the cross-attentions see the prompt tokens, the embedders one timestep), and the
+        attentions. Video only (model.audio=false, or a micro-batch without sound): self-
+        attention over the video and cross-attention to the prompt. With sound, the audio
+        stream's too, and the audio-to-video and video-to-audio attentions (at the audio
+        stream's width)."""
         packed, _t, text = inputs[:3]
         b, video = packed.shape[:2]
-        weights = sum(p.numel() * _tokens_of(name, video, text.shape[1])
+        audio = inputs[6].shape[1] if len(inputs) > 6 else 0
+        tokens = {"video": video, "text": text.shape[1], "audio": audio}
+        weights = sum(p.numel() * _tokens_of(name, tokens)
                       for name, p in denoiser.named_parameters() if not is_adapter_param(name))
         c = denoiser.config
         width = c.num_attention_heads * c.attention_head_dim
-        attention = c.num_layers * (attention_train_flops(video, width)
-                                    + attention_train_flops(video, width, text.shape[1]))
-        return b * ((6 if full else 4) * weights + attention)
+        per_block = (attention_train_flops(video, width)
+                     + attention_train_flops(video, width, text.shape[1]))
+        if audio:
+            audio_width = c.audio_num_attention_heads * c.audio_attention_head_dim
+            per_block += (attention_train_flops(audio, audio_width)
+                          + attention_train_flops(audio, audio_width, text.shape[1])
+                          + attention_train_flops(video, audio_width, audio)
+                          + attention_train_flops(audio, audio_width, video))
+        return b * ((6 if full else 4) * weights + c.num_layers * per_block)
 
 
-def _tokens_of(name: str, video: int, text: int) -> int:
-    """How many tokens the weight `name` of the transformer processes per sample in video-only
-    training: 0 for the audio stream's and the audio<->video attention's."""
+# Which stream's tokens each attention reads: (queries and output, keys and values).
+_ATTENTION_TOKENS = {"attn1": ("video", "video"), "attn2": ("video", "text"),
+                     "audio_attn1": ("audio", "audio"), "audio_attn2": ("audio", "text"),
+                     "audio_to_video_attn": ("video", "audio"),
+                     "video_to_audio_attn": ("audio", "video")}
+
+
+def _tokens_of(name: str, tokens: dict[str, int]) -> int:
+    """How many tokens the weight `name` of the transformer processes per sample, given the
+    micro-batch's {"video", "text", "audio"} token counts (audio 0: the audio stream and the
+    cross-modal attentions do not run)."""
     parts = name.split(".")
+    audio = tokens["audio"]
     if parts[0] in ("proj_in", "proj_out"):
-        return video
+        return tokens["video"]
+    if parts[0] in ("audio_proj_in", "audio_proj_out", "audio_caption_projection"):
+        return audio if parts[0] != "audio_caption_projection" else (tokens["text"] if audio else 0)
+    if parts[0] == "caption_projection":
+        return tokens["text"]
     if parts[0] in ("time_embed", "prompt_adaln"):
         return 1
+    if parts[0] in ("audio_time_embed", "audio_prompt_adaln") or parts[0].startswith("av_cross"):
+        return 1 if audio else 0
     if parts[0] != "transformer_blocks":
         return 0
     module = parts[2]
-    if module == "attn2" and parts[3] in ("to_k", "to_v", "norm_k"):
-        return text
-    return video if module in ("attn1", "attn2", "ff") else 0
+    if audio == 0 and module.startswith(("audio_", "video_to_audio")):
+        return 0  # the audio stream's and the cross-modal attentions' weights
+    if module in _ATTENTION_TOKENS:
+        queries, keys = _ATTENTION_TOKENS[module]
+        return tokens[keys if parts[3] in ("to_k", "to_v", "norm_k") else queries]
+    return {"ff": tokens["video"], "audio_ff": audio}.get(module, 0)
