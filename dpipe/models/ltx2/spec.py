@@ -21,8 +21,9 @@ from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError
-from dpipe.models.diffusers_folder import check_folder, load_encoders
+from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.ltx2.audio import N_FFT, encode_audio
 from dpipe.models.ltx2.av_layers import ltx2_av_layers
 from dpipe.models.ltx2.layers import ltx2_layers
 from dpipe.models.ltx2.original import (
@@ -32,7 +33,7 @@ from dpipe.models.attention_mask import has_padding
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import AudioFormat, PipelineLayer
 from dpipe.models.sync_free import sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -41,6 +42,8 @@ COMFYUI_LORA = "ltx2_lora_comfyui.safetensors"
 # LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on: for
 # images and batches made without a dataset (a clip trains at its own rate, `DataBatch.fps`).
 FRAME_RATE = 24.0
+# Part of the audio latents' cache keys: bump when dpipe.models.ltx2.audio changes its output.
+AUDIO_ENCODING_VERSION = 1
 
 # The Linears of the video path of every block (self-attention, text cross-attention, MLP); the
 # audio stream and the audio<->video attention are not trained.
@@ -106,13 +109,30 @@ class LTX2Spec(LTXVideoSpec):
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from diffusers import LTX2Pipeline
 
+        # The audio VAE encodes the clips' sound with model.audio=true; the vocoder only plays.
+        sound = {} if self.cfg.audio else {"audio_vae": None}
         return load_encoders(LTX2Pipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "connectors"),
-                             audio_vae=None, vocoder=None)
+                             frozen=("vae", "text_encoder", "connectors")
+                             + (("audio_vae",) if self.cfg.audio else ()),
+                             vocoder=None, **sound)
+
+    def audio_format(self) -> AudioFormat | None:
+        """Stereo or mono as the audio VAE takes it (its in_channels), at its sample rate."""
+        if not self.cfg.audio:
+            return None
+        config = read_json(self.path / "audio_vae" / "config.json")
+        return AudioFormat(int(config["sample_rate"]), int(config["in_channels"]))
+
+    def encode_audio(self, encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
+        return encode_audio(encoders, waveforms)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
             return super().encoder_fingerprint(kind)
+        if kind == "audio":  # the audio VAE's weights (latents_mean/std among them), its config
+            return {"family": self.family, "encoding": AUDIO_ENCODING_VERSION,
+                    "audio_vae": folder_fingerprint(self.path / "audio_vae"), "latent": "mode",
+                    "n_fft": N_FFT}
         return {"family": self.family, "encoding": ENCODING_VERSION,
                 "gemma": folder_fingerprint(self.path / "text_encoder"),
                 "connectors": folder_fingerprint(self.path / "connectors"),
