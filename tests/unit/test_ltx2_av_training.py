@@ -152,15 +152,19 @@ def test_audio_false_keeps_the_video_only_layers(spec):
     assert "audio" not in video_only.lora_targets()
 
 
-def test_a_cache_without_audio_prompts_is_refused(spec, encoders):
+def test_prompts_without_audio_tokens_are_refused(spec, encoders):
     inputs, _ = audio_batch(spec, encoders)
     text = {k: v for k, v in spec.encode_prompts(encoders, CAPTIONS).items()
             if k != AUDIO_TEXT_KEY}
     latents = torch.zeros(2, 8, 2, 8, 8)
     batch = DataBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.5, 0.5]),
                       noisy=latents, target=latents, text=text)
-    with pytest.raises(DataError, match="re-run the cache with model.audio=true"):
+    with pytest.raises(DataError, match="encode them with model.audio=true"):
         spec.make_inputs(batch)
+    # Cached prompts of the two settings differ in their entries' keys.
+    video_only = make_spec(spec.path, spec.family)
+    assert spec.encoder_fingerprint("text") != video_only.encoder_fingerprint("text")
+    assert "audio_prompts" not in video_only.encoder_fingerprint("text")  # old caches stay valid
 
 
 def test_audio_packing_is_the_pipelines():

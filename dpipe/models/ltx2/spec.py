@@ -137,7 +137,10 @@ class LTX2Spec(LTXVideoSpec):
                 "gemma": folder_fingerprint(self.path / "text_encoder"),
                 "connectors": folder_fingerprint(self.path / "connectors"),
                 "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
+                "max_text_tokens": self.cfg.max_text_tokens,
+                # model.audio=true caches the audio prompt tokens too (`encode_prompts`): other
+                # entries; those of model.audio=false keep their keys.
+                **({"audio_prompts": True} if self.cfg.audio else {})}
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -165,9 +168,11 @@ class LTX2Spec(LTXVideoSpec):
         if not self.cfg.audio:
             return inputs, labels
         if AUDIO_TEXT_KEY not in batch.text:
-            raise DataError(f"model.audio=true: the cached prompts lack the audio stream's "
-                            f"tokens ('{AUDIO_TEXT_KEY}'); they were encoded with "
-                            "model.audio=false: re-run the cache with model.audio=true")
+            # Not from the cache (model.audio is in the text entries' key): prompts encoded
+            # by hand or by another spec.
+            raise DataError(f"model.audio=true: the prompts lack the audio stream's tokens "
+                            f"('{AUDIO_TEXT_KEY}'); they were encoded with model.audio=false: "
+                            "encode them with model.audio=true")
         audio_text = batch.text[AUDIO_TEXT_KEY][:, :inputs[2].shape[1]]  # trimmed as the video's
         b = batch.latents.shape[0]
         if getattr(batch, "audio_noisy", None) is None:
