@@ -5,7 +5,8 @@ users load it.
 One run checks: micro-batches with sound and without train in it (their tuples keep one layout
 across stages); its first loss equals the 1-stage loss of the same micro-batches (video +
 audio loss); the exported LoRA reproduces the trained layers on both outputs of a clip with
-sound, and differs from the base model on both.
+sound, and differs from the base model on both; its end-of-run sample through the 2 stages (video
+only, without sound) equals LTX2Pipeline's with isolated modalities on the exported LoRA.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def run_dir(tmp_path_factory) -> Path:
                   "dataset=folder", f"dataset.path={folder}", "dataset.resolutions=[64]",
                   "dataset.frame_buckets=[1,9]", "pipeline.stages=2", "pipeline.micro_batches=2",
                   "optim.lr=1e-3", "train.checkpoint_every_steps=0", "train.max_steps=2",
-                  "train.progress_bar=false")
+                  "train.progress_bar=false", "sample.save_latents=true",
+                  "sample.prompts=[{prompt: a grey fade with a tone, frames: 9}]",
+                  "sample.steps=2")
     return sweep.run_dir("model=tiny_ltx2")
 
 
@@ -81,3 +84,11 @@ def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
     for stream, (g, w, b) in enumerate(zip(got, want, base)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=f"output {stream}")
         assert (g - b).abs().max() > 1e-5, f"training left output {stream} unchanged"
+
+
+def test_samples_are_the_video_only_pipelines(run_dir):
+    from tests.integration.sampled import diffusers_latents, saved_latents
+
+    expected, = diffusers_latents(run_dir, run_dir / "lora")
+    torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", 0), expected,
+                               rtol=1e-4, atol=1e-5)

@@ -1,4 +1,4 @@
-"""LTX-2.3 (22B audio-video), video only: LTX-2's family (`dpipe.models.ltx2`) on the LTX-2.3
+"""LTX-2.3 (22B audio-video): LTX-2's family (`dpipe.models.ltx2`) on the LTX-2.3
 release, whose diffusers classes are LTX-2's with 2.3's switches on (see tiny.py): gated
 attention, the text cross-attention modulated by the timestep (`prompt_adaln`, 9 modulation rows
 per block), prompt tokens projected per stream by the connectors (no caption_projection), a
@@ -6,10 +6,12 @@ larger VAE decoder and a vocoder with bandwidth extension.
 
 Loads the diffusers folder of the release (diffusers/LTX-2.3-Diffusers), or the transformer from
 Lightricks' single file (ltx-2.3-22b-dev.safetensors) with that folder as
-model.single_file_config. Training, sampling and exports are LTX-2's (video stream only: each
-block's video path with isolated modalities); what 2.3 adds is trained too: the LoRA covers the
-video attentions' gates (`attn1.to_gate_logits`, `attn2.to_gate_logits`) next to LTX-2's
-Linears, and a full fine-tune updates `prompt_adaln` and the blocks' prompt modulation tables.
+model.single_file_config. Training, sampling and exports are LTX-2's (model.audio=false: the
+video stream only, each block's video path with isolated modalities; model.audio=true: both
+streams and their cross-modal attentions); what 2.3 adds is trained too: the LoRA covers the
+attentions' gates (`attn1.to_gate_logits`, `attn2.to_gate_logits`, and with model.audio the
+audio and cross-modal attentions' ones) next to LTX-2's Linears, and a full fine-tune updates
+`prompt_adaln` (and `audio_prompt_adaln`) and the blocks' prompt modulation tables.
 """
 
 from __future__ import annotations
