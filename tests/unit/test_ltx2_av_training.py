@@ -25,7 +25,8 @@ from dpipe.models.ltx23.tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from dpipe.models.registry import build_spec
 from dpipe.models.tiny_parts import seeded
-from tests.unit.video_checks import CAPTIONS, lora_denoiser, lora_state_dict, run
+from tests.unit.video_checks import (
+    CAPTIONS, assert_checkpointing_matches, lora_denoiser, lora_state_dict, run)
 
 AUDIO_CHANNELS, MEL_BINS = 2, 2  # the tiny audio VAE's latents: 4 features per audio token
 
@@ -118,6 +119,11 @@ def test_gradients_reach_the_audio_lora_and_the_loss_weighs_audio(spec, encoders
         video_loss = ((outputs[0] - labels[0]) ** 2).mean()
         audio_loss = ((outputs[1] - labels[-1]) ** 2).mean()
     torch.testing.assert_close(loss.detach(), video_loss + spec.cfg.audio_loss_weight * audio_loss)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):
+    inputs, labels = audio_batch(spec, encoders)
+    assert_checkpointing_matches(spec, lora_denoiser(spec), inputs, labels)
 
 
 def test_a_micro_batch_without_sound(spec, encoders):
