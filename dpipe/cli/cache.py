@@ -101,14 +101,15 @@ def _build_rank(rank: int, world: int, port: int | None, run) -> None:
                       Layout.of(run, max(1, world // run.pipeline.stages)), make_plan=False)
     if rank == 0:
         s = dataset.stats
-        made = s["latents"] + s["masks"] + s["texts"]
+        made = s["latents"] + s["masks"] + s["texts"] + s["audio"]
         # Two different reads: the file index opens new or changed files for their size (none on
         # a rerun), and each latent or mask made decodes one file; "0 read" after encoding new
         # images would look like nothing happened.
-        log.info("cache ready in %.1f s: %d entries, %d made now (%d latents, %d masks, %d texts); "
-                 "%d file(s) decoded to encode, %d new or changed file(s) indexed, %d unreadable",
-                 time.perf_counter() - start, s["entries"], made, s["latents"], s["masks"],
-                 s["texts"], s["latents"] + s["masks"], s["files_read"], s["failed"])
+        log.info("cache ready in %.1f s: %d entries, %d made now (%d latents, %d masks, %d texts, "
+                 "%d audio); %d file(s) decoded to encode, %d new or changed file(s) indexed, %d "
+                 "unreadable", time.perf_counter() - start, s["entries"], made, s["latents"],
+                 s["masks"], s["texts"], s["audio"], s["latents"] + s["masks"] + s["audio"],
+                 s["files_read"], s["failed"])
     if world > 1:
         dist.destroy_process_group()
 

@@ -94,6 +94,15 @@ class MissingCaption(str, Enum):
     error = "error"  # refuse to start, listing the files
 
 
+class AudioMissing(str, Enum):
+    """Clips without sound (no audio track, no same-stem .wav/.flac) when the model trains on
+    audio (model.audio=true)."""
+
+    error = "error"  # refuse to start, listing the clips
+    silence = "silence"  # train them on silence (listed in the dataset report)
+    skip = "skip"  # leave them out (listed in the dataset report)
+
+
 class ClipSelection(str, Enum):
     beginning = "beginning"  # one clip from the first frame
     middle = "middle"  # one clip centred in the video
@@ -254,6 +263,8 @@ class DataSettings:
     clip_selection: ClipSelection = ClipSelection.beginning
     clips_per_video: int = 3  # with clip_selection=multiple
     video_fps: Optional[float] = None  # resample videos to this frame rate; null keeps theirs
+    # With model.audio=true: what a clip with no audio track and no same-stem .wav/.flac gets.
+    audio_missing: AudioMissing = AudioMissing.error
     num_repeats: int = 1  # each file counts this many times per epoch
     # A JSON ({"cat.jpg": "a cat"} or {"cat.jpg": ["a cat", "a tabby"]}) or JSONL file
     # ({"file": "cat.jpg", "caption": ...} per line) of captions, relative to the directory.

@@ -100,6 +100,23 @@ class CachedDataset:
             control = torch.stack([self.get(s.control, s)["latents"] for s in samples])
         return latents, text, weight, control
 
+    def audio(self, samples: list[Sample]) -> torch.Tensor | None:
+        """The clips' audio latents, stacked; None where no sample has sound (images, or a
+        model that trains on none). A micro-batch holds one bucket, whose clips have sound of
+        one length (prepare checks it): a mix is a bug, not bad input."""
+        if not any(s.audio for s in samples):
+            return None
+        if not all(s.audio for s in samples):
+            silent = [s.source for s in samples if not s.audio]
+            raise DataError(f"a batch mixes clips with and without sound ({silent[0]}): its "
+                            "samples must all come from clips of more than one frame")
+        audio = [self.get(s.audio, s)["audio"] for s in samples]
+        if len({a.shape for a in audio}) > 1:
+            raise DataError("a batch's clips have audio latents of different lengths ("
+                            + ", ".join(f"{s.source}: {tuple(a.shape)}"
+                                        for s, a in zip(samples, audio)) + ")")
+        return torch.stack(audio)
+
     def _weight(self, sample: Sample, latent_shape: torch.Size) -> torch.Tensor:
         h, w = latent_shape[-2:]
         lead = (1,) * (len(latent_shape) - 2)  # (1,) for (C, h, w); (1, 1) for (C, F, h, w)
@@ -211,7 +228,8 @@ def step_micro_batches(
         dataset.write_log(step, micro, dp_rank, batch, latents, records)
         weight = weigh_samples(mask_weight, directory_weights(batch.samples), latents)
         noised = noised_batch(spec, latents, text, timesteps_cfg, seed, step, batch.slots,
-                              weight, control, conditions=sample_conditions(batch.samples))
+                              weight, control, conditions=sample_conditions(batch.samples),
+                              audio=dataset.audio(batch.samples))
         inputs, labels = spec.make_inputs(noised)
         if noised.loss_weight is not None and len(labels) < 2:  # never ignore weights silently
             used = [name for name, on in (

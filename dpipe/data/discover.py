@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from dpipe.config.schema import DataSettings, DatasetConfig, MissingCaption
+from dpipe.config.schema import AudioMissing, DataSettings, DatasetConfig, MissingCaption
+from dpipe.data.audio import AudioSource
 from dpipe.data.buckets import (
     Shape, aspect_ratios, bucket_sizes, clip_starts, frame_bucket, nearest_size)
 from dpipe.data.captions import caption_variants, load_captions_file, match_captions
@@ -45,6 +46,7 @@ class Item:
     directory: int
     mask: tuple[str, str] | None = None  # (path, sha256)
     control: tuple[str, str] | None = None
+    audio: AudioSource | None = None  # clips, when the model trains on sound
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Discovery:
     directories: list[Directory]
     items: list[Item] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (file, why)
+    silent: list[tuple[str, str]] = field(default_factory=list)  # clips trained on silence
     reads: int = 0  # files read this time (0 when every file is known to the index)
     files: int = 0
 
@@ -84,7 +87,9 @@ def _inside(root: Path, sub: str | None) -> Path | None:
 
 
 def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bool = False,
-             workers: int = 8) -> Discovery:
+             workers: int = 8, audio: bool = False) -> Discovery:
+    """`audio`: the model trains on sound, so each clip gets its `AudioSource` (a same-stem
+    .wav/.flac, its own track, or per `audio_missing` silence, a skip or an error)."""
     result = Discovery(dirs)
     problems: list[str] = []  # mask/control/caption errors: always fatal, reported together
     unreadable: list[tuple[str, str]] = []
@@ -108,6 +113,10 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         stems = [os.path.splitext(f.rel)[0] for f, _ in media]
         texts = [listing.texts[st] for st in stems if st in listing.texts]
         text_records = dict(zip((t.rel for t in texts), index.records(texts, "text", workers)))
+        sidecars = [listing.audio[st] for (f, kind), st in zip(media, stems)
+                    if audio and kind == "video" and st in listing.audio]
+        sidecar_records = dict(zip((a.rel for a in sidecars),
+                                   index.records(sidecars, "audio", workers)))
         table = (load_captions_file(root / s.captions_file) if s.captions_file else {})
         masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
         controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
@@ -143,6 +152,13 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
             item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
             item.control = _companion(controls, stem, f, item, "control image", control_dir,
                                       problems)
+            if audio and kind == "video":
+                sidecar = listing.audio.get(stem)
+                item.audio = _sound(f.path, record, sidecar,
+                                    sidecar and sidecar_records[sidecar.rel], s, result,
+                                    problems, unreadable)
+                if item.audio is None:
+                    continue
             result.items.append(item)
         index.save()
 
@@ -202,6 +218,29 @@ def placements(disc: Discovery, multiple: int) -> tuple[list[Placement], list[tu
             for start in starts:
                 out.append(Placement(number, shape, resolution, start))
     return out, dropped, trimmed
+
+
+def _sound(path: str, record: dict, sidecar: FoundFile | None, sidecar_record: dict | None,
+           s: DataSettings, result: Discovery, problems: list[str],
+           unreadable: list[tuple[str, str]]) -> AudioSource | None:
+    """Where a clip's sound comes from; None where the clip is left out (noted where it goes)."""
+    if sidecar is not None:
+        if "error" in sidecar_record:
+            unreadable.append((path, f"its sound {sidecar.path}: {sidecar_record['error']}"))
+            return None
+        return AudioSource("sidecar", sidecar.path, sidecar_record["sha256"])
+    if record.get("audio"):
+        return AudioSource("track", path, record["sha256"])
+    why = "no audio track and no same-stem .wav/.flac"
+    if s.audio_missing == AudioMissing.error:
+        problems.append(f"{path}: {why} (audio_missing=error; set audio_missing to silence or "
+                        "skip, or add the sound)")
+        return None
+    if s.audio_missing == AudioMissing.skip:
+        result.dropped.append((path, f"{why} (audio_missing=skip)"))
+        return None
+    result.silent.append((path, f"{why}: trains on silence (audio_missing=silence)"))
+    return AudioSource("silence", None, None)
 
 
 def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from dpipe.data.audio import AudioSource, load_audio, sample_count
 from dpipe.data.cache_store import TensorStore
 from dpipe.data.sources import crop_top_left, fit, load_image, open_mask
 from dpipe.data.video import load_clip
@@ -56,6 +57,24 @@ class MaskJob(NamedTuple):
         return ("mask", self.width, self.height)
 
 
+class AudioJob(NamedTuple):
+    """Encode the sound of a clip's frames start .. start+frames-1 at `fps`."""
+
+    key: str
+    path: str  # the clip (what a failure names)
+    source: AudioSource
+    start: int
+    frames: int
+    fps: float
+    rate: int  # the model's sample rate and channels
+    channels: int
+    role: str = "audio"
+
+    @property
+    def group(self) -> tuple:
+        return ("audio", sample_count(self.frames, self.fps, self.rate), self.channels)
+
+
 class TextJob(NamedTuple):
     key: str
     caption: str
@@ -76,8 +95,11 @@ class Failure:
     error: str
 
 
-def decode(job: LatentJob | MaskJob) -> torch.Tensor:
-    """Pixels of a job: (3, H, W) or (3, F, H, W) in [-1, 1]; masks (1, H, W) uint8."""
+def decode(job: LatentJob | MaskJob | AudioJob) -> torch.Tensor:
+    """Pixels of a job: (3, H, W) or (3, F, H, W) in [-1, 1]; masks (1, H, W) uint8; sound
+    (channels, samples) in [-1, 1]."""
+    if isinstance(job, AudioJob):
+        return load_audio(job.source, job.start, job.frames, job.fps, job.rate, job.channels)
     if isinstance(job, MaskJob):
         image = fit(open_mask(job.path), job.width, job.height, Image.Resampling.BILINEAR)
         return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(
@@ -99,7 +121,7 @@ class _Decoding(torch.utils.data.Dataset):
             pixels = decode(self.jobs[i])
         except DataError as error:
             return i, None, str(error)
-        if pixels.is_floating_point():
+        if pixels.is_floating_point() and not isinstance(self.jobs[i], AudioJob):
             # Back to the 8-bit values they came from (exactly): a quarter of the bytes to send
             # from the worker; `_as_float` restores the very same floats.
             pixels = pixels.add(1.0).mul(127.5).round_().to(torch.uint8)
@@ -126,11 +148,11 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
              device: torch.device, dtype: torch.dtype, workers: int,
              show: bool) -> tuple[list[Failure], dict[str, int]]:
     """Makes every job's entry; returns the files that could not be decoded and counts."""
-    counts = {"latents": 0, "masks": 0, "texts": 0}
+    counts = {"latents": 0, "masks": 0, "texts": 0, "audio": 0}
     failures: list[Failure] = []
     if not jobs and not texts:
         return failures, counts
-    needs_encoders = texts or any(isinstance(j, LatentJob) for j in jobs)
+    needs_encoders = texts or any(isinstance(j, (LatentJob, AudioJob)) for j in jobs)
     encoders = spec.load_encoders(device, dtype) if needs_encoders else None
     bar = tqdm(total=len(jobs) + len(texts), desc="caching", unit="entry", disable=not show,
                dynamic_ncols=True)
@@ -144,7 +166,9 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
 
         def flush():
             if pending:
-                _encode_latents(spec, encoders, pending, writer, counts)
+                encode = _encode_audio if isinstance(pending[0][0], AudioJob) else \
+                    _encode_latents
+                encode(spec, encoders, pending, writer, counts)
                 pending.clear()
 
         for i, pixels, error in loader:
@@ -159,7 +183,7 @@ def run_jobs(spec: ModelSpec, store: TensorStore, jobs: list, texts: list[TextJo
                 continue
             if pending and (pending[0][0].group != job.group or len(pending) >= ENCODE_BATCH):
                 flush()
-            pending.append((job, _as_float(pixels)))
+            pending.append((job, pixels if isinstance(job, AudioJob) else _as_float(pixels)))
         flush()
         for negative in (False, True):
             plain = [t for t in texts if t.control is None and t.negative == negative]
@@ -235,3 +259,15 @@ def _encode_latents(spec, encoders, pending, writer, counts) -> None:
         writer.put(job.key, {"latents": latent}, meta)
     counts["latents"] += len(pending)
 
+
+
+def _encode_audio(spec, encoders, pending, writer, counts) -> None:
+    """Sounds of one length (a run of one `AudioJob.group`) through the family's audio encoder."""
+    latents = spec.encode_audio(encoders, torch.stack([w for _, w in pending])).float().cpu()
+    for (job, _), latent in zip(pending, latents):
+        writer.put(job.key, {"audio": latent}, {
+            "kind": "audio latents", "source": job.source.path or "silence",
+            "origin": job.source.origin, "clip": job.path, "start": str(job.start),
+            "frames": str(job.frames), "fps": f"{job.fps:g}", "rate": str(job.rate),
+            "channels": str(job.channels)})
+    counts["audio"] += len(pending)

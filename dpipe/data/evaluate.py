@@ -105,7 +105,7 @@ class Evaluator:
                 self.spec, latents, text, self.timesteps_cfg, self.seed, -1 - number,
                 [i for _, i in members], weight, control,
                 timesteps=torch.full((len(samples),), t_here),
-                conditions=sample_conditions(samples))
+                conditions=sample_conditions(samples), audio=self.dataset.audio(samples))
             yield self.spec.make_inputs(batch)
 
     def run(self, engine, step: int, writer=None) -> dict[str, float]:

@@ -20,6 +20,7 @@ from typing import Callable
 
 from dpipe.data.captions import read_caption
 from dpipe.data.sources import FoundFile, file_fingerprint, probe_image
+from dpipe.data.audio import probe_audio
 from dpipe.data.video import probe_video
 from dpipe.errors import DataError
 from dpipe.io import atomic_write_text
@@ -29,7 +30,8 @@ INDEX_DIR = "sources"
 # A record is stored flat, as [size, mtime_ns, ctime_ns, error or null, *FIELDS[kind]]: a 100k-file
 # index then parses twice as fast as one small JSON object per file.
 FIELDS = {"image": ("sha256", "w", "h"),
-          "video": ("sha256", "w", "h", "frames", "fps", "duration"),
+          "video": ("sha256", "w", "h", "frames", "fps", "duration", "audio"),
+          "audio": ("sha256", "rate", "channels", "duration"),  # .wav/.flac next to a clip
           "text": ("text",)}
 
 
@@ -41,6 +43,7 @@ PROBES: dict[str, Callable[[Path], dict]] = {
     "image": probe_image,
     "video": probe_video,
     "text": _probe_text,
+    "audio": probe_audio,
 }
 
 
@@ -72,7 +75,10 @@ class FileIndex:
         for i, f in enumerate(files):
             self._seen.add(f.rel)
             cached = self._records.get(f.rel)
-            if cached is not None and cached[:3] == f.stamp:
+            # A record of fewer fields was written before a field was added (videos' "audio"):
+            # that file is read again, once.
+            if cached is not None and cached[:3] == f.stamp and (
+                    cached[3] is not None or len(cached) == 4 + len(fields)):
                 out.append({"error": cached[3]} if cached[3] is not None
                            else dict(zip(fields, cached[4:])))
             else:

@@ -41,6 +41,8 @@ class Sample(NamedTuple):
     # (None otherwise: manifests without them keep their digest).
     loss_weight: float | None = None
     prior: bool | None = None
+    # The clip's audio latents (key), for models that train on sound; None otherwise.
+    audio: str | None = None
 
     @property
     def identity(self) -> tuple[str, int]:
@@ -97,7 +99,7 @@ class Manifest:
             for s in b.samples:
                 out.add(s.latent)
                 out.update(s.texts)
-                out.update(k for k in (s.mask, s.control, s.empty) if k)
+                out.update(k for k in (s.mask, s.control, s.empty, s.audio) if k)
         return out
 
     def save(self, folder: Path) -> Path:

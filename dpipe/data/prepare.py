@@ -24,7 +24,9 @@ from dpipe.config.schema import DatasetConfig, DatasetKind
 from dpipe.data import discover as disc
 from dpipe.data.batches import CachedDataset
 from dpipe.data.cache_store import KeyMaker, TensorStore
-from dpipe.data.encode import LatentJob, MaskJob, TextJob, default_workers, run_jobs
+from dpipe.data.audio import AUDIO_DECODE_VERSION, sample_count
+from dpipe.data.encode import (
+    AudioJob, LatentJob, MaskJob, TextJob, default_workers, run_jobs)
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport
@@ -59,8 +61,9 @@ class _Set:
     name: str
     discovery: disc.Discovery
     placements: list[disc.Placement]
-    # (latent, text keys, mask, control, own empty caption) of each placement
-    sample_keys: list[tuple[str, tuple[str, ...], str | None, str | None, str | None]]
+    # (latent, text keys, mask, control, own empty caption, audio) of each placement
+    sample_keys: list[tuple[str, tuple[str, ...], str | None, str | None, str | None,
+                            str | None]]
     dropped: list[tuple[str, str]]
     trimmed: list[tuple[str, str]]
 
@@ -101,7 +104,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
     failures = _gather(failures)
     gathered = _gather([counts])
     counts = {k: sum(c[k] for c in gathered) for k in counts}
-    fatal = [f for f in failures if f.role != "image"]
+    fatal = [f for f in failures if f.role not in ("image", "audio")]
     if fatal:
         raise DataError(f"{len(fatal)} mask/control file(s) cannot be read:"
                         + list_files([f"{f.path}: {f.error}" for f in fatal]))
@@ -116,7 +119,8 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
                   f"{work.total_keys} entries were present, {made} made now ({store.root})")
     manifests, reports = {}, {}
     for s in work.sets:
-        manifest, report = _manifest(s, cfg, layout, work.empty_text, failed, make_plan)
+        manifest, report = _manifest(s, cfg, layout, work.empty_text, failed, make_plan,
+                                     _audio_format(spec))
         report.cache = cache_note if s.name == "train" else "cached with the training set"
         manifests[s.name], reports[s.name] = manifest, report
 
@@ -187,6 +191,8 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
     latent_key, mask_key, text_key, seen_key = _key_makers(spec, dtype)
+    sound = _audio_format(spec)
+    audio_key = _audio_key(spec, dtype) if sound is not None else None
     sees_control = getattr(spec, "text_sees_control", False)
     jobs: dict[str, object] = {}
     texts: dict[str, TextJob] = {}
@@ -195,7 +201,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     cache_dir = Path(cfg.cache_dir).expanduser()
     dropout = False
     for name, dirs, eval_mode in dataset_sets(cfg):
-        found = disc.discover(dirs, cache_dir, cfg.strict, eval_mode)
+        found = disc.discover(dirs, cache_dir, cfg.strict, eval_mode, audio=sound is not None)
         work.reads += found.reads
         videos = [i.path for i in found.items if i.kind == "video"]
         if videos and not hasattr(spec, "encode_videos"):
@@ -242,7 +248,16 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
                 jobs.setdefault(control, LatentJob(control, item.control[0], "image",
                                                    p.shape.width, p.shape.height, role="control",
                                                    source_size=(item.info["w"], item.info["h"])))
-            keys.append((latent, tuple(text_keys), mask, control, empty))
+            audio = None
+            # Clips only: images (and clips cut to one frame) train the video path alone.
+            if item.audio is not None and frames > 1:
+                src, rate = item.audio, fps or item.info["fps"]
+                start = p.start if src.origin != "silence" else 0  # silence is all alike
+                audio = audio_key.fields(src.sha256 or "-", src.origin, rate, start, frames,
+                                         sound.sample_rate, sound.channels)
+                jobs.setdefault(audio, AudioJob(audio, src.path or item.path, src, start,
+                                                frames, rate, sound.sample_rate, sound.channels))
+            keys.append((latent, tuple(text_keys), mask, control, empty, audio))
         work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
@@ -276,6 +291,21 @@ def _key_makers(spec: ModelSpec, dtype: torch.dtype) -> tuple[KeyMaker, ...]:
     seen_key = KeyMaker(kind="text+control", encoder=text_fp, dtype=str(dtype), crop="centre",
                         fields=["control source", "width", "height", "caption"])
     return latent_key, mask_key, text_key, seen_key
+
+
+def _audio_format(spec: ModelSpec):
+    """The sound the model trains on (`ModelSpec.audio_format`), or None."""
+    audio_format = getattr(spec, "audio_format", None)
+    return audio_format() if audio_format is not None else None
+
+
+def _audio_key(spec: ModelSpec, dtype: torch.dtype) -> KeyMaker:
+    """Audio latents: the sound's source (a clip's file, its sidecar, or silence) and its cut
+    and resampling, the decoding code's version, and the audio encoder (its weights)."""
+    return KeyMaker(kind="audio latents", encoder=spec.encoder_fingerprint("audio"),
+                    dtype=str(dtype), decode=AUDIO_DECODE_VERSION, resampler="libswresample",
+                    fields=["source", "origin", "fps", "start", "frames", "sample rate",
+                            "channels"])
 
 
 def _negative_key(spec: ModelSpec, dtype: torch.dtype) -> KeyMaker:
@@ -356,16 +386,17 @@ def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
 
 
 def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | None,
-              failed: dict[str, str], training: bool) -> tuple[Manifest, DataReport]:
+              failed: dict[str, str], training: bool,
+              sound=None) -> tuple[Manifest, DataReport]:
     eval_mode = s.name != "train"
     dropped, trimmed = list(s.discovery.dropped) + s.dropped, s.trimmed
     buckets: dict[str, Bucket] = {}
     reported: set[str] = set()
     upscaled: dict[str, dict[str, tuple[int, int]]] = {}  # directory -> {file: (w, h)}
-    for p, (latent, texts, mask, control, empty) in zip(s.placements, s.sample_keys):
+    for p, (latent, texts, mask, control, empty, audio) in zip(s.placements, s.sample_keys):
         item = s.discovery.items[p.item]
         settings = s.discovery.directories[item.directory].settings
-        bad = failed.get(latent) or failed.get(control or "")
+        bad = failed.get(latent) or failed.get(control or "") or failed.get(audio or "")
         if bad:
             if item.path not in reported:
                 dropped.append((item.path, f"unreadable: {bad}"))
@@ -389,7 +420,9 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             (src_h, src_w), crop_top_left(src_w, src_h, p.shape.width, p.shape.height),
             None if fps is None else float(fps),
             None if eval_mode or settings.loss_weight == 1 else float(settings.loss_weight),
-            True if settings.prior_preservation and not eval_mode else None))
+            True if settings.prior_preservation and not eval_mode else None, audio))
+    if sound is not None:
+        _check_audio_lengths(buckets.values(), sound.sample_rate)
     ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)
@@ -413,9 +446,25 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
         raise DataError(f"no bucket holds enough samples for one batch:\n{lines}")
     report.manifest = Manifest(ordered, empty_text if not eval_mode else None)
     report.dropped, report.trimmed = dropped, trimmed
+    report.silent = list(s.discovery.silent)
     report.upscaled = {d: (len(files), min(files.values(), key=lambda wh: (wh[0] * wh[1], wh)))
                        for d, files in sorted(upscaled.items())}
     return report.manifest, report
+
+
+def _check_audio_lengths(buckets, rate: int) -> None:
+    """A micro-batch stacks its clips' audio latents, so the clips of a bucket must last as
+    long: the same frame count at different rates (video_fps=null keeps each clip's) does not."""
+    for b in buckets:
+        rates = sorted({s.fps for s in b.samples if s.audio})
+        if len({sample_count(b.frames, fps, rate) for fps in rates}) > 1:
+            files = [f"{s.source} ({s.fps:g} fps)" for fps in rates[:3]
+                     for s in b.samples if s.audio and s.fps == fps][:3]
+            raise DataError(
+                f"bucket {b.name}: its clips play at different frame rates "
+                f"({', '.join(f'{r:g}' for r in rates)} fps), so their sound lasts differently "
+                "long and cannot be batched:" + list_files(files) + "\nSet dataset.video_fps "
+                "(or video_fps of their directories) to one rate.")
 
 
 def _micro_batch_size(cfg: DatasetConfig, resolution: int, frames: int, default: int) -> int:

@@ -21,6 +21,8 @@ class DataReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)
     trimmed: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Clips without sound that train on silence (audio_missing=silence): (file, why).
+    silent: list[tuple[str, str]] = field(default_factory=list)
     # Directories whose files are smaller than their bucket, so enlarged to train: {directory:
     # (files, the smallest (width, height))}. Training at 512 on 96 px images blurs them.
     upscaled: dict[str, tuple[int, tuple[int, int]]] = field(default_factory=dict)
@@ -49,7 +51,8 @@ class DataReport:
                                         for i, (x, w) in enumerate(zip(row, widths))))
         out.append(f"  (a batch is one micro-batch on each of the {self.data_parallel} "
                    "data-parallel rank(s), all from one bucket; 'samples' counts repeats)")
-        for title, entries in (("dropped", self.dropped), ("trimmed", self.trimmed)):
+        for title, entries in (("dropped", self.dropped), ("trimmed", self.trimmed),
+                               ("silent", self.silent)):
             if entries:
                 out.append(f"  {title}: {len(entries)}")
                 shown = entries if full else entries[:LISTED]

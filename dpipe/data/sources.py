@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from dpipe.data.audio import AUDIO_EXTENSIONS
 from dpipe.errors import DataError
 
 CAPTION_SUFFIX = ".txt"
@@ -52,6 +53,8 @@ class Listing:
     images: list[FoundFile]
     videos: list[FoundFile]
     texts: dict[str, FoundFile]  # rel path without suffix -> its .txt file
+    # rel path without suffix -> its .wav/.flac file (a clip's sound, for audio-video models)
+    audio: dict[str, FoundFile] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +84,7 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
     """
     folder = check_directory(folder)
     excluded = {os.path.realpath(p) for p in exclude}
-    images, videos, texts = [], [], {}
+    images, videos, texts, audio = [], [], {}, {}
     image_ext = image_extensions()
     stack = [(str(folder), "")]
     while stack:
@@ -101,18 +104,23 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
             dot = entry.name.rfind(".")
             suffix = entry.name[dot:].lower() if dot > 0 else ""
             kind = ("image" if suffix in image_ext else "video" if suffix in VIDEO_EXTENSIONS
-                    else "text" if suffix == CAPTION_SUFFIX else None)
+                    else "text" if suffix == CAPTION_SUFFIX
+                    else "audio" if suffix in AUDIO_EXTENSIONS else None)
             if kind is None or not entry.is_file():
                 continue
             st = entry.stat()
             found = FoundFile(entry.path, rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             if kind == "text":
                 texts[rel[: -len(CAPTION_SUFFIX)]] = found
+            elif kind == "audio":  # .wav before .flac when both are there
+                stem = os.path.splitext(rel)[0]
+                if stem not in audio or suffix == AUDIO_EXTENSIONS[0]:
+                    audio[stem] = found
             else:
                 (images if kind == "image" else videos).append(found)
     images.sort(key=lambda f: f.rel)
     videos.sort(key=lambda f: f.rel)
-    return Listing(folder, images, videos, texts)
+    return Listing(folder, images, videos, texts, audio)
 
 
 def same_stem_files(folder: Path) -> dict[str, FoundFile]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dpipe.data.audio import track_of
 from dpipe.data.sources import fit, to_tensor
 from dpipe.errors import DataError
 
@@ -31,7 +32,8 @@ def _open(path: Path):
 
 
 def probe_video(path: Path) -> dict:
-    """{"w", "h", "frames", "fps", "duration"} from the container; raises DataError.
+    """{"w", "h", "frames", "fps", "duration", "audio"} from the container ("audio": [sample
+    rate, channels] of its first audio track, or None); raises DataError.
 
     Frame counts missing from the header (some WebM/MKV files) are counted by demuxing packets,
     which reads the file but decodes nothing.
@@ -53,7 +55,7 @@ def probe_video(path: Path) -> dict:
             raise DataError(f"cannot read video {path} ({error}): replace or delete it.") from None
         fps = float(rate)
         return {"w": stream.width, "h": stream.height, "frames": int(frames), "fps": fps,
-                "duration": frames / fps}
+                "duration": frames / fps, "audio": track_of(container)}
 
 
 def timeline_length(info: dict, fps: float | None) -> int:

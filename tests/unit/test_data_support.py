@@ -33,8 +33,11 @@ def write_image(path: Path, size=(32, 32), seed: int = 0, caption: str | None = 
 
 
 def write_video(path: Path, frames: int, fps: int = 8, size=(32, 24), codec: str = "mpeg4",
-                caption: str | None = "a clip") -> Path:
-    """A clip whose frame i is flat grey at level 10 * i (so tests can tell frames apart)."""
+                caption: str | None = "a clip", tones: list[tuple[float, float]] | None = None,
+                audio_codec: str = "aac", rate: int = 48000, audio_start: float = 0.0) -> Path:
+    """A clip whose frame i is flat grey at level 10 * i (so tests can tell frames apart); with
+    `tones` [(Hz, seconds), ...] a mono audio track playing them one after the other, from
+    `audio_start` seconds after the first frame."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,15 +45,64 @@ def write_video(path: Path, frames: int, fps: int = 8, size=(32, 24), codec: str
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        sound = container.add_stream(audio_codec, rate=rate) if tones else None
+        if sound is not None:
+            sound.layout = "mono"
         for i in range(frames):
             frame = np.full((h, w, 3), (10 * i) % 256, np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            wave = tone_wave(tones, rate)
+            s16 = audio_codec.startswith("pcm_s16")
+            for start in range(0, len(wave), 1024):
+                chunk = wave[None, start:start + 1024]
+                chunk = (chunk * 32767).astype(np.int16) if s16 else chunk
+                frame = av.AudioFrame.from_ndarray(chunk, format="s16" if s16 else "fltp",
+                                                   layout="mono")
+                frame.sample_rate, frame.pts = rate, start + round(audio_start * rate)
+                for packet in sound.encode(frame):
+                    container.mux(packet)
+            for packet in sound.encode():
+                container.mux(packet)
     if caption is not None:
         path.with_suffix(".txt").write_text(caption)
     return path
+
+
+def tone_wave(tones: list[tuple[float, float]], rate: int) -> np.ndarray:
+    """float32 samples at half scale playing each (Hz, seconds) tone in turn, phase-continuous."""
+    hz = np.concatenate([np.full(round(seconds * rate), f) for f, seconds in tones])
+    return (0.5 * np.sin(2 * np.pi * np.cumsum(hz) / rate)).astype(np.float32)
+
+
+def write_wav(path: Path, tones: list[tuple[float, float]], rate: int = 22050,
+              codec: str = "pcm_s16le") -> Path:
+    """A mono .wav (or .flac with codec="flac") playing the tones."""
+    import av
+
+    wave = tone_wave(tones, rate)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.layout = "mono"
+        fmt = "s16" if codec == "pcm_s16le" else stream.format.name
+        data = (wave * 32767).astype(np.int16) if fmt.startswith("s16") else wave
+        frame = av.AudioFrame.from_ndarray(data[None], format=fmt, layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def pitch(wave: torch.Tensor, rate: int) -> float:
+    """The frequency of a pure tone (Hz), from its upward zero crossings."""
+    x = wave.double().numpy()
+    crossings = np.flatnonzero((x[:-1] < 0) & (x[1:] >= 0))
+    return (len(crossings) - 1) / ((crossings[-1] - crossings[0]) / rate)
 
 
 def frame_levels(clip: torch.Tensor) -> list[int]:

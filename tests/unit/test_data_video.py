@@ -18,7 +18,7 @@ from tests.unit.test_data_support import (
 def test_probe_and_decode_by_frame_index(tmp_path, suffix, codec):
     path = write_video(tmp_path / f"clip{suffix}", frames=12, fps=8, size=(32, 24), codec=codec)
     info = probe_video(path)
-    assert info == {"w": 32, "h": 24, "frames": 12, "fps": 8.0, "duration": 1.5}
+    assert info == {"w": 32, "h": 24, "frames": 12, "fps": 8.0, "duration": 1.5, "audio": None}
     clip = load_clip(path, start=3, frames=4, fps=None, width=16, height=16)
     assert clip.shape == (3, 4, 16, 16) and clip.dtype == torch.float32
     assert frame_levels(clip) == [30, 40, 50, 60]

@@ -153,12 +153,16 @@ def _write(out: Path, seed: int, overrides: dict[str, dict[str, Any]]) -> None:
         vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS) * 0.1)
         vae.latents_std.copy_(torch.rand(LATENT_CHANNELS) + 0.5)
     with seeded(seed + 4):
+        # ch_mult of 3 levels: 4x down in time and mel bins as the real VAE (8 -> 2 mel bins),
+        # and base_channels = latent channels x latent mel bins, the size of latents_mean/std.
         audio_vae = AutoencoderKLLTX2Audio(
-            base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1,
+            base_channels=4, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=1,
             attn_resolutions=None, in_channels=2, resolution=32, latent_channels=2,
             norm_type="pixel", causality_axis="height", dropout=0.0,
             mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
             mel_bins=8)
+        audio_vae.latents_mean.copy_(torch.randn(4) * 0.1)
+        audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
     with seeded(seed + 5):
         vocoder_config = {**VOCODER, **overrides.get("vocoder", {})}
         vocoder = getattr(vocoders, vocoder_config.pop("class", "LTX2Vocoder"))(**vocoder_config)
