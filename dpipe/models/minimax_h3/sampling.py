@@ -203,5 +203,6 @@ def _sampling_batch():
     @dataclass(frozen=True)
     class SamplingBatch(DataBatch):
         audio_timesteps: torch.Tensor | None = None
+        sampling: bool = True  # the model's plain prediction, never CFG-augmented
 
     return SamplingBatch
