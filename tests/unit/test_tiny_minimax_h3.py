@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.minimax_h3.tiny import REPO, make_tiny_minimax_h3
 
 
@@ -87,7 +87,8 @@ def test_folder_is_laid_out_as_the_release(folder):
 
 
 def _inputs(spec, folder, audio: bool, g: torch.Generator):
-    """A micro-batch of 2 samples whose prompts differ in length, through `make_inputs`."""
+    """A micro-batch of 2 samples whose prompts differ in length, through `make_inputs`; with
+    model.guidance > 1, an unconditional prompt of 2 tokens beside each."""
     from dpipe.data.batches import DataBatch
 
     latents = torch.randn(2, 8, 2, 4, 4, generator=g)
@@ -97,6 +98,10 @@ def _inputs(spec, folder, audio: bool, g: torch.Generator):
     text = torch.randn(2, 64, 32, generator=g)
     mask = torch.zeros(2, 64, dtype=torch.long)
     mask[0, :5], mask[1, :9] = 1, 1
+    text = {"qwen": text, "qwen_mask": mask}
+    if spec.guided:
+        text["uncond"] = torch.randn(1, 2, 32, generator=g).expand(2, -1, -1)
+        text["uncond_mask"] = torch.ones(2, 2, dtype=torch.long)
     sound = {}
     if audio:
         a = torch.randn(2, 2 * 3, 8, generator=g)
@@ -104,7 +109,7 @@ def _inputs(spec, folder, audio: bool, g: torch.Generator):
         a_noisy, a_target = spec.noise(a, a_noise, t.view(-1, 1, 1))
         sound = dict(audio=a, audio_noise=a_noise, audio_noisy=a_noisy, audio_target=a_target)
     batch = DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
-                      text={"qwen": text, "qwen_mask": mask}, **sound)
+                      text=text, **sound)
     return spec.make_inputs(batch)
 
 
@@ -130,11 +135,52 @@ def test_layers_equal_the_diffusers_forward(folder, audio):
     if audio:  # the video rows attend to the audio rows: they change the video's prediction
         from dpipe.models.sync_free import carrier, sizes
 
-        f, h, w, _ = sizes(inputs[5])
-        video_only = (inputs[0], *inputs[2:5], carrier(f, h, w, 0))
+        f, h, w, _, _ = sizes(inputs[5])
+        video_only = (inputs[0], *inputs[2:5], carrier(f, h, w, 0, 0))
         with torch.no_grad():
             alone = spec.denoiser_forward(denoiser, video_only)
         assert (alone.flatten(1) - x[:, :8 * 32]).abs().max() > 1e-4
+
+
+def test_cfg_augmented_training_fits_the_guided_prediction(folder):
+    """model.guidance=3: the layers return (cond + 2 uncond) / 3, equal to the diffusers forward
+    so combined; the unconditional sequences take no gradient, so the loss's gradient is that of
+    cond / 3 against a target that the unconditional prediction moves."""
+    from dpipe.models.sync_free import carrier, sizes
+    from dpipe.train.trainable import trainable_layers
+
+    run, spec = _spec(folder, "model.guidance=3", "model.audio=true")
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = trainable_layers(spec, run, denoiser)
+    g = torch.Generator().manual_seed(2)
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    inputs, labels = _inputs(spec, folder, True, g)
+    assert inputs[3].shape[0] == 4  # two samples, then the two with the unconditional prompt
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    spec.loss(x, labels).backward()
+    guided = [p.grad.clone() for p in params]
+    with torch.no_grad():
+        torch.testing.assert_close(x, spec.denoiser_forward(denoiser, inputs),
+                                   rtol=1e-4, atol=1e-5)
+
+    # The conditional sequences alone, combined by hand with the unconditional part as a
+    # constant: the same gradient.
+    for p in params:
+        p.grad = None
+    f, h, w, n, b = sizes(inputs[5])
+    cond = (*inputs[:3], inputs[3][:b], carrier(*sizes(inputs[4])[:b]), carrier(f, h, w, n, 0))
+    y = cond
+    for layer in layers:
+        y = layer(y)
+    uncond_part = (x.detach() * 3 - y.detach()) / 3  # (s - 1) uncond / s
+    spec.loss(y / 3 + uncond_part, labels).backward()
+    assert any(a.abs().max() > 0 for a in guided)
+    for a, p in zip(guided, params):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-8)
 
 
 def test_lora_export_loads_into_diffusers_and_reproduces(folder, tmp_path):
@@ -190,6 +236,14 @@ def test_encoders_follow_the_pipeline(folder):
     torch.testing.assert_close(out["qwen"][0, :len(ids)], expected)
     assert out["qwen"][0, len(ids):].abs().sum() == 0
     assert spec.encode_prompts(enc, [""])["qwen_mask"].sum() == 0  # the unused negative prompt
+    _, guided = _spec(folder, "model.guidance=3")  # CFG-augmented: the probe beside each caption
+    out = guided.encode_prompts(enc, ["a red fox", "a blue circle"])
+    probe = guided.encode_prompts_unguided(enc, " ")
+    assert out["uncond"].shape == (2, *probe.shape[1:]) and out["uncond_mask"].all()
+    torch.testing.assert_close(out["uncond"][1], probe[0])
+    assert guided.encoder_fingerprint("text") != spec.encoder_fingerprint("text")
+    with pytest.raises(ConfigError, match="model.guidance=0.5.*>= 1"):
+        _spec(folder, "model.guidance=0.5")
 
     g = torch.Generator().manual_seed(0)
     assert spec.encode_images(enc, torch.rand(1, 3, 64, 64, generator=g) * 2 - 1).shape == (

@@ -16,7 +16,10 @@ The first layer takes `MiniMaxH3Spec.make_inputs`' tuple
   (video (B, Nv, C*4) patchified rows, [audio (B, Na, Ca) rows,] t (B, 2) the model's t of the
    video and of the audio rows (1 - sigma; 1 is clean; text rows take the video's, as in the
    pipeline), text (B, L, D) padded, text_lengths carrier (L_1, ..., L_B),
-   layout carrier (frames, h, w, audio latents per channel))
+   layout carrier (frames, h, w, audio latents per channel, B with CFG-augmented training or 0))
+With CFG-augmented training (`model.guidance` s > 1) the text and its lengths hold B more
+sequences, each sample with the unconditional prompt; they run without gradient and the head
+returns (conditional + (s - 1) unconditional) / s for the B samples (`cfg_augmented`).
 and the layers pass (hidden (B, S, hidden), temb (B, 2, time_embed_dim), text_lengths, layout).
 The head returns the video rows' prediction (B, Nv, C*4); with audio rows, the video's and the
 audio's predictions flattened and joined, (B, Nv*C*4 + Na*Ca): one tensor, as the sampler's
@@ -27,6 +30,7 @@ layout), on the host.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import lru_cache
 
@@ -58,8 +62,20 @@ def packed_layout(text_length: int, frames: int, height: int, width: int, audio_
 
 
 def _layout(text_lengths: torch.Tensor, layout: torch.Tensor, patch) -> list[tuple]:
-    frames, height, width, audio = sizes(layout)
+    frames, height, width, audio, _ = sizes(layout)
     return [packed_layout(n, frames, height, width, audio, patch) for n in sizes(text_lengths)]
+
+
+def guided(layout: torch.Tensor) -> int:
+    """With CFG-augmented training: the number of conditional sequences B, the batch holding B
+    more, the same samples with the unconditional prompt; 0 without."""
+    return sizes(layout)[4]
+
+
+def _grad_unless(unconditional: bool):
+    """The unconditional sequences run without gradient (the model's own prediction, a fixed
+    part of the target); the conditional ones as usual."""
+    return torch.no_grad() if unconditional else contextlib.nullcontext()
 
 
 def _stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -85,15 +101,19 @@ class MiniMaxH3Embed(PipelineLayer):
         if audio is not None:
             audio = self.audio_proj_in(audio.to(dtype(self.audio_proj_in)))
         text = self.context_embedder(text.to(dtype(self.context_embedder)))
+        b = video.shape[0]
         rows = []
         for i, n in enumerate(sizes(text_lengths)):
-            # The refiner attends over the prompt's own tokens only, as the pipeline gives them.
-            parts = [self.token_refiner(text[i:i + 1, :n])]
+            j = i % b  # sequences b.. (CFG-augmented training): sample i - b, unconditional
+            with _grad_unless(i >= b):
+                # The refiner attends over the prompt's own tokens only, as the pipeline gives them.
+                parts = [self.token_refiner(text[i:i + 1, :n])]
             if audio is not None:
-                parts.append(audio[i:i + 1].to(parts[0].dtype))
-            parts.append(video[i:i + 1].to(parts[0].dtype))
+                parts.append(audio[j:j + 1].to(parts[0].dtype))
+            parts.append(video[j:j + 1].to(parts[0].dtype))
             rows.append(torch.cat(parts, dim=1))
         hidden = _stack(rows, max(r.shape[1] for r in rows))
+        t = t.repeat(len(rows) // b, 1)
         temb = self.time_embedder(self.time_proj(t.reshape(-1)).to(dtype(self.time_embedder)))
         return needs_grad(hidden), needs_grad(temb.view(*t.shape, -1)), text_lengths, layout
 
@@ -112,38 +132,52 @@ class MiniMaxH3Block(PipelineLayer):
         out = []
         for i, (positions, tags, *_, adaln) in enumerate(_layout(text_lengths, layout,
                                                                   self.patch)):
-            n = tags.shape[0]
+            n, b = tags.shape[0], guided(layout) or hidden.shape[0]
             rotary = self.rope(positions.to(hidden.device, torch.float32))
-            out.append(self.block(hidden[i:i + 1, :n], temb[i], adaln.to(hidden.device), rotary))
+            with _grad_unless(i >= b):
+                out.append(self.block(hidden[i:i + 1, :n], temb[i], adaln.to(hidden.device),
+                                      rotary))
         return _stack(out, hidden.shape[1]), temb, text_lengths, layout
 
 
 class MiniMaxH3Head(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: nn.Module, guidance: float = 1.0):
         super().__init__()
         self.patch = tuple(transformer.config.patch_size)
+        self.guidance = guidance
         for name in ("norm_out", "proj_out", "audio_proj_out"):
             self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
         hidden, temb, text_lengths, layout = inputs
         video_out, audio_out = [], []
+        b = guided(layout) or hidden.shape[0]
         for i, (_p, tags, video, audio, _t, time_index, _a) in enumerate(
                 _layout(text_lengths, layout, self.patch)):
             n, device = tags.shape[0], hidden.device
-            x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index.to(device))
-            x = x.to(self.proj_out.weight.dtype)
-            video_out.append(self.proj_out(x.index_select(1, video.to(device))))
-            if audio.numel():
-                audio_out.append(self.audio_proj_out(x.index_select(1, audio.to(device))))
+            with _grad_unless(i >= b):
+                x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index.to(device))
+                x = x.to(self.proj_out.weight.dtype)
+                video_out.append(self.proj_out(x.index_select(1, video.to(device))))
+                if audio.numel():
+                    audio_out.append(self.audio_proj_out(x.index_select(1, audio.to(device))))
         video_pred = torch.cat(video_out)
-        if not audio_out:
-            return video_pred
-        return torch.cat([video_pred.flatten(1), torch.cat(audio_out).flatten(1)], dim=1)
+        if audio_out:
+            video_pred = torch.cat([video_pred.flatten(1), torch.cat(audio_out).flatten(1)], 1)
+        return cfg_augmented(video_pred, b, self.guidance) if guided(layout) else video_pred
 
 
-def minimax_h3_layers(transformer: nn.Module) -> list[PipelineLayer]:
+def cfg_augmented(predictions: torch.Tensor, b: int, scale: float) -> torch.Tensor:
+    """(conditional + (s - 1) x unconditional) / s of 2B predictions, the B unconditional ones
+    without gradient: what CFG-augmented training fits to the flow-matching target, so that the
+    model's own output stays the guided one (guidance s baked in, as the release's)."""
+    return (predictions[:b] + (scale - 1) * predictions[b:].detach()) / scale
+
+
+def minimax_h3_layers(transformer: nn.Module, guidance: float = 1.0) -> list[PipelineLayer]:
+    """`guidance`: the CFG-augmented training scale s (used where a batch holds unconditional
+    sequences)."""
     blocks = len(transformer.transformer_blocks)
     return ([MiniMaxH3Embed(transformer)]
             + [MiniMaxH3Block(transformer, i) for i in range(blocks)]
-            + [MiniMaxH3Head(transformer)])
+            + [MiniMaxH3Head(transformer, guidance)])

@@ -10,9 +10,9 @@ counts model calls here and the reference runs the pipeline with one point more.
 
 `Denoising.latents` holds both streams, which the stages share: the video latents
 (1, C, F, h, w) with the audio rows' values in k more columns, (1, C, F, h, w + k) (`join`; the
-shape alone tells them apart), so each step's Euler update (elementwise) is the pipeline's. Clips are 17k+5 frames of 5 to 15
-seconds at 24 fps, as the pipeline makes them; the decoded video is written (the soundtrack's
-decode is the audio VAE's, `decode_audio`).
+shape alone tells them apart), so each step's Euler update (elementwise) is the pipeline's.
+Clips are 17k+5 frames of 5 to 15 seconds at 24 fps, as the pipeline makes them. The decoded
+video is written; the soundtrack is denoised with it (it shapes the video) but not decoded.
 """
 
 from __future__ import annotations
@@ -203,5 +203,6 @@ def _sampling_batch():
     @dataclass(frozen=True)
     class SamplingBatch(DataBatch):
         audio_timesteps: torch.Tensor | None = None
+        sampling: bool = True  # the model's plain prediction, never CFG-augmented
 
     return SamplingBatch

@@ -14,7 +14,10 @@ hidden_states[50] (MiniMaxH3TextEncoderStep), padded to `model.max_text_tokens` 
 checkpoint is guidance-distilled, so there is no negative prompt.
 
 Audio: see `layers.py` for why video-only training is not the joint computation t2va runs;
-`model.audio=true` trains both streams (`trains_audio`).
+`model.audio=true` trains both streams (`trains_audio`). `model.guidance` s > 1: CFG-augmented
+training (the community recipes' way to keep the distilled guidance): each sample also runs
+with the unconditional prompt (a single space), without gradient, and the model fits
+(cond + (s - 1) uncond) / s to the target.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.diffusion.loss import weighted_mean
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
@@ -37,7 +40,8 @@ from dpipe.models.lora_files import (
     save_diffusers_lora, write_lora_files)
 from dpipe.models.minimax_h3.comfyui import (
     diffusers_state_dict, lora_to_comfyui, original_state_dict)
-from dpipe.models.minimax_h3.layers import AUDIO_CHANNELS, MiniMaxH3Block, minimax_h3_layers
+from dpipe.models.minimax_h3.layers import (
+    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers)
 from dpipe.models.minimax_h3.processor import load_processor
 from dpipe.models.minimax_h3.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.minimax_h3.tiny import INDEX, REPO
@@ -54,6 +58,9 @@ TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the pipeline's, ImageNet's
 SAMPLE_RATE = 32000
 COMFYUI_LORA = "minimax_h3_lora_comfyui.safetensors"
+# The unconditional prompt of CFG-augmented training: a single space, the near-empty probe that
+# musubi-tuner's MiniMax H3 guidance loss found to behave as the distillation's uncond (PR #1045).
+UNCOND_PROBE = " "
 
 # Every Linear of the blocks: attention, the SwiGLU feed-forward and the AdaLN projection (the
 # published H3 LoRAs train all three). A peft regex over diffusers names.
@@ -90,6 +97,16 @@ class MiniMaxH3Spec(ModelSpec):
         # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
         # rest from the diffusers folder named by model.single_file_config.
         self.path, self.single_file = split_path(cfg)
+        if cfg.guidance < 1:
+            raise ConfigError(
+                f"model.guidance={cfg.guidance}: MiniMax H3 reads it as the CFG-augmented "
+                "training scale s (1: plain flow matching; 3-4 keeps the release's distilled "
+                "guidance): give a value >= 1")
+
+    @property
+    def guided(self) -> bool:
+        """CFG-augmented training (model.guidance > 1)."""
+        return self.cfg.guidance > 1
 
     def ensure_available(self) -> None:
         if self.cfg.tiny and not self.path.exists():
@@ -192,7 +209,8 @@ class MiniMaxH3Spec(ModelSpec):
                     "latents_std": vae.get("latents_std"), "latent": "mode", "layout": "rows"}
         return {"family": self.family, "qwen3_vl": folder_fingerprint(self.path / "text_encoder"),
                 "tokenizer": folder_fingerprint(self.path / "tokenizer"), "layer": TEXT_LAYER,
-                "max_text_tokens": self.cfg.max_text_tokens}
+                "max_text_tokens": self.cfg.max_text_tokens,
+                "uncond": UNCOND_PROBE if self.guided else None}
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,7 +269,22 @@ class MiniMaxH3Spec(ModelSpec):
             mask = torch.zeros(n, dtype=torch.long, device=x.device)
             mask[:x.shape[0]] = 1
             masks.append(mask)
-        return {"qwen": torch.stack(embeds), "qwen_mask": torch.stack(masks)}
+        out = {"qwen": torch.stack(embeds), "qwen_mask": torch.stack(masks)}
+        if self.guided:  # the unconditional prompt beside each caption, at its own length
+            probe = self.encode_prompts_unguided(encoders, UNCOND_PROBE)
+            out["uncond"] = probe.expand(len(prompts), -1, -1)
+            out["uncond_mask"] = torch.ones(out["uncond"].shape[:2], dtype=torch.long,
+                                            device=probe.device)
+        return out
+
+    def encode_prompts_unguided(self, encoders: Any, prompt: str) -> torch.Tensor:
+        """One prompt's embeds, (1, tokens, D), unpadded."""
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        ids = encoders.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return get_qwen3vl_prompt_embeds(
+            encoders.text_encoder, encoders.processor, ids, {}, text_encoder_layer=TEXT_LAYER,
+            device=encoders.text_encoder.device, dtype=encoders.text_encoder.dtype)
 
     # ---- audio -------------------------------------------------------------------------------
     def audio_format(self) -> AudioFormat | None:
@@ -290,7 +323,7 @@ class MiniMaxH3Spec(ModelSpec):
         return noisy_latents(x0, noise, t), x0 - noise
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return minimax_h3_layers(denoiser)
+        return minimax_h3_layers(denoiser, self.cfg.guidance)
 
     def pipeline_layer_count(self) -> int:
         blocks, = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel",
@@ -318,7 +351,18 @@ class MiniMaxH3Spec(ModelSpec):
             raise DataError(
                 "an empty caption: MiniMax H3 is guidance-distilled and has no empty-prompt "
                 "conditioning; give every item a caption and leave caption dropout at 0")
-        text = batch.text["qwen"][:, :max(lengths)]
+        text = batch.text["qwen"]
+        augment = self.guided and not getattr(batch, "sampling", False)
+        if augment:  # B more sequences: each sample with the unconditional prompt
+            if "uncond" not in batch.text:
+                raise DataError("model.guidance > 1 (CFG-augmented training) needs the "
+                                "unconditional prompt cached with each caption: re-cache")
+            uncond = batch.text["uncond"]
+            lengths += [int(n) for n in batch.text["uncond_mask"].sum(dim=1).tolist()]
+            longest = max(text.shape[1], uncond.shape[1])
+            text = torch.cat([nn.functional.pad(x, (0, 0, 0, longest - x.shape[1]))
+                              for x in (text, uncond)])
+        text = text[:, :max(lengths)]
         # Audio rows: the dataset's with model.audio=true, and always in sampling (t2va).
         audio = getattr(batch, "audio_noisy", None)
         if audio is None and self.cfg.audio and frames > 1:
@@ -327,7 +371,8 @@ class MiniMaxH3Spec(ModelSpec):
                 "dataset gave none (images train without audio; clips need their audio track "
                 "decoded and cached by the dataset); set model.audio=false to train video only")
         audio_latents = 0 if audio is None else audio.shape[1] // AUDIO_CHANNELS
-        layout = carrier(frames, height, width, audio_latents)
+        layout = carrier(frames, height, width, audio_latents,
+                         latents.shape[0] if augment else 0)
         media = (video,) if audio is None else (video, audio)
         inputs = (*media, t, text, carrier(*lengths), layout)
         labels = (target,) if audio is None else (target, getattr(batch, "audio_target", audio))
@@ -420,26 +465,29 @@ class MiniMaxH3Spec(ModelSpec):
             video, audio, t, text, text_lengths, layout = inputs
         else:
             (video, t, text, text_lengths, layout), audio = inputs, None
-        frames, height, width, audio_latents = sizes(layout)
+        frames, height, width, audio_latents, guided = sizes(layout)
+        b = video.shape[0]
         videos, audios = [], []
         for i, n in enumerate(sizes(text_lengths)):
+            j = i % b  # sequences b.. (CFG-augmented training): sample i - b, unconditional
             positions, tags, v_rows, a_rows, t_rows, time_index, _ = packed_layout(
                 n, frames, height, width, audio_latents, self.patch)
             device = video.device
-            sound = (audio[i:i + 1] if audio is not None
+            sound = (audio[j:j + 1] if audio is not None
                      else video.new_zeros(1, 0, denoiser.config.audio_in_channels))
             v, a = denoiser(
-                hidden_states=video[i:i + 1], audio_hidden_states=sound,
-                encoder_hidden_states=text[i:i + 1, :n], timestep=t[i],
+                hidden_states=video[j:j + 1], audio_hidden_states=sound,
+                encoder_hidden_states=text[i:i + 1, :n], timestep=t[j],
                 timestep_indices=time_index.to(device), token_tags=tags.to(device),
                 position_ids=positions.to(device), video_indices=v_rows.to(device),
                 audio_indices=a_rows.to(device), text_indices=t_rows.to(device),
                 return_dict=False)
             videos.append(v)
             audios.append(a)
-        if audio is None:
-            return torch.cat(videos)
-        return torch.cat([torch.cat(videos).flatten(1), torch.cat(audios).flatten(1)], dim=1)
+        out = torch.cat(videos)
+        if audio is not None:
+            out = torch.cat([out.flatten(1), torch.cat(audios).flatten(1)], dim=1)
+        return cfg_augmented(out, b, self.cfg.guidance) if guided else out
 
     def _pipeline(self):
         from diffusers import MiniMaxH3ModularPipeline

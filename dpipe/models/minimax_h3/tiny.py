@@ -180,7 +180,8 @@ def _save_processor(directory: Path) -> None:
     save_qwen_tokenizer(directory, "qwen3", model_max_length=262144)
     Qwen2VLImageProcessor(**_VISION).save_pretrained(directory)
     config = json.loads((directory / "preprocessor_config.json").read_text())
-    config.update(image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor")
+    config.update(image_processor_type="Qwen2VLImageProcessorFast",
+                  processor_class="Qwen3VLProcessor")
     (directory / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
     video = {**_VISION, "video_processor_type": "Qwen3VLVideoProcessor",
              "processor_class": "Qwen3VLProcessor", "do_sample_frames": True, "fps": 2,
