@@ -30,6 +30,7 @@ FACTORIES: dict[str, str] = {
     "cosmos_predict2_v2w": "dpipe.models.cosmos_predict2.tiny:make_tiny_cosmos_predict2_v2w",
     "cosmos1": "dpipe.models.cosmos1.tiny:make_tiny_cosmos1",
     "anima": "dpipe.models.anima.tiny:make_tiny_anima",
+    "minimax_h3": "dpipe.models.minimax_h3.tiny:make_tiny_minimax_h3",
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "ltx_video": "dpipe.models.ltx_video.tiny:make_tiny_ltx_video",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15",

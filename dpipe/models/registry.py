@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "ideogram4": "dpipe.models.ideogram4.spec:Ideogram4Spec",
     "ernie_image": "dpipe.models.ernie_image.spec:ErnieImageSpec",
     "omnigen2": "dpipe.models.omnigen2.spec:OmniGen2Spec",
+    "minimax_h3": "dpipe.models.minimax_h3.spec:MiniMaxH3Spec",
 }
 
 

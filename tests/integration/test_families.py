@@ -48,7 +48,10 @@ VIDEO_FAMILIES = ["tiny_hunyuan_video", "tiny_ltx_video", "tiny_hunyuan_video15"
                   "tiny_cosmos1"]
 EDIT_FAMILIES = ["tiny_flux_kontext"]
 FIRST_FRAME_FAMILIES = ["tiny_wan_i2v", "tiny_cosmos_predict2_v2w"]
-FAMILIES = IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
+# Video with its soundtrack, sampled as their pipelines make it: MiniMax H3 (5 s at the least).
+AUDIO_VIDEO_FAMILIES = ["tiny_minimax_h3"]
+FAMILIES = (IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
+            + AUDIO_VIDEO_FAMILIES)
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
 SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
          "train.checkpoint_every_steps=0", "train.progress_bar=false",
@@ -69,12 +72,14 @@ def sample_args(model: str, control: Path) -> list[str]:
     if model in FIRST_FRAME_FAMILIES:
         return [f"sample.prompts=[{{prompt: {PROMPT}, control: {control}, frames: 9}}]",
                 "sample.steps=2"]
+    if model in AUDIO_VIDEO_FAMILIES:  # 124 frames (17k+5, 5 s at 24 fps) and their audio
+        return [f"sample.prompts=[{{prompt: {PROMPT}, frames: 124}}]", "sample.steps=2"]
     return [f"sample.prompts=[{PROMPT}]", "sample.steps=2"]
 
 
 def _group(model: str) -> list[str]:
-    return next(g for g in (IMAGE_FAMILIES, VIDEO_FAMILIES, EDIT_FAMILIES, FIRST_FRAME_FAMILIES)
-                if model in g)
+    return next(g for g in (IMAGE_FAMILIES, VIDEO_FAMILIES, EDIT_FAMILIES, FIRST_FRAME_FAMILIES,
+                             AUDIO_VIDEO_FAMILIES) if model in g)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ ALLOWED = {
     ("ltx2", "ltx_video"): {"LTXVideoSpec", "ENCODING_VERSION", "LTXHead", "frame_rate",
                             "text_bias", "unpack"},
     # LTX-2.3: LTX-2's spec, layers and tiny model with the 2.3 release's switches on.
-    ("ltx23", "ltx2"): {"LTX2Spec", "LTX2VideoBlock", "TRANSFORMER", "VAE", "make_tiny_ltx2"},
+    ("ltx23", "ltx2"): {"LTX2Spec", "LTX2VideoBlock", "LTX2AVBlock", "TRANSFORMER", "VAE",
+                        "make_tiny_ltx2"},
     # Anima: Cosmos-Predict2's spec, layers and original names, with a trained text adapter.
     ("anima", "cosmos_predict2"): {"CosmosPredict2Spec", "CosmosVariant", "CosmosEmbed",
                                    "CosmosBlock", "cosmos_layers", "COMFY_PREFIX",

@@ -1,14 +1,15 @@
-"""LTX-2's transformer, video stream only, as pipeline layers: embed -> blocks -> head.
+"""LTX-2's transformer, video stream only (model.audio=false), as pipeline layers: embed ->
+blocks -> head. Both streams (model.audio=true): av_layers.py.
 
-LTX-2 blocks carry a video and an audio stream with audio<->video cross-attention. dpipe trains
-video only: each block runs its video path as `LTX2VideoTransformerBlock.forward` runs it with the
-audio-to-video cross-attention off (`isolate_modalities=True` in the transformer's forward), where
-the video output does not depend on the audio stream at all; the audio stream is not computed.
-Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid, rate); `temb_prompt`
-only for LTX-2.3-style checkpoints with prompt modulation (`cross_attn_mod`: 9 modulation rows per
-block, the text keys/values modulated by the sigma's own embedding; the attention gates of
-`gated_attn` run inside the attention modules); `rate` (B,) is each clip's frame rate
-in thousandths of a frame per second; `grid` and `rate` are carried in shapes, as LTX-Video's.
+LTX-2 blocks carry a video and an audio stream with audio<->video cross-attention. Here dpipe
+trains video only: each block runs its video path as `LTX2VideoTransformerBlock.forward` runs it
+with the audio-to-video cross-attention off (`isolate_modalities=True` in the transformer's
+forward), where the video output does not depend on the audio stream at all; the audio stream is
+not computed. Layers pass (hidden, text, temb, embedded_t, [temb_prompt,] text_mask, grid, rate);
+`temb_prompt` only for LTX-2.3-style checkpoints with prompt modulation (`cross_attn_mod`: 9
+modulation rows per block, the text keys/values modulated by the sigma's own embedding; the
+attention gates of `gated_attn` run inside the attention modules); `rate` (B,) is each clip's frame
+rate in thousandths of a frame per second; `grid` and `rate` are carried in shapes, as LTX-Video's.
 Rotary embeddings are rebuilt per block from them.
 """
 

@@ -20,6 +20,9 @@ audio stream. LTX2Pipeline's defaults need three things that do:
   * spatio-temporal guidance (`stg_scale` 1.0, block 28) adds x0_cond - x0_perturbed, from a
     third pass with that block's self-attention skipped, which dpipe's loop (the prompt and the
     negative prompt, two micro-batches per step) does not run.
+A run with model.audio=true, which trains the joint computation, samples the same way for now
+(its samples carry no sound): its layers run the video path alone on a micro-batch without audio
+latents, and the stages hand on the video prediction only.
 dpipe's sampler is the video-only computation: both passes isolated, no modality or STG term
 (with everything isolated the modality term would be 0 anyway). `diffusers_sample` runs the real
 LTX2Pipeline with exactly those changes and nothing else: stg_scale = audio_stg_scale = 0,

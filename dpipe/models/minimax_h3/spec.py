@@ -1,0 +1,510 @@
+"""MiniMax H3 (MiniMaxAI/MiniMax-H3): text-to-video with stereo audio, one transformer
+(MiniMaxH3Transformer3DModel) over one packed `[text | audio | video]` sequence per sample, the
+video VAE AutoencoderKLMiniMaxH3, the audio VAE AutoencoderKLMiniMaxH3Audio and Qwen3-VL's
+`hidden_states[50]` as the text; diffusers' MiniMaxH3ModularPipeline (modular only, like Anima).
+dpipe trains the `transformer/` partition (t2va, fl2va), LoRA and full.
+
+Objective, in MiniMax H3's convention (MiniMaxH3Scheduler): the transformer is given t = 1 - sigma
+(1 is clean, unscaled) and predicts the data-ward velocity x0 - noise; dpipe's t is sigma, so
+`noise` returns x0 - noise as the target and `make_inputs` hands the transformer 1 - t.
+Latents: the video VAE's mean of ImageNet-normalised pixels, (z - latents_mean) / latents_std;
+clips need 17k+5 frames (5k+2 latent frames), an image is one frame (the spatial encoder alone).
+Prompts: the prompt's tokens verbatim (no chat template, no special tokens), Qwen3-VL's
+hidden_states[50] (MiniMaxH3TextEncoderStep), padded to `model.max_text_tokens` with a mask; the
+checkpoint is guidance-distilled, so there is no negative prompt.
+
+Audio: see `layers.py` for why video-only training is not the joint computation t2va runs;
+`model.audio=true` trains both streams (`trains_audio`). `model.guidance` s > 1: CFG-augmented
+training (the community recipes' way to keep the distilled guidance): each sample also runs
+with the unconditional prompt (a single space), without gradient, and the model fits
+(cond + (s - 1) uncond) / s to the target.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.flow_matching import noisy_latents
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, LoraFormat, lora_metadata, lora_scale, peft_to_diffusers,
+    save_diffusers_lora, write_lora_files)
+from dpipe.models.minimax_h3.comfyui import (
+    diffusers_state_dict, lora_to_comfyui, original_state_dict)
+from dpipe.models.minimax_h3.layers import (
+    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers)
+from dpipe.models.minimax_h3.processor import load_processor
+from dpipe.models.minimax_h3.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.minimax_h3.tiny import INDEX, REPO
+from dpipe.models.single_file import (
+    check_single_file, export_like_source, load_transformer_file, split_path)
+from dpipe.models.spec import (
+    AudioFormat, ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
+    model_params)
+from dpipe.models.sync_free import carrier
+
+REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tokenizer",
+                  "processor", "scheduler", "audio_scheduler")
+TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the pipeline's, ImageNet's
+SAMPLE_RATE = 32000
+COMFYUI_LORA = "minimax_h3_lora_comfyui.safetensors"
+# The unconditional prompt of CFG-augmented training: a single space, the near-empty probe that
+# musubi-tuner's MiniMax H3 guidance loss found to behave as the distillation's uncond (PR #1045).
+UNCOND_PROBE = " "
+
+# Every Linear of the blocks: attention, the SwiGLU feed-forward and the AdaLN projection (the
+# published H3 LoRAs train all three). A peft regex over diffusers names.
+_BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+                  r"ff\.net\.0\.proj", r"ff\.net\.2", r"adaln_proj\.linear"]
+LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+
+
+def patchify(latents: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """(B, C, F, h, w) -> (B, rows, C * prod(patch)), as the pipeline packs video rows."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    return patchify_video_latents(latents, patch).reshape(latents.shape[0], -1,
+                                                          latents.shape[1] * _prod(patch))
+
+
+def split_prediction(joined: torch.Tensor, video_shape, audio_shape):
+    """The head's joined (B, Nv*Cv + Na*Ca) output -> (video rows, audio rows)."""
+    n = int(torch.Size(video_shape[1:]).numel())
+    return (joined[:, :n].reshape(video_shape),
+            joined[:, n:].reshape(joined.shape[0], *audio_shape[1:]))
+
+
+def _prod(patch) -> int:
+    return int(patch[0] * patch[1] * patch[2])
+
+
+class MiniMaxH3Spec(ModelSpec):
+    family = "minimax_h3"
+    trains_audio = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
+        # rest from the diffusers folder named by model.single_file_config.
+        self.path, self.single_file = split_path(cfg)
+        if cfg.guidance < 1:
+            raise ConfigError(
+                f"model.guidance={cfg.guidance}: MiniMax H3 reads it as the CFG-augmented "
+                "training scale s (1: plain flow matching; 3-4 keeps the release's distilled "
+                "guidance): give a value >= 1")
+
+    @property
+    def guided(self) -> bool:
+        """CFG-augmented training (model.guidance > 1)."""
+        return self.cfg.guidance > 1
+
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            from dpipe.models.minimax_h3.tiny import make_tiny_minimax_h3
+
+            make_tiny_minimax_h3(self.path)
+        if self.path.is_dir() and not (self.path / INDEX).is_file() and (
+                self.path / "model_index.json").is_file():
+            name = read_json(self.path / "model_index.json").get("_class_name")
+            raise ModelLoadError(
+                f"model.path={self.path} is a {name} folder, not MiniMax H3: a MiniMax H3 folder "
+                f"is a modular pipeline with {INDEX} (MiniMaxH3ModularPipeline), as {REPO}")
+        check_folder(self.path, REQUIRED_PARTS, "MiniMax H3", REPO)
+        check_single_file(self.single_file)
+        index = read_json(self.path / INDEX)
+        if index.get("_class_name") != "MiniMaxH3ModularPipeline":
+            raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
+                                 "MiniMaxH3ModularPipeline: not a MiniMax H3 folder")
+
+    @cached_property
+    def patch(self) -> tuple[int, int, int]:
+        return tuple(read_json(self.path / "transformer" / "config.json")
+                     .get("patch_size", (1, 2, 2)))
+
+    @cached_property
+    def vae_geometry(self) -> tuple[int, int, int]:
+        """(spatial factor, clip_length, latent frames per chunk) of the video VAE."""
+        import math
+
+        vae = read_json(self.path / "vae" / "config.json")
+        spatial = math.prod(vae.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
+        temporal = math.prod(vae.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+        clip = vae.get("clip_length", 17)
+        return spatial, clip, -(-clip // temporal)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.vae_geometry[0] * self.patch[2]
+
+    # ---- components -------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """The text-encoder step's components (Qwen3-VL, its tokenizer and processor), the video
+        VAE, and with model.audio the audio VAE; as the pipeline's components namespace."""
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+        p = self.path
+        tokenizer = load_or_fail(lambda: AutoTokenizer.from_pretrained(p / "tokenizer"),
+                                 p / "tokenizer")
+        processor = load_or_fail(lambda: load_processor(p / "processor"), p / "processor")
+        text_encoder = load_or_fail(lambda: Qwen3VLForConditionalGeneration.from_pretrained(
+            p / "text_encoder", dtype=dtype), p / "text_encoder")
+        vae = load_or_fail(lambda: AutoencoderKLMiniMaxH3.from_pretrained(
+            p, subfolder="vae", dtype=torch.float32), p / "vae")
+        modules = [text_encoder, vae]
+        audio_vae = None
+        if self.cfg.audio:
+            audio_vae = load_or_fail(lambda: AutoencoderKLMiniMaxH3Audio.from_pretrained(
+                p, subfolder="audio_vae", dtype=torch.float32), p / "audio_vae")
+            modules.append(audio_vae)
+        for module in modules:
+            module.requires_grad_(False).eval().to(device)
+        return SimpleNamespace(tokenizer=tokenizer, processor=processor,
+                               text_encoder=text_encoder, vae=vae, audio_vae=audio_vae,
+                               _execution_device=device)
+
+    @cached_property
+    def transformer_config(self) -> dict[str, Any]:
+        """What the original layout's key table needs of the transformer's config."""
+        keys = ("num_layers", "num_refiner_layers", "num_attention_heads", "attention_head_dim")
+        values = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel", *keys)
+        return dict(zip(keys, values))
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        if self.single_file is None:
+            return load_or_fail(lambda: MiniMaxH3Transformer3DModel.from_pretrained(
+                self.path, subfolder="transformer", torch_dtype=dtype), self.path / "transformer")
+        model = load_transformer_file(
+            MiniMaxH3Transformer3DModel, self.path / "transformer", self.single_file, dtype,
+            lambda state, m: diffusers_state_dict(state, m.config))
+        keep = model._keep_in_fp32_modules  # as from_pretrained keeps the release's fp32 parts
+        for name, module in model.named_modules():
+            if any(part in keep for part in name.split(".")):
+                torch.nn.Module.to(module, torch.float32)
+        return model
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = read_json(self.path / "vae" / "config.json")
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    "latents_mean": vae.get("latents_mean"),
+                    "latents_std": vae.get("latents_std"), "latent": "mode",
+                    "pixels": [PIXEL_MEAN, PIXEL_STD]}
+        if kind == "audio":
+            vae = read_json(self.path / "audio_vae" / "config.json")
+            return {"family": self.family, "audio_vae": folder_fingerprint(self.path / "audio_vae"),
+                    "latents_mean": vae.get("latents_mean"),
+                    "latents_std": vae.get("latents_std"), "latent": "mode", "layout": "rows"}
+        return {"family": self.family, "qwen3_vl": folder_fingerprint(self.path / "text_encoder"),
+                "tokenizer": folder_fingerprint(self.path / "tokenizer"), "layer": TEXT_LAYER,
+                "max_text_tokens": self.cfg.max_text_tokens,
+                "uncond": UNCOND_PROBE if self.guided else None}
+
+    # ---- caching -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels (B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, F', h, w): the VAE's mean
+        of the ImageNet-normalised pixels (the pipeline's pixel convention), normalised."""
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)
+        frames = pixels.shape[2]
+        _, clip, per_chunk = self.vae_geometry
+        if frames != 1 and frames % clip != per_chunk:
+            raise DataError(
+                f"MiniMax H3's VAE takes {clip}k+{per_chunk} frames (or one image); got a clip of "
+                f"{frames}: use frame buckets such as {clip + per_chunk}, {2 * clip + per_chunk}, "
+                f"{7 * clip + per_chunk} in dataset.frame_buckets")
+        vae = encoders.vae
+        mean = torch.tensor(PIXEL_MEAN, device=vae.device).view(1, 3, 1, 1, 1)
+        std = torch.tensor(PIXEL_STD, device=vae.device).view(1, 3, 1, 1, 1)
+        x = ((pixels.to(vae.device, torch.float32) + 1) / 2 - mean) / std
+        latents = vae.encode(x.to(vae.dtype)).latent_dist.mode().float()
+        shape = (1, -1, 1, 1, 1)
+        z_mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+        z_std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+        return (latents - z_mean) / z_std
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
+        return self.encode_images(encoders, pixels)
+
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """MiniMaxH3TextEncoderStep's prompt_embeds per prompt, padded to max_text_tokens, with
+        their (B, max_text_tokens) mask. An empty prompt (the sampler's unused negative prompt)
+        encodes to no tokens: the pipeline has none to give it."""
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        n = self.cfg.max_text_tokens
+        embeds, masks = [], []
+        for prompt in prompts:
+            ids = encoders.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids:  # an all-zero mask: refused where it would train (`make_inputs`)
+                embeds.append(torch.zeros(n, encoders.text_encoder.config.text_config.hidden_size,
+                                          dtype=encoders.text_encoder.dtype,
+                                          device=encoders.text_encoder.device))
+                masks.append(torch.zeros(n, dtype=torch.long, device=embeds[-1].device))
+                continue
+            if len(ids) > n:
+                raise DataError(
+                    f"a caption of {len(ids)} tokens is longer than model.max_text_tokens={n} "
+                    f"(MiniMax H3 reads the whole prompt): raise model.max_text_tokens to "
+                    f"{len(ids)} or shorten it: {prompt[:80]!r}")
+            x = get_qwen3vl_prompt_embeds(
+                encoders.text_encoder, encoders.processor, ids, {}, text_encoder_layer=TEXT_LAYER,
+                device=encoders.text_encoder.device, dtype=encoders.text_encoder.dtype)[0]
+            embeds.append(nn.functional.pad(x, (0, 0, 0, n - x.shape[0])))
+            mask = torch.zeros(n, dtype=torch.long, device=x.device)
+            mask[:x.shape[0]] = 1
+            masks.append(mask)
+        out = {"qwen": torch.stack(embeds), "qwen_mask": torch.stack(masks)}
+        if self.guided:  # the unconditional prompt beside each caption, at its own length
+            probe = self.encode_prompts_unguided(encoders, UNCOND_PROBE)
+            out["uncond"] = probe.expand(len(prompts), -1, -1)
+            out["uncond_mask"] = torch.ones(out["uncond"].shape[:2], dtype=torch.long,
+                                            device=probe.device)
+        return out
+
+    def encode_prompts_unguided(self, encoders: Any, prompt: str) -> torch.Tensor:
+        """One prompt's embeds, (1, tokens, D), unpadded."""
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        ids = encoders.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return get_qwen3vl_prompt_embeds(
+            encoders.text_encoder, encoders.processor, ids, {}, text_encoder_layer=TEXT_LAYER,
+            device=encoders.text_encoder.device, dtype=encoders.text_encoder.dtype)
+
+    # ---- audio -------------------------------------------------------------------------------
+    def audio_format(self) -> AudioFormat | None:
+        if not self.cfg.audio:
+            return None
+        rate = read_json(self.path / "audio_vae" / "config.json").get("sampling_rate", SAMPLE_RATE)
+        return AudioFormat(sample_rate=rate, channels=AUDIO_CHANNELS)
+
+    @torch.no_grad()
+    def encode_audio(self, encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
+        """Stereo waveforms (B, 2, samples) -> (B, 2 * n, C) audio rows, channel-major (the
+        left channel's n latents, then the right's), normalised: the layout of the pipeline's
+        audio rows, whose decode step inverts it. Each channel is encoded as a mono clip (the
+        audio VAE is mono; the pipeline passes the two channels as two batch items), the
+        posterior's mean as the pipeline takes it."""
+        vae = encoders.audio_vae
+        b, channels, samples = waveforms.shape
+        if channels != AUDIO_CHANNELS:
+            raise DataError(f"MiniMax H3 trains on stereo audio; got {channels} channel(s)")
+        mono = waveforms.reshape(b * channels, 1, samples).to(vae.device, vae.dtype)
+        latents = vae.encode(mono).latent_dist.mode().float()  # (B * 2, C, n)
+        # The VAE pads to a whole hop; the pipeline gives a clip round(seconds * 40) latents.
+        latents = latents[..., :max(1, round(samples / vae.hop_length))]
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1)
+        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1)
+        latents = (latents - mean) / std
+        c, n = latents.shape[1:]
+        return latents.reshape(b, channels, c, n).permute(0, 1, 3, 2).reshape(b, channels * n, c)
+
+    # ---- training ----------------------------------------------------------------------------
+    def lora_targets(self) -> str:
+        return LORA_TARGETS
+
+    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+        # MiniMax H3 predicts the data-ward velocity: x0 = x_t + sigma * v.
+        return noisy_latents(x0, noise, t), x0 - noise
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return minimax_h3_layers(denoiser, self.cfg.guidance)
+
+    def pipeline_layer_count(self) -> int:
+        blocks, = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel",
+                                  "num_layers")
+        return 2 + blocks
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        """A block is 1; the embedding (projections and the two text-refiner blocks over the
+        prompt's few hundred tokens against the media's thousands) and the head are small."""
+        return [1.0 if isinstance(layer, MiniMaxH3Block) else 0.05 for layer in layers]
+
+    def make_inputs(self, batch: NoisedBatch):
+        latents = batch.latents
+        frames, height, width = latents.shape[2:]
+        video = patchify(batch.noisy, self.patch)
+        target = patchify(batch.target, self.patch)
+        # The transformer's t (1 is clean) of the video rows and of the audio rows: the audio's
+        # own in sampling (its schedule is shifted otherwise), the video's in training.
+        audio_t = getattr(batch, "audio_timesteps", None)
+        sigmas = torch.stack([batch.timesteps, batch.timesteps if audio_t is None else audio_t], 1)
+        t = (1 - sigmas).to(latents.dtype)
+        mask = batch.text["qwen_mask"]
+        lengths = [int(n) for n in mask.sum(dim=1).tolist()]  # CPU: where batches are made
+        if min(lengths) == 0:
+            raise DataError(
+                "an empty caption: MiniMax H3 is guidance-distilled and has no empty-prompt "
+                "conditioning; give every item a caption and leave caption dropout at 0")
+        text = batch.text["qwen"]
+        augment = self.guided and not getattr(batch, "sampling", False)
+        if augment:  # B more sequences: each sample with the unconditional prompt
+            if "uncond" not in batch.text:
+                raise DataError("model.guidance > 1 (CFG-augmented training) needs the "
+                                "unconditional prompt cached with each caption: re-cache")
+            uncond = batch.text["uncond"]
+            lengths += [int(n) for n in batch.text["uncond_mask"].sum(dim=1).tolist()]
+            longest = max(text.shape[1], uncond.shape[1])
+            text = torch.cat([nn.functional.pad(x, (0, 0, 0, longest - x.shape[1]))
+                              for x in (text, uncond)])
+        text = text[:, :max(lengths)]
+        # Audio rows: the dataset's with model.audio=true, and always in sampling (t2va).
+        audio = getattr(batch, "audio_noisy", None)
+        if audio is None and self.cfg.audio and frames > 1:
+            raise DataError(
+                "model.audio=true, but this micro-batch of clips carries no audio latents: the "
+                "dataset gave none (images train without audio; clips need their audio track "
+                "decoded and cached by the dataset); set model.audio=false to train video only")
+        audio_latents = 0 if audio is None else audio.shape[1] // AUDIO_CHANNELS
+        layout = carrier(frames, height, width, audio_latents,
+                         latents.shape[0] if augment else 0)
+        media = (video,) if audio is None else (video, audio)
+        inputs = (*media, t, text, carrier(*lengths), layout)
+        labels = (target,) if audio is None else (target, getattr(batch, "audio_target", audio))
+        weight = getattr(batch, "loss_weight", None)  # masks, (B, 1, 1, h, w), or None
+        if weight is not None:
+            weight = patchify(weight.expand_as(latents).to(latents.dtype), self.patch)
+            labels += (weight,)
+        return inputs, labels
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        """The video rows' loss; with audio rows, plus model.audio_loss_weight x the audio's."""
+        if outputs.ndim == 2:  # the video's and the audio's predictions joined (layers.py)
+            target, audio_target, *weight = labels
+            video, audio = split_prediction(outputs, target.shape, audio_target.shape)
+            return (weighted_mean(self.element_error(video, target), *weight)
+                    + self.cfg.audio_loss_weight
+                    * weighted_mean(self.element_error(audio, audio_target)))
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- sampling ----------------------------------------------------------------------------
+    def sampling(self):
+        from dpipe.models.minimax_h3.sampling import MiniMaxH3Sampling
+
+        return MiniMaxH3Sampling(self)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+    bench_configs = SIZES
+
+    def random_sample(self, size: str):
+        shapes = SAMPLE_SHAPES[size]
+        n, valid = shapes["text"], shapes["valid"]
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[:valid] = 1
+        return torch.randn(shapes["latents"]), {"qwen": torch.randn(n, shapes["text_dim"])
+                                                * mask[:, None], "qwen_mask": mask}
+
+    def for_benchmark(self, size: str) -> "MiniMaxH3Spec":
+        import copy
+
+        spec = copy.copy(self)
+        spec.__dict__["patch"] = tuple(SIZES[size]["patch_size"])
+        spec.__dict__["vae_geometry"] = (16, 17, 5)
+        return spec
+
+    def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
+        """6 (full) or 4 (LoRA) x parameters x rows, plus self-attention over the packed rows."""
+        video, *rest = inputs
+        text = rest[-3]
+        audio = rest[0].shape[1] if len(rest) == 5 else 0
+        c = denoiser.config
+        rows = video.shape[1] + audio + text.shape[1]
+        width = c.num_attention_heads * c.attention_head_dim
+        attention = c.num_layers * attention_train_flops(rows, width)
+        return video.shape[0] * ((6 if full else 4) * model_params(denoiser) * rows + attention)
+
+    # ---- export ------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+        from diffusers import MiniMaxH3ModularPipeline
+
+        weights = peft_to_diffusers(state_dict)
+        metadata = lora_metadata(self.cfg, self.lora_targets())
+        config = self.transformer_config
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(MiniMaxH3ModularPipeline, weights, metadata,
+                                                 out_dir),
+            [LoraFormat(COMFYUI_LORA,
+                        lambda: lora_to_comfyui(weights, lora_scale(metadata), config),
+                        {"format": "comfyui"})])
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        from dpipe.train.export import write_sharded_diffusers_model
+
+        folder = write_sharded_diffusers_model(shards, out_dir / "transformer",
+                                               self.path / "transformer" / "config.json")
+        if self.single_file is not None:  # also as the source: its keys, prefix, order, dtypes
+            config = self.transformer_config
+            export_like_source(folder, self.single_file,
+                               lambda w: original_state_dict(w, config), out_dir)
+        return folder
+
+    # ---- using exported weights ----------------------------------------------------------------
+    def denoiser_forward(self, denoiser: nn.Module, inputs):
+        """As the pipeline's denoiser step calls the transformer, one sample at a time (its
+        layout is the sample's own), the video's and the audio's t as its two timesteps; the
+        output as the head's."""
+        from dpipe.models.minimax_h3.layers import packed_layout
+        from dpipe.models.sync_free import sizes
+
+        if len(inputs) == 6:
+            video, audio, t, text, text_lengths, layout = inputs
+        else:
+            (video, t, text, text_lengths, layout), audio = inputs, None
+        frames, height, width, audio_latents, guided = sizes(layout)
+        b = video.shape[0]
+        videos, audios = [], []
+        for i, n in enumerate(sizes(text_lengths)):
+            j = i % b  # sequences b.. (CFG-augmented training): sample i - b, unconditional
+            positions, tags, v_rows, a_rows, t_rows, time_index, _ = packed_layout(
+                n, frames, height, width, audio_latents, self.patch)
+            device = video.device
+            sound = (audio[j:j + 1] if audio is not None
+                     else video.new_zeros(1, 0, denoiser.config.audio_in_channels))
+            v, a = denoiser(
+                hidden_states=video[j:j + 1], audio_hidden_states=sound,
+                encoder_hidden_states=text[i:i + 1, :n], timestep=t[j],
+                timestep_indices=time_index.to(device), token_tags=tags.to(device),
+                position_ids=positions.to(device), video_indices=v_rows.to(device),
+                audio_indices=a_rows.to(device), text_indices=t_rows.to(device),
+                return_dict=False)
+            videos.append(v)
+            audios.append(a)
+        out = torch.cat(videos)
+        if audio is not None:
+            out = torch.cat([out.flatten(1), torch.cat(audios).flatten(1)], dim=1)
+        return cfg_augmented(out, b, self.cfg.guidance) if guided else out
+
+    def _pipeline(self):
+        from diffusers import MiniMaxH3ModularPipeline
+
+        return MiniMaxH3ModularPipeline.from_pretrained(str(self.path))
+
+    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
+        """As diffusers users load a MiniMax H3 LoRA: the modular pipeline's `load_lora_weights`
+        (MiniMaxH3LoraLoaderMixin), into its `transformer` (the pipeline's other components play
+        no part in loading a LoRA and stay unloaded)."""
+        denoiser = self.load_denoiser(torch.float32)
+        pipe = self._pipeline()
+        pipe.update_components(transformer=denoiser)
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
+        return pipe.transformer
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        return MiniMaxH3Transformer3DModel.from_pretrained(export_dir / "transformer")

@@ -1,0 +1,94 @@
+"""LTX-2 with model.audio=true end to end: clips with sound and silent images in one run, 2
+pipeline stages in 2 processes (DeepSpeed's engine over gloo), the LoRA exported and loaded as
+users load it.
+
+One run checks: micro-batches with sound and without train in it (their tuples keep one layout
+across stages); its first loss equals the 1-stage loss of the same micro-batches (video +
+audio loss); the exported LoRA reproduces the trained layers on both outputs of a clip with
+sound, and differs from the base model on both; its end-of-run sample through the 2 stages (video
+only, without sound) equals LTX2Pipeline's with isolated modalities on the exported LoRA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.cli import Sweep, metrics
+from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
+from tests.unit.test_data_support import write_video
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("clips_with_sound")
+    for i in range(2):
+        # 9 frames at 8 fps with a tone on their track; images have no sound.
+        write_video(folder / f"clip{i}.mp4", frames=9, fps=8, size=(64, 64),
+                    caption=None, tones=[(330 + 110 * i, 0.6), (880, 0.6)])
+        (folder / f"clip{i}.txt").write_text(f"a grey fade with a tone, clip {i}")
+        pixels = np.random.default_rng(10 + i).integers(0, 255, (64, 64, 3), np.uint8)
+        Image.fromarray(pixels).save(folder / f"image{i}.png")
+        (folder / f"image{i}.txt").write_text("a blue circle on a green background")
+    sweep = Sweep(tmp_path_factory.mktemp("sweep"), "model=tiny_ltx2", "model.audio=true",
+                  "dataset=folder", f"dataset.path={folder}", "dataset.resolutions=[64]",
+                  "dataset.frame_buckets=[1,9]", "pipeline.stages=2", "pipeline.micro_batches=2",
+                  "optim.lr=1e-3", "train.checkpoint_every_steps=0", "train.max_steps=2",
+                  "train.progress_bar=false", "sample.save_latents=true",
+                  "sample.prompts=[{prompt: a grey fade with a tone, frames: 9}]",
+                  "sample.steps=2")
+    return sweep.run_dir("model=tiny_ltx2")
+
+
+def _micro_batches(spec, run, dataset, plan, step):
+    from dpipe.data.batches import step_micro_batches
+
+    return list(step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed,
+                                   step, 0))
+
+
+def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
+    from dpipe.models.registry import build_spec
+    from dpipe.train.trainable import trainable_layers
+
+    run = run_config(run_dir)
+    spec = build_spec(run.model)
+    dataset, plan = cached_dataset(run_dir)
+    batches = {step: _micro_batches(spec, run, dataset, plan, step)
+               for step in range(run.train.max_steps)}  # the steps the run trained
+    audio_tokens = [inputs[6].shape[1] for step in batches.values() for inputs, _ in step]
+    assert 0 in audio_tokens and max(audio_tokens) > 0, audio_tokens  # silent and with sound
+
+    # The 2-stage run's first loss is the 1-stage loss of the same micro-batches.
+    layers = trainable_layers(spec, run)
+    with torch.no_grad():
+        losses = [spec.loss(run_layers(layers, inputs), labels) for inputs, labels in batches[0]]
+    assert metrics(run_dir)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
+                                                        rel=1e-5, abs=1e-7)
+
+    # The exported LoRA, loaded as users load it, reproduces both outputs on a clip with sound.
+    spec, trained = trained_layers(run_dir)
+    clip_inputs = next(inputs for step in batches.values() for inputs, _ in step
+                       if inputs[6].shape[1] > 0)
+    with torch.no_grad():
+        want = run_layers(trained, clip_inputs)
+        got = spec.denoiser_forward(spec.load_denoiser_with_lora(run_dir / "lora"), clip_inputs)
+        base = spec.denoiser_forward(spec.load_denoiser(torch.float32), clip_inputs)
+    for stream, (g, w, b) in enumerate(zip(got, want, base)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=f"output {stream}")
+        assert (g - b).abs().max() > 1e-5, f"training left output {stream} unchanged"
+
+
+def test_samples_are_the_video_only_pipelines(run_dir):
+    from tests.integration.sampled import diffusers_latents, saved_latents
+
+    expected, = diffusers_latents(run_dir, run_dir / "lora")
+    torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", 0), expected,
+                               rtol=1e-4, atol=1e-5)
