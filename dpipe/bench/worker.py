@@ -17,7 +17,6 @@ from dpipe.config.schema import Precision, TimestepConfig, TrainMode
 from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
 from dpipe.models.registry import build_spec
-from dpipe.models.spec import NoisedBatch
 from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
 from dpipe.train.attention import use_sdpa_kernels
@@ -33,8 +32,18 @@ def require_size(spec, size: str) -> None:
                          f"config of that size; its sizes: {known}")
 
 
+def random_audio(spec, size: str, count: int) -> torch.Tensor | None:
+    """`count` samples' random audio latents where the run trains sound (model.audio=true):
+    every clip has its soundtrack, as in a dataset of clips with sound."""
+    if not spec.cfg.audio:
+        return None
+    return torch.stack([spec.random_audio(size) for _ in range(count)])
+
+
 def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
     """The step's micro-batches, made once: timing the model, not random number generation."""
+    from dpipe.data.batches import DataBatch, noised_audio
+
     torch.manual_seed(seed)  # the same on the first and the last stage
     batches = []
     for micro in range(micro_batches):
@@ -44,8 +53,12 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
         noise = torch.randn(latents.shape)
         t = sample_timesteps(TimestepConfig(), len(latents), torch.Generator().manual_seed(micro))
         noisy, target = spec.noise(latents, noise, t)
-        inputs, labels = spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t,
-                                                      noisy=noisy, target=target, text=text))
+        audio = random_audio(spec, size, len(latents))
+        sound = {} if audio is None else noised_audio(spec, audio, t, seed, 0, range(
+            micro * micro_batch_size, (micro + 1) * micro_batch_size))
+        inputs, labels = spec.make_inputs(DataBatch(latents=latents, noise=noise, timesteps=t,
+                                                    noisy=noisy, target=target, text=text,
+                                                    **sound))
         pin = lambda ts: tuple(t.pin_memory() if torch.cuda.is_available() else t for t in ts)
         batches.append((pin(inputs), pin(labels)))
     return batches
@@ -60,14 +73,15 @@ def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, see
     torch.manual_seed(seed)
     samples = [[spec.random_sample(size) for _ in range(micro_batch_size)]
                for _ in range(micro_batches)]
+    sounds = [random_audio(spec, size, micro_batch_size) for _ in range(micro_batches)]
 
     def make_step(step: int, records):
-        for micro, group in enumerate(samples):
+        for micro, (group, audio) in enumerate(zip(samples, sounds)):
             latents = torch.stack([s[0] for s in group])
             text = {k: torch.stack([s[1][k] for s in group]) for k in group[0][1]}
             slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
             yield spec.make_inputs(noised_batch(spec, latents, text, TimestepConfig(), seed, step,
-                                                slots))
+                                                slots, audio=audio))
     return make_step
 
 

@@ -278,6 +278,11 @@ class ModelSpec(abc.ABC):
         """One sample's (latents, text embeddings) at the size's training resolution, random."""
         raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
 
+    def random_audio(self, size: str) -> torch.Tensor:
+        """One sample's audio latents at the size's clip, random (dpipe-bench with
+        model.audio=true); families whose benchmark sizes carry sound give them."""
+        raise NotImplementedError(f"{self.family}: no audio at its benchmark sizes")
+
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """Model FLOPs of one training step on `inputs` (a micro-batch): 6 x params x tokens for
         a full fine-tune, 4 x for LoRA (no weight gradients), plus attention; no recompute."""

@@ -214,3 +214,30 @@ def test_real_size_builds_on_meta_and_counts_its_flops():
     flops = spec.train_flops(denoiser, inputs, full=False)
     # 4 x ~14B video-stream weights x 6144 tokens, plus attention: ~0.4 PFLOP per clip
     assert 3e14 < flops < 6e14, flops
+
+
+def test_real_size_with_sound_runs_both_streams_on_meta():
+    """dpipe-bench with model.audio=true: each random clip has its soundtrack (126 audio latents
+    for 121 frames, as LTX2Pipeline computes them), the joint layers run both streams at real
+    size, and the FLOP count adds the audio stream's work."""
+    from dpipe.bench.worker import fixed_micro_batches
+
+    config = {"family": "ltx23", "path": "/unused"}
+    specs = [LTX23Spec(OmegaConf.to_object(OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), {**config, "audio": audio}))).for_benchmark("22b")
+        for audio in (False, True)]
+    silent, sound = specs
+    denoiser = sound.random_denoiser("22b", torch.bfloat16, torch.device("meta"))
+    (inputs, labels), = fixed_micro_batches(sound, "22b", 1, 1, seed=0)
+    assert inputs[0].shape == (1, 6144, 128)
+    assert inputs[-2].shape == (1, 126, 128) and inputs[-1].shape == (1, 1024, 2048)
+    assert labels[-1].shape == (1, 126, 128) and labels[-1].abs().sum() > 0
+    x = tuple(t.to("meta") for t in inputs)
+    with torch.no_grad():
+        for layer in sound.pipeline_layers(denoiser):
+            x = layer(x)
+    video, audio = x
+    assert video.shape == (1, 6144, 128) and audio.shape == (1, 126, 128)
+    (video_only, _), = fixed_micro_batches(silent, "22b", 1, 1, seed=0)
+    assert sound.train_flops(denoiser, inputs, False) > silent.train_flops(denoiser, video_only,
+                                                                           False)

@@ -67,8 +67,15 @@ VAES = {
 # latents, 8x temporal and 32x spatial compression: 16 x 16 x 24, 6144 tokens), and the video
 # connector's 1024 prompt tokens at the stream's 4096 width (max_sequence_length 1024: the
 # connector's learnable registers fill the padding, so every token is attended).
+# With model.audio=true also the clip's sound: the audio VAE's (8 channels, L, 16 mel bins)
+# latents, L = round(121 / 24 s x 25 latents per second) = 126 as LTX2Pipeline computes it, and
+# the audio connector's prompt tokens at the audio stream's 2048 width.
 SAMPLE_SHAPES = {
-    "22b": {"latents": (128, 16, 16, 24), "video_text": (1024, 4096)},
+    "22b": {"latents": (128, 16, 16, 24), "video_text": (1024, 4096),
+            "audio": (8, 126, 16), "audio_text": (1024, 2048)},
     "tiny": {"latents": (LTX2_TINY["in_channels"], 2, 8, 8),
-             "video_text": (32, LTX2_TINY["num_attention_heads"] * LTX2_TINY["attention_head_dim"])},
+             "video_text": (32, LTX2_TINY["num_attention_heads"] * LTX2_TINY["attention_head_dim"]),
+             "audio": (2, 9, 2),  # audio_in_channels 4 = 2 channels x 2 mel bins
+             "audio_text": (32, LTX2_TINY["audio_num_attention_heads"]
+                            * LTX2_TINY["audio_attention_head_dim"])},
 }

@@ -26,7 +26,7 @@ from torch import nn
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.ltx2.av_layers import LTX2AVBlock
 from dpipe.models.ltx2.layers import LTX2VideoBlock
-from dpipe.models.ltx2.spec import LTX2Spec
+from dpipe.models.ltx2.spec import AUDIO_TEXT_KEY, LTX2Spec
 from dpipe.models.ltx23.sizes import SAMPLE_SHAPES, SIZES, VAES
 from dpipe.models.spec import PipelineLayer, attention_train_flops, block_costs
 
@@ -99,8 +99,14 @@ class LTX23Spec(LTX2Spec):
     def random_sample(self, size: str):
         shapes = SAMPLE_SHAPES[size]
         tokens = shapes["video_text"][0]
-        return torch.randn(shapes["latents"]), {"video_text": torch.randn(shapes["video_text"]),
-                                                "mask": torch.ones(tokens, dtype=torch.long)}
+        text = {"video_text": torch.randn(shapes["video_text"]),
+                "mask": torch.ones(tokens, dtype=torch.long)}
+        if self.cfg.audio:  # the audio stream's prompt tokens, as encode_prompts caches them
+            text[AUDIO_TEXT_KEY] = torch.randn(shapes["audio_text"])
+        return torch.randn(shapes["latents"]), text
+
+    def random_audio(self, size: str) -> torch.Tensor:
+        return torch.randn(SAMPLE_SHAPES[size]["audio"])
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """The streams that run: their weights x the tokens each sees (the text keys and values
