@@ -1,8 +1,9 @@
 """What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
-rate, with its soundtrack in AAC where the family makes sound; a one-frame clip is a PNG) and `prompts.json` (what each file shows), optionally
-`<k>.safetensors` with the final latents, the same pictures in TensorBoard under `samples/<k>`,
-and `index.html`, a page with the prompts as rows and the rounds as columns that a browser opens
-from disk (no server, nothing fetched).
+rate, with its soundtrack in AAC where the family makes sound; a one-frame clip is a PNG) and
+`prompts.json` (what each file shows), optionally `<k>.safetensors` with the final latents, the
+same pictures (and sound) in TensorBoard under `samples/<k>`, and `index.html`, a page with the
+prompts as rows and the rounds as columns that a browser opens from disk (no server, nothing
+fetched).
 
 Every file is written atomically: a run killed while writing leaves the old file or none, and a
 resumed run that samples a step again writes the same names.

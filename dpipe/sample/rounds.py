@@ -94,7 +94,9 @@ class SampleRound:
                     continue
                 try:
                     pixels = self._decode(latents)
-                    sound = self._decode_sound(latents) if self.sampling.makes_sound() else None
+                    # A one-frame sample is a PNG, which holds no sound.
+                    sound = (self._decode_sound(latents)
+                             if self.sampling.makes_sound() and request.frames > 1 else None)
                     outputs.write_sample(folder, request, pixels, fps,
                                          latents if self.save_latents else None, sound)
                     if writer is not None:

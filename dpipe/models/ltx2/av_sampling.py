@@ -48,9 +48,10 @@ class LTX2AVSampling(LTX2Sampling):
 
     def check(self, request: SampleRequest) -> str | None:
         problem = super().check(request)
-        if problem or not self.path.is_dir():  # a folder still to be made is checked when made
+        if problem or not self.path.is_dir():  # not made yet: the tiny one gets both parts
             return problem
-        missing = [p for p in ("audio_vae", "vocoder") if not (self.path / p / "config.json").is_file()]
+        missing = [part for part in ("audio_vae", "vocoder")
+                   if not (self.path / part / "config.json").is_file()]
         if missing:
             return (f"model.audio=true samples with sound, which needs the model folder's "
                     f"{' and '.join(missing)} ({self.path}); use a complete LTX-2 folder, or "
@@ -170,7 +171,7 @@ class LTX2AVSampling(LTX2Sampling):
         return waveform, int(vocoder.config.output_sampling_rate)
 
     # ---- the reference -----------------------------------------------------------------------
-    isolate_modalities = False  # the pipeline's transformer calls as they are: the joint computation
+    isolate_modalities = False  # the pipeline's transformer calls as they are: the joint ones
 
     def pipeline_arguments(self, guidance: float) -> dict:
         return {**super().pipeline_arguments(guidance), "audio_guidance_scale": AUDIO_GUIDANCE,
