@@ -120,11 +120,15 @@ def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fp
 
 
 def has_sound(path: Path) -> bool:
-    """Whether a written clip has a soundtrack."""
+    """Whether a written clip has a soundtrack (False for one FFmpeg cannot open: the page
+    still links it)."""
     import av
 
-    with av.open(str(path)) as container:
-        return bool(container.streams.audio)
+    try:
+        with av.open(str(path)) as container:
+            return bool(container.streams.audio)
+    except av.error.FFmpegError:
+        return False
 
 
 def add_to_tensorboard(writer, request: SampleRequest, pixels: torch.Tensor, fps: float,
