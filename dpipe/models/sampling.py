@@ -213,6 +213,11 @@ class FamilySampling:
         inputs, _labels = self.spec.make_inputs(self.batch(d, t, text))
         return inputs
 
+    def output(self, y: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The last pipeline layer's output -> the one tensor `prediction` takes (and the last
+        stage keeps): its first, where a head returns more for the training loss."""
+        return y if isinstance(y, torch.Tensor) else y[0]
+
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         """The last layer's output -> the prediction in the latents' layout. Default: the
         output already is."""
@@ -241,6 +246,22 @@ class FamilySampling:
         x = latents.to(vae.device, vae.dtype) / c.scaling_factor + shift
         return vae.decode(x, return_dict=False)[0][0].float()
 
+    # ---- the soundtrack (joint audio-video families) -----------------------------------------
+    def makes_sound(self) -> bool:
+        """Whether the final latents hold a soundtrack too, which `decode_sound` decodes."""
+        return False
+
+    def load_sound_decoder(self, device: torch.device, dtype: torch.dtype):
+        """What `decode_sound` decodes with (the audio VAE, with a vocoder where the family has
+        one), frozen."""
+        raise NotImplementedError(f"{self.spec.family} makes no sound")
+
+    @torch.no_grad()
+    def decode_sound(self, decoder, latents: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Final latents (1, ...) -> (waveform (channels, samples) float32 in [-1, 1], its
+        sample rate in Hz), as the family's pipeline decodes its audio."""
+        raise NotImplementedError(f"{self.spec.family} makes no sound")
+
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
@@ -248,6 +269,12 @@ class FamilySampling:
         transformer, run with the request's prompt, seed and size: its final latents in the
         layout of `Denoising.latents` (before decoding)."""
         raise NotImplementedError(f"{self.spec.family}: no diffusers reference sampler")
+
+    def diffusers_media(self, denoiser, request: SampleRequest, steps: int, guidance: float
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+        """For a family that makes sound: its pipeline's decoded sample, as `diffusers_sample`
+        runs it: (frames (3, F, H, W) in [0, 1], (waveform (channels, samples), sample rate))."""
+        raise NotImplementedError(f"{self.spec.family}: no diffusers reference with sound")
 
     def pipeline_latents(self, pipeline_cls, denoiser, request: SampleRequest, steps: int,
                          guidance: float, **kwargs) -> torch.Tensor:

@@ -31,7 +31,7 @@ def denoise(sampling: FamilySampling, states: list[Denoising], link: StageLink,
                             link.error = link.error or error
                             inputs.append(None)  # the stages pass it on as failed
             count = sum(2 if d.uncond is not None else 1 for d in states)
-            outputs = link.forward(run, inputs, count)
+            outputs = link.forward(run, inputs, count, keep=sampling.output)
             flags = torch.zeros(len(states), device=link.device)
             if link.last:
                 at = 0

@@ -43,10 +43,12 @@ class StageLink:
                    host_group)
 
     def forward(self, run: Callable[[tuple], torch.Tensor], inputs: list[tuple] | None,
-                count: int) -> list[torch.Tensor | None] | None:
+                count: int, keep: Callable[[tuple | torch.Tensor], torch.Tensor] | None = None
+                ) -> list[torch.Tensor | None] | None:
         """Passes `count` micro-batches (`inputs` on the first stage; None for one that could not
         be made) through the stages; the last stage returns each one's output, None where it
-        failed."""
+        failed: `keep(output)` (default: the output, or its first tensor where the last layer
+        returns several)."""
         outputs = []
         for k in range(count):
             if self.first:
@@ -62,7 +64,7 @@ class StageLink:
                     if isinstance(error, torch.cuda.OutOfMemoryError):
                         torch.cuda.empty_cache()
             if self.last:
-                outputs.append(y if y is None or isinstance(y, torch.Tensor) else y[0])
+                outputs.append(y if y is None else (keep or _first)(y))
             else:
                 self._send(y)
         return outputs if self.last else None
@@ -114,6 +116,10 @@ class StageLink:
             dist.recv(t, source)
             tensors.append(t)
         return tuple(tensors)
+
+
+def _first(y) -> torch.Tensor:
+    return y if isinstance(y, torch.Tensor) else y[0]
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,

@@ -1,8 +1,9 @@
 """What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
-rate; a one-frame clip is a PNG) and `prompts.json` (what each file shows), optionally
-`<k>.safetensors` with the final latents, the same pictures in TensorBoard under `samples/<k>`,
-and `index.html`, a page with the prompts as rows and the rounds as columns that a browser opens
-from disk (no server, nothing fetched).
+rate, with its soundtrack in AAC where the family makes sound; a one-frame clip is a PNG) and
+`prompts.json` (what each file shows), optionally `<k>.safetensors` with the final latents, the
+same pictures (and sound) in TensorBoard under `samples/<k>`, and `index.html`, a page with the
+prompts as rows and the rounds as columns that a browser opens from disk (no server, nothing
+fetched).
 
 Every file is written atomically: a run killed while writing leaves the old file or none, and a
 resumed run that samples a step again writes the same names.
@@ -39,9 +40,11 @@ def png_bytes(frame: torch.Tensor) -> bytes:
     return out.getvalue()
 
 
-def mp4_bytes(frames: torch.Tensor, fps: float) -> bytes:
+def mp4_bytes(frames: torch.Tensor, fps: float,
+              audio: tuple[torch.Tensor, int] | None = None) -> bytes:
     """(F, 3, H, W) uint8 -> an H.264 MP4 file's bytes (yuv420p, which every player opens; its
-    sides must be even, so an odd last row or column is dropped)."""
+    sides must be even, so an odd last row or column is dropped); with `audio`, (waveform
+    (channels, samples) in [-1, 1], sample rate), its soundtrack in AAC (`SOUND_CODEC`)."""
     from fractions import Fraction
 
     import av
@@ -53,6 +56,7 @@ def mp4_bytes(frames: torch.Tensor, fps: float) -> bytes:
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.options = {"crf": "18"}
+        sound = None if audio is None else _add_sound(container, *audio)
         for frame in frames[:, :, :h, :w]:
             image = av.VideoFrame.from_ndarray(frame.permute(1, 2, 0).contiguous().numpy(),
                                                format="rgb24")
@@ -60,12 +64,43 @@ def mp4_bytes(frames: torch.Tensor, fps: float) -> bytes:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            sound()
     return out.getvalue()
 
 
+# AAC (FFmpeg's native encoder, in PyAV's wheels): what MP4 players and every browser play.
+SOUND_CODEC, SOUND_BITRATE = "aac", 192_000
+
+
+def _add_sound(container, waveform: torch.Tensor, rate: int):
+    """Adds the soundtrack's stream to `container`; returns what encodes and muxes it (after
+    the video's packets: the muxer interleaves them by time)."""
+    import av
+
+    channels = waveform.shape[0]
+    if channels not in (1, 2):
+        raise ValueError(f"a soundtrack of {channels} channels: mono or stereo are written")
+    layout = "stereo" if channels == 2 else "mono"
+    stream = container.add_stream(SOUND_CODEC, rate=int(rate), layout=layout)
+    stream.bit_rate = SOUND_BITRATE
+    planar = waveform.float().clamp(-1, 1).contiguous().numpy()
+
+    def encode() -> None:
+        frame = av.AudioFrame.from_ndarray(planar, format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = int(rate), 0
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+
+    return encode
+
+
 def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fps: float,
-                 latents: torch.Tensor | None = None) -> Path:
-    """One sample's file(s); `pixels` (3, H, W) or (3, F, H, W) in [-1, 1]. Returns the picture."""
+                 latents: torch.Tensor | None = None,
+                 audio: tuple[torch.Tensor, int] | None = None) -> Path:
+    """One sample's file(s); `pixels` (3, H, W) or (3, F, H, W) in [-1, 1]; `audio`, a clip's
+    soundtrack (waveform (channels, samples) in [-1, 1], sample rate), goes into its .mp4 (a
+    one-frame sample is a PNG, which holds none). Returns the picture."""
     frames = to_uint8(pixels)
     if frames.ndim == 4 and frames.shape[1] == 1:
         frames = frames[:, 0]
@@ -74,7 +109,7 @@ def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fp
         atomic_write_bytes(path, png_bytes(frames))
     else:
         path = out_dir / f"{request.index}.mp4"
-        atomic_write_bytes(path, mp4_bytes(frames.permute(1, 0, 2, 3), fps))
+        atomic_write_bytes(path, mp4_bytes(frames.permute(1, 0, 2, 3), fps, audio))
     if latents is not None:
         from safetensors.torch import save
 
@@ -84,12 +119,29 @@ def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fp
     return path
 
 
+def has_sound(path: Path) -> bool:
+    """Whether a written clip has a soundtrack (False for one FFmpeg cannot open: the page
+    still links it)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            return bool(container.streams.audio)
+    except av.error.FFmpegError:
+        return False
+
+
 def add_to_tensorboard(writer, request: SampleRequest, pixels: torch.Tensor, fps: float,
-                       step: int) -> None:
+                       step: int, audio: tuple[torch.Tensor, int] | None = None) -> None:
     """An image, or a clip as an animated GIF (what SummaryWriter.add_video writes, without its
-    moviepy dependency), tagged samples/<k>."""
+    moviepy dependency), tagged samples/<k>; a soundtrack as audio under samples/<k>/sound
+    (TensorBoard plays one channel: the channels' mean)."""
     frames = to_uint8(pixels)
     tag = f"samples/{request.index}"
+    if audio is not None:
+        waveform, rate = audio
+        writer.add_audio(f"{tag}/sound", waveform.float().mean(0).clamp(-1, 1), step,
+                         sample_rate=int(rate))
     if frames.ndim == 4 and frames.shape[1] == 1:
         frames = frames[:, 0]
     if frames.ndim == 3:
@@ -143,7 +195,8 @@ def write_index(index_dir: Path, rounds: list[Path] | None = None) -> Path:
             elif found[0].suffix == ".png":
                 cells.append(f'<td><a href="{link}"><img src="{link}" loading="lazy"></a></td>')
             else:
-                cells.append(f'<td><video src="{link}" controls loop muted></video></td>')
+                muted = "" if has_sound(found[0]) else " muted"  # never silence a soundtrack
+                cells.append(f'<td><video src="{link}" controls loop{muted}></video></td>')
         rows.append(f'<tr><th class="prompt">{html.escape(label)}</th>{"".join(cells)}</tr>')
     title = html.escape(index_dir.parent.name if index_dir.name == "samples" else index_dir.name)
     page = f"""<!doctype html>

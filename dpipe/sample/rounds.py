@@ -3,12 +3,14 @@ denoises its share of the requests, then rank 0 decodes and writes them all.
 
 The prompts' embeddings come from the cache (`CachedDataset.request_keys`, filled with the
 captions' or by `dpipe.data.prepare.prepare_prompts`), so no text encoder is in memory; the VAE
-is loaded by rank 0 alone, kept on the CPU between rounds. A sample that fails on some rank
+is loaded by rank 0 alone, kept on the CPU between rounds (so is the audio decoder of a family
+that makes sound: its waveform goes into the clip's file). A sample that fails on some rank
 (out of memory, say) is logged and left out; the others are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -38,7 +40,7 @@ class SampleRound:
         self.steps, self.guidance, self.device, self.dtype = steps, guidance, device, dtype
         self.host_group, self.save_latents = host_group, save_latents
         self.mine = list(range(len(requests)))[replica::replicas]
-        self.vae = None
+        self.vae = self.sound_decoder = None  # loaded by rank 0 at its first decode
 
     def run(self, forward: Callable[[tuple], torch.Tensor], folder: Path, index_dir: Path,
             what: str, writer=None, step: int = 0) -> None:
@@ -92,10 +94,13 @@ class SampleRound:
                     continue
                 try:
                     pixels = self._decode(latents)
+                    # A one-frame sample is a PNG, which holds no sound.
+                    sound = (self._decode_sound(latents)
+                             if self.sampling.makes_sound() and request.frames > 1 else None)
                     outputs.write_sample(folder, request, pixels, fps,
-                                         latents if self.save_latents else None)
+                                         latents if self.save_latents else None, sound)
                     if writer is not None:
-                        outputs.add_to_tensorboard(writer, request, pixels, fps, step)
+                        outputs.add_to_tensorboard(writer, request, pixels, fps, step, sound)
                     written += 1
                 except Exception as error:  # noqa: BLE001 - a failed decode costs this sample only
                     failed.append(request)
@@ -114,10 +119,25 @@ class SampleRound:
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.vae is None:
             self.vae = self.sampling.load_vae(torch.device("cpu"), self.dtype)
-        self.vae.to(self.device)
-        try:
+        with self._on_device(self.vae):
             return self.sampling.decode(self.vae, latents.to(self.device)).cpu()
+
+    def _decode_sound(self, latents: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(waveform (channels, samples), sample rate) of a joint audio-video sample."""
+        if self.sound_decoder is None:
+            self.sound_decoder = self.sampling.load_sound_decoder(torch.device("cpu"), self.dtype)
+        with self._on_device(self.sound_decoder):
+            waveform, rate = self.sampling.decode_sound(self.sound_decoder,
+                                                        latents.to(self.device))
+        return waveform.cpu(), rate
+
+    @contextlib.contextmanager
+    def _on_device(self, module):
+        """A decoder on the sampling device while it decodes, back on the CPU after."""
+        module.to(self.device)
+        try:
+            yield
         finally:
             if self.device.type == "cuda":
-                self.vae.to("cpu")
+                module.to("cpu")
                 torch.cuda.empty_cache()

@@ -5,8 +5,9 @@ users load it.
 One run checks: micro-batches with sound and without train in it (their tuples keep one layout
 across stages); its first loss equals the 1-stage loss of the same micro-batches (video +
 audio loss); the exported LoRA reproduces the trained layers on both outputs of a clip with
-sound, and differs from the base model on both; its end-of-run sample through the 2 stages (video
-only, without sound) equals LTX2Pipeline's with isolated modalities on the exported LoRA.
+sound, and differs from the base model on both; its end-of-run sample through the 2 stages (both
+streams, the joint computation) equals LTX2Pipeline's on the exported LoRA, and its .mp4 carries
+the sound.
 """
 
 from __future__ import annotations
@@ -86,9 +87,16 @@ def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
         assert (g - b).abs().max() > 1e-5, f"training left output {stream} unchanged"
 
 
-def test_samples_are_the_video_only_pipelines(run_dir):
+def test_samples_are_the_pipelines_with_sound(run_dir):
+    """The 2-stage sample of both streams (the one tensor the stages carry) equals LTX2Pipeline's
+    final latents of both; the written clip has the vocoder's stereo sound."""
+    import av
+
     from tests.integration.sampled import diffusers_latents, saved_latents
 
     expected, = diffusers_latents(run_dir, run_dir / "lora")
     torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", 0), expected,
                                rtol=1e-4, atol=1e-5)
+    with av.open(str(run_dir / "samples" / "step_2" / "0.mp4")) as container:
+        track = container.streams.audio[0]
+        assert (track.codec_context.name, track.rate, track.channels) == ("aac", 16000, 2)

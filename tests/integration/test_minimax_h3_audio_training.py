@@ -6,7 +6,7 @@ One run checks: micro-batches with audio rows and without train in it; its first
 1-stage loss of the same micro-batches (video + audio loss); the exported LoRA reproduces the
 trained layers on a clip's joined video and audio prediction, and differs from the base model;
 its end-of-run sample through the 2 stages (124 frames with their audio rows) equals the t2va
-modular pipeline's on the exported LoRA.
+modular pipeline's on the exported LoRA, and its .mp4 carries the decoded stereo sound.
 """
 
 from __future__ import annotations
@@ -78,8 +78,13 @@ def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
 
 
 def test_samples_are_the_pipelines(run_dir):
+    import av
+
     from tests.integration.sampled import diffusers_latents, saved_latents
 
     expected, = diffusers_latents(run_dir, run_dir / "lora")
     torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", 0), expected,
                                rtol=1e-4, atol=1e-5)
+    with av.open(str(run_dir / "samples" / "step_2" / "0.mp4")) as container:  # with its sound
+        track = container.streams.audio[0]
+        assert (track.codec_context.name, track.channels) == ("aac", 2)

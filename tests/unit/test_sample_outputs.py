@@ -40,19 +40,51 @@ def test_a_clip_is_an_mp4_at_the_familys_rate_and_one_frame_a_png(tmp_path):
     assert single.name == "1.png"
 
 
+def tone(rate: int, seconds: float, channels: int) -> torch.Tensor:
+    """(channels, samples): 440 Hz and, in a second channel, 660 Hz, at half scale."""
+    t = torch.arange(round(rate * seconds)) / rate
+    return torch.stack([0.5 * torch.sin(2 * torch.pi * f * t) for f in (440, 660)][:channels])
+
+
+@pytest.mark.parametrize("rate, channels", [(24000, 2), (16000, 1)])
+def test_a_clip_with_sound_carries_it_in_aac(tmp_path, rate, channels):
+    """The .mp4 has the video and an AAC track at the waveform's rate and channel count, as long
+    as the waveform; decoded, it is the waveform (AAC is lossy: close, not equal)."""
+    import av
+
+    sound = tone(rate, 25 / 24, channels)
+    path = outputs.write_sample(tmp_path, request(0, 25), torch.rand(3, 25, 8, 16) * 2 - 1,
+                                24.0, audio=(sound, rate))
+    assert outputs.has_sound(path)
+    with av.open(str(path)) as container:
+        picture, track = container.streams.video[0], container.streams.audio[0]
+        assert picture.frames == 25
+        assert (track.codec_context.name, track.rate, track.channels) == ("aac", rate, channels)
+        assert abs(float(track.duration * track.time_base) - 25 / 24) < 1 / 24
+        decoded = np.concatenate([f.to_ndarray() for f in container.decode(track)], axis=1)
+    assert decoded.shape[0] == channels
+    middle = slice(rate // 10, sound.shape[1] - rate // 10)  # away from the codec's edges
+    error = np.abs(decoded[:, middle] - sound[:, middle].numpy()).max()
+    assert error < 0.05, error
+
+
 def test_tensorboard_gets_images_and_clips(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path))
     outputs.add_to_tensorboard(writer, request(0), torch.zeros(3, 8, 16), 24.0, step=3)
-    outputs.add_to_tensorboard(writer, request(1, 5), torch.zeros(3, 5, 8, 16), 24.0, step=3)
+    outputs.add_to_tensorboard(writer, request(1, 5), torch.zeros(3, 5, 8, 16), 24.0, step=3,
+                               audio=(tone(16000, 5 / 24, 2), 16000))
     writer.close()
-    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "audio": 0})
     events.Reload()
     image, clip = events.Images("samples/0")[0], events.Images("samples/1")[0]
     assert (image.step, image.width, image.height) == (3, 16, 8)
     assert clip.encoded_image_string[:6] == b"GIF89a" and (clip.width, clip.height) == (16, 8)
+    sound = events.Audio("samples/1/sound")[0]
+    assert (sound.step, sound.sample_rate, sound.length_frames) == (3, 16000, 3333)
+    assert events.Tags()["audio"] == ["samples/1/sound"]  # an image has none
 
 
 def test_the_index_page_has_a_row_per_prompt_and_a_column_per_step(tmp_path):
@@ -75,6 +107,17 @@ def test_the_index_page_has_a_row_per_prompt_and_a_column_per_step(tmp_path):
     assert "http" not in page  # opens from disk, fetches nothing
 
 
+def test_the_index_page_plays_the_sound_of_clips_that_have_it(tmp_path):
+    folder = tmp_path / "step_5"
+    outputs.write_sample(folder, request(0, 5), torch.zeros(3, 5, 8, 16), 24.0,
+                         audio=(tone(16000, 5 / 24, 2), 16000))
+    outputs.write_sample(folder, request(1, 5), torch.zeros(3, 5, 8, 16), 24.0)
+    outputs.write_prompts(folder, [request(0, 5), request(1, 5)])
+    page = outputs.write_index(tmp_path).read_text()
+    assert '<video src="step_5/0.mp4" controls loop>' in page
+    assert '<video src="step_5/1.mp4" controls loop muted>' in page
+
+
 def test_a_failing_sample_costs_only_itself():
     from dpipe.models.sampling import Denoising
     from dpipe.sample.denoise import denoise
@@ -83,6 +126,9 @@ def test_a_failing_sample_costs_only_itself():
     class Halving:  # x <- x - 0.5 * prediction, the prediction being the input itself
         def inputs(self, d, t, text):
             return (d.latents,)
+
+        def output(self, y):  # `run` hands on the input tuple
+            return y[0]
 
         def prediction(self, output, d):
             return output

@@ -271,11 +271,16 @@ def test_another_familys_folder_is_refused_naming_it(folder, tmp_path):
         _spec(folder, f"model.path={other}")
 
 
-def test_sampling_through_the_layers_equals_the_pipeline(folder):
+def test_sampling_through_the_layers_equals_the_pipeline(folder, tmp_path):
     """dpipe's sampler recipe (both streams, both schedules, no guidance), stepped through the
-    layers, ends at the pipeline's final video latents and audio rows; the decode makes the
-    pipeline's frames; requests the pipeline cannot make are refused."""
+    layers, ends at the pipeline's final video latents and audio rows; the decodes make the
+    pipeline's frames and stereo waveform; the written .mp4 holds the 124 frames and a stereo AAC
+    track at the audio VAE's rate, as long as the waveform and the clip (within a frame);
+    requests the pipeline cannot make are refused."""
+    import av
+
     from dpipe.models.sampling import SampleRequest
+    from dpipe.sample import outputs
 
     _, spec = _spec(folder)
     sampling = spec.sampling()
@@ -289,6 +294,7 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder):
     layers = spec.pipeline_layers(denoiser)
     d = sampling.start(request, 3, 1.0, text, None, None, torch.device("cpu"))
     assert d.uncond is None and len(d.timesteps) == 3
+    assert sampling.makes_sound()
     with torch.no_grad():
         for t in d.timesteps:
             x = sampling.inputs(d, t, d.text)
@@ -299,8 +305,24 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder):
     torch.testing.assert_close(d.latents, expected, rtol=1e-4, atol=1e-5)
     video, audio = sampling.split(d.latents)
     assert video.shape == (1, 8, 37, 4, 4) and audio.shape == (1, 2 * 207, 8)
+    with torch.no_grad():
+        frames, (waveform, rate) = sampling.diffusers_media(denoiser, request, 3, 1.0)
     pixels = sampling.decode(sampling.load_vae(torch.device("cpu"), torch.float32), d.latents)
-    assert pixels.shape == (3, 124, 64, 64) and -1 <= pixels.min() < pixels.max() <= 1
+    torch.testing.assert_close((pixels / 2 + 0.5).clamp(0, 1), frames, rtol=1e-4, atol=1e-4)
+    decoder = sampling.load_sound_decoder(torch.device("cpu"), torch.float32)
+    sound, sound_rate = sampling.decode_sound(decoder, d.latents)
+    assert sound_rate == rate == decoder.config.sampling_rate
+    torch.testing.assert_close(sound, waveform, rtol=1e-4, atol=1e-5)
+    assert sound.shape[0] == 2 and sound.std() > 0
+
+    path = outputs.write_sample(tmp_path, request, pixels, sampling.fps, audio=(sound, rate))
+    with av.open(str(path)) as container:
+        picture, track = container.streams.video[0], container.streams.audio[0]
+        assert picture.frames == 124
+        assert (track.codec_context.name, track.rate, track.channels) == ("aac", rate, 2)
+        seconds = float(track.duration * track.time_base)
+        assert abs(seconds - sound.shape[1] / rate) < 1 / sampling.fps
+        assert abs(seconds - 124 / sampling.fps) < 1 / sampling.fps
 
 
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])

@@ -6,6 +6,7 @@ A family folder imports only this package, the top-level shared modules of `dpip
 
 - stage_io: what a pipeline layer does to the tensors it sends (`needs_grad`)
 - shapes: padded lengths, valid frame counts, images as one-frame videos
+- joined_latents: a joint audio-video sample's streams as one tensor (MiniMax H3, LTX-2)
 - latent_packing: FLUX's 2x2 latent packing and position ids (FLUX.1, Kontext, Chroma)
 - key_tables: the table engine for original-layout key maps (fused Linears stacked and split)
 - bfl_layout: BFL's FLUX.1 / FLUX.2 layout tables, single files and ComfyUI LoRAs

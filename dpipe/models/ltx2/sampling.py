@@ -20,9 +20,8 @@ audio stream. LTX2Pipeline's defaults need three things that do:
   * spatio-temporal guidance (`stg_scale` 1.0, block 28) adds x0_cond - x0_perturbed, from a
     third pass with that block's self-attention skipped, which dpipe's loop (the prompt and the
     negative prompt, two micro-batches per step) does not run.
-A run with model.audio=true, which trains the joint computation, samples the same way for now
-(its samples carry no sound): its layers run the video path alone on a micro-batch without audio
-latents, and the stages hand on the video prediction only.
+A run with model.audio=true, which trains the joint computation, samples it with its sound
+(av_sampling.py); this module is the model.audio=false sampler.
 dpipe's sampler is the video-only computation: both passes isolated, no modality or STG term
 (with everything isolated the modality term would be 0 anyway). `diffusers_sample` runs the real
 LTX2Pipeline with exactly those changes and nothing else: stg_scale = audio_stg_scale = 0,
@@ -132,8 +131,33 @@ class LTX2Sampling(FamilySampling):
         return video[:, 0] if video.shape[1] == 1 else video
 
     # ---- the reference -----------------------------------------------------------------------
+    # The transformer as dpipe trains it with model.audio=false: video only.
+    isolate_modalities = True
+
+    def pipeline_arguments(self, guidance: float) -> dict:
+        """LTX2Pipeline's arguments besides the request's: dpipe's guidance, no spatio-temporal
+        and no modality-isolation guidance."""
+        return {"guidance_scale": guidance, "guidance_rescale": GUIDANCE_RESCALE,
+                "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
+                "audio_modality_scale": 1.0, "max_sequence_length": self.spec.cfg.max_text_tokens}
+
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
+        final = {}
+        self.run_pipeline(denoiser, request, steps, guidance, final, output_type="latent")
+        return self.unpacked(final["latents"], request)
+
+    def unpacked(self, packed: torch.Tensor, request: SampleRequest) -> torch.Tensor:
+        """The pipeline's packed video latents -> (1, C, F', h, w)."""
+        shape = self.latent_shape(request)
+        p, pt = self.spec._patches
+        return unpack(packed, (shape[1] // pt, shape[2] // p, shape[3] // p), p, pt)
+
+    def run_pipeline(self, denoiser, request: SampleRequest, steps: int, guidance: float,
+                     final: dict, **kwargs):
+        """LTX2Pipeline from the model folder with `denoiser` as its transformer, run on the
+        request with `pipeline_arguments` and `kwargs`; `final["latents"]` gets its packed,
+        normalised video latents after the last step. Returns its output."""
         from diffusers import LTX2Pipeline
 
         pipe = LTX2Pipeline.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
@@ -147,35 +171,29 @@ class LTX2Sampling(FamilySampling):
                 return check_inputs(*args, **{**kwargs, "height": 32, "width": 32})
 
             pipe.check_inputs = sizes_of_32
-        final = {}
 
         def keep(_pipe, _i, _t, tensors):
             final["latents"] = tensors["latents"]  # packed and normalised, after the step
             return {}
 
         forward = denoiser.__dict__.get("forward")
-        video_only = denoiser.forward
+        joint = denoiser.forward
 
         def isolated(*args, **kwargs):  # the transformer as dpipe trains it: video only
             kwargs["isolate_modalities"] = True
-            return video_only(*args, **kwargs)
+            return joint(*args, **kwargs)
 
-        denoiser.forward = isolated
+        if self.isolate_modalities:
+            denoiser.forward = isolated
         try:
-            pipe(request.prompt, negative_prompt=request.negative_prompt,
-                 height=request.height, width=request.width, num_frames=request.frames,
-                 frame_rate=self.fps, num_inference_steps=steps, guidance_scale=guidance,
-                 guidance_rescale=GUIDANCE_RESCALE, stg_scale=0.0, audio_stg_scale=0.0,
-                 modality_scale=1.0, audio_modality_scale=1.0,
-                 max_sequence_length=self.spec.cfg.max_text_tokens,
-                 generator=torch.Generator().manual_seed(request.seed), output_type="latent",
-                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
+            return pipe(request.prompt, negative_prompt=request.negative_prompt,
+                        height=request.height, width=request.width, num_frames=request.frames,
+                        frame_rate=self.fps, num_inference_steps=steps,
+                        generator=torch.Generator().manual_seed(request.seed),
+                        callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
+                        **self.pipeline_arguments(guidance), **kwargs)
         finally:
             if forward is None:
-                del denoiser.forward
+                denoiser.__dict__.pop("forward", None)
             else:
                 denoiser.forward = forward
-        shape = self.latent_shape(request)
-        p, pt = self.spec._patches
-        return unpack(final["latents"], (shape[1] // pt, shape[2] // p, shape[3] // p), p, pt)
-

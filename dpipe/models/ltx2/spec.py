@@ -287,6 +287,11 @@ class LTX2Spec(LTXVideoSpec):
         return video, packed.new_zeros(b, 0, out)
 
     def sampling(self):
+        """Video only (model.audio=false), or video and sound together (av_sampling.py)."""
+        if self.cfg.audio:
+            from dpipe.models.ltx2.av_sampling import LTX2AVSampling
+
+            return LTX2AVSampling(self)
         from dpipe.models.ltx2.sampling import LTX2Sampling
 
         return LTX2Sampling(self)

@@ -65,9 +65,11 @@ VAE = {
     "upsample_factor": (1,) * 3, "timestep_conditioning": False, "patch_size": 1,
     "patch_size_t": 1,
 }
+# Upsampling by 160 in all, the audio VAE's mel hop, as the release's [6, 5, 2, 2, 2] = 240 is
+# its 24 kHz over 100 mel frames per second: the waveform lasts as long as the clip.
 VOCODER = {
     "in_channels": 2 * 8, "hidden_channels": 32, "out_channels": 2,
-    "upsample_kernel_sizes": [4, 4], "upsample_factors": [2, 2], "resnet_kernel_sizes": [3],
+    "upsample_kernel_sizes": [8, 8, 20], "upsample_factors": [4, 4, 10], "resnet_kernel_sizes": [3],
     "resnet_dilations": [[1, 3, 5]], "leaky_relu_negative_slope": 0.1,
     "output_sampling_rate": 16000,
 }

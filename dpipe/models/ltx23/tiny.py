@@ -45,15 +45,18 @@ VAE_23 = {"decoder_spatial_padding_mode": "zeros", "decoder_causal": False}
 MEL_BINS = 8  # the tiny audio VAE's
 VOCODER_23 = {
     "class": "LTX2VocoderWithBWE", "in_channels": 2 * MEL_BINS, "hidden_channels": 32,
-    "out_channels": 2, "upsample_kernel_sizes": [4, 4], "upsample_factors": [2, 2],
+    # Upsampling by 160, the audio VAE's mel hop: 16 kHz for as long as the clip (the release's
+    # first stage too).
+    "out_channels": 2, "upsample_kernel_sizes": [8, 8, 20], "upsample_factors": [4, 4, 10],
     "resnet_kernel_sizes": [3], "resnet_dilations": [[1, 3, 5]], "act_fn": "snakebeta",
     "antialias": True, "final_act_fn": None, "final_bias": False,
-    # The extension generator reads the mel spectrogram of the first stage's waveform, hop 4
-    # samples, and upsamples each frame by hop x 2 (16 kHz -> 32 kHz here; 48 kHz in the release).
+    # The extension generator reads the mel spectrogram of the first stage's waveform, hop 80
+    # samples as the release's, and upsamples each frame by hop x 2 (16 kHz -> 32 kHz here;
+    # x 3, 48 kHz, in the release).
     "bwe_in_channels": 2 * MEL_BINS, "bwe_hidden_channels": 16, "bwe_out_channels": 2,
-    "bwe_upsample_kernel_sizes": [4, 4, 4], "bwe_upsample_factors": [2, 2, 2],
+    "bwe_upsample_kernel_sizes": [8, 8, 20], "bwe_upsample_factors": [4, 4, 10],
     "bwe_resnet_kernel_sizes": [3], "bwe_resnet_dilations": [[1, 3, 5]],
-    "filter_length": 16, "hop_length": 4, "window_length": 16, "num_mel_channels": MEL_BINS,
+    "filter_length": 256, "hop_length": 80, "window_length": 256, "num_mel_channels": MEL_BINS,
     "input_sampling_rate": 16000, "output_sampling_rate": 32000,
 }
 

@@ -11,8 +11,9 @@ counts model calls here and the reference runs the pipeline with one point more.
 `Denoising.latents` holds both streams, which the stages share: the video latents
 (1, C, F, h, w) with the audio rows' values in k more columns, (1, C, F, h, w + k) (`join`; the
 shape alone tells them apart), so each step's Euler update (elementwise) is the pipeline's.
-Clips are 17k+5 frames of 5 to 15 seconds at 24 fps, as the pipeline makes them. The decoded
-video is written; the soundtrack is denoised with it (it shapes the video) but not decoded.
+Clips are 17k+5 frames of 5 to 15 seconds at 24 fps, as the pipeline makes them. Both are
+decoded as the pipeline decodes them: the video by its VAE, the soundtrack by the audio VAE into
+a stereo waveform (`decode_sound`), which the .mp4 carries.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 
 import torch
 
+from dpipe.models.common import joined_latents
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.minimax_h3.layers import AUDIO_CHANNELS
 from dpipe.models.minimax_h3.spec import PIXEL_MEAN, PIXEL_STD, split_prediction
@@ -70,21 +72,15 @@ class MiniMaxH3Sampling(FamilySampling):
         return AUDIO_CHANNELS * latents, channels
 
     def join(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """Video latents (1, C, F, h, w) and audio rows (1, R, Ca) -> (1, C, F, h, w + k): the
-        audio's values in k more columns, zero-padded, so the shape alone tells both apart."""
-        c, f, h, _ = video.shape[1:]
-        k = -(-audio.numel() // (c * f * h))
-        extra = torch.zeros(c * f * h * k, dtype=video.dtype, device=video.device)
-        extra[:audio.numel()] = audio.flatten()
-        return torch.cat([video, extra.reshape(1, f, h, c, k).permute(0, 3, 1, 2, 4)], dim=-1)
+        """Video latents (1, C, F, h, w) and audio rows (1, R, Ca) -> (1, C, F, h, w + k)
+        (`dpipe.models.common.joined_latents`)."""
+        return joined_latents.join(video, audio)
 
     def split(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `join`: (video latents, audio rows)."""
-        c, f, h, width = joined.shape[1:]
-        rows, channels = self.audio_rows(f)
-        k = -(-rows * channels // (c * f * h))
-        extra = joined[..., width - k:].permute(0, 2, 3, 1, 4).reshape(-1)
-        return joined[..., :width - k], extra[:rows * channels].reshape(1, rows, channels)
+        rows, channels = self.audio_rows(joined.shape[2])
+        video, audio = joined_latents.split(joined, rows * channels)
+        return video, audio.reshape(1, rows, channels)
 
     def initial_latents(self, request: SampleRequest) -> torch.Tensor:
         generator = torch.Generator().manual_seed(request.seed)
@@ -170,11 +166,55 @@ class MiniMaxH3Sampling(FamilySampling):
         std = torch.tensor(PIXEL_STD, device=rgb.device).view(3, 1, 1, 1)
         return ((rgb * std + mean).clamp(0, 1) * 2 - 1)
 
+    # ---- the soundtrack --------------------------------------------------------------------
+    def makes_sound(self) -> bool:
+        return True  # the t2va workflow's soundtrack, denoised with the video
+
+    def load_sound_decoder(self, device: torch.device, dtype: torch.dtype):
+        from diffusers import AutoencoderKLMiniMaxH3Audio
+
+        # float32, as the video VAE: the pipeline's components load so.
+        vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(self.path, subfolder="audio_vae",
+                                                          dtype=torch.float32)
+        return vae.to(device).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def decode_sound(self, decoder, latents: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Joined rows -> the stereo waveform, as MiniMaxH3AudioDecodeStep decodes: the rows
+        (channel-major) as one batch item per stereo channel (2, C, L), denormalised with the
+        audio VAE's latents_mean / latents_std, decoded by the (mono) audio VAE; at its
+        sampling_rate."""
+        _, rows = self.split(latents.reshape(1, *latents.shape[-4:]))
+        c = decoder.config
+        z = rows.to(decoder.device, torch.float32).reshape(AUDIO_CHANNELS, -1, rows.shape[-1])
+        z = z.permute(0, 2, 1)  # (stereo channel, latent channel, L)
+        z = (z * torch.tensor(c.latents_std, device=z.device).view(1, -1, 1)
+             + torch.tensor(c.latents_mean, device=z.device).view(1, -1, 1))
+        waveform = decoder.decode(z, return_dict=False)[0]  # (2, 1, samples)
+        return waveform.float()[:, 0], int(c.sampling_rate)
+
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         """MiniMaxH3ModularPipeline's t2va with `denoiser` as its transformer: its final video
         latents and audio rows, in the layout of `Denoising.latents`."""
+        out = self.run_pipeline(denoiser, request, steps, output=["latents", "audio_latents"])
+        video, audio = out["latents"], out["audio_latents"]
+        rows = audio.permute(0, 2, 1).reshape(1, -1, audio.shape[1])  # channel-major rows
+        return self.join(video.float(), rows.float())
+
+    def diffusers_media(self, denoiser, request: SampleRequest, steps: int, guidance: float
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+        """The t2va pipeline's decoded sample: (frames (3, F, H, W) in [0, 1], (the stereo
+        waveform, its sampling rate))."""
+        out = self.run_pipeline(denoiser, request, steps, output_type="pt",
+                                output=["videos", "audio", "sampling_rate"])
+        return (out["videos"][0].permute(1, 0, 2, 3).float(),
+                (out["audio"][0].float(), int(out["sampling_rate"])))
+
+    def run_pipeline(self, denoiser, request: SampleRequest, steps: int, **kwargs):
+        """MiniMaxH3ModularPipeline's t2va from the model folder with `denoiser` as its
+        transformer, run on the request (with one grid point more than `steps` model calls)."""
         from diffusers import ModularPipeline
 
         from dpipe.models.minimax_h3.processor import load_processor
@@ -185,13 +225,9 @@ class MiniMaxH3Sampling(FamilySampling):
         pipe.load_components(names=names, dtype=torch.float32)
         pipe.update_components(processor=load_processor(self.path / "processor"),
                                transformer=denoiser)
-        out = pipe(prompt=request.prompt, num_frames=request.frames, height=request.height,
-                   width=request.width, num_inference_steps=steps + 1,
-                   generator=torch.Generator().manual_seed(request.seed),
-                   output=["latents", "audio_latents"])
-        video, audio = out["latents"], out["audio_latents"]
-        rows = audio.permute(0, 2, 1).reshape(1, -1, audio.shape[1])  # channel-major rows
-        return self.join(video.float(), rows.float())
+        return pipe(prompt=request.prompt, num_frames=request.frames, height=request.height,
+                    width=request.width, num_inference_steps=steps + 1,
+                    generator=torch.Generator().manual_seed(request.seed), **kwargs)
 
 
 def _sampling_batch():
