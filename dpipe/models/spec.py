@@ -228,17 +228,19 @@ class ModelSpec(abc.ABC):
         """Scalar loss from the last layer's outputs and the labels of `make_inputs`: the mean
         of `self.element_error` between prediction and target, with the family's weights."""
 
-    def prediction_target(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last layer's `outputs` laid out as the `target` that `loss` compares them with,
-        so that `loss(outputs, (prediction_target(outputs, t), ...))` is 0: prior preservation
-        makes the base model's prediction the target (dpipe.train.prior). Families whose
-        outputs carry more than the target (reference tokens) cut them off."""
-        if outputs.shape != target.shape:
+    def prior_labels(self, outputs: Any, labels: tuple, rows: list[int]) -> tuple:
+        """`labels` with the base model's prediction (`outputs`: the last layer's whole output)
+        as the target of the micro-batch's `rows`, so that `loss` on those rows is 0: prior
+        preservation (dpipe.train.prior). Default: the first output is laid out as the first
+        label; families whose outputs carry more (reference tokens, a second stream) say how."""
+        output = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
+        target = labels[0]
+        if output.shape != target.shape:
             raise ConfigError(f"model.family={self.family} does not support prior_preservation "
-                              f"yet (its prediction {tuple(outputs.shape)} and target "
+                              f"yet (its prediction {tuple(output.shape)} and target "
                               f"{tuple(target.shape)} differ in layout): remove "
                               "prior_preservation from the dataset config")
-        return outputs
+        return (replace_rows(target, output, rows), *labels[1:])
 
     # ---- sampling ----------------------------------------------------------------------------
     def sampling(self):
@@ -396,3 +398,10 @@ def joint_attention_train_flops(denoiser: nn.Module, batch: int, seq: int, full:
     blocks = c.num_layers + c.get("num_single_layers", 0)
     attention = attention_train_flops(seq, width) * blocks
     return batch * ((6 if full else 4) * model_params(denoiser) * seq + attention)
+
+
+def replace_rows(target: torch.Tensor, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of `target` whose samples `rows` (dim 0) are those of `values`."""
+    out = target.clone()
+    out[rows] = values[rows].to(out.dtype)
+    return out

@@ -44,7 +44,8 @@ class PriorTargets:
         probe, module.probe = module.probe, None  # the memory planner measures training steps
         try:
             with torch.no_grad(), adapters_off(module):
-                outputs = self.link.forward(module.forward, inputs, len(chosen))
+                outputs = self.link.forward(module.forward, inputs, len(chosen),
+                                            keep=lambda y: y)  # every stream's prediction
         finally:
             module.probe = probe
         if self.link.error is not None:
@@ -57,10 +58,7 @@ class PriorTargets:
                 raise RuntimeError(f"prior preservation: step {step}'s base-model pass failed "
                                    "on an earlier pipeline stage (its log says why)")
             micro_inputs, labels = batches[k]
-            base = self.spec.prediction_target(output, labels[0])
-            target = labels[0].clone()
-            target[rows[k]] = base[rows[k]].to(target.dtype)
-            batches[k] = (micro_inputs, (target, *labels[1:]))
+            batches[k] = (micro_inputs, self.spec.prior_labels(output, labels, rows[k]))
         return iter(batches)
 
 

@@ -67,10 +67,12 @@ def test_a_prediction_is_its_own_target_at_zero_loss():
     """What prior preservation relies on: the base model's output, made the target, gives the
     loss 0 (FLUX.2 cuts its reference tokens off, as its loss does)."""
     spec = tiny_flux_spec()
-    outputs = torch.randn(2, 18, 16)
-    assert spec.loss(outputs, (spec.prediction_target(outputs, torch.zeros(2, 18, 16)),)) == 0
+    outputs, data = torch.randn(2, 18, 16), torch.zeros(2, 18, 16)
+    assert spec.loss(outputs, spec.prior_labels(outputs, (data,), [0, 1])) == 0
+    labels = spec.prior_labels(outputs, (data,), [1])  # row 0 keeps its data target
+    torch.testing.assert_close(labels[0], torch.stack([data[0], outputs[1]]))
     with pytest.raises(ConfigError, match="does not support prior_preservation"):
-        spec.prediction_target(torch.randn(2, 20, 16), torch.zeros(2, 18, 16))
+        spec.prior_labels(torch.randn(2, 20, 16), (data,), [0])
 
 
 @pytest.mark.parametrize("value", [0, -1, float("nan")])

@@ -151,6 +151,25 @@ def test_a_micro_batch_without_sound(spec, encoders):
         assert all(g is None for n, g in grads.items() if "audio" in n)  # not run
 
 
+def test_prior_preservation_targets_both_streams(spec, encoders):
+    """Prior preservation with sound: the base model's video and audio predictions become the
+    targets of the chosen rows (loss 0 on them), the other rows keep their data targets; a
+    micro-batch without sound keeps its empty audio target."""
+    with torch.no_grad():
+        inputs, labels = audio_batch(spec, encoders)
+        outputs = run(spec.pipeline_layers(lora_denoiser(spec)), inputs)
+    assert spec.loss(outputs, spec.prior_labels(outputs, labels, [0, 1])) == 0
+    video, audio = outputs
+    prior = spec.prior_labels(outputs, labels, [1])
+    torch.testing.assert_close(prior[0], torch.stack([labels[0][0], video[1]]))
+    torch.testing.assert_close(prior[-1], torch.stack([labels[-1][0], audio[1]]))
+    silent_inputs, silent_labels = audio_batch(spec, encoders, sound=False)
+    with torch.no_grad():
+        silent = run(spec.pipeline_layers(lora_denoiser(spec)), silent_inputs)
+    prior = spec.prior_labels(silent, silent_labels, [0, 1])
+    assert prior[-1].shape == (2, 0, 4) and spec.loss(silent, prior) == 0
+
+
 def test_audio_false_keeps_the_video_only_layers(spec):
     video_only = make_spec(spec.path, spec.family)
     layers = video_only.pipeline_layers(video_only.load_denoiser(torch.float32))

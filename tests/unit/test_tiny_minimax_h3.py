@@ -129,6 +129,9 @@ def test_layers_equal_the_diffusers_forward(folder, audio):
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
     loss = spec.loss(x, labels)
     assert loss.ndim == 0 and loss > 0
+    # prior preservation: the base model's prediction as the targets (both streams) gives loss 0
+    assert spec.loss(x, spec.prior_labels(x, labels, [0, 1])) == 0
+    assert 0 < spec.loss(x, spec.prior_labels(x, labels, [1])) < loss
     if audio:  # clips without their audio latents are refused, not trained as video only
         with pytest.raises(DataError, match="model.audio=true.*no audio latents"):
             _inputs(spec, folder, False, torch.Generator().manual_seed(0))

@@ -191,8 +191,9 @@ class Flux2Spec(ModelSpec):
         # labels[1:]: per-token loss weights (masks), broadcast over channels, where given
         return weighted_mean(self.element_error(pred, target), *labels[1:])
 
-    def prediction_target(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return outputs[:, :target.shape[1]]  # without the reference image tokens, as `loss`
+    def prior_labels(self, outputs: torch.Tensor, labels: tuple, rows: list[int]) -> tuple:
+        # without the reference image tokens, as `loss`
+        return super().prior_labels(outputs[:, :labels[0].shape[1]], labels, rows)
 
     # ---- export ------------------------------------------------------------------------------
     def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

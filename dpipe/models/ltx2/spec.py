@@ -35,7 +35,7 @@ from dpipe.models.attention_mask import has_padding
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
-from dpipe.models.spec import AudioFormat, PipelineLayer
+from dpipe.models.spec import AudioFormat, PipelineLayer, replace_rows
 from dpipe.models.sync_free import sizes
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -185,6 +185,16 @@ class LTX2Spec(LTXVideoSpec):
         else:
             audio, target = pack_audio(batch.audio_noisy), pack_audio(batch.audio_target)
         return (*inputs, audio, audio_text), (*labels, target)
+
+    def prior_labels(self, outputs, labels: tuple, rows: list[int]) -> tuple:
+        """With model.audio: both streams' targets of `rows` become the base model's predictions
+        (a micro-batch without sound has an empty audio target, left as it is)."""
+        if not self.cfg.audio:
+            return super().prior_labels(outputs, labels, rows)
+        (video, audio), audio_target = outputs, labels[-1]
+        if audio_target.numel():
+            audio_target = replace_rows(audio_target, audio, rows)
+        return (*super().prior_labels(video, labels[:-1], rows), audio_target)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         """Video flow-matching loss (its weights as with model.audio=false), plus

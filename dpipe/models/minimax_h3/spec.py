@@ -49,7 +49,7 @@ from dpipe.models.single_file import (
     check_single_file, export_like_source, load_transformer_file, split_path)
 from dpipe.models.spec import (
     AudioFormat, ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
-    model_params)
+    model_params, replace_rows)
 from dpipe.models.sync_free import carrier
 
 REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tokenizer",
@@ -381,6 +381,16 @@ class MiniMaxH3Spec(ModelSpec):
             weight = patchify(weight.expand_as(latents).to(latents.dtype), self.patch)
             labels += (weight,)
         return inputs, labels
+
+    def prior_labels(self, outputs: torch.Tensor, labels: tuple, rows: list[int]) -> tuple:
+        """With audio rows, the video's and the audio's targets of `rows` both become the base
+        model's predictions (split from the joined output, as `loss` splits it)."""
+        if outputs.ndim != 2:
+            return super().prior_labels(outputs, labels, rows)
+        target, audio_target, *weight = labels
+        video, audio = split_prediction(outputs, target.shape, audio_target.shape)
+        return (replace_rows(target, video, rows), replace_rows(audio_target, audio, rows),
+                *weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
         """The video rows' loss; with audio rows, plus model.audio_loss_weight x the audio's."""
