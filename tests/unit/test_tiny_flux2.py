@@ -159,3 +159,13 @@ def test_block_costs_follow_flops(spec, pipe):
     inputs = latent_inputs(spec, pipe, torch.randn(2, 16, 8, 8), [CAPTION, "a star"], [0.2, 0.9])
     assert_block_costs_follow_flops(spec, spec.pipeline_layers(pipe.transformer), inputs,
                                     (Flux2DoubleBlock, Flux2SingleBlock))
+
+
+def test_prior_targets_leave_out_the_reference_tokens(spec):
+    """Prior preservation on an edit micro-batch: the prediction's reference-image tokens are
+    cut off (as `loss` cuts them), so the base model's prediction as the target gives loss 0."""
+    target = torch.randn(2, 64, 16)
+    out = torch.randn(2, 64 + 32, 16)  # 32 reference tokens after the image's
+    labels = spec.prior_labels(out, (target,), [0, 1])
+    torch.testing.assert_close(labels[0], out[:, :64])
+    assert spec.loss(out, labels) == 0
