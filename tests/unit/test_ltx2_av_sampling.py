@@ -9,32 +9,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from dpipe.config.schema import ModelConfig
 from dpipe.models.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx23.tiny import make_tiny_ltx23
-from dpipe.models.registry import build_spec
 from dpipe.models.sampling import SampleRequest
 from dpipe.sample import outputs
+from tests.unit.video_checks import tiny_spec
 
 STEPS, GUIDANCE = 2, 3.0
-
-
-def make_spec(path, family, **values):
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "family": family, "path": str(path), "max_text_tokens": 16,
-        "lora": {"rank": 4, "alpha": 8}, **values}))
-    spec = build_spec(cfg)
-    spec.ensure_available()
-    return spec
 
 
 @pytest.fixture(scope="module", params=["ltx2", "ltx23"])
 def spec(request, tmp_path_factory):
     make = make_tiny_ltx2 if request.param == "ltx2" else make_tiny_ltx23
     path = make(tmp_path_factory.mktemp("models") / request.param)
-    return make_spec(path, request.param, audio=True)
+    return tiny_spec(path, request.param, audio=True)
 
 
 def sample_through_layers(spec, request: SampleRequest) -> torch.Tensor:
@@ -102,7 +91,7 @@ def test_audio_false_samples_video_only(spec):
     """model.audio=false keeps the video-only sampler: no sound, the video latents alone."""
     from dpipe.models.ltx2.sampling import LTX2Sampling
 
-    video_only = make_spec(spec.path, spec.family, audio=False).sampling()
+    video_only = tiny_spec(spec.path, spec.family, audio=False).sampling()
     assert type(video_only) is LTX2Sampling and not video_only.makes_sound()
     request = SampleRequest(0, "a", "", 0, 64, 64, frames=9)
     assert video_only.initial_latents(request).shape == (1, 8, 2, 8, 8)
@@ -114,6 +103,6 @@ def test_a_folder_without_the_vocoder_is_refused_before_sampling(spec, tmp_path)
     folder = tmp_path / "no-vocoder"
     shutil.copytree(spec.path, folder)
     shutil.rmtree(folder / "vocoder")
-    sampling = make_spec(folder, spec.family, audio=True).sampling()
+    sampling = tiny_spec(folder, spec.family, audio=True).sampling()
     problem = sampling.check(SampleRequest(0, "a", "", 0, 64, 64, frames=9))
     assert "vocoder" in problem and "model.audio=false" in problem

@@ -8,14 +8,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from dpipe.config.schema import ModelConfig
 from dpipe.data.batches import DataBatch
 from dpipe.errors import DataError
 from dpipe.models.ltx2.av_layers import LTX2AVBlock
@@ -23,28 +20,18 @@ from dpipe.models.ltx2.spec import AUDIO_TEXT_KEY, pack_audio, unpack_audio
 from dpipe.models.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx23.tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
-from dpipe.models.registry import build_spec
 from dpipe.models.tiny_parts import seeded
 from tests.unit.video_checks import (
-    CAPTIONS, assert_checkpointing_matches, lora_denoiser, lora_state_dict, run)
+    CAPTIONS, assert_checkpointing_matches, lora_denoiser, lora_state_dict, run, tiny_spec)
 
 AUDIO_CHANNELS, MEL_BINS = 2, 2  # the tiny audio VAE's latents: 4 features per audio token
-
-
-def make_spec(path, family, **values):
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "family": family, "path": str(path), "max_text_tokens": 16,
-        "lora": {"rank": 4, "alpha": 8}, **values}))
-    spec = build_spec(cfg)
-    spec.ensure_available()
-    return spec
 
 
 @pytest.fixture(scope="module", params=["ltx2", "ltx23"])
 def spec(request, tmp_path_factory):
     make = make_tiny_ltx2 if request.param == "ltx2" else make_tiny_ltx23
     path = make(tmp_path_factory.mktemp("models") / request.param)
-    return make_spec(path, request.param, audio=True)
+    return tiny_spec(path, request.param, audio=True)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +158,7 @@ def test_prior_preservation_targets_both_streams(spec, encoders):
 
 
 def test_audio_false_keeps_the_video_only_layers(spec):
-    video_only = make_spec(spec.path, spec.family)
+    video_only = tiny_spec(spec.path, spec.family)
     layers = video_only.pipeline_layers(video_only.load_denoiser(torch.float32))
     assert not any(isinstance(layer, LTX2AVBlock) for layer in layers)
     assert "audio" not in video_only.lora_targets()
@@ -187,7 +174,7 @@ def test_prompts_without_audio_tokens_are_refused(spec, encoders):
     with pytest.raises(DataError, match="encode them with model.audio=true"):
         spec.make_inputs(batch)
     # Cached prompts of the two settings differ in their entries' keys.
-    video_only = make_spec(spec.path, spec.family)
+    video_only = tiny_spec(spec.path, spec.family)
     assert spec.encoder_fingerprint("text") != video_only.encoder_fingerprint("text")
     assert "audio_prompts" not in video_only.encoder_fingerprint("text")  # old caches stay valid
 
@@ -281,7 +268,7 @@ def test_layer_costs_and_flops_count_the_audio_stream(spec, encoders):
         return
     with_sound, _ = audio_batch(spec, encoders)
     silent, _ = audio_batch(spec, encoders, sound=False)
-    video_only = make_spec(spec.path, spec.family)
+    video_only = tiny_spec(spec.path, spec.family)
     flops = [s.train_flops(denoiser, x, full=False)
              for s, x in ((spec, with_sound), (spec, silent), (video_only, silent[:6]))]
     assert flops[0] > flops[1] and flops[1] == flops[2]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers import LTX2Pipeline
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -28,9 +28,8 @@ from dpipe.models.ltx2.tiny import make_tiny_ltx2, write_single_file
 from dpipe.models.ltx23.spec import COMFYUI_LORA, LTX23Spec
 from dpipe.models.ltx23.tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
-from dpipe.models.registry import build_spec
 from tests.unit.video_checks import (
-    CAPTIONS, assert_layers_match, deltas, lora_denoiser, lora_state_dict, micro_batch)
+    CAPTIONS, assert_layers_match, deltas, lora_denoiser, lora_state_dict, micro_batch, tiny_spec)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +43,7 @@ def tiny(models) -> Path:
 
 
 def make_spec(path, family="ltx23", **values):
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "family": family, "path": str(path), "max_text_tokens": 16,
-        "lora": {"rank": 4, "alpha": 8}, **values}))
-    spec = build_spec(cfg)
-    spec.ensure_available()
-    return spec
+    return tiny_spec(path, family, **values)
 
 
 @pytest.fixture(scope="module")

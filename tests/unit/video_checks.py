@@ -18,6 +18,22 @@ from dpipe.train.lora import make_trainable
 CAPTIONS = ["a red circle on a blue background", "two green stars"]
 
 
+def tiny_spec(path, family: str, **values):
+    """The spec of the tiny model at `path` as the families' unit tests configure it (16 text
+    tokens, LoRA rank 4, alpha 8), `values` over that; its parts checked."""
+    from omegaconf import OmegaConf
+
+    from dpipe.config.schema import ModelConfig
+    from dpipe.models.registry import build_spec
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "family": family, "path": str(path), "max_text_tokens": 16,
+        "lora": {"rank": 4, "alpha": 8}, **values}))
+    spec = build_spec(cfg)
+    spec.ensure_available()
+    return spec
+
+
 def lora_denoiser(spec, rank: int = 4, alpha: float = 8.0, seed: int = 0):
     """The spec's denoiser with LoRA on its default targets and random (non-zero) B matrices,
     so that the adapters change the output."""
