@@ -40,8 +40,14 @@ def test_profile_sums_each_rank_s_step_by_kind(rows, bench_out):
     for rank in range(3):
         text = (bench_out / "full-3" / f"profile_rank{rank}.txt").read_text()
         assert text.startswith("one step, CPU op time by kind (ms, share)")
-        shares = dict(re.findall(r"^(matmul|attention) +[\d.]+ +([\d.]+)%$", text, re.M))
-        assert float(shares["matmul"]) > 10, text
+        # Shares, not their sizes: on a shared 2-core machine one stalled op can take 40% of a
+        # step, so only what the profile must hold is asserted.
+        rows_by_kind = re.findall(r"^ *(\S.*?) {2,}([\d.]+) +([\d.]+)%$", text, re.M)
+        shares = {kind: float(share) for kind, _ms, share in rows_by_kind}
+        assert {"matmul", "attention"} <= set(shares), text
+        assert shares["matmul"] > 0 and shares["attention"] > 0, text
+        assert abs(sum(shares.values()) - 100) < 1, text
+        assert re.search(r"^ +[\d.]+ +matmul \| aten::mm$", text, re.M), text
     from dpipe.bench.profile import kind_of
 
     assert [kind_of(k) for k in ("sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_tst_128x256_64x4",
