@@ -13,7 +13,7 @@ bench() {  # bench TAG TIMEOUT ARGS... : results to $OUT/TAG.md / .json
   local tag=$1 limit=$2; shift 2
   if [ -n "${DEADLINE:-}" ]; then  # DEADLINE (epoch s): a call's end; a bench that cannot start skips
     local left=$(( DEADLINE - $(date +%s) ))
-    if [ $left -lt 90 ]; then echo "=== skip $tag: ${left}s left" | tee -a $LOG; return; fi
+    if [ $left -lt ${MIN_LEFT:-90} ]; then echo "=== skip $tag: ${left}s left" | tee -a $LOG; return; fi
     [ $left -lt $limit ] && limit=$left
   fi
   echo "=== bench $tag: $* ($(date -u +%T))" | tee -a $LOG
