@@ -612,7 +612,8 @@ class TrainConfig:
 
 
 # The keys a `sample.prompts` item may set besides `prompt` (dpipe.sample.requests checks them).
-PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "control")
+PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "control",
+               "audio_guidance")
 
 
 @dataclass
@@ -621,12 +622,16 @@ class SampleConfig:
     `dpipe-sample`. With no prompts nothing is sampled and nothing is loaded for it."""
 
     # Each item a prompt, or a mapping with `prompt` and any of negative_prompt, seed, width,
-    # height, frames, control (an image path, for edit and image-to-video families).
+    # height, frames, control (an image path, for edit and image-to-video families),
+    # audio_guidance.
     prompts: list[Any] = field(default_factory=list)
     every_steps: int = 0  # sample every N steps; 0: only at the end of training
     at_start: bool = False  # also before the first step (a baseline to compare with)
     steps: Optional[int] = None  # denoising steps; null: the family's usual number
     guidance: Optional[float] = None  # guidance scale; null: the family's usual value
+    # The sound's own guidance scale, for families that guide it apart from the picture (LTX-2
+    # and LTX-2.3 with model.audio=true); null: the family's usual value (LTX2Pipeline's 7.0).
+    audio_guidance: Optional[float] = None
     seed: int = 0  # the noise seed of items without their own
     negative_prompt: str = ""  # for families with classifier-free guidance
     # Sizes of items without their own; null: the dataset's largest resolution, square, and

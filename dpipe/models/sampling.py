@@ -36,6 +36,7 @@ class SampleRequest:
     height: int
     frames: int = 1
     control: str | None = None  # an image path (edit and image-to-video families)
+    audio_guidance: float | None = None  # the sound's own scale; None: the family's usual
 
     @property
     def label(self) -> str:
@@ -80,6 +81,9 @@ class FamilySampling:
     # that take one where given (FLUX.2's references, Wan 2.2 TI2V's first frame).
     needs_control: ClassVar[bool] = False
     takes_control: ClassVar[bool] = False
+    # Families that guide their sound with a scale of its own (sample.audio_guidance): its
+    # usual value; None where a family makes no sound or guides it with the picture's scale.
+    default_audio_guidance: ClassVar[float | None] = None
 
     def __init__(self, spec):
         self.spec = spec
@@ -100,6 +104,15 @@ class FamilySampling:
         if request.control is not None and not (self.needs_control or self.takes_control):
             return (f"control={request.control}: {self.spec.family} takes no control image; "
                     "remove `control`")
+        return self.sound_problem(request)
+
+    def sound_problem(self, request: SampleRequest) -> str | None:
+        """What is wrong with the request's sound settings (`audio_guidance`), or None."""
+        if request.audio_guidance is not None and self.default_audio_guidance is None:
+            how = ("guides its sound with sample.guidance" if self.makes_sound()
+                   else "makes no sound here")
+            return (f"audio_guidance={request.audio_guidance} (or sample.audio_guidance): "
+                    f"{self.spec.family} {how}; leave audio_guidance unset")
         return None
 
     def control_size(self, request: SampleRequest) -> tuple[int, int]:

@@ -6,6 +6,7 @@ one message naming the item, the key and what to change.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -44,6 +45,7 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
             height=_whole(fields, "height", where, cfg.height or side, 1),
             frames=_whole(fields, "frames", where, frames, 1),
             control=_control(fields, where),
+            audio_guidance=_scale(fields, "audio_guidance", where, cfg.audio_guidance),
         )
         for key in ("width", "height"):
             value = getattr(request, key)
@@ -92,6 +94,17 @@ def _whole(fields: dict, key: str, where: str, default: int, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigError(f"{where}.{key}={value!r}: must be a whole number >= {least}")
     return value
+
+
+def _scale(fields: dict, key: str, where: str, default: float | None) -> float | None:
+    value = fields.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{where}.{key}={value!r} (or sample.{key}): must be a number >= 0, "
+                          "or null for the family's usual value")
+    return float(value)
 
 
 def _control(fields: dict, where: str) -> str | None:

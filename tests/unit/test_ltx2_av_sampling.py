@@ -87,6 +87,33 @@ def test_samples_both_streams_as_the_pipeline(spec, tmp_path):
         assert abs(seconds - 17 / sampling.fps) < 1 / sampling.fps
 
 
+def test_the_sound_has_its_own_guidance_scale(spec):
+    """sample.audio_guidance=2 (9 frames): the joint sample equals LTX2Pipeline's with
+    audio_guidance_scale=2 and its sound differs from the one at the usual 7.0, the picture
+    only through the cross-modal attention. The video-only sampler refuses the key."""
+    import dataclasses
+
+    from dpipe.models.ltx2.sampling import LTX2Sampling
+
+    sampling = spec.sampling()
+    usual = SampleRequest(0, "a red fox", "blurry", seed=5, width=64, height=64, frames=9)
+    request = dataclasses.replace(usual, audio_guidance=2.0)
+    assert sampling.check(request) is None
+    assert sampling.audio_guidance(usual) == 7.0 and sampling.audio_guidance(request) == 2.0
+    latents = sample_through_layers(spec, request)
+    with torch.no_grad():
+        expected = sampling.diffusers_sample(spec.load_denoiser(torch.float32), request, STEPS,
+                                             GUIDANCE)
+    torch.testing.assert_close(latents, expected, rtol=1e-4, atol=1e-5)
+    sound, sound_usual = (sampling.streams(x)[1] for x in (latents, sample_through_layers(
+        spec, usual)))
+    assert (sound - sound_usual).abs().max() > 1e-3
+
+    video_only = tiny_spec(spec.path, spec.family, audio=False).sampling()
+    assert type(video_only) is LTX2Sampling
+    assert "makes no sound here" in video_only.check(request)
+
+
 def test_audio_false_samples_video_only(spec):
     """model.audio=false keeps the video-only sampler: no sound, the video latents alone."""
     from dpipe.models.ltx2.sampling import LTX2Sampling

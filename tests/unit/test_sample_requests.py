@@ -27,6 +27,7 @@ def test_items_take_the_defaults_and_their_own_keys(flux):
     assert (second.prompt, second.seed, second.width, second.height) == ("a dog", 3, 48, 32)
     assert first.negative_prompt == second.negative_prompt == "blurry"
     assert (first.index, second.index, first.frames) == (0, 1, 1)
+    assert first.audio_guidance is second.audio_guidance is None
 
 
 def test_no_prompts_no_requests(flux):
@@ -49,6 +50,10 @@ def test_the_default_size_is_a_multiple_of_the_familys(flux):
     ({"prompt": "a", "frames": 5}, "frames=5: flux makes images"),
     ({"prompt": "a", "control": "/no/such/image.png"}, "sample.prompts[0].control=/no/such/"),
     ({"prompt": 7}, "sample.prompts[0].prompt=7: must be a string"),
+    ({"prompt": "a", "audio_guidance": -1}, "sample.prompts[0].audio_guidance=-1 (or "
+                                            "sample.audio_guidance): must be a number >= 0"),
+    ({"prompt": "a", "audio_guidance": 5}, "sample.prompts[0]: audio_guidance=5.0 (or "
+                                           "sample.audio_guidance): flux makes no sound here"),
 ])
 def test_a_bad_item_is_named_with_what_to_change(flux, item, message):
     with pytest.raises(ConfigError) as error:

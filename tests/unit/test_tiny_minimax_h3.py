@@ -291,6 +291,8 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder, tmp_path):
                             height=32 * 2, frames=124)
     assert sampling.check(request) is None
     assert "17k+5" in sampling.check(SampleRequest(0, "a", "", 0, 64, 64, frames=9))
+    assert "guides its sound with sample.guidance" in sampling.check(
+        SampleRequest(0, "a", "", 0, 64, 64, frames=124, audio_guidance=5.0))
     enc = spec.load_encoders(torch.device("cpu"), torch.float32)
     text = spec.encode_prompts(enc, [request.prompt])
     denoiser = spec.load_denoiser(torch.float32)

@@ -9,8 +9,9 @@ pipeline's `audio_scheduler`), so both streams run at one t per step, as dpipe t
 step's two transformer passes (prompt, negative prompt) run the joint computation
 (`isolate_modalities=False`); each stream's velocity becomes x0 = x - sigma v, guided as
 x0_cond + (g - 1)(x0_cond - x0_uncond) and rescaled by 0.7 against x0_cond: g = sample.guidance
-(3.0) for the video, the pipeline's `audio_guidance_scale` 7.0 for the sound (so the negative
-prompt's pass always runs, as in the pipeline); Euler steps. Without spatio-temporal and
+(3.0) for the video, sample.audio_guidance (the pipeline's `audio_guidance_scale`, 7.0 by
+default) for the sound; the negative prompt's pass always runs (the pipeline skips it where both
+scales are <= 1, with the same result); Euler steps. Without spatio-temporal and
 modality-isolation guidance, as sampling.py explains for the video (their passes are not in
 dpipe's loop): `diffusers_sample` runs LTX2Pipeline with stg_scale = audio_stg_scale = 0 and
 modality_scale = audio_modality_scale = 1 and nothing else changed.
@@ -40,11 +41,11 @@ from dpipe.models.ltx2.sampling import GUIDANCE_RESCALE, LTX2Sampling, rescale_n
 from dpipe.models.ltx2.spec import pack_audio, unpack_audio
 from dpipe.models.sampling import Denoising, SampleRequest
 
-AUDIO_GUIDANCE = 7.0  # LTX2Pipeline's audio_guidance_scale default
 AUDIO_COMPRESSION = 4  # AutoencoderKLLTX2Audio's LATENT_DOWNSAMPLE_FACTOR (time and mel bins)
 
 
 class LTX2AVSampling(LTX2Sampling):
+    default_audio_guidance = 7.0  # LTX2Pipeline's audio_guidance_scale default
 
     def check(self, request: SampleRequest) -> str | None:
         problem = super().check(request)
@@ -59,7 +60,12 @@ class LTX2AVSampling(LTX2Sampling):
         return None
 
     def uses_uncond(self, guidance: float) -> bool:
-        return guidance > 1.0 or AUDIO_GUIDANCE > 1.0  # the pipeline's do_classifier_free_guidance
+        return True  # the sound is guided, by its own scale, whatever the picture's
+
+    def audio_guidance(self, request: SampleRequest) -> float:
+        """The request's scale for the sound (sample.audio_guidance), or the pipeline's usual."""
+        return (self.default_audio_guidance if request.audio_guidance is None
+                else request.audio_guidance)
 
     # ---- the two streams in one tensor ------------------------------------------------------
     @cached_property
@@ -122,7 +128,7 @@ class LTX2AVSampling(LTX2Sampling):
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
         (video, audio), (video_u, audio_u) = self.streams(cond), self.streams(uncond)
-        guided = audio + (AUDIO_GUIDANCE - 1) * (audio - audio_u)
+        guided = audio + (self.audio_guidance(d.request) - 1) * (audio - audio_u)
         if GUIDANCE_RESCALE > 0:
             guided = rescale_noise_cfg(guided, audio, GUIDANCE_RESCALE)
         return joined_latents.join(super().guide(video, video_u, d), guided)
@@ -173,8 +179,9 @@ class LTX2AVSampling(LTX2Sampling):
     # ---- the reference -----------------------------------------------------------------------
     isolate_modalities = False  # the pipeline's transformer calls as they are: the joint ones
 
-    def pipeline_arguments(self, guidance: float) -> dict:
-        return {**super().pipeline_arguments(guidance), "audio_guidance_scale": AUDIO_GUIDANCE,
+    def pipeline_arguments(self, guidance: float, request: SampleRequest) -> dict:
+        return {**super().pipeline_arguments(guidance, request),
+                "audio_guidance_scale": self.audio_guidance(request),
                 "audio_guidance_rescale": GUIDANCE_RESCALE}
 
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

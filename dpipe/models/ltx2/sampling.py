@@ -134,7 +134,7 @@ class LTX2Sampling(FamilySampling):
     # The transformer as dpipe trains it with model.audio=false: video only.
     isolate_modalities = True
 
-    def pipeline_arguments(self, guidance: float) -> dict:
+    def pipeline_arguments(self, guidance: float, request: SampleRequest) -> dict:
         """LTX2Pipeline's arguments besides the request's: dpipe's guidance, no spatio-temporal
         and no modality-isolation guidance."""
         return {"guidance_scale": guidance, "guidance_rescale": GUIDANCE_RESCALE,
@@ -191,7 +191,7 @@ class LTX2Sampling(FamilySampling):
                         frame_rate=self.fps, num_inference_steps=steps,
                         generator=torch.Generator().manual_seed(request.seed),
                         callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
-                        **self.pipeline_arguments(guidance), **kwargs)
+                        **self.pipeline_arguments(guidance, request), **kwargs)
         finally:
             if forward is None:
                 denoiser.__dict__.pop("forward", None)

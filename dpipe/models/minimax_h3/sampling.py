@@ -50,7 +50,7 @@ class MiniMaxH3Sampling(FamilySampling):
                     f"{MIN_SECONDS:g} to {MAX_SECONDS:g} s at {FPS} fps (124, 141, ..., 345)")
         if request.control is not None:
             return f"control={request.control}: MiniMax H3's t2va takes no control image"
-        return None
+        return self.sound_problem(request)
 
     def uses_uncond(self, guidance: float) -> bool:
         return False
