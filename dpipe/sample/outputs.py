@@ -165,7 +165,9 @@ def write_prompts(folder: Path, requests: list[SampleRequest]) -> None:
     """A round's record of what its files show: index -> the request's label."""
     atomic_write_text(folder / PROMPTS_FILE, json.dumps(
         [{"index": r.index, "label": r.label, "prompt": r.prompt, "seed": r.seed,
-          "size": [r.width, r.height], "frames": r.frames} for r in requests], indent=1))
+          "size": [r.width, r.height], "frames": r.frames,
+          **({} if r.audio_guidance is None else {"audio_guidance": r.audio_guidance})}
+         for r in requests], indent=1))
 
 
 def write_index(index_dir: Path, rounds: list[Path] | None = None) -> Path:

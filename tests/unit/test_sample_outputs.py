@@ -3,6 +3,9 @@ only itself."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -112,7 +115,10 @@ def test_the_index_page_plays_the_sound_of_clips_that_have_it(tmp_path):
     outputs.write_sample(folder, request(0, 5), torch.zeros(3, 5, 8, 16), 24.0,
                          audio=(tone(16000, 5 / 24, 2), 16000))
     outputs.write_sample(folder, request(1, 5), torch.zeros(3, 5, 8, 16), 24.0)
-    outputs.write_prompts(folder, [request(0, 5), request(1, 5)])
+    louder = dataclasses.replace(request(0, 5), audio_guidance=5.0)
+    outputs.write_prompts(folder, [louder, request(1, 5)])
+    records = json.loads((folder / outputs.PROMPTS_FILE).read_text())
+    assert records[0]["audio_guidance"] == 5.0 and "audio_guidance" not in records[1]
     page = outputs.write_index(tmp_path).read_text()
     assert '<video src="step_5/0.mp4" controls loop>' in page
     assert '<video src="step_5/1.mp4" controls loop muted>' in page
