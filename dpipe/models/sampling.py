@@ -40,8 +40,9 @@ class SampleRequest:
 
     @property
     def label(self) -> str:
+        sound = "" if self.audio_guidance is None else f", audio guidance {self.audio_guidance:g}"
         return f"{self.prompt} (seed {self.seed}, {self.width}x{self.height}" + (
-            f"x{self.frames})" if self.frames > 1 else ")")
+            f"x{self.frames}" if self.frames > 1 else "") + f"{sound})"
 
 
 @dataclass

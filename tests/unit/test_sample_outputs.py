@@ -119,6 +119,8 @@ def test_the_index_page_plays_the_sound_of_clips_that_have_it(tmp_path):
     outputs.write_prompts(folder, [louder, request(1, 5)])
     records = json.loads((folder / outputs.PROMPTS_FILE).read_text())
     assert records[0]["audio_guidance"] == 5.0 and "audio_guidance" not in records[1]
+    assert [r["label"] for r in records] == ["prompt <0> (seed 1, 16x8x5, audio guidance 5)",
+                                             "prompt <1> (seed 1, 16x8x5)"]
     page = outputs.write_index(tmp_path).read_text()
     assert '<video src="step_5/0.mp4" controls loop>' in page
     assert '<video src="step_5/1.mp4" controls loop muted>' in page
