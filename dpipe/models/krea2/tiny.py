@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
+from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.tiny_parts import seeded, write_atomically
 
 Z_DIM = 4  # latent channels (16 in the real VAE)
@@ -52,30 +52,14 @@ def _write(out: Path, seed: int) -> None:
     from diffusers import (
         AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
         Krea2Transformer2DModel)
-    from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen2Tokenizer, Qwen3VLModel
 
     from dpipe.models.krea2.sizes import KREA2_TINY  # imports this module's sizes
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=262144)
-    vocab = max(added.values()) + 1
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     with seeded(seed):
-        text_encoder = Qwen3VLModel(Qwen3VLConfig(
-            text_config=dict(
-                vocab_size=round_up(vocab, 128), hidden_size=TEXT_DIM, intermediate_size=64,
-                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-                bos_token_id=added["<|endoftext|>"], eos_token_id=added["<|im_end|>"],
-                pad_token_id=added["<|endoftext|>"]),
-            vision_config=dict(
-                depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                out_hidden_size=TEXT_DIM, patch_size=16, spatial_merge_size=2,
-                temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0]),
-            image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
-            vision_start_token_id=added["<|vision_start|>"],
-            vision_end_token_id=added["<|vision_end|>"]))
+        text_encoder = Qwen3VLModel(tiny_qwen3_vl_config(added, TEXT_DIM, layers=4))
     with seeded(seed + 1):
         transformer = Krea2Transformer2DModel.from_config(KREA2_TINY)
         # The zero-initialised modulation tables and norm scales would make a random model
