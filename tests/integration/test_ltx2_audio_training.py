@@ -14,30 +14,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
-from tests.unit.test_data_support import write_video
+from tests.unit.test_data_support import write_clips_with_sound
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("clips_with_sound")
-    for i in range(2):
-        # 9 frames at 8 fps with a tone on their track; images have no sound.
-        write_video(folder / f"clip{i}.mp4", frames=9, fps=8, size=(64, 64),
-                    caption=None, tones=[(330 + 110 * i, 0.6), (880, 0.6)])
-        (folder / f"clip{i}.txt").write_text(f"a grey fade with a tone, clip {i}")
-        pixels = np.random.default_rng(10 + i).integers(0, 255, (64, 64, 3), np.uint8)
-        Image.fromarray(pixels).save(folder / f"image{i}.png")
-        (folder / f"image{i}.txt").write_text("a blue circle on a green background")
+    # 9 frames at 8 fps with tones on their track; images have no sound.
+    folder = write_clips_with_sound(tmp_path_factory.mktemp("clips_with_sound"), 9, 8)
     sweep = Sweep(tmp_path_factory.mktemp("sweep"), "model=tiny_ltx2", "model.audio=true",
                   "dataset=folder", f"dataset.path={folder}", "dataset.resolutions=[64]",
                   "dataset.frame_buckets=[1,9]", "pipeline.stages=2", "pipeline.micro_batches=2",

@@ -13,29 +13,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
-from tests.unit.test_data_support import write_video
+from tests.unit.test_data_support import write_clips_with_sound
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("clips_with_sound")
-    for i in range(2):
-        write_video(folder / f"clip{i}.mp4", frames=22, fps=24, size=(64, 64),
-                    caption=None, tones=[(330 + 110 * i, 0.6), (880, 0.6)])
-        (folder / f"clip{i}.txt").write_text(f"a grey fade with a tone, clip {i}")
-        pixels = np.random.default_rng(10 + i).integers(0, 255, (64, 64, 3), np.uint8)
-        Image.fromarray(pixels).save(folder / f"image{i}.png")
-        (folder / f"image{i}.txt").write_text("a blue circle on a green background")
+    folder = write_clips_with_sound(tmp_path_factory.mktemp("clips_with_sound"), 22, 24)
     sweep = Sweep(tmp_path_factory.mktemp("sweep"), "model=tiny_minimax_h3", "model.audio=true",
                   "dataset=folder", f"dataset.path={folder}", "dataset.resolutions=[64]",
                   "dataset.frame_buckets=[1,22]", "dataset.video_fps=24", "pipeline.stages=2",

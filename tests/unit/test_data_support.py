@@ -72,6 +72,19 @@ def write_video(path: Path, frames: int, fps: int = 8, size=(32, 24), codec: str
     return path
 
 
+def write_clips_with_sound(folder: Path, frames: int, fps: int) -> Path:
+    """An audio-video dataset folder: two 64x64 clips of `frames` frames with two tones on their
+    track, and two random images (no sound), each with a caption."""
+    for i in range(2):
+        write_video(folder / f"clip{i}.mp4", frames=frames, fps=fps, size=(64, 64), caption=None,
+                    tones=[(330 + 110 * i, 0.6), (880, 0.6)])
+        (folder / f"clip{i}.txt").write_text(f"a grey fade with a tone, clip {i}")
+        pixels = np.random.default_rng(10 + i).integers(0, 255, (64, 64, 3), np.uint8)
+        Image.fromarray(pixels).save(folder / f"image{i}.png")
+        (folder / f"image{i}.txt").write_text("a blue circle on a green background")
+    return folder
+
+
 def tone_wave(tones: list[tuple[float, float]], rate: int) -> np.ndarray:
     """float32 samples at half scale playing each (Hz, seconds) tone in turn, phase-continuous."""
     hz = np.concatenate([np.full(round(seconds * rate), f) for f, seconds in tones])
