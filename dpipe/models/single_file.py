@@ -102,8 +102,19 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
             f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads: "
             f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
             f"(e.g. {unexpected[:3]})")
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.to(dtype)
+    model.load_state_dict(in_load_dtypes(state, model, dtype), strict=True, assign=True)
+    return model
+
+
+def in_load_dtypes(state: dict[str, torch.Tensor], model, dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """The floating tensors of `state` in `dtype`, but those of the modules the class keeps in
+    float32 (`_keep_in_fp32_modules`), as diffusers' `from_pretrained` casts them. The buffers
+    a model computes rather than stores (rotary frequencies) stay as built, in float32, as
+    from_pretrained leaves them: a cast of the whole model would round them too."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return {name: value.to(torch.float32 if keep & set(name.split(".")) else dtype)
+            if value.is_floating_point() else value for name, value in state.items()}
 
 
 def load_or_fail(fn: Callable[[], Any], what: Path):

@@ -21,6 +21,7 @@ from dpipe.models.wan.comfyui import COMFY_PREFIX
 from dpipe.models.wan.spec import COMFYUI_LORA, WanSpec
 from dpipe.models.wan.tiny import make_tiny_wan
 from dpipe.train.lora import make_trainable
+from tests.unit.video_checks import assert_same_tensors
 
 CAPTIONS = ["a red circle on a blue background", "a green square"]
 CASES = {  # name: (variant, model config overrides)
@@ -322,6 +323,9 @@ def test_single_file_transformer_loads_as_the_folder_one(models, tmp_path):
         assert set(got) == set(want)
         for name, value in want.items():
             torch.testing.assert_close(got[name], value)
+        # at bf16 too, the float32 parts and the rotary tables as from_pretrained keeps them
+        assert_same_tensors(spec.load_denoiser(torch.bfloat16),
+                            folder.load_denoiser(torch.bfloat16))
     with pytest.raises(ConfigError, match="single_file_config"):
         WanSpec(ModelConfig(family="wan", path=str(file)))
 

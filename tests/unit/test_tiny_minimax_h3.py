@@ -330,6 +330,33 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder, tmp_path):
         assert abs(seconds - 124 / sampling.fps) < 1 / sampling.fps
 
 
+def test_a_bf16_load_of_a_single_file_keeps_the_fp32_parts_as_from_pretrained(folder, tmp_path):
+    """At bf16, the modules the release keeps in float32 keep the file's float32 values (the
+    weights here made to hold values bf16 cannot), and the rotary frequencies stay float32 as
+    built: every parameter and buffer equals the folder's, as from_pretrained loads it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dpipe.models.minimax_h3.tiny import write_single_file
+    from tests.unit.video_checks import assert_same_tensors
+
+    root = shutil.copytree(folder, tmp_path / "model")
+    kept = []
+    for shard in sorted((root / "transformer").glob("*.safetensors")):
+        state = load_file(shard)
+        kept += [k for k, v in state.items() if v.dtype == torch.float32]
+        save_file({k: v + 1e-4 if v.dtype == torch.float32 else v for k, v in state.items()},
+                  shard, metadata={"format": "pt"})
+    assert "proj_in.weight" in kept  # the release's float32 parts
+    file = write_single_file(root, tmp_path / "minimax_h3_t2va_tiny.safetensors", "")
+    _, spec = _spec(root, f"model.path={file}", f"model.single_file_config={root}")
+    _, base = _spec(root)
+    ours = spec.load_denoiser(torch.bfloat16)
+    assert_same_tensors(ours, base.load_denoiser(torch.bfloat16))
+    assert ours.proj_in.weight.dtype == ours.rope.inv_freq.dtype == torch.float32
+
+
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
 def test_single_file_loads_as_diffusers_reads_it_and_exports_in_its_layout(folder, tmp_path,
                                                                           prefix):

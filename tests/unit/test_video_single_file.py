@@ -18,6 +18,7 @@ from safetensors import safe_open
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
+from tests.unit.video_checks import assert_same_tensors
 
 FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
 # With LTX-2 and LTX-2.3, whose files diffusers 0.42.1 does not tell from LTX-Video's (its
@@ -69,15 +70,12 @@ def _spec(family: str, path: Path, **values):
     return build_spec(cfg)
 
 
-def _assert_loads_as_folder(family: str, folder: Path, file: Path) -> None:
+def _assert_loads_as_folder(family: str, folder: Path, file: Path,
+                            dtype: torch.dtype = torch.float32) -> None:
     spec = _spec(family, file, single_file_config=str(folder))
     spec.ensure_available()
     assert spec.path == folder and spec.single_file == file
-    want = _spec(family, folder).load_denoiser(torch.float32).state_dict()
-    got = spec.load_denoiser(torch.float32).state_dict()
-    assert set(got) == set(want)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    assert_same_tensors(spec.load_denoiser(dtype), _spec(family, folder).load_denoiser(dtype))
 
 
 def _keys(file: Path) -> dict[str, torch.Tensor]:
@@ -111,9 +109,12 @@ def test_the_tiny_file_is_in_the_layout_diffusers_recognises(files, family):
                if not k.startswith(("vae.", "net.pos_embedder", "net.accum")))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", LOADED)
-def test_single_file_loads_as_the_folder(folders, files, family):
-    _assert_loads_as_folder(family, folders[family], files[family])
+def test_single_file_loads_as_the_folder(folders, files, family, dtype):
+    """Every parameter and buffer, computed ones (rotary frequencies) included, in the dtype and
+    with the values from_pretrained gives the folder's."""
+    _assert_loads_as_folder(family, folders[family], files[family], dtype)
 
 
 @pytest.mark.parametrize("family,prefix", [

@@ -75,6 +75,17 @@ def noised_images(spec, encoders, captions: list[str], seed: int = 0) -> NoisedB
     return NoisedBatch(x0, noise, t, noisy, target, text)
 
 
+def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Every parameter and buffer of `got`, non-persistent buffers included, has the name, dtype
+    and values of `want`'s."""
+    got_tensors = {**dict(got.named_parameters()), **dict(got.named_buffers())}
+    want_tensors = {**dict(want.named_parameters()), **dict(want.named_buffers())}
+    assert set(got_tensors) == set(want_tensors)
+    for name, value in want_tensors.items():
+        assert got_tensors[name].dtype == value.dtype, (name, got_tensors[name].dtype, value.dtype)
+        assert torch.equal(got_tensors[name], value), name
+
+
 def assert_same_files(folder: Path, again: Path) -> None:
     """The same files with the same bytes (a tiny model made twice)."""
     files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())

@@ -186,14 +186,9 @@ class MiniMaxH3Spec(ModelSpec):
         if self.single_file is None:
             return load_or_fail(lambda: MiniMaxH3Transformer3DModel.from_pretrained(
                 self.path, subfolder="transformer", torch_dtype=dtype), self.path / "transformer")
-        model = load_transformer_file(
+        return load_transformer_file(
             MiniMaxH3Transformer3DModel, self.path / "transformer", self.single_file, dtype,
             lambda state, m: diffusers_state_dict(state, m.config))
-        keep = model._keep_in_fp32_modules  # as from_pretrained keeps the release's fp32 parts
-        for name, module in model.named_modules():
-            if any(part in keep for part in name.split(".")):
-                torch.nn.Module.to(module, torch.float32)
-        return model
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":

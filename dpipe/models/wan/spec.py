@@ -45,13 +45,12 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
-from dpipe.models.common.quantized_files import file_is_quantized
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
-from dpipe.models.single_file import read_single_file
+from dpipe.models.single_file import load_or_fail, load_transformer_file
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, attention_train_flops, model_params)
 from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
@@ -212,19 +211,17 @@ class WanSpec(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
-        try:
-            if self.single_file:  # diffusers converts the original names; configs from the folder
-                # A quantized file (ComfyUI's fp8_scaled Wan files) goes in dequantized: diffusers'
-                # converter would keep the fp8 values and drop their scales.
-                source = (read_single_file(self.path, dtype) if file_is_quantized(self.path)
-                          else str(self.path))
-                return WanTransformer3DModel.from_single_file(
-                    source, config=str(self.root), subfolder=self.expert, torch_dtype=dtype)
-            return WanTransformer3DModel.from_pretrained(self.root, subfolder=self.expert,
-                                                         dtype=dtype)
-        except (OSError, ValueError) as err:
-            source = self.path if self.single_file else self.root / self.expert
-            raise ModelLoadError(f"cannot load {source}: {err}") from None
+        if self.single_file:  # diffusers' converter maps the original names; configs from the
+            # folder; a quantized file (ComfyUI's fp8_scaled) is read dequantized; the float32
+            # parts stay float32 as from_pretrained keeps them (diffusers' from_single_file
+            # would round them to `dtype`).
+            from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+            return load_or_fail(lambda: load_transformer_file(
+                WanTransformer3DModel, self.root / self.expert, self.path, dtype,
+                lambda state, _model: convert_wan_transformer_to_diffusers(state)), self.path)
+        return load_or_fail(lambda: WanTransformer3DModel.from_pretrained(
+            self.root, subfolder=self.expert, dtype=dtype), self.root / self.expert)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         if kind == "image":
