@@ -101,8 +101,8 @@ def _scale(fields: dict, key: str, where: str, default: float | None) -> float |
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{where}.{key}={value!r} (or sample.{key}): must be a number >= 0, "
+            math.isfinite(value) and value > 0):
+        raise ConfigError(f"{where}.{key}={value!r} (or sample.{key}): must be a number > 0, "
                           "or null for the family's usual value")
     return float(value)
 

@@ -41,6 +41,8 @@ INCOMPATIBLE = {
     "model.lora.rank": "the LoRA tensors' shapes",
     "model.lora.alpha": "the LoRA scale the adapters were trained with",
     "model.lora.targets": "which modules have LoRA tensors",
+    "model.audio": "which modules have LoRA tensors and which layers the stages hold (the audio "
+                   "stream of LTX-2 / LTX-2.3)",
     "pipeline.stages": "the optimizer state is saved per stage (the per-layer weights would load, "
                        "the optimizer state does not)",
     "pipeline.partition": "which layers each stage (and its optimizer state) holds",

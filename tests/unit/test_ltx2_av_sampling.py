@@ -109,6 +109,15 @@ def test_the_sound_has_its_own_guidance_scale(spec):
         spec, usual)))
     assert (sound - sound_usual).abs().max() > 1e-3
 
+    # Both scales at 1: neither stream is guided and the negative prompt's pass is left out,
+    # as the pipeline does; the sound's scale alone above 1 keeps it.
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    text = spec.encode_prompts(encoders, [request.prompt])
+    for audio_guidance, guided in ((1.0, False), (1.5, True)):
+        d = sampling.start(dataclasses.replace(request, audio_guidance=audio_guidance), STEPS,
+                           1.0, text, text, None, torch.device("cpu"))
+        assert (d.uncond is not None) == guided
+
     video_only = tiny_spec(spec.path, spec.family, audio=False).sampling()
     assert type(video_only) is LTX2Sampling
     assert "makes no sound here" in video_only.check(request)

@@ -62,6 +62,12 @@ def test_incompatible_changes_fail_naming_each_key(tmp_path):
     assert "name=" in message and "train.resume=false" in message and "step_00000040" in message
 
 
+def test_sound_cannot_be_switched_on_or_off_on_resume(tmp_path):
+    fake_checkpoint(tmp_path, 8, run_yaml("model=tiny_ltx2"))
+    with pytest.raises(ConfigError, match="model.audio: False in the checkpoint, True now"):
+        check_resume(tmp_path, run_yaml("model=tiny_ltx2", "model.audio=true"))
+
+
 def test_harmless_changes_are_allowed_and_logged(tmp_path, caplog):
     fake_checkpoint(tmp_path, 10, run_yaml())
     fake_checkpoint(tmp_path, 20, run_yaml())

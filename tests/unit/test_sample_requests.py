@@ -50,8 +50,8 @@ def test_the_default_size_is_a_multiple_of_the_familys(flux):
     ({"prompt": "a", "frames": 5}, "frames=5: flux makes images"),
     ({"prompt": "a", "control": "/no/such/image.png"}, "sample.prompts[0].control=/no/such/"),
     ({"prompt": 7}, "sample.prompts[0].prompt=7: must be a string"),
-    ({"prompt": "a", "audio_guidance": -1}, "sample.prompts[0].audio_guidance=-1 (or "
-                                            "sample.audio_guidance): must be a number >= 0"),
+    ({"prompt": "a", "audio_guidance": 0}, "sample.prompts[0].audio_guidance=0 (or "
+                                           "sample.audio_guidance): must be a number > 0"),
     ({"prompt": "a", "audio_guidance": 5}, "sample.prompts[0]: audio_guidance=5.0 (or "
                                            "sample.audio_guidance): flux makes no sound here"),
 ])

@@ -10,8 +10,8 @@ step's two transformer passes (prompt, negative prompt) run the joint computatio
 (`isolate_modalities=False`); each stream's velocity becomes x0 = x - sigma v, guided as
 x0_cond + (g - 1)(x0_cond - x0_uncond) and rescaled by 0.7 against x0_cond: g = sample.guidance
 (3.0) for the video, sample.audio_guidance (the pipeline's `audio_guidance_scale`, 7.0 by
-default) for the sound; the negative prompt's pass always runs (the pipeline skips it where both
-scales are <= 1, with the same result); Euler steps. Without spatio-temporal and
+default) for the sound; the negative prompt's pass runs unless both scales are <= 1 (then
+neither stream is guided, as in the pipeline); Euler steps. Without spatio-temporal and
 modality-isolation guidance, as sampling.py explains for the video (their passes are not in
 dpipe's loop): `diffusers_sample` runs LTX2Pipeline with stg_scale = audio_stg_scale = 0 and
 modality_scale = audio_modality_scale = 1 and nothing else changed.
@@ -60,7 +60,7 @@ class LTX2AVSampling(LTX2Sampling):
         return None
 
     def uses_uncond(self, guidance: float) -> bool:
-        return True  # the sound is guided, by its own scale, whatever the picture's
+        return True  # the sound may be guided whatever the picture's scale: `start` decides
 
     def audio_guidance(self, request: SampleRequest) -> float:
         """The request's scale for the sound (sample.audio_guidance), or the pipeline's usual."""
@@ -100,6 +100,8 @@ class LTX2AVSampling(LTX2Sampling):
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
         d.state["audio_scheduler"] = copy.deepcopy(d.scheduler)  # its sigmas set, begin index 0
+        if guidance <= 1.0 and self.audio_guidance(request) <= 1.0:
+            d.uncond = None  # the pipeline's do_classifier_free_guidance: neither stream guided
         return d
 
     # ---- one step ----------------------------------------------------------------------------
@@ -138,9 +140,11 @@ class LTX2AVSampling(LTX2Sampling):
         scheduler = d.state["audio_scheduler"]
         velocity = (audio - x0_audio) / scheduler.sigmas[d.state["step"]]  # convert_x0_to_velocity
         audio = scheduler.step(velocity, t, audio, return_dict=False)[0]
-        d.latents = video  # the video's step, as sampling.py takes it (it counts the step)
-        super().step(d, t, x0_video)
-        d.latents = joined_latents.join(d.latents, audio)
+        # The video's step, as sampling.py takes it (it counts the step, in the shared state),
+        # on a copy: a step that fails leaves d.latents whole, as the other stages expect it.
+        video_only = dataclasses.replace(d, latents=video)
+        super().step(video_only, t, x0_video)
+        d.latents = joined_latents.join(video_only.latents, audio)
 
     # ---- decoding ----------------------------------------------------------------------------
     @torch.no_grad()
