@@ -66,7 +66,8 @@ class FamilySampling:
     default_steps: ClassVar[int] = 28
     default_guidance: ClassVar[float] = 3.5
     # "cfg": classifier-free guidance, a second prediction from the negative prompt where the
-    # scale exceeds 1; "embedded": a guidance-distilled model takes the scale as an input.
+    # scale exceeds 1; "embedded": a guidance-distilled model takes the scale as an input;
+    # "distilled": no guidance at all (sample.guidance is refused).
     guidance_kind: ClassVar[str] = "cfg"
     scheduler_class: ClassVar[str] = "FlowMatchEulerDiscreteScheduler"
     # The max_shift that the pipeline's calculate_shift call assumes where the scheduler's
@@ -110,7 +111,7 @@ class FamilySampling:
     def sound_problem(self, request: SampleRequest) -> str | None:
         """What is wrong with the request's sound settings (`audio_guidance`), or None."""
         if request.audio_guidance is not None and self.default_audio_guidance is None:
-            how = ("guides its sound with sample.guidance" if self.makes_sound()
+            how = ("has no guidance scale for its sound alone" if self.makes_sound()
                    else "makes no sound here")
             return (f"audio_guidance={request.audio_guidance} (or sample.audio_guidance): "
                     f"{self.spec.family} {how}; leave audio_guidance unset")

@@ -26,6 +26,10 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
     if cfg.steps is not None and cfg.steps < 1:
         raise ConfigError(f"sample.steps={cfg.steps}: must be >= 1, or null for the family's usual")
     sampling = spec.sampling()
+    if cfg.guidance is not None and sampling.guidance_kind == "distilled":
+        raise ConfigError(f"sample.guidance={cfg.guidance}: {spec.family} samples without "
+                          "guidance (its release is guidance-distilled); leave sample.guidance "
+                          "unset")
     multiple = spec.pixel_multiple
     side = _default_side(dataset, multiple)
     frames = cfg.frames or (max(dataset.frame_buckets) if dataset is not None and sampling.video

@@ -291,8 +291,15 @@ def test_sampling_through_the_layers_equals_the_pipeline(folder, tmp_path):
                             height=32 * 2, frames=124)
     assert sampling.check(request) is None
     assert "17k+5" in sampling.check(SampleRequest(0, "a", "", 0, 64, 64, frames=9))
-    assert "guides its sound with sample.guidance" in sampling.check(
+    assert "has no guidance scale for its sound alone" in sampling.check(
         SampleRequest(0, "a", "", 0, 64, 64, frames=124, audio_guidance=5.0))
+    from dpipe.config.schema import SampleConfig
+    from dpipe.errors import ConfigError
+    from dpipe.sample.requests import sample_requests
+
+    with pytest.raises(ConfigError, match="sample.guidance=3.0: minimax_h3 samples without "
+                                          "guidance"):
+        sample_requests(SampleConfig(prompts=["a"], guidance=3.0, frames=124), spec)
     enc = spec.load_encoders(torch.device("cpu"), torch.float32)
     text = spec.encode_prompts(enc, [request.prompt])
     denoiser = spec.load_denoiser(torch.float32)
@@ -413,4 +420,12 @@ def test_the_released_size_builds_for_the_benchmark():
     video, t, text = inputs[:3]
     assert video.shape == (1, 7 * 16 * 28, 24 * 4) and t.shape == (1, 2)
     assert text.shape == (1, 120, 5120)  # cut to the prompt
-    assert spec.train_flops(denoiser, inputs, full=False) > 0
+    video_flops = spec.train_flops(denoiser, inputs, full=False)
+    assert video_flops > 0
+    # with the soundtrack and with CFG-augmented training: its rows, and the unconditional prompt
+    run = compose_run(["model=minimax_h3", "model.path=/unused", "dataset=synthetic",
+                       "model.audio=true", "model.guidance=3"])
+    spec = build_spec(run.model).for_benchmark("33b")
+    (inputs, _), = fixed_micro_batches(spec, "33b", 1, 1, seed=0)
+    assert inputs[1].shape == (1, 74, 32) and inputs[3].shape[0] == 2  # sound; the uncond prompt
+    assert spec.train_flops(denoiser, inputs, full=False) > video_flops

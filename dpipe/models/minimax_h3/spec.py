@@ -407,12 +407,20 @@ class MiniMaxH3Spec(ModelSpec):
     bench_configs = SIZES
 
     def random_sample(self, size: str):
+        """The size's latents and prompt; with model.guidance > 1, the unconditional prompt
+        beside it, one token (the single-space probe's length is the text encoder's)."""
         shapes = SAMPLE_SHAPES[size]
         n, valid = shapes["text"], shapes["valid"]
         mask = torch.zeros(n, dtype=torch.long)
         mask[:valid] = 1
-        return torch.randn(shapes["latents"]), {"qwen": torch.randn(n, shapes["text_dim"])
-                                                * mask[:, None], "qwen_mask": mask}
+        text = {"qwen": torch.randn(n, shapes["text_dim"]) * mask[:, None], "qwen_mask": mask}
+        if self.guided:
+            text["uncond"] = torch.randn(1, shapes["text_dim"])
+            text["uncond_mask"] = torch.ones(1, dtype=torch.long)
+        return torch.randn(shapes["latents"]), text
+
+    def random_audio(self, size: str) -> torch.Tensor:
+        return torch.randn(SAMPLE_SHAPES[size]["audio"])
 
     def for_benchmark(self, size: str) -> "MiniMaxH3Spec":
         import copy
