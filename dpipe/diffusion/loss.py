@@ -50,6 +50,15 @@ def weighted_mean(error: torch.Tensor, weight: torch.Tensor | None = None) -> to
     return (weight.float() * error).mean()
 
 
+def per_sample_weight(weight: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A loss weight map (B, ...) as one weight per sample, its mean, shaped to broadcast over
+    `like` (B, ...): for a stream without pixels (a clip's sound), so that a directory's
+    loss_weight and timestep weighting count for it exactly, and masks as their average."""
+    if weight is None:
+        return None
+    return weight.float().flatten(1).mean(1).view(-1, *([1] * (like.dim() - 1)))
+
+
 def weighted_labels(batch) -> tuple[torch.Tensor, ...]:
     """(target,) or, when the dataset gives per-pixel loss weights (masks, (B, 1, h, w) at latent
     resolution), (target, weight) for `weighted_mean`."""

@@ -39,8 +39,10 @@ def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
 
 
-def audio_batch(spec, encoders, frames=9, audio_tokens=5, sound=True, t=(0.3, 0.8), seed=0):
-    """make_inputs' (inputs, labels) for random clips with (or without) audio latents."""
+def audio_batch(spec, encoders, frames=9, audio_tokens=5, sound=True, t=(0.3, 0.8), seed=0,
+                weights=None):
+    """make_inputs' (inputs, labels) for random clips with (or without) audio latents; `weights`:
+    one loss weight per sample (as a directory's loss_weight gives)."""
     with seeded(seed):
         pixels = torch.rand(2, 3, frames, 64, 64) * 2 - 1
         latents = spec.encode_videos(encoders, pixels).float()
@@ -55,6 +57,9 @@ def audio_batch(spec, encoders, frames=9, audio_tokens=5, sound=True, t=(0.3, 0.
         audio_noisy, audio_target = spec.noise(audio, audio_noise, t)
         fields = {"audio": audio, "audio_noise": audio_noise, "audio_noisy": audio_noisy,
                   "audio_target": audio_target}
+    if weights is not None:
+        b, _, _, h, w = latents.shape
+        fields["loss_weight"] = torch.tensor(weights).view(-1, 1, 1, 1, 1).expand(b, 1, 1, h, w)
     return spec.make_inputs(DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy,
                                       target=target, text=text, **fields))
 
@@ -106,6 +111,19 @@ def test_gradients_reach_the_audio_lora_and_the_loss_weighs_audio(spec, encoders
         video_loss = ((outputs[0] - labels[0]) ** 2).mean()
         audio_loss = ((outputs[1] - labels[-1]) ** 2).mean()
     torch.testing.assert_close(loss.detach(), video_loss + spec.cfg.audio_loss_weight * audio_loss)
+
+
+def test_a_samples_loss_weight_weighs_its_sound_too(spec, encoders):
+    """Per-sample weights (a directory's loss_weight, timestep weighting; here 2 and 0.5) weigh
+    both streams of their sample."""
+    inputs, labels = audio_batch(spec, encoders, weights=(2.0, 0.5))
+    assert len(labels) == 4  # video target, its weights, the tokens trained; audio target
+    outputs = (torch.randn_like(labels[0]), torch.randn_like(labels[-1]))
+    w = torch.tensor([2.0, 0.5])
+    video = ((outputs[0] - labels[0]) ** 2).flatten(1).mean(1)
+    audio = ((outputs[1] - labels[-1]) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(spec.loss(outputs, labels), (w * video).mean()
+                               + spec.cfg.audio_loss_weight * (w * audio).mean())
 
 
 def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):

@@ -86,9 +86,10 @@ def test_folder_is_laid_out_as_the_release(folder):
         "shift"] == 3.0
 
 
-def _inputs(spec, folder, audio: bool, g: torch.Generator):
+def _inputs(spec, folder, audio: bool, g: torch.Generator, weights=None):
     """A micro-batch of 2 samples whose prompts differ in length, through `make_inputs`; with
-    model.guidance > 1, an unconditional prompt of 2 tokens beside each."""
+    model.guidance > 1, an unconditional prompt of 2 tokens beside each; `weights`: one loss
+    weight per sample (as a directory's loss_weight gives)."""
     from dpipe.data.batches import DataBatch
 
     latents = torch.randn(2, 8, 2, 4, 4, generator=g)
@@ -108,6 +109,8 @@ def _inputs(spec, folder, audio: bool, g: torch.Generator):
         a_noise = torch.randn(a.shape, generator=g)
         a_noisy, a_target = spec.noise(a, a_noise, t.view(-1, 1, 1))
         sound = dict(audio=a, audio_noise=a_noise, audio_noisy=a_noisy, audio_target=a_target)
+    if weights is not None:
+        sound["loss_weight"] = torch.tensor(weights).view(2, 1, 1, 1, 1).expand(2, 1, 1, 4, 4)
     batch = DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
                       text=text, **sound)
     return spec.make_inputs(batch)
@@ -145,6 +148,23 @@ def test_layers_equal_the_diffusers_forward(folder, audio):
         assert (alone.flatten(1) - x[:, :8 * 32]).abs().max() > 1e-4
 
 
+def test_a_samples_loss_weight_weighs_its_sound_too(folder):
+    """Per-sample weights (a directory's loss_weight, timestep weighting; here 2 and 0.5) weigh
+    both the video and the audio rows of their sample."""
+    _, spec = _spec(folder, "model.audio=true")
+    _, labels = _inputs(spec, folder, True, torch.Generator().manual_seed(4), (2.0, 0.5))
+    target, audio_target, _weight = labels
+    from dpipe.models.minimax_h3.spec import split_prediction
+
+    outputs = torch.randn(2, target[0].numel() + audio_target[0].numel())
+    video, audio = split_prediction(outputs, target.shape, audio_target.shape)
+    w = torch.tensor([2.0, 0.5])
+    expected = ((w * ((video - target) ** 2).flatten(1).mean(1)).mean()
+                + spec.cfg.audio_loss_weight * (w * ((audio - audio_target) ** 2).flatten(1)
+                                                .mean(1)).mean())
+    torch.testing.assert_close(spec.loss(outputs, labels), expected)
+
+
 def test_cfg_augmented_training_fits_the_guided_prediction(folder):
     """model.guidance=3: the layers return (cond + 2 uncond) / 3, equal to the diffusers forward
     so combined; the unconditional sequences take no gradient, so the loss's gradient is that of
@@ -161,6 +181,9 @@ def test_cfg_augmented_training_fits_the_guided_prediction(folder):
         p.data = torch.randn(p.shape, generator=g) * 0.1
     inputs, labels = _inputs(spec, folder, True, g)
     assert inputs[3].shape[0] == 4  # two samples, then the two with the unconditional prompt
+    uncond = inputs[3][2:]  # the one 2-token unconditional prompt beside each, not a caption
+    assert torch.equal(uncond[0], uncond[1]) and uncond[:, 2:].abs().sum() == 0
+    assert not torch.equal(uncond[0, :2], inputs[3][0, :2])
     x = inputs
     for layer in layers:
         x = layer(x)

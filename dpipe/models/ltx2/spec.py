@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
+from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
@@ -198,15 +198,20 @@ class LTX2Spec(LTXVideoSpec):
 
     def loss(self, outputs, labels) -> torch.Tensor:
         """Video flow-matching loss (its weights as with model.audio=false), plus
-        model.audio_loss_weight x the audio one (the plain mean over the audio latents; 0 for
-        a micro-batch without sound)."""
+        model.audio_loss_weight x the audio one (the mean over the audio latents, each sample's
+        weighted by its video weights' mean: `per_sample_weight`; 0 for a micro-batch without
+        sound)."""
         if not self.cfg.audio:
             return super().loss(outputs, labels)
         (video, audio), target = outputs, labels[-1]
         loss = super().loss(video, labels[:-1])
         if target.numel() == 0:
             return loss + 0.0 * audio.sum()  # the audio head stays in the graph
-        return loss + self.cfg.audio_loss_weight * weighted_mean(self.element_error(audio, target))
+        # Video labels (target,) or (target, weight, trained): every token is trained here
+        # (no image-to-video), so the weights' mean is each sample's own weight.
+        weight = per_sample_weight(labels[1] if len(labels) > 2 else None, audio)
+        return loss + self.cfg.audio_loss_weight * weighted_mean(
+            self.element_error(audio, target), weight)
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """With model.audio=false the pipeline layers hold the video path and whole blocks, not

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents
-from dpipe.diffusion.loss import weighted_mean
+from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
 from dpipe.models.fingerprint import folder_fingerprint
@@ -388,13 +388,15 @@ class MiniMaxH3Spec(ModelSpec):
                 *weight)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        """The video rows' loss; with audio rows, plus model.audio_loss_weight x the audio's."""
+        """The video rows' loss; with audio rows, plus model.audio_loss_weight x the audio's,
+        each sample's weighted by its video weights' mean (`per_sample_weight`)."""
         if outputs.ndim == 2:  # the video's and the audio's predictions joined (layers.py)
             target, audio_target, *weight = labels
             video, audio = split_prediction(outputs, target.shape, audio_target.shape)
+            sound_weight = per_sample_weight(weight[0] if weight else None, audio)
             return (weighted_mean(self.element_error(video, target), *weight)
                     + self.cfg.audio_loss_weight
-                    * weighted_mean(self.element_error(audio, audio_target)))
+                    * weighted_mean(self.element_error(audio, audio_target), sound_weight))
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- sampling ----------------------------------------------------------------------------
