@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from dpipe.errors import ModelLoadError
 from dpipe.models.anima.tiny import REPO, make_tiny_anima, write_single_file
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
+from tests.unit.video_checks import assert_same_tensors
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,8 @@ def test_single_file_loads_and_full_export_keeps_its_layout(folder, tmp_path):
     expected = base.load_denoiser(torch.float32).state_dict()
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    # at bf16, every parameter and buffer as from_pretrained loads the folder's
+    assert_same_tensors(spec.load_denoiser(torch.bfloat16), base.load_denoiser(torch.bfloat16))
 
     trained = {k: v + 1 for k, v in expected.items()}  # as the trainer's stage shards name them
     names = sorted(trained)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.single_file import load_or_fail, read_single_file
+from dpipe.models.single_file import in_load_dtypes, load_or_fail, read_single_file
 
 ADAPTER_PREFIX = "llm_adapter."  # the adapter's keys in Anima's single file (ComfyUI's name)
 COMPONENTS = ("transformer", "text_conditioner")
@@ -85,8 +85,9 @@ def _from_single_file(folder: Path, file: Path, dtype: torch.dtype) -> AnimaDeno
         raise ModelLoadError(
             f"{file} does not fit the Anima model of {folder}: {len(missing)} weights missing "
             f"(e.g. {missing[:3]}), {len(unexpected)} the model lacks (e.g. {unexpected[:3]})")
-    try:
-        denoiser.load_state_dict(state, strict=True, assign=True)
+    try:  # in `dtype` but for the transformer's float32 parts, as from_pretrained loads them
+        denoiser.load_state_dict(in_load_dtypes(state, denoiser.transformer, dtype), strict=True,
+                                 assign=True)
     except RuntimeError as err:  # sizes of another configuration
         raise ModelLoadError(f"{file} does not fit the Anima model of {folder}: {err}") from None
-    return denoiser.to(dtype)
+    return denoiser
