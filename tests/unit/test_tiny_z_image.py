@@ -22,7 +22,8 @@ from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec, native_state_dict
 from dpipe.models.z_image.tiny import make_tiny_z_image
 from tests.unit.video_checks import (
-    assert_same_files, attention_masks_of_layers_and_diffusers, noised_images)
+    assert_same_files, assert_same_tensors, attention_masks_of_layers_and_diffusers,
+    noised_images)
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -232,5 +233,8 @@ def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, prefix):
     loaded = spec.load_denoiser(torch.float32)
     for k, v in folder.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+    # at bf16, every parameter and buffer as from_pretrained loads the folder's
+    assert_same_tensors(spec.load_denoiser(torch.bfloat16),
+                        _spec(tiny).load_denoiser(torch.bfloat16))
     with pytest.raises(ConfigError, match="single_file_config"):
         _spec(path)
