@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
+from tests.unit.video_checks import assert_same_tensors
 
 # family -> (file name as released, a key of the original layout, diffusers' model type of the
 # file or None where diffusers detects it by the real sizes only)
@@ -124,6 +125,9 @@ def test_single_file_loads_as_the_folder(folders, tmp_path, family, prefix):
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    if not prefix:  # at bf16, every parameter and buffer as from_pretrained loads the folder's
+        assert_same_tensors(spec.load_denoiser(torch.bfloat16),
+                            _spec(family, folder).load_denoiser(torch.bfloat16))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
