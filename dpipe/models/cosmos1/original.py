@@ -123,8 +123,11 @@ def from_original(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     if COSMOS1_KEY not in state:
         raise ValueError(f"it has no {COSMOS1_KEY!r}: not a Cosmos 1.0 transformer")
     ours = {original_key(key): key for key in model.state_dict()}
-    return {ours.get(k, k): v for k, v in state.items() if not k.startswith(_TRAINING_ONLY)}
+    return {ours.get(k, k): v for k, v in state.items()
+            if not (k.startswith(_TRAINING_ONLY) or k.endswith(_EXTRA_STATE))}
 
 
-# NVIDIA's training state in its checkpoints, which no diffusers weight corresponds to.
-_TRAINING_ONLY = ("pos_embedder.", "logvar.", "accum_", "_extra_state")
+# NVIDIA's training state in its checkpoints, which no diffusers weight corresponds to: buffers
+# of the training code, and Transformer Engine's per-module metadata (`...attn_op._extra_state`).
+_TRAINING_ONLY = ("pos_embedder.", "logvar.", "accum_")
+_EXTRA_STATE = "._extra_state"

@@ -123,6 +123,9 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
                for k, v in original_state_dict(model.state_dict()).items()}
     for name, shape in _TRAINING_EXTRAS.items():
         tensors[prefix + name] = torch.zeros(shape)
+    # Transformer Engine's metadata of an attention module, as NVIDIA's checkpoints carry it
+    tensors[prefix + "blocks.block0.blocks.0.block.attn.attn_op._extra_state"] = torch.zeros(
+        4, dtype=torch.uint8)
     if file.suffix == ".pt":
         torch.save(tensors, file)
     else:
