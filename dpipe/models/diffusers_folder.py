@@ -34,6 +34,11 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str,
                  key: str = "model.path") -> None:
     """Raise ModelLoadError naming what is missing, unless `path` (given as config `key`) is a
     complete diffusers folder of a `what` model, such as a download of `example`."""
+    if path.is_file():
+        raise ModelLoadError(
+            f"{key}={path} is a file: {what} loads from a diffusers folder here (docs/models.md "
+            f"lists the families that read single files). Give the folder of a {what} model in "
+            f"diffusers format (e.g. a download of {example})")
     if not path.is_dir():
         raise ModelLoadError(
             f"{key}={path} does not exist. Give the folder of a {what} model in diffusers "
@@ -42,6 +47,18 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str,
     if missing:
         raise ModelLoadError(
             f"{key}={path} is not a complete {what} diffusers folder: missing {', '.join(missing)}")
+    for denoiser in DENOISER_FOLDERS:
+        config = path / denoiser / "config.json"
+        if config.is_file() and "quantization_config" in read_json(config):
+            method = read_json(config)["quantization_config"].get("quant_method", "quantized")
+            raise ModelLoadError(
+                f"{config} holds a quantization_config ({method}): dpipe trains from the "
+                "weights in bf16 or fp32 (model.base_dtype=fp8 or int8 quantizes the frozen "
+                "weights itself); give a folder with the unquantized weights")
+
+
+# The folders of a diffusers pipeline that hold the denoiser (or its second expert).
+DENOISER_FOLDERS = ("transformer", "transformer_2", "unconditional_transformer", "unet")
 
 
 def load_encoders(pipeline_cls, path: Path, device: torch.device, dtype: torch.dtype,

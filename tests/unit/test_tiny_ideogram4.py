@@ -144,3 +144,37 @@ def test_sampling_matches_the_pipeline(spec):
     # The pipeline's starting noise, (1, N, 4C) from the seed.
     noise = torch.randn((1, 64, 16), generator=torch.Generator().manual_seed(3))
     assert torch.equal(to_tokens(latents), noise)
+
+
+def test_the_training_shift_is_the_samplers(spec):
+    """train.timesteps.shift=auto: the pipeline's sigmas, logit-normal about mu (by resolution),
+    are those about 0 shifted by exp(mu): 1 at 512^2, 2 at 1024^2, 4 at 2048^2."""
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigmas
+
+    from dpipe.diffusion.timesteps import shift_timesteps
+
+    sampling = spec.sampling()
+    f = spec.pixel_multiple
+    for side, shift in ((512, 1.0), (1024, 2.0), (2048, 4.0)):
+        latents = torch.zeros(1, 16, side // f, side // f)
+        assert sampling.training_shift(latents) == pytest.approx(shift)
+        about_mu = _logit_normal_sigmas(8, sampling.resolution_mu(latents), std=1.5)
+        torch.testing.assert_close(shift_timesteps(_logit_normal_sigmas(8, 0.0, std=1.5), shift),
+                                   about_mu, rtol=0, atol=1e-4)  # the ends clamped apart
+
+
+def test_a_prompt_over_max_text_tokens_is_refused_naming_it_and_the_key(spec):
+    from dpipe.errors import DataError
+
+    encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
+    with pytest.raises(DataError, match=r"the caption or prompt 'a cat a cat .*' is \d+ tokens .* "
+                                        rf"over model.max_text_tokens={TOKENS}"):
+        spec.encode_prompts(encoders, [CAPTIONS[1], "a cat " * 40])
+
+
+def test_a_negative_prompt_is_refused(spec):
+    from dpipe.models.sampling import SampleRequest
+
+    sampling = spec.sampling()
+    assert sampling.check(SampleRequest(0, "a cat", "", 0, 64, 64)) is None
+    assert "takes no prompt" in sampling.check(SampleRequest(0, "a cat", "blurry", 0, 64, 64))

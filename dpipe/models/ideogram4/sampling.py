@@ -15,6 +15,8 @@ unpatches and decodes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
@@ -33,6 +35,13 @@ class Ideogram4Sampling(FamilySampling):
     def uses_uncond(self, guidance: float) -> bool:
         return False  # the unconditional branch is another model: see `step`
 
+    def check(self, request: SampleRequest) -> str | None:
+        if request.negative_prompt:
+            return (f"negative_prompt={request.negative_prompt!r} (or sample.negative_prompt): "
+                    "Ideogram 4 guides with its unconditional model, which takes no prompt; "
+                    "leave negative_prompt empty")
+        return super().check(request)
+
     # ---- latents and schedule ----------------------------------------------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
         factor = self.spec.pixel_multiple  # vae_scale_factor x patch 2
@@ -45,14 +54,23 @@ class Ideogram4Sampling(FamilySampling):
         return from_tokens(torch.randn((1, h * w, c), generator=generator), h, w)
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import (
-            _logit_normal_sigmas, _resolution_aware_mu)
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigmas
 
-        f = self.spec.pixel_multiple
-        mu = _resolution_aware_mu(latents.shape[-2] * f, latents.shape[-1] * f, base_mu=0.0)
-        sigmas = _logit_normal_sigmas(steps, mu, std=1.5)
+        sigmas = _logit_normal_sigmas(steps, self.resolution_mu(latents), std=1.5)
         scheduler.set_timesteps(sigmas=sigmas.tolist(), device=latents.device)
         return scheduler.timesteps
+
+    def resolution_mu(self, latents: torch.Tensor) -> float:
+        """The pipeline's mean of logit(sigma) at `latents`' image size: log(pixels / 512^2) / 2."""
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _resolution_aware_mu
+
+        f = self.spec.pixel_multiple
+        return _resolution_aware_mu(latents.shape[-2] * f, latents.shape[-1] * f, base_mu=0.0)
+
+    def training_shift(self, latents: torch.Tensor) -> float:
+        """Sigmas logit-normal about mu are those about 0 shifted by exp(mu) (the shift moves
+        logit(sigma) by log(shift)); the scheduler's own shift then applies to them too."""
+        return math.exp(self.resolution_mu(latents)) * super().training_shift(latents)
 
     # ---- one step ----------------------------------------------------------------------------
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:

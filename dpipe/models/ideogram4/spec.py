@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
+from dpipe.errors import DataError
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
@@ -122,8 +123,21 @@ class Ideogram4Spec(ModelSpec):
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         # The text rows of the pipeline's packed conditioning (a 1x1 grid: the image rows are
-        # zeros it appends); a prompt over max_text_tokens fails as in the pipeline.
+        # zeros it appends); a prompt over max_text_tokens is refused, as the pipeline refuses
+        # it, but naming the prompt and the key.
         length = self.cfg.max_text_tokens
+        for prompt in prompts:
+            messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+            text = encoders.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          tokenize=False)
+            tokens = len(encoders.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if tokens > length:
+                shown = prompt if len(prompt) <= 80 else prompt[:77] + "..."
+                raise DataError(
+                    f"the caption or prompt {shown!r} is {tokens} tokens with Ideogram 4's chat "
+                    f"template, over model.max_text_tokens={length} (Ideogram4Pipeline refuses "
+                    "longer prompts): raise model.max_text_tokens (the pipeline's default is 2048) "
+                    "or shorten it")
         embeds, _pos, _seg, indicator = encoders.encode_prompt(
             list(prompts), grid_h=1, grid_w=1, max_sequence_length=length,
             device=encoders.vae.device)
