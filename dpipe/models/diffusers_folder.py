@@ -49,8 +49,9 @@ def check_folder(path: Path, required: tuple[str, ...], what: str, example: str,
             f"{key}={path} is not a complete {what} diffusers folder: missing {', '.join(missing)}")
     for denoiser in DENOISER_FOLDERS:
         config = path / denoiser / "config.json"
-        if config.is_file() and "quantization_config" in read_json(config):
-            method = read_json(config)["quantization_config"].get("quant_method", "quantized")
+        quantization = read_json(config).get("quantization_config") if config.is_file() else None
+        if quantization is not None:
+            method = quantization.get("quant_method", "quantized")
             raise ModelLoadError(
                 f"{config} holds a quantization_config ({method}): dpipe trains from the "
                 "weights in bf16 or fp32 (model.base_dtype=fp8 or int8 quantizes the frozen "

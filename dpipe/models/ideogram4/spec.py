@@ -67,6 +67,25 @@ def unpatchify(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, 2, 2, c4 // 4, h, w).permute(0, 3, 4, 1, 5, 2).reshape(b, c4 // 4, 2 * h, 2 * w)
 
 
+def _too_long(tokenizer, prompts: list[str], length: int) -> DataError:
+    """The error naming the first of `prompts` that the pipeline's chat template makes longer
+    than `length` tokens (the pipeline's own message names no prompt)."""
+    for prompt in prompts:
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokens > length:
+            shown = prompt if len(prompt) <= 80 else prompt[:77] + "..."
+            return DataError(
+                f"the caption or prompt {shown!r} is {tokens} tokens with Ideogram 4's chat "
+                f"template, over model.max_text_tokens={length} (Ideogram4Pipeline refuses "
+                "longer prompts): raise model.max_text_tokens (the pipeline's default is 2048) "
+                "or shorten it")
+    return DataError(f"Ideogram4Pipeline refused a prompt as longer than "
+                     f"model.max_text_tokens={length}: raise model.max_text_tokens")
+
+
 class Ideogram4Spec(ModelSpec):
     family = "ideogram4"
 
@@ -126,21 +145,14 @@ class Ideogram4Spec(ModelSpec):
         # zeros it appends); a prompt over max_text_tokens is refused, as the pipeline refuses
         # it, but naming the prompt and the key.
         length = self.cfg.max_text_tokens
-        for prompt in prompts:
-            messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
-            text = encoders.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          tokenize=False)
-            tokens = len(encoders.tokenizer(text, add_special_tokens=False)["input_ids"])
-            if tokens > length:
-                shown = prompt if len(prompt) <= 80 else prompt[:77] + "..."
-                raise DataError(
-                    f"the caption or prompt {shown!r} is {tokens} tokens with Ideogram 4's chat "
-                    f"template, over model.max_text_tokens={length} (Ideogram4Pipeline refuses "
-                    "longer prompts): raise model.max_text_tokens (the pipeline's default is 2048) "
-                    "or shorten it")
-        embeds, _pos, _seg, indicator = encoders.encode_prompt(
-            list(prompts), grid_h=1, grid_w=1, max_sequence_length=length,
-            device=encoders.vae.device)
+        try:
+            embeds, _pos, _seg, indicator = encoders.encode_prompt(
+                list(prompts), grid_h=1, grid_w=1, max_sequence_length=length,
+                device=encoders.vae.device)
+        except ValueError as err:
+            if "exceeds max_sequence_length" not in str(err):
+                raise
+            raise _too_long(encoders.tokenizer, prompts, length) from None
         lens = (indicator[:, :length] == 3).sum(dim=1, keepdim=True).float()
         return {"text": embeds[:, :length], "text_len": lens}
 
