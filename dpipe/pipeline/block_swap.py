@@ -86,6 +86,15 @@ class BlockSwap:
         # Host copies, taken from wherever the weights are now (the CPU, where dpipe loads).
         self.host = {i: [t.detach().to("cpu", copy=True) for t in ts]
                      for i, ts in self.tensors.items()}
+        # Where each swapped buffer is registered. Moving a module (`module.to(device)` in
+        # `deepspeed.initialize`) keeps a parameter's identity (it sets `.data`) but registers a
+        # new tensor for each buffer: `attach` puts ours back, or the layer would read the
+        # empty placeholder (seen on an H100: an fp8 scale of shape (0,) under a compiled layer).
+        swapped_ids = {id(t) for ts in self.tensors.values() for t in ts}
+        self.buffer_slots = [(module, name, buf) for i in self.order
+                             for module in layers[i].modules()
+                             for name, buf in module._buffers.items()
+                             if buf is not None and id(buf) in swapped_ids]
         for ts in self.tensors.values():
             for t in ts:
                 t.data = torch.empty(0, dtype=t.dtype)
@@ -103,6 +112,8 @@ class BlockSwap:
     def attach(self, device: torch.device) -> None:
         """Parks the swapped tensors on their host copies (pinned on CUDA) for `device`."""
         self.device = device
+        for module, name, buf in self.buffer_slots:
+            module._buffers[name] = buf
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device)
             self.host = {i: [h.pin_memory() for h in hs] for i, hs in self.host.items()}

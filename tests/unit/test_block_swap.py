@@ -267,3 +267,33 @@ def test_bad_swap_settings_are_refused_at_compose_time(overrides, message):
     run = validate(_compose(["model=tiny_flux", "pipeline.blocks_to_swap=auto",
                              "pipeline.activation_checkpointing=auto"]))
     assert run.pipeline.blocks_to_swap == "auto"
+
+
+def _quantized_layers():
+    from dpipe.train.fp8 import QuantizedLinear
+
+    layers = _layers()
+    for layer in layers[1:]:
+        layer.base = QuantizedLinear(layer.base)  # its per-row scale is a buffer
+    return layers
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_swapped_buffers_survive_the_engine_moving_the_module(compiled):
+    """`deepspeed.initialize` moves the module after the swap is built. On a GPU that move keeps
+    each parameter (it sets `.data`) but registers a new tensor for each buffer, so the fp8
+    base's scale of a swapped block was the empty placeholder when the layer ran (the 16 GiB
+    FLUX preset failed at its first step). The move is made here as it is made there, with a
+    copy of every tensor, since `.to("cpu")` of a CPU tensor returns the tensor itself."""
+    plain_outs, plain_grads = _train(_quantized_layers())
+    layers = _quantized_layers()
+    swap = BlockSwap(layers, {1, 2, 4})
+    for layer in layers:
+        layer._apply(lambda t: t.to("cpu", copy=True))  # what module.to("cuda") does
+        if compiled:
+            layer.compile()
+    swap.attach(torch.device("cpu"))
+    assert all(layers[i].base.scale.numel() == WIDTH for i in (1, 2, 4))
+    outs, grads = _train(layers, (), False, swap)
+    for got, want in zip(outs + grads, plain_outs + plain_grads):
+        torch.testing.assert_close(got, want)
