@@ -165,6 +165,8 @@ def main() -> int:
         if rank == 0:
             print(f"[bench] step {step} {elapsed:.3f}s {spans} host syncs {audit.host_syncs} "
                   f"backward passes {audit.backward_passes}", flush=True)
+        if audit.host_syncs and step == opts["warmup"]:
+            print(f"[bench] rank {rank} step {step} host syncs: {audit.worst(8)}", flush=True)
     result = {
         "rank": rank,
         # Every step's, warm-up included: a kernel that trains to NaN shows here (DeepSpeed

@@ -256,8 +256,11 @@ def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, rep
     host_syncs, passes = int(rows[:, 0].max()), float(rows[:, 1].max()) / pipeline.micro_batches
     peaks = gpu_memory.stage_peaks(rows[:, 3].long().tolist(), rows[:, 2].tolist())
     reporter.audit(step, host_syncs, passes, max(peaks) if cuda else None)
-    log.info("step %d: %d host syncs, %g backward passes per micro-batch (the most on any rank)",
-             step, host_syncs, passes)
+    log.info("step %d: %d host syncs%s, %g backward passes per micro-batch (the most on any "
+             "rank)", step, host_syncs, "" if cuda else " (operations that sync on a GPU)",
+             passes)
+    if audit.host_syncs:
+        log.info("step %d's host syncs on rank %d: %s", step, dist.get_rank(), audit.worst())
     if not cuda:
         return
     if host_syncs:

@@ -190,6 +190,16 @@ def test_two_stage_loss_equals_one_stage_loss(lora_run):
 
 
 @pytest.mark.slow
+def test_a_training_step_makes_no_host_sync(lora_run):
+    """The audited step (train.audit_step=2) of every family's 2-stage run: on the CPU the audit
+    counts the operations that would sync on a GPU (a value read to the host, a shape that
+    depends on values), in the family's layers and the trainer alike."""
+    audited = [m for m in metrics(lora_run) if "audited_step" in m]
+    assert [m["audited_step"] for m in audited] == [2]
+    assert audited[0]["host_syncs"] == 0
+
+
+@pytest.mark.slow
 def test_exported_lora_reproduces_the_trained_model(lora_run):
     spec, layers = trained_layers(lora_run)
     inputs, with_lora, trained = exported_lora_and_trained(lora_run, spec, layers)
