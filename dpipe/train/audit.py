@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_WARNING = "synchronizing CUDA operation"
+_END = object()
 _aten = torch.ops.aten
 # Operations that wait for the GPU on CUDA whatever their arguments: a value read to the host,
 # or an output whose shape depends on the values.
@@ -135,6 +136,19 @@ class StepAudit:
             return fn(*args, **kwargs)
 
         return run
+
+    def made_on_host(self, micro_batches):
+        """The step's micro-batches, each made outside the CPU count: batches are made on the
+        host by design (dpipe.data.batches), and only their finished tensors go to the GPU."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        iterator = iter(micro_batches)
+        while True:
+            with _disable_current_modes():
+                item = next(iterator, _END)
+            if item is _END:
+                return
+            yield item
 
     @property
     def host_syncs(self) -> int:

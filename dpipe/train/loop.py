@@ -138,6 +138,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
             micro_batches = priors.retarget(step, micro_batches)
         if step_flops is not None:  # rank 0
             micro_batches = step_flops.watch(micro_batches)
+        if audit is not None:
+            micro_batches = audit.made_on_host(micro_batches)
         with audit.counting() if audit else contextlib.nullcontext():
             loss = engine.train_batch(data_iter=micro_batches)
         step += 1

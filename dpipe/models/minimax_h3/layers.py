@@ -39,7 +39,7 @@ from torch import nn
 
 from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
-from dpipe.models.sync_free import sizes
+from dpipe.models.sync_free import on_host, sizes
 
 AUDIO_CHANNELS = 2  # stereo, packed channel-major (MINIMAX_H3_AUDIO_CHANNELS)
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
@@ -61,9 +61,21 @@ def packed_layout(text_length: int, frames: int, height: int, width: int, audio_
     return positions, tags, video, audio, text, time_index, time_index * 3 + tags
 
 
-def _layout(text_lengths: torch.Tensor, layout: torch.Tensor, patch) -> list[tuple]:
+@lru_cache(maxsize=64)
+def _layout_on(device: torch.device, *key) -> tuple[torch.Tensor, ...]:
+    """`packed_layout(*key)` copied to `device` once (positions as float32, as the rotary
+    module takes them): a copy from pageable host memory in every block would make the host
+    wait for the GPU each time."""
+    with on_host():
+        positions, *rest = packed_layout(*key)
+    return (positions.to(device, torch.float32), *(t.to(device) for t in rest))
+
+
+def _layout(text_lengths: torch.Tensor, layout: torch.Tensor, patch,
+            device: torch.device) -> list[tuple]:
     frames, height, width, audio, _ = sizes(layout)
-    return [packed_layout(n, frames, height, width, audio, patch) for n in sizes(text_lengths)]
+    return [_layout_on(device, n, frames, height, width, audio, patch)
+            for n in sizes(text_lengths)]
 
 
 def guided(layout: torch.Tensor) -> int:
@@ -131,12 +143,11 @@ class MiniMaxH3Block(PipelineLayer):
         hidden, temb, text_lengths, layout = inputs
         out = []
         for i, (positions, tags, *_, adaln) in enumerate(_layout(text_lengths, layout,
-                                                                  self.patch)):
+                                                                  self.patch, hidden.device)):
             n, b = tags.shape[0], guided(layout) or hidden.shape[0]
-            rotary = self.rope(positions.to(hidden.device, torch.float32))
+            rotary = self.rope(positions)
             with _grad_unless(i >= b):
-                out.append(self.block(hidden[i:i + 1, :n], temb[i], adaln.to(hidden.device),
-                                      rotary))
+                out.append(self.block(hidden[i:i + 1, :n], temb[i], adaln, rotary))
         return _stack(out, hidden.shape[1]), temb, text_lengths, layout
 
 
@@ -153,14 +164,14 @@ class MiniMaxH3Head(PipelineLayer):
         video_out, audio_out = [], []
         b = guided(layout) or hidden.shape[0]
         for i, (_p, tags, video, audio, _t, time_index, _a) in enumerate(
-                _layout(text_lengths, layout, self.patch)):
-            n, device = tags.shape[0], hidden.device
+                _layout(text_lengths, layout, self.patch, hidden.device)):
+            n = tags.shape[0]
             with _grad_unless(i >= b):
-                x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index.to(device))
+                x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index)
                 x = x.to(self.proj_out.weight.dtype)
-                video_out.append(self.proj_out(x.index_select(1, video.to(device))))
+                video_out.append(self.proj_out(x.index_select(1, video)))
                 if audio.numel():
-                    audio_out.append(self.audio_proj_out(x.index_select(1, audio.to(device))))
+                    audio_out.append(self.audio_proj_out(x.index_select(1, audio)))
         video_pred = torch.cat(video_out)
         if audio_out:
             video_pred = torch.cat([video_pred.flatten(1), torch.cat(audio_out).flatten(1)], 1)
