@@ -65,17 +65,17 @@ class AVState:
         assert len(inputs) == len(names), f"{len(inputs)} tensors for {len(names)} fields"
         return cls(**{"temb_prompt": None, "audio_temb_prompt": None, **dict(zip(names, inputs))})
 
-    def floats(self) -> list[torch.Tensor]:
-        return [t for t in self.pack() if t.is_floating_point()]
 
-
-# The field names, read once here: `dataclasses.fields` inside a compiled layer is a graph break
-# (dynamo cannot trace it on the class), and the code after a break recompiled at every call
-# since it guarded on the dataclass's tensors: LTX-2.3 with sound ran 8x slower than without on
-# an H100, with 2,162 host syncs per step, nearly all in formatting tensors (torch/_tensor_str.py)
-# while it recompiled.
+# The field names, read once here: `dataclasses.fields` on the class inside a compiled layer is a
+# graph break (tests/unit/test_ltx2_av_training.py compiles the layers and counts them).
 _FIELDS = tuple(f.name for f in fields(AVState))
 _FIELDS_WITHOUT_PROMPT = tuple(name for name in _FIELDS if "temb_prompt" not in name)
+
+
+# The floats the head receives and does not read.
+_NOT_READ_BY_HEAD = ("text", "temb", "temb_prompt", "audio_text", "audio_temb",
+                     "audio_temb_prompt", "ca_video_scale_shift", "ca_audio_scale_shift",
+                     "ca_video_gate", "ca_audio_gate")
 
 
 def has_sound(state: AVState) -> bool:
@@ -202,9 +202,10 @@ class LTX2AVHead(LTXHead):
         audio = _output(s.audio, s.audio_embedded, self.audio_scale_shift_table,
                         self.audio_norm_out, self.audio_proj_out)
         # Every float received needs a gradient when the head is alone on the last stage; the
-        # ones the outputs do not read get a zero one.
-        used = {id(s.hidden), id(s.embedded), id(s.audio), id(s.audio_embedded)}
-        rest = sum(0.0 * x.sum() for x in s.floats() if id(x) not in used)
+        # ones the outputs do not read get a zero one. Chosen by field name: `id()` of a tensor
+        # in a compiled layer makes dynamo guard on that very object, and every call recompiled.
+        rest = sum(0.0 * getattr(s, name).sum() for name in _NOT_READ_BY_HEAD
+                   if getattr(s, name) is not None)
         return video + rest, audio + rest
 
 
