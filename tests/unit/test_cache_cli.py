@@ -47,3 +47,38 @@ def test_build_show_prune(tmp_path, capsys):
 def test_errors_are_messages(tmp_path, capsys):
     assert main(["show", *_overrides(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_verify_names_damaged_entries_and_removes_them(tmp_path, capsys):
+    for i in range(3):
+        write_image(tmp_path / "data" / f"{i}.png", (32, 32), seed=i, caption=f"shape {i}")
+    args = _overrides(tmp_path)
+    assert main(["build", *args]) == 0
+    store = TensorStore(tmp_path / "cache")
+    kinds = {k: store.metadata(k)["kind"] for k in store.keys()}
+    latent = next(k for k, kind in kinds.items() if kind == "latents")
+    text = next(k for k, kind in kinds.items() if kind == "text")
+    data = bytearray(store.path_for(latent).read_bytes())
+    data[-5] ^= 0x08  # one bit of one latent
+    store.path_for(latent).write_bytes(bytes(data))
+    cut = store.path_for(text)
+    cut.write_bytes(cut.read_bytes()[:-16])
+    capsys.readouterr()
+
+    # The cache alone: no dataset is needed to verify it.
+    only_cache = [f"dataset.cache_dir={tmp_path / 'cache'}"]
+    assert main(["verify", *only_cache]) == 1
+    out = capsys.readouterr().out
+    assert "6 entries read" in out and "4 match their checksum, 2 damaged" in out, out
+    source = store.metadata(latent)["source"]
+    assert f"{store.path_for(latent)} (latents of {source}): its tensors do not match" in out
+    assert f"{cut}: unreadable" in out and "--remove" in out
+    assert len(store.keys()) == 6  # listing only
+
+    assert main(["verify", "--remove", *only_cache]) == 0
+    assert "removed 2 damaged entries" in capsys.readouterr().out
+    assert store.keys() == set(kinds) - {latent, text}
+    assert main(["verify", *only_cache]) == 0
+    assert "4 match their checksum, 0 damaged" in capsys.readouterr().out
+    assert main(["build", *args]) == 0
+    assert "2 made now (1 latents, 0 masks, 1 texts)" in capsys.readouterr().err
