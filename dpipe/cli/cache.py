@@ -4,7 +4,7 @@
     dpipe-cache show  dataset=folder dataset.path=/data/photos ...   # what the cache holds
     dpipe-cache prune dataset=folder dataset.path=/data/photos ...   # what no dataset uses
     dpipe-cache prune --delete --keep-run outputs/my-run ...           # ... and delete it
-    dpipe-cache verify dataset.cache_dir=~/.cache/dpipe/latents      # checksum every entry
+    dpipe-cache verify dataset.cache_dir=/scratch/dpipe-cache        # checksum every entry
     dpipe-cache verify --remove ...                                  # ... remove damaged ones
 
 The overrides are those of `dpipe-train` (same config files), so `build` makes exactly the entries
