@@ -124,3 +124,27 @@ def test_a_damaged_entry_met_in_a_worker_is_re_made_by_the_main_process(flux_dat
     assert len(said) == 1 and said[0].startswith(
         f"the cache entry of {sample.source} (latents, {path}) was damaged (its tensors do not "
         "match their checksum): re-made it"), said
+
+
+def test_an_entry_removed_while_training_is_re_made(flux_data, caplog):
+    # E.g. `dpipe-cache verify --remove` or a prune while the run trains: made again, not fatal.
+    spec, dataset = flux_data
+    expected, _ = _in_process(spec, dataset, 0)
+    sample = dataset.plan.micro_batch(0, 1, 0).samples[0]
+    text = _text_of(dataset, 0, 1)
+    dataset.store.remove(text)
+    with caplog.at_level("WARNING", logger="dpipe.data.batches"):
+        got, _ = _from_workers(spec, dataset, 0, workers=0)
+    _assert_same(got, expected, atol=1e-5)
+    assert dataset.store.verify(text) is True
+    assert [r.getMessage().split(": re-made it")[0] for r in caplog.records] == [
+        f"the cache entry of {sample.source} (caption embedding, "
+        f"{dataset.store.path_for(text)}) was missing"]
+
+
+def _text_of(dataset, step, micro):
+    """The text key that micro-batch `micro` of `step` trains its first sample on."""
+    from dpipe.data.batches import choose_texts
+
+    batch = dataset.plan.micro_batch(step, micro, 0)
+    return choose_texts(batch.samples, batch.empty_text, 7, step, batch.slots)[0]
