@@ -6,7 +6,7 @@
 source "$(dirname "$0")/common.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   lscpu | grep -E "^Model name|^CPU\(s\)"
-  for i in 1 2 3; do PYTHONPATH=. $PY scripts/bench_cache_reads.py; done
+  for i in 1 2; do PYTHONPATH=. $PY scripts/bench_cache_reads.py; done
 } 2>&1 | grep -v WARNING | tee -a $LOG
-bench loader 240 --warmup 2 --steps 5 --loader --run "lora-1gpu-compiled-loader: pipeline=single $L"
-bench fixed 200 --warmup 2 --steps 5 --run "lora-1gpu-compiled-fixed: pipeline=single $L"
+bench loader 200 --warmup 2 --steps 4 --loader --run "lora-1gpu-compiled-loader: pipeline=single $L"
+bench fixed 160 --warmup 2 --steps 4 --run "lora-1gpu-compiled-fixed: pipeline=single $L"
