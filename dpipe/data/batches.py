@@ -93,19 +93,27 @@ class CachedDataset:
         self.request_keys: list[tuple[str, str, str | None]] = []
 
     def get(self, key: str, sample: Sample) -> dict[str, torch.Tensor]:
+        return self.entry(key, sample.source, _role(key, sample), sample.source)
+
+    def entry(self, key: str, owner: str, role: str,
+              source: str | None = None) -> dict[str, torch.Tensor]:
+        """The entry `key`, re-made if it is damaged or missing; `owner` and `role` name it in
+        messages ("/data/a.png", "latents"), `source` is the file it is made from, if any."""
         try:
             tensors = self.store.get(key)  # verified against its checksum
         except DamagedEntry as damage:
-            return self._remake(key, sample, f"damaged ({damage.reason})")
+            return self._remake(key, owner, role, source, f"damaged ({damage.reason})")
         if tensors is None:
-            return self._remake(key, sample, "missing")
+            return self._remake(key, owner, role, source, "missing")
         return tensors
 
-    def _remake(self, key: str, sample: Sample, state: str) -> dict[str, torch.Tensor]:
-        entry = (f"the cache entry of {sample.source} ({_role(key, sample)}, "
-                 f"{self.store.path_for(key)})")
+    def _remake(self, key: str, owner: str, role: str, source: str | None,
+                state: str) -> dict[str, torch.Tensor]:
+        entry = f"the cache entry of {owner} ({role}, {self.store.path_for(key)})"
         if self.remake is None:
-            raise DataError(f"{entry} is {state}; run the command again to re-make it")
+            self.store.remove(key)
+            raise DataError(f"{entry} is {state}: removed it; run the command again to make it "
+                            "anew")
         if torch.utils.data.get_worker_info() is not None:
             raise InMainProcess(entry)
         start = time.perf_counter()
@@ -113,12 +121,12 @@ class CachedDataset:
         if key in unmade:
             # Of no use to anyone: removed, a later start plans the data as it is now.
             self.store.remove(key)
-            if not Path(sample.source).exists():
-                why = (f"its file {sample.source} is gone. Put it back and run the command "
-                       "again, or run it without the file (the data plan then leaves it out)")
+            if source is not None and not Path(source).exists():
+                why = (f"its file {source} is gone. Put it back and run the command again, or "
+                       "run it without the file (the data plan then leaves it out)")
             else:
-                why = (f"{unmade[key]} ({sample.source} or its caption changed since the run "
-                       "planned its data). Run the command again: it plans the data as it is now")
+                why = (f"{unmade[key]} ({owner} or its caption changed since the run planned "
+                       "its data). Run the command again: it plans the data as it is now")
             raise DataError(f"{entry} is {state} and cannot be re-made: {why}")
         tensors = self.store.get(key)
         log.warning("%s was %s: re-made it in %.1f s", entry, state, time.perf_counter() - start)

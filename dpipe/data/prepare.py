@@ -125,7 +125,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
         manifests[s.name], reports[s.name] = manifest, report
 
     dataset = CachedDataset(store, rank, remake=lambda keys: remake_entries(
-        spec, cfg, device, dtype, keys))
+        spec, cfg, device, dtype, keys, sample_requests))
     dataset.request_keys = work.request_keys
     dataset.evals = {k[len("eval "):]: m for k, m in manifests.items() if k != "train"}
     dataset.reports = reports
@@ -186,12 +186,15 @@ def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bo
 
 
 def remake_entries(spec: ModelSpec, cfg: DatasetConfig, device: torch.device,
-                   dtype: torch.dtype, keys: set[str]) -> dict[str, str]:
-    """Makes the entries `keys` again (replacing what is there) from the dataset as it is now,
-    in this process alone (not collective: one rank's loader found them damaged or missing).
-    Returns why, for each key that could not be made (its file is gone, changed or unreadable)."""
+                   dtype: torch.dtype, keys: set[str],
+                   sample_requests: list | None = None) -> dict[str, str]:
+    """Makes the entries `keys` again (replacing what is there) from the dataset (and sample
+    requests) as it is now, in this process alone (not collective: one rank's loader found them
+    damaged or missing). Returns why, for each key that could not be made (its file is gone,
+    changed or unreadable)."""
     store = TensorStore(Path(cfg.cache_dir).expanduser())
-    work = _plan_work(spec, cfg, dtype, store, None, remake=keys)
+    work = _plan_work(spec, cfg, dtype, store, None, remake=keys,
+                      sample_requests=sample_requests)
     jobs = [j for j in work.jobs if j.key in keys]
     texts = [t for t in work.texts if t.key in keys]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

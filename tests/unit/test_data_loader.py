@@ -148,3 +148,27 @@ def _text_of(dataset, step, micro):
 
     batch = dataset.plan.micro_batch(step, micro, 0)
     return choose_texts(batch.samples, batch.empty_text, 7, step, batch.slots)[0]
+
+
+def test_a_damaged_sample_prompt_entry_is_re_made(tmp_path, caplog):
+    # Samples made while training read their prompts' embeddings from the same cache.
+    from dpipe.models.sampling import SampleRequest
+
+    write_image(tmp_path / "data" / "0.png", (32, 32), seed=0, caption="a photo")
+    cfg = dataset_config(path=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"),
+                         resolutions=[32])
+    request = SampleRequest(index=0, prompt="a red cube", negative_prompt="", seed=0, width=32,
+                            height=32)
+    dataset = prepare(tiny_flux_spec(), cfg, CPU, torch.float32, Layout(),
+                      sample_requests=[request])
+    prompt = dataset.request_keys[0][0]
+    # Copies: the store's tensors map the file, which the test then rewrites in place.
+    before = {k: v.clone() for k, v in dataset.store.get(prompt).items()}
+    path = dataset.store.path_for(prompt)
+    path.write_bytes(path.read_bytes()[:-8])
+    with caplog.at_level("WARNING", logger="dpipe.data.batches"):
+        after = dataset.entry(prompt, "sample.prompts[0]", "prompt embedding")
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=1e-5) for k in before)
+    assert [r.getMessage().split(" (unreadable")[0] for r in caplog.records] == [
+        f"the cache entry of sample.prompts[0] (prompt embedding, {path}) was damaged"]
