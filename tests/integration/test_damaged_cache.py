@@ -101,3 +101,6 @@ def test_a_damaged_entry_whose_file_is_gone_stops_the_run_naming_it(runs):
     assert result.code != 0
     assert "Traceback" not in result.err, result.err
     assert f"its file {data / name} is gone" in result.err, result.err
+    # As the message says: the same command again goes on without the file.
+    again = _train(run_dir, data, cache, "dataset.log_batches=true", steps=3)
+    assert again.code == 0, again.out + again.err
