@@ -64,21 +64,34 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
     return batches
 
 
-def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
-    """`make_step` for the training loader: the same fixed random latents and text embeddings
-    (standing for cache reads), with each step's noise and timesteps drawn as training draws them
+def loader_steps(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int,
+                 cache_dir: Path):
+    """`make_step` for the training loader: fixed random latents and text embeddings, written
+    once to a cache store in `cache_dir` and read back (checksums verified) each step as
+    training reads its cache, with each step's noise and timesteps drawn as training draws them
     (`noised_batch`, seeded by step and slot) and packed by the model's `make_inputs`."""
     from dpipe.data.batches import noised_batch
+    from dpipe.data.cache_store import TensorStore, cache_key
 
     torch.manual_seed(seed)
-    samples = [[spec.random_sample(size) for _ in range(micro_batch_size)]
-               for _ in range(micro_batches)]
+    store = TensorStore(cache_dir)
+    keys = []  # per micro-batch: (latent key, text key) of each sample
+    for micro in range(micro_batches):
+        keys.append([])
+        for slot in range(micro_batch_size):
+            latent, text = spec.random_sample(size)
+            pair = (cache_key(bench=size, micro=micro, slot=slot, kind="latents"),
+                    cache_key(bench=size, micro=micro, slot=slot, kind="text"))
+            store.put(pair[0], {"latents": latent})
+            store.put(pair[1], text)
+            keys[-1].append(pair)
     sounds = [random_audio(spec, size, micro_batch_size) for _ in range(micro_batches)]
 
     def make_step(step: int, records):
-        for micro, (group, audio) in enumerate(zip(samples, sounds)):
-            latents = torch.stack([s[0] for s in group])
-            text = {k: torch.stack([s[1][k] for s in group]) for k in group[0][1]}
+        for micro, (group, audio) in enumerate(zip(keys, sounds)):
+            latents = torch.stack([store.get(k)["latents"] for k, _ in group])
+            embeds = [store.get(k) for _, k in group]
+            text = {k: torch.stack([e[k] for e in embeds]) for k in embeds[0]}
             slots = range(micro * micro_batch_size, (micro + 1) * micro_batch_size)
             yield spec.make_inputs(noised_batch(spec, latents, text, TimestepConfig(), seed, step,
                                                 slots, audio=audio))
@@ -142,7 +155,8 @@ def main() -> int:
         workers = run.train.loader_workers
         loader = StepLoader(
             loader_steps(spec, opts["size"], run.pipeline.micro_batches,
-                         run.pipeline.micro_batch_size, run.train.seed),
+                         run.pipeline.micro_batch_size, run.train.seed,
+                         bench_dir / f"cache-rank{rank}"),
             0, opts["warmup"] + opts["steps"] + int(bool(opts.get("profile"))),
             default_workers(cuda) if workers is None else workers, device)
         data = loader.next

@@ -1,9 +1,11 @@
-"""`dpipe-cache`: fill, inspect and prune the latent/text cache of a run config.
+"""`dpipe-cache`: fill, inspect, verify and prune the latent/text cache of a run config.
 
     dpipe-cache build dataset=folder dataset.path=/data/photos model=flux model.path=/m/FLUX.1-dev
     dpipe-cache show  dataset=folder dataset.path=/data/photos ...   # what the cache holds
     dpipe-cache prune dataset=folder dataset.path=/data/photos ...   # what no dataset uses
     dpipe-cache prune --delete --keep-run outputs/my-run ...           # ... and delete it
+    dpipe-cache verify dataset.cache_dir=/scratch/dpipe-cache        # checksum every entry
+    dpipe-cache verify --remove ...                                  # ... remove damaged ones
 
 The overrides are those of `dpipe-train` (same config files), so `build` makes exactly the entries
 that training with the same overrides will look for; training then starts without encoding.
@@ -11,6 +13,12 @@ that training with the same overrides will look for; training then starts withou
 processes decoding files. It can be stopped at any time: the next run continues where it stopped.
 For a large dataset, build the cache before training: ranks waiting for the others' share of a
 long first fill inside training are subject to the process group's collective timeout.
+
+`verify` reads every entry of the cache (whatever dataset made it) and checks it against the
+checksum it was written with; it exits with status 1 if it finds damaged entries and does not
+remove them. A removed entry is made again by the next run that uses it (a run re-makes a damaged
+entry it meets by itself, too). Entries written before entries carried checksums are counted
+apart: they can only be read as they are.
 
 `prune` removes entries that the composed config's datasets (training and eval sets) do not use.
 A cache shared by several datasets needs them all: prune with each config's dry run first, or
@@ -177,6 +185,55 @@ def prune(run, delete: bool, keep_runs: list[str]) -> None:
           f"files from {store.root}")
 
 
+def verify(run, remove: bool) -> bool:
+    """Checks every entry; True if no damaged entry is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dpipe.data.cache_store import DamagedEntry, TensorStore
+
+    store = TensorStore(Path(run.dataset.cache_dir).expanduser())
+    keys = sorted(store.keys())
+    start = time.perf_counter()
+
+    def check(key: str):
+        try:
+            return store.verify(key)
+        except DamagedEntry as damage:
+            return damage
+
+    # Threads: reading and zlib's CRC both release the GIL.
+    with ThreadPoolExecutor(8, thread_name_prefix="cache-verify") as pool:
+        results = dict(zip(keys, pool.map(check, keys)))
+    damaged = {k: r for k, r in results.items() if isinstance(r, DamagedEntry)}
+    unverified = sum(r is False for r in results.values())
+    print(f"cache {store.root}: {len(keys)} entries read in {time.perf_counter() - start:.1f} s: "
+          f"{sum(r is True for r in results.values())} match their checksum, {len(damaged)} "
+          f"damaged" + (f", {unverified} have none (written before dpipe wrote checksums; "
+                        "read as they are)" if unverified else ""))
+    for key, damage in damaged.items():
+        print(f"  {damage.path}{_made_from(store, key)}: {damage.reason}")
+    if not damaged:
+        return True
+    if not remove:
+        print("run again with --remove to remove them; the runs that use them make them again")
+        return False
+    for key in damaged:
+        store.remove(key)
+    print(f"removed {len(damaged)} damaged entries; the runs that use them make them again")
+    return True
+
+
+def _made_from(store, key: str) -> str:
+    """" (latents of /data/a.png)" from the entry's header, where it can still be read."""
+    try:
+        meta = store.metadata(key)
+    except Exception:  # the header is what is damaged
+        return ""
+    what = meta.get("source") or meta.get("clip") or (
+        repr(meta["caption"][:60]) if "caption" in meta else None)
+    return f" ({meta.get('kind', 'entry')} of {what})" if what else ""
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -195,8 +252,10 @@ def arg_parser() -> argparse.ArgumentParser:
     """dpipe-cache's arguments; tests/unit/test_docs_commands.py checks the docs with it."""
     parser = argparse.ArgumentParser(
         prog="dpipe-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["build", "show", "prune"])
+    parser.add_argument("command", choices=["build", "show", "verify", "prune"])
     parser.add_argument("--delete", action="store_true", help="prune: delete (default: dry run)")
+    parser.add_argument("--remove", action="store_true",
+                        help="verify: remove the damaged entries (default: list them)")
     parser.add_argument("--keep-run", action="append", default=[], metavar="RUN_DIR",
                         help="prune: also keep the entries this run's data history uses")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for dpipe-train")
@@ -219,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             build(run, torch.cuda.device_count())
         elif args.command == "show":
             show(run)
+        elif args.command == "verify":
+            return 0 if verify(run, args.remove) else 1
         else:
             prune(run, args.delete, args.keep_run)
     except UserError as error:

@@ -7,14 +7,18 @@ streams seeded by (seed, step, slot), so every stage and every resumed run deriv
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from dpipe.config.schema import TimestepConfig, TimestepWeighting
-from dpipe.data.cache_store import TensorStore
+from dpipe.data.cache_store import DamagedEntry, TensorStore
+from dpipe.data.loader import InMainProcess
 from dpipe.data.manifest import Sample
 from dpipe.data.plan import BatchPlan
 from dpipe.diffusion.noise import sample_generator
@@ -22,6 +26,8 @@ from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.diffusion.weighting import timestep_weights
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.spec import ModelSpec, NoisedBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,13 @@ class DataBatch(NoisedBatch):
     audio_target: torch.Tensor | None = None
 
 
+def _role(key: str, sample: Sample) -> str:
+    """What the entry `key` is to `sample`, for messages."""
+    roles = {sample.latent: "latents", sample.mask: "mask", sample.control: "control latents",
+             sample.audio: "audio latents"}
+    return roles.get(key, "caption embedding")
+
+
 def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
     """The DataBatch fields that come from the manifest alone (no cache read)."""
     def pairs(name):
@@ -64,21 +77,59 @@ def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
 
 
 class CachedDataset:
-    """Reads samples' tensors from the cache. `log` (a file or None) records each micro-batch."""
+    """Reads samples' tensors from the cache. `log` (a file or None) records each micro-batch.
 
-    def __init__(self, store: TensorStore, rank: int = 0, log=None):
+    `remake(keys)` makes entries again from the dataset and returns why, for each it could not
+    (`prepare.remake_entries`): an entry found damaged or missing while training is re-made in
+    the main process, where the encoders can use the device; without it, that is an error."""
+
+    def __init__(self, store: TensorStore, rank: int = 0, log=None,
+                 remake: Callable[[set[str]], dict[str, str]] | None = None):
         self.store = store
         self.rank = rank
         self.log = log
+        self.remake = remake
         # Per sample request: (prompt, negative prompt, control latents or None) cache keys.
         self.request_keys: list[tuple[str, str, str | None]] = []
 
     def get(self, key: str, sample: Sample) -> dict[str, torch.Tensor]:
-        tensors = self.store.get(key)
+        return self.entry(key, sample.source, _role(key, sample), sample.source)
+
+    def entry(self, key: str, owner: str, role: str,
+              source: str | None = None) -> dict[str, torch.Tensor]:
+        """The entry `key`, re-made if it is damaged or missing; `owner` and `role` name it in
+        messages ("/data/a.png", "latents"), `source` is the file it is made from, if any."""
+        try:
+            tensors = self.store.get(key)  # verified against its checksum
+        except DamagedEntry as damage:
+            return self._remake(key, owner, role, source, f"damaged ({damage.reason})")
         if tensors is None:
-            raise DataError(
-                f"the cache entry for {sample.source} vanished from {self.store.root} during "
-                "training; do not prune a cache that a run is using")
+            return self._remake(key, owner, role, source, "missing")
+        return tensors
+
+    def _remake(self, key: str, owner: str, role: str, source: str | None,
+                state: str) -> dict[str, torch.Tensor]:
+        entry = f"the cache entry of {owner} ({role}, {self.store.path_for(key)})"
+        if self.remake is None:
+            self.store.remove(key)
+            raise DataError(f"{entry} is {state}: removed it; run the command again to make it "
+                            "anew")
+        if torch.utils.data.get_worker_info() is not None:
+            raise InMainProcess(entry)
+        start = time.perf_counter()
+        unmade = self.remake({key})
+        if key in unmade:
+            # Of no use to anyone: removed, a later start plans the data as it is now.
+            self.store.remove(key)
+            if source is not None and not Path(source).exists():
+                why = (f"its file {source} is gone. Put it back and run the command again, or "
+                       "run it without the file (the data plan then leaves it out)")
+            else:
+                why = (f"{unmade[key]} ({owner} or its caption changed since the run planned "
+                       "its data). Run the command again: it plans the data as it is now")
+            raise DataError(f"{entry} is {state} and cannot be re-made: {why}")
+        tensors = self.store.get(key)
+        log.warning("%s was %s: re-made it in %.1f s", entry, state, time.perf_counter() - start)
         return tensors
 
     def collate(self, samples: list[Sample], texts: list[str]):

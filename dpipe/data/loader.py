@@ -27,6 +27,12 @@ MakeStep = Callable[[int, list], Iterator[tuple[tuple, tuple]]]
 PREFETCH = 2
 
 
+class InMainProcess(Exception):
+    """Raised by `make_step` in a worker for work that only the main process can do (re-making
+    a damaged cache entry needs the encoders on this rank's device): the main process then
+    makes that step itself."""
+
+
 def default_workers(cuda: bool) -> int:
     """`train.loader_workers=null`: 2 worker processes on GPU; on CPU the step itself is CPU
     work, so workers would only compete with it for the same cores."""
@@ -49,6 +55,8 @@ class _Steps(Dataset):
             batches = list(self.make_step(step, records))
         except UserError as err:  # re-raised as it is by the main process, message intact
             return step, err, records
+        except InMainProcess:
+            return step, None, []
         return step, batches, records
 
 
@@ -89,6 +97,8 @@ class StepLoader:
             raise RuntimeError(f"StepLoader: a worker returned step {got} for step {step}")
         if isinstance(batches, BaseException):
             raise batches
+        if batches is None:  # InMainProcess: the same step, made here
+            batches = list(self.make_step(step, records))
         if self.write_record is not None:
             for record in records:
                 self.write_record(record)

@@ -124,7 +124,8 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
         report.cache = cache_note if s.name == "train" else "cached with the training set"
         manifests[s.name], reports[s.name] = manifest, report
 
-    dataset = CachedDataset(store, rank)
+    dataset = CachedDataset(store, rank, remake=lambda keys: remake_entries(
+        spec, cfg, device, dtype, keys, sample_requests))
     dataset.request_keys = work.request_keys
     dataset.evals = {k[len("eval "):]: m for k, m in manifests.items() if k != "train"}
     dataset.reports = reports
@@ -184,9 +185,29 @@ def dataset_sets(cfg: DatasetConfig) -> list[tuple[str, list[disc.Directory], bo
     return sets
 
 
+def remake_entries(spec: ModelSpec, cfg: DatasetConfig, device: torch.device,
+                   dtype: torch.dtype, keys: set[str],
+                   sample_requests: list | None = None) -> dict[str, str]:
+    """Makes the entries `keys` again (replacing what is there) from the dataset (and sample
+    requests) as it is now, in this process alone (not collective: one rank's loader found them
+    damaged or missing). Returns why, for each key that could not be made (its file is gone,
+    changed or unreadable)."""
+    store = TensorStore(Path(cfg.cache_dir).expanduser())
+    work = _plan_work(spec, cfg, dtype, store, None, remake=keys,
+                      sample_requests=sample_requests)
+    jobs = [j for j in work.jobs if j.key in keys]
+    texts = [t for t in work.texts if t.key in keys]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        failures, _counts = run_jobs(spec, store, jobs, texts, device, dtype, 0, show=False)
+    planned = {j.key for j in jobs} | {t.key for t in texts}
+    why = {f.key: f"cannot read {f.path}: {f.error}" for f in failures}
+    return {k: why.get(k, "not in the dataset as it is now") for k in keys
+            if k not in planned or k in why}
+
+
 def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: TensorStore,
                data_dir: Path | None, keep_keys: bool = False,
-               sample_requests: list | None = None) -> _Work:
+               sample_requests: list | None = None, remake: set[str] = frozenset()) -> _Work:
     if cfg.kind == DatasetKind.synthetic:
         generate_shapes(Path(cfg.path).expanduser(), cfg.num_images, cfg.resolution)
     multiple = spec.pixel_multiple
@@ -264,7 +285,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
     work.request_keys = _request_jobs(sample_requests or [], spec, dtype, latent_key, text_key,
                                       seen_key, jobs, texts, caption_keys)
-    present = store.keys()
+    present = store.keys() - remake
     work.total_keys = len(jobs) + len(texts)
     if keep_keys:  # not in training: rank 0 would send them all to every rank for nothing
         work.keys = set(jobs) | set(texts)

@@ -71,14 +71,20 @@ class SampleRound:
     def _start(self, request: SampleRequest):
         text_key, uncond_key, control_key = self.dataset.request_keys[request.index]
 
-        def batched(key):
-            return {k: v[None].to(self.device) for k, v in self.dataset.store.get(key).items()}
+        owner = f"sample.prompts[{request.index}]"
+
+        def batched(key, role):
+            return {k: v[None].to(self.device)
+                    for k, v in self.dataset.entry(key, owner, role).items()}
 
         control = None
         if control_key is not None:
-            control = self.dataset.store.get(control_key)["latents"][None].to(self.device)
-        return self.sampling.start(request, self.steps, self.guidance, batched(text_key),
-                                   batched(uncond_key), control, self.device)
+            control = self.dataset.entry(control_key, str(request.control), "control latents",
+                                         str(request.control))["latents"][None].to(self.device)
+        return self.sampling.start(request, self.steps, self.guidance,
+                                   batched(text_key, "prompt embedding"),
+                                   batched(uncond_key, "negative prompt embedding"), control,
+                                   self.device)
 
     def _write(self, gathered: list, folder: Path, index_dir: Path, what: str, writer,
                step: int, seconds: float) -> None:

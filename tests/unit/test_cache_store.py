@@ -112,19 +112,38 @@ def test_put_replaces_an_entry(tmp_path):
     assert torch.equal(store.get(_key())["x"], torch.ones(2))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_entry_is_absent_and_removed(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "flip", "flip header"])
+def test_damaged_entry_is_named_never_read(tmp_path, damage):
     store = TensorStore(tmp_path)
     key = _key()
-    store.put(key, {"x": torch.randn(64, 64)})
+    store.put(key, {"x": torch.randn(64, 64), "y": torch.ones(3, dtype=torch.bfloat16)})
     path = store.path_for(key)
-    data = path.read_bytes()
-    path.write_bytes(
-        {"truncate": data[: len(data) // 2], "garbage": b"\x00" * 100, "empty": b""}[damage]
-    )
-    with pytest.warns(UserWarning, match=str(path)):
-        assert store.get(key) is None
-    assert not path.exists() and not store.has(key)
+    data = bytearray(path.read_bytes())
+    if damage.startswith("flip"):  # one bit: in a tensor's bytes, or in a shape in the header
+        at = data.index(b"[64,64]") + 2 if damage == "flip header" else len(data) - 1000
+        data[at] ^= 0x02 if damage == "flip header" else 0x10
+    else:
+        data = {"truncate": data[: len(data) // 2], "garbage": b"\x00" * 100, "empty": b""}[damage]
+    path.write_bytes(bytes(data))
+    with pytest.raises(cache_store.DamagedEntry, match=str(path)):
+        store.get(key)
+    with pytest.raises(cache_store.DamagedEntry):
+        store.verify(key)
+    assert path.exists()  # left for `put` to replace (or `dpipe-cache verify --remove`)
+    store.put(key, {"x": torch.zeros(2)})
+    assert torch.equal(store.get(key)["x"], torch.zeros(2)) and store.verify(key) is True
+
+
+def test_entry_without_checksum_is_read_unverified(tmp_path):
+    # Written by dpipe before entries carried checksums: read as it is, reported by `verify`.
+    from safetensors.torch import save_file
+
+    store = TensorStore(tmp_path)
+    key = _key()
+    store.path_for(key).parent.mkdir(parents=True)
+    save_file({"x": torch.ones(4)}, store.path_for(key), metadata={"kind": "latents"})
+    assert torch.equal(store.get(key)["x"], torch.ones(4))
+    assert store.verify(key) is False and store.verify(_key(1)) is None
 
 
 def test_crash_mid_write_leaves_no_entry(tmp_path, monkeypatch):
