@@ -29,9 +29,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from dpipe.launch.dirnames import register_resolver
+from dpipe.launch.dirnames import exclude_fixed_keys, register_resolver
 from dpipe.errors import ConfigError
 from dpipe.launch import env as dist_env
 from dpipe.launch import jobs
@@ -156,6 +156,27 @@ class _SweepLauncher(Launcher):
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+        # Hydra's sweeper reads hydra.sweep.dir right after this, before it sets the Hydra config
+        # that `${name}` (in the default sweep dir) reads its model and dataset choices from.
+        HydraConfig.instance().set_config(config)
+        # One sweep dir for every point: each point's config is composed again with its own
+        # overrides, where `${name}` (a swept model or dataset) and `${now:}` would differ.
+        with read_write(config.hydra):
+            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
+            # The points' folders name what is swept; each point is composed from these
+            # overrides (Hydra's load_sweep_config), so they carry the setting to every point.
+            excluded = exclude_fixed_keys(
+                list(config.hydra.overrides.task),
+                list(config.hydra.job.config.override_dirname.exclude_keys))
+            if excluded is not None:
+                config.hydra.overrides.hydra.append(
+                    f"hydra.job.config.override_dirname.exclude_keys=[{','.join(excluded)}]")
+
+    def _point_config(self, overrides: Sequence[str]) -> DictConfig:
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
+        return cfg
 
     @property
     def sweep_dir(self) -> Path:
@@ -169,7 +190,7 @@ class _SweepLauncher(Launcher):
         saved = HydraConfig.instance().cfg
         try:
             for i, overrides in enumerate(job_overrides):
-                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                cfg = self._point_config(overrides)
                 with open_dict(cfg):
                     cfg.hydra.job.num = first + i
                 HydraConfig.instance().set_config(cfg)
@@ -205,7 +226,7 @@ class _SweepLauncher(Launcher):
             os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
         Singleton.set_state(singleton_state)
         setup_globals()
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
+        cfg = self._point_config(sweep_overrides)
         with open_dict(cfg.hydra):
             cfg.hydra.job.id = submitit.JobEnvironment().job_id
             cfg.hydra.job.num = job_num
@@ -261,7 +282,7 @@ class BasicLauncher(_SweepLauncher):
         results, returns = [], []
         for p in points.values():
             log.info("sweep point #%d: %s", p.num, " ".join(filter_overrides(p.overrides)))
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, p.overrides)
+            cfg = self._point_config(p.overrides)
             with open_dict(cfg):
                 cfg.hydra.job.id = p.num
                 cfg.hydra.job.num = p.num

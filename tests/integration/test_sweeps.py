@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dpipe.cli.train_help import EXAMPLES
 from tests.cli import dpipe_train
 
 pytestmark = pytest.mark.slow
@@ -19,6 +20,24 @@ BASE = ["model=tiny_flux", "dataset=synthetic", "pipeline.stages=2", "pipeline.m
 
 def summary(sweep_dir) -> list[dict]:
     return json.loads((sweep_dir / "sweep_summary.json").read_text())["points"]
+
+
+def test_the_documented_sweep_runs_as_written(tmp_path):
+    # `dpipe-train --help`'s and README's sweep, on the default tiny model, one step per point
+    sweep = next(command for _, command in EXAMPLES if " -m " in command)
+    assert sweep == "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32"
+    result = dpipe_train(*sweep.split()[1:], "train.max_steps=1", cwd=tmp_path, timeout=500)
+    assert result.code == 0, result.out + result.err
+    (sweep_dir,) = (tmp_path / "multirun" / "tiny_flux-synthetic").iterdir()  # <date>_<time>
+    folders = ["0_rank=16,lr=0.0001", "1_rank=32,lr=0.0001", "2_rank=16,lr=5e-05",
+               "3_rank=32,lr=5e-05"]  # every swept key, none of the fixed ones
+    points = summary(sweep_dir)
+    assert [Path(p["run_dir"]).name for p in points] == folders
+    assert [p["status"] for p in points] == ["completed"] * 4
+    assert all((sweep_dir / f / "lora").is_dir() for f in folders)
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert "All points: train.max_steps=1" in md
+    assert "| 3 | optim.lr=5e-05 model.lora.rank=32 | completed | 1 |" in md
 
 
 def test_a_failed_point_is_reported_and_the_sweep_goes_on(tmp_path):
