@@ -51,9 +51,11 @@ def exclude_fixed_keys(task_overrides: list[str], excluded: list[str]) -> list[s
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(task_overrides))
-    if not any(o.is_sweep_override() for o in parsed):
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    if not swept:
         return None
-    fixed = [o.key_or_group for o in parsed if not o.is_sweep_override()]
+    # (a key given twice, fixed and then swept, is swept: the last one counts)
+    fixed = [o.key_or_group for o in parsed if o.key_or_group not in swept]
     return list(dict.fromkeys([*excluded, *fixed]))
 
 

@@ -27,10 +27,12 @@ from typing import Any, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
+from hydra.experimental.callback import Callback
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from dpipe.config.run_name import register_resolver as register_run_name
 from dpipe.launch.dirnames import exclude_fixed_keys, register_resolver
 from dpipe.errors import ConfigError
 from dpipe.launch import env as dist_env
@@ -110,9 +112,10 @@ class SubmititSlurmConf:
     poll_interval_s: float = 2.0
 
 
-# conf/config.yaml names sweep folders through this resolver; registered on import, so that the
-# processes that run sweep points (submitit's jobs unpickle this module) resolve it too.
+# conf/config.yaml names runs and sweep folders through these resolvers; registered on import, so
+# that the processes that run sweep points (submitit's jobs unpickle this module) resolve them too.
 register_resolver()
+register_run_name()
 
 
 def register_launchers() -> None:
@@ -132,6 +135,29 @@ def register_launchers() -> None:
     cs.store(group="hydra/launcher", name="basic", node=BasicLauncherConf, provider="dpipe")
     cs.store(group="hydra/launcher", name="submitit_local", node=SubmititLocalConf, provider="dpipe")
     cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConf, provider="dpipe")
+
+
+class SweepSetup(Callback):
+    """Readies a sweep's config before Hydra's sweeper and dpipe's launcher read it (conf/config.yaml
+    names it in hydra.callbacks)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # The launcher's keys (its submitit folder) and the sweep dir interpolate `${name}`, which
+        # reads the model and dataset choices from the Hydra config: Hydra sets it for a run, but
+        # for a sweep only once a point runs, after it has read them.
+        HydraConfig.instance().set_config(config)
+        with read_write(config.hydra):
+            # One sweep dir for every point: each point's config is composed again with its own
+            # overrides, where `${name}` (a swept model or dataset) and `${now:}` could differ.
+            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
+            # The points' folders name what is swept. Each point is composed from these
+            # overrides (Hydra's load_sweep_config), so they carry the setting to every point.
+            excluded = exclude_fixed_keys(
+                list(config.hydra.overrides.task),
+                list(config.hydra.job.config.override_dirname.exclude_keys))
+            if excluded is not None:
+                config.hydra.overrides.hydra.append(
+                    f"hydra.job.config.override_dirname.exclude_keys=[{','.join(excluded)}]")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,21 +182,6 @@ class _SweepLauncher(Launcher):
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
-        # Hydra's sweeper reads hydra.sweep.dir right after this, before it sets the Hydra config
-        # that `${name}` (in the default sweep dir) reads its model and dataset choices from.
-        HydraConfig.instance().set_config(config)
-        # One sweep dir for every point: each point's config is composed again with its own
-        # overrides, where `${name}` (a swept model or dataset) and `${now:}` would differ.
-        with read_write(config.hydra):
-            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
-            # The points' folders name what is swept; each point is composed from these
-            # overrides (Hydra's load_sweep_config), so they carry the setting to every point.
-            excluded = exclude_fixed_keys(
-                list(config.hydra.overrides.task),
-                list(config.hydra.job.config.override_dirname.exclude_keys))
-            if excluded is not None:
-                config.hydra.overrides.hydra.append(
-                    f"hydra.job.config.override_dirname.exclude_keys=[{','.join(excluded)}]")
 
     def _point_config(self, overrides: Sequence[str]) -> DictConfig:
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))

@@ -56,18 +56,20 @@ def test_a_failed_point_is_reported_and_the_sweep_goes_on(tmp_path):
 
 
 def test_local_parallel_sweep_runs_points_at_once(tmp_path):
-    result = dpipe_train(f"hydra.sweep.dir={tmp_path}", "cluster=local_parallel",
-                         "hydra.launcher.max_parallel=2", *BASE, "optim.lr=1e-4,5e-5", timeout=400)
+    # conf/cluster/local_parallel.yaml's command, one key swept; two points at once on CI's 2 cores
+    result = dpipe_train("cluster=local_parallel", "hydra.launcher.max_parallel=2",
+                         "optim.lr=1e-4,5e-5", "train.max_steps=2", cwd=tmp_path, timeout=400)
     assert result.code == 0, result.out + result.err
+    (sweep_dir,) = (tmp_path / "multirun" / "tiny_flux-synthetic").iterdir()
     log = result.out + result.err
     assert "2 at a time on CPU" in log
     assert re.search(r"sweep point #0 \(job \d+\): .*\n.*sweep point #1 \(job \d+\): ", log)
     # the two runs overlapped: each started (run.yaml) before the other one ended (its export)
-    runs = [next(tmp_path.glob(f"{i}_*")) for i in range(2)]
+    runs = [sweep_dir / f"{i}_lr={lr}" for i, lr in enumerate(["0.0001", "5e-05"])]
     starts = [(r / "run.yaml").stat().st_mtime for r in runs]
     ends = [(r / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime for r in runs]
     assert max(starts) < min(ends), (starts, ends)
-    points = summary(tmp_path)
+    points = summary(sweep_dir)
     assert [p["status"] for p in points] == ["completed", "completed"]
     assert all((Path(p["run_dir"]) / "lora").is_dir() for p in points)
     assert [p["metrics"]["step"] for p in points] == [2, 2]

@@ -26,3 +26,4 @@ def test_only_swept_keys_name_the_folders():
     assert exclude_fixed_keys(task, ["name"]) == ["name", "model", "dataset.path",
                                                   "train.max_steps"]
     assert exclude_fixed_keys(["model=flux", "optim.lr=1e-4"], ["name"]) is None  # nothing swept
+    assert exclude_fixed_keys(["optim.lr=1e-3", "optim.lr=1e-3,5e-4"], ["name"]) == ["name"]
