@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.checks import check_before_workers, unknown_key_message, validate
 from dpipe.cli.train_help import help_text, wants_help
+from dpipe.config.default_pipeline import fit_default_pipeline
 from dpipe.config.experiments import preset_overrides
 from dpipe.config.store import register_schemas
 from dpipe.config.unknown_option import unknown_option_message
@@ -53,16 +54,19 @@ def train_task(cfg: DictConfig) -> int:
         return _run_as_rank(cfg, run_dir, env)
     lock = None
     try:
+        import torch
+
+        fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
         run = validate(cfg)
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
         save_hydra_files(cfg, run_dir)
-        import torch
-
         from dpipe.models.registry import build_spec
 
         from dpipe.train import checkpoint
 
+        if fitted is not None:
+            log.info(fitted)
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
             checkpoint.check_resume(run_dir, run_yaml(run))
@@ -123,6 +127,13 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
     env = dist_env.reachable_master(env)  # a SLURM node name that does not resolve: its NodeAddr
     dist_env.export(env)
     try:
+        import torch
+
+        # The processes someone started on GPUs (one per GPU) are the GPUs this run has.
+        gpus = env.world_size if torch.cuda.is_available() else 0
+        fitted = fit_default_pipeline(cfg, HydraConfig.get(), gpus)
+        if fitted is not None and env.is_main:
+            log.info(fitted)
         run = validate(cfg, world_size=env.world_size)
         if env.is_main:  # the one owner of the run dir in this process group; held until exit
             run_lock.acquire(run_dir)

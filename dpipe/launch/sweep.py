@@ -32,6 +32,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from dpipe.config.default_pipeline import fit_default_pipeline
 from dpipe.config.run_name import register_resolver as register_run_name
 from dpipe.launch.dirnames import exclude_fixed_keys, register_resolver
 from dpipe.errors import ConfigError
@@ -207,6 +208,7 @@ class _SweepLauncher(Launcher):
                 HydraConfig.instance().set_config(cfg)
                 run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
                 try:
+                    self._fit_pipeline(cfg)
                     run = validate(cfg)
                     point = Point(first + i, list(overrides), run_dir.absolute(),
                                   run.pipeline.stages * (run.pipeline.data_parallel or 1))
@@ -220,6 +222,9 @@ class _SweepLauncher(Launcher):
         finally:
             HydraConfig.instance().cfg = saved
         return points
+
+    def _fit_pipeline(self, cfg: DictConfig) -> None:
+        """The default pipeline fitted to the GPUs a point gets, as the point will fit it."""
 
     def _check_point(self, point: Point, cfg: DictConfig) -> None:
         pass
@@ -309,6 +314,9 @@ class BasicLauncher(_SweepLauncher):
 
 class LocalLauncher(_SweepLauncher):
     """Points in parallel on this machine, each in a submitit job with GPUs of its own."""
+
+    def _fit_pipeline(self, cfg: DictConfig) -> None:
+        fit_default_pipeline(cfg, cfg.hydra, len(_visible_gpus()))
 
     def _check_point(self, point: Point, cfg: DictConfig) -> None:
         gpus = _visible_gpus()
