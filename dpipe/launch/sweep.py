@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.experimental.callback import Callback
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -139,8 +139,8 @@ def register_launchers() -> None:
 
 
 class SweepSetup(Callback):
-    """Readies a sweep's config before Hydra's sweeper and dpipe's launcher read it (conf/config.yaml
-    names it in hydra.callbacks)."""
+    """Readies a sweep's config before Hydra's sweeper and dpipe's launcher read it
+    (conf/config.yaml names it in hydra.callbacks)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # The launcher's keys (its submitit folder) and the sweep dir interpolate `${name}`, which

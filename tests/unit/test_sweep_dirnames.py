@@ -17,7 +17,8 @@ def test_paths_and_long_overrides_become_one_short_distinct_name():
 def test_keys_are_shortened_to_their_shortest_distinct_suffix():
     assert sweep_dirname("model.lora.rank=16,optim.lr=0.0001") == "rank=16,lr=0.0001"
     assert sweep_dirname("model.lora.rank=16,other.rank=2") == "lora.rank=16,other.rank=2"
-    assert sweep_dirname("model=tiny_wan,sample.prompts=[a, b=c]") == "model=tiny_wan,prompts=[a, b=c]"
+    assert sweep_dirname("model=tiny_wan,sample.prompts=[a, b=c]") == \
+        "model=tiny_wan,prompts=[a, b=c]"
 
 
 def test_only_swept_keys_name_the_folders():
