@@ -640,7 +640,8 @@ class SampleConfig:
     seed: int = 0  # the noise seed of items without their own
     negative_prompt: str = ""  # for families with classifier-free guidance
     # Sizes of items without their own; null: the dataset's largest resolution, square, and
-    # for video families its longest frame bucket (1 frame: an image).
+    # for video families its longest frame bucket (1 frame: an image; also while
+    # dataset.frame_buckets is null, as the workers choose those from the clips).
     width: Optional[int] = None
     height: Optional[int] = None
     frames: Optional[int] = None
