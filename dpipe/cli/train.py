@@ -74,6 +74,8 @@ def train_task(cfg: DictConfig) -> int:
         spec.ensure_available()  # a bad model path fails before any worker starts
         # So does a bad sample.prompts item.
         requests = sample_requests(run.sample, spec, run.dataset)
+        if requests:  # as the prompts were parsed: an unquoted comma splits a prompt in two
+            log.info("sample prompts: %s", " | ".join(repr(r.prompt) for r in requests))
         done = _finished_message(run, run_dir, lambda: requests)
         if done is not None:  # nothing to train: no worker starts, nothing is rewritten
             print(done, flush=True)
@@ -186,7 +188,7 @@ def _finished_message(run, run_dir: Path, requests_of) -> str | None:
     step = checkpoint.finished_run(run_dir, run.train.max_steps, export)
     if step is None:
         return None
-    if run.sample.prompts:
+    if run.sample.prompts or run.sample.prompts_file:
         folder = round_dir(run_dir, step)
         if not all((folder / f"{r.index}.png").is_file() or (folder / f"{r.index}.mp4").is_file()
                    for r in requests_of()):
