@@ -73,7 +73,8 @@ def train_task(cfg: DictConfig) -> int:
 
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
-            checkpoint.check_resume(run_dir, run_yaml(run))
+            checkpoint.check_resume(run_dir, run_yaml(run),
+                                    unverified_ok=run.train.resume_unverified)
         spec = build_spec(run.model)
         spec.ensure_available()  # a bad model path fails before any worker starts
         # So does a bad sample.prompts item.
@@ -135,7 +136,8 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         if run.train.resume:
             # The same config verdict on every rank; the main rank alone reads the files (rank
             # 0 of training reuses its verdict, dpipe.train.checkpoint.VERDICTS).
-            checkpoint.check_resume(run_dir, run_yaml(run), verify=env.is_main)
+            checkpoint.check_resume(run_dir, run_yaml(run), verify=env.is_main,
+                                    unverified_ok=run.train.resume_unverified)
         from dpipe.models.registry import build_spec
 
         # The sample requests are made only for a finished run: they read the model's files,
