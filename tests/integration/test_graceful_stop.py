@@ -115,12 +115,17 @@ def _catches(signum: int) -> Callable[[int], bool]:
     return ready
 
 
-def _starting_workers(run_dir: Path) -> Callable[[int], bool]:
-    return lambda _: "worker processes" in _text(run_dir / "train.log")  # "starting N worker processes"
-
-
-def _text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
+def _fork_server_started(pid: int) -> bool:
+    """Whether the launcher `pid` has started the fork server of its workers (which imports
+    torch, DeepSpeed and diffusers for seconds before it forks the first worker)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and os.getpgid(int(proc.name)) == pid
+                    and b"multiprocessing.forkserver" in (proc / "cmdline").read_bytes()):
+                return True
+        except (OSError, ProcessLookupError):
+            continue
+    return False
 
 
 @pytest.mark.parametrize("signum, group, when", [
@@ -130,7 +135,7 @@ def _text(path: Path) -> str:
 ])
 def test_a_stop_before_training_ends_the_run_with_one_line(tmp_path, signum, group, when):
     run_dir = tmp_path / "run"
-    ready = _catches(signal.SIGTERM) if when == "importing" else _starting_workers(run_dir)
+    ready = _catches(signal.SIGTERM) if when == "importing" else _fork_server_started
     code, err = _stop_when(run_dir, tmp_path, signum, ready, group)
     name = signal.Signals(signum).name
     assert code == 128 + signum, f"exit code {code}:\n{err}"
