@@ -285,6 +285,7 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
 
     from dpipe.config.schema import DatasetKind
     from dpipe.data.sources import check_directory
+    from dpipe.models.safetensors_files import check_folder_files
 
     try:
         with tempfile.TemporaryFile(dir=run_dir):
@@ -308,6 +309,11 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
         for key, folder in folders:
             check_directory(Path(folder), what=f"{key} folder")
     spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
+    # An empty or cut-short weights file (a download or copy that stopped), from its header.
+    check_folder_files(Path(run.model.path).expanduser(), "model.path=")
+    if run.model.single_file_config:
+        check_folder_files(Path(run.model.single_file_config).expanduser(),
+                           "model.single_file_config=")
     check_adapter_files(run, spec)
     layers = spec.pipeline_layer_count()
     p = run.pipeline
