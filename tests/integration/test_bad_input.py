@@ -115,3 +115,15 @@ def test_a_lora_file_that_is_not_whole_is_named_in_one_line(tmp_path):
         assert done.returncode == 2, done.stderr[-3000:]
         assert done.stderr.strip().splitlines() == [f"error: lora={lora}: {why}"], \
             done.stderr[-3000:]
+
+
+def test_a_symlink_loop_in_the_dataset_is_named_in_strict_mode(tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(4):
+        Image.new("RGB", (64, 64), (40 * i, 0, 0)).save(folder / f"ok{i}.png")
+        (folder / f"ok{i}.txt").write_text("a red square")
+    (folder / "again").symlink_to(folder)
+    result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={folder}",
+                                     "dataset.resolutions=[64]", "dataset.strict=true"))
+    _assert_user_error(result, f"{folder / 'again'}: a symlink loop")
