@@ -110,6 +110,11 @@ def _layer_files(path: Path) -> list[tuple[int, Path]]:
         raise UserError(f"checkpoint {path} holds no safetensors layer files (it was written by "
                         "a dpipe before 2026-12-04): resume the run with dpipe-train to write "
                         "its export")
+    gaps = sorted(set(range(max(i for i, _ in found) + 1)) - {i for i, _ in found})
+    if gaps:  # an export without those layers' tensors would be written, and look whole
+        missing = ", ".join(checkpoint.layer_file(path, i).name for i in gaps)
+        raise UserError(f"checkpoint {path} lacks the layer files {missing}: nothing exported; "
+                        "choose another checkpoint (checkpoint=step_<N>)")
     return sorted(found)
 
 

@@ -127,3 +127,11 @@ def test_a_symlink_loop_in_the_dataset_is_named_in_strict_mode(tmp_path):
     result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={folder}",
                                      "dataset.resolutions=[64]", "dataset.strict=true"))
     _assert_user_error(result, f"{folder / 'again'}: a symlink loop")
+
+
+def test_a_resolution_below_the_pixel_multiple_is_refused_before_any_worker(tiny_flux, tmp_path):
+    result = dpipe_train(*train_args(tmp_path / "run", "model=flux", f"model.path={tiny_flux}",
+                                     "dataset.resolutions=[7]"))
+    _assert_user_error(result, "dataset.resolutions=[7]: 7 is smaller than the model's pixel "
+                               "multiple 8")
+    assert "worker processes" not in result.err, result.err
