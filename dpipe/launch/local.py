@@ -156,7 +156,8 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
                 proc.start()
                 procs.append(proc)
                 launcher_alive.close()
-            code = None if stops else _wait(procs, writers, user_error, stops)
+            started = len(procs) == world_size  # a stop that came later is told to them all
+            code = _wait(procs, writers, user_error, stops) if started else None
     except BaseException:
         _stop(procs)
         raise
