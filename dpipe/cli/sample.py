@@ -132,6 +132,9 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
             source = Path(lora_file).expanduser().resolve()
             if not source.is_file():
                 raise ConfigError(f"lora={lora_file}: no such file; give a LoRA .safetensors file")
+            from dpipe.models.safetensors_files import check_file
+
+            check_file(source, "lora=")  # empty, cut short, or not safetensors: named here
             from dpipe.models.lora_files import DIFFUSERS_LORA
 
             linked = folder / ".lora" / DIFFUSERS_LORA  # the name the families' loaders read

@@ -11,33 +11,42 @@ the last two cases the ranks come from the environment and no workers are starte
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import sys
-import traceback
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-
-from dpipe.config.checks import check_before_workers, unknown_key_message, validate
-from dpipe.cli.train_help import help_text, wants_help
-from dpipe.config.default_pipeline import fit_default_pipeline
-from dpipe.config.experiments import preset_overrides
-from dpipe.config.store import register_schemas
-from dpipe.config.unknown_option import unknown_option_message
-from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
-from dpipe.launch import run_lock
-from dpipe.launch.quiet import quiet_libraries
-from dpipe.io import atomic_write_text
-from dpipe.launch.local import ERRORS_DIR, Stopped, launch_workers, world_size_for
-from dpipe.launch.run_rank import run_rank, save_run_config, train_job
-from dpipe.launch.sweep import register_launchers
-from dpipe.sample.requests import sample_requests
+from dpipe.launch import user_stop
+
+if dist_env.from_environ() is None and (
+        __name__ == "__main__" or Path(sys.argv[0]).name == "dpipe-train"):
+    # dpipe-train's own process, not one rank of a torchrun/srun launch nor an importer: a stop
+    # during the imports below (seconds of torch and Hydra) ends it with one line.
+    user_stop.install()
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import traceback  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from dpipe.config.checks import check_before_workers, unknown_key_message, validate  # noqa: E402
+from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
+from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
+from dpipe.config.experiments import preset_overrides  # noqa: E402
+from dpipe.config.store import register_schemas  # noqa: E402
+from dpipe.config.unknown_option import unknown_option_message  # noqa: E402
+from dpipe.errors import UserError  # noqa: E402
+from dpipe.launch import run_lock  # noqa: E402
+from dpipe.launch.quiet import quiet_libraries  # noqa: E402
+from dpipe.io import atomic_write_text  # noqa: E402
+from dpipe.launch.local import ERRORS_DIR, Stopped, launch_workers, world_size_for  # noqa: E402
+from dpipe.launch.run_rank import run_rank, save_run_config, train_job  # noqa: E402
+from dpipe.launch.sweep import register_launchers  # noqa: E402
+from dpipe.sample.requests import sample_requests  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 log = logging.getLogger("dpipe")
@@ -69,7 +78,8 @@ def train_task(cfg: DictConfig) -> int:
             log.info(fitted)
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
-            checkpoint.check_resume(run_dir, run_yaml(run))
+            checkpoint.check_resume(run_dir, run_yaml(run),
+                                    unverified_ok=run.train.resume_unverified)
         spec = build_spec(run.model)
         spec.ensure_available()  # a bad model path fails before any worker starts
         # So does a bad sample.prompts item.
@@ -92,9 +102,6 @@ def train_task(cfg: DictConfig) -> int:
     except Stopped as stop:  # a sweep stops too: the user stopped this process
         print(_stopped_message(run_dir, stop), file=sys.stderr, flush=True)
         sys.exit(128 + stop.signum)
-    except KeyboardInterrupt:  # Ctrl-C while checking, before any worker started
-        print("stopped on SIGINT before training started", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGINT)
     finally:
         if lock is not None:  # the workers have ended: the next point or run may take it
             lock.release()
@@ -143,7 +150,8 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         if run.train.resume:
             # The same config verdict on every rank; the main rank alone reads the files (rank
             # 0 of training reuses its verdict, dpipe.train.checkpoint.VERDICTS).
-            checkpoint.check_resume(run_dir, run_yaml(run), verify=env.is_main)
+            checkpoint.check_resume(run_dir, run_yaml(run), verify=env.is_main,
+                                    unverified_ok=run.train.resume_unverified)
         from dpipe.models.registry import build_spec
 
         # The sample requests are made only for a finished run: they read the model's files,
@@ -237,6 +245,15 @@ def _exit_on_failure(code: int) -> int:
 
 
 def main() -> None:
+    user_stop.raise_from_now()
+    try:
+        _main()
+    except user_stop.StopRequested as stop:  # before any worker started (or after they ended)
+        print(user_stop.message(stop.signum), file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
+
+
+def _main() -> None:
     if wants_help(sys.argv[1:]):  # dpipe's help, not Hydra's (which suggests `+key=`)
         print(help_text(Path(CONF_DIR)), end="")
         return

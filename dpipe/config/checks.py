@@ -274,6 +274,27 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
                           f"got {t.keep_exports}")
 
 
+def _check_resolutions(run: RunConfig, spec) -> None:
+    """Every resolution holds the model's pixel multiple (the buckets would fail in the workers,
+    after the cache was planned)."""
+    from dpipe.errors import UserError
+
+    try:
+        multiple = spec.pixel_multiple
+    except (OSError, KeyError, UserError):  # a tiny model made by the first worker: checked there
+        return
+    d = run.dataset
+    given = [("dataset.resolutions", d.resolutions)]
+    given += [(f"dataset.directories[{i}].resolutions", x.resolutions)
+              for i, x in enumerate(d.directories) if x.resolutions]
+    for key, values in given:
+        small = [r for r in values if r < multiple]
+        if small:
+            raise ConfigError(f"{key}={list(values)}: {small[0]} is smaller than the model's pixel "
+                              f"multiple {multiple} (image sides are multiples of it): use "
+                              f"{multiple} or more")
+
+
 def check_before_workers(run: RunConfig, run_dir, spec) -> None:
     """What only the files can tell, checked before any worker starts (in the workers each
     would fail at once, after every process had started and loaded its libraries): the run dir
@@ -285,6 +306,7 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
 
     from dpipe.config.schema import DatasetKind
     from dpipe.data.sources import check_directory
+    from dpipe.models.safetensors_files import check_folder_files
 
     try:
         with tempfile.TemporaryFile(dir=run_dir):
@@ -308,7 +330,13 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
         for key, folder in folders:
             check_directory(Path(folder), what=f"{key} folder")
     spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
+    # An empty or cut-short weights file (a download or copy that stopped), from its header.
+    check_folder_files(Path(run.model.path).expanduser(), "model.path=")
+    if run.model.single_file_config:
+        check_folder_files(Path(run.model.single_file_config).expanduser(),
+                           "model.single_file_config=")
     check_adapter_files(run, spec)
+    _check_resolutions(run, spec)
     layers = spec.pipeline_layer_count()
     p = run.pipeline
     if layers is not None and p.stages > layers:

@@ -601,6 +601,9 @@ class TrainConfig:
     export_every_steps: int = 0  # also export to <run>/lora/step_<N>/ every N steps; 0: at the end
     keep_exports: int = 0  # how many of the newest step_<N>/ exports to keep; 0: all
     resume: bool = True  # continue from the newest complete checkpoint in the run dir
+    # Also from a checkpoint whose COMPLETE lists no files to verify them by (an older dpipe's):
+    # its weights may have been changed; its pickles are read without running code either way.
+    resume_unverified: bool = False
     progress_bar: bool = True
     # Processes per rank that prepare the coming steps' micro-batches (cache reads, noise,
     # input packing) while the current step trains; 0: in the training process, as each

@@ -98,6 +98,7 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         root = check_directory(d.path)
         mask_dir, control_dir = _inside(root, s.mask_dir), _inside(root, s.control_dir)
         listing = walk(root, exclude=tuple(p for p in (mask_dir, control_dir) if p))
+        unreadable.extend(listing.unfollowable)  # skipped, and named, as unreadable files are
         media = [(f, "image") for f in listing.images] + [(f, "video") for f in listing.videos]
         media.sort(key=lambda fk: fk[0].rel)
         if not media:

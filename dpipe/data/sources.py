@@ -55,6 +55,8 @@ class Listing:
     texts: dict[str, FoundFile]  # rel path without suffix -> its .txt file
     # rel path without suffix -> its .wav/.flac file (a clip's sound, for audio-video models)
     audio: dict[str, FoundFile] = field(default_factory=dict)
+    # (path, why) of entries the walk cannot follow: symlink loops, links that cannot be resolved
+    unfollowable: list[tuple[str, str]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,11 +86,12 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
     """
     folder = check_directory(folder)
     excluded = {os.path.realpath(p) for p in exclude}
-    images, videos, texts, audio = [], [], {}, {}
+    images, videos, texts, audio, unfollowable = [], [], {}, {}, []
     image_ext = image_extensions()
-    stack = [(str(folder), "")]
+    # Each folder with the real paths of the folders above it: a link to one of them is a loop.
+    stack = [(str(folder), "", frozenset([os.path.realpath(folder)]))]
     while stack:
-        path, prefix = stack.pop()
+        path, prefix, above = stack.pop()
         try:
             entries = list(os.scandir(path))
         except OSError as error:
@@ -97,9 +100,19 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
             if entry.name.startswith("."):
                 continue
             rel = prefix + entry.name
-            if entry.is_dir():
-                if os.path.realpath(entry.path) not in excluded:
-                    stack.append((entry.path, rel + "/"))
+            try:
+                is_dir = entry.is_dir()
+            except OSError as error:  # a link to itself, or a chain of links too long
+                unfollowable.append((entry.path, f"a link that cannot be followed "
+                                                 f"({error.strerror})"))
+                continue
+            if is_dir:
+                real = os.path.realpath(entry.path)
+                if real in above:
+                    unfollowable.append((entry.path, f"a symlink loop (a link to {real}, a "
+                                                     "folder it is inside)"))
+                elif real not in excluded:
+                    stack.append((entry.path, rel + "/", above | {real}))
                 continue
             dot = entry.name.rfind(".")
             suffix = entry.name[dot:].lower() if dot > 0 else ""
@@ -120,7 +133,7 @@ def walk(folder: Path, exclude: tuple[Path, ...] = ()) -> Listing:
                 (images if kind == "image" else videos).append(found)
     images.sort(key=lambda f: f.rel)
     videos.sort(key=lambda f: f.rel)
-    return Listing(folder, images, videos, texts, audio)
+    return Listing(folder, images, videos, texts, audio, unfollowable)
 
 
 def same_stem_files(folder: Path) -> dict[str, FoundFile]:

@@ -15,9 +15,15 @@ environment of the moment; only what the preloaded libraries read when imported 
 first run. A worker's parent is the fork server, not this process, so each worker watches a pipe
 from this process and ends itself when that closes (this process died, even by SIGKILL).
 
-A user's stop (`graceful_stop`, training): the first SIGINT (Ctrl-C) or SIGTERM is forwarded to
-every worker, which raise the flag of dpipe.train.preemption: the ranks agree on a step, save it
-and exit, and `Stopped` tells the caller. A second signal kills the workers at once.
+A user's stop (`graceful_stop`, training): the first SIGINT (Ctrl-C) or SIGTERM reaches every
+worker through its pipe, whenever it came (a worker not yet started reads it once it is): each
+raises the flag of dpipe.train.preemption, the ranks agree on a step, save it and exit, and
+`Stopped` tells the caller. A stop before every worker started ends the started ones (they are
+still waiting for the others, with nothing written). A second signal kills the workers at once.
+The same signal sent to the whole process group (a terminal's Ctrl-C; systemd, `scancel`,
+`timeout` and `kill -- -PGID` send SIGTERM so) gives the same result: the fork server ignores
+both signals (it must outlive the workers, which it reports the exit codes of), the workers
+ignore them until they installed their own handler, which only raises the flag.
 
 The workers meet at a rendezvous store that this process hosts (`hosted_store`), as torchrun's
 agent does, rather than at one that rank 0 opens on a port picked in advance.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+from multiprocessing import forkserver
 import shutil
 import signal
 import sys
@@ -40,6 +47,7 @@ from dpipe.config.schema import RunConfig
 from dpipe.errors import ConfigError
 from dpipe.launch.console_log import LOG_FILE_ENV, run_log_file, tee_console
 from dpipe.launch.run_rank import USER_ERROR_SIGNAL, error_folders
+from dpipe.launch.user_stop import STOP_SIGNALS, StopRequested
 
 ERRORS_DIR = ".errors"
 
@@ -88,7 +96,8 @@ def hosted_store():
         del store
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What the launcher writes into a worker's pipe to stop it at the next step.
+STOP_MESSAGE = b"stop"
 
 
 class Stopped(Exception):
@@ -106,49 +115,49 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
 
     `module` is the worker's entry point: its `main()` reads the run dir from sys.argv[1].
     `graceful_stop`: SIGINT/SIGTERM are forwarded to the workers (which must stop at a step and
-    exit 0, as training's do), and raise `Stopped` once they have ended.
+    exit 0, as training's do), and raise `Stopped` once they have ended, or StopRequested if
+    they came before every worker started.
     """
     errors = error_folders(run_dir, str(os.getpid()))
     for folder in errors:
         for old in folder.glob("*.txt") if folder.exists() else []:
             old.unlink()
-    context = _fork_server()
-    # Only this process holds the writing end: when it dies, even by SIGKILL, every worker reads
-    # end-of-file and stops (they would otherwise train on as orphans of the fork server).
-    launcher_alive, alive_writer = context.Pipe(duplex=False)
     procs = []
+    # One pipe per worker; only this process holds the writing ends: when it dies, even by
+    # SIGKILL, every worker reads end-of-file and stops (they would otherwise train on as orphans
+    # of the fork server). A stop is written into them (`_tell_stop`).
+    writers = []
     user_error = []
     previous = signal.signal(USER_ERROR_SIGNAL, lambda *_: user_error.append(True))
     stops: list[int] = []
 
-    def forward_stop(signum, frame) -> None:  # noqa: ARG001
-        stops.append(signum)
-        if len(stops) == 1:  # a second one: _wait returns, and the workers are killed
-            for proc in procs:
-                if proc.pid is not None:
-                    try:
-                        os.kill(proc.pid, signum)
-                    except ProcessLookupError:
-                        pass
+    def record_stop(signum, frame) -> None:  # noqa: ARG001
+        stops.append(signum)  # acted on by _wait (a second one: the workers are killed)
 
-    previous_stop = {sig: signal.signal(sig, forward_stop)
+    previous_stop = {sig: signal.signal(sig, record_stop)
                      for sig in (STOP_SIGNALS if graceful_stop else ())}
     log_file = run_log_file()  # the workers copy their console output into it
     log_env = {LOG_FILE_ENV: str(log_file)} if log_file is not None else {}
     try:
+        context = _fork_server()
         with hosted_store() as port:
             for rank in range(world_size):
+                if stops:  # before every worker started: those started wait at the rendezvous
+                    break
                 env = dict(os.environ, **WORKERS_USE_HOSTED_STORE, **log_env,
                            DPIPE_LAUNCHER_PID=str(os.getpid()), RANK=str(rank),
                            WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port))
+                launcher_alive, writer = context.Pipe(duplex=False)
+                writers.append(writer)
                 proc = context.Process(target=_run_worker, name=f"dpipe-rank{rank}",
                                        args=(module, str(run_dir), env, launcher_alive))
                 proc.start()
                 procs.append(proc)
-            launcher_alive.close()
-            code = _wait(procs, user_error, stops)
+                launcher_alive.close()
+            started = len(procs) == world_size  # a stop that came later is told to them all
+            code = _wait(procs, writers, user_error, stops) if started else None
     except BaseException:
         _stop(procs)
         raise
@@ -156,7 +165,12 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
         signal.signal(USER_ERROR_SIGNAL, previous)
         for sig, handler in previous_stop.items():
             signal.signal(sig, handler)
-        alive_writer.close()
+        for writer in writers:
+            writer.close()
+    if code is None:  # stopped before every worker started: nothing to save
+        _stop(procs)
+        _end_fork_server()  # it may be importing still, deaf to signals, for seconds
+        raise StopRequested(stops[0])
     if len(stops) > 1:
         _stop(procs)
         raise Stopped(stops[0], forced=True)
@@ -177,12 +191,31 @@ def _fork_server():
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch.cuda.is_available() stays fork-safe
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["dpipe.launch.preload"])
+    # The server starts with the stop signals blocked: until the preload made it ignore them, a
+    # Ctrl-C would interrupt its imports with a traceback and a SIGTERM would end it (and with
+    # it the exit codes of its workers). A signal meant for this process stays pending meanwhile.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return context
+
+
+def _end_fork_server() -> None:
+    """Ends the fork server now rather than once its preload is done and it notices that this
+    process has gone; the next launch starts a new one."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _run_worker(module: str, run_dir: str, env: dict, launcher_alive) -> None:
     """A forked worker: this rank's environment and arguments, then the entry point's main()."""
-    threading.Thread(target=_die_with_launcher, args=(launcher_alive,), daemon=True,
+    threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True,
                      name="dpipe-launcher-watch").start()
     os.environ.clear()
     os.environ.update(env)
@@ -195,16 +228,22 @@ def _run_worker(module: str, run_dir: str, env: dict, launcher_alive) -> None:
     exit_process(entry.main())
 
 
-def _die_with_launcher(launcher_alive) -> None:
-    """Blocks until the launcher's end of the pipe closes, then ends this worker at once."""
-    try:
-        launcher_alive.recv_bytes()
-    except (EOFError, OSError):
-        pass
+def _watch_launcher(launcher_alive) -> None:
+    """Raises the stop flag when the launcher says so; ends this worker at once when the
+    launcher's end of the pipe closes."""
+    while True:
+        try:
+            message = launcher_alive.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if message == STOP_MESSAGE:
+            from dpipe.train import preemption
+
+            preemption.request()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait(procs, user_error: list, stops: list) -> int:
+def _wait(procs, writers, user_error: list, stops: list) -> int:
     told = False
     while True:
         if user_error:
@@ -214,6 +253,7 @@ def _wait(procs, user_error: list, stops: list) -> int:
         if stops and not told:  # here, not in the handler: printing there can re-enter stderr
             print(f"dpipe: {signal.Signals(stops[0]).name}: finishing the step and saving a "
                   "checkpoint; send it again to stop at once", file=sys.stderr, flush=True)
+            _tell_stop(writers)
             told = True
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
@@ -222,6 +262,14 @@ def _wait(procs, user_error: list, stops: list) -> int:
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
+
+
+def _tell_stop(writers) -> None:
+    for writer in writers:
+        try:
+            writer.send_bytes(STOP_MESSAGE)
+        except OSError:  # that worker has ended
+            pass
 
 
 def _stop(procs) -> None:

@@ -1,11 +1,22 @@
-"""What the local launcher's fork server imports once, before it forks each worker.
+"""What the local launcher's fork server imports once, before it forks each worker (and how the
+server treats a stop signal).
 
 The libraries every worker needs, whatever the model family, and dpipe's training path. Family
 modules stay lazy (a run needs one). Nothing here may initialize CUDA: a forked worker could not
 use it (see launch/local.py).
 """
 
+import signal
 import sys
+
+# The server must outlive its workers (it reports their exit codes) and not be cut short in its
+# imports: a stop is the launcher's to act on, through each worker's pipe (launch/local.py). It
+# was started with these signals blocked; ignored from here, and so in every worker forked from
+# it until that installs its own handlers.
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+for _sig in _STOPS:
+    signal.signal(_sig, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 # bitsandbytes (optim=adamw8bit) initializes CUDA when imported on a GPU machine (it reads each
 # device's compute capability), and peft imports it whenever it is installed. Hidden here, peft

@@ -56,7 +56,12 @@ def split_path(cfg, suffixes: tuple[str, ...] = SINGLE_FILE_SUFFIXES) -> tuple[P
         raise ConfigError(
             f"model.path={path} is a single-file transformer; the VAE, text encoder and configs "
             "come from the base model's diffusers folder: set model.single_file_config=<folder>")
-    return Path(config).expanduser(), path
+    folder = Path(config).expanduser()
+    if not folder.is_dir():  # named by its own key: model.path is the file, and it is there
+        raise ModelLoadError(
+            f"model.single_file_config={config} {'is a file' if folder.is_file() else 'does not exist'}"
+            ": give the base model's diffusers folder (its VAE, text encoders and configs)")
+    return folder, path
 
 
 def check_single_file(single_file: Path | None) -> None:

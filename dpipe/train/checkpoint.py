@@ -4,7 +4,10 @@ A checkpoint is `<run_dir>/checkpoints/step_<N>/`. Every rank writes its part, t
 COMPLETE (atomically) once all ranks have finished; a folder without it is a checkpoint that was
 interrupted and is never loaded. COMPLETE lists every file with its size and sha256: a resume
 verifies them before DeepSpeed reads any pickle, and a damaged checkpoint is skipped for the
-previous one. The run config is saved beside it, so a resume can compare.
+previous one. A COMPLETE without that list (an older dpipe's, or an edited one) leaves its files
+unverified: such a checkpoint is used only with `train.resume_unverified=true`. Even then no
+pickle runs code: every one is read with weights_only (dpipe.train.checkpoint_pickles). The run
+config is saved beside it, so a resume can compare.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dpipe.config.run_name import dataset_folders, same_folders
 from dpipe.errors import ConfigError, UserError
 from dpipe.io import atomic_write_text
 from dpipe.models.fingerprint import sha256_of
+from dpipe.train.checkpoint_pickles import load_pickle, reading_safely
 from dpipe.train.shared_write import write_together
 
 MARKER = "COMPLETE"
@@ -193,17 +197,26 @@ class CheckpointError(UserError):
     """No checkpoint in the run dir can be loaded (each is damaged)."""
 
 
-def problem(path: Path) -> str | None:
+# Why a checkpoint whose COMPLETE lists no files is not used unless the user says so.
+UNVERIFIED = (f"its {MARKER} lists no files to verify them by (an older dpipe wrote it, or it "
+              "was edited): any of its files may have been changed or replaced since, and "
+              "training would go on from those weights")
+RESUME_UNVERIFIED = "train.resume_unverified=true"
+
+
+def problem(path: Path, unverified_ok: bool = False) -> str | None:
     """What is wrong with the complete checkpoint `path` (a missing, resized or changed file,
-    as its COMPLETE lists them), or None when it verifies. A COMPLETE written before
-    checkpoints listed their files cannot be verified: None, with a warning."""
+    as its COMPLETE lists them), or None when it verifies. A COMPLETE that lists no files
+    leaves them unverified: `UNVERIFIED`, or None with a warning when `unverified_ok`."""
     try:
         files = json.loads((path / MARKER).read_text()).get("files")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, AttributeError) as error:
         return f"its {MARKER} cannot be read ({error})"
     if files is None:
-        log.warning("checkpoint %s lists no files in its %s (written by an older dpipe): its "
-                    "files cannot be verified", path, MARKER)
+        if not unverified_ok:
+            return UNVERIFIED
+        log.warning("checkpoint %s lists no files in its %s: using it unverified (%s)", path,
+                    MARKER, RESUME_UNVERIFIED)
         return None
     for name, entry in sorted(files.items()):
         file = path / name
@@ -224,51 +237,56 @@ def problem(path: Path) -> str | None:
 VERDICTS = "DPIPE_CHECKPOINT_VERDICTS"
 
 
-def _verdict(path: Path) -> tuple[str | None, bool]:
+def _verdict(path: Path, unverified_ok: bool) -> tuple[str | None, bool]:
     """(`problem(path)`, whether an earlier verdict of this run's processes gave it)."""
     try:
-        key = f"{path.resolve()}@{(path / MARKER).stat().st_mtime_ns}"
+        key = f"{path.resolve()}@{(path / MARKER).stat().st_mtime_ns}@{int(unverified_ok)}"
     except OSError:
-        return problem(path), False
+        return problem(path, unverified_ok), False
     known = json.loads(os.environ.get(VERDICTS, "{}"))
     if key in known:
         return known[key], True
-    known[key] = problem(path)
+    known[key] = problem(path, unverified_ok)
     os.environ[VERDICTS] = json.dumps(known)
     return known[key], False
 
 
-def newest_verified(run_dir: Path) -> tuple[int, Path] | None:
+def newest_verified(run_dir: Path, unverified_ok: bool = False,
+                    using: str = "resuming from") -> tuple[int, Path] | None:
     """The newest complete checkpoint whose files verify (None: no complete checkpoint). A
-    damaged one is skipped with a warning naming its file and the checkpoint used instead;
-    raises CheckpointError when every complete checkpoint is damaged."""
+    damaged one is skipped with a warning naming its file and the checkpoint `using` instead;
+    raises CheckpointError when every complete one is damaged. `unverified_ok`: a checkpoint
+    whose COMPLETE lists no files counts as verified."""
     complete = complete_checkpoints(run_dir)
     damaged = []
     for step, path in reversed(complete):
-        wrong, said_before = _verdict(path)
+        wrong, said_before = _verdict(path, unverified_ok)
         if wrong is None:
             for name, why, said in damaged:
                 if not said:
-                    log.warning("checkpoint %s is damaged: %s; resuming from %s (step %d) "
-                                "instead", name, why, path.name, step)
+                    log.warning("checkpoint %s is damaged: %s; %s %s (step %d) instead", name,
+                                why, using, path.name, step)
             return step, path
         damaged.append((path.name, wrong, said_before))
     if not damaged:
         return None
     lines = "\n".join(f"  {name}: {why}" for name, why, _ in damaged)
+    trust = (f"; or, if you trust those files, resume with `{RESUME_UNVERIFIED}`"
+             if any(why == UNVERIFIED for _, why, _ in damaged) else "")
     raise CheckpointError(
         f"no checkpoint in {checkpoint_root(run_dir)} can be loaded: every complete one is "
-        f"damaged:\n{lines}\nRestore the files from a backup, or train from scratch in this run "
-        "dir with `train.resume=false` (or start a new run with another `name=...`).")
+        f"damaged or unverified:\n{lines}\nRestore the files from a backup, or train from "
+        f"scratch in this run dir with `train.resume=false` (or start a new run with another "
+        f"`name=...`){trust}.")
 
 
-def agreed_resume(run_dir: Path) -> tuple[int, Path] | None:
+def agreed_resume(run_dir: Path, unverified_ok: bool = False) -> tuple[int, Path] | None:
     """`newest_verified` as rank 0 finds it, the same on every rank (a collective): every rank
     loads the same step, and a CheckpointError is raised by all."""
     answer: list = [None]
     if dist.get_rank() == 0:
         try:
-            answer = [("ok", newest_verified(run_dir))]
+            answer = [("ok", newest_verified(run_dir, unverified_ok))]
         except CheckpointError as error:
             answer = [("error", str(error))]
     dist.broadcast_object_list(answer, src=0)
@@ -279,11 +297,13 @@ def agreed_resume(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def load(engine, run_dir: Path, path: Path, lora: bool) -> int:
-    """Loads a checkpoint that `agreed_resume` verified: DeepSpeed's pickles are read only then.
-    The layer weights load with a strict key and shape check (dpipe.pipeline.engine)."""
-    _, client_state = engine.load_checkpoint(
-        str(checkpoint_root(run_dir)), tag=path.name, load_module_strict=not lora
-    )
+    """Loads a checkpoint that `agreed_resume` verified: DeepSpeed's pickles are read only then,
+    and with weights_only. The layer weights load with a strict key and shape check
+    (dpipe.pipeline.engine)."""
+    with reading_safely(engine):
+        _, client_state = engine.load_checkpoint(
+            str(checkpoint_root(run_dir)), tag=path.name, load_module_strict=not lora
+        )
     if client_state is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}")
     return int(client_state["step"])
@@ -324,14 +344,14 @@ def _patterns(groups) -> list:
     return [group.get("match") for group in groups or []]
 
 
-def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
-                 ) -> tuple[int, Path] | None:
+def check_resume(run_dir: Path, current_yaml: str, verify: bool = True,
+                 unverified_ok: bool = False) -> tuple[int, Path] | None:
     """The checkpoint a resume will start from, after checking that the current config can use
     it: raises ConfigError naming the keys it cannot follow; logs the other changes. It is the
     checkpoint the workers load: the newest one whose files verify (`newest_verified`).
     `verify=False` takes the newest complete one unverified (ranks other than the one that
     verifies: a resume reads each file once, not once per rank)."""
-    newest = newest_verified(run_dir) if verify else newest_complete(run_dir)
+    newest = newest_verified(run_dir, unverified_ok) if verify else newest_complete(run_dir)
     if newest is None:
         return None
     step, path = newest
@@ -432,7 +452,7 @@ def read_layer_state(checkpoint_dir, index: int) -> tuple[dict, Path]:
     if not legacy.is_file():
         raise CheckpointError(_damaged(path, "the file is missing"))
     try:  # an older checkpoint's pickle, as DeepSpeed wrote it
-        return torch.load(legacy, map_location="cpu", weights_only=False), legacy
+        return load_pickle(legacy, map_location="cpu"), legacy
     except Exception as error:  # noqa: BLE001 - any unreadable pickle is a damaged file
         raise CheckpointError(_damaged(legacy, f"it cannot be read ({error})")) from None
 

@@ -72,7 +72,8 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))
 
     step = 0
-    resumed = checkpoint.agreed_resume(run_dir) if run.train.resume else None
+    resumed = (checkpoint.agreed_resume(run_dir, run.train.resume_unverified)
+               if run.train.resume else None)
     if resumed is not None:
         step = checkpoint.load(engine, run_dir, resumed[1], lora)
         apply_optim_config(engine, run)  # the changes check_resume logged take effect now

@@ -83,23 +83,24 @@ def reexport(run_dir: Path, checkpoint_name: str | None = None) -> Path:
 def _checkpoint(run_dir: Path, name: str | None) -> tuple[int, Path]:
     complete = checkpoint.complete_checkpoints(run_dir)
     if name is None:
-        newest = checkpoint.newest_verified(run_dir)
+        newest = checkpoint.newest_verified(run_dir, using="exporting from")
         if newest is None:
             raise UserError(f"run {run_dir} has no complete checkpoint to export from")
         return newest
+    usable = ", ".join(p.name for _, p in complete if checkpoint.problem(p) is None) or "none"
     asked = re.fullmatch(r"(?:step_)?(\d+)", name)
     if asked is None:
-        raise UserError(f"checkpoint={name}: give a step, as step_<N> or <N> (the run has "
-                        f"{', '.join(p.name for _, p in complete) or 'no checkpoint'})")
+        raise UserError(f"checkpoint={name}: give a step, as step_<N> or <N> (the checkpoints "
+                        f"that verify: {usable})")
     for step, path in complete:
         if step == int(asked.group(1)):
             wrong = checkpoint.problem(path)
             if wrong is not None:
-                raise UserError(f"checkpoint {path} is damaged: {wrong}; choose another "
-                                f"({', '.join(p.name for _, p in complete)})")
+                raise UserError(f"checkpoint {path} is damaged: {wrong}; choose another (the "
+                                f"checkpoints that verify: {usable})")
             return step, path
-    raise UserError(f"checkpoint={name}: run {run_dir} has no such complete checkpoint; it has "
-                    f"{', '.join(p.name for _, p in complete) or 'none'}")
+    raise UserError(f"checkpoint={name}: run {run_dir} has no such complete checkpoint; the "
+                    f"checkpoints that verify: {usable}")
 
 
 def _layer_files(path: Path) -> list[tuple[int, Path]]:
@@ -109,6 +110,11 @@ def _layer_files(path: Path) -> list[tuple[int, Path]]:
         raise UserError(f"checkpoint {path} holds no safetensors layer files (it was written by "
                         "a dpipe before 2026-12-04): resume the run with dpipe-train to write "
                         "its export")
+    gaps = sorted(set(range(max(i for i, _ in found) + 1)) - {i for i, _ in found})
+    if gaps:  # an export without those layers' tensors would be written, and look whole
+        missing = ", ".join(checkpoint.layer_file(path, i).name for i in gaps)
+        raise UserError(f"checkpoint {path} lacks the layer files {missing}: nothing exported; "
+                        "choose another checkpoint (checkpoint=step_<N>)")
     return sorted(found)
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import pytest
+import torch
 from PIL import Image
 
-from tests.cli import dpipe_train, train_args
+from tests.cli import REPO, dpipe_train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +81,72 @@ def test_a_gpu_attention_kernel_on_the_cpu(tmp_path, kernel):
                                      "pipeline.compile=true"))
     _assert_user_error(result, f"model.attention={kernel} trains on a CUDA GPU only",
                        "model.attention=sdpa")
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory):
+    """A tiny FLUX.1 folder of this test's own, to damage copies of."""
+    from dpipe.config.schema import ModelConfig
+    from dpipe.models.registry import build_spec
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-flux"
+    build_spec(ModelConfig(family="flux", path=str(folder), tiny=True)).ensure_available()
+    return folder
+
+
+def test_a_cut_short_model_file_is_named_with_its_size_before_any_worker(tiny_flux, tmp_path):
+    model = tmp_path / "FLUX"
+    shutil.copytree(tiny_flux, model)
+    shard = sorted((model / "transformer").glob("*.safetensors"))[0]
+    whole = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: whole // 2])
+    result = dpipe_train(*train_args(tmp_path / "run", "model=flux", f"model.path={model}"))
+    _assert_user_error(result, f"{shard}: it is cut short: {whole // 2} bytes of the {whole} "
+                               "its header describes")
+    assert "worker processes" not in result.err, result.err
+
+
+def test_a_lora_file_that_is_not_whole_is_named_in_one_line(tmp_path):
+    """dpipe-sample's `lora=`: an empty file, one cut short and one that is no safetensors."""
+    from safetensors.torch import save_file
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"a": torch.zeros(64)}, whole)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(whole.read_bytes()[:-100])
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    other = tmp_path / "weights.ckpt"
+    torch.save({"a": torch.zeros(4)}, other)
+    for lora, why in ((empty, "it is empty (0 bytes); download or copy it again"),
+                      (cut, f"it is cut short: {cut.stat().st_size} bytes of the "
+                            f"{whole.stat().st_size} its header describes; download or copy it "
+                            "again"),
+                      (other, "it is not a safetensors file (it does not start with a header "
+                              "length); give a .safetensors file")):
+        done = subprocess.run([sys.executable, "-m", "dpipe.cli.sample", "model=tiny_flux",
+                               f"lora={lora}", "sample.prompts=[a cat]", f"out={tmp_path}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines() == [f"error: lora={lora}: {why}"], \
+            done.stderr[-3000:]
+
+
+def test_a_symlink_loop_in_the_dataset_is_named_in_strict_mode(tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(4):
+        Image.new("RGB", (64, 64), (40 * i, 0, 0)).save(folder / f"ok{i}.png")
+        (folder / f"ok{i}.txt").write_text("a red square")
+    (folder / "again").symlink_to(folder)
+    result = dpipe_train(*train_args(tmp_path / "run", "dataset=folder", f"dataset.path={folder}",
+                                     "dataset.resolutions=[64]", "dataset.strict=true"))
+    _assert_user_error(result, f"{folder / 'again'}: a symlink loop")
+
+
+def test_a_resolution_below_the_pixel_multiple_is_refused_before_any_worker(tiny_flux, tmp_path):
+    result = dpipe_train(*train_args(tmp_path / "run", "model=flux", f"model.path={tiny_flux}",
+                                     "dataset.resolutions=[7]"))
+    _assert_user_error(result, "dataset.resolutions=[7]: 7 is smaller than the model's pixel "
+                               "multiple 8")
+    assert "worker processes" not in result.err, result.err

@@ -1,7 +1,8 @@
 """A damaged checkpoint never loads: the newest one with a changed file is named and the run
 resumes from the one before, to the weights a straight run ends with; a file that verifies but
 does not hold the layer's tensors is named; when every checkpoint is damaged the launcher says
-so before any worker starts. One straight 2-stage run; each case works on a copy of it."""
+so before any worker starts; a planted pickle never runs. One straight 2-stage run; each case
+works on a copy of it."""
 
 from __future__ import annotations
 
@@ -137,3 +138,40 @@ def test_each_kind_of_damage_is_found(straight, tmp_path):
     unreadable = damaged_copy("unreadable")
     (unreadable / MARKER).write_text('{"step": 2, "files": {')
     assert problem(unreadable).startswith(f"its {MARKER} cannot be read")
+
+
+class _Plant:
+    """Unpickled by a plain torch.load, it runs code: here, writing `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def test_a_planted_pickle_never_runs(straight, tmp_path):
+    """A COMPLETE without its list of files (what an older dpipe wrote) leaves the planted
+    pickle unverified: the resume is refused, naming the risk; allowed, the pickle is refused."""
+    run_dir = _copy(straight, tmp_path)
+    marker = tmp_path / "the planted code ran"
+    for step in (2, 4):
+        folder = _checkpoint(run_dir, step)
+        planted = folder / "mp_rank_00_model_states.pt"
+        torch.save({"module": _Plant(marker)}, planted)
+        complete = json.loads((folder / MARKER).read_text())
+        del complete["files"]
+        (folder / MARKER).write_text(json.dumps(complete))
+
+    result, said = _resume(run_dir)
+    assert result.code == 2, said[-3000:]
+    assert "lists no files to verify them by" in said and "train.resume_unverified=true" in said
+    assert STARTED not in said and "Traceback" not in said, said[-3000:]
+    assert not marker.exists()
+
+    result = dpipe_train(*train_args(run_dir, *RUN, "train.resume_unverified=true"))
+    said = result.out + result.err
+    assert result.code == 2, said[-3000:]
+    assert f"error: {planted} names objects that a checkpoint's state never holds" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert not marker.exists()

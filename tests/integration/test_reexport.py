@@ -76,7 +76,8 @@ def test_a_lost_lora_export_is_written_again_from_the_checkpoints(lora_run):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["checkpoint=step_3"], "no such complete checkpoint; it has step_00000002, step_00000004"),
+    (["checkpoint=step_3"], "no such complete checkpoint; the checkpoints that verify: "
+                            "step_00000002, step_00000004"),
     (["checkpoint=last"], "give a step, as step_<N> or <N>"),
     (["export=step_2"], "give run=<run dir> and optionally checkpoint=step_<N>"),
 ])
@@ -85,6 +86,36 @@ def test_a_wrong_export_request_is_named(lora_run, args, message):
     result = dpipe_export(f"run={run_dir}", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_an_unverified_checkpoint_missing_a_layer_file_is_not_exported(lora_run, tmp_path):
+    """Its COMPLETE without the list of files (as an older dpipe wrote it), a layer file gone:
+    the export comes from the checkpoint before, saying so; asked for, it is refused, and only
+    the checkpoints that verify are offered."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_run[0], run_dir)
+    shutil.rmtree(run_dir / "lora")
+    newest = run_dir / "checkpoints" / "step_00000004"
+    complete = json.loads((newest / "COMPLETE").read_text())
+    del complete["files"]
+    (newest / "COMPLETE").write_text(json.dumps(complete))
+    layer = next(p for p in sorted(newest.glob("layer_*.safetensors"))
+                 if safe_open(p, framework="pt").keys())
+    layer.unlink()
+
+    result = dpipe_export(f"run={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("checkpoint step_00000004 is damaged: its COMPLETE lists no files to verify them by"
+            in result.stderr and "; exporting from step_00000002 (step 2) instead" in
+            result.stderr and "resuming" not in result.stderr), result.stderr[-3000:]
+    assert f"exported {run_dir / 'lora' / 'step_2'}" in result.stdout
+    assert not (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
+
+    result = dpipe_export(f"run={run_dir}", "checkpoint=step_4")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "lists no files to verify them by" in result.stderr
+    assert "(the checkpoints that verify: step_00000002)" in result.stderr, result.stderr[-3000:]
+    assert not (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
 
 
 def test_a_folder_that_is_no_run_is_refused(tmp_path):

@@ -59,6 +59,24 @@ def test_strict_mode_refuses_unreadable_files(tmp_path):
     assert "garbage.png" in str(info.value) and "broken.mp4" in str(info.value)
 
 
+def test_symlink_loops_are_named_and_skipped_or_refused_in_strict_mode(tmp_path, caplog):
+    _good(tmp_path)
+    data = tmp_path / "data"
+    (data / "sub").mkdir()
+    write_image(data / "sub" / "deep.png", (32, 32), seed=5)
+    (data / "sub" / "back").symlink_to(data)  # a folder linking to one it is inside
+    (data / "self.png").symlink_to(data / "self.png")  # a link to itself
+    with caplog.at_level(logging.WARNING):
+        dataset = _run(tmp_path)
+    assert dataset.plan.steps_per_epoch == 4  # each image once
+    dropped = dict(dataset.reports["train"].dropped)
+    assert "a symlink loop" in dropped[str(data / "sub" / "back")]
+    assert "a link that cannot be followed" in dropped[str(data / "self.png")]
+    with pytest.raises(DataError, match="strict") as info:
+        _run(tmp_path, strict=True)
+    assert str(data / "sub" / "back") in str(info.value)
+
+
 def test_a_file_that_fails_only_when_decoded_is_refused_in_strict_mode(tmp_path):
     _good(tmp_path)
     write_image(tmp_path / "data" / "cut.png", (64, 64), seed=9)

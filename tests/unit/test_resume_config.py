@@ -20,6 +20,7 @@ from dpipe.errors import ConfigError
 from dpipe.launch.summary import PointResult, write_summary
 from dpipe.launch.sweep import register_launchers
 from dpipe.pipeline.engine import apply_optim_config
+from dpipe.models.fingerprint import sha256_of
 from dpipe.train.checkpoint import MARKER, check_resume, resume_changes, tag_for
 from dpipe.train.optim import build_optimizer
 from dpipe.train.schedule import lr_lambda
@@ -46,7 +47,8 @@ def fake_checkpoint(run_dir: Path, step: int, config_yaml: str | None) -> Path:
     path.mkdir(parents=True)
     if config_yaml is not None:
         (path / "config.yaml").write_text(config_yaml)
-    (path / MARKER).write_text(json.dumps({"step": step}))
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in path.iterdir()}
+    (path / MARKER).write_text(json.dumps({"step": step, "files": files}))  # as save() lists them
     return path
 
 
