@@ -1,7 +1,7 @@
 """A tiny AutoencoderKL that really encodes pictures: its latent is the picture's colours at a
-quarter of the size (each latent pixel holds the mean R, G, B and grey (R/4 + G/2 + B/4) of a 4x4 patch) and its
-decoder paints them back, so a decoded latent is a picture. The demo's model (tiny FLUX.1) uses
-it: with a random VAE no sample could ever show what the model learnt.
+quarter of the size (each latent pixel holds the mean R, G, B and grey, R/4 + G/2 + B/4, of a
+4x4 patch) and its decoder paints them back, so a decoded latent is a picture. The demo's model
+(tiny FLUX.1) uses it: with a random VAE no sample could ever show what the model learnt.
 
 Its weights are set, not trained: deterministic, made in milliseconds, and exact (on the
 synthetic shapes only the edges, blurred to the 4x4 patches, differ from the input). The layout
@@ -15,8 +15,8 @@ How a linear map passes the blocks that are not linear:
   channels (s, -s, K, -K): the group's mean is 0 and its variance (mean(s^2) + K^2) / 2 is K^2/2
   to within mean(s^2) / 2K^2 (under 0.05% for |s| <= 1, K = 32), so the norm passes s scaled by
   sqrt(2)/K, almost exactly.
-- SiLU(y) is y to within 5e-4 for y >= 10: the norm's bias puts s there and the next conv's bias
-  takes it off again.
+- SiLU(y) = y / (1 + e^-y) is y to within 1.2e-3 for y in [9, 11]: the norm's bias lifts s by
+  10 into that range and the next conv's bias takes it off again.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 CHANNELS = 16  # four groups of four: R, G, B, and a constant group
 GROUPS = 4
 K = 32.0  # the constant channels' value: large against any |s| <= 1 (see the docstring)
-LIFT = 10.0  # where a signal enters SiLU, which is linear there
+LIFT = 10.0  # where a signal enters SiLU, which is nearly linear there
 LATENT_CHANNELS = 4  # R, G, B and grey
 # The synthetic shapes' latents (dpipe.data.synthetic, images 0-511 of seed 0) have mean 0.0593 and
 # standard deviation 0.6155: this shift and scale make them zero-mean and unit-variance, as

@@ -1,4 +1,4 @@
-"""A tiny FLUX.1-dev (random but for its VAE), written in exactly the layout of black-forest-labs/FLUX.1-dev.
+"""A tiny FLUX.1-dev, random but for its VAE, in exactly the layout of black-forest-labs/FLUX.1-dev.
 
 Tests and CI cannot download the real 12B checkpoint, so they run the real loading code
 (`FluxPipeline.from_pretrained`, `FluxTransformer2DModel.from_pretrained(subfolder=...)`) on this
