@@ -1,9 +1,11 @@
 """What a round of samples leaves: `<dir>/<k>.png` (video: `<k>.mp4` at the family's frame
-rate, with its soundtrack in AAC where the family makes sound; a one-frame clip is a PNG) and
+rate, with its soundtrack in AAC where the family makes sound, and its first frame as
+`<k>.poster.png`; a one-frame clip is a PNG) and
 `prompts.json` (what each file shows), optionally `<k>.safetensors` with the final latents, the
 same pictures (and sound) in TensorBoard under `samples/<k>`, and `index.html`, a page with the
 prompts as rows and the rounds as columns that a browser opens from disk (no server, nothing
-fetched).
+fetched), every picture 256 pixels wide (a tiny model's 64-pixel samples enlarged, their pixels
+kept sharp).
 
 Every file is written atomically: a run killed while writing leaves the old file or none, and a
 resumed run that samples a step again writes the same names.
@@ -110,6 +112,8 @@ def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fp
     else:
         path = out_dir / f"{request.index}.mp4"
         atomic_write_bytes(path, mp4_bytes(frames.permute(1, 0, 2, 3), fps, audio))
+        # What the index page shows before the clip plays (a browser's own choice is often black).
+        atomic_write_bytes(poster_path(path), png_bytes(frames[:, 0]))
     if latents is not None:
         from safetensors.torch import save
 
@@ -117,6 +121,11 @@ def write_sample(out_dir: Path, request: SampleRequest, pixels: torch.Tensor, fp
                            save({"latents": latents.float().cpu().contiguous()},
                                 metadata={"prompt": request.prompt, "seed": str(request.seed)}))
     return path
+
+
+def poster_path(clip: Path) -> Path:
+    """A clip's first frame, as a PNG beside it: `<k>.mp4` -> `<k>.poster.png`."""
+    return clip.with_suffix(".poster.png")
 
 
 def has_sound(path: Path) -> bool:
@@ -198,7 +207,10 @@ def write_index(index_dir: Path, rounds: list[Path] | None = None) -> Path:
                 cells.append(f'<td><a href="{link}"><img src="{link}" loading="lazy"></a></td>')
             else:
                 muted = "" if has_sound(found[0]) else " muted"  # never silence a soundtrack
-                cells.append(f'<td><video src="{link}" controls loop{muted}></video></td>')
+                poster = poster_path(found[0])
+                poster = "" if not poster.is_file() else \
+                    f' poster="{html.escape(str(poster.relative_to(index_dir)))}"'
+                cells.append(f'<td><video src="{link}"{poster} controls loop{muted}></video></td>')
         rows.append(f'<tr><th class="prompt">{html.escape(label)}</th>{"".join(cells)}</tr>')
     title = html.escape(index_dir.parent.name if index_dir.name == "samples" else index_dir.name)
     page = f"""<!doctype html>
@@ -208,7 +220,7 @@ body {{ font-family: sans-serif; margin: 1em; }}
 table {{ border-collapse: collapse; }}
 th, td {{ border: 1px solid #ccc; padding: 4px; vertical-align: top; }}
 th.prompt {{ max-width: 16em; text-align: left; font-weight: normal; }}
-img, video {{ max-width: 256px; max-height: 256px; image-rendering: pixelated; }}
+img, video {{ width: 256px; height: auto; image-rendering: pixelated; }}
 </style></head><body>
 <h1>{title}</h1>
 <table><tr><th>prompt</th>{head}</tr>

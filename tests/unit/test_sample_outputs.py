@@ -122,8 +122,23 @@ def test_the_index_page_plays_the_sound_of_clips_that_have_it(tmp_path):
     assert [r["label"] for r in records] == ["prompt <0> (seed 1, 16x8x5, audio guidance 5)",
                                              "prompt <1> (seed 1, 16x8x5)"]
     page = outputs.write_index(tmp_path).read_text()
-    assert '<video src="step_5/0.mp4" controls loop>' in page
-    assert '<video src="step_5/1.mp4" controls loop muted>' in page
+    assert '<video src="step_5/0.mp4" poster="step_5/0.poster.png" controls loop>' in page
+    assert '<video src="step_5/1.mp4" poster="step_5/1.poster.png" controls loop muted>' in page
+
+
+def test_a_clip_shows_its_first_frame_until_it_plays_and_pictures_are_enlarged(tmp_path):
+    from PIL import Image
+
+    pixels = -torch.ones(3, 5, 8, 16)
+    pixels[:, 0] = 1.0  # a white first frame, then black
+    outputs.write_sample(tmp_path / "step_5", request(0, 5), pixels, 24.0)
+    outputs.write_prompts(tmp_path / "step_5", [request(0, 5)])
+    poster = Image.open(tmp_path / "step_5" / "0.poster.png")
+    assert poster.size == (16, 8) and poster.getextrema() == ((255, 255),) * 3
+    page = outputs.write_index(tmp_path).read_text()
+    assert 'poster="step_5/0.poster.png"' in page
+    # A tiny model's 64-pixel samples are drawn 256 pixels wide, each pixel a sharp square.
+    assert "width: 256px" in page and "image-rendering: pixelated" in page
 
 
 def test_a_failing_sample_costs_only_itself():

@@ -46,6 +46,24 @@ def test_generates_an_image(pipe):
     assert np.isfinite(image).all()
 
 
+def test_its_vae_encodes_pictures(pipe):
+    """The VAE is a real autoencoder of the demo's synthetic shapes (a random one decodes any
+    latent to noise), stored in bf16, loaded by FluxPipeline with its defaults; its scale and
+    shift make their latents zero-mean and unit-variance, as FLUX.1's do for photos."""
+    from dpipe.data.synthetic import draw_shape
+
+    images = torch.stack([torch.from_numpy(np.array(draw_shape(i, 64)[0])) for i in range(64)])
+    pixels = images.permute(0, 3, 1, 2).float() / 127.5 - 1
+    vae = pipe.vae
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.sample(torch.Generator().manual_seed(0))
+        decoded = vae.decode(latents).sample.clamp(-1, 1)
+    error = ((decoded - pixels).abs().mean() * 127.5).item()
+    assert error < 4, f"mean error {error:.2f} / 255"  # 2.6: the shapes' edges, in 4x4 patches
+    normalized = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+    assert abs(normalized.mean()) < 0.1 and 0.8 < normalized.std() < 1.2
+
+
 def test_components_and_layout(tiny_flux, pipe):
     expected = {
         "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,

@@ -1,4 +1,4 @@
-"""A tiny random FLUX.1-dev, written in exactly the layout of black-forest-labs/FLUX.1-dev.
+"""A tiny FLUX.1-dev, random but for its VAE, in exactly the layout of black-forest-labs/FLUX.1-dev.
 
 Tests and CI cannot download the real 12B checkpoint, so they run the real loading code
 (`FluxPipeline.from_pretrained`, `FluxTransformer2DModel.from_pretrained(subfolder=...)`) on this
@@ -9,6 +9,9 @@ T5 weights with their index files; only the sizes shrink. Not reproduced: tokeni
 
 As with the real repo, pass a dtype when loading (`torch_dtype=torch.float32` on CPU): without one,
 transformers 5 keeps the text encoders in their stored bf16 while diffusers loads fp32.
+
+The VAE is not random: it encodes a picture's colours (dpipe.models.common.colour_vae), so what
+the demo's model learns shows in its samples.
 
 Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents -> Flux's 2x2 packing
 -> 64 image tokens of 16 channels; text: CLIP (77 tokens, hidden 32 = pooled size) and T5 (d_model
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_vae import tiny_flux_vae
+from dpipe.models.common.colour_vae import colour_flux_vae
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
 
@@ -88,8 +91,7 @@ def write_tiny_flux(out: Path, seed: int) -> None:
             num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
-    with seeded(seed + 3):
-        vae = tiny_flux_vae(LATENT_CHANNELS)
+    vae = colour_flux_vae()  # set, not drawn: its latents are the picture's colours
 
     scheduler.save_pretrained(out / "scheduler")
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
