@@ -253,6 +253,8 @@ def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, rep
                         dtype=torch.float64, device=device)
     ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(ranks, mine)
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, audit.worst())  # where each rank synced, logged by rank 0
     if reporter is None:
         return
     rows = torch.stack(ranks).cpu()
@@ -262,8 +264,9 @@ def _report_audit(audit: StepAudit, step: int, pipeline, stage: int, device, rep
     log.info("step %d: %d host syncs%s, %g backward passes per micro-batch (the most on any "
              "rank)", step, host_syncs, "" if cuda else " (operations that sync on a GPU)",
              passes)
-    if audit.host_syncs:
-        log.info("step %d's host syncs on rank %d: %s", step, dist.get_rank(), audit.worst())
+    for rank, where in enumerate(lines):
+        if where:
+            log.info("step %d's host syncs on rank %d: %s", step, rank, where)
     if not cuda:
         return
     if host_syncs:

@@ -2,8 +2,8 @@
 
 Every layer passes (hidden, text_hidden, temb, size). The single (DiT) blocks run on the
 concatenation [text; image] as in diffusers; each one concatenates and splits again, which is exact,
-so every layer keeps one tuple layout. `size` holds the latent (height, width) as integers, which
-cross stage boundaries without gradients.
+so every layer keeps one tuple layout. `size` carries the latent (height, width) in its shape
+(`sync_free.carrier`), read on any stage without a host sync.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 
 from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 class AuraFlowEmbed(PipelineLayer):
@@ -32,7 +33,7 @@ class AuraFlowEmbed(PipelineLayer):
         text_hidden = self.context_embedder(text)
         registers = self.register_tokens.to(text_hidden.dtype)
         text_hidden = torch.cat([registers.expand(text_hidden.shape[0], -1, -1), text_hidden], 1)
-        size = torch.tensor([h, w], dtype=torch.long)
+        size = carrier(h, w, device=latents.device)
         return needs_grad(hidden.contiguous()), needs_grad(text_hidden), needs_grad(temb), size
 
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
@@ -85,7 +86,7 @@ class AuraFlowHead(PipelineLayer):
         hidden, text_hidden, temb, size = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
         p, c = self.patch, self.out_channels
-        h, w = int(size[0]) // p, int(size[1]) // p
+        h, w = (n // p for n in sizes(size))
         out = out.reshape(out.shape[0], h, w, p, p, c).permute(0, 5, 1, 3, 2, 4)
         out = out.reshape(out.shape[0], c, h * p, w * p)
         # The text stream ends unused; it still needs a gradient when it crossed a stage boundary.

@@ -1,8 +1,8 @@
 """SD3's transformer (MMDiT) as pipeline layers: embed -> joint blocks -> head.
 
-Between layers travels (hidden, text_hidden, temb, size): `size` is the latent (height, width) as
-an int64 tensor (integers cross stage boundaries without gradients), which the head needs to
-unpatchify. SD3 has no rotary embeddings: positions are added once, by the patch embedding. The last
+Between layers travels (hidden, text_hidden, temb, size): `size` carries the latent (height,
+width) in its shape (`sync_free.carrier`: no values, so reading it on the next stage's GPU makes no
+host sync), which the head needs to unpatchify. SD3 has no rotary embeddings: positions are added once, by the patch embedding. The last
 joint block is `context_pre_only` (it reads the text stream but returns none), so from there on
 the tuple is (hidden, temb, size).
 """
@@ -14,6 +14,7 @@ from torch import nn
 
 from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.spec import PipelineLayer
+from dpipe.models.sync_free import carrier, sizes
 
 
 class SD3Embed(PipelineLayer):
@@ -24,7 +25,7 @@ class SD3Embed(PipelineLayer):
 
     def forward(self, inputs):
         latents, t, text, pooled = inputs
-        size = torch.tensor(latents.shape[-2:], dtype=torch.long)
+        size = carrier(*latents.shape[-2:], device=latents.device)
         # PatchEmbed's output is a non-contiguous view (as in SD3Transformer2DModel.forward).
         hidden = self.pos_embed(latents).contiguous()
         # StableDiffusion3Pipeline passes the scheduler's timesteps, t * 1000, unscaled.
@@ -68,7 +69,7 @@ class SD3Head(PipelineLayer):
         hidden, temb, size = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
         p, c = self.patch, self.channels
-        h, w = int(size[0]) // p, int(size[1]) // p
+        h, w = (n // p for n in sizes(size))
         # Unpatchify as SD3Transformer2DModel does: (B, h*w, p*p*C) -> (B, C, h*p, w*p).
         out = out.reshape(out.shape[0], h, w, p, p, c)
         out = torch.einsum("nhwpqc->nchpwq", out)
