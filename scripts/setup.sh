@@ -2,11 +2,12 @@
 # Creates .venv with dpipe and its dependencies; fast when nothing changed.
 #   DPIPE_TORCH        the torch requirement installed first (default: torch==2.13.0, the version
 #                      CI tests on).
-#   DPIPE_TORCH_INDEX  the index torch comes from (default: pip's own). It picks the build:
+#   DPIPE_TORCH_INDEX  the index torch comes from. It picks the build:
 #                        CPU only:  DPIPE_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 #                        CUDA GPU:  DPIPE_TORCH_INDEX=https://download.pytorch.org/whl/cu130
 #                                   (the cuXYZ of your driver's CUDA; pytorch.org lists them)
-#                      From plain PyPI on Linux, torch is the CUDA build (several GB).
+#                      Default: pip's own (from PyPI on Linux, the CUDA build, several GB); on
+#                      Linux with no NVIDIA driver, the CPU index (scripts/torch_index.sh).
 # Torch is installed only into a .venv without one: to change the build, remove .venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,10 +31,13 @@ fi
 
 # torch first: an unpinned torch pulled in by deepspeed/peft would be a multi-GB CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  torch_req=${DPIPE_TORCH:-torch==2.13.0}
+  source scripts/torch_index.sh
+  { read -r index; read -r why; } < <(choose_torch_index .venv/bin/python "$torch_req")
   torch_index=()
-  [ -n "${DPIPE_TORCH_INDEX:-}" ] && torch_index=(--index-url "$DPIPE_TORCH_INDEX")
-  echo "[setup] installing ${DPIPE_TORCH:-torch==2.13.0}${DPIPE_TORCH_INDEX:+ from $DPIPE_TORCH_INDEX}"
-  .venv/bin/python -m pip install -q "${torch_index[@]}" "${DPIPE_TORCH:-torch==2.13.0}"
+  [ -n "$index" ] && torch_index=(--index-url "$index")
+  echo "[setup] installing $torch_req from ${index:-the default index}: $why"
+  .venv/bin/python -m pip install -q "${torch_index[@]}" "$torch_req"
 fi
 echo "[setup] installing dpipe and its dependencies"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true

@@ -53,6 +53,7 @@ SLOWEST_MODULES = {
     "tests.integration.test_training": 210,
     "tests.integration.test_samples": 150,
     "tests.integration.test_video_clips": 155,
+    "tests.integration.test_video_defaults": 110,
     "tests.integration.test_wan": 130,
     "tests.integration.test_data_training": 120,
     "tests.integration.test_flux_kontext_edit": 95,

@@ -93,7 +93,9 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
     # exactly these requests.
     requests = sample_requests(run.sample, spec, run.dataset if "run" in special else None)
     if not requests:
-        raise ConfigError("nothing to sample: give sample.prompts=[...] (conf/sample/default.yaml)")
+        raise ConfigError("nothing to sample: give sample.prompts=[...] or "
+                          "sample.prompts_file=<file> (conf/sample/default.yaml)")
+    run.sample.prompts_file = None  # its prompts are among these now
     run.sample.prompts = [{"prompt": r.prompt, "negative_prompt": r.negative_prompt,
                            "seed": r.seed, "width": r.width, "height": r.height,
                            "frames": r.frames, **({"control": r.control} if r.control else {})}

@@ -25,8 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpipe.config.checks import check_before_workers, unknown_key_message, validate
 from dpipe.cli.train_help import help_text, wants_help
+from dpipe.config.default_pipeline import fit_default_pipeline
 from dpipe.config.experiments import preset_overrides
 from dpipe.config.store import register_schemas
+from dpipe.config.unknown_option import unknown_option_message
 from dpipe.errors import UserError
 from dpipe.launch import env as dist_env
 from dpipe.launch import run_lock
@@ -52,16 +54,19 @@ def train_task(cfg: DictConfig) -> int:
         return _run_as_rank(cfg, run_dir, env)
     lock = None
     try:
+        import torch
+
+        fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
         run = validate(cfg)
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
         save_hydra_files(cfg, run_dir)
-        import torch
-
         from dpipe.models.registry import build_spec
 
         from dpipe.train import checkpoint
 
+        if fitted is not None:
+            log.info(fitted)
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
             checkpoint.check_resume(run_dir, run_yaml(run))
@@ -69,6 +74,8 @@ def train_task(cfg: DictConfig) -> int:
         spec.ensure_available()  # a bad model path fails before any worker starts
         # So does a bad sample.prompts item.
         requests = sample_requests(run.sample, spec, run.dataset)
+        if requests:  # as the prompts were parsed: an unquoted comma splits a prompt in two
+            log.info("sample prompts: %s", " | ".join(repr(r.prompt) for r in requests))
         done = _finished_message(run, run_dir, lambda: requests)
         if done is not None:  # nothing to train: no worker starts, nothing is rewritten
             print(done, flush=True)
@@ -122,6 +129,13 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
     env = dist_env.reachable_master(env)  # a SLURM node name that does not resolve: its NodeAddr
     dist_env.export(env)
     try:
+        import torch
+
+        # The processes someone started on GPUs (one per GPU) are the GPUs this run has.
+        gpus = env.world_size if torch.cuda.is_available() else 0
+        fitted = fit_default_pipeline(cfg, HydraConfig.get(), gpus)
+        if fitted is not None and env.is_main:
+            log.info(fitted)
         run = validate(cfg, world_size=env.world_size)
         if env.is_main:  # the one owner of the run dir in this process group; held until exit
             run_lock.acquire(run_dir)
@@ -174,7 +188,7 @@ def _finished_message(run, run_dir: Path, requests_of) -> str | None:
     step = checkpoint.finished_run(run_dir, run.train.max_steps, export)
     if step is None:
         return None
-    if run.sample.prompts:
+    if run.sample.prompts or run.sample.prompts_file:
         folder = round_dir(run_dir, step)
         if not all((folder / f"{r.index}.png").is_file() or (folder / f"{r.index}.mp4").is_file()
                    for r in requests_of()):
@@ -231,6 +245,7 @@ def main() -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    sys.argv = _resolving_printed_config(sys.argv)
     quiet_libraries()
     register_schemas()
     register_launchers()
@@ -243,6 +258,16 @@ def main() -> None:
     sys.argv = _with_overrides(sys.argv, extra)
     hydra_main = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
     _run_hydra(hydra_main(train_task))
+
+
+def _resolving_printed_config(argv: list[str]) -> list[str]:
+    """`--cfg job` (or `all`) as `--cfg job --resolve`: the config as the run gets it, `name`
+    (the run dir's name, which Hydra's own choices make) included. `--cfg hydra` stays as it
+    is: Hydra's config alone cannot resolve what refers to the run's keys."""
+    printed = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--cfg", "-c")]
+    if any(p in ("job", "all") for p in printed) and "--resolve" not in argv:
+        return [*argv, "--resolve"]
+    return argv
 
 
 def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
@@ -311,6 +336,9 @@ def _startup_error(err: Exception) -> str | None:
     text = str(err)
     if isinstance(err, ConfigCompositionException) and text.startswith("Could not override '"):
         return unknown_key_message(text.split("'")[1])
+    missing_option = unknown_option_message(text)
+    if missing_option is not None:
+        return missing_option
     frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(err.__traceback__)}
     if isinstance(err, OSError) and "run_job" in frames and "train_task" not in frames:
         why = ("a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError))

@@ -16,12 +16,12 @@ import yaml
 EXAMPLES = [
     ("the tiny demo: a generated dataset, 2 pipeline stages in 2 CPU processes",
      "dpipe-train train=demo sample=demo"),
-    ("a LoRA on FLUX.1-dev and a folder of images, two GPUs",
+    ("a LoRA on FLUX.1-dev and a folder of images: two stages on two GPUs, one on one GPU",
      "dpipe-train model=flux model.path=/models/FLUX.1-dev dataset=folder "
      "dataset.path=/data/photos 'dataset.resolutions=[1024]' train.precision=bf16"),
     ("print the composed config (every key, its value) without running",
      "dpipe-train --cfg job model=flux pipeline=four_stage optim.lr=2e-5"),
-    ("a sweep: one run dir per point (multirun/<name>/...)",
+    ("a sweep: one run dir per point, multirun/<name>/<date>_<time>/<num>_<swept keys>/",
      "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32"),
     ("the same sweep as a SLURM job array (docs/cluster.md)",
      "dpipe-train cluster=slurm_gpu optim.lr=1e-4,5e-5"),
@@ -56,7 +56,9 @@ def help_text(conf_dir: Path, prog: str = "dpipe-train") -> str:
         "Fine-tunes a diffusion model (LoRA or full weights) with DeepSpeed pipeline parallelism:",
         "it composes the run config from conf/ and the command line, checks it, starts one worker",
         "process per GPU (CPU processes without one) and trains, resuming a run of the same name.",
-        "Outputs go to outputs/<name>/ (checkpoints, exports, samples, metrics, train.log).",
+        "Outputs go to outputs/<name>/ (checkpoints, exports, samples, metrics, train.log); the",
+        "default name is <model>-<dataset folder's name>. The default pipeline (two stages) runs",
+        "one stage where one GPU is visible.",
         "",
         "Config groups (pick one option with group=option; the default is marked *):",
     ]

@@ -259,7 +259,9 @@ class DataSettings:
     max_aspect_ratio: float = 2.0
     num_aspect_buckets: int = 7
     # Frame counts of video buckets; a clip goes to the longest bucket it fills. Images have 1.
-    frame_buckets: list[int] = field(default_factory=lambda: [1])
+    # null: [1, N] chosen from a directory's clips (dpipe.data.buckets.frames_from_clips), so a
+    # folder of clips trains as clips; the dataset report says what was chosen.
+    frame_buckets: Optional[list[int]] = None
     clip_selection: ClipSelection = ClipSelection.beginning
     clips_per_video: int = 3  # with clip_selection=multiple
     video_fps: Optional[float] = None  # resample videos to this frame rate; null keeps theirs
@@ -625,6 +627,9 @@ class SampleConfig:
     # height, frames, control (an image path, for edit and image-to-video families),
     # audio_guidance.
     prompts: list[Any] = field(default_factory=list)
+    # A text file of prompts, one per line (blank lines and lines starting with # skipped),
+    # sampled after the items of `prompts`: prompts with commas need no quoting there.
+    prompts_file: Optional[str] = None
     every_steps: int = 0  # sample every N steps; 0: only at the end of training
     at_start: bool = False  # also before the first step (a baseline to compare with)
     steps: Optional[int] = None  # denoising steps; null: the family's usual number
@@ -635,7 +640,8 @@ class SampleConfig:
     seed: int = 0  # the noise seed of items without their own
     negative_prompt: str = ""  # for families with classifier-free guidance
     # Sizes of items without their own; null: the dataset's largest resolution, square, and
-    # for video families its longest frame bucket (1 frame: an image).
+    # for video families its longest frame bucket (1 frame: an image; also while
+    # dataset.frame_buckets is null, as the workers choose those from the clips).
     width: Optional[int] = None
     height: Optional[int] = None
     frames: Optional[int] = None

@@ -6,6 +6,7 @@ its keys are checked against the group's dataclass when Hydra composes the run.
 
 from hydra.core.config_store import ConfigStore
 
+from dpipe.config.run_name import register_resolver as register_run_name
 from dpipe.config.schema import (
     DatasetConfig,
     ModelConfig,
@@ -27,6 +28,7 @@ GROUP_SCHEMAS = {
 
 
 def register_schemas() -> None:
+    register_run_name()  # conf/config.yaml's `name`
     cs = ConfigStore.instance()
     cs.store(name="base_run", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():

@@ -10,7 +10,7 @@ one their timeline fills, and one or more clips of that length.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from dpipe.config.schema import ClipSelection, DataSettings
 from dpipe.errors import ConfigError
@@ -58,6 +58,21 @@ def frame_bucket(available: int, buckets: list[int]) -> int | None:
     """The longest frame bucket the clip fills, or None if it is shorter than all of them."""
     fitting = [f for f in buckets if f <= available]
     return max(fitting) if fitting else None
+
+
+# The longest clip that `frame_buckets: null` chooses: the length Wan and Cosmos sample at, a few
+# seconds of video; longer clips need memory that only a chosen preset knows it has.
+AUTO_MAX_FRAMES = 81
+
+
+def frames_from_clips(lengths: list[int], clip_frames: Callable[[int], int]) -> list[int]:
+    """The frame buckets of a directory whose `frame_buckets` is null: images, and the longest
+    clip (at most AUTO_MAX_FRAMES) that every one of its clips fills and the family takes
+    (`clip_frames(n)`: the longest valid count <= n, e.g. 4k+1). [1] without clips."""
+    if not lengths:
+        return [1]
+    frames = clip_frames(min(min(lengths), AUTO_MAX_FRAMES))
+    return [1] if frames <= 1 else [1, frames]
 
 
 def clip_starts(available: int, frames: int, mode: ClipSelection, count: int) -> list[int]:

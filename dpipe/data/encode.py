@@ -42,7 +42,9 @@ class LatentJob(NamedTuple):
 
     @property
     def group(self) -> tuple:
-        return ("latent", self.width, self.height, self.frames)
+        # The media too: a clip cut to one frame is (3, 1, H, W), an image (3, H, W); the two
+        # never share a VAE call.
+        return ("latent", self.media, self.width, self.height, self.frames)
 
 
 class MaskJob(NamedTuple):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dpipe.config.schema import DatasetConfig, DatasetKind
 from dpipe.data import discover as disc
 from dpipe.data.batches import CachedDataset
+from dpipe.data.buckets import AUTO_MAX_FRAMES, frames_from_clips
 from dpipe.data.cache_store import KeyMaker, TensorStore
 from dpipe.data.audio import AUDIO_DECODE_VERSION, sample_count
 from dpipe.data.encode import (
@@ -32,6 +33,7 @@ from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport
 from dpipe.data.sources import crop_top_left, file_fingerprint, list_files
 from dpipe.data.synthetic import generate_shapes
+from dpipe.data.video import timeline_length
 from dpipe.errors import DataError, UserError
 from dpipe.models.spec import ModelSpec
 
@@ -66,6 +68,7 @@ class _Set:
                             str | None]]
     dropped: list[tuple[str, str]]
     trimmed: list[tuple[str, str]]
+    notes: list[str] = field(default_factory=list)  # choices made for the user (frame buckets)
 
 
 @dataclass
@@ -210,6 +213,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
                             + "\nRemove them or choose a video model.")
         if sees_control:
             _check_controls(spec, name, found)
+        notes = _choose_frame_buckets(spec, found)
         places, dropped, trimmed = disc.placements(found, multiple)
         keys = []
         for p in places:
@@ -258,7 +262,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
                 jobs.setdefault(audio, AudioJob(audio, src.path or item.path, src, start,
                                                 frames, rate, sound.sample_rate, sound.channels))
             keys.append((latent, tuple(text_keys), mask, control, empty, audio))
-        work.sets.append(_Set(name, found, places, keys, dropped, trimmed))
+        work.sets.append(_Set(name, found, places, keys, dropped, trimmed, notes))
     if dropout:
         work.empty_text = caption_keys.get("") or text_key.fields("")
         texts.setdefault(work.empty_text, TextJob(work.empty_text, ""))
@@ -273,6 +277,28 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
     if data_dir is not None:
         work.history = load_history(data_dir)
     return work
+
+
+def _choose_frame_buckets(spec: ModelSpec, found: disc.Discovery) -> list[str]:
+    """Gives the directories that leave `frame_buckets` null theirs, chosen from their clips
+    (`frames_from_clips`); returns the report's lines saying what was chosen."""
+    notes = []
+    for number, d in enumerate(found.directories):
+        s = d.settings
+        if s.frame_buckets is not None:
+            continue
+        lengths = [timeline_length(i.info, s.video_fps) for i in found.items
+                   if i.directory == number and i.kind == "video"]
+        chosen = frames_from_clips(lengths, spec.sampling().clip_frames if lengths else None)
+        found.directories[number] = disc.Directory(d.path, replace(s, frame_buckets=chosen))
+        if lengths:
+            rate = f" at {s.video_fps:g} fps" if s.video_fps else ""
+            notes.append(
+                f"frame buckets {chosen} chosen from the {len(lengths)} clip(s) of {d.path}: the "
+                f"longest clip that the shortest ({min(lengths)} frames{rate}) holds and "
+                f"{spec.family} takes (at most {AUTO_MAX_FRAMES}); set dataset.frame_buckets "
+                "to choose others")
+    return notes
 
 
 def _key_makers(spec: ModelSpec, dtype: torch.dtype) -> tuple[KeyMaker, ...]:
@@ -445,11 +471,34 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
         lines = "\n".join(report.lines())
         raise DataError(f"no bucket holds enough samples for one batch:\n{lines}")
     report.manifest = Manifest(ordered, empty_text if not eval_mode else None)
+    report.notes = list(s.notes)
+    if sound is not None and not eval_mode:
+        silent = _no_sound_trained(s)
+        if silent:
+            report.warnings.append(
+                f"model.audio=true, but {silent}, so the sound (the audio stream and its "
+                "adapters) learns nothing from this dataset. Add clips with an audio track or a "
+                "same-stem .wav/.flac, longer than one frame, or set model.audio=false")
     report.dropped, report.trimmed = dropped, trimmed
     report.silent = list(s.discovery.silent)
     report.upscaled = {d: (len(files), min(files.values(), key=lambda wh: (wh[0] * wh[1], wh)))
                        for d, files in sorted(upscaled.items())}
     return report.manifest, report
+
+
+def _no_sound_trained(s: _Set) -> str | None:
+    """Why no sample of the set trains on real sound (not silence), or None if some do."""
+    items = s.discovery.items
+    if any(audio and items[p.item].audio.origin != "silence"
+           for p, (*_, audio) in zip(s.placements, s.sample_keys)):
+        return None
+    clips = [i for i in items if i.kind == "video"]
+    voiced = [i for i in clips if i.audio is not None and i.audio.origin != "silence"]
+    if not clips:
+        return "the dataset has no clips"
+    if not voiced:
+        return f"none of its {len(clips)} clip(s) has sound (they train on silence)"
+    return f"its {len(voiced)} clip(s) with sound are cut to one frame (dataset.frame_buckets)"
 
 
 def _check_audio_lengths(buckets, rate: int) -> None:

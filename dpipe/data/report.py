@@ -21,6 +21,7 @@ class DataReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)
     trimmed: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was chosen for the user, and why
     # Clips without sound that train on silence (audio_missing=silence): (file, why).
     silent: list[tuple[str, str]] = field(default_factory=list)
     # Directories whose files are smaller than their bucket, so enlarged to train: {directory:
@@ -63,6 +64,7 @@ class DataReport:
             out.append(f"  upscaled: {files} file(s) in {directory} are smaller than their bucket "
                        f"(smallest {w}x{h}) and are enlarged to train; lower dataset.resolutions "
                        "to train them at their own size")
+        out += [f"  note: {n}" for n in self.notes]
         out += [f"  warning: {w}" for w in self.warnings]
         return out
 

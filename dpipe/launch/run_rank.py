@@ -14,12 +14,12 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from dpipe.config.checks import validate
+from dpipe.config.run_name import RUN_CONFIG
 from dpipe.config.schema import RunConfig
 from dpipe.errors import UserError
 from dpipe.io import atomic_write_text
 from dpipe.launch.quiet import disable_library_progress_bars, thread_locks_for_progress_bars
 
-RUN_CONFIG = "run.yaml"
 USER_ERROR_SIGNAL = signal.SIGUSR1  # worker -> local launcher: "I recorded a user error"  # the resolved config the run was started with
 
 

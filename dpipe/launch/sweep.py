@@ -27,11 +27,14 @@ from typing import Any, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
+from hydra.experimental.callback import Callback
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from dpipe.launch.dirnames import register_resolver
+from dpipe.config.default_pipeline import fit_default_pipeline
+from dpipe.config.run_name import register_resolver as register_run_name
+from dpipe.launch.dirnames import exclude_fixed_keys, register_resolver
 from dpipe.errors import ConfigError
 from dpipe.launch import env as dist_env
 from dpipe.launch import jobs
@@ -110,9 +113,10 @@ class SubmititSlurmConf:
     poll_interval_s: float = 2.0
 
 
-# conf/config.yaml names sweep folders through this resolver; registered on import, so that the
-# processes that run sweep points (submitit's jobs unpickle this module) resolve it too.
+# conf/config.yaml names runs and sweep folders through these resolvers; registered on import, so
+# that the processes that run sweep points (submitit's jobs unpickle this module) resolve them too.
 register_resolver()
+register_run_name()
 
 
 def register_launchers() -> None:
@@ -132,6 +136,29 @@ def register_launchers() -> None:
     cs.store(group="hydra/launcher", name="basic", node=BasicLauncherConf, provider="dpipe")
     cs.store(group="hydra/launcher", name="submitit_local", node=SubmititLocalConf, provider="dpipe")
     cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConf, provider="dpipe")
+
+
+class SweepSetup(Callback):
+    """Readies a sweep's config before Hydra's sweeper and dpipe's launcher read it (conf/config.yaml
+    names it in hydra.callbacks)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # The launcher's keys (its submitit folder) and the sweep dir interpolate `${name}`, which
+        # reads the model and dataset choices from the Hydra config: Hydra sets it for a run, but
+        # for a sweep only once a point runs, after it has read them.
+        HydraConfig.instance().set_config(config)
+        with read_write(config.hydra):
+            # One sweep dir for every point: each point's config is composed again with its own
+            # overrides, where `${name}` (a swept model or dataset) and `${now:}` could differ.
+            config.hydra.sweep.dir = str(config.hydra.sweep.dir)
+            # The points' folders name what is swept. Each point is composed from these
+            # overrides (Hydra's load_sweep_config), so they carry the setting to every point.
+            excluded = exclude_fixed_keys(
+                list(config.hydra.overrides.task),
+                list(config.hydra.job.config.override_dirname.exclude_keys))
+            if excluded is not None:
+                config.hydra.overrides.hydra.append(
+                    f"hydra.job.config.override_dirname.exclude_keys=[{','.join(excluded)}]")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,6 +184,12 @@ class _SweepLauncher(Launcher):
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
+    def _point_config(self, overrides: Sequence[str]) -> DictConfig:
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
+        return cfg
+
     @property
     def sweep_dir(self) -> Path:
         return Path(str(self.config.hydra.sweep.dir))
@@ -169,12 +202,13 @@ class _SweepLauncher(Launcher):
         saved = HydraConfig.instance().cfg
         try:
             for i, overrides in enumerate(job_overrides):
-                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                cfg = self._point_config(overrides)
                 with open_dict(cfg):
                     cfg.hydra.job.num = first + i
                 HydraConfig.instance().set_config(cfg)
                 run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
                 try:
+                    self._fit_pipeline(cfg)
                     run = validate(cfg)
                     point = Point(first + i, list(overrides), run_dir.absolute(),
                                   run.pipeline.stages * (run.pipeline.data_parallel or 1))
@@ -188,6 +222,9 @@ class _SweepLauncher(Launcher):
         finally:
             HydraConfig.instance().cfg = saved
         return points
+
+    def _fit_pipeline(self, cfg: DictConfig) -> None:
+        """The default pipeline fitted to the GPUs a point gets, as the point will fit it."""
 
     def _check_point(self, point: Point, cfg: DictConfig) -> None:
         pass
@@ -205,7 +242,7 @@ class _SweepLauncher(Launcher):
             os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
         Singleton.set_state(singleton_state)
         setup_globals()
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
+        cfg = self._point_config(sweep_overrides)
         with open_dict(cfg.hydra):
             cfg.hydra.job.id = submitit.JobEnvironment().job_id
             cfg.hydra.job.num = job_num
@@ -261,7 +298,7 @@ class BasicLauncher(_SweepLauncher):
         results, returns = [], []
         for p in points.values():
             log.info("sweep point #%d: %s", p.num, " ".join(filter_overrides(p.overrides)))
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, p.overrides)
+            cfg = self._point_config(p.overrides)
             with open_dict(cfg):
                 cfg.hydra.job.id = p.num
                 cfg.hydra.job.num = p.num
@@ -277,6 +314,9 @@ class BasicLauncher(_SweepLauncher):
 
 class LocalLauncher(_SweepLauncher):
     """Points in parallel on this machine, each in a submitit job with GPUs of its own."""
+
+    def _fit_pipeline(self, cfg: DictConfig) -> None:
+        fit_default_pipeline(cfg, cfg.hydra, len(_visible_gpus()))
 
     def _check_point(self, point: Point, cfg: DictConfig) -> None:
         gpus = _visible_gpus()

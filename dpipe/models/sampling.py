@@ -91,6 +91,12 @@ class FamilySampling:
         self.spec = spec
         self.path = spec.path
 
+    def clip_frames(self, longest: int) -> int:
+        """The longest clip of at most `longest` frames that the family takes (1: an image)."""
+        if not self.video or longest < 1:
+            return 1
+        return (longest - 1) // self.frame_step * self.frame_step + 1
+
     # ---- the request ------------------------------------------------------------------------
     def check(self, request: SampleRequest) -> str | None:
         """What is wrong with the request for this family, or None. Sizes are checked by the

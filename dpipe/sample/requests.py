@@ -18,8 +18,10 @@ from dpipe.models.sampling import SampleRequest
 
 def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = None
                     ) -> list[SampleRequest]:
-    """The requests of `cfg.prompts`, in order; [] without prompts (nothing is loaded then)."""
-    if not cfg.prompts:
+    """The requests of `cfg.prompts` then `cfg.prompts_file`, in order; [] without prompts
+    (nothing is loaded then)."""
+    items = list(cfg.prompts) + prompts_from_file(cfg.prompts_file)
+    if not items:
         return []
     if cfg.every_steps < 0:
         raise ConfigError(f"sample.every_steps={cfg.every_steps}: must be >= 0 (0: only at the end)")
@@ -32,13 +34,15 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
                           "unset")
     multiple = spec.pixel_multiple
     side = _default_side(dataset, multiple)
-    frames = cfg.frames or (max(dataset.frame_buckets) if dataset is not None and sampling.video
-                            else 1)
+    # frame_buckets: null (chosen from the clips by the workers) samples images unless told.
+    buckets = dataset.frame_buckets if dataset is not None and sampling.video else None
+    frames = cfg.frames or (max(buckets) if buckets else 1)
     if sampling.video and (frames - 1) % sampling.frame_step:  # the longest bucket may not fit
         frames = (frames - 1) // sampling.frame_step * sampling.frame_step + 1
     requests = []
-    for index, item in enumerate(cfg.prompts):
-        where = f"sample.prompts[{index}]"
+    for index, item in enumerate(items):
+        where = (f"sample.prompts[{index}]" if index < len(cfg.prompts) else
+                 f"sample.prompts_file={cfg.prompts_file}, prompt {index - len(cfg.prompts) + 1}")
         fields = _fields(item, where)
         request = SampleRequest(
             index=index,
@@ -63,6 +67,26 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
             raise ConfigError(f"{where}: {problem}")
         requests.append(request)
     return requests
+
+
+def prompts_from_file(path: str | None) -> list[str]:
+    """The prompts of a `sample.prompts_file`: one per line, blank and # lines skipped."""
+    if path is None:
+        return []
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"sample.prompts_file={path}: no such file; give a text file with one "
+                          "prompt per line") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"sample.prompts_file={path}: cannot be read as UTF-8 text ({err})"
+                          ) from None
+    prompts = [line.strip() for line in text.splitlines()]
+    prompts = [p for p in prompts if p and not p.startswith("#")]
+    if not prompts:
+        raise ConfigError(f"sample.prompts_file={path} holds no prompt: write one per line "
+                          "(lines starting with # are skipped)")
+    return prompts
 
 
 def _default_side(dataset: DatasetConfig | None, multiple: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from dpipe.config.run_name import dataset_folders, same_folders
 from dpipe.errors import ConfigError, UserError
 from dpipe.io import atomic_write_text
 from dpipe.models.fingerprint import sha256_of
@@ -356,29 +357,12 @@ def check_resume(run_dir: Path, current_yaml: str, verify: bool = True
     return newest
 
 
-def dataset_folders(config_yaml: str) -> list[str]:
-    """The folders a run config trains on: `dataset.path`, then each `dataset.directories` path."""
-    dataset = OmegaConf.to_container(OmegaConf.create(config_yaml)).get("dataset") or {}
-    folders = [dataset["path"]] if dataset.get("path") else []
-    return folders + [entry.get("path") for entry in dataset.get("directories") or []]
-
-
-def _same_folder(a: str, b: str) -> bool:
-    a, b = os.path.expanduser(a), os.path.expanduser(b)
-    if os.path.normpath(a) == os.path.normpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)  # another spelling (a link, a relative path) of one folder
-    except OSError:
-        return False
-
-
 def _refuse_another_dataset(run_dir: Path, path: Path, step: int, saved_yaml: str,
                             current_yaml: str) -> None:
     """A resume trains on the checkpoint's folders (files added to them are new data of the
     same run); other folders are another run, which must not continue this one's weights."""
     old, new = dataset_folders(saved_yaml), dataset_folders(current_yaml)
-    if len(old) == len(new) and all(_same_folder(a, b) for a, b in zip(old, new)):
+    if same_folders(old, new):
         return
     name = OmegaConf.create(current_yaml).get("name") or "run"
     suggested = f"{name}-{Path(new[0]).name}" if new else f"{name}-2"

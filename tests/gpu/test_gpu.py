@@ -20,6 +20,17 @@ def _losses(run_dir, *overrides):
     return torch.tensor([m["loss"] for m in metrics(run_dir)])
 
 
+def test_the_default_pipeline_runs_one_stage_on_one_gpu(tmp_path, monkeypatch):
+    """`dpipe-train` with the defaults (pipeline=two_stage) on a machine that shows one GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    result = dpipe_train(*train_args(tmp_path, "train.max_steps=2"), timeout=600)
+    assert result.code == 0, result.err[-3000:]
+    log = result.out + result.err
+    assert "pipeline: 1 stage on 1 visible GPU: the default pipeline (pipeline=two_stage)" in log
+    assert "1 processes = 1 stages x 1 data-parallel" in log
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("model", ["tiny_flux", "tiny_hunyuan_video"])
 def test_two_stage_gpu_run_matches_one_stage_in_bf16(tmp_path, model):

@@ -38,6 +38,12 @@ def test_empty_dataset_folder(tmp_path):
     _assert_user_error(result, str(empty))
 
 
+def test_a_missing_prompts_file_stops_before_any_worker(tmp_path):
+    result = dpipe_train(*train_args(tmp_path / "run", f"sample.prompts_file={tmp_path}/p.txt"))
+    _assert_user_error(result, f"sample.prompts_file={tmp_path}/p.txt: no such file")
+    assert "starting" not in result.out + result.err  # "run dir: ...; starting N worker processes"
+
+
 def test_unreadable_image_in_strict_mode(tmp_path):
     """(Without dataset.strict, unreadable files are skipped with a warning listing them:
     tests/unit/test_data_bad_input.py.)"""

@@ -73,16 +73,24 @@ def slurm():
 
 @dataclass
 class Sweep:
-    """A `dpipe-train` sweep running in the background, its output going to files."""
+    """A `dpipe-train` sweep running in the background in `folder`, its output going to files
+    there; its sweep dir `hydra.sweep.dir` if the test pins it, else the one dpipe names."""
 
     proc: subprocess.Popen
-    sweep_dir: Path
+    folder: Path
     started: float
+    pinned: Path | None = None
+
+    @property
+    def sweep_dir(self) -> Path:
+        if self.pinned is not None:
+            return self.pinned
+        (found,) = (self.folder / "multirun").glob("*/*")  # multirun/<name>/<date>_<time>
+        return found
 
     @property
     def output(self) -> str:
-        return "".join((self.sweep_dir.parent / f"{self.sweep_dir.name}.{s}").read_text()
-                       for s in ("out", "err"))
+        return "".join((self.folder / f"dpipe-train.{s}").read_text() for s in ("out", "err"))
 
     def job_ids(self, timeout: float = 120) -> dict[int, str]:
         """{point: SLURM job id}, from the launcher's log."""
@@ -113,14 +121,19 @@ class Sweep:
         return "".join(p.read_text(errors="replace") for p in sorted(folder.glob(f"*_{task}_log.*")))
 
 
-def start_sweep(sweep_dir: Path, *overrides: str) -> Sweep:
-    sweep_dir.parent.mkdir(parents=True, exist_ok=True)
-    out = (sweep_dir.parent / f"{sweep_dir.name}.out").open("w")
-    err = (sweep_dir.parent / f"{sweep_dir.name}.err").open("w")
+def start_sweep(folder: Path, *overrides: str, pin: bool = True, multirun: bool = False) -> Sweep:
+    """`dpipe-train [-m]` started in `folder`; `pin`: its sweep dir is `folder`/sweep (then a
+    test finds the run dirs before the sweep dir's dated name could be known)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pinned = folder / "sweep" if pin else None
+    out = (folder / "dpipe-train.out").open("w")
+    err = (folder / "dpipe-train.err").open("w")
+    pinning = [f"hydra.sweep.dir={pinned}"] if pinned else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", f"hydra.sweep.dir={sweep_dir}", *BASE, *overrides],
-        cwd=REPO, stdout=out, stderr=err, start_new_session=True, env=dict(os.environ))
-    return Sweep(proc, sweep_dir, time.monotonic())
+        [sys.executable, "-m", "dpipe.cli.train", *(["-m"] if multirun else []), *pinning, *BASE,
+         *overrides],
+        cwd=folder, stdout=out, stderr=err, start_new_session=True, env=dict(os.environ))
+    return Sweep(proc, folder, time.monotonic(), pinned)
 
 
 def wait_for(what: str, condition, sweep: Sweep, timeout: float = 300, step: float = 0.05):
@@ -156,7 +169,9 @@ def same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def array_sweep(slurm, tmp_path_factory) -> Sweep:
-    sweep = start_sweep(tmp_path_factory.mktemp("array") / "sweep", "optim.lr=1e-3,5e-4")
+    # as docs/cluster.md has it: `-m` and the swept values, no sweep dir given
+    sweep = start_sweep(tmp_path_factory.mktemp("array"), "optim.lr=1e-3,5e-4", pin=False,
+                        multirun=True)
     code = sweep.wait()
     assert code == 0, sweep.output
     return sweep
@@ -171,6 +186,8 @@ def test_sweep_runs_as_a_job_array_of_two_task_jobs(array_sweep):
     assert [p["status"] for p in points] == ["completed", "completed"]
     assert [p["metrics"]["step"] for p in points] == [STEPS, STEPS]
     assert "| 0 | optim.lr=0.001 | completed | 40 |" in sweep.output  # the printed summary
+    assert sweep.sweep_dir.parent.name == "tiny_flux-synthetic"
+    assert [sweep.run_dir(i).name for i in ids] == ["0_lr=0.001", "1_lr=0.0005"]
     for point, job in ids.items():
         run_dir = sweep.run_dir(point)
         assert (run_dir / LORA).is_file() and metrics(run_dir)[-1]["step"] == STEPS

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dpipe.cli.train_help import EXAMPLES
 from tests.cli import dpipe_train
 
 pytestmark = pytest.mark.slow
@@ -19,6 +20,24 @@ BASE = ["model=tiny_flux", "dataset=synthetic", "pipeline.stages=2", "pipeline.m
 
 def summary(sweep_dir) -> list[dict]:
     return json.loads((sweep_dir / "sweep_summary.json").read_text())["points"]
+
+
+def test_the_documented_sweep_runs_as_written(tmp_path):
+    # `dpipe-train --help`'s and README's sweep, on the default tiny model, one step per point
+    sweep = next(command for _, command in EXAMPLES if " -m " in command)
+    assert sweep == "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32"
+    result = dpipe_train(*sweep.split()[1:], "train.max_steps=1", cwd=tmp_path, timeout=500)
+    assert result.code == 0, result.out + result.err
+    (sweep_dir,) = (tmp_path / "multirun" / "tiny_flux-synthetic").iterdir()  # <date>_<time>
+    folders = ["0_rank=16,lr=0.0001", "1_rank=32,lr=0.0001", "2_rank=16,lr=5e-05",
+               "3_rank=32,lr=5e-05"]  # every swept key, none of the fixed ones
+    points = summary(sweep_dir)
+    assert [Path(p["run_dir"]).name for p in points] == folders
+    assert [p["status"] for p in points] == ["completed"] * 4
+    assert all((sweep_dir / f / "lora").is_dir() for f in folders)
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert "All points: train.max_steps=1" in md
+    assert "| 3 | optim.lr=5e-05 model.lora.rank=32 | completed | 1 |" in md
 
 
 def test_a_failed_point_is_reported_and_the_sweep_goes_on(tmp_path):
@@ -37,18 +56,20 @@ def test_a_failed_point_is_reported_and_the_sweep_goes_on(tmp_path):
 
 
 def test_local_parallel_sweep_runs_points_at_once(tmp_path):
-    result = dpipe_train(f"hydra.sweep.dir={tmp_path}", "cluster=local_parallel",
-                         "hydra.launcher.max_parallel=2", *BASE, "optim.lr=1e-4,5e-5", timeout=400)
+    # conf/cluster/local_parallel.yaml's command, one key swept; two points at once on CI's 2 cores
+    result = dpipe_train("cluster=local_parallel", "hydra.launcher.max_parallel=2",
+                         "optim.lr=1e-4,5e-5", "train.max_steps=2", cwd=tmp_path, timeout=400)
     assert result.code == 0, result.out + result.err
+    (sweep_dir,) = (tmp_path / "multirun" / "tiny_flux-synthetic").iterdir()
     log = result.out + result.err
     assert "2 at a time on CPU" in log
     assert re.search(r"sweep point #0 \(job \d+\): .*\n.*sweep point #1 \(job \d+\): ", log)
     # the two runs overlapped: each started (run.yaml) before the other one ended (its export)
-    runs = [next(tmp_path.glob(f"{i}_*")) for i in range(2)]
+    runs = [sweep_dir / f"{i}_lr={lr}" for i, lr in enumerate(["0.0001", "5e-05"])]
     starts = [(r / "run.yaml").stat().st_mtime for r in runs]
     ends = [(r / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime for r in runs]
     assert max(starts) < min(ends), (starts, ends)
-    points = summary(tmp_path)
+    points = summary(sweep_dir)
     assert [p["status"] for p in points] == ["completed", "completed"]
     assert all((Path(p["run_dir"]) / "lora").is_dir() for p in points)
     assert [p["metrics"]["step"] for p in points] == [2, 2]

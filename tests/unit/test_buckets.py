@@ -8,7 +8,8 @@ import pytest
 
 from dpipe.config.schema import ClipSelection
 from dpipe.data.buckets import (
-    aspect_ratios, bucket_sizes, clip_starts, frame_bucket, nearest_size)
+    AUTO_MAX_FRAMES, aspect_ratios, bucket_sizes, clip_starts, frame_bucket, frames_from_clips,
+    nearest_size)
 from dpipe.data.discover import directories, discover, placements
 from dpipe.errors import ConfigError
 from tests.unit.test_data_support import dataset_config, write_image, write_video
@@ -113,3 +114,13 @@ def test_videos_go_to_frame_buckets_and_short_ones_are_dropped_with_the_reason(t
     assert dropped == [(str(tmp_path / "short.mp4"),
                         "6 frames, shorter than every frame bucket [9, 17]")]
     assert trimmed == []  # two clips of 17 cover all 20 frames
+
+
+def test_frame_buckets_chosen_from_clips_are_the_longest_that_every_clip_fills():
+    def four_k_plus_1(n):  # Wan's rule
+        return (n - 1) // 4 * 4 + 1
+
+    assert frames_from_clips([], four_k_plus_1) == [1]  # no clips: images
+    assert frames_from_clips([20, 12], four_k_plus_1) == [1, 9]  # the shortest holds 9
+    assert frames_from_clips([500, 700], four_k_plus_1) == [1, AUTO_MAX_FRAMES]
+    assert frames_from_clips([4], four_k_plus_1) == [1]  # too short for any clip: one frame

@@ -254,3 +254,12 @@ def test_a_misspelt_key_is_not_told_to_use_plus():
     assert "error: unknown config key(s): 'model.lora_rnk': did you mean 'model.lora'? valid keys " \
         "of 'model':" in proc.stderr
     assert "+model.lora_rnk" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_misspelt_option_is_one_line_with_the_options_close_to_it():
+    proc = _cli("model=tiny_wann")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: model=tiny_wann: no such option of the model group (conf/model/); did you mean "
+        "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan22_ti2v)"]

@@ -141,6 +141,24 @@ def test_clips_without_sound_per_audio_missing(tmp_path):
     assert {s.audio for s in _samples(quiet).values()} == {None}
 
 
+def test_a_dataset_that_trains_no_sound_says_so(tmp_path):
+    data = tmp_path / "data"
+    write_image(data / "still.png", (32, 32))
+    images = _prepare(SoundSpec(), tmp_path).reports["train"]
+    assert images.warnings == [
+        "model.audio=true, but the dataset has no clips, so the sound (the audio stream and its "
+        "adapters) learns nothing from this dataset. Add clips with an audio track or a "
+        "same-stem .wav/.flac, longer than one frame, or set model.audio=false"]
+    write_video(data / "loud.mp4", frames=8, fps=8, tones=[(440, 1.0)])
+    assert _prepare(SoundSpec(), tmp_path).reports["train"].warnings == []
+    (cut,) = _prepare(SoundSpec(), tmp_path, frame_buckets=[1]).reports["train"].warnings
+    assert "its 1 clip(s) with sound are cut to one frame (dataset.frame_buckets)" in cut
+    write_video(data / "mute.mp4", frames=8, fps=8)
+    (data / "loud.mp4").unlink()
+    (mute,) = _prepare(SoundSpec(), tmp_path, audio_missing="silence").reports["train"].warnings
+    assert "none of its 1 clip(s) has sound (they train on silence)" in mute
+
+
 def _zero_rate_wav(path):
     with wave.open(str(path), "wb") as file:
         file.setnchannels(1), file.setsampwidth(2), file.setframerate(8000)

@@ -67,6 +67,21 @@ def test_mixed_images_and_videos_cache_clips_by_bucket(tmp_path):
     assert abs(float(level) - 60) < 6
 
 
+def test_a_clip_cut_to_one_frame_and_an_image_never_share_a_vae_call(tmp_path):
+    data = tmp_path / "data"
+    write_video(data / "walk.mp4", frames=9, fps=8, caption="a person walking")
+    write_image(data / "still.png", (32, 32), caption="a still")
+    cfg = dataset_config(path=str(data), cache_dir=str(tmp_path / "cache"), resolutions=[32],
+                         aspect_ratios=[1.0], frame_buckets=[1])
+    spec = FakeSpec(videos=True)
+    dataset = prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout())
+    bucket, = dataset.plan.manifest.buckets
+    assert bucket.name == "32x32" and len(bucket.samples) == 2
+    assert [kind for kind, _ in spec.encoded if kind == "video"] == ["video", "video"]
+    for sample in bucket.samples:
+        assert dataset.store.get(sample.latent)["latents"].shape == (4, 1, 8, 8)
+
+
 def test_a_model_without_video_support_refuses_videos(tmp_path):
     write_video(tmp_path / "data" / "walk.mp4", frames=8)
     cfg = dataset_config(path=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"),

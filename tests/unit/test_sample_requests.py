@@ -34,6 +34,30 @@ def test_no_prompts_no_requests(flux):
     assert sample_requests(SampleConfig(), flux) == []
 
 
+def test_a_prompts_file_gives_one_prompt_per_line_after_the_items(flux, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("# the trigger word first\nsks style, a red ball\n\n  a blue cube  \n")
+    cfg = SampleConfig(prompts=[{"prompt": "a cat", "seed": 3}], prompts_file=str(path))
+    requests = sample_requests(cfg, flux)
+    assert [(r.index, r.prompt) for r in requests] == [
+        (0, "a cat"), (1, "sks style, a red ball"), (2, "a blue cube")]
+    assert sample_requests(SampleConfig(prompts_file=str(path)), flux)[0].prompt == (
+        "sks style, a red ball")
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "sample.prompts_file={path}: no such file; give a text file with one prompt per line"),
+    ("# only a comment\n\n", "sample.prompts_file={path} holds no prompt: write one per line"),
+])
+def test_a_missing_or_empty_prompts_file_is_named(flux, tmp_path, text, message):
+    path = tmp_path / "prompts.txt"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        sample_requests(SampleConfig(prompts_file=str(path)), flux)
+    assert message.format(path=path) in str(error.value)
+
+
 def test_the_default_size_is_a_multiple_of_the_familys(flux):
     (request,) = sample_requests(SampleConfig(prompts=["x"]), flux,
                                  DatasetConfig(path="/d", resolutions=[100]))

@@ -278,6 +278,8 @@ def test_encoders_follow_the_pipeline(folder):
         1, 8, 7, 4, 4)
     with pytest.raises(DataError, match=r"17k\+5 frames.*dataset.frame_buckets"):
         spec.encode_videos(enc, torch.zeros(1, 3, 9, 64, 64))
+    # frame_buckets: null chooses the longest 17k+5 clip that the clips hold.
+    assert [spec.sampling().clip_frames(n) for n in (4, 21, 22, 40)] == [1, 5, 22, 39]
 
     assert spec.audio_format().sample_rate == 32000 and spec.audio_format().channels == 2
     wave = torch.rand(1, 2, 2400, generator=g) * 2 - 1

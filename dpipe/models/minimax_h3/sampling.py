@@ -52,6 +52,10 @@ class MiniMaxH3Sampling(FamilySampling):
             return f"control={request.control}: MiniMax H3's t2va takes no control image"
         return self.sound_problem(request)
 
+    def clip_frames(self, longest: int) -> int:
+        _, clip, per_chunk = self.spec.vae_geometry
+        return 1 if longest < per_chunk else (longest - per_chunk) // clip * clip + per_chunk
+
     def uses_uncond(self, guidance: float) -> bool:
         return False
 
