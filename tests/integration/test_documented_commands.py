@@ -454,3 +454,9 @@ def test_every_documented_command_is_run():
     assert {c.where for c in COMMANDS} <= run | made
     assert not [line for line in MAKE_ELSEWHERE if line.endswith("NOT MAPPED")], (
         "a documented make target that MAPPING['make'] does not name")
+
+
+if __name__ == "__main__":  # python -m tests.integration.test_documented_commands: the list
+    for process in PROCESSES:
+        print(f"{', '.join(process.wheres)}\n    -> {process}")
+    print(*MAKE_ELSEWHERE, sep="\n")
