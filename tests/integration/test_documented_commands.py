@@ -78,14 +78,17 @@ MAPPING = {
     # dtype (CUDA's runs it in fp32), so HunyuanImage's glyph norm meets fp32 inputs with bf16
     # weights and refuses them
     "cpu": {"tiny_hunyuan_image": {"train.precision": "fp32"}},
-    # dpipe-bench: the CPU smoke size, one warm-up and one timed step, no GPU memory cap
-    "bench": {"--size": "tiny", "--warmup": "1", "--steps": "1", "--memory-cap-gb": None},
+    # dpipe-bench: the CPU smoke size, one warm-up and one timed step; no GPU memory cap and
+    # no plain reference loop (both CUDA's alone)
+    "bench": {"--size": "tiny", "--warmup": "1", "--steps": "1", "--memory-cap-gb": None,
+              "--plain": None},
     # make targets run elsewhere (never from inside the suite): why
     "make": {"demo": "tests/integration/test_quick_start.py runs it as a user does",
              "setup": "makes the venv this suite runs in",
              "test": "is this suite", "test-fast": "is this suite without the slow tests"},
 }
 SLURM_CLUSTERS = ("slurm_gpu", "slurm_cpu")
+BENCH_SWITCHES = ("--plain", "--loader", "--profile")  # dpipe-bench's flags without a value
 TIMEOUT = 600  # one process; a stuck one fails with its output instead of hanging CI
 
 
@@ -170,24 +173,25 @@ def map_args(program: str, args: list[str]) -> list[str]:
 
 
 def map_bench(args: list[str]) -> list[str]:
-    """dpipe-bench's flags as MAPPING["bench"] says; each --run's overrides as map_args."""
-    out, i = [], 0
+    """dpipe-bench's flags as MAPPING["bench"] says (set where the command leaves them out, so
+    that commands differing only in their runs share a process), then each --run's overrides
+    as map_args maps them."""
+    flags = {k: v for k, v in MAPPING["bench"].items() if v is not None}
+    switches, runs, i = [], [], 0
     while i < len(args):
         arg = args[i]
-        if arg in MAPPING["bench"]:
-            if MAPPING["bench"][arg] is not None:
-                out += [arg, MAPPING["bench"][arg]]
-            i += 2
-            continue
         if arg == "--run":
             name, _, overrides = args[i + 1].partition(":")
-            mapped = map_args("dpipe-bench-run", overrides.split())
-            out += [arg, f"{name}: {' '.join(mapped)}"]
-            i += 2
+            runs += [arg, f"{name}: {' '.join(map_args('dpipe-bench-run', overrides.split()))}"]
+        elif arg in BENCH_SWITCHES:
+            if arg not in MAPPING["bench"]:
+                switches.append(arg)
+            i += 1
             continue
-        out.append(arg)
-        i += 1
-    return out
+        elif arg not in MAPPING["bench"]:
+            flags[arg] = args[i + 1]
+        i += 2
+    return [x for kv in flags.items() for x in kv] + sorted(switches) + runs
 
 
 def documented() -> list[tuple[Command, str, list[str]]]:
