@@ -75,9 +75,10 @@ MAPPING = {
     "added": {"dpipe-train": ["train.max_steps"], "folder": ["dataset.resolutions"],
               "sampling": ["sample.steps"]},
     # per tiny model, values only this CPU needs: CPU autocast leaves layer_norm in its input's
-    # dtype (CUDA's runs it in fp32), so HunyuanImage's glyph norm meets fp32 inputs with bf16
-    # weights and refuses them
-    "cpu": {"tiny_hunyuan_image": {"train.precision": "fp32"}},
+    # dtype (CUDA's runs it in fp32), so HunyuanImage's glyph norm and HunyuanVideo 1.5's
+    # meet fp32 inputs with bf16 weights and refuse them ("mixed dtype (CPU)")
+    "cpu": {"tiny_hunyuan_image": {"train.precision": "fp32"},
+            "tiny_hunyuan_video15": {"train.precision": "fp32"}},
     # dpipe-bench: the CPU smoke size, one warm-up and one timed step; no GPU memory cap and
     # no plain reference loop (both CUDA's alone)
     "bench": {"--size": "tiny", "--warmup": "1", "--steps": "1", "--memory-cap-gb": None,
@@ -372,7 +373,8 @@ def run_dirs(mapped: Mapped, done: Outcome) -> list[Path]:
     """The run dirs a dpipe-train process made, in its points' order."""
     if _sweeps(mapped.args):
         summaries = sorted(done.cwd.glob("multirun/*/*/sweep_summary.json"))
-        assert len(summaries) == 1, _failed(mapped, done, f"sweep summaries: {summaries}")
+        assert len(summaries) == 1, _failed(mapped, done, f"exit status {done.code}, sweep "
+                                            f"summaries: {summaries}")
         points = json.loads(summaries[0].read_text())["points"]
         bad = [p for p in points if p["status"] != "completed"]
         assert not bad, _failed(mapped, done, "points that did not complete:\n" + "\n".join(
@@ -383,11 +385,12 @@ def run_dirs(mapped: Mapped, done: Outcome) -> list[Path]:
 
 
 def check_train(mapped: Mapped, done: Outcome) -> None:
-    assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
     if "--cfg" in mapped.args:  # prints the config, resolved, and runs nothing
+        assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
         assert re.search(r"^name: \S+$", done.out, re.M), _failed(mapped, done, "no name: line")
         return
-    dirs = run_dirs(mapped, done)
+    dirs = run_dirs(mapped, done)  # a sweep's failed points first, with their logs
+    assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
     assert dirs, _failed(mapped, done, "no run dir")
     for run_dir in dirs:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
