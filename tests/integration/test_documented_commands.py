@@ -90,7 +90,9 @@ MAPPING = {
 }
 SLURM_CLUSTERS = ("slurm_gpu", "slurm_cpu")
 BENCH_SWITCHES = ("--plain", "--loader", "--profile")  # dpipe-bench's flags without a value
-TIMEOUT = 600  # one process; a stuck one fails with its output instead of hanging CI
+# One process's limit (a dpipe-bench of 14 runs took 600 s on a loaded 2-core machine): a stuck
+# one fails with its output instead of hanging CI.
+TIMEOUT = 1500
 
 
 # --- Mapping a documented command ------------------------------------------------------------
