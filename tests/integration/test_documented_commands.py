@@ -155,8 +155,16 @@ def map_args(program: str, args: list[str]) -> list[str]:
             out.append(f"{key}={values[key]}")
         else:
             out.append(arg)
-    if program not in ("dpipe-train", "dpipe-sample", "dpipe-cache"):
-        return out
+    if program in ("dpipe-train", "dpipe-sample", "dpipe-cache"):
+        out = _with_additions(program, out)
+    model = next((a.partition("=")[2] for a in out if a.startswith("model=")), None)
+    cpu = MAPPING["cpu"].get(model, {})
+    return [f"{_key(a)}={cpu[_key(a)]}" if _key(a) in cpu and "=" in a else a for a in out]
+
+
+def _with_additions(program: str, out: list[str]) -> list[str]:
+    """`out` with the keys of MAPPING["added"] (and of a preset) that it does not set."""
+    values = MAPPING["values"]
     keys = {_key(a) for a in out}
     needed = list(MAPPING["added"].get(program, []))
     if "dataset=folder" in out:
@@ -169,10 +177,7 @@ def map_args(program: str, args: list[str]) -> list[str]:
             needed += [k for k in preset if k in values]
             if model in MAPPING["model"] and "model" not in keys:
                 out.append(f"model={MAPPING['model'][model]}")  # the command line's wins
-    out += [f"{k}={values[k]}" for k in dict.fromkeys(needed) if k not in keys]
-    model = next((a.partition("=")[2] for a in out if a.startswith("model=")), None)
-    cpu = MAPPING["cpu"].get(model, {})
-    return [f"{_key(a)}={cpu[_key(a)]}" if _key(a) in cpu and "=" in a else a for a in out]
+    return out + [f"{k}={values[k]}" for k in dict.fromkeys(needed) if k not in keys]
 
 
 def map_bench(args: list[str]) -> list[str]:
