@@ -69,6 +69,7 @@ MAPPING = {
     # (`added`): one step; 64 px (the generated files' size; a tiny model at 1024 px would
     # spend minutes on attention); GPU-only settings off; SLURM's CPU preset and partition
     "values": {"train.max_steps": "1", "dataset.resolutions": "[64]", "sample.steps": "2",
+               "pipeline.micro_batches": "2",  # the benchmarks' 8: four times the CPU work
                "pipeline.compile": "false", "model.attention": "auto",
                "cluster": "slurm_cpu", "hydra.launcher.partition": "debug",
                "hydra.launcher.gpus_per_node": "null"},
