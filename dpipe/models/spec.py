@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -366,6 +367,16 @@ def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     flops = []
+    # In the layers' own float dtype: a bf16 run's frozen weights are bf16, and a conv refuses
+    # fp32 inputs with them outside autocast (SDXL's bf16 LoRA failed so before its first step).
+    dtypes: Counter = Counter()
+    for layer in layers:
+        for param in layer.parameters():
+            if param.is_floating_point():
+                dtypes[param.dtype] += param.numel()  # the base weights, not the adapters
+    dtype = dtypes.most_common(1)[0][0] if dtypes else None
+    inputs = tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                   for t in inputs)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), mode or contextlib.nullcontext():
         x = tuple(mode.from_tensor(t) for t in inputs) if mode else inputs

@@ -37,7 +37,10 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
     # frame_buckets: null (chosen from the clips by the workers) samples images unless told.
     buckets = dataset.frame_buckets if dataset is not None and sampling.video else None
     frames = cfg.frames or (max(buckets) if buckets else 1)
-    if sampling.video and (frames - 1) % sampling.frame_step:  # the longest bucket may not fit
+    # The longest bucket may not fit the family's frame counts: the default is cut to the one
+    # below. A sample.frames the user gave is checked as given (MiniMax H3's 124 is one of its
+    # 17k+5, not a 4k+1 to round down to 121).
+    if not cfg.frames and sampling.video and (frames - 1) % sampling.frame_step:
         frames = (frames - 1) // sampling.frame_step * sampling.frame_step + 1
     requests = []
     for index, item in enumerate(items):
