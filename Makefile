@@ -1,5 +1,5 @@
 # The two commands of the quick start (see README.md). Both set everything up first.
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast test-docs
 
 setup:
 	@bash scripts/setup.sh
@@ -16,3 +16,8 @@ test: setup
 # The unit tests not marked slow (827 of 1089), on every core: 89 s on 2 cores (2026-12-05).
 test-fast: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" -n auto
+
+# Every documented command, run end to end on tiny models (tests/integration/test_documented_commands.py):
+# an estimated 15-25 min on 2 cores, so not part of make test.
+test-docs: setup
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full

@@ -17,4 +17,6 @@ workers=${DPIPE_TEST_WORKERS:-$(nproc)}
 [ "$workers" -gt 8 ] && workers=8
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 "${parallel[@]}" "$@"
+# Every documented command run end to end (docs_full) takes longer than CI allows: make test-docs.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 -m "not docs_full" \
+  "${parallel[@]}" "$@"

@@ -47,7 +47,6 @@ gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="
 # its own order (most tests first) queued the long few-test modules last, e.g. SLURM's 4 tests
 # of ~5 min. Only the order matters; a module not named here runs after these, most tests first.
 SLOWEST_MODULES = {
-    "tests.integration.test_documented_commands": 900,
     "tests.integration.test_families": 480,
     "tests.integration.test_slurm": 260,
     "tests.integration.test_slurm_two_nodes": 240,

@@ -8,7 +8,11 @@ export, one cache pass, one benchmark step). The arguments change only as MAPPIN
 models become their family's tiny model, the dataset folders a generated folder of 64 px images
 (`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops after one step.
 
-To fit CI's time, runs share processes: documented `dpipe-train` commands that are the same
+Running them all takes an estimated 15-25 minutes on 2 cores (not yet measured on an idle
+machine), more than CI's budget leaves: the runs are marked `docs_full` and `make test-docs`
+runs them; CI runs `test_every_documented_command_is_run` (each command has its process) and
+the tests of the documented paths that broke (test_sweeps, test_video_defaults, test_slurm,
+test_quick_start). Runs share processes: documented `dpipe-train` commands that are the same
 after the mapping run once, and those that differ only in `model=` run as one `-m` sweep over
 their models (one process, one fork server; each point is exactly its command). The SLURM
 commands run on the session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
@@ -87,7 +91,8 @@ MAPPING = {
     # make targets run elsewhere (never from inside the suite): why
     "make": {"demo": "tests/integration/test_quick_start.py runs it as a user does",
              "setup": "makes the venv this suite runs in",
-             "test": "is this suite", "test-fast": "is this suite without the slow tests"},
+             "test": "is this suite", "test-fast": "is this suite without the slow tests",
+             "test-docs": "runs this module's docs_full tests"},
 }
 SLURM_CLUSTERS = ("slurm_gpu", "slurm_cpu")
 BENCH_SWITCHES = ("--plain", "--loader", "--profile")  # dpipe-bench's flags without a value
@@ -440,6 +445,7 @@ def _id(index: int) -> str:
     return p.wheres[0] + (f"+{len(p.wheres) - 1}" if len(p.wheres) > 1 else "")
 
 
+@pytest.mark.docs_full
 @pytest.mark.parametrize("index", LOCAL, ids=[_id(i) for i in LOCAL])
 def test_documented_command_runs(index, runner):
     mapped = PROCESSES[index]
@@ -456,6 +462,7 @@ def test_documented_command_runs(index, runner):
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
 
 
+@pytest.mark.docs_full
 @pytest.mark.slurm
 @pytest.mark.parametrize("index", ON_SLURM, ids=[_id(i) for i in ON_SLURM])
 def test_documented_slurm_command_runs(index, runner, slurm):
