@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_WARNING = "synchronizing CUDA operation"
@@ -54,9 +55,11 @@ def _repeat_interleave_without_size(func, kwargs) -> bool:
 
 
 def _caller() -> str:
-    """The innermost frame outside torch: the line of the model or trainer that asked."""
+    """The innermost frame outside torch and this module: the line of the model or trainer
+    that asked."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
         frame = frame.f_back
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
@@ -79,14 +82,44 @@ class _WouldSyncOnGpu(TorchDispatchMode):
     def __init__(self, audit: "StepAudit"):
         super().__init__()
         self.audit = audit
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if ((func in GPU_SYNCING_OPS or _is_mask_index(func, args)
                 or _repeat_interleave_without_size(func, kwargs)) and not _in_optimizer()):
             self.audit.flagged_syncs += 1
             self.audit.where[f"{func.name()} at {_caller()}"] += 1
         return func(*args, **kwargs)
+
+
+class _SyncFreeOnGpu(TorchFunctionMode):
+    """Calls that read values on the CPU only: `F.one_hot` with `num_classes` checks the
+    indices' range on the CPU, on CUDA it leaves that to a device assert (no sync)."""
+
+    def __init__(self, counter: _WouldSyncOnGpu):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+        if func is not torch.nn.functional.one_hot or classes < 0:
+            return func(*args, **kwargs)
+        self.counter.paused = True
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counter.paused = False
+
+
+@contextlib.contextmanager
+def _counting_on_cpu(audit: "StepAudit"):
+    counter = _WouldSyncOnGpu(audit)
+    with counter, _SyncFreeOnGpu(counter):
+        yield
 
 
 class StepAudit:
@@ -113,7 +146,7 @@ class StepAudit:
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                with contextlib.nullcontext() if cuda else _WouldSyncOnGpu(self):
+                with contextlib.nullcontext() if cuda else _counting_on_cpu(self):
                     yield self
             finally:
                 if cuda:

@@ -44,3 +44,15 @@ def test_a_step_without_them_counts_none():
         x = torch.randn(8)
         (x * 2).relu().sum()
     assert audit.host_syncs == 0 and not audit.where
+
+
+def test_one_hot_with_its_class_count_is_not_counted():
+    """On the CPU `F.one_hot` checks its indices' range (a value read); on CUDA, given
+    `num_classes`, it does not (HiDream's MoE gate calls it in every block)."""
+    audit = StepAudit()
+    with audit.counting():
+        torch.nn.functional.one_hot(torch.tensor([0, 2, 1]), num_classes=3)
+    assert audit.host_syncs == 0
+    with audit.counting():
+        torch.nn.functional.one_hot(torch.tensor([0, 2, 1]))  # its class count read from the max
+    assert audit.host_syncs > 0
