@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 import shutil
 import signal
 import sys
@@ -194,6 +194,10 @@ def _fork_server():
     # The server starts with the stop signals blocked: until the preload made it ignore them, a
     # Ctrl-C would interrupt its imports with a traceback and a SIGTERM would end it (and with
     # it the exit codes of its workers). A signal meant for this process stays pending meanwhile.
+    # The resource tracker starts first, outside that window: starting it, `ensure_running`
+    # unblocks both signals (CPython's resource_tracker), which let a stop sent to the whole
+    # group reach the server's start-up (a traceback from its `site` import, seen under load).
+    resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         forkserver.ensure_running()

@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_WARNING = "synchronizing CUDA operation"
@@ -95,31 +94,30 @@ class _WouldSyncOnGpu(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _SyncFreeOnGpu(TorchFunctionMode):
-    """Calls that read values on the CPU only: `F.one_hot` with `num_classes` checks the
-    indices' range on the CPU, on CUDA it leaves that to a device assert (no sync)."""
-
-    def __init__(self, counter: _WouldSyncOnGpu):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
-        if func is not torch.nn.functional.one_hot or classes < 0:
-            return func(*args, **kwargs)
-        self.counter.paused = True
-        try:
-            return func(*args, **kwargs)
-        finally:
-            self.counter.paused = False
-
-
 @contextlib.contextmanager
 def _counting_on_cpu(audit: "StepAudit"):
+    """The CPU count, with `F.one_hot` given its class count left out: it checks the indices'
+    range on the CPU, while on CUDA it leaves that to a device assert (no sync). Patched as a
+    function, not through a TorchFunctionMode, under which torch.autograd.backward calls itself
+    again (counting each backward pass twice)."""
     counter = _WouldSyncOnGpu(audit)
-    with counter, _SyncFreeOnGpu(counter):
-        yield
+    one_hot = torch.nn.functional.one_hot
+
+    def sync_free_one_hot(tensor, num_classes=-1):
+        if num_classes < 0:
+            return one_hot(tensor, num_classes)
+        counter.paused = True
+        try:
+            return one_hot(tensor, num_classes)
+        finally:
+            counter.paused = False
+
+    torch.nn.functional.one_hot = sync_free_one_hot
+    try:
+        with counter:
+            yield
+    finally:
+        torch.nn.functional.one_hot = one_hot
 
 
 class StepAudit:
