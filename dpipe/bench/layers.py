@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dpipe.bench.overrides import bench_overrides
 from dpipe.config.compose import compose_run
 from dpipe.config.schema import Precision
 from dpipe.models.registry import build_spec
@@ -32,7 +33,7 @@ from dpipe.pipeline.engine import deepspeed_bf16
 from dpipe.pipeline.partition import balanced_bounds
 from dpipe.train.attention import use_sdpa_kernels
 
-DEFAULTS = ["model=flux", "model.path=/unused", "dataset=synthetic", "pipeline=single"]
+DEFAULTS = ["model.path=/unused", "dataset=synthetic", "pipeline=single"]
 
 
 def layer_kind(layer) -> str:
@@ -118,7 +119,7 @@ def main() -> int:
     if not cuda and args.size != "tiny":
         raise SystemExit("error: dpipe.bench.layers times layers on a GPU and none is visible "
                          "(--size tiny runs a CPU smoke test)")
-    run = compose_run(DEFAULTS + args.overrides)
+    run = compose_run(bench_overrides(args.overrides, DEFAULTS))
     use_sdpa_kernels(run.model, run.pipeline.compiles)  # as in training (dpipe/train/loop.py)
     spec = build_spec(run.model)
     require_size(spec, args.size)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dpipe.bench.overrides import bench_overrides
 from dpipe.config.compose import compose_run
 from dpipe.launch.local import launch_workers, world_size_for
 from dpipe.launch.quiet import quiet_libraries
@@ -30,16 +31,6 @@ from dpipe.launch.run_rank import save_run_config
 from dpipe.models.registry import build_spec
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul rate of an H200 here (see docs/performance.md)
-DEFAULTS = ["model.path=/unused", "dataset=synthetic", "train.progress_bar=false"]
-
-
-def bench_overrides(overrides: str) -> list[str]:
-    """A `--run`'s overrides with the bench's defaults: FLUX unless the run names a model, or a
-    preset (`experiment=`) that chooses one (a `model=flux` before it would win over the
-    preset's `override /model`)."""
-    args = overrides.split()
-    chooses_model = any(a.lstrip("+").startswith(("model=", "experiment=")) for a in args)
-    return ([] if chooses_model else ["model=flux"]) + DEFAULTS + args
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -83,7 +74,7 @@ def main() -> None:
     for spec in args.run:
         name, _, overrides = spec.partition(":")
         name = name.strip()
-        run = compose_run(bench_overrides(overrides))
+        run = compose_run(bench_overrides(overrides.split()))
         model = build_spec(run.model)
         require_size(model, args.size)
         if args.plain and model.plain_loop_unfit:

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpipe.models.sync_free import on_host
+
 SYNC_WARNING = "synchronizing CUDA operation"
 _END = object()
 _aten = torch.ops.aten
@@ -81,12 +83,9 @@ class _WouldSyncOnGpu(TorchDispatchMode):
     def __init__(self, audit: "StepAudit"):
         super().__init__()
         self.audit = audit
-        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused:
-            return func(*args, **kwargs)
         if ((func in GPU_SYNCING_OPS or _is_mask_index(func, args)
                 or _repeat_interleave_without_size(func, kwargs)) and not _in_optimizer()):
             self.audit.flagged_syncs += 1
@@ -100,21 +99,17 @@ def _counting_on_cpu(audit: "StepAudit"):
     range on the CPU, while on CUDA it leaves that to a device assert (no sync). Patched as a
     function, not through a TorchFunctionMode, under which torch.autograd.backward calls itself
     again (counting each backward pass twice)."""
-    counter = _WouldSyncOnGpu(audit)
     one_hot = torch.nn.functional.one_hot
 
     def sync_free_one_hot(tensor, num_classes=-1):
         if num_classes < 0:
             return one_hot(tensor, num_classes)
-        counter.paused = True
-        try:
+        with on_host():
             return one_hot(tensor, num_classes)
-        finally:
-            counter.paused = False
 
     torch.nn.functional.one_hot = sync_free_one_hot
     try:
-        with counter:
+        with _WouldSyncOnGpu(audit):
             yield
     finally:
         torch.nn.functional.one_hot = one_hot
@@ -171,11 +166,9 @@ class StepAudit:
     def made_on_host(self, micro_batches):
         """The step's micro-batches, each made outside the CPU count: batches are made on the
         host by design (dpipe.data.batches), and only their finished tensors go to the GPU."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
         iterator = iter(micro_batches)
         while True:
-            with _disable_current_modes():
+            with on_host():
                 item = next(iterator, _END)
             if item is _END:
                 return

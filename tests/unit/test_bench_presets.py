@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dpipe.bench.worker import require_size
-from dpipe.cli.bench import bench_overrides
+from dpipe.bench.overrides import bench_overrides
 from dpipe.config.compose import compose_run
 from dpipe.config.experiments import CONF_DIR, presets
 from dpipe.models.registry import build_spec
@@ -22,7 +22,7 @@ def _preset_model(preset: str) -> str:
 
 @pytest.mark.parametrize("preset", presets())
 def test_a_preset_is_benchmarked_on_its_own_model_at_its_sizes(preset):
-    run = compose_run(bench_overrides(f"experiment={preset} train.precision=bf16"))
+    run = compose_run(bench_overrides([f"experiment={preset}", "train.precision=bf16"]))
     assert run.model.family == _preset_model(preset)
     spec = build_spec(run.model)
     sizes = spec.bench_sizes()
@@ -32,5 +32,5 @@ def test_a_preset_is_benchmarked_on_its_own_model_at_its_sizes(preset):
 
 
 def test_the_default_model_is_flux_and_a_named_one_wins():
-    assert compose_run(bench_overrides("pipeline=single")).model.family == "flux"
-    assert compose_run(bench_overrides("model=wan pipeline=single")).model.family == "wan"
+    assert compose_run(bench_overrides(["pipeline=single"])).model.family == "flux"
+    assert compose_run(bench_overrides(["model=wan", "pipeline=single"])).model.family == "wan"

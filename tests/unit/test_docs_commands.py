@@ -170,13 +170,14 @@ def check_cache(args: list[str]) -> None:
 
 
 def check_bench(args: list[str]) -> None:
-    from dpipe.cli.bench import arg_parser, bench_overrides
+    from dpipe.bench.overrides import bench_overrides
+    from dpipe.cli.bench import arg_parser
     from dpipe.config.compose import compose_run
 
     for run in arg_parser().parse_args(_overrides(args)).run:
         name, colon, overrides = run.partition(":")
         assert colon and name.strip(), f"--run {run!r}: give NAME: OVERRIDES"
-        compose_run(bench_overrides(overrides))
+        compose_run(bench_overrides(overrides.split()))
 
 
 def check_export(args: list[str]) -> None:
