@@ -9,14 +9,15 @@ use it (see launch/local.py).
 import signal
 import sys
 
+from dpipe.launch.user_stop import STOP_SIGNALS
+
 # The server must outlive its workers (it reports their exit codes) and not be cut short in its
 # imports: a stop is the launcher's to act on, through each worker's pipe (launch/local.py). It
 # was started with these signals blocked; ignored from here, and so in every worker forked from
 # it until that installs its own handlers.
-_STOPS = (signal.SIGINT, signal.SIGTERM)
-for _sig in _STOPS:
+for _sig in STOP_SIGNALS:
     signal.signal(_sig, signal.SIG_IGN)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 # bitsandbytes (optim=adamw8bit) initializes CUDA when imported on a GPU machine (it reads each
 # device's compute capability), and peft imports it whenever it is installed. Hidden here, peft
