@@ -1,0 +1,136 @@
+"""Records what every family's tiny model does end to end, to prove a refactor changed nothing.
+
+    python scripts/family_record.py write record.json [tiny_flux tiny_wan ...]
+    python scripts/family_record.py compare before.json after.json
+
+`write` trains every tiny model (or those named) as sweeps of `dpipe-train -m`: a LoRA and a full
+fine-tune each, 2 pipeline stages in 2 processes, fp32, 3 steps, the default seed, sampling
+through the stages at the end with the latents saved. It records per run the loss of each step,
+the sha256 of every exported file (diffusers, ComfyUI, single files and their metadata, relative
+to the run's `model/`), of every saved sample latent and image, and the names of the cache's
+entries (their keys), and the cache's tiny model folders' file hashes. `compare` prints every
+difference and exits 1 if there is one. Losses are compared bit for bit (their float repr).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.integration.test_families import FAMILIES, SWEEP, _group, sample_args  # noqa: E402
+
+MODES = {"lora": ["train.max_steps=3"],
+         "full": ["train.max_steps=3", "model.mode=full"]}
+COMMON = [*SWEEP, "pipeline.stages=2", "train.precision=fp32"]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_record(run_dir: Path) -> dict:
+    losses = [repr(json.loads(line)["loss"])
+              for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    samples = run_dir / "samples"
+    last = max((p for p in samples.iterdir() if p.is_dir()),
+               key=lambda p: int(p.name.split("_")[1])) if samples.is_dir() else None
+    return {"losses": losses,
+            "exports": tree_hashes(run_dir / "model") if (run_dir / "model").is_dir() else {},
+            "samples": tree_hashes(last) if last else {}}
+
+
+def write(out: Path, families: list[str]) -> None:
+    work = Path(tempfile.mkdtemp(prefix="family-record-"))
+    env = {**os.environ, "DPIPE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
+    from dpipe.data.synthetic import draw_shape
+
+    control = work / "control.png"
+    draw_shape(3, 64)[0].save(control)
+    record: dict = {"runs": {}, "errors": {}}
+    for mode, args in MODES.items():
+        groups: dict[str, list[str]] = {}
+        for family in families:
+            groups.setdefault(_group(family)[0], []).append(family)
+        for key, members in groups.items():
+            sweep_dir = work / mode / key
+            cmd = [sys.executable, "-m", "dpipe.cli.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+                   f"model={','.join(members)}", *COMMON, *sample_args(key, control), *args]
+            print(f"== {mode} {key}: {len(members)} families", flush=True)
+            done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            summary = sweep_dir / "sweep_summary.json"
+            points = json.loads(summary.read_text())["points"] if summary.is_file() else []
+            for family in members:
+                point = [p for p in points if f"model={family}" in p["overrides"]]
+                name = f"{mode}:{family}"
+                if not point or point[0]["status"] != "completed":
+                    why = point[0]["message"] if point else done.stderr[-2000:]
+                    record["errors"][name] = why
+                    print(f"   {name}: FAILED {why[:300]}", flush=True)
+                    continue
+                record["runs"][name] = run_record(Path(point[0]["run_dir"]))
+    cache = work / "cache"
+    # The cache's latent and text entries are named by their keys; the tiny models are written
+    # once under models/, from fixed seeds.
+    record["cache_entries"] = sorted(str(p.relative_to(cache)) for p in (cache / "latents").rglob("*")
+                                     if p.is_file())
+    record["tiny_models"] = tree_hashes(cache / "models")
+    out.write_text(json.dumps(record, indent=1, sort_keys=True))
+    print(f"{len(record['runs'])} runs recorded in {out}; {len(record['errors'])} failed; "
+          f"work files in {work}")
+
+
+def compare(a_path: Path, b_path: Path) -> int:
+    a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
+    differences = []
+
+    def diff(where: str, x, y):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for key in sorted(set(x) | set(y)):
+                if key not in x or key not in y:
+                    differences.append(f"{where}/{key}: only in {'after' if key in y else 'before'}")
+                else:
+                    diff(f"{where}/{key}", x[key], y[key])
+        elif x != y:
+            differences.append(f"{where}: {str(x)[:120]} != {str(y)[:120]}")
+
+    diff("", a, b)
+    runs = len(set(a["runs"]) & set(b["runs"]))
+    files = sum(len(r["exports"]) + len(r["samples"]) for r in b["runs"].values())
+    for line in differences:
+        print(line)
+    print(f"{runs} runs compared ({files} exported and sample files, "
+          f"{len(b.get('cache_entries', []))} cache entries): "
+          f"{len(differences)} differences")
+    return 1 if differences else 0
+
+
+def main() -> int:
+    if len(sys.argv) >= 3 and sys.argv[1] == "write":
+        families = sys.argv[3:] or FAMILIES
+        unknown = sorted(set(families) - set(FAMILIES))
+        if unknown:
+            print(f"not a tiny family of tests/integration/test_families.py: {unknown}")
+            return 2
+        write(Path(sys.argv[2]), families)
+        return 0
+    if len(sys.argv) == 4 and sys.argv[1] == "compare":
+        return compare(Path(sys.argv[2]), Path(sys.argv[3]))
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
