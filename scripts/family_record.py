@@ -7,7 +7,7 @@
 fine-tune each, 2 pipeline stages in 2 processes, fp32, 3 steps, the default seed, sampling
 through the stages at the end with the latents saved. It records per run the loss of each step,
 the sha256 of every exported file (diffusers, ComfyUI, single files and their metadata, relative
-to the run's `model/`), of every saved sample latent and image, and the names of the cache's
+to the run's `lora/` or `model/`), of every saved sample latent and image, and the names of the cache's
 entries (their keys), and the cache's tiny model folders' file hashes. `compare` prints every
 difference and exits 1 if there is one. Losses are compared bit for bit (their float repr).
 """
@@ -48,7 +48,9 @@ def run_record(run_dir: Path) -> dict:
     last = max((p for p in samples.iterdir() if p.is_dir()),
                key=lambda p: int(p.name.split("_")[1])) if samples.is_dir() else None
     return {"losses": losses,
-            "exports": tree_hashes(run_dir / "model") if (run_dir / "model").is_dir() else {},
+            "exports": {f"{folder}/{name}": digest for folder in ("lora", "model")
+                        if (run_dir / folder).is_dir()
+                        for name, digest in tree_hashes(run_dir / folder).items()},
             "samples": tree_hashes(last) if last else {}}
 
 
