@@ -3,6 +3,8 @@
     python scripts/family_record.py write record.json [tiny_flux tiny_wan ...]
     python scripts/family_record.py compare before.json after.json
 
+Records of different families compare the runs of the families both hold.
+
 `write` trains every tiny model (or those named) as sweeps of `dpipe-train -m`: a LoRA and a full
 fine-tune each, 2 pipeline stages in 2 processes, fp32, 3 steps, the default seed, sampling
 through the stages at the end with the latents saved. It records per run the loss of each step,
@@ -61,7 +63,7 @@ def write(out: Path, families: list[str]) -> None:
 
     control = work / "control.png"
     draw_shape(3, 64)[0].save(control)
-    record: dict = {"runs": {}, "errors": {}}
+    record: dict = {"families": families, "runs": {}, "errors": {}}
     for mode, args in MODES.items():
         groups: dict[str, list[str]] = {}
         for family in families:
@@ -97,6 +99,15 @@ def write(out: Path, families: list[str]) -> None:
 def compare(a_path: Path, b_path: Path) -> int:
     a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
     differences = []
+    if set(a["families"]) != set(b["families"]):
+        # Records of other families: compare the runs of the families both hold; the cache and
+        # the tiny models are shared by all of a record's runs, so they are left out.
+        common = set(a["families"]) & set(b["families"])
+        print(f"comparing the {len(common)} families both records hold "
+              "(cache entries and tiny models left out)")
+        a, b = ({"runs": {k: v for k, v in r["runs"].items() if k.split(":")[1] in common},
+                 "errors": {k: v for k, v in r["errors"].items() if k.split(":")[1] in common}}
+                for r in (a, b))
 
     def diff(where: str, x, y):
         if isinstance(x, dict) and isinstance(y, dict):

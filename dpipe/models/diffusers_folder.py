@@ -1,8 +1,8 @@
-"""What every family reads the same way from a diffusers model folder: its configs, whether it is
-complete, its frozen encoders (through the family's own diffusers pipeline, so prompts and images
-are encoded exactly as at inference), its denoiser (from the folder, or from one single file with
-the folder giving the config) and, for the families with a KL image VAE, latents and the
-fingerprint of what shaped them.
+"""What every family reads and writes the same way in a diffusers model folder: its configs, whether
+it is complete, its frozen encoders (through the family's own diffusers pipeline, so prompts and
+images are encoded exactly as at inference), its denoiser (from the folder, or from one single
+file with the folder giving the config), a trained denoiser written as a folder from per-stage
+shards and, for the families with a KL image VAE, latents and the fingerprint of what shaped them.
 
 One way to do each, so every family words a broken folder the same way: the error names the path
 and what to change, and a load that fails raises ModelLoadError, never a bare traceback.
@@ -11,6 +11,7 @@ and what to change, and a load that fails raises ModelLoadError, never a bare tr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,8 +19,9 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.io import atomic_write_text
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.single_file import load_or_fail, load_transformer_file
+from dpipe.models.single_file import export_like_source, load_or_fail, load_transformer_file
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -102,3 +104,40 @@ def kl_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
     shift = vae.config.shift_factor or 0.0
     return (latents - shift) * vae.config.scaling_factor
+
+
+def write_denoiser_folder(shards: list[Path], out_dir: Path, config_path: Path) -> Path:
+    """Per-stage safetensors shards of a denoiser (its diffusers names) -> a diffusers model
+    folder that `from_pretrained` reads as is, with the config at `config_path`. The shards are
+    moved, not copied."""
+    from safetensors.torch import load_file
+
+    out_dir.mkdir(parents=True)
+    shutil.copyfile(config_path, out_dir / "config.json")
+    if len(shards) == 1:
+        shutil.move(shards[0], out_dir / "diffusion_pytorch_model.safetensors")
+        return out_dir
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = load_file(shard)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({key: name for key in tensors})
+        shutil.move(shard, out_dir / name)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(out_dir / "diffusion_pytorch_model.safetensors.index.json",
+                      json.dumps(index, indent=2))
+    return out_dir
+
+
+def write_transformer_folder(shards: list[Path], out_dir: Path, model_path: Path,
+                             single_file: Path | None = None, to_original=None) -> Path:
+    """A full fine-tune as `out_dir / "transformer"`, a diffusers model folder with the base
+    model's config; where the base came as one file, also laid out and named as that file, so the
+    tools that loaded it load the fine-tune the same way (`to_original` maps diffusers names to
+    the file's). Returns the folder."""
+    folder = write_denoiser_folder(shards, out_dir / "transformer",
+                                   model_path / "transformer" / "config.json")
+    if single_file is not None:
+        export_like_source(folder, single_file, to_original, out_dir)
+    return folder

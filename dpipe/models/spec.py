@@ -298,8 +298,11 @@ class ModelSpec(abc.ABC):
 
     # ---- export ------------------------------------------------------------------------------
     @abc.abstractmethod
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
-        """Write LoRA weights (peft names relative to the denoiser) in the public formats."""
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
+        """Write LoRA weights (peft names relative to the denoiser) in the public formats, with
+        the adapter's `metadata` (`dpipe.models.adapters.adapter_metadata`: rank, alpha,
+        targets), which the trainer computes."""
 
     @abc.abstractmethod
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:

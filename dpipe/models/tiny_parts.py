@@ -270,5 +270,20 @@ def write_atomically(target_dir: Path, writer_fn: Callable[[Path], None]) -> Pat
     return target_dir
 
 
+def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], writer: str) -> Path:
+    """The tiny model folder at `path`, written by `writer_fn(tmp_dir)` (atomically) unless it is
+    already there, which its `marker` file (model_index.json, ...) tells. A folder with other
+    files and no marker is not overwritten: it is refused, naming `writer` (the function that
+    writes such tiny models)."""
+    path = Path(path)
+    if not (path / marker).is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise FileExistsError(
+                f"{path} exists but has no {marker}, so it is not a tiny model written by"
+                f" {writer}; delete it or choose another folder")
+        write_atomically(path, writer_fn)
+    return path
+
+
 def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

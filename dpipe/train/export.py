@@ -6,7 +6,6 @@ then hands the shards to the model spec. No rank ever holds the whole model for 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -15,9 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dpipe.io import atomic_write_text, replace_dir
+from dpipe.io import replace_dir
+from dpipe.models.adapters import adapter_metadata
 from dpipe.models.lora_files import export_gaps
-from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import ModelSpec, PipelineLayer
 from dpipe.train.shared_write import write_together
 
@@ -117,7 +116,7 @@ def _write_family_files(spec: ModelSpec, lora: bool, shards: list[Path], folder:
         merged = {}
         for shard in shards:
             merged.update(load_file(shard))
-        spec.export_lora(merged, folder)
+        spec.export_lora(merged, adapter_metadata(spec.cfg, spec.lora_targets()), folder)
         gaps = export_gaps(folder)
         if gaps:  # one line at the end of the export, whatever the formats warned on the way
             log.warning(gaps)
@@ -169,36 +168,3 @@ def write_stage_shard(local_layers: list[PipelineLayer], lora: bool, path: Path)
     for layer in local_layers:
         weights.update(layer.denoiser_state_dict(trainable_only=lora))
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, path)
-
-
-def write_sharded_diffusers_model(shards: list[Path], out_dir: Path, config_path: Path) -> Path:
-    """Per-stage shards -> a diffusers model folder (`from_pretrained` reads it as is)."""
-    out_dir.mkdir(parents=True)
-    shutil.copyfile(config_path, out_dir / "config.json")
-    if len(shards) == 1:
-        shutil.move(shards[0], out_dir / "diffusion_pytorch_model.safetensors")
-        return out_dir
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = load_file(shard)
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update({key: name for key in tensors})
-        shutil.move(shard, out_dir / name)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(out_dir / "diffusion_pytorch_model.safetensors.index.json",
-                      json.dumps(index, indent=2))
-    return out_dir
-
-
-def write_transformer_folder(shards: list[Path], out_dir: Path, model_path: Path,
-                             single_file: Path | None = None, to_original=None) -> Path:
-    """A full fine-tune as `out_dir / "transformer"`, a diffusers model folder with the base
-    model's config; where the base came as one file, also laid out and named as that file, so the
-    tools that loaded it load the fine-tune the same way (`to_original` maps diffusers names to
-    the file's). Returns the folder."""
-    folder = write_sharded_diffusers_model(shards, out_dir / "transformer",
-                                           model_path / "transformer" / "config.json")
-    if single_file is not None:
-        export_like_source(folder, single_file, to_original, out_dir)
-    return folder

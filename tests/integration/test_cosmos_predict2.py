@@ -21,6 +21,7 @@ from dpipe.models.cosmos_predict2.spec import COMFYUI_LORA, CosmosPredict2Spec
 from dpipe.models.cosmos_predict2.tiny import make_tiny_cosmos_predict2
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a green square"]
 
@@ -146,7 +147,7 @@ def test_lora_files(models, tmp_path):
     state = {}
     for layer in layers:
         state.update(layer.denoiser_state_dict(trainable_only=True))
-    files = spec.export_lora(state, tmp_path)
+    files = export_lora(spec, state, tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFYUI_LORA]
     inputs, _ = spec.make_inputs(_batch(spec, 5))
     with torch.no_grad():

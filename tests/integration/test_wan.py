@@ -22,6 +22,7 @@ from dpipe.models.wan.spec import COMFYUI_LORA, WanSpec
 from dpipe.models.wan.tiny import make_tiny_wan
 from dpipe.train.lora import make_trainable
 from tests.unit.video_checks import assert_same_tensors
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a green square"]
 CASES = {  # name: (variant, model config overrides)
@@ -209,7 +210,7 @@ def test_both_lora_files_load_into_the_pipeline_and_reproduce_the_model(models, 
     for layer in layers:
         state.update(layer.denoiser_state_dict(trainable_only=True))
     assert state and all("lora_" in k for k in state)
-    files = spec.export_lora(state, tmp_path)
+    files = export_lora(spec, state, tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFYUI_LORA]
     inputs, _ = spec.make_inputs(_batch(spec, 5))
     with torch.no_grad():
@@ -231,7 +232,7 @@ def test_comfyui_keys_are_the_original_wan_names(models, tmp_path):
     state = {}
     for layer in spec.pipeline_layers(denoiser):
         state.update(layer.denoiser_state_dict(trainable_only=True))
-    spec.export_lora(state, tmp_path)
+    export_lora(spec, state, tmp_path)
     comfy = load_file(tmp_path / COMFYUI_LORA)
     assert all(k.startswith(COMFY_PREFIX) for k in comfy)
     originals = {k[len(COMFY_PREFIX):].replace(".lora_A.weight", ".weight"): None

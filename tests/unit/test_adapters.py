@@ -26,6 +26,7 @@ from dpipe.models.adapters import (
 from dpipe.models.lora_files import DIFFUSERS_LORA, peft_to_diffusers
 from dpipe.models.registry import build_spec
 from dpipe.train.trainable import trainable_layers
+from tests.exports import export_lora
 
 BASE = ["model=tiny_flux", "dataset=synthetic", "dataset.path=/unused", "model.lora.alpha=2"]
 ADAPTERS = ["lora", "dora", "lokr", "loha"]
@@ -113,7 +114,7 @@ def exports(tmp_path_factory):
         for layer in layers:
             state.update(layer.denoiser_state_dict(trainable_only=True))
         folder = tmp_path_factory.mktemp(adapter)
-        spec.export_lora({k: v.detach() for k, v in state.items()}, folder)
+        export_lora(spec, {k: v.detach() for k, v in state.items()}, folder)
         out[adapter] = spec, layers, state, folder
     return out
 

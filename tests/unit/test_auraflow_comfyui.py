@@ -14,6 +14,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.auraflow.comfyui import native_state_dict
 from dpipe.models.auraflow.spec import COMFYUI_LORA, DIFFUSERS_LORA, AuraFlowSpec
 from dpipe.models.auraflow.tiny import make_tiny_auraflow
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_comfyui_lora_merged_into_original_weights_equals_the_diffusers_lora(spe
     targets = f"{spec.lora_targets()}|norm_out\\.linear"
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=targets,
                                        init_lora_weights=False), denoiser)
-    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    files = export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     assert [f.name for f in files] == [DIFFUSERS_LORA, COMFYUI_LORA]
     comfy = load_file(files[1])
     assert "diffusion_model.double_layers.0.attn.w2q.lora_A.weight" in comfy

@@ -19,6 +19,7 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.common.bfl_layout import flux1_layout, flux2_layout, from_bfl, to_bfl
 from dpipe.models.flux.tiny import write_bfl_single_file
 from dpipe.models.registry import build_spec
+from tests.exports import export_lora
 
 FAMILIES = {
     "flux": ("dpipe.models.flux.tiny", "make_tiny_flux", flux1_layout),
@@ -182,7 +183,7 @@ def test_comfyui_lora_merged_into_bfl_weights_equals_the_diffusers_lora(tiny, tm
     the LoRA merged, converted to BFL's layout: the fused q/k/v(/mlp) LoRAs are exact."""
     spec = _spec(family, tiny(family), lora={"rank": 2, "alpha": 3})
     denoiser, base, lora = _lora_denoiser(spec, 2, 3, spec.lora_targets())
-    files = spec.export_lora(lora, tmp_path)
+    files = export_lora(spec, lora, tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors",
                                        f"{family}_lora_comfyui.safetensors"]
     comfy = load_file(files[1])
@@ -213,7 +214,7 @@ def test_comfyui_lora_of_some_projections_only(tiny, tmp_path):
         "transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp",
         "norm_out.linear"]})  # the last: rows (scale, shift) in diffusers, (shift, scale) in BFL
     denoiser, base, lora = _lora_denoiser(spec, 2, 2, spec.cfg.lora.targets)
-    comfy = load_file(spec.export_lora(lora, tmp_path)[1])
+    comfy = load_file(export_lora(spec, lora, tmp_path)[1])
     assert sorted(comfy) == [f"diffusion_model.{m}.lora_{x}.weight"
                              for m in ("double_blocks.0.img_attn.qkv",
                                        "final_layer.adaLN_modulation.1", "single_blocks.0.linear1")
@@ -271,7 +272,7 @@ def test_flux2_comfyui_lora_loads_in_diffusers_like_the_diffusers_lora(tiny, tmp
 
     spec = _spec("flux2", tiny("flux2"), lora={"rank": 2, "alpha": 3})
     _, _, lora = _lora_denoiser(spec, 2, 3, spec.lora_targets())
-    diffusers_file, comfy_file = spec.export_lora(lora, tmp_path)
+    diffusers_file, comfy_file = export_lora(spec, lora, tmp_path)
     fused = {}
     for name in (diffusers_file.name, comfy_file.name):
         pipe = Flux2Pipeline.from_pretrained(spec.path, text_encoder=None, vae=None, tokenizer=None)

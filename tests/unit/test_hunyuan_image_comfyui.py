@@ -17,6 +17,7 @@ from dpipe.models.hunyuan_image.comfyui import comfyui_block_weights
 from dpipe.models.hunyuan_image.spec import COMFYUI_LORA, HunyuanImageSpec
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_comfyui_lora_merged_into_fused_weights_equals_the_diffusers_lora(spec, 
     base = comfyui_block_weights(denoiser.state_dict(), config)
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
-    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    files = export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     assert [f.name for f in files] == [DIFFUSERS_LORA, COMFYUI_LORA]
     comfy = load_file(files[1])
     for key in ("double_blocks.0.img_attn.qkv", "double_blocks.1.txt_mod.lin",

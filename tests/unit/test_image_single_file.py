@@ -24,6 +24,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
 from tests.unit.video_checks import assert_same_tensors
+from tests.exports import export_lora
 
 # family -> (file name as released, a key of the original layout, diffusers' model type of the
 # file or None where diffusers detects it by the real sizes only)
@@ -208,7 +209,7 @@ def test_exported_lora_loads_onto_the_single_file_transformer(folders, tmp_path,
                                        init_lora_weights=False), denoiser)
     out = tmp_path / "lora"
     out.mkdir()
-    spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), out)
+    export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), out)
     loaded = spec.load_denoiser_with_lora(out).state_dict()
     assert any("lora_" in k for k in loaded)
     base = {k.replace(".base_layer", ""): v for k, v in loaded.items() if "lora_" not in k}

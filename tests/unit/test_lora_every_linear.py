@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dpipe.models.lora_files import DIFFUSERS_LORA, EXPORTS_RECORD
+from tests.exports import export_lora
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIGS = sorted(p.stem for p in (REPO / "conf" / "model").glob("tiny_*.yaml"))
@@ -136,7 +137,7 @@ def test_every_format_holds_every_linear(config_name, tmp_path):
     denoiser = spec.load_denoiser(torch.float32)
     peft = every_linear_lora(denoiser)
     modules = sorted({k.split(".lora_A.")[0] for k in peft if ".lora_A." in k})
-    files = spec.export_lora(peft, tmp_path)
+    files = export_lora(spec, peft, tmp_path)
 
     assert files[0].name == DIFFUSERS_LORA
     with safe_open(files[0], "pt") as f:

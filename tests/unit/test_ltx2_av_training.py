@@ -23,6 +23,7 @@ from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from dpipe.models.tiny_parts import seeded
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, lora_denoiser, lora_state_dict, run, tiny_spec)
+from tests.exports import export_lora
 
 AUDIO_CHANNELS, MEL_BINS = 2, 2  # the tiny audio VAE's latents: 4 features per audio token
 
@@ -207,7 +208,7 @@ def test_audio_packing_is_the_pipelines():
 
 def test_exported_lora_reproduces_both_outputs(spec, encoders, tmp_path):
     denoiser = lora_denoiser(spec)
-    files = spec.export_lora(lora_state_dict(denoiser), tmp_path)
+    files = export_lora(spec, lora_state_dict(denoiser), tmp_path)
     comfy = load_file(files[1])
     assert "diffusion_model.transformer_blocks.0.audio_to_video_attn.to_q.lora_A.weight" in comfy
     assert "diffusion_model.transformer_blocks.0.audio_ff.net.2.lora_B.weight" in comfy

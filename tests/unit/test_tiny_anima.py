@@ -20,6 +20,7 @@ from dpipe.errors import ModelLoadError
 from dpipe.models.anima.tiny import REPO, make_tiny_anima, write_single_file
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 from tests.unit.video_checks import assert_same_tensors
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_lora_files_load_in_diffusers_as_trained(folder, tmp_path):
             if p.requires_grad:
                 state[name] = torch.randn(p.shape, generator=g) * 0.3
     assert any(k.startswith("text_conditioner.") for k in state)
-    written = spec.export_lora(state, tmp_path)
+    written = export_lora(spec, state, tmp_path)
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", COMFYUI_LORA]
     with safe_open(tmp_path / COMFYUI_LORA, "pt") as f:
         assert "diffusion_model.llm_adapter.blocks.0.self_attn.q_proj.lora_A.weight" in f.keys()

@@ -20,6 +20,7 @@ from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
 from dpipe.models.chroma.tiny import make_tiny_chroma
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import attention_masks_of_layers_and_diffusers, latent_inputs
+from tests.exports import export_lora
 
 CAPTION = "a red circle on a blue background"
 
@@ -176,7 +177,7 @@ def test_comfyui_lora_folds_the_scale(spec, tmp_path):
     spec = ChromaSpec(replace(spec.cfg, lora=LoraConfig(rank=2, alpha=6.0)))
     weights = {"transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.randn(2, 32),
                "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.randn(32, 2)}
-    files = spec.export_lora(weights, tmp_path)
+    files = export_lora(spec, weights, tmp_path)
     diffusers_file, comfy_file = (load_file(f) for f in files)
     assert diffusers_file.keys() == comfy_file.keys() == {
         "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",

@@ -23,6 +23,7 @@ from dpipe.models.hidream.moe import SyncFreeMoE
 from dpipe.models.hidream.spec import COMFYUI_FILE, LORA_TARGETS, HiDreamSpec
 from dpipe.models.hidream.tiny import make_tiny_hidream
 from dpipe.train.lora import make_trainable
+from tests.exports import export_lora
 
 PROMPTS = ["a red circle on a blue background", "a photo of two green stars"]
 
@@ -148,7 +149,7 @@ def test_comfyui_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     gen = torch.Generator().manual_seed(1)
     lora = {n: torch.randn(p.shape, generator=gen) * 0.05
             for n, p in transformer.named_parameters() if "lora_" in n}
-    spec.export_lora(lora, tmp_path)
+    export_lora(spec, lora, tmp_path)
     inputs, _ = _inputs(spec, pipe, 16, 16, torch.Generator().manual_seed(2))
     outputs = []
     for weight_name in ("pytorch_lora_weights.safetensors", COMFYUI_FILE):

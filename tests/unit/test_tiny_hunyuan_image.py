@@ -20,6 +20,7 @@ from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS, make_tiny
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
 from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
+from tests.exports import export_lora
 
 PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a wall']
 
@@ -137,7 +138,7 @@ def test_exported_lora_loads_into_the_transformer(tiny, tmp_path):
         if "lora_" in name:
             p.data = torch.randn(p.shape, generator=gen) * 0.05
     lora = {n: p.detach() for n, p in transformer.named_parameters() if "lora_" in n}
-    spec.export_lora(lora, tmp_path)
+    export_lora(spec, lora, tmp_path)
     loaded = spec.load_denoiser_with_lora(tmp_path)
     inputs = (torch.randn(1, 16, 8, 8), torch.tensor([400.0]), torch.randn(1, 32, 32),
               torch.ones(1, 32, dtype=torch.long), torch.zeros(1, 128, 24),

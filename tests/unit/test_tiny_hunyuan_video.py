@@ -25,6 +25,7 @@ from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
     attention_masks_of_layers_and_diffusers, deltas, lora_denoiser, lora_state_dict, micro_batch)
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_activation_checkpointing_gives_the_same_gradients(spec, encoders):
 def exported(spec, tmp_path_factory):
     denoiser = lora_denoiser(spec)
     out = tmp_path_factory.mktemp("lora")
-    files = spec.export_lora(lora_state_dict(denoiser), out)
+    files = export_lora(spec, lora_state_dict(denoiser), out)
     assert files == [out / DIFFUSERS_LORA, out / COMFYUI_LORA]
     return denoiser, out
 

@@ -25,6 +25,7 @@ from dpipe.pipeline.partition import stage_bounds
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
     attention_masks_of_layers_and_diffusers, lora_state_dict, micro_batch)
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_two_stages_each_get_blocks(spec):
 def exported(spec, tmp_path_factory):
     denoiser = lora_denoiser(spec)
     out = tmp_path_factory.mktemp("lora")
-    assert spec.export_lora(lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
+    assert export_lora(spec, lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
                                                                  out / COMFYUI_LORA]
     return denoiser, out
 

@@ -30,6 +30,7 @@ from dpipe.models.ltx23.tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from tests.unit.video_checks import (
     CAPTIONS, assert_layers_match, deltas, lora_denoiser, lora_state_dict, micro_batch, tiny_spec)
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_lora_reaches_the_gates_and_its_files_load(spec, encoders, tmp_path):
     assert "transformer_blocks.0.attn1.to_gate_logits" in names
     assert "transformer_blocks.3.attn2.to_gate_logits" in names
     assert not any("audio" in n for n in names)
-    assert spec.export_lora(lora_state_dict(denoiser), tmp_path) == [tmp_path / DIFFUSERS_LORA,
+    assert export_lora(spec, lora_state_dict(denoiser), tmp_path) == [tmp_path / DIFFUSERS_LORA,
                                                                      tmp_path / COMFYUI_LORA]
     comfy = load_file(tmp_path / COMFYUI_LORA)
     assert "diffusion_model.transformer_blocks.0.attn2.to_gate_logits.lora_A.weight" in comfy
@@ -134,7 +135,7 @@ def test_comfyui_names_are_the_original_ones(spec, tmp_path):
         if isinstance(module, torch.nn.Linear):
             peft[f"{name}.lora_A.default.weight"] = torch.randn(2, module.in_features)
             peft[f"{name}.lora_B.default.weight"] = torch.randn(module.out_features, 2)
-    spec.export_lora(peft, tmp_path)
+    export_lora(spec, peft, tmp_path)
     modules = {k.removeprefix("diffusion_model.").split(".lora_")[0]
                for k in load_file(tmp_path / COMFYUI_LORA)}
     file = write_single_file(spec.path, tmp_path / "ltx-2.3-22b-dev.safetensors")

@@ -25,6 +25,7 @@ from dpipe.models.sync_free import carrier, sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
     attention_masks_of_layers_and_diffusers, lora_state_dict, micro_batch)
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,7 @@ def test_activation_checkpointing_gives_the_same_gradients(i2v_spec, encoders):
 def exported(spec, tmp_path_factory):
     denoiser = lora_denoiser(spec)
     out = tmp_path_factory.mktemp("lora")
-    assert spec.export_lora(lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
+    assert export_lora(spec, lora_state_dict(denoiser), out) == [out / DIFFUSERS_LORA,
                                                                  out / COMFYUI_LORA]
     return denoiser, out
 

@@ -24,6 +24,7 @@ from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import (
     assert_same_files, attention_masks_of_layers_and_diffusers, noised_images)
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -168,7 +169,7 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
     assert set(from_native(native_state_dict(base), denoiser)) == set(base)
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
-    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    files = export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFY_LORA]
     comfy = load_file(tmp_path / COMFY_LORA)
     assert "diffusion_model.layers.0.attention.qkv.lora_A.weight" in comfy

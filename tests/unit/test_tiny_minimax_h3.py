@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.minimax_h3.tiny import REPO, make_tiny_minimax_h3
+from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +227,7 @@ def test_lora_export_loads_into_diffusers_and_reproduces(folder, tmp_path):
     assert any(".adaln_proj.linear.lora_A" in k for k in state)
     from dpipe.models.minimax_h3.spec import COMFYUI_LORA
 
-    assert [p.name for p in spec.export_lora(state, tmp_path)] == [
+    assert [p.name for p in export_lora(spec, state, tmp_path)] == [
         "pytorch_lora_weights.safetensors", COMFYUI_LORA]
     with safe_open(tmp_path / COMFYUI_LORA, "pt") as f:
         assert "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight" in f.keys()

@@ -22,6 +22,7 @@ from dpipe.models.omnigen2.spec import COMFY_LORA, OmniGen2Spec
 from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
 from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
 from tests.unit.video_checks import assert_same_files, noised_images
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -222,7 +223,7 @@ def test_lora_and_comfyui_exports_reload(tiny, tmp_path):
                                     init_lora_weights=False))
     state = get_peft_model_state_dict(denoiser)
     assert not any("ref_image" in k for k in state)
-    files = spec.export_lora(state, tmp_path)
+    files = export_lora(spec, state, tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFY_LORA]
     assert all(k.startswith("transformer.") for k in load_file(files[0]))
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)

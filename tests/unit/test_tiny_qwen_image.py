@@ -24,6 +24,7 @@ from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.common.tiny_qwen_tokenizer import TEMPLATES
 from tests.unit.video_checks import (
     assert_same_files, attention_masks_of_layers_and_diffusers, noised_images)
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -177,7 +178,7 @@ def test_lora_targets_and_both_lora_files_load_in_diffusers(tiny, tmp_path):
     assert sorted(targets) == sorted(blocks)
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
-    spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     comfy = load_file(tmp_path / COMFY_LORA)
     assert "diffusion_model.transformer_blocks.0.img_mod.1.lora_A.weight" in comfy
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)

@@ -22,6 +22,7 @@ from dpipe.models.qwen_image.spec import DIFFUSERS_LORA, pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image_edit
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes
+from tests.exports import export_lora
 
 INSTRUCTIONS = ["make the circle blue", "add a small red star in the top left corner"]
 
@@ -142,7 +143,7 @@ def test_exported_lora_loads_in_the_edit_pipeline(spec, batch, tmp_path):
     rank = spec.cfg.lora.rank  # the export's metadata tells diffusers the rank
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
-    spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     inputs, _ = spec.make_inputs(batch)
     with torch.no_grad():
         trained = spec.denoiser_forward(denoiser, inputs)

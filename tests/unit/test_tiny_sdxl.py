@@ -20,6 +20,7 @@ from dpipe.models.sdxl.spec import KOHYA_FILE, LORA_TARGETS, SDXLSpec
 from dpipe.models.sdxl.tiny import SINGLE_FILE, make_tiny_sdxl
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
+from tests.exports import export_lora
 
 CAPTION = "a red circle on a blue background"
 
@@ -159,7 +160,7 @@ def test_kohya_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     gen = torch.Generator().manual_seed(1)
     lora = {n: torch.randn(p.shape, generator=gen) * 0.05
             for n, p in unet.named_parameters() if "lora_" in n}
-    paths = spec.export_lora(lora, tmp_path)
+    paths = export_lora(spec, lora, tmp_path)
     assert [p.name for p in paths] == ["pytorch_lora_weights.safetensors", KOHYA_FILE]
     from safetensors.torch import load_file
 

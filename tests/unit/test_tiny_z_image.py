@@ -24,6 +24,7 @@ from dpipe.models.z_image.tiny import make_tiny_z_image
 from tests.unit.video_checks import (
     assert_same_files, assert_same_tensors, attention_masks_of_layers_and_diffusers,
     noised_images)
+from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
             "A photo of two green stars, a painting of a dog in the park, an illustration"]
@@ -175,7 +176,7 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
     base = {k: v.clone() for k, v in denoiser.state_dict().items()}
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, target_modules=spec.lora_targets(),
                                        init_lora_weights=False), denoiser)
-    files = spec.export_lora(get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
+    files = export_lora(spec, get_peft_model_state_dict(denoiser, adapter_name="default"), tmp_path)
     assert [f.name for f in files] == ["pytorch_lora_weights.safetensors", COMFY_LORA]
     comfy = load_file(tmp_path / COMFY_LORA)
     assert all(k.startswith("diffusion_model.") for k in comfy)

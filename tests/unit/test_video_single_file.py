@@ -19,6 +19,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.registry import build_spec
 from tests.unit.video_checks import assert_same_tensors
+from tests.exports import export_lora
 
 FAMILIES = ("hunyuan_video", "ltx_video", "cosmos_predict2")
 # With LTX-2 and LTX-2.3, whose files diffusers 0.42.1 does not tell from LTX-Video's (its
@@ -308,7 +309,7 @@ def test_exported_lora_loads_onto_the_single_file_transformer(folders, files, tm
     denoiser = lora_denoiser(spec)
     out = tmp_path / "lora"
     out.mkdir()
-    spec.export_lora(lora_state_dict(denoiser), out)
+    export_lora(spec, lora_state_dict(denoiser), out)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
     frames = {"cosmos_predict2": 1, "ltx_video": 9, "ltx2": 9, "ltx23": 9}.get(family, 5)  # Text2Image: images only
     inputs, _ = micro_batch(spec, encoders, torch.rand(2, 3, frames, 64, 64) * 2 - 1)

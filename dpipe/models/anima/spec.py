@@ -47,7 +47,7 @@ from dpipe.models.cosmos_predict2.spec import CosmosPredict2Spec, CosmosVariant
 from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import check_single_file, export_like_source, split_path
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier, sizes
@@ -272,9 +272,9 @@ class AnimaSpec(CosmosPredict2Spec):
                                    + attention)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_anima_lora(weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
@@ -285,7 +285,7 @@ class AnimaSpec(CosmosPredict2Spec):
         model's configs; from a single file, also that file's layout (`out_dir/<its name>`)."""
         from safetensors.torch import load_file, save_file
 
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
         parts: dict[str, list[Path]] = {c: [] for c in COMPONENTS}
         with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
@@ -300,7 +300,7 @@ class AnimaSpec(CosmosPredict2Spec):
                         parts[component].append(part)
             out_dir.mkdir(parents=True, exist_ok=True)
             for component, files in parts.items():
-                write_sharded_diffusers_model(files, out_dir / component,
+                write_denoiser_folder(files, out_dir / component,
                                               self.path / component / "config.json")
             if self.single_file is not None:
                 merged = Path(tmp) / "merged"

@@ -35,7 +35,7 @@ from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
@@ -166,17 +166,17 @@ class ChromaSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import ChromaPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(ChromaPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)))])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path, self.single_file,
                                         original_state_dict)

@@ -41,7 +41,7 @@ from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
@@ -264,11 +264,11 @@ class CosmosPredict2Spec(ModelSpec):
         return CosmosPredict2Sampling(self)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
@@ -276,7 +276,7 @@ class CosmosPredict2Spec(ModelSpec):
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.cosmos_predict2.comfyui import original_state_dict
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path, self.single_file,
                                         lambda w: original_state_dict(w, prefix=""))

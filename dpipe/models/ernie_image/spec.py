@@ -15,26 +15,16 @@ default objective).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
 from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, block_costs, denoiser_config,
-    model_params)
-
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
-                  "scheduler")
+from dpipe.models.family import DiffusersFamily
+from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
 
 # Every Linear of every ErnieImageSharedAdaLNBlock: attention projections and the gated MLP.
 LORA_TARGETS = (r"layers\.\d+\.(?:self_attention\.(?:to_q|to_k|to_v|to_out\.0)"
@@ -54,49 +44,30 @@ def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
     return batch_norm_stats(vae, BN_EPS)
 
 
-class ErnieImageSpec(ModelSpec):
+class ErnieImageSpec(DiffusersFamily):
     family = "ernie_image"
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.ernie_image.tiny import make_tiny_ernie_image
-
-            make_tiny_ernie_image(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "ERNIE-Image", "baidu/ERNIE-Image")
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
+    title, example = "ERNIE-Image", "baidu/ERNIE-Image"
+    pipeline_class, denoiser_class = "ErnieImagePipeline", "ErnieImageTransformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                      "scheduler")
+    # The prompt enhancer (an LLM that rewrites prompts) is never run: not loaded.
+    unused_parts = ("pe", "pe_tokenizer")
+    text_notes = {"layout": "pipeline encode_prompt: hidden_states[-2], zero-padded + length"}
+    vae_config_keys = ()
+    image_notes = {"latent": "mode, 2x2 patchified, batch-norm normalised (eps 1e-5)"}
+    tiny_writer = "dpipe.models.ernie_image.tiny:make_tiny_ernie_image"
+    lora_modules = LORA_TARGETS
+    # The embedding is two projections and the timestep MLP, the head one projection: each far
+    # below a block, so every stage gets blocks.
+    layers, block_types = ernie_image_layers, (ErnieImageBlock,)
+    sampler = "dpipe.models.ernie_image.sampling:ErnieImageSampling"
+    # The diffusers file only: no ComfyUI layout is established offline
+    # (docs/models/ernie_image.md).
 
     @property
     def pixel_multiple(self) -> int:
         # The pipeline's vae_scale_factor: the VAE's downscale (x8) times the 2x2 patchify.
-        return 2 ** len(self._vae_config()["block_out_channels"])
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import ErnieImagePipeline
-
-        # The prompt enhancer (an LLM that rewrites prompts) is never run: not loaded.
-        return load_encoders(ErnieImagePipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder"), pe=None, pe_tokenizer=None)
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import ErnieImageTransformer2DModel
-
-        return load_denoiser(ErnieImageTransformer2DModel, self.path, None, dtype)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latent": "mode, 2x2 patchified, batch-norm normalised (eps 1e-5)"}
-        return {
-            "family": self.family,
-            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "layout": "pipeline encode_prompt: hidden_states[-2], zero-padded + length",
-        }
+        return 2 * super().pixel_multiple
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -123,23 +94,6 @@ class ErnieImageSpec(ModelSpec):
         return {"text": padded, "text_len": lengths}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ernie_image_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """ernie_image_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(self.path / "transformer", "ErnieImageTransformer2DModel",
-                                  "num_layers")
-        return 2 + blocks
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        # The embedding is two projections and the timestep MLP, the head one projection:
-        # each far below a block, so every stage gets blocks.
-        return block_costs(layers, (ErnieImageBlock,))
-
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         lens = batch.text["text_len"].reshape(-1).round().long()
@@ -151,52 +105,12 @@ class ErnieImageSpec(ModelSpec):
             return inputs, (batch.target,)
         return inputs, (batch.target, weight.expand(b, c, h, w))
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
-    # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
-        from diffusers import ErnieImagePipeline
-
-        weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
-        # The diffusers file only: no ComfyUI layout is established offline
-        # (docs/models/ernie_image.md).
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(ErnieImagePipeline, weights, metadata, out_dir),
-            [])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path)
-
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         image, t, text, text_lens = inputs
         return denoiser(hidden_states=image, timestep=(t * 1000).to(image.dtype),
                         text_bth=text.to(image.dtype), text_lens=text_lens,
                         return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import ErnieImagePipeline
-
-        pipe = ErnieImagePipeline.from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None, pe=None, pe_tokenizer=None,
-            transformer=self.load_denoiser(torch.float32))
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import ErnieImageTransformer2DModel
-
-        return ErnieImageTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.ernie_image.sampling import ErnieImageSampling
-
-        return ErnieImageSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

@@ -26,7 +26,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
@@ -175,11 +175,11 @@ class FluxSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import FluxPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(FluxPipeline, weights, metadata, out_dir),
             [LoraFormat(self.comfyui_lora_name, lambda: comfyui_lora(
@@ -187,9 +187,9 @@ class FluxSpec(ModelSpec):
                 {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
-        folder = write_sharded_diffusers_model(
+        folder = write_denoiser_folder(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
         if self.single_file is not None:  # also in the layout it came in, named, typed and
             # prefixed as the source, so tools that loaded that file load the fine-tune the same way

@@ -37,7 +37,7 @@ from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_enco
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
@@ -196,20 +196,20 @@ class Flux2Spec(ModelSpec):
         return super().prior_labels(outputs[:, :labels[0].shape[1]], labels, rows)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import Flux2Pipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(Flux2Pipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata), flux2_layout(
                 read_json(self.path / "transformer" / "config.json"))), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
-        folder = write_sharded_diffusers_model(
+        folder = write_denoiser_folder(
             shards, out_dir / "transformer", self.path / "transformer" / "config.json")
         if self.single_file is not None:  # also in the layout it came in, named, typed and
             # prefixed as the source, so tools that loaded that file load the fine-tune the same way

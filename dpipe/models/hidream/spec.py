@@ -36,7 +36,7 @@ from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
@@ -164,13 +164,13 @@ class HiDreamSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import HiDreamImagePipeline
 
         from dpipe.models.comfyui import renamed
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # ComfyUI (and diffusion-pipe) name HiDream LoRAs after the original model, whose module
         # names diffusers kept: `diffusion_model.<module>.lora_A/lora_B.weight`, no alpha, so the
         # scale alpha / rank is folded into lora_B.
@@ -179,7 +179,7 @@ class HiDreamSpec(ModelSpec):
             [LoraFormat(COMFYUI_FILE, lambda: renamed(weights, lora_scale(metadata)))])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path, self.single_file,
                                         dict)  # the file has the diffusers names

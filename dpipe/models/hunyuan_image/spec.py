@@ -33,7 +33,7 @@ from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
 
@@ -167,14 +167,14 @@ class HunyuanImageSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         # diffusers 0.42 gives HunyuanImagePipeline no LoRA loader mixin; the file is written in
         # the diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
         # metadata), which the transformer's own `load_lora_adapter` reads.
         from diffusers.loaders.lora_base import LoraBaseMixin
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
 
         def write_diffusers() -> Path:
             LoraBaseMixin._save_lora_weights(
@@ -188,7 +188,7 @@ class HunyuanImageSpec(ModelSpec):
             {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(
             shards, out_dir, self.path, self.single_file,

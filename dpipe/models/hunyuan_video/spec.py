@@ -30,7 +30,7 @@ from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_l
 from dpipe.models.hunyuan_video.original import from_original, lora_linears
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, load_or_fail, split_path
 from dpipe.models.spec import (
@@ -181,11 +181,11 @@ class HunyuanVideoSpec(ModelSpec):
         return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import HunyuanVideoPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
@@ -193,7 +193,7 @@ class HunyuanVideoSpec(ModelSpec):
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.hunyuan_video.original import original_state_dict
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path, self.single_file,
                                         original_state_dict)

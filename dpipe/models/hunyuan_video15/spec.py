@@ -34,7 +34,7 @@ from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import check_single_file, split_path
 from dpipe.models.spec import (
@@ -188,21 +188,21 @@ class HunyuanVideo15Spec(ModelSpec):
         return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
         # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
         # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
         from diffusers import HunyuanVideoPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
                 self._transformer_config(), weights), swapped=FINAL_MODULATION), {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         # Back in the form of the source file (Tencent's split one, Comfy-Org's fused one), so
         # the tool that loaded the source loads the fine-tune.

@@ -31,7 +31,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
 from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+    DIFFUSERS_LORA, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.spec import (
     ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, block_costs, denoiser_config,
     model_params)
@@ -191,11 +191,11 @@ class Ideogram4Spec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import Ideogram4Pipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # The diffusers file only: no ComfyUI LoRA layout is established offline
         # (docs/models/ideogram4.md).
         return write_lora_files(
@@ -203,7 +203,7 @@ class Ideogram4Spec(ModelSpec):
             [])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path)
 

@@ -27,7 +27,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+    DIFFUSERS_LORA, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
     model_params)
@@ -157,17 +157,17 @@ class Krea2Spec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import Krea2Pipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # The diffusers file only: no ComfyUI format is established for Krea 2 (docs/models/krea2.md).
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(Krea2Pipeline, weights, metadata, out_dir), [])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path)
 

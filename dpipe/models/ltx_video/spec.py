@@ -25,7 +25,7 @@ from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
@@ -247,11 +247,11 @@ class LTXVideoSpec(ModelSpec):
         return ltx_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         import diffusers
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # ComfyUI's names (`comfyui_module`) under `diffusion_model.`.
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
@@ -261,7 +261,7 @@ class LTXVideoSpec(ModelSpec):
                         {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path, self.single_file,
                                         self.single_file_names)

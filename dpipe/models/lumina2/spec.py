@@ -24,7 +24,7 @@ from dpipe.models.diffusers_folder import (
     check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
@@ -151,18 +151,18 @@ class Lumina2Spec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import Lumina2Pipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(Lumina2Pipeline, weights, metadata, out_dir),
             [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
                 comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path)
 

@@ -36,7 +36,7 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, LoraFormat, lora_metadata, lora_scale, peft_to_diffusers,
+    DIFFUSERS_LORA, LoraFormat, lora_scale, peft_to_diffusers,
     save_diffusers_lora, write_lora_files)
 from dpipe.models.minimax_h3.comfyui import (
     diffusers_state_dict, lora_to_comfyui, original_state_dict)
@@ -444,11 +444,11 @@ class MiniMaxH3Spec(ModelSpec):
         return video.shape[0] * ((6 if full else 4) * model_params(denoiser) * rows + attention)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import MiniMaxH3ModularPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         config = self.transformer_config
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(MiniMaxH3ModularPipeline, weights, metadata,
@@ -458,9 +458,9 @@ class MiniMaxH3Spec(ModelSpec):
                         {"format": "comfyui"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
-        folder = write_sharded_diffusers_model(shards, out_dir / "transformer",
+        folder = write_denoiser_folder(shards, out_dir / "transformer",
                                                self.path / "transformer" / "config.json")
         if self.single_file is not None:  # also as the source: its keys, prefix, order, dtypes
             config = self.transformer_config

@@ -34,7 +34,7 @@ from dpipe.models.comfyui import renamed
 from dpipe.models.diffusers_folder import check_folder, kl_image_fingerprint, kl_latents, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.omnigen2.layers import omnigen2_layers
 from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
@@ -180,7 +180,8 @@ class OmniGen2Spec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers.loaders import Lumina2LoraLoaderMixin
 
         # No diffusers pipeline runs OmniGen2; Lumina 2's loader mixin writes the same file for
@@ -188,7 +189,6 @@ class OmniGen2Spec(ModelSpec):
         # config in the metadata), which the reference's OmniGen2Pipeline.load_lora_weights and
         # this transformer's load_lora_adapter read.
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         scale = lora_scale(metadata)
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(Lumina2LoraLoaderMixin, weights, metadata,
@@ -200,7 +200,7 @@ class OmniGen2Spec(ModelSpec):
         text-to-image training does not use, copied from the base model into one more shard."""
         from safetensors.torch import save_file
 
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         dtype = _shard_dtype(shards[0])
         untouched = {k: v.to(dtype).contiguous()

@@ -23,7 +23,7 @@ from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
 from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
@@ -179,9 +179,9 @@ class QwenImageSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
         pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
         return write_lora_files(
@@ -189,7 +189,7 @@ class QwenImageSpec(ModelSpec):
             [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})])
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_transformer_folder
+        from dpipe.models.diffusers_folder import write_transformer_folder
 
         return write_transformer_folder(shards, out_dir, self.path)
 

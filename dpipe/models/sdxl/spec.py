@@ -33,7 +33,7 @@ from dpipe.models.common.quantized_files import file_is_quantized
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.lora_files import (
-    lora_metadata, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+    LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
@@ -303,13 +303,13 @@ class SDXLSpec(ModelSpec):
         return (error.flatten(1).mean(1) * weights.float()).mean()
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import StableDiffusionXLPipeline
 
         from dpipe.models.sdxl.ldm import kohya_lora
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         # LoKr and LoHa name it "alpha" (their kohya file is not written: adapter_formats)
         rank, alpha = metadata["r"], metadata.get("lora_alpha", metadata.get("alpha"))
         return write_lora_files(
@@ -326,14 +326,14 @@ class SDXLSpec(ModelSpec):
         return self._unet_config
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
         config = self._config_dir / "unet" / "config.json" if self._config_dir else None
         with tempfile.TemporaryDirectory() as tmp:
             if config is None:  # a single file with hub configs: the loaded UNet's own config
                 config = Path(tmp) / "config.json"
                 config.write_text(json.dumps(self._unet_config_dict(), indent=2, default=list))
-            return write_sharded_diffusers_model(shards, out_dir / "unet", config)
+            return write_denoiser_folder(shards, out_dir / "unet", config)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -48,7 +48,7 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
-    lora_metadata, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
+    lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
     write_lora_files)
 from dpipe.models.single_file import load_or_fail, load_transformer_file
 from dpipe.models.spec import (
@@ -354,11 +354,11 @@ class WanSpec(ModelSpec):
         return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
         from diffusers import WanPipeline
 
         weights = peft_to_diffusers(state_dict)
-        metadata = lora_metadata(self.cfg, self.lora_targets())
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(WanPipeline, weights, metadata, out_dir),
             [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
@@ -366,9 +366,9 @@ class WanSpec(ModelSpec):
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         from dpipe.models.single_file import export_like_source
-        from dpipe.train.export import write_sharded_diffusers_model
+        from dpipe.models.diffusers_folder import write_denoiser_folder
 
-        folder = write_sharded_diffusers_model(
+        folder = write_denoiser_folder(
             shards, out_dir / self.expert, self.root / self.expert / "config.json")
         if self.single_file:  # also as the source: its keys (and prefix), order and dtypes
             export_like_source(folder, self.path, original_state_dict, out_dir)

@@ -1,0 +1,218 @@
+"""The shared family layer: a family whose model is a diffusers folder says what it is, and inherits
+how that is found, loaded, fingerprinted, exported and sampled.
+
+A family subclasses `DiffusersFamily` and declares (class attributes, see each below): its title
+and a download users know, its diffusers pipeline and denoiser classes, the folder's required
+parts and its frozen encoders, the parts whose files shape cached text and latents, the tiny
+model's writer, the LoRA targets, the pipeline layers and what counts them, and its sampler.
+What it writes itself is what truly differs: how images and prompts are encoded (`encode_images`,
+`encode_prompts`), the denoiser's inputs (`make_inputs`, `denoiser_forward`), benchmark samples,
+and any LoRA format beside diffusers' (`lora_formats`). Every default is an ordinary method:
+a family overrides one where it differs, and says why.
+
+Declarations that name code run late ("module:name" strings for the tiny writer and the sampler)
+are imported when first used: the launcher imports every spec it checks, and those modules pull
+in model code that only workers need (and the sampler imports its family's spec).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.diffusers_folder import (
+    check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.lora_files import (
+    DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+from dpipe.models.single_file import (
+    SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, split_path)
+from dpipe.models.spec import ModelSpec, PipelineLayer, block_costs, denoiser_config
+
+
+def imported(target: str) -> Any:
+    """The object a "package.module:name" declaration names."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def diffusers_class(name: str) -> Any:
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+class DiffusersFamily(ModelSpec):
+    # ---- what the family is -------------------------------------------------------------------
+    title: ClassVar[str]  # in messages: "FLUX.1"
+    example: ClassVar[str]  # a download users know: "black-forest-labs/FLUX.1-dev"
+    pipeline_class: ClassVar[str]  # the diffusers pipeline that loads the folder and samples
+    denoiser_class: ClassVar[str]  # the diffusers model class that is trained
+    denoiser_folder: ClassVar[str] = "transformer"
+    required_parts: ClassVar[tuple[str, ...]]  # what a complete folder holds
+    # The pipeline's parts that encode for the cache (frozen, eval), and parts it can load
+    # without that are never used (a prompt enhancer): left out of every load.
+    frozen_parts: ClassVar[tuple[str, ...]] = ("vae", "text_encoder")
+    unused_parts: ClassVar[tuple[str, ...]] = ()
+    # What shapes cached text: fingerprint key -> the folder (or folders) whose files count, and
+    # fixed notes (how the family lays out the encoder's output), with model.max_text_tokens.
+    text_fingerprint: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "text_encoder": "text_encoder", "tokenizer": "tokenizer"}
+    text_notes: ClassVar[dict[str, Any]] = {}
+    # What shapes cached latents besides the VAE's files: keys of its config, and fixed notes.
+    # The default is a KL VAE's: the distribution's mode, shifted and scaled.
+    vae_config_keys: ClassVar[tuple[str, ...]] = ("scaling_factor", "shift_factor")
+    image_notes: ClassVar[dict[str, Any]] = {"latent": "mode"}
+    tiny_writer: ClassVar[str]  # "module:function" writing the tiny model folder at a path
+    lora_modules: ClassVar[str | tuple[str, ...]]  # peft target_modules (a regex or names)
+    # The pipeline layers: a function of the denoiser; the denoiser config keys that count its
+    # blocks, and the layers besides them (embedding, head) in `edge_layers`.
+    layers: ClassVar[Callable[[nn.Module], list[PipelineLayer]]]
+    block_count_keys: ClassVar[tuple[str, ...]] = ("num_layers",)
+    edge_layers: ClassVar[int] = 2
+    # Layer classes that cost one block each when stages are balanced (the rest cost
+    # EDGE_LAYER_TIME); empty: balance by parameter count.
+    block_types: ClassVar[tuple[type, ...]] = ()
+    sampler: ClassVar[str | None] = None  # "module:Class", a dpipe.models.sampling.FamilySampling
+    # The diffusers class whose `save_lora_weights` writes the LoRA file (the pipeline where it
+    # has a LoRA loader; else a mixin that writes the same layout), and the pipeline's component.
+    lora_writer: ClassVar[str | None] = None
+    lora_component: ClassVar[str] = "transformer"
+    # Single-file transformers (the original and ComfyUI layout) the family reads: their
+    # suffixes, or None where it reads only folders.
+    single_file_suffixes: ClassVar[tuple[str, ...] | None] = None
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.single_file: Path | None = None
+        if self.single_file_suffixes is not None:
+            # model.path: the diffusers folder, or a single file with model.single_file_config
+            # naming the diffusers folder for the rest.
+            self.path, self.single_file = split_path(cfg, self.single_file_suffixes)
+
+    # ---- the folder ---------------------------------------------------------------------------
+    def ensure_available(self) -> None:
+        if self.cfg.tiny and not self.path.exists():
+            imported(self.tiny_writer)(self.path)
+        check_folder(self.path, self.required_parts, self.title, self.example)
+        check_single_file(self.single_file)
+        self.read_configs()
+
+    def read_configs(self) -> None:
+        """Reads the configs training needs, so that a broken folder fails before any worker
+        starts. Default: the VAE's, where the folder has one."""
+        if "vae" in self.required_parts:
+            self.part_config("vae")
+
+    def part_config(self, part: str) -> dict[str, Any]:
+        """`part`/config.json of the model folder."""
+        return read_json(self.path / part / "config.json")
+
+    @property
+    def pixel_multiple(self) -> int:
+        """The VAE's downscale: 2 per level after the first."""
+        return 2 ** (len(self.part_config("vae")["block_out_channels"]) - 1)
+
+    # ---- components ---------------------------------------------------------------------------
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
+                             frozen=self.frozen_parts, **dict.fromkeys(self.unused_parts))
+
+    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        return load_denoiser(diffusers_class(self.denoiser_class), self.path, self.single_file,
+                             dtype, convert=type(self).from_single_file, subfolder=self.denoiser_folder)
+
+    # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
+    # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).
+    from_single_file: ClassVar[Callable | None] = None
+    to_original: ClassVar[Callable | None] = None
+
+    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+        if kind == "image":
+            vae = self.part_config("vae")
+            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
+                    **{key: vae.get(key) for key in self.vae_config_keys}, **self.image_notes}
+        parts = {key: ([folder_fingerprint(self.path / f) for f in folder]
+                       if isinstance(folder, tuple) else folder_fingerprint(self.path / folder))
+                 for key, folder in self.text_fingerprint.items()}
+        return {"family": self.family, **parts, "max_text_tokens": self.cfg.max_text_tokens,
+                **self.text_notes}
+
+    # ---- training -----------------------------------------------------------------------------
+    def lora_targets(self) -> str | list[str]:
+        modules = self.lora_modules
+        return list(modules) if isinstance(modules, tuple) else modules
+
+    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+        return type(self).layers(denoiser)  # the function itself, not bound to self
+
+    def pipeline_layer_count(self) -> int | None:
+        blocks = denoiser_config(self.path / self.denoiser_folder, self.denoiser_class,
+                                 *self.block_count_keys)
+        return self.edge_layers + sum(blocks)
+
+    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+        if self.block_types:
+            return block_costs(layers, self.block_types)
+        return super().layer_costs(layers)
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        # labels: (target,) or (target, weight) with per-element loss weights (masks)
+        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+
+    # ---- sampling -----------------------------------------------------------------------------
+    def sampling(self):
+        if self.sampler is None:
+            return super().sampling()
+        return imported(self.sampler)(self)
+
+    # ---- export -------------------------------------------------------------------------------
+    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    out_dir: Path) -> list[Path]:
+        weights = peft_to_diffusers(state_dict)
+        writer = self.lora_writer or self.pipeline_class
+        loader = imported(writer) if ":" in writer else diffusers_class(writer)
+        return write_lora_files(
+            out_dir, lambda: save_diffusers_lora(loader, weights, metadata, out_dir,
+                                                 component=self.lora_component),
+            self.lora_formats(weights, metadata))
+
+    def lora_formats(self, weights: dict[str, torch.Tensor],
+                     metadata: dict[str, Any]) -> list[LoraFormat]:
+        """The LoRA files besides diffusers' (ComfyUI's, kohya's), from diffusers-named
+        `weights`. Default: none."""
+        return []
+
+    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
+        folder = write_denoiser_folder(shards, out_dir / self.denoiser_folder,
+                                       self.path / self.denoiser_folder / "config.json")
+        if self.single_file is not None:
+            self.export_single_file(folder, out_dir)
+        return folder
+
+    def export_single_file(self, folder: Path, out_dir: Path) -> Path:
+        """The fine-tune also laid out, named and typed as the single file it came from, so the
+        tools that loaded that file load it the same way."""
+        return export_like_source(folder, self.single_file, type(self).to_original, out_dir)
+
+    # ---- using exported weights ---------------------------------------------------------------
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        parts = [p for p in self.required_parts
+                 if p not in ("model_index.json", "scheduler", self.denoiser_folder)]
+        pipe = diffusers_class(self.pipeline_class).from_pretrained(
+            self.path, **dict.fromkeys(parts + list(self.unused_parts)),
+            **{self.denoiser_folder: self.load_denoiser(torch.float32)})
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+        return getattr(pipe, self.denoiser_folder)
+
+    def load_exported_full(self, export_dir: Path) -> nn.Module:
+        return diffusers_class(self.denoiser_class).from_pretrained(
+            export_dir / self.denoiser_folder)
+
+
+__all__ = ["DiffusersFamily", "SINGLE_FILE_SUFFIXES", "imported"]
