@@ -1,11 +1,11 @@
 """The house runs one way: every `dpipe` import (at module or function level, relative ones too)
 goes to its own unit or to a unit of a lower layer, never up or sideways.
 
-The layer table below is the architecture of docs/architecture.md in one place. A unit is a
-package (`dpipe.train`), a top-level module (`dpipe.io`), one model family's folder
-(`dpipe/models/<family>/`: families never import one another), or the shared model layer
-(`dpipe/models/*.py` and `dpipe/models/common/`). No exceptions: what two units of one layer
-share moves down.
+The layer table below is the architecture that README.md's "How it fits together" draws, in
+one place. A unit is a package (`dpipe.train`), a top-level module (`dpipe.io`), one model
+family's folder (`dpipe/models/<family>/`: families never import one another), or the shared
+model layer (`dpipe/models/*.py` and `dpipe/models/common/`). No exceptions: what two units of
+one layer share moves down.
 """
 
 from __future__ import annotations
