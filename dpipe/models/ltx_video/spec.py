@@ -201,7 +201,8 @@ class LTXVideoSpec(DiffusersFamily):
             num_frames=f, height=h, width=w,
             rope_interpolation_scale=rope_scale(self._ratios(), rate), return_dict=False)[0]
 
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+    def load_denoiser_with_lora(self, lora_dir: Path,
+                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
         """As the base, but any of the LoRA files (`weight_name`: ComfyUI's loads in diffusers
         too), and every part of the folder but the transformer and scheduler left out (LTX-2's
         audio VAE and vocoder among them)."""
