@@ -35,7 +35,7 @@ FACTORIES: dict[str, str] = {
     "ltx_video": "dpipe.models.ltx_video.tiny:make_tiny_ltx_video",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15",
     "ltx2": "dpipe.models.ltx2.tiny:make_tiny_ltx2",
-    "ltx23": "dpipe.models.ltx23.tiny:make_tiny_ltx23",
+    "ltx23": "dpipe.models.ltx2.ltx23_tiny:make_tiny_ltx23",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",

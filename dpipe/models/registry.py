@@ -21,7 +21,7 @@ FAMILIES: dict[str, str] = {
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.spec:HunyuanVideo15Spec",
     "ltx2": "dpipe.models.ltx2.spec:LTX2Spec",
-    "ltx23": "dpipe.models.ltx23.spec:LTX23Spec",
+    "ltx23": "dpipe.models.ltx2.ltx23:LTX23Spec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",

@@ -24,10 +24,6 @@ ALLOWED = {
     # LTX-2: LTX-Video's spec and head, with an audio stream and Gemma text.
     ("ltx2", "ltx_video"): {"LTXVideoSpec", "ENCODING_VERSION", "LTXHead", "frame_rate",
                             "text_bias", "unpack"},
-    # LTX-2.3: LTX-2's spec, layers, tiny model and audio prompt key with the 2.3 release's
-    # switches on.
-    ("ltx23", "ltx2"): {"LTX2Spec", "LTX2VideoBlock", "LTX2AVBlock", "TRANSFORMER", "VAE",
-                        "make_tiny_ltx2", "AUDIO_TEXT_KEY"},
     # Anima: Cosmos-Predict2's spec, layers and original names, with a trained text adapter.
     ("anima", "cosmos_predict2"): {"CosmosPredict2Spec", "CosmosVariant", "CosmosEmbed",
                                    "CosmosBlock", "cosmos_layers", "COMFY_PREFIX",

@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from dpipe.models.ltx2.ltx23_tiny import make_tiny_ltx23
 from dpipe.models.ltx2.tiny import make_tiny_ltx2
-from dpipe.models.ltx23.tiny import make_tiny_ltx23
 from dpipe.models.sampling import SampleRequest
 from dpipe.sample import outputs
 from tests.unit.video_checks import tiny_spec

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.diffusers_folder import read_json
-from dpipe.models.ltx_video.spec import unpack
+from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
