@@ -129,8 +129,10 @@ def collect(work: Path, families: list[str]) -> dict:
     cache = work / "cache"
     # The cache's latent and text entries are named by their keys; the tiny models are written
     # once under models/, from fixed seeds.
-    record["cache_entries"] = sorted(str(p.relative_to(cache)) for p in (cache / "latents").rglob("*")
-                                     if p.is_file())
+    # (sources/ holds the dataset folders' file indexes, named by the folder's path: not keys.)
+    latents = cache / "latents"
+    record["cache_entries"] = sorted(str(p.relative_to(cache)) for p in latents.rglob("*")
+                                     if p.is_file() and p.parent.name != "sources")
     record["tiny_models"] = tree_hashes(cache / "models")
     return record
 
