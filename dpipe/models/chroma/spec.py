@@ -20,7 +20,6 @@ diffusers' pipeline only up to that masking difference.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,12 +117,3 @@ class ChromaSpec(DiffusersFamily):
         return denoiser(hidden_states=packed, encoder_hidden_states=text, timestep=t,
                         img_ids=img_ids.float(), txt_ids=txt_ids.float(),
                         attention_mask=padding_mask(mask), return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import ChromaPipeline
-
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = ChromaPipeline.from_pretrained(self.path, text_encoder=None, vae=None,
-                                              tokenizer=None, **base)
-        pipe.load_lora_weights(str(lora_dir))
-        return pipe.transformer
