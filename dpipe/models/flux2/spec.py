@@ -84,7 +84,6 @@ class Flux2Spec(DiffusersFamily):
     sampler = "dpipe.models.flux2.sampling:Flux2Sampling"
     lora_writer = "Flux2Pipeline"  # for Klein folders too: the same file
     single_file_suffixes = SINGLE_FILE_SUFFIXES
-
     from_single_file = from_bfl_file
 
     @property
