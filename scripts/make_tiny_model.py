@@ -19,7 +19,7 @@ from pathlib import Path
 # family's heavy imports are paid only when it is asked for.
 FACTORIES: dict[str, str] = {
     "flux": "dpipe.models.flux.tiny:make_tiny_flux",
-    "flux_kontext": "dpipe.models.flux_kontext.tiny:make_tiny_flux_kontext",
+    "flux_kontext": "dpipe.models.flux.tiny:make_tiny_flux_kontext",
     "flux2": "dpipe.models.flux2.tiny:make_tiny_flux2",
     "wan": "dpipe.models.wan.tiny:make_tiny_wan",
     "wan_i2v": "dpipe.models.wan.tiny:make_tiny_wan_i2v",

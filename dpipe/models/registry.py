@@ -11,7 +11,7 @@ from dpipe.models.spec import ModelSpec
 # family name -> "module:Class"; imported lazily so one family's imports never slow another's.
 FAMILIES: dict[str, str] = {
     "flux": "dpipe.models.flux.spec:FluxSpec",
-    "flux_kontext": "dpipe.models.flux_kontext.spec:FluxKontextSpec",
+    "flux_kontext": "dpipe.models.flux.kontext:FluxKontextSpec",
     "flux2": "dpipe.models.flux2.spec:Flux2Spec",
     "wan": "dpipe.models.wan.spec:WanSpec",
     "cosmos_predict2": "dpipe.models.cosmos_predict2.spec:CosmosPredict2Spec",

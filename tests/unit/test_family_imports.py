@@ -19,8 +19,6 @@ SHARED = "common"
 # denoiser blocks or spec with a different pipeline or conditioning; it reuses the base's public
 # API instead of copying it. Generic helpers never belong here: they go to dpipe/models/common/.
 ALLOWED = {
-    # FLUX.1 Kontext: FluxSpec with reference-image tokens; FLUX.1's tiny model plus a reference.
-    ("flux_kontext", "flux"): {"FluxSpec", "REQUIRED_PARTS", "FluxSampling", "write_tiny_flux"},
     # LTX-2: LTX-Video's spec and head, with an audio stream and Gemma text.
     ("ltx2", "ltx_video"): {"LTXVideoSpec", "ENCODING_VERSION", "LTXHead", "frame_rate",
                             "text_bias", "unpack"},
