@@ -63,7 +63,7 @@ class FluxKontextSampling(FluxSampling):
                          guidance: float) -> torch.Tensor:
         from diffusers import FluxKontextPipeline
 
-        from dpipe.data.sources import fit, open_rgb
+        from dpipe.images import fit, open_rgb
 
         # The reference image as training and dpipe's sampler see it: fitted to the request's size.
         image = fit(open_rgb(request.control), request.width, request.height)

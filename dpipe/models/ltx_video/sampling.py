@@ -122,7 +122,7 @@ class LTXVideoSampling(FamilySampling):
 
             from PIL import Image
 
-            from dpipe.data.sources import load_image
+            from dpipe.images import load_image
 
             # The control image fitted to the request's size as dpipe loads it.
             pixels = load_image(Path(request.control), request.width, request.height)

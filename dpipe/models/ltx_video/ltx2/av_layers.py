@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.ltx2.layers import video_path
+from dpipe.models.ltx_video.ltx2.layers import video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes

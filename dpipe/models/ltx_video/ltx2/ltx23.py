@@ -1,4 +1,4 @@
-"""LTX-2.3 (22B audio-video): LTX-2's family (`dpipe.models.ltx2`) on the LTX-2.3
+"""LTX-2.3 (22B audio-video): LTX-2's family (`dpipe.models.ltx_video.ltx2`) on the LTX-2.3
 release, whose diffusers classes are LTX-2's with 2.3's switches on (see ltx23_tiny.py): gated
 attention, the text cross-attention modulated by the timestep (`prompt_adaln`, 9 modulation rows
 per block), prompt tokens projected per stream by the connectors (no caption_projection), a
@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from dpipe.models.adapters import is_adapter_param
-from dpipe.models.ltx2.av_layers import LTX2AVBlock
-from dpipe.models.ltx2.layers import LTX2VideoBlock
-from dpipe.models.ltx2.ltx23_sizes import SAMPLE_SHAPES, SIZES, VAES
-from dpipe.models.ltx2.release import RELEASES
-from dpipe.models.ltx2.spec import AUDIO_TEXT_KEY, LTX2Spec
+from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
+from dpipe.models.ltx_video.ltx2.layers import LTX2VideoBlock
+from dpipe.models.ltx_video.ltx2.ltx23_sizes import SAMPLE_SHAPES, SIZES, VAES
+from dpipe.models.ltx_video.ltx2.release import RELEASES
+from dpipe.models.ltx_video.ltx2.spec import AUDIO_TEXT_KEY, LTX2Spec
 from dpipe.models.spec import attention_train_flops
 
 COMFYUI_LORA = "ltx23_lora_comfyui.safetensors"
@@ -46,7 +46,7 @@ class LTX23Spec(LTX2Spec):
     family = "ltx23"
     release = "2.3"
     title, example = "LTX-2.3", RELEASES["2.3"][1]
-    tiny_writer = "dpipe.models.ltx2.ltx23_tiny:make_tiny_ltx23"
+    tiny_writer = "dpipe.models.ltx_video.ltx2.ltx23_tiny:make_tiny_ltx23"
     lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
     comfyui_lora = COMFYUI_LORA
     # Equal blocks, light embedder and head. By parameters the embedder (time_embed's 9-row and

@@ -78,7 +78,7 @@ VOCODER = {
 def make_tiny_ltx2(path: Path, seed: int = 0, **overrides: dict[str, Any]) -> Path:
     """Write (once) a tiny random LTX-2 diffusers folder at `path` and return `path`.
     `overrides`: {part: config changes} for a later release of the same classes (LTX-2.3,
-    `dpipe.models.ltx2.ltx23_tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
+    `dpipe.models.ltx_video.ltx2.ltx23_tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
     there names another vocoder class of diffusers.pipelines.ltx2.vocoder)."""
     return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, overrides),
                       "make_tiny_ltx2")
@@ -188,7 +188,7 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     from diffusers import LTX2VideoTransformer3DModel
     from safetensors.torch import save_file
 
-    from dpipe.models.ltx2.original import original_state_dict
+    from dpipe.models.ltx_video.ltx2.original import original_state_dict
 
     model = LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
     tensors = {prefix + k: v.to(torch.bfloat16).contiguous()

@@ -37,8 +37,8 @@ import torch
 
 from dpipe.models.common import joined_latents
 from dpipe.models.diffusers_folder import read_json
-from dpipe.models.ltx2.sampling import GUIDANCE_RESCALE, LTX2Sampling, rescale_noise_cfg
-from dpipe.models.ltx2.audio import pack_audio, unpack_audio
+from dpipe.models.ltx_video.ltx2.sampling import GUIDANCE_RESCALE, LTX2Sampling, rescale_noise_cfg
+from dpipe.models.ltx_video.ltx2.audio import pack_audio, unpack_audio
 from dpipe.models.sampling import Denoising, SampleRequest
 
 AUDIO_COMPRESSION = 4  # AutoencoderKLLTX2Audio's LATENT_DOWNSAMPLE_FACTOR (time and mel bins)

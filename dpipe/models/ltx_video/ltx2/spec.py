@@ -29,12 +29,12 @@ from dpipe.models.common.stage_io import keep_in_graph
 from dpipe.models.diffusers_folder import load_encoders, read_json
 from dpipe.models.family import diffusers_class
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.ltx2.audio import N_FFT, encode_audio, pack_audio
-from dpipe.models.ltx2.av_layers import ltx2_av_layers
-from dpipe.models.ltx2.layers import ltx2_layers
-from dpipe.models.ltx2.original import (
+from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
+from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
+from dpipe.models.ltx_video.ltx2.layers import ltx2_layers
+from dpipe.models.ltx_video.ltx2.original import (
     diffusers_names, from_original, original_module, original_state_dict)
-from dpipe.models.ltx2.release import RELEASES, check_release
+from dpipe.models.ltx_video.ltx2.release import RELEASES, check_release
 from dpipe.models.ltx_video.layers import frame_rate
 from dpipe.models.ltx_video.spec import LTXVideoSpec
 from dpipe.models.spec import AudioFormat, replace_rows
@@ -44,7 +44,7 @@ COMFYUI_LORA = "ltx2_lora_comfyui.safetensors"
 # LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on: for
 # images and batches made without a dataset (a clip trains at its own rate, `DataBatch.fps`).
 FRAME_RATE = 24.0
-# Part of the audio latents' cache keys: bump when dpipe.models.ltx2.audio changes its output.
+# Part of the audio latents' cache keys: bump when dpipe.models.ltx_video.ltx2.audio changes its output.
 AUDIO_ENCODING_VERSION = 1
 
 # The Linears of the video path of every block (self-attention, text cross-attention, MLP); with
@@ -62,7 +62,7 @@ AUDIO_TEXT_KEY = "audio_text"
 
 class LTX2Spec(LTXVideoSpec):
     family = "ltx2"
-    # Which LTX-2 release the family trains (dpipe.models.ltx2.release): a folder or single
+    # Which LTX-2 release the family trains (dpipe.models.ltx_video.ltx2.release): a folder or single
     # file of another is refused, naming what it holds and the family that takes it.
     release = "2.0"
     title, example = "LTX-2.0", RELEASES["2.0"][1]
@@ -71,10 +71,10 @@ class LTX2Spec(LTXVideoSpec):
                       "connectors", "scheduler")
     text_fingerprint = {"gemma": "text_encoder", "connectors": "connectors",
                         "tokenizer": "tokenizer"}
-    tiny_writer = "dpipe.models.ltx2.tiny:make_tiny_ltx2"
+    tiny_writer = "dpipe.models.ltx_video.ltx2.tiny:make_tiny_ltx2"
     # The video path's targets; with model.audio also the audio ones (`lora_targets`).
     lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
-    sampler = "dpipe.models.ltx2.av_sampling:ltx2_sampling"  # with sound where model.audio
+    sampler = "dpipe.models.ltx_video.ltx2.av_sampling:ltx2_sampling"  # with sound where model.audio
     from_single_file = staticmethod(from_original)
     to_original = staticmethod(original_state_dict)
     comfyui_lora = COMFYUI_LORA
