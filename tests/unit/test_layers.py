@@ -5,7 +5,7 @@ The layer table below is the architecture that README.md's "How it fits together
 one place. A unit is a package (`dpipe.train`), a top-level module (`dpipe.io`), one model
 family's folder (`dpipe/models/<family>/`: families never import one another), or the shared
 model layer (`dpipe/models/*.py` and `dpipe/models/common/`). No exceptions: what two units of
-one layer share moves down.
+one layer share moves down. A name with a leading underscore never leaves its unit.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def module_name(file: Path) -> str:
 
 
 def imports(file: Path):
-    """(line, dotted dpipe module) of every import in `file`, relative ones resolved."""
+    """(line, dotted dpipe module, names imported from it) of every import in `file`, relative
+    ones resolved."""
     package = module_name(file) if file.name == "__init__.py" else module_name(file).rpartition(".")[0]
     for node in ast.walk(ast.parse(file.read_text(), str(file))):
         if isinstance(node, ast.ImportFrom):
@@ -64,13 +65,13 @@ def imports(file: Path):
                 target = node.module or ""
             if target == "dpipe.models" or target == "dpipe":  # from dpipe(.models) import x
                 for alias in node.names:
-                    yield node.lineno, f"{target}.{alias.name}"
+                    yield node.lineno, f"{target}.{alias.name}", []
             elif target.startswith("dpipe."):
-                yield node.lineno, target
+                yield node.lineno, target, [alias.name for alias in node.names]
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("dpipe."):
-                    yield node.lineno, alias.name
+                    yield node.lineno, alias.name, []
 
 
 def violations() -> list[str]:
@@ -80,21 +81,24 @@ def violations() -> list[str]:
         if source == "dpipe":
             continue  # the package's own __init__ imports nothing below
         mine = unit_of(source)
-        for line, target in imports(file):
+        for line, target, names in imports(file):
             theirs = unit_of(target)
             if theirs == mine:
                 continue
+            where = f"{file.relative_to(DPIPE.parent)}:{line}: {mine} imports {target}"
             if layer_of(theirs) <= layer_of(mine):
-                way = "up" if layer_of(theirs) < layer_of(mine) else "sideways"
-                out.append(f"{file.relative_to(DPIPE.parent)}:{line}: {mine} imports {target} "
-                           f"({way})")
+                out.append(f"{where} ({'up' if layer_of(theirs) < layer_of(mine) else 'sideways'})")
+            private = [n for n in names if n.startswith("_")]
+            if private:  # a unit's private names are its own
+                out.append(f"{where}: its private {', '.join(private)}")
     return out
 
 
 def test_every_import_goes_down_the_layers():
     found = violations()
     assert not found, ("imports against the layers (tests/unit/test_layers.py LAYERS; move "
-                       "what two units share down to a layer both may import):\n"
+                       "what two units share down to a layer both may import, and make it "
+                       "public there):\n"
                        + "\n".join(found))
 
 
@@ -111,7 +115,7 @@ def test_the_walk_sees_relative_function_level_and_package_imports(tmp_path):
                     "from dpipe.models import wan\nimport dpipe.train.loop\n"
                     "from ..common import stage_io\n")
     try:
-        found = sorted(t for _, t in imports(file))
+        found = sorted(t for _, t, _ in imports(file))
     finally:
         file.unlink()
     assert found == ["dpipe.models.common", "dpipe.models.flux.layers", "dpipe.models.wan",
