@@ -40,7 +40,7 @@ from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.minimax_h3.comfyui import (
     diffusers_state_dict, lora_to_comfyui, original_state_dict)
 from dpipe.models.minimax_h3.layers import (
-    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers)
+    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers, packed_layout)
 from dpipe.models.minimax_h3.processor import load_processor
 from dpipe.models.minimax_h3.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.minimax_h3.tiny import INDEX, REPO
@@ -48,7 +48,7 @@ from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import (
     AudioFormat, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
     model_params, replace_rows)
-from dpipe.models.sync_free import carrier
+from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tokenizer",
                   "processor", "scheduler", "audio_scheduler")
@@ -443,9 +443,6 @@ class MiniMaxH3Spec(DiffusersFamily):
         """As the pipeline's denoiser step calls the transformer, one sample at a time (its
         layout is the sample's own), the video's and the audio's t as its two timesteps; the
         output as the head's."""
-        from dpipe.models.minimax_h3.layers import packed_layout
-        from dpipe.models.sync_free import sizes
-
         if len(inputs) == 6:
             video, audio, t, text, text_lengths, layout = inputs
         else:
