@@ -20,7 +20,9 @@ value comes from:
   reachable either.
 """
 
-from dpipe.models.ideogram4.tiny import TAPS, TEXT_DIM, Z_DIM
+Z_DIM = 4  # the tiny VAE's latent channels (32 in the real one); 4x after the 2x2 patches
+TEXT_DIM = 16  # the tiny Qwen3-VL's hidden size (4096 for Qwen3-VL-8B)
+TAPS = 13  # len(QWEN3_VL_ACTIVATION_LAYERS)
 
 IDEOGRAM4_9B = {
     "_class_name": "Ideogram4Transformer2DModel",

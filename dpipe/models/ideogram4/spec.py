@@ -17,28 +17,18 @@ stays the base one, as the pipeline loads LoRAs into `transformer` alone.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import DataError
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.family import DiffusersFamily
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
 from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, peft_to_diffusers, save_diffusers_lora, write_lora_files)
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, block_costs, denoiser_config,
-    model_params)
-from dpipe.models.sync_free import carrier
-
-REQUIRED_PARTS = ("model_index.json", "transformer", "unconditional_transformer", "vae",
-                  "text_encoder", "tokenizer", "scheduler")
+from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
+from dpipe.models.sync_free import carrier, sizes
 
 # Every Linear of every Ideogram4TransformerBlock: attention, the SwiGLU and the AdaLN projection.
 LORA_TARGETS = (r"layers\.\d+\.(?:attention\.(?:to_q|to_k|to_v|to_out\.0)"
@@ -86,50 +76,31 @@ def _too_long(tokenizer, prompts: list[str], length: int) -> DataError:
                      f"model.max_text_tokens={length}: raise model.max_text_tokens")
 
 
-class Ideogram4Spec(ModelSpec):
+class Ideogram4Spec(DiffusersFamily):
     family = "ideogram4"
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.ideogram4.tiny import make_tiny_ideogram4
-
-            make_tiny_ideogram4(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "Ideogram 4", "ideogram-ai/ideogram-4 in "
-                     "diffusers format")
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
+    title, example = "Ideogram 4", "ideogram-ai/ideogram-4 in diffusers format"
+    pipeline_class, denoiser_class = "Ideogram4Pipeline", "Ideogram4Transformer2DModel"
+    required_parts = ("model_index.json", "transformer", "unconditional_transformer", "vae",
+                      "text_encoder", "tokenizer", "scheduler")
+    # The unconditional transformer of the asymmetric guidance does not train and the prompt
+    # enhancer is never run: neither is loaded.
+    unused_parts = ("unconditional_transformer", "prompt_enhancer_head")
+    text_notes = {"layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length"}
+    vae_config_keys = ()
+    image_notes = {"latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
+    tiny_writer = "dpipe.models.ideogram4.tiny:make_tiny_ideogram4"
+    lora_modules = LORA_TARGETS
+    # The embedding is a few projections (the text one over text tokens only), the head one:
+    # each below a block, so every stage gets blocks.
+    layers, block_types = ideogram4_layers, (Ideogram4Block,)
+    sampler = "dpipe.models.ideogram4.sampling:Ideogram4Sampling"
+    # The diffusers LoRA file only: no ComfyUI LoRA layout is established offline
+    # (docs/models/ideogram4.md).
 
     @property
     def pixel_multiple(self) -> int:
         # The pipeline's vae_scale_factor (2 ** (blocks - 1), 8 for the real VAE) x patch 2.
-        return 2 ** len(self._vae_config()["block_out_channels"])
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import Ideogram4Pipeline
-
-        return load_encoders(Ideogram4Pipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder"), unconditional_transformer=None,
-                             prompt_enhancer_head=None)
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import Ideogram4Transformer2DModel
-
-        return load_denoiser(Ideogram4Transformer2DModel, self.path, None, dtype)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
-        return {
-            "family": self.family,
-            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length",
-        }
+        return 2 * super().pixel_multiple
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -157,23 +128,6 @@ class Ideogram4Spec(ModelSpec):
         return {"text": embeds[:, :length], "text_len": lens}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ideogram4_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """ideogram4_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(self.path / "transformer", "Ideogram4Transformer2DModel",
-                                  "num_layers")
-        return 2 + blocks
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        # The embedding is a few projections (the text one over text tokens only), the head
-        # one: each below a block, so every stage gets blocks.
-        return block_costs(layers, (Ideogram4Block,))
-
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         lens = batch.text["text_len"].reshape(-1).round().long()
@@ -187,33 +141,11 @@ class Ideogram4Spec(ModelSpec):
             return inputs, (target,)
         return inputs, (target, to_tokens(weight.expand(b, c, h, w)))
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
-    # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import Ideogram4Pipeline
-
-        weights = peft_to_diffusers(state_dict)
-        # The diffusers file only: no ComfyUI LoRA layout is established offline
-        # (docs/models/ideogram4.md).
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(Ideogram4Pipeline, weights, metadata, out_dir),
-            [])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path)
-
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         """The transformer called as the pipeline calls it: the packed sequence with zero image
         rows in the text features and zero text rows in the latents, ids from `_prepare_ids`."""
         from diffusers import Ideogram4Pipeline
-
-        from dpipe.models.sync_free import sizes
 
         image, t, text, lens, grid = inputs
         h, w = sizes(grid)
@@ -225,26 +157,6 @@ class Ideogram4Spec(ModelSpec):
                        encoder_hidden_states=features.to(image.dtype), position_ids=ids[0],
                        segment_ids=ids[1], indicator=ids[2], return_dict=False)[0]
         return out[:, tokens:]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import Ideogram4Pipeline
-
-        pipe = Ideogram4Pipeline.from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None,
-            unconditional_transformer=None, transformer=self.load_denoiser(torch.float32))
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import Ideogram4Transformer2DModel
-
-        return Ideogram4Transformer2DModel.from_pretrained(export_dir / "transformer")
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.ideogram4.sampling import Ideogram4Sampling
-
-        return Ideogram4Sampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

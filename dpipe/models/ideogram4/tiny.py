@@ -21,12 +21,10 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY, TEXT_DIM, Z_DIM
+from dpipe.models.tiny_parts import seeded, write_once
 
-Z_DIM = 4  # the VAE's latent channels (32 in the real one); 4x after the 2x2 patches
-TEXT_DIM = 16  # Qwen3-VL hidden size (4096 for Qwen3-VL-8B)
 TEXT_LAYERS = 36  # as Qwen3-VL-8B: the pipeline's tapped layers go up to 35
-TAPS = 13  # len(QWEN3_VL_ACTIVATION_LAYERS)
 DTYPE = torch.bfloat16
 # The pipeline replaces the sigmas (its logit-normal schedule), so only an unshifted scheduler
 # keeps them as given.
@@ -49,20 +47,12 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False
 
 def make_tiny_ideogram4(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Ideogram 4 diffusers folder at `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_ideogram4; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_ideogram4")
 
 
 def _transformer(seed: int):
     from diffusers import Ideogram4Transformer2DModel
-
-    from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY  # imports this module's sizes
 
     with seeded(seed):
         return Ideogram4Transformer2DModel.from_config(IDEOGRAM4_TINY)

@@ -33,24 +33,22 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
-from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
+from dpipe.models.diffusers_folder import load_or_fail, read_json
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, LoraFormat, lora_scale, peft_to_diffusers,
-    save_diffusers_lora, write_lora_files)
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.minimax_h3.comfyui import (
     diffusers_state_dict, lora_to_comfyui, original_state_dict)
 from dpipe.models.minimax_h3.layers import (
-    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers)
+    AUDIO_CHANNELS, MiniMaxH3Block, cfg_augmented, minimax_h3_layers, packed_layout)
 from dpipe.models.minimax_h3.processor import load_processor
 from dpipe.models.minimax_h3.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.minimax_h3.tiny import INDEX, REPO
-from dpipe.models.single_file import (
-    check_single_file, export_like_source, load_transformer_file, split_path)
+from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import (
-    AudioFormat, ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
+    AudioFormat, NoisedBatch, PipelineLayer, attention_train_flops, denoiser_config,
     model_params, replace_rows)
-from dpipe.models.sync_free import carrier
+from dpipe.models.sync_free import carrier, sizes
 
 REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tokenizer",
                   "processor", "scheduler", "audio_scheduler")
@@ -88,15 +86,31 @@ def _prod(patch) -> int:
     return int(patch[0] * patch[1] * patch[2])
 
 
-class MiniMaxH3Spec(ModelSpec):
+def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A single file's original names -> diffusers', for `model`'s config."""
+    return diffusers_state_dict(state, model.config)
+
+
+class MiniMaxH3Spec(DiffusersFamily):
     family = "minimax_h3"
     trains_audio = True
+    title, example = "MiniMax H3", REPO
+    pipeline_class, denoiser_class = "MiniMaxH3ModularPipeline", "MiniMaxH3Transformer3DModel"
+    required_parts = REQUIRED_PARTS
+    text_fingerprint = {"qwen3_vl": "text_encoder", "tokenizer": "tokenizer"}
+    text_notes = {"layer": TEXT_LAYER}
+    vae_config_keys = ("latents_mean", "latents_std")
+    image_notes = {"latent": "mode", "pixels": [PIXEL_MEAN, PIXEL_STD]}
+    tiny_writer = "dpipe.models.minimax_h3.tiny:make_tiny_minimax_h3"
+    lora_modules = LORA_TARGETS
+    sampler = "dpipe.models.minimax_h3.sampling:MiniMaxH3Sampling"
+    # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
+    # rest from the diffusers folder named by model.single_file_config.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file = from_original
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
-        # rest from the diffusers folder named by model.single_file_config.
-        self.path, self.single_file = split_path(cfg)
         if cfg.guidance < 1:
             raise ConfigError(
                 f"model.guidance={cfg.guidance}: MiniMax H3 reads it as the CFG-augmented "
@@ -109,18 +123,16 @@ class MiniMaxH3Spec(ModelSpec):
         return self.cfg.guidance > 1
 
     def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.minimax_h3.tiny import make_tiny_minimax_h3
-
-            make_tiny_minimax_h3(self.path)
+        # Before the check for missing parts: a diffusers folder of another model lacks INDEX.
         if self.path.is_dir() and not (self.path / INDEX).is_file() and (
                 self.path / "model_index.json").is_file():
             name = read_json(self.path / "model_index.json").get("_class_name")
             raise ModelLoadError(
                 f"model.path={self.path} is a {name} folder, not MiniMax H3: a MiniMax H3 folder "
                 f"is a modular pipeline with {INDEX} (MiniMaxH3ModularPipeline), as {REPO}")
-        check_folder(self.path, REQUIRED_PARTS, "MiniMax H3", REPO)
-        check_single_file(self.single_file)
+        super().ensure_available()
+
+    def read_configs(self) -> None:
         index = read_json(self.path / INDEX)
         if index.get("_class_name") != "MiniMaxH3ModularPipeline":
             raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
@@ -180,32 +192,16 @@ class MiniMaxH3Spec(ModelSpec):
         values = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel", *keys)
         return dict(zip(keys, values))
 
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import MiniMaxH3Transformer3DModel
-
-        if self.single_file is None:
-            return load_or_fail(lambda: MiniMaxH3Transformer3DModel.from_pretrained(
-                self.path, subfolder="transformer", torch_dtype=dtype), self.path / "transformer")
-        return load_transformer_file(
-            MiniMaxH3Transformer3DModel, self.path / "transformer", self.single_file, dtype,
-            lambda state, m: diffusers_state_dict(state, m.config))
-
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = read_json(self.path / "vae" / "config.json")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latents_mean": vae.get("latents_mean"),
-                    "latents_std": vae.get("latents_std"), "latent": "mode",
-                    "pixels": [PIXEL_MEAN, PIXEL_STD]}
         if kind == "audio":
-            vae = read_json(self.path / "audio_vae" / "config.json")
+            vae = self.part_config("audio_vae")
             return {"family": self.family, "audio_vae": folder_fingerprint(self.path / "audio_vae"),
                     "latents_mean": vae.get("latents_mean"),
                     "latents_std": vae.get("latents_std"), "latent": "mode", "layout": "rows"}
-        return {"family": self.family, "qwen3_vl": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"), "layer": TEXT_LAYER,
-                "max_text_tokens": self.cfg.max_text_tokens,
-                "uncond": UNCOND_PROBE if self.guided else None}
+        out = super().encoder_fingerprint(kind)
+        if kind == "text":  # the unconditional prompt cached beside each caption, if any
+            out["uncond"] = UNCOND_PROBE if self.guided else None
+        return out
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -310,20 +306,12 @@ class MiniMaxH3Spec(ModelSpec):
         return latents.reshape(b, channels, c, n).permute(0, 1, 3, 2).reshape(b, channels * n, c)
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
     def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
         # MiniMax H3 predicts the data-ward velocity: x0 = x_t + sigma * v.
         return noisy_latents(x0, noise, t), x0 - noise
 
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return minimax_h3_layers(denoiser, self.cfg.guidance)
-
-    def pipeline_layer_count(self) -> int:
-        blocks, = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel",
-                                  "num_layers")
-        return 2 + blocks
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """A block is 1; the embedding (projections and the two text-refiner blocks over the
@@ -397,13 +385,7 @@ class MiniMaxH3Spec(ModelSpec):
             return (weighted_mean(self.element_error(video, target), *weight)
                     + self.cfg.audio_loss_weight
                     * weighted_mean(self.element_error(audio, audio_target), sound_weight))
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
-    # ---- sampling ----------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.minimax_h3.sampling import MiniMaxH3Sampling
-
-        return MiniMaxH3Sampling(self)
+        return super().loss(outputs, labels)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
@@ -444,38 +426,23 @@ class MiniMaxH3Spec(ModelSpec):
         return video.shape[0] * ((6 if full else 4) * model_params(denoiser) * rows + attention)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import MiniMaxH3ModularPipeline
-
-        weights = peft_to_diffusers(state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         config = self.transformer_config
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(MiniMaxH3ModularPipeline, weights, metadata,
-                                                 out_dir),
-            [LoraFormat(COMFYUI_LORA,
-                        lambda: lora_to_comfyui(weights, lora_scale(metadata), config),
-                        {"format": "comfyui"})])
+        return [LoraFormat(COMFYUI_LORA,
+                           lambda: lora_to_comfyui(weights, lora_scale(metadata), config),
+                           {"format": "comfyui"})]
 
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_denoiser_folder
-
-        folder = write_denoiser_folder(shards, out_dir / "transformer",
-                                               self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also as the source: its keys, prefix, order, dtypes
-            config = self.transformer_config
-            export_like_source(folder, self.single_file,
-                               lambda w: original_state_dict(w, config), out_dir)
-        return folder
+    def export_single_file(self, folder: Path, out_dir: Path) -> Path:
+        # The original names are a function of the config (the block count, the heads).
+        config = self.transformer_config
+        return export_like_source(folder, self.single_file,
+                                  lambda w: original_state_dict(w, config), out_dir)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs):
         """As the pipeline's denoiser step calls the transformer, one sample at a time (its
         layout is the sample's own), the video's and the audio's t as its two timesteps; the
         output as the head's."""
-        from dpipe.models.minimax_h3.layers import packed_layout
-        from dpipe.models.sync_free import sizes
-
         if len(inputs) == 6:
             video, audio, t, text, text_lengths, layout = inputs
         else:
@@ -518,8 +485,3 @@ class MiniMaxH3Spec(ModelSpec):
         pipe.update_components(transformer=denoiser)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
         return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import MiniMaxH3Transformer3DModel
-
-        return MiniMaxH3Transformer3DModel.from_pretrained(export_dir / "transformer")

@@ -25,7 +25,7 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.tiny_parts import seeded, write_once
 
 REPO = "MiniMaxAI/MiniMax-H3"
 INDEX = "modular_model_index.json"
@@ -70,14 +70,7 @@ def make_tiny_minimax_h3(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random MiniMax H3 folder at `path`; return `path`. An existing complete
     folder is returned untouched; the build happens in a temporary sibling folder renamed into
     place, so concurrent callers (pytest workers, pipeline ranks) are safe."""
-    path = Path(path)
-    if not (path / INDEX).is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no {INDEX}, so it is not a tiny model written by "
-                "make_tiny_minimax_h3; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, INDEX, lambda tmp: _write(tmp, seed), "make_tiny_minimax_h3")
 
 
 def save_transformer(transformer: torch.nn.Module, directory: Path) -> None:

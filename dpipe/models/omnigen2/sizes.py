@@ -6,7 +6,9 @@ them: hidden 2520, 32 layers, 2 refiner layers, 21 heads of 120 (7 key/value hea
 (40, 40, 40), text features 2048 (Qwen2.5-VL-3B's hidden size), timestep_scale 1000. The tiny one
 is the test model's (`dpipe.models.omnigen2.tiny` builds it)."""
 
-from dpipe.models.omnigen2.tiny import DIM, LATENT_CHANNELS, TEXT_DIM
+LATENT_CHANNELS = 4  # the tiny VAE's (16 in the real one)
+DIM = 48  # the tiny transformer's width
+TEXT_DIM = 32  # the tiny Qwen2.5-VL's hidden size = text_feat_dim (2048 for the 3B)
 
 OMNIGEN2_4B = {
     "_class_name": "OmniGen2Transformer2DModel",

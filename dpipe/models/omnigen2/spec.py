@@ -27,21 +27,19 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.diffusion.loss import weighted_labels, weighted_mean
+from dpipe.diffusion.loss import weighted_labels
 from dpipe.errors import ModelLoadError
-from dpipe.models.common.lumina_layers import lumina_inputs, lumina_layer_count
+from dpipe.models.common.lumina_layers import lumina_inputs
 from dpipe.models.comfyui import renamed
-from dpipe.models.diffusers_folder import check_folder, kl_image_fingerprint, kl_latents, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
+from dpipe.models.diffusers_folder import kl_latents, load_denoiser, read_json
+from dpipe.models.family import DiffusersFamily
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.omnigen2.layers import omnigen2_layers
 from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
 from dpipe.models.single_file import load_or_fail
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer
+from dpipe.models.spec import NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "mllm", "processor", "scheduler")
 TRANSFORMER_CLASS = "OmniGen2Transformer2DModel"
@@ -73,15 +71,37 @@ class OmniGen2Encoders:
     tokenizer: Any
 
 
-class OmniGen2Spec(ModelSpec):
+def transformer_class():
+    """dpipe's OmniGen2 transformer (imported when needed: it imports diffusers' blocks)."""
+    from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
+
+    return OmniGen2Transformer2DModel
+
+
+class OmniGen2Spec(DiffusersFamily):
     family = "omnigen2"
+    title, example = "OmniGen2", "OmniGen2/OmniGen2"
+    # No diffusers class runs OmniGen2 (so no pipeline_class): the transformer is dpipe's, its
+    # config and weights the reference's; the encoders load part by part.
+    denoiser_class = TRANSFORMER_CLASS
+    required_parts = REQUIRED_PARTS
+    text_fingerprint = {"mllm": "mllm", "processor": "processor"}
+    text_notes = {
+        "layout": "chat template with the system prompt, hidden_states[-1], right-padded + mask"}
+    tiny_writer = "dpipe.models.omnigen2.tiny:make_tiny_omnigen2"
+    lora_modules = LORA_TARGETS
+    # Lumina 2's loader mixin writes the same LoRA file for a "transformer" component (keys
+    # "transformer.<module>.lora_A.weight", peft's adapter config in the metadata), which the
+    # reference's OmniGen2Pipeline.load_lora_weights and this transformer's load_lora_adapter read.
+    lora_writer = "diffusers.loaders:Lumina2LoraLoaderMixin"
+    # lumina_layers: the embedding, the caption's and the image's refiner blocks, the join,
+    # every main block, the head.
+    layers = omnigen2_layers
+    block_count_keys = ("num_refiner_layers", "num_refiner_layers", "num_layers")
+    edge_layers = 3
+    sampler = "dpipe.models.omnigen2.sampling:OmniGen2Sampling"
 
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
-
-            make_tiny_omnigen2(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "OmniGen2", "OmniGen2/OmniGen2")
+    def read_configs(self) -> None:
         config = self.path / "transformer" / "config.json"
         name = read_json(config).get("_class_name")
         if name != TRANSFORMER_CLASS:
@@ -93,9 +113,8 @@ class OmniGen2Spec(ModelSpec):
 
     @property
     def pixel_multiple(self) -> int:
-        vae = read_json(self.path / "vae" / "config.json")
-        patch = read_json(self.path / "transformer" / "config.json").get("patch_size", 2)
-        return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+        patch = self.part_config("transformer").get("patch_size", 2)
+        return super().pixel_multiple * patch
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> OmniGen2Encoders:
@@ -117,21 +136,7 @@ class OmniGen2Spec(ModelSpec):
         return encoders
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-
-        return load_or_fail(lambda: OmniGen2Transformer2DModel.from_pretrained(
-            self.path, subfolder="transformer", dtype=dtype), self.path / "transformer")
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return kl_image_fingerprint(self.family, self.path)
-        return {
-            "family": self.family,
-            "mllm": folder_fingerprint(self.path / "mllm"),
-            "processor": folder_fingerprint(self.path / "processor"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "layout": "chat template with the system prompt, hidden_states[-1], right-padded + mask",
-        }
+        return load_denoiser(transformer_class(), self.path, None, dtype)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: OmniGen2Encoders, pixels: torch.Tensor) -> torch.Tensor:
@@ -154,18 +159,9 @@ class OmniGen2Spec(ModelSpec):
         return {"cap": hidden, "cap_mask": mask.float()}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
     def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
         # OmniGen2 predicts clean - noise (its Euler step adds (t_next - t) * output, t rising).
         return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return omnigen2_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        return lumina_layer_count(self.path / "transformer", TRANSFORMER_CLASS)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption
@@ -176,31 +172,15 @@ class OmniGen2Spec(ModelSpec):
     def make_inputs(self, batch: NoisedBatch):
         return lumina_inputs(batch), weighted_labels(batch)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers.loaders import Lumina2LoraLoaderMixin
-
-        # No diffusers pipeline runs OmniGen2; Lumina 2's loader mixin writes the same file for
-        # a "transformer" component (keys "transformer.<module>.lora_A.weight", peft's adapter
-        # config in the metadata), which the reference's OmniGen2Pipeline.load_lora_weights and
-        # this transformer's load_lora_adapter read.
-        weights = peft_to_diffusers(state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         scale = lora_scale(metadata)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(Lumina2LoraLoaderMixin, weights, metadata,
-                                                 out_dir),
-            [LoraFormat(COMFY_LORA, lambda: renamed(weights, scale), {"format": "pt"})])
+        return [LoraFormat(COMFY_LORA, lambda: renamed(weights, scale), {"format": "pt"})]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """The transformer folder in the reference's layout; the reference-image weights, which
         text-to-image training does not use, copied from the base model into one more shard."""
         from safetensors.torch import save_file
-
-        from dpipe.models.diffusers_folder import write_transformer_folder
 
         dtype = _shard_dtype(shards[0])
         untouched = {k: v.to(dtype).contiguous()
@@ -208,7 +188,7 @@ class OmniGen2Spec(ModelSpec):
                                                REFERENCE_IMAGE_WEIGHTS).items()}
         extra = shards[-1].with_name("reference-image.safetensors")
         save_file(untouched, extra)
-        return write_transformer_folder([*shards, extra], out_dir, self.path)
+        return super().export_full([*shards, extra], out_dir)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -222,24 +202,15 @@ class OmniGen2Spec(ModelSpec):
         return denoiser
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-
-        return OmniGen2Transformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.omnigen2.sampling import OmniGen2Sampling
-
-        return OmniGen2Sampling(self)
+        return transformer_class().from_pretrained(export_dir / "transformer")
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
 
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-
         config = {k: v for k, v in self.bench_configs[size].items() if k != "_class_name"}
         with torch.device(device):
-            model = OmniGen2Transformer2DModel(**config)
+            model = transformer_class()(**config)
         return model.to(dtype)
 
     def random_sample(self, size: str):

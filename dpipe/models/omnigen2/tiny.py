@@ -25,11 +25,9 @@ from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.omnigen2.sizes import LATENT_CHANNELS, OMNIGEN2_TINY, TEXT_DIM
+from dpipe.models.tiny_parts import seeded, write_once
 
-LATENT_CHANNELS = 4
-DIM = 48
-TEXT_DIM = 32  # Qwen2.5-VL hidden size = the transformer's text_feat_dim (2048 for the 3B)
 DTYPE = torch.bfloat16
 # model_index.json: the parts the reference's OmniGen2Pipeline registers. Its library entries are
 # dpipe's reading of the reference code, not compared with the published file; dpipe reads the
@@ -49,20 +47,13 @@ SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_versi
 
 def make_tiny_omnigen2(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random OmniGen2 folder at `path` and return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_omnigen2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_omnigen2")
 
 
 def _write(out: Path, seed: int) -> None:
     from transformers import Qwen2VLImageProcessor
 
-    from dpipe.models.omnigen2.sizes import OMNIGEN2_TINY  # imports this module's sizes
     from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
 
     added = save_qwen_tokenizer(out / "processor", "qwen2.5-vl", model_max_length=131072)

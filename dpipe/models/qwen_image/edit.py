@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from dpipe.errors import DataError
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.diffusers_folder import load_encoders
+from dpipe.models.family import diffusers_class
 from dpipe.models.qwen_image.layers import image_grids, text_inputs
 from dpipe.models.qwen_image.spec import REQUIRED_PARTS, QwenImageSpec, pack
 from dpipe.models.spec import NoisedBatch
@@ -35,27 +36,25 @@ log = logging.getLogger(__name__)
 class QwenImageEditSpec(QwenImageSpec):
     family = "qwen_image_edit"
     pipeline_class = "QwenImageEditPipeline"
-    what, example = "Qwen-Image-Edit", "Qwen/Qwen-Image-Edit"
+    title, example = "Qwen-Image-Edit", "Qwen/Qwen-Image-Edit"
     required_parts = REQUIRED_PARTS + ("processor",)
+    text_fingerprint = {**QwenImageSpec.text_fingerprint, "processor": "processor"}
+    text_notes = {**QwenImageSpec.text_notes,
+                  "image": "control image, resized to ~1024x1024 pixels as the pipeline does"}
+    tiny_writer = "dpipe.models.qwen_image.tiny:make_tiny_qwen_image_edit"
+    sampler = "dpipe.models.qwen_image.sampling:QwenImageEditSampling"
     text_sees_control = True
     bench_configs = {}  # random samples carry no reference image (QwenImageSpec.random_sample)
 
-    def _make_tiny(self) -> None:
-        from dpipe.models.qwen_image.tiny import make_tiny_qwen_image_edit
-
-        make_tiny_qwen_image_edit(self.path)
-
-    def _extra_components(self) -> dict[str, Any]:
-        return {"processor": load_processor(self.path / "processor")}
-
-    def _no_processor(self) -> dict[str, Any]:
-        return {"processor": None}
+    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
+        return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
+                             frozen=self.frozen_parts,
+                             processor=load_processor(self.path / "processor"))
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
         out = super().encoder_fingerprint(kind)
-        if kind == "text":
-            out["processor"] = folder_fingerprint(self.path / "processor")
-            out["image"] = "control image, resized to ~1024x1024 pixels as the pipeline does"
+        if kind == "image":  # Qwen-Image's latents: its image cache entries serve the edit too
+            out["family"] = QwenImageSpec.family
         return out
 
     # ---- caching -----------------------------------------------------------------------------
@@ -99,12 +98,6 @@ class QwenImageEditSpec(QwenImageSpec):
         inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes,
                   pack(control.to(batch.noisy.dtype)))
         return inputs, self._labels(batch)
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.qwen_image.sampling import QwenImageEditSampling
-
-        return QwenImageEditSampling(self)
 
 
 def load_processor(directory):

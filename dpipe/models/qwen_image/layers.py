@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import key_mask, padding_mask, trim_text_padding
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -95,7 +95,7 @@ class QwenImageHead(PipelineLayer):
         hidden, text_hidden, temb, _text_mask, shapes = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
         # The text stream ends unused here; alone on the last stage it still needs a gradient.
-        return out[:, :target_tokens(shapes)] + 0.0 * text_hidden.sum()
+        return keep_in_graph(out[:, :target_tokens(shapes)], text_hidden)
 
 
 def text_inputs(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,14 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.models.qwen_image.spec import pack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): the pipelines' `_pack_latents`."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
 def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -110,11 +104,12 @@ class QwenImageSampling(FamilySampling):
 
     # ---- the reference -----------------------------------------------------------------------
     def load_pipeline(self, denoiser):
-        # The edit pipeline's processor as the spec loads it (Qwen2VLProcessor needs torchvision
-        # for its video half; `load_processor` falls back to its image + text part).
         return self.pipeline_class().from_pretrained(self.path, transformer=denoiser,
-                                                     dtype=torch.float32,
-                                                     **self.spec._extra_components())
+                                                     dtype=torch.float32, **self.loaded_parts())
+
+    def loaded_parts(self) -> dict:
+        """The pipeline's parts loaded otherwise than by its `from_pretrained`: none."""
+        return {}
 
     def pipeline_kwargs(self, request: SampleRequest) -> dict:
         return {"max_sequence_length": self.spec.cfg.max_text_tokens}
@@ -134,6 +129,13 @@ class QwenImageEditSampling(QwenImageSampling):
     """See the module docstring: the reference at the pipeline's ~1 MP size."""
 
     needs_control = True
+
+    def loaded_parts(self) -> dict:
+        # The processor as the spec loads it (Qwen2VLProcessor needs torchvision for its video
+        # half; `load_processor` falls back to its image + text part).
+        from dpipe.models.qwen_image.edit import load_processor
+
+        return {"processor": load_processor(self.path / "processor")}
 
     def control_size(self, request: SampleRequest) -> tuple[int, int]:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions

@@ -2,7 +2,8 @@
 20.4B parameters), for benchmarks with random weights: no download needed. The tiny one is the
 test model's (`dpipe.models.qwen_image.tiny` builds it)."""
 
-from dpipe.models.qwen_image.tiny import TEXT_DIM, Z_DIM
+Z_DIM = 4  # the tiny VAE's latent channels (16 in the real VAE)
+TEXT_DIM = 32  # the tiny Qwen2.5-VL's hidden size = joint_attention_dim (3584 for Qwen2.5-VL-7B)
 
 QWEN_IMAGE_20B = {
     "_class_name": "QwenImageTransformer2DModel",

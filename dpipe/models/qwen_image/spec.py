@@ -17,20 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
+from dpipe.models.diffusers_folder import write_transformer_folder
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, joint_attention_train_flops)
+from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 
@@ -47,74 +42,25 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 COMFY_LORA = "comfyui_lora.safetensors"
 
 
-class QwenImageSpec(ModelSpec):
+class QwenImageSpec(DiffusersFamily):
     family = "qwen_image"
-    pipeline_class = "QwenImagePipeline"
-    what, example = "Qwen-Image", "Qwen/Qwen-Image"
+    title, example = "Qwen-Image", "Qwen/Qwen-Image"
+    pipeline_class, denoiser_class = "QwenImagePipeline", "QwenImageTransformer2DModel"
     required_parts = REQUIRED_PARTS
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (ComfyUI's layout, which
-        # has the diffusers names) with model.single_file_config naming the folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            self._make_tiny()
-        check_folder(self.path, self.required_parts, self.what, self.example)
-        check_single_file(self.single_file)
-        self._vae_config()
-
-    def _make_tiny(self) -> None:
-        from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
-
-        make_tiny_qwen_image(self.path)
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
+    text_notes = {
+        "layout": "pipeline template, hidden_states[-1], template dropped, zero-padded + length"}
+    vae_config_keys = ("latents_mean", "latents_std")
+    tiny_writer = "dpipe.models.qwen_image.tiny:make_tiny_qwen_image"
+    lora_modules = LORA_TARGETS
+    layers = qwen_image_layers
+    sampler = "dpipe.models.qwen_image.sampling:QwenImageSampling"
+    # A single-file transformer: ComfyUI's layout, which has the diffusers names.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
 
     @property
     def pixel_multiple(self) -> int:
         # The pipelines' VAE factor 2 ** len(temperal_downsample) (8 for the real VAE), then 2x2.
-        return 2 ** len(self._vae_config()["temperal_downsample"]) * 2
-
-    def _pipeline(self):
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_class)
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        return load_encoders(self._pipeline(), self.path, device, dtype,
-                             frozen=("vae", "text_encoder"), **self._extra_components())
-
-    def _extra_components(self) -> dict[str, Any]:
-        return {}
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import QwenImageTransformer2DModel
-
-        # A single file: ComfyUI's layout has the diffusers names
-        return load_denoiser(QwenImageTransformer2DModel, self.path, self.single_file, dtype)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": "qwen_image",
-                "vae": folder_fingerprint(self.path / "vae"),
-                "latents_mean": vae.get("latents_mean"),
-                "latents_std": vae.get("latents_std"),
-                "latent": "mode",
-            }
-        return {
-            "family": self.family,
-            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "layout": "pipeline template, hidden_states[-1], template dropped, zero-padded + length",
-        }
+        return 2 ** len(self.part_config("vae")["temperal_downsample"]) * 2
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,18 +96,6 @@ class QwenImageSpec(ModelSpec):
         return {"text": padded, "text_len": lengths.float().view(b, 1)}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return qwen_image_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """qwen_image_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(
-            self.path / "transformer", "QwenImageTransformer2DModel", "num_layers")
-        return 2 + blocks
-
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         shapes = image_grids((1, h // 2, w // 2))
@@ -175,22 +109,14 @@ class QwenImageSpec(ModelSpec):
             return (pack(batch.target),)
         return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        weights = peft_to_diffusers(state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
         pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(self._pipeline(), weights, metadata, out_dir),
-            [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})])
+        return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
+        # The diffusers folder only, from a single file too: no single-file export.
         return write_transformer_folder(shards, out_dir, self.path)
 
     # ---- using exported weights ----------------------------------------------------------------
@@ -206,26 +132,15 @@ class QwenImageSpec(ModelSpec):
                        timestep=t, img_shapes=grids(shapes, image.shape[0]), return_dict=False)[0]
         return out[:, :target_tokens(shapes)]
 
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
-        pipe = self._pipeline().from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None,
-            transformer=self.load_denoiser(torch.float32), **self._no_processor())
+    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA
+                                ) -> nn.Module:
+        # Any of the LoRA files (`weight_name`): diffusers' loader reads the ComfyUI one too.
+        parts = [p for p in self.required_parts
+                 if p not in ("model_index.json", "scheduler", "transformer")]
+        pipe = diffusers_class(self.pipeline_class).from_pretrained(
+            self.path, **dict.fromkeys(parts), transformer=self.load_denoiser(torch.float32))
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return pipe.transformer
-
-    def _no_processor(self) -> dict[str, Any]:
-        return {}
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import QwenImageTransformer2DModel
-
-        return QwenImageTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.qwen_image.sampling import QwenImageSampling
-
-        return QwenImageSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

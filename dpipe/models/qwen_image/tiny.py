@@ -24,10 +24,9 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY, TEXT_DIM, Z_DIM
+from dpipe.models.tiny_parts import seeded, write_once
 
-Z_DIM = 4  # latent channels (16 in the real VAE)
-TEXT_DIM = 32  # Qwen2.5-VL hidden size = joint_attention_dim (3584 for Qwen2.5-VL-7B)
 DTYPE = torch.bfloat16
 # The real Qwen-Image scheduler: resolution-dependent (exponential) shift.
 SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
@@ -37,22 +36,14 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True,
 
 def make_tiny_qwen_image(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Qwen-Image (text-to-image) diffusers folder at `path`."""
-    return _make(Path(path), seed, edit=False)
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, edit=False),
+                      "make_tiny_qwen_image")
 
 
 def make_tiny_qwen_image_edit(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Qwen-Image-Edit diffusers folder at `path`."""
-    return _make(Path(path), seed, edit=True)
-
-
-def _make(path: Path, seed: int, edit: bool) -> Path:
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_qwen_image; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed, edit))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, edit=True),
+                      "make_tiny_qwen_image_edit")
 
 
 def _write(out: Path, seed: int, edit: bool) -> None:
@@ -60,8 +51,6 @@ def _write(out: Path, seed: int, edit: bool) -> None:
         AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
         QwenImagePipeline, QwenImageTransformer2DModel)
     from transformers import Qwen2Tokenizer
-
-    from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY  # imports this module's sizes
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl", model_max_length=131072)
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
