@@ -43,7 +43,8 @@ def random_audio(spec, size: str, count: int) -> torch.Tensor | None:
 
 def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: int, seed: int):
     """The step's micro-batches, made once: timing the model, not random number generation."""
-    from dpipe.data.batches import DataBatch, noised_audio
+    from dpipe.data.batches import noised_audio
+    from dpipe.models.spec import NoisedBatch
 
     torch.manual_seed(seed)  # the same on the first and the last stage
     batches = []
@@ -57,7 +58,7 @@ def fixed_micro_batches(spec, size: str, micro_batches: int, micro_batch_size: i
         audio = random_audio(spec, size, len(latents))
         sound = {} if audio is None else noised_audio(spec, audio, t, seed, 0, range(
             micro * micro_batch_size, (micro + 1) * micro_batch_size))
-        inputs, labels = spec.make_inputs(DataBatch(latents=latents, noise=noise, timesteps=t,
+        inputs, labels = spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t,
                                                     noisy=noisy, target=target, text=text,
                                                     **sound))
         pin = lambda ts: tuple(t.pin_memory() if torch.cuda.is_available() else t for t in ts)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,33 +29,6 @@ from dpipe.models.spec import ModelSpec, NoisedBatch
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DataBatch(NoisedBatch):
-    """A NoisedBatch with what some datasets add; None where the dataset has none."""
-
-    # Per-pixel loss weights at latent resolution, (B, 1, h, w) ((B, 1, 1, h, w) for video),
-    # 1 where a sample has no mask. Models multiply their per-element loss by it.
-    loss_weight: torch.Tensor | None = None
-    # Latents of the control/reference images of edit models, shaped as `latents`.
-    control: torch.Tensor | None = None
-    # How each file was fitted to its bucket (int64, (B, 2)): the source's (height, width) and
-    # the (top, left) of the centre crop, in pixels of the source scaled to cover the bucket.
-    original_size: torch.Tensor | None = None
-    crop_top_left: torch.Tensor | None = None
-    # Each clip's frame rate as trained (float32, (B,)); NaN for images (the model's default).
-    fps: torch.Tensor | None = None
-    # Sampling guidance-distilled models (float32, (B,)): the scale their guidance embedding
-    # takes; None in training, where `model.guidance` applies.
-    guidance: torch.Tensor | None = None
-    # Audio-video families with model.audio=true: each clip's clean audio latents (as
-    # `spec.encode_audio` gives them), their noise (its own stream, the sample's t), the noised
-    # latents and the target; None otherwise.
-    audio: torch.Tensor | None = None
-    audio_noise: torch.Tensor | None = None
-    audio_noisy: torch.Tensor | None = None
-    audio_target: torch.Tensor | None = None
-
-
 def _role(key: str, sample: Sample) -> str:
     """What the entry `key` is to `sample`, for messages."""
     roles = {sample.latent: "latents", sample.mask: "mask", sample.control: "control latents",
@@ -65,7 +37,7 @@ def _role(key: str, sample: Sample) -> str:
 
 
 def sample_conditions(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
-    """The DataBatch fields that come from the manifest alone (no cache read)."""
+    """The NoisedBatch fields that come from the manifest alone (no cache read)."""
     def pairs(name):
         values = [getattr(s, name) for s in samples]
         return None if any(v is None for v in values) else torch.tensor(values, dtype=torch.long)
@@ -203,7 +175,7 @@ def noised_batch(
     loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
     timesteps: torch.Tensor | None = None, conditions: dict | None = None,
     audio: torch.Tensor | None = None,
-) -> DataBatch:
+) -> NoisedBatch:
     """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them (evals:
     then no timestep weighting, so eval losses compare across `train.timesteps.weighting`);
     `conditions`: `sample_conditions` of the samples; `audio`: the clips' audio latents, noised
@@ -223,14 +195,14 @@ def noised_batch(
         weights = timestep_weights(timesteps_cfg.weighting, spec.train_timesteps(t_t))
         loss_weight = weigh_samples(loss_weight, weights, latents)
     sound = {} if audio is None else noised_audio(spec, audio, t_t, seed, step, slots)
-    return DataBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
+    return NoisedBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
                      text=text, loss_weight=loss_weight, control=control, **(conditions or {}),
                      **sound)
 
 
 def noised_audio(spec: ModelSpec, audio: torch.Tensor, t: torch.Tensor, seed: int, step: int,
                  slots: range) -> dict[str, torch.Tensor]:
-    """The DataBatch audio fields: the audio latents noised at the video's t (audio-video
+    """The NoisedBatch audio fields: the audio latents noised at the video's t (audio-video
     models denoise both streams on one schedule), from a noise stream of their own."""
     noise = torch.stack([
         torch.randn(a.shape, generator=sample_generator(seed, step, slot, "audio_noise"))

@@ -216,12 +216,12 @@ class FamilySampling:
         return t.reshape(1).float() / 1000
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
-        """The DataBatch that `make_inputs` turns into the first layer's inputs at timestep t."""
-        from dpipe.data.batches import DataBatch
+        """The NoisedBatch that `make_inputs` turns into the first layer's inputs at timestep t."""
+        from dpipe.models.spec import NoisedBatch
 
         x = d.latents
         r = d.request
-        return DataBatch(
+        return NoisedBatch(
             latents=x, noise=torch.zeros_like(x), timesteps=self.model_time(t).to(x.device),
             noisy=x, target=x, text=text, control=d.control,
             original_size=torch.tensor([[r.height, r.width]]),

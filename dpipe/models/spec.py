@@ -45,7 +45,9 @@ class AudioFormat:
 
 @dataclass(frozen=True)
 class NoisedBatch:
-    """One micro-batch after noising: what the denoiser sees and what it must predict."""
+    """One micro-batch after noising: what the denoiser sees and what it must predict. The
+    training loader makes them from the cache, the samplers one per denoising step; the fields
+    after `text` are None where the dataset (or the sample request) has none."""
 
     latents: torch.Tensor  # clean latents x0
     noise: torch.Tensor
@@ -53,6 +55,28 @@ class NoisedBatch:
     noisy: torch.Tensor  # x_t
     target: torch.Tensor  # what the model predicts (e.g. noise - x0 for flow matching)
     text: dict[str, torch.Tensor]  # cached text embeddings, batched
+
+    # Per-pixel loss weights at latent resolution, (B, 1, h, w) ((B, 1, 1, h, w) for video),
+    # 1 where a sample has no mask. Models multiply their per-element loss by it.
+    loss_weight: torch.Tensor | None = None
+    # Latents of the control/reference images of edit models, shaped as `latents`.
+    control: torch.Tensor | None = None
+    # How each file was fitted to its bucket (int64, (B, 2)): the source's (height, width) and
+    # the (top, left) of the centre crop, in pixels of the source scaled to cover the bucket.
+    original_size: torch.Tensor | None = None
+    crop_top_left: torch.Tensor | None = None
+    # Each clip's frame rate as trained (float32, (B,)); NaN for images (the model's default).
+    fps: torch.Tensor | None = None
+    # Sampling guidance-distilled models (float32, (B,)): the scale their guidance embedding
+    # takes; None in training, where `model.guidance` applies.
+    guidance: torch.Tensor | None = None
+    # Audio-video families with model.audio=true: each clip's clean audio latents (as
+    # `spec.encode_audio` gives them), their noise (its own stream, the sample's t), the noised
+    # latents and the target; None otherwise.
+    audio: torch.Tensor | None = None
+    audio_noise: torch.Tensor | None = None
+    audio_noisy: torch.Tensor | None = None
+    audio_target: torch.Tensor | None = None
 
 
 class PipelineLayer(nn.Module):
@@ -92,7 +116,7 @@ class ModelSpec(abc.ABC):
     # The error per element that `loss` averages: MSE unless the trainer sets train.loss.
     element_error: ElementError = ElementError()
     # Whether the family trains on sound with `model.audio=true` (`audio_format`, `encode_audio`,
-    # and its layers take the DataBatch audio fields); others refuse model.audio=true.
+    # and its layers take the NoisedBatch audio fields); others refuse model.audio=true.
     trains_audio: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig):

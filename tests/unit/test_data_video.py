@@ -92,7 +92,7 @@ def test_a_model_without_video_support_refuses_videos(tmp_path):
 
 def test_each_clip_s_frame_rate_reaches_the_batch(tmp_path):
     """The rate a clip is trained at (its own, or video_fps of its directory) rides with each
-    sample into the batch (`DataBatch.fps`); images have none (NaN: the model's default)."""
+    sample into the batch (`NoisedBatch.fps`); images have none (NaN: the model's default)."""
     from dpipe.config.schema import TimestepConfig
     from dpipe.data.batches import noised_batch, sample_conditions
     from dpipe.models.spec import ModelSpec

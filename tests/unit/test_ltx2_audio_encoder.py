@@ -1,5 +1,5 @@
 """LTX-2's audio encoder on the tiny model in the real layout: the log-mel spectrogram, latents of
-the length and normalisation LTX2Pipeline uses, and clips' sound reaching the DataBatch audio
+the length and normalisation LTX2Pipeline uses, and clips' sound reaching the NoisedBatch audio
 fields through the dataset (model.audio=true)."""
 
 import os
@@ -25,7 +25,7 @@ from tests.unit.test_data_support import dataset_config, write_image, write_vide
 
 class SoundLTX2(LTX2Spec):
     """LTX-2 with model.audio=true allowed (the family's layers take sound in another change)
-    and each micro-batch's DataBatch kept for the test to read."""
+    and each micro-batch's NoisedBatch kept for the test to read."""
 
     trains_audio = True
     batches: list = []

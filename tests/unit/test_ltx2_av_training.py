@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpipe.data.batches import DataBatch
+from dpipe.models.spec import NoisedBatch
 from dpipe.errors import DataError
 from dpipe.models.ltx_video.ltx2.audio import pack_audio, unpack_audio
 from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
@@ -62,7 +62,7 @@ def audio_batch(spec, encoders, frames=9, audio_tokens=5, sound=True, t=(0.3, 0.
     if weights is not None:
         b, _, _, h, w = latents.shape
         fields["loss_weight"] = torch.tensor(weights).view(-1, 1, 1, 1, 1).expand(b, 1, 1, h, w)
-    return spec.make_inputs(DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy,
+    return spec.make_inputs(NoisedBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy,
                                       target=target, text=text, **fields))
 
 
@@ -189,7 +189,7 @@ def test_prompts_without_audio_tokens_are_refused(spec, encoders):
     text = {k: v for k, v in spec.encode_prompts(encoders, CAPTIONS).items()
             if k != AUDIO_TEXT_KEY}
     latents = torch.zeros(2, 8, 2, 8, 8)
-    batch = DataBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.5, 0.5]),
+    batch = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.5, 0.5]),
                       noisy=latents, target=latents, text=text)
     with pytest.raises(DataError, match="encode them with model.audio=true"):
         spec.make_inputs(batch)

@@ -214,7 +214,7 @@ def test_full_export_loads(spec, tmp_path):
 
 
 def test_mask_weights_the_loss(spec):
-    from dpipe.data.batches import DataBatch
+    from dpipe.models.spec import NoisedBatch
 
     x0 = torch.randn(2, 4, 2, 16, 16)
     noise, t = torch.randn_like(x0), torch.tensor([0.2, 0.9])
@@ -222,7 +222,7 @@ def test_mask_weights_the_loss(spec):
     text = {"llama": torch.zeros(2, 16, 32), "mask": torch.ones(2, 16), "pooled": torch.zeros(2, 32)}
     weight = torch.zeros(2, 1, 1, 16, 16)
     weight[..., :8] = 1.0  # the left half counts
-    batch = DataBatch(latents=x0, noise=noise, timesteps=t, noisy=noisy, target=target, text=text,
+    batch = NoisedBatch(latents=x0, noise=noise, timesteps=t, noisy=noisy, target=target, text=text,
                       loss_weight=weight)
     _, labels = spec.make_inputs(batch)
     out = target + torch.randn_like(target)

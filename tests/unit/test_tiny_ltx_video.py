@@ -208,8 +208,8 @@ def test_full_export_loads(spec, tmp_path):
 
 
 def _batch_at(spec, encoders, fps, frames=9, seed=0):
-    """A DataBatch of len(fps) clips with those frame rates (NaN: an image's, the default)."""
-    from dpipe.data.batches import DataBatch
+    """A NoisedBatch of len(fps) clips with those frame rates (NaN: an image's, the default)."""
+    from dpipe.models.spec import NoisedBatch
 
     g = torch.Generator().manual_seed(seed)
     pixels = torch.rand(len(fps), 3, frames, 64, 64, generator=g) * 2 - 1
@@ -218,7 +218,7 @@ def _batch_at(spec, encoders, fps, frames=9, seed=0):
     noise = torch.randn(latents.shape, generator=g)
     t = torch.tensor([0.3, 0.8][:len(fps)])
     noisy, target = spec.noise(latents, noise, t)
-    return DataBatch(latents, noise, t, noisy, target, text, fps=torch.tensor(fps))
+    return NoisedBatch(latents, noise, t, noisy, target, text, fps=torch.tensor(fps))
 
 
 def test_each_clip_trains_at_its_frame_rate(spec, encoders, tiny):

@@ -91,7 +91,7 @@ def _inputs(spec, folder, audio: bool, g: torch.Generator, weights=None):
     """A micro-batch of 2 samples whose prompts differ in length, through `make_inputs`; with
     model.guidance > 1, an unconditional prompt of 2 tokens beside each; `weights`: one loss
     weight per sample (as a directory's loss_weight gives)."""
-    from dpipe.data.batches import DataBatch
+    from dpipe.models.spec import NoisedBatch
 
     latents = torch.randn(2, 8, 2, 4, 4, generator=g)
     noise = torch.randn(latents.shape, generator=g)
@@ -112,7 +112,7 @@ def _inputs(spec, folder, audio: bool, g: torch.Generator, weights=None):
         sound = dict(audio=a, audio_noise=a_noise, audio_noisy=a_noisy, audio_target=a_target)
     if weights is not None:
         sound["loss_weight"] = torch.tensor(weights).view(2, 1, 1, 1, 1).expand(2, 1, 1, 4, 4)
-    batch = DataBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
+    batch = NoisedBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
                       text=text, **sound)
     return spec.make_inputs(batch)
 

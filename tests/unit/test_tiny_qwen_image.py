@@ -152,7 +152,7 @@ def test_one_prompt_trains_unmasked_as_diffusers_does_padded(tiny, monkeypatch):
 
 
 def test_mask_weights_follow_the_packing(tiny):
-    from dpipe.data.batches import DataBatch
+    from dpipe.models.spec import NoisedBatch
 
     spec = _spec(tiny)
     x0, noise, t = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8), torch.tensor([0.5])
@@ -160,7 +160,7 @@ def test_mask_weights_follow_the_packing(tiny):
     weight = torch.ones(1, 1, 8, 8)
     weight[..., :4, :] = 0
     text = {"text": torch.zeros(1, 24, 32), "text_len": torch.tensor([[5.0]])}
-    _, labels = spec.make_inputs(DataBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
+    _, labels = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
     wrong = target.clone()
     wrong[..., :4, :] += 3.0
     assert spec.loss(pack(wrong), labels).item() == 0.0

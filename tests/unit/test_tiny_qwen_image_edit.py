@@ -15,7 +15,6 @@ import torch
 from diffusers import QwenImageEditPipeline
 
 from dpipe.config.schema import ModelConfig
-from dpipe.data.batches import DataBatch
 from dpipe.errors import DataError
 from dpipe.models.qwen_image.edit import QwenImageEditSpec, load_processor
 from dpipe.models.qwen_image.spec import DIFFUSERS_LORA, pack
@@ -103,7 +102,7 @@ def test_prompts_are_encoded_with_the_control_image_as_the_pipeline_does(spec, e
 
 
 @pytest.fixture(scope="module")
-def batch(spec, encoders, controls) -> DataBatch:
+def batch(spec, encoders, controls) -> NoisedBatch:
     text = spec.encode_prompts_with_controls(encoders, INSTRUCTIONS, controls)
     g = torch.Generator().manual_seed(0)
     x0 = spec.encode_images(encoders, torch.rand(2, 3, 64, 64, generator=g) * 2 - 1)
@@ -111,7 +110,7 @@ def batch(spec, encoders, controls) -> DataBatch:
     noise = torch.randn(x0.shape, generator=g)
     t = torch.rand(2, generator=g)
     noisy, target = spec.noise(x0, noise, t)
-    return DataBatch(x0, noise, t, noisy, target, text, control=control)
+    return NoisedBatch(x0, noise, t, noisy, target, text, control=control)
 
 
 def test_reference_latents_join_the_image_tokens(spec, batch):

@@ -200,7 +200,7 @@ def test_comfy_lora_equals_the_diffusers_lora(tiny, tmp_path):
 
 
 def test_mask_weights_the_loss(tiny):
-    from dpipe.data.batches import DataBatch
+    from dpipe.models.spec import NoisedBatch
 
     spec = _spec(tiny)
     x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.6])
@@ -208,7 +208,7 @@ def test_mask_weights_the_loss(tiny):
     text = {"cap": torch.zeros(2, 34, 32), "cap_len": torch.tensor([[3.0], [5.0]])}
     weight = torch.ones(2, 1, 8, 8)
     weight[:, :, :4] = 0.0  # the top half does not count
-    _, labels = spec.make_inputs(DataBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
+    _, labels = spec.make_inputs(NoisedBatch(x0, noise, t, noisy, target, text, loss_weight=weight))
     out = target.clone()
     out[:, :, :4] += 5.0  # wrong only where the mask is 0
     assert spec.loss(out, labels).item() == 0.0

@@ -34,7 +34,7 @@ from dpipe.models.sync_free import carrier, sizes
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
 # LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps). A
-# clip trains at its own rate (`DataBatch.fps`, after resampling); images, and batches made
+# clip trains at its own rate (`NoisedBatch.fps`, after resampling); images, and batches made
 # without a dataset, at this one.
 FRAME_RATE = 25
 

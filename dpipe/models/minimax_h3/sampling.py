@@ -235,13 +235,13 @@ class MiniMaxH3Sampling(FamilySampling):
 
 
 def _sampling_batch():
-    """A DataBatch with the audio rows' own t (`make_inputs` reads `audio_timesteps`)."""
+    """A NoisedBatch with the audio rows' own t (`make_inputs` reads `audio_timesteps`)."""
     from dataclasses import dataclass
 
-    from dpipe.data.batches import DataBatch
+    from dpipe.models.spec import NoisedBatch
 
     @dataclass(frozen=True)
-    class SamplingBatch(DataBatch):
+    class SamplingBatch(NoisedBatch):
         audio_timesteps: torch.Tensor | None = None
         sampling: bool = True  # the model's plain prediction, never CFG-augmented
 

@@ -12,7 +12,7 @@ on uniformly sampled timesteps: use `train.timesteps.sampling=uniform` (and shif
 Conditioning: both encoders' penultimate hidden states (concatenated, 77 tokens) and CLIP-G's pooled
 projection through `StableDiffusionXLPipeline.encode_prompt`, plus SDXL's six size/crop numbers
 (original size, crop top-left, target size): the file's size and the offset of the crop that
-fitted it to its bucket, from the dataset (`DataBatch.original_size` / `crop_top_left`), as
+fitted it to its bucket, from the dataset (`NoisedBatch.original_size` / `crop_top_left`), as
 diffusers' SDXL training script computes them; (size, (0, 0), size) of the trained image for a
 batch made without a dataset.
 """

@@ -42,7 +42,7 @@ from dpipe.models.sync_free import sizes
 
 COMFYUI_LORA = "ltx2_lora_comfyui.safetensors"
 # LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on: for
-# images and batches made without a dataset (a clip trains at its own rate, `DataBatch.fps`).
+# images and batches made without a dataset (a clip trains at its own rate, `NoisedBatch.fps`).
 FRAME_RATE = 24.0
 # Part of the audio latents' cache keys: bump when dpipe.models.ltx_video.ltx2.audio changes its output.
 AUDIO_ENCODING_VERSION = 1
