@@ -78,6 +78,7 @@ class HunyuanImageSpec(DiffusersFamily):
     from_single_file = from_original
 
     def read_configs(self) -> None:
+        # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
         self.part_config("vae")
         self.part_config("transformer")
 

@@ -60,6 +60,7 @@ class HunyuanVideoSpec(DiffusersFamily):
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
     lora_modules = LORA_TARGETS
+    # The embedding, every double- and single-stream block, the head.
     block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
     # A single file in the original / ComfyUI layout (original.py); its names both ways.
@@ -67,6 +68,7 @@ class HunyuanVideoSpec(DiffusersFamily):
     from_single_file, to_original = from_original, original_state_dict
 
     def read_configs(self) -> None:
+        # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
         self.part_config("vae")
         self.part_config("transformer")
 
