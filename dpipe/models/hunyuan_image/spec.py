@@ -163,5 +163,6 @@ class HunyuanImageSpec(DiffusersFamily):
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         # The pipeline has no LoRA loader: the transformer loads it.
         transformer = self.load_denoiser(torch.float32)
-        transformer.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
+        transformer.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA,
+                                      prefix="transformer")
         return transformer

@@ -156,7 +156,8 @@ class HunyuanVideo15Spec(DiffusersFamily):
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
-            weights, lora_scale(metadata), comfyui_mapping(self.part_config("transformer"), weights),
+            weights, lora_scale(metadata),
+            comfyui_mapping(self.part_config("transformer"), weights),
             swapped=FINAL_MODULATION), {"format": "comfyui"})]
 
     def export_single_file(self, folder: Path, out_dir: Path) -> Path:
