@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.hunyuan_video.spec import (
-    COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideoSpec, comfyui_mapping, prompt_template)
+    COMFYUI_LORA, HunyuanVideoSpec, comfyui_mapping, prompt_template)
 from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 from tests.unit.video_checks import (

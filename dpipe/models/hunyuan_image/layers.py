@@ -21,7 +21,7 @@ from torch import nn
 
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask, padding_mask, real_tokens
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
@@ -121,7 +121,7 @@ class HunyuanImageHead(PipelineLayer):
         out = out.reshape(out.shape[0], h, w, c, ph, pw).permute(0, 3, 1, 4, 2, 5)
         out = out.reshape(out.shape[0], c, h * ph, w * pw).contiguous()  # a view when p = 1
         # The text stream ends unused; it still needs a gradient when it crossed a stage boundary.
-        return out + 0.0 * text_hidden.sum()
+        return keep_in_graph(out, text_hidden)
 
 
 def hunyuan_image_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:

@@ -38,7 +38,7 @@ class HunyuanImageSampling(FamilySampling):
 
     # ---- the model folder ----------------------------------------------------------------------
     def _transformer(self) -> dict:
-        return self.spec._config("transformer")
+        return self.spec.part_config("transformer")
 
     def _guider_names(self) -> list[str]:
         """The guider components model_index.json names (null ones left out)."""

@@ -24,23 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
+from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
 from dpipe.models.hunyuan_image.original import file_form, from_original, to_original
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.single_file import export_like_source
+from dpipe.models.spec import NoisedBatch
 
 log = logging.getLogger(__name__)
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                  "tokenizer", "tokenizer_2", "scheduler")
 COMFYUI_LORA = "hunyuan_image_lora_comfyui.safetensors"
 
 # Every Linear of both kinds of blocks (attention incl. the text stream's, MLPs, AdaLN
@@ -52,60 +49,44 @@ _BLOCK_LINEARS = [
     r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
 ]
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
-class HunyuanImageSpec(ModelSpec):
+class HunyuanImageSpec(DiffusersFamily):
     family = "hunyuan_image"
+    title, example = "HunyuanImage 2.1", "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
+    pipeline_class, denoiser_class = "HunyuanImagePipeline", "HunyuanImageTransformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                      "tokenizer", "tokenizer_2", "scheduler")
+    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
+    unused_parts = ("guider", "ocr_guider")  # sampling only (sampling.py loads them)
+    text_fingerprint = {part: part for part in TEXT_PARTS}
+    vae_config_keys = ("scaling_factor",)
+    tiny_writer = "dpipe.models.hunyuan_image.tiny:make_tiny_hunyuan_image"
+    lora_modules = LORA_TARGETS
+    # The embedding runs the first double-stream block; then the other double- and every
+    # single-stream block, and the head.
+    block_count_keys, edge_layers = ("num_layers", "num_single_layers"), 1
+    block_types = (HunyuanImageBlock,)
+    sampler = "dpipe.models.hunyuan_image.sampling:HunyuanImageSampling"
+    # diffusers 0.42 gives HunyuanImagePipeline no LoRA loader mixin; the file is written in the
+    # diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
+    # metadata), by a mixin that has one, and the transformer's `load_lora_adapter` reads it.
+    lora_writer = "HunyuanVideoPipeline"
+    # A single file in Tencent's original layout (original.py).
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file = from_original
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (Tencent's names) with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.hunyuan_image.tiny import make_tiny_hunyuan_image
-
-            make_tiny_hunyuan_image(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "HunyuanImage 2.1",
-                     "hunyuanvideo-community/HunyuanImage-2.1-Diffusers")
-        check_single_file(self.single_file)
-        self._config("vae")
-        self._config("transformer")
-
-    def _config(self, part: str) -> dict[str, Any]:
-        return read_json(self.path / part / "config.json")
+    def read_configs(self) -> None:
+        # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
+        self.part_config("vae")
+        self.part_config("transformer")
 
     @property
     def pixel_multiple(self) -> int:
-        patch = self._config("transformer").get("patch_size", [1, 1])
-        return int(self._config("vae")["spatial_compression_ratio"]) * int(max(patch))
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import HunyuanImagePipeline
-
-        return load_encoders(HunyuanImagePipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "text_encoder_2"),
-                             guider=None, ocr_guider=None)
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import HunyuanImageTransformer2DModel
-
-        # A single file: original names; fused weights split at the config's
-        return load_denoiser(HunyuanImageTransformer2DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = self._config("vae")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "scaling_factor": vae.get("scaling_factor"), "latent": "mode"}
-        return {"family": self.family,
-                **{p: folder_fingerprint(self.path / p) for p in
-                   ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")},
-                "max_text_tokens": self.cfg.max_text_tokens}
+        # The VAE's config names its downscale; the transformer's patches on top.
+        patch = self.part_config("transformer").get("patch_size", [1, 1])
+        return int(self.part_config("vae")["spatial_compression_ratio"]) * int(max(patch))
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,22 +108,8 @@ class HunyuanImageSpec(ModelSpec):
                 "glyph_mask": glyph_mask}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hunyuan_image_layers(denoiser, self.cfg.attention)
-
-    def pipeline_layer_count(self) -> int:
-        """hunyuan_image_layers: the embedding (which runs the first double-stream block), the
-        other double- and every single-stream block, the head."""
-        double, single = denoiser_config(
-            self.path / "transformer", "HunyuanImageTransformer2DModel", "num_layers",
-            "num_single_layers")
-        return 1 + double + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        return block_costs(layers, HunyuanImageBlock)
+    def pipeline_layers(self, denoiser: nn.Module):
+        return hunyuan_image_layers(denoiser, self.cfg.attention)  # the kernel is configured
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
@@ -159,46 +126,25 @@ class HunyuanImageSpec(ModelSpec):
         joint = joint_padding_mask((glyph, glyph_mask), (qwen, qwen_mask))
         inputs = (batch.noisy, batch.timesteps * 1000.0, qwen, qwen_mask.long(), glyph,
                   glyph_mask.long(), guidance, joint)
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        return inputs, (batch.target,) if weight is None else (batch.target, weight)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+        return inputs, weighted_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        # diffusers 0.42 gives HunyuanImagePipeline no LoRA loader mixin; the file is written in
-        # the diffusers format all pipelines share (`transformer.`-prefixed peft keys + adapter
-        # metadata), which the transformer's own `load_lora_adapter` reads.
-        from diffusers.loaders.lora_base import LoraBaseMixin
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(
+            weights, lora_scale(metadata), self.part_config("transformer")), {"format": "comfyui"})]
 
-        weights = peft_to_diffusers(state_dict)
-
-        def write_diffusers() -> Path:
-            LoraBaseMixin._save_lora_weights(
-                out_dir, lora_layers={"transformer": weights},
-                lora_metadata={"transformer": metadata}, weight_name=DIFFUSERS_LORA)
-            return out_dir / DIFFUSERS_LORA
-
-        return write_lora_files(out_dir, write_diffusers, [LoraFormat(
-            COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata),
-                                               self._config("transformer")),
-            {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(
-            shards, out_dir, self.path, self.single_file,
-            lambda weights: to_original(weights, self._config("transformer"), self._source_form()))
+    def export_single_file(self, folder: Path, out_dir: Path) -> Path:
+        # Back in the form of the source file (fused, split or ComfyUI's), so the tool that
+        # loaded the source loads the fine-tune.
+        return export_like_source(
+            folder, self.single_file, lambda weights: to_original(
+                weights, self.part_config("transformer"), self._source_form()), out_dir)
 
     def _source_form(self) -> str:
         from safetensors import safe_open
 
         with safe_open(self.single_file, "pt") as source:
-            return file_form(k.removeprefix("model.").removeprefix("diffusion_model.")
+            return file_form(k.removeprefix("model.").removeprefix(COMFY_PREFIX)
                              for k in source.keys())
 
     # ---- using exported weights ----------------------------------------------------------------
@@ -215,16 +161,8 @@ class HunyuanImageSpec(ModelSpec):
             timestep_r=timestep_r if c.use_meanflow else None, return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
+        # The pipeline has no LoRA loader: the transformer loads it.
         transformer = self.load_denoiser(torch.float32)
-        transformer.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
+        transformer.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA,
+                                      prefix="transformer")
         return transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import HunyuanImageTransformer2DModel
-
-        return HunyuanImageTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.hunyuan_image.sampling import HunyuanImageSampling
-
-        return HunyuanImageSampling(self)

@@ -22,7 +22,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, seeded, tiny_corpus, write_atomically
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -36,14 +36,8 @@ TEMPLATE_TOKENS = 34
 
 def make_tiny_hunyuan_image(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random HunyuanImage 2.1 diffusers folder at `path`; return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_hunyuan_image; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_hunyuan_image")
 
 
 def _write(out: Path, seed: int) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -96,7 +96,7 @@ class HunyuanVideoHead(PipelineLayer):
         hidden, text_hidden, temb, _text_mask, grid = inputs
         out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
         # The text stream ends unused; it still needs a gradient when the head is alone on a stage.
-        return out + 0.0 * text_hidden.sum()
+        return keep_in_graph(out, text_hidden)
 
 
 def hunyuan_video_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:

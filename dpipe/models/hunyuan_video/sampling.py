@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.diffusers_folder import read_json
+from dpipe.models.hunyuan_video.spec import prompt_template
 from dpipe.models.sampling import FamilySampling, SampleRequest
 
 
@@ -54,7 +55,6 @@ class HunyuanVideoSampling(FamilySampling):
                          guidance: float) -> torch.Tensor:
         from diffusers import HunyuanVideoPipeline
 
-        from dpipe.models.hunyuan_video.spec import prompt_template
         from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
         # The tokenizer as dpipe loads it (transformers 5 would drop its byte-level

@@ -11,11 +11,9 @@ pre-tokenizer (see tokenizers.py). Images train as 1-frame videos; clips need 4k
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpipe.diffusion.loss import video_loss, weighted_labels
@@ -24,21 +22,15 @@ from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.shapes import as_video, frames_ok
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.diffusers_folder import load_encoders
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
-from dpipe.models.hunyuan_video.original import from_original, lora_linears
+from dpipe.models.hunyuan_video.original import from_original, lora_linears, original_state_dict
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, block_costs, denoiser_config,
-    joint_attention_train_flops)
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.single_file import load_or_fail
+from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                  "tokenizer", "tokenizer_2", "scheduler")
 COMFYUI_LORA = "hunyuan_video_lora_comfyui.safetensors"
 # Bump when the way prompts or images are encoded changes, so old cache entries are not reused.
 ENCODING_VERSION = 1
@@ -54,77 +46,58 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideoSpec(ModelSpec):
+class HunyuanVideoSpec(DiffusersFamily):
     family = "hunyuan_video"
+    title, example = "HunyuanVideo", "hunyuanvideo-community/HunyuanVideo"
+    pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                      "tokenizer", "tokenizer_2", "scheduler")
+    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
+    text_fingerprint = {"llama": "text_encoder", "clip": "text_encoder_2",
+                        "tokenizers": ("tokenizer", "tokenizer_2")}
+    text_notes = {"encoding": ENCODING_VERSION}
+    vae_config_keys = ("scaling_factor",)
+    image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
+    tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
+    lora_modules = LORA_TARGETS
+    # The embedding, every double- and single-stream block, the head.
+    block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
+    sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
+    # A single file in the original / ComfyUI layout (original.py); its names both ways.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file, to_original = from_original, original_state_dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (original / ComfyUI
-        # names) with model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
-
-            make_tiny_hunyuan_video(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "HunyuanVideo",
-                     "hunyuanvideo-community/HunyuanVideo")
-        check_single_file(self.single_file)
-        self._vae_config()
-        self._transformer_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
-
-    def _transformer_config(self) -> dict[str, Any]:
-        return read_json(self.path / "transformer" / "config.json")
+    def read_configs(self) -> None:
+        # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
+        self.part_config("vae")
+        self.part_config("transformer")
 
     @property
     def pixel_multiple(self) -> int:
-        return self._vae_config()["spatial_compression_ratio"] * self._transformer_config()["patch_size"]
+        # The VAE's config names its downscale; the transformer's 2x2 patches on top.
+        return (self.part_config("vae")["spatial_compression_ratio"]
+                * self.part_config("transformer")["patch_size"])
 
     @property
     def temporal_ratio(self) -> int:
-        return self._vae_config()["temporal_compression_ratio"]
+        return self.part_config("vae")["temporal_compression_ratio"]
 
-    # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import HunyuanVideoPipeline
-
         from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
-        # HunyuanVideo pads prompts on the right and crops its template off the front.
+        # HunyuanVideo pads prompts on the right and crops its template off the front; the
+        # tokenizer loaded so that transformers 5 keeps its byte-level pre-tokenizer.
         tokenizer = load_or_fail(lambda: load_byte_level_tokenizer(
             self.path / "tokenizer", padding_side="right"), self.path / "tokenizer")
-        return load_encoders(HunyuanVideoPipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "text_encoder_2"), tokenizer=tokenizer)
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import HunyuanVideoTransformer3DModel
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(HunyuanVideoTransformer3DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
+        return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
+                             frozen=self.frozen_parts, tokenizer=tokenizer)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = self._vae_config()
-            return {
-                "family": self.family, "encoding": ENCODING_VERSION,
-                "vae": folder_fingerprint(self.path / "vae"),
-                "scaling_factor": vae.get("scaling_factor"), "latent": "mode",
-            }
-        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-
-        return {
-            "family": self.family, "encoding": ENCODING_VERSION,
-            "llama": folder_fingerprint(self.path / "text_encoder"),
-            "clip": folder_fingerprint(self.path / "text_encoder_2"),
-            "tokenizers": [folder_fingerprint(self.path / f) for f in ("tokenizer", "tokenizer_2")],
-            "template": DEFAULT_PROMPT_TEMPLATE["template"],
-            "max_text_tokens": self.cfg.max_text_tokens,
-        }
+        # The pipeline's prompt template shapes the text too: read from diffusers when asked.
+        fingerprint = super().encoder_fingerprint(kind)
+        if kind == "text":
+            fingerprint["template"] = default_template()
+        return fingerprint
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,21 +123,8 @@ class HunyuanVideoSpec(ModelSpec):
         return {"llama": embeds, "mask": mask, "pooled": pooled}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hunyuan_video_layers(denoiser, self.cfg.attention)
-
-    def pipeline_layer_count(self) -> int:
-        """hunyuan_video_layers: the embedding, every double- and single-stream block, the head."""
-        double, single = denoiser_config(
-            self.path / "transformer", "HunyuanVideoTransformer3DModel", "num_layers",
-            "num_single_layers")
-        return 2 + double + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        return block_costs(layers, HunyuanVideoBlock)
+    def pipeline_layers(self, denoiser: nn.Module):
+        return hunyuan_video_layers(denoiser, self.cfg.attention)  # the kernel is configured
 
     def make_inputs(self, batch: NoisedBatch):
         b = batch.latents.shape[0]
@@ -178,25 +138,15 @@ class HunyuanVideoSpec(ModelSpec):
         return inputs, weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
+        # Video latents: mask weights broadcast over the channels and frames.
         return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import HunyuanVideoPipeline
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights), swapped=FINAL_MODULATION), {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.hunyuan_video.original import original_state_dict
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        original_state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
+            weights, lora_scale(metadata),
+            comfyui_mapping(self.part_config("transformer"), weights),
+            swapped=FINAL_MODULATION), {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -207,27 +157,6 @@ class HunyuanVideoSpec(ModelSpec):
             encoder_attention_mask=text_mask, pooled_projections=pooled,
             guidance=guidance * 1000 if denoiser.config.guidance_embeds else None,
             return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import HunyuanVideoPipeline
-
-        # From a single file, the base transformer is that file's, as the user loads it.
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = HunyuanVideoPipeline.from_pretrained(
-            self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
-            tokenizer_2=None, **base)
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import HunyuanVideoTransformer3DModel
-
-        return HunyuanVideoTransformer3DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.hunyuan_video.sampling import HunyuanVideoSampling
-
-        return HunyuanVideoSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
@@ -249,15 +178,20 @@ class HunyuanVideoSpec(ModelSpec):
         return joint_attention_train_flops(denoiser, b, seq, full)
 
 
+def default_template() -> str:
+    """diffusers' HunyuanVideo prompt template (imported when asked: diffusers is heavy)."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    return DEFAULT_PROMPT_TEMPLATE["template"]
+
+
 def prompt_template(tokenizer) -> dict[str, Any]:
     """diffusers' HunyuanVideo template, cropped where the user's prompt starts.
 
     The pipeline's default `crop_start` (95) is the template's length in the real Llama-3
     tokenizer; counting it with the tokenizer at hand gives that same number there, and the right
     one for any other tokenizer (tiny test models)."""
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-
-    template = DEFAULT_PROMPT_TEMPLATE["template"]
+    template = default_template()
     prefix = template.split("{}")[0]
     return {"template": template, "crop_start": len(tokenizer(prefix).input_ids)}
 

@@ -21,7 +21,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
 from dpipe.models.common.tiny_llama3_tokenizer import LLAMA3_SPECIALS, save_llama3_tokenizer
-from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_atomically
+from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_once
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # LLaMA hidden size (text_embed_dim) and CLIP hidden size (pooled_projection_dim)
@@ -34,14 +34,8 @@ def make_tiny_hunyuan_video(path: Path, seed: int = 0) -> Path:
 
     An existing complete folder is returned untouched; concurrent callers are safe (the folder is
     built in a temporary sibling and renamed into place)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_hunyuan_video; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_hunyuan_video")
 
 
 def _write(out: Path, seed: int) -> None:

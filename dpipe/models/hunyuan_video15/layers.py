@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding, padding_mask, real_tokens
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.hunyuan_video.layers import rotary, unpatchify
 from dpipe.models.hunyuan_video15.attention import mask_keys_only
 from dpipe.models.spec import PipelineLayer
@@ -97,7 +97,7 @@ class HunyuanVideo15Head(PipelineLayer):
         out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
         # A gradient path for the unused text stream, through its first token, which is always a
         # valid one (masked tokens may hold non-finite values that `0 * x` would not cancel).
-        return out + 0.0 * text[:, 0].sum()
+        return keep_in_graph(out, text[:, 0])
 
 
 def hunyuan_video15_layers(transformer: nn.Module) -> list[PipelineLayer]:

@@ -17,6 +17,7 @@ import torch
 
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.hunyuan_video.sampling import HunyuanVideoSampling
+from dpipe.models.hunyuan_video15.spec import template_length
 from dpipe.models.sampling import Denoising, SampleRequest
 
 GUIDER_DEFAULTS = {"guidance_scale": 6.0, "guidance_rescale": 0.0,
@@ -74,8 +75,6 @@ class HunyuanVideo15Sampling(HunyuanVideoSampling):
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         from diffusers import HunyuanVideo15Pipeline
-
-        from dpipe.models.hunyuan_video15.spec import template_length
 
         pipe = HunyuanVideo15Pipeline.from_pretrained(self.path, transformer=denoiser,
                                                       dtype=torch.float32)

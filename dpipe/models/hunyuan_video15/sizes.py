@@ -3,7 +3,11 @@ folder of hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, 8.33B para
 benchmarks with random weights: no download needed. `target_size` and `task_type` inform only
 the pipeline. The tiny one is the test model's (`dpipe.models.hunyuan_video15.tiny` builds it)."""
 
-from dpipe.models.hunyuan_video15.tiny import BYT5_DIM, IMAGE_DIM, LATENT_CHANNELS, TEXT_DIM
+# The tiny test model's sizes (its real counterparts in brackets).
+LATENT_CHANNELS = 4
+TEXT_DIM = 32  # Qwen2.5-VL hidden size (text_embed_dim; 3584 for the 7B)
+BYT5_DIM = 24  # ByT5 d_model (text_embed_2_dim; 1472 for Glyph-SDXL-v2's byt5-small)
+IMAGE_DIM = 16  # SigLIP width (image_embed_dim; 1152): unused by text-to-video, part of the model
 
 HUNYUAN_VIDEO15_8B = {
     "_class_name": "HunyuanVideo15Transformer3DModel",

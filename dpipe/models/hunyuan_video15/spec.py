@@ -24,24 +24,18 @@ from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
-from dpipe.models.comfyui import to_comfyui
+from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.shapes import as_video, frames_ok
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, attention_train_flops)
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.single_file import export_like_source
+from dpipe.models.spec import NoisedBatch, attention_train_flops
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                  "tokenizer", "tokenizer_2", "scheduler")
 COMFYUI_LORA = "hunyuan_video15_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
 BYT5_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
@@ -58,73 +52,56 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideo15Spec(ModelSpec):
+class HunyuanVideo15Spec(DiffusersFamily):
     family = "hunyuan_video15"
+    title, example = "HunyuanVideo 1.5", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
+    pipeline_class = "HunyuanVideo15Pipeline"
+    denoiser_class = "HunyuanVideo15Transformer3DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
+                      "tokenizer", "tokenizer_2", "scheduler")
+    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
+    text_fingerprint = {"qwen": "text_encoder", "byt5": "text_encoder_2",
+                        "tokenizers": ("tokenizer", "tokenizer_2")}
+    text_notes = {"encoding": ENCODING_VERSION}
+    vae_config_keys = ("scaling_factor",)
+    image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
+    tiny_writer = "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
+    lora_modules = LORA_TARGETS
+    layers = hunyuan_video15_layers  # the embedding, every block, the head
+    sampler = "dpipe.models.hunyuan_video15.sampling:HunyuanVideo15Sampling"
+    # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
+    # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
+    # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
+    lora_writer = "HunyuanVideoPipeline"
+    # A single file in Tencent's original / ComfyUI layout (original.py).
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file = from_original
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (Tencent / ComfyUI
-        # names) with model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
-
-            make_tiny_hunyuan_video15(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "HunyuanVideo 1.5",
-                     "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")
-        config = self._transformer_config()
+    def read_configs(self) -> None:
+        config = self.part_config("transformer")
         if config.get("task_type", "t2v") != "t2v":
             raise ModelLoadError(
                 f"{self.path / 'transformer'} is an image-to-video HunyuanVideo 1.5 (task_type="
                 f"{config.get('task_type')!r}); dpipe trains the text-to-video checkpoints")
-        check_single_file(self.single_file)
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
-
-    def _transformer_config(self) -> dict[str, Any]:
-        return read_json(self.path / "transformer" / "config.json")
+        self.part_config("vae")
 
     @property
     def pixel_multiple(self) -> int:
-        return self._vae_config()["spatial_compression_ratio"] * self._transformer_config()["patch_size"]
+        # The VAE's config names its downscale; the transformer's patches on top.
+        return (self.part_config("vae")["spatial_compression_ratio"]
+                * self.part_config("transformer")["patch_size"])
 
     @property
     def temporal_ratio(self) -> int:
-        return self._vae_config()["temporal_compression_ratio"]
+        return self.part_config("vae")["temporal_compression_ratio"]
 
-    # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import HunyuanVideo15Pipeline
-
-        pipe = load_encoders(HunyuanVideo15Pipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "text_encoder_2"))
+        pipe = super().load_encoders(device, dtype)
         # The pipeline crops its chat template at a fixed 108 tokens (the real Qwen2.5-VL
         # tokenizer's count); count it with the tokenizer at hand, and pad to max_text_tokens.
         pipe.prompt_template_encode_start_idx = template_length(pipe.tokenizer, pipe.system_message)
         pipe.tokenizer_max_length = self.cfg.max_text_tokens
         return pipe
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import HunyuanVideo15Transformer3DModel
-
-        # A single file: Tencent's names; the config from the folder
-        return load_denoiser(HunyuanVideo15Transformer3DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {"family": self.family, "encoding": ENCODING_VERSION,
-                    "vae": folder_fingerprint(self.path / "vae"), "latent": "mode",
-                    "scaling_factor": self._vae_config().get("scaling_factor")}
-        return {"family": self.family, "encoding": ENCODING_VERSION,
-                "qwen": folder_fingerprint(self.path / "text_encoder"),
-                "byt5": folder_fingerprint(self.path / "text_encoder_2"),
-                "tokenizers": [folder_fingerprint(self.path / f) for f in ("tokenizer", "tokenizer_2")],
-                "max_text_tokens": self.cfg.max_text_tokens}
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,19 +130,7 @@ class HunyuanVideo15Spec(ModelSpec):
         return {"qwen": text, "mask": mask.long(), "byt5": glyph, "byt5_mask": glyph_mask.long()}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hunyuan_video15_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """hunyuan_video15_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(
-            self.path / "transformer", "HunyuanVideo15Transformer3DModel", "num_layers")
-        return 2 + blocks
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+    def layer_costs(self, layers) -> list[float]:
         """Parameters x the tokens they process in a typical clip (`token_weighted_params`)."""
         return [token_weighted_params(layer.named_parameters(), NOMINAL_VIDEO_TOKENS,
                                       self.cfg.max_text_tokens, BYT5_TOKENS, IMAGE_TOKENS)
@@ -185,36 +150,28 @@ class HunyuanVideo15Spec(ModelSpec):
         return inputs, weighted_labels(batch)
 
     def loss(self, outputs, labels) -> torch.Tensor:
+        # Video latents: mask weights broadcast over the channels and frames.
         return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
-        # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
-        # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
-        from diffusers import HunyuanVideoPipeline
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
+            weights, lora_scale(metadata),
+            comfyui_mapping(self.part_config("transformer"), weights),
+            swapped=FINAL_MODULATION), {"format": "comfyui"})]
 
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(HunyuanVideoPipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(weights, lora_scale(metadata), comfyui_mapping(
-                self._transformer_config(), weights), swapped=FINAL_MODULATION), {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
+    def export_single_file(self, folder: Path, out_dir: Path) -> Path:
         # Back in the form of the source file (Tencent's split one, Comfy-Org's fused one), so
         # the tool that loaded the source loads the fine-tune.
-        return write_transformer_folder(
-            shards, out_dir, self.path, self.single_file,
-            lambda weights: original_state_dict(weights, form=self._source_form()))
+        return export_like_source(
+            folder, self.single_file,
+            lambda weights: original_state_dict(weights, form=self._source_form()), out_dir)
 
     def _source_form(self) -> str:
         from safetensors import safe_open
 
         with safe_open(self.single_file, "pt") as source:
-            return file_form([k.removeprefix("model.").removeprefix("diffusion_model.")
+            return file_form([k.removeprefix("model.").removeprefix(COMFY_PREFIX)
                               for k in source.keys()])
 
     # ---- using exported weights ----------------------------------------------------------------
@@ -229,23 +186,11 @@ class HunyuanVideo15Spec(ModelSpec):
             encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
 
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import HunyuanVideo15Transformer3DModel
-
-        # From a single file, the base transformer is that file's, as the user loads it.
-        model = (self.load_denoiser(torch.float32) if self.single_file is not None else
-                 HunyuanVideo15Transformer3DModel.from_pretrained(self.path, subfolder="transformer"))
+        # The pipeline has no LoRA loader: the transformer loads it (from a single file, the
+        # base transformer is that file's, as the user loads it).
+        model = self.load_denoiser(torch.float32)
         model.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
         return model
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import HunyuanVideo15Transformer3DModel
-
-        return HunyuanVideo15Transformer3DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.hunyuan_video15.sampling import HunyuanVideo15Sampling
-
-        return HunyuanVideo15Sampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

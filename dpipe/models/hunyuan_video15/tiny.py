@@ -20,24 +20,15 @@ from pathlib import Path
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import seeded, write_atomically
-
-LATENT_CHANNELS = 4
-TEXT_DIM = 32  # Qwen2.5-VL hidden size (text_embed_dim; 3584 for the 7B)
-BYT5_DIM = 24  # ByT5 d_model (text_embed_2_dim; 1472 for Glyph-SDXL-v2's byt5-small)
-IMAGE_DIM = 16  # SigLIP width (image_embed_dim; 1152), unused by text-to-video but part of the model
+from dpipe.models.hunyuan_video15.sizes import (
+    BYT5_DIM, HUNYUAN_VIDEO15_TINY, LATENT_CHANNELS, TEXT_DIM)
+from dpipe.models.tiny_parts import seeded, write_once
 
 
 def make_tiny_hunyuan_video15(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random HunyuanVideo 1.5 t2v diffusers folder at `path`; return it."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_hunyuan_video15; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_hunyuan_video15")
 
 
 def _write(out: Path, seed: int) -> None:
@@ -48,7 +39,6 @@ def _write(out: Path, seed: int) -> None:
         ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
         T5EncoderModel)
 
-    from dpipe.models.hunyuan_video15.sizes import HUNYUAN_VIDEO15_TINY  # imports this module's sizes
     from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl")
