@@ -33,7 +33,7 @@ FACTORIES: dict[str, str] = {
     "minimax_h3": "dpipe.models.minimax_h3.tiny:make_tiny_minimax_h3",
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "ltx_video": "dpipe.models.ltx_video.tiny:make_tiny_ltx_video",
-    "hunyuan_video15": "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15",
+    "hunyuan_video15": "dpipe.models.hunyuan_video.hunyuan_video15.tiny:make_tiny_hunyuan_video15",
     "ltx2": "dpipe.models.ltx_video.ltx2.tiny:make_tiny_ltx2",
     "ltx23": "dpipe.models.ltx_video.ltx2.ltx23_tiny:make_tiny_ltx23",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",

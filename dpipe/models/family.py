@@ -31,7 +31,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.single_file import (
-    SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, split_path)
+    SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, load_or_fail, split_path)
 from dpipe.models.spec import ModelSpec, PipelineLayer, block_costs, denoiser_config
 
 
@@ -42,6 +42,10 @@ def imported(target: str) -> Any:
 
 
 def diffusers_class(name: str) -> Any:
+    """diffusers' class `name`, or the class a "module:Class" names (a model dpipe defines in
+    diffusers' form, as OmniGen2's transformer)."""
+    if ":" in name:
+        return imported(name)
     import diffusers
 
     return getattr(diffusers, name)
@@ -52,7 +56,8 @@ class DiffusersFamily(ModelSpec):
     title: ClassVar[str]  # in messages: "FLUX.1"
     example: ClassVar[str]  # a download users know: "black-forest-labs/FLUX.1-dev"
     pipeline_class: ClassVar[str]  # the diffusers pipeline that loads the folder and samples
-    denoiser_class: ClassVar[str]  # the diffusers model class that is trained
+    # The model class that is trained: diffusers' name, or "module:Class" for one dpipe defines.
+    denoiser_class: ClassVar[str]
     denoiser_folder: ClassVar[str] = "transformer"
     required_parts: ClassVar[tuple[str, ...]]  # what a complete folder holds
     # The pipeline's parts that encode for the cache (frozen, eval), and parts it can load
@@ -175,8 +180,7 @@ class DiffusersFamily(ModelSpec):
     def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
                     out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
-        writer = self.lora_writer or self.pipeline_class
-        loader = imported(writer) if ":" in writer else diffusers_class(writer)
+        loader = diffusers_class(self.lora_writer or self.pipeline_class)
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(loader, weights, metadata, out_dir,
                                                  component=self.lora_component),
@@ -195,19 +199,25 @@ class DiffusersFamily(ModelSpec):
             self.export_single_file(folder, out_dir)
         return folder
 
-    def export_single_file(self, folder: Path, out_dir: Path) -> Path:
+    def export_single_file(self, folder: Path, out_dir: Path) -> Path | None:
         """The fine-tune also laid out, named and typed as the single file it came from, so the
-        tools that loaded that file load it the same way."""
+        tools that loaded that file load it the same way; none where the family has no way back
+        to the file's names (`to_original` None: diffusers converts those files on loading)."""
+        if type(self).to_original is None:
+            return None
         return export_like_source(folder, self.single_file, type(self).to_original, out_dir)
 
     # ---- using exported weights ---------------------------------------------------------------
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        parts = [p for p in self.required_parts
-                 if p not in ("model_index.json", "scheduler", self.denoiser_folder)]
-        pipe = diffusers_class(self.pipeline_class).from_pretrained(
-            self.path, **dict.fromkeys(parts + list(self.unused_parts)),
-            **{self.denoiser_folder: self.load_denoiser(torch.float32)})
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
+    def load_denoiser_with_lora(self, lora_dir: Path,
+                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+        # Every part of the pipeline but its denoiser and scheduler is left out: only the
+        # denoiser carries the LoRA.
+        parts = [p for p in read_json(self.path / "model_index.json")
+                 if not p.startswith("_") and p not in ("scheduler", self.denoiser_folder)]
+        pipe = load_or_fail(lambda: diffusers_class(self.pipeline_class).from_pretrained(
+            self.path, **dict.fromkeys(parts),
+            **{self.denoiser_folder: self.load_denoiser(torch.float32)}), self.path)
+        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return getattr(pipe, self.denoiser_folder)
 
     def load_exported_full(self, export_dir: Path) -> nn.Module:
@@ -215,4 +225,4 @@ class DiffusersFamily(ModelSpec):
             export_dir / self.denoiser_folder)
 
 
-__all__ = ["DiffusersFamily", "SINGLE_FILE_SUFFIXES", "imported"]
+__all__ = ["DiffusersFamily", "SINGLE_FILE_SUFFIXES", "diffusers_class", "imported"]

@@ -19,7 +19,7 @@ FAMILIES: dict[str, str] = {
     "anima": "dpipe.models.anima.spec:AnimaSpec",
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",
-    "hunyuan_video15": "dpipe.models.hunyuan_video15.spec:HunyuanVideo15Spec",
+    "hunyuan_video15": "dpipe.models.hunyuan_video.hunyuan_video15.spec:HunyuanVideo15Spec",
     "ltx2": "dpipe.models.ltx_video.ltx2.spec:LTX2Spec",
     "ltx23": "dpipe.models.ltx_video.ltx2.ltx23:LTX23Spec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",

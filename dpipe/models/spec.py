@@ -33,6 +33,7 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import ElementError
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.adapters import is_adapter_param
+from dpipe.models.lora_files import DIFFUSERS_LORA
 
 
 @dataclass(frozen=True)
@@ -339,9 +340,11 @@ class ModelSpec(abc.ABC):
         pipeline layers must reproduce."""
 
     @abc.abstractmethod
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        """The base denoiser with an exported LoRA loaded the way users load it (diffusers'
-        pipeline `load_lora_weights`)."""
+    def load_denoiser_with_lora(self, lora_dir: Path,
+                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+        """The base denoiser with an exported LoRA (its file `weight_name` in `lora_dir`: the
+        diffusers one, or another format diffusers reads) loaded the way users load it
+        (diffusers' pipeline `load_lora_weights`)."""
 
     @abc.abstractmethod
     def load_exported_full(self, export_dir: Path) -> nn.Module:

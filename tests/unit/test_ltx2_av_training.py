@@ -20,7 +20,7 @@ from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
 from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.ltx2.spec import AUDIO_TEXT_KEY
 from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
-from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.tiny_parts import seeded
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, lora_denoiser, lora_state_dict, run, tiny_spec)

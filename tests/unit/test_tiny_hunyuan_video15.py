@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
-from dpipe.models.hunyuan_video15.spec import (
+from dpipe.models.hunyuan_video.hunyuan_video15.spec import (
     COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideo15Spec, comfyui_mapping, template_length)
-from dpipe.models.hunyuan_video15.tiny import make_tiny_hunyuan_video15
+from dpipe.models.hunyuan_video.hunyuan_video15.tiny import make_tiny_hunyuan_video15
 from dpipe.pipeline.partition import stage_bounds
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,

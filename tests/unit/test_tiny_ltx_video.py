@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
-from dpipe.models.ltx_video.spec import COMFYUI_LORA, DIFFUSERS_LORA, LTXVideoSpec
+from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.ltx_video.spec import COMFYUI_LORA, LTXVideoSpec
 from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
 from dpipe.models.sync_free import carrier, sizes
 from tests.unit.video_checks import (

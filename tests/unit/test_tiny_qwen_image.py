@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from dpipe.config.schema import ModelConfig
-from dpipe.models.qwen_image.spec import COMFY_LORA, DIFFUSERS_LORA, QwenImageSpec, pack
+from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.qwen_image.spec import COMFY_LORA, QwenImageSpec, pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.common.tiny_qwen_tokenizer import TEMPLATES
 from tests.unit.video_checks import (

@@ -17,7 +17,8 @@ from diffusers import QwenImageEditPipeline
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.qwen_image.edit import QwenImageEditSpec, load_processor
-from dpipe.models.qwen_image.spec import DIFFUSERS_LORA, pack
+from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.qwen_image.spec import pack
 from dpipe.models.qwen_image.tiny import make_tiny_qwen_image_edit
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes

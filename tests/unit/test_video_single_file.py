@@ -33,7 +33,7 @@ OTHERS = ("vae.", "audio_vae.", "vocoder.", "net.pos_embedder", "net.accum")
 def _factories():
     from dpipe.models.cosmos_predict2 import tiny as cosmos
     from dpipe.models.hunyuan_video import tiny as hunyuan
-    from dpipe.models.hunyuan_video15 import tiny as hunyuan15
+    from dpipe.models.hunyuan_video.hunyuan_video15 import tiny as hunyuan15
     from dpipe.models.ltx_video.ltx2 import ltx23_tiny as ltx23
     from dpipe.models.ltx_video.ltx2 import tiny as ltx2
     from dpipe.models.ltx_video import tiny as ltx
@@ -199,7 +199,7 @@ def test_hunyuan_video15_file_holds_tencents_names(folders, files):
 def test_hunyuan_video15_split_file_loads_too(folders, tmp_path):
     """Tencent's release keeps q, k, v apart (`img_attn_q/_k/_v`): such a file loads as the
     folder, and a fine-tune of it is exported in that form (the export test)."""
-    from dpipe.models.hunyuan_video15.tiny import write_single_file
+    from dpipe.models.hunyuan_video.hunyuan_video15.tiny import write_single_file
 
     file = write_single_file(folders["hunyuan_video15"], tmp_path / "split.safetensors",
                              form="split")

@@ -20,7 +20,6 @@ loss is not added (diffusers computes and drops it too).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import load_or_fail
 from dpipe.models.spec import NoisedBatch
 
@@ -156,16 +155,6 @@ class HiDreamSpec(DiffusersFamily):
                             return_dict=False)[0]
         finally:
             denoiser.train(training)
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import HiDreamImagePipeline
-
-        # Every encoder left out by name, Llama's too: it is not among the required parts.
-        pipe = load_or_fail(lambda: HiDreamImagePipeline.from_pretrained(
-            self.path, vae=None, **dict.fromkeys(TEXT_PARTS),
-            transformer=self.load_denoiser(torch.float32)), self.path)
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

@@ -11,7 +11,6 @@ latent with t = 0 on its tokens, and the loss covers the other frames only.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,9 +21,8 @@ from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
 from dpipe.models.common.shapes import as_video, frames_ok
-from dpipe.models.diffusers_folder import read_json
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
 from dpipe.models.ltx_video.packing import pack
@@ -200,17 +198,3 @@ class LTXVideoSpec(DiffusersFamily):
             encoder_attention_mask=text_mask if has_padding(text_mask) else None,
             num_frames=f, height=h, width=w,
             rope_interpolation_scale=rope_scale(self._ratios(), rate), return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path,
-                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
-        """As the base, but any of the LoRA files (`weight_name`: ComfyUI's loads in diffusers
-        too), and every part of the folder but the transformer and scheduler left out (LTX-2's
-        audio VAE and vocoder among them)."""
-        parts = [p for p in read_json(self.path / "model_index.json")
-                 if not p.startswith("_") and p not in ("scheduler", "transformer")]
-        # From a single file, the base transformer is that file's, as the user loads it.
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = diffusers_class(self.pipeline_class).from_pretrained(
-            self.path, **dict.fromkeys(parts), **base)
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
-        return pipe.transformer

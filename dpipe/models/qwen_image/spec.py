@@ -11,7 +11,6 @@ predicts the flow velocity noise - x0 (dpipe's default objective).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,9 +18,8 @@ from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
-from dpipe.models.diffusers_folder import write_transformer_folder
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.lora_files import LoraFormat
 from dpipe.models.qwen_image.layers import (
     grids, image_grids, qwen_image_layers, target_tokens, text_inputs)
 from dpipe.models.qwen_image.sizes import SAMPLE_SHAPES, SIZES
@@ -115,10 +113,6 @@ class QwenImageSpec(DiffusersFamily):
         pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
         return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})]
 
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        # The diffusers folder only, from a single file too: no single-file export.
-        return write_transformer_folder(shards, out_dir, self.path)
-
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         image, t, text, text_mask, shapes = inputs[:5]
@@ -131,16 +125,6 @@ class QwenImageSpec(DiffusersFamily):
                        encoder_hidden_states_mask=mask,
                        timestep=t, img_shapes=grids(shapes, image.shape[0]), return_dict=False)[0]
         return out[:, :target_tokens(shapes)]
-
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA
-                                ) -> nn.Module:
-        # Any of the LoRA files (`weight_name`): diffusers' loader reads the ComfyUI one too.
-        parts = [p for p in self.required_parts
-                 if p not in ("model_index.json", "scheduler", "transformer")]
-        pipe = diffusers_class(self.pipeline_class).from_pretrained(
-            self.path, **dict.fromkeys(parts), transformer=self.load_denoiser(torch.float32))
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
-        return pipe.transformer
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

@@ -12,7 +12,6 @@ usual flow-matching MSE.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.comfyui import comfy_lora_tensors
 from dpipe.models.common.shapes import round_up
-from dpipe.models.diffusers_folder import kl_latents, write_denoiser_folder
+from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.refined_joint import (
@@ -127,11 +126,6 @@ class ZImageSpec(DiffusersFamily):
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
             comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})]
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        # The diffusers folder only, from a single file too: no file in the source's layout.
-        return write_denoiser_folder(shards, out_dir / "transformer",
-                                     self.path / "transformer" / "config.json")
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

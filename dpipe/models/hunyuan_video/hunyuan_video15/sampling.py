@@ -17,7 +17,7 @@ import torch
 
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.hunyuan_video.sampling import HunyuanVideoSampling
-from dpipe.models.hunyuan_video15.spec import template_length
+from dpipe.models.hunyuan_video.hunyuan_video15.spec import template_length
 from dpipe.models.sampling import Denoising, SampleRequest
 
 GUIDER_DEFAULTS = {"guidance_scale": 6.0, "guidance_rescale": 0.0,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.hunyuan_video15.sizes import (
+from dpipe.models.hunyuan_video.hunyuan_video15.sizes import (
     BYT5_DIM, HUNYUAN_VIDEO15_TINY, LATENT_CHANNELS, TEXT_DIM)
 from dpipe.models.tiny_parts import seeded, write_once
 
@@ -93,7 +93,7 @@ def write_single_file(folder: Path, file: Path, prefix: str = "", form: str = "f
     and ComfyUI loads them; "split": `img_attn_q/_k/_v`, as Tencent releases it (see original.py).
     Stored in the folder's dtype, not the real file's fp16, so that loading it can be compared bit
     for bit."""
-    from dpipe.models.hunyuan_video15.original import original_state_dict
+    from dpipe.models.hunyuan_video.hunyuan_video15.original import original_state_dict
     from dpipe.models.single_file import write_transformer_file
 
     config = json.loads((Path(folder) / "transformer" / "config.json").read_text())

@@ -1,7 +1,7 @@
 """HunyuanVideo 1.5 transformer configs at real size (the published 480p text-to-video transformer
 folder of hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, 8.33B parameters), for
 benchmarks with random weights: no download needed. `target_size` and `task_type` inform only
-the pipeline. The tiny one is the test model's (`dpipe.models.hunyuan_video15.tiny` builds it)."""
+the pipeline. The tiny one is the test model's (`dpipe.models.hunyuan_video.hunyuan_video15.tiny` builds it)."""
 
 # The tiny test model's sizes (its real counterparts in brackets).
 LATENT_CHANNELS = 4

@@ -21,7 +21,7 @@ from torch import nn
 from dpipe.models.attention_mask import has_padding, padding_mask, real_tokens
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.hunyuan_video.layers import rotary, unpatchify
-from dpipe.models.hunyuan_video15.attention import mask_keys_only
+from dpipe.models.hunyuan_video.hunyuan_video15.attention import mask_keys_only
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, valid_first
 

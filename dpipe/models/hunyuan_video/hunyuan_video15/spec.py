@@ -28,10 +28,10 @@ from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
-from dpipe.models.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
-from dpipe.models.hunyuan_video15.original import (
+from dpipe.models.hunyuan_video.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
+from dpipe.models.hunyuan_video.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
-from dpipe.models.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.hunyuan_video.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import NoisedBatch, attention_train_flops
@@ -65,10 +65,10 @@ class HunyuanVideo15Spec(DiffusersFamily):
     text_notes = {"encoding": ENCODING_VERSION}
     vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
-    tiny_writer = "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
+    tiny_writer = "dpipe.models.hunyuan_video.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
     lora_modules = LORA_TARGETS
     layers = hunyuan_video15_layers  # the embedding, every block, the head
-    sampler = "dpipe.models.hunyuan_video15.sampling:HunyuanVideo15Sampling"
+    sampler = "dpipe.models.hunyuan_video.hunyuan_video15.sampling:HunyuanVideo15Sampling"
     # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
     # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
     # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
