@@ -28,16 +28,8 @@ ALLOWED = {
     # switches on.
     ("ltx23", "ltx2"): {"LTX2Spec", "LTX2VideoBlock", "LTX2AVBlock", "TRANSFORMER", "VAE",
                         "make_tiny_ltx2", "AUDIO_TEXT_KEY"},
-    # Anima: Cosmos-Predict2's spec, layers and original names, with a trained text adapter.
-    ("anima", "cosmos_predict2"): {"CosmosPredict2Spec", "CosmosVariant", "CosmosEmbed",
-                                   "CosmosBlock", "cosmos_layers", "COMFY_PREFIX",
-                                   "original_module_name", "original_state_dict"},
     # HunyuanVideo 1.5: HunyuanVideo's sampling, rotary embedding call and unpatchify.
     ("hunyuan_video15", "hunyuan_video"): {"HunyuanVideoSampling", "rotary", "unpatchify"},
-    # Cosmos 1.0: Cosmos-Predict2's transformer layers (the same diffusers class) with the learnable
-    # position embedding added; its LoRA targets and folder parts.
-    ("cosmos1", "cosmos_predict2"): {"CosmosEmbed", "CosmosBlock", "CosmosHead", "LORA_TARGETS",
-                                     "REQUIRED_PARTS"},
 }
 
 

@@ -55,7 +55,6 @@ class WanSampling(FamilySampling):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.path = spec.root  # the diffusers folder (model.path may be a single-file expert)
         self.variant = spec.variant
         self._frozen = None  # (device, dtype, module): the other A14B expert while in use
         self._users: list[weakref.ref] = []  # the requests that may still need it
