@@ -153,6 +153,11 @@ class AnimaSpec(DiffusersFamily):
                             "clips; give images")
         return wan_vae_latents(encoders.vae, pixels.unsqueeze(2) if pixels.ndim == 4 else pixels)
 
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, F, H, W), images as F = 1: a dataset's clips reach `encode_images`, which
+        refuses them naming Anima."""
+        return self.encode_images(encoders, pixels)
+
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         """AnimaTextEncoderStep.encode_prompt's outputs, each padded to max_text_tokens."""
