@@ -83,7 +83,7 @@ def main() -> int:
     encoders = spec.load_encoders(cpu, torch.float32)
     control = None
     if control_path is not None:
-        from dpipe.data.sources import load_image
+        from dpipe.images import load_image
 
         pixels = load_image(Path(control_path), *sampling.control_size(request))[None]
         if getattr(spec, "text_sees_control", False):

@@ -2,6 +2,8 @@
 
     python scripts/family_record.py write record.json [tiny_flux tiny_wan ...]
     python scripts/family_record.py compare before.json after.json
+    python scripts/family_record.py collect WORK_DIR record.json [tiny_flux ...]  # again, from
+        the files a `write` left in WORK_DIR
 
 Records of different families compare the runs of the families both hold.
 
@@ -9,8 +11,9 @@ Records of different families compare the runs of the families both hold.
 fine-tune each, 2 pipeline stages in 2 processes, fp32, 3 steps, the default seed, sampling
 through the stages at the end with the latents saved. It records per run the loss of each step,
 the sha256 of every exported file (diffusers, ComfyUI, single files and their metadata, relative
-to the run's `lora/` or `model/`), of every saved sample latent and image, and the names of the cache's
-entries (their keys), and the cache's tiny model folders' file hashes. `compare` prints every
+to the run's `lora/` or `model/`), of every saved sample latent, image and clip, the names of the
+cache's entries (their keys) and the hashes of the tiny model folders' files (safetensors files
+by their content, clips by their decoded frames: see `sha`). `compare` prints every
 difference and exits 1 if there is one. Losses are compared bit for bit (their float repr).
 """
 
@@ -24,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -35,6 +40,29 @@ COMMON = [*SWEEP, "pipeline.stages=2", "train.precision=fp32"]
 
 
 def sha(path: Path) -> str:
+    """The file's sha256; for safetensors, of its content (metadata sorted, then each tensor's
+    name, dtype, shape and bytes), since safetensors writes its header's metadata in an order
+    that differs from process to process; for an mp4, of its decoded frames and sound, whose
+    container holds encoder timing."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        digest = hashlib.sha256()
+        with safe_open(path, "pt") as f:
+            digest.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+            for key in sorted(f.keys()):
+                t = f.get_tensor(key).contiguous()
+                digest.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+                digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return "content:" + digest.hexdigest()
+    if path.suffix == ".mp4":
+        import av
+
+        digest = hashlib.sha256()
+        with av.open(str(path)) as container:
+            for frame in container.decode(*container.streams):
+                digest.update(frame.to_ndarray().tobytes())
+        return "decoded:" + digest.hexdigest()
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -63,7 +91,6 @@ def write(out: Path, families: list[str]) -> None:
 
     control = work / "control.png"
     draw_shape(3, 64)[0].save(control)
-    record: dict = {"families": families, "runs": {}, "errors": {}}
     for mode, args in MODES.items():
         groups: dict[str, list[str]] = {}
         for family in families:
@@ -76,24 +103,38 @@ def write(out: Path, families: list[str]) -> None:
             done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             summary = sweep_dir / "sweep_summary.json"
             points = json.loads(summary.read_text())["points"] if summary.is_file() else []
-            for family in members:
+            if not points:
+                for family in members:
+                    print(f"   {mode}:{family}: FAILED {done.stderr[-300:]}", flush=True)
+    record = collect(work, families)
+    out.write_text(json.dumps(record, indent=1, sort_keys=True))
+    print(f"{len(record['runs'])} runs recorded in {out}; {len(record['errors'])} failed; "
+          f"work files in {work}")
+
+
+def collect(work: Path, families: list[str]) -> dict:
+    """The record of the sweeps that `write` ran in `work`."""
+    record: dict = {"families": families, "runs": {}, "errors": {}}
+    for mode in MODES:
+        for key in {_group(family)[0] for family in families}:
+            summary = work / mode / key / "sweep_summary.json"
+            points = json.loads(summary.read_text())["points"] if summary.is_file() else []
+            for family in (f for f in families if _group(f)[0] == key):
                 point = [p for p in points if f"model={family}" in p["overrides"]]
                 name = f"{mode}:{family}"
                 if not point or point[0]["status"] != "completed":
-                    why = point[0]["message"] if point else done.stderr[-2000:]
-                    record["errors"][name] = why
-                    print(f"   {name}: FAILED {why[:300]}", flush=True)
+                    record["errors"][name] = point[0]["message"] if point else "no sweep point"
                     continue
                 record["runs"][name] = run_record(Path(point[0]["run_dir"]))
     cache = work / "cache"
     # The cache's latent and text entries are named by their keys; the tiny models are written
     # once under models/, from fixed seeds.
-    record["cache_entries"] = sorted(str(p.relative_to(cache)) for p in (cache / "latents").rglob("*")
-                                     if p.is_file())
+    # (sources/ holds the dataset folders' file indexes, named by the folder's path: not keys.)
+    latents = cache / "latents"
+    record["cache_entries"] = sorted(str(p.relative_to(cache)) for p in latents.rglob("*")
+                                     if p.is_file() and p.parent.name != "sources")
     record["tiny_models"] = tree_hashes(cache / "models")
-    out.write_text(json.dumps(record, indent=1, sort_keys=True))
-    print(f"{len(record['runs'])} runs recorded in {out}; {len(record['errors'])} failed; "
-          f"work files in {work}")
+    return record
 
 
 def compare(a_path: Path, b_path: Path) -> int:
@@ -138,6 +179,12 @@ def main() -> int:
             print(f"not a tiny family of tests/integration/test_families.py: {unknown}")
             return 2
         write(Path(sys.argv[2]), families)
+        return 0
+    if len(sys.argv) >= 4 and sys.argv[1] == "collect":
+        families = sys.argv[4:] or FAMILIES
+        record = collect(Path(sys.argv[2]), families)
+        Path(sys.argv[3]).write_text(json.dumps(record, indent=1, sort_keys=True))
+        print(f"{len(record['runs'])} runs recorded in {sys.argv[3]}")
         return 0
     if len(sys.argv) == 4 and sys.argv[1] == "compare":
         return compare(Path(sys.argv[2]), Path(sys.argv[3]))

@@ -19,7 +19,7 @@ from pathlib import Path
 # family's heavy imports are paid only when it is asked for.
 FACTORIES: dict[str, str] = {
     "flux": "dpipe.models.flux.tiny:make_tiny_flux",
-    "flux_kontext": "dpipe.models.flux_kontext.tiny:make_tiny_flux_kontext",
+    "flux_kontext": "dpipe.models.flux.tiny:make_tiny_flux_kontext",
     "flux2": "dpipe.models.flux2.tiny:make_tiny_flux2",
     "wan": "dpipe.models.wan.tiny:make_tiny_wan",
     "wan_i2v": "dpipe.models.wan.tiny:make_tiny_wan_i2v",
@@ -34,8 +34,8 @@ FACTORIES: dict[str, str] = {
     "hunyuan_video": "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video",
     "ltx_video": "dpipe.models.ltx_video.tiny:make_tiny_ltx_video",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.tiny:make_tiny_hunyuan_video15",
-    "ltx2": "dpipe.models.ltx2.tiny:make_tiny_ltx2",
-    "ltx23": "dpipe.models.ltx23.tiny:make_tiny_ltx23",
+    "ltx2": "dpipe.models.ltx_video.ltx2.tiny:make_tiny_ltx2",
+    "ltx23": "dpipe.models.ltx_video.ltx2.ltx23_tiny:make_tiny_ltx23",
     "chroma": "dpipe.models.chroma.tiny:make_tiny_chroma",
     "sd3": "dpipe.models.sd3.tiny:make_tiny_sd3",
     "auraflow": "dpipe.models.auraflow.tiny:make_tiny_auraflow",

@@ -31,7 +31,7 @@ from dpipe.config.schema import Precision
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import deepspeed_bf16
 from dpipe.pipeline.partition import balanced_bounds
-from dpipe.train.attention import use_sdpa_kernels
+from dpipe.pipeline.attention import use_sdpa_kernels
 
 DEFAULTS = ["model.path=/unused", "dataset=synthetic", "pipeline=single"]
 

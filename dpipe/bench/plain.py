@@ -17,7 +17,7 @@ from dpipe.config.schema import Precision, TrainMode
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config
 from dpipe.models.registry import build_spec
 from dpipe.train.lora import make_trainable
-from dpipe.train.attention import use_attention_kernel, use_sdpa_kernels
+from dpipe.pipeline.attention import use_attention_kernel, use_sdpa_kernels
 
 
 def main() -> int:

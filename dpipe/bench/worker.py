@@ -17,9 +17,10 @@ from dpipe.config.schema import Precision, TimestepConfig, TrainMode
 from dpipe.diffusion.timesteps import sample_timesteps
 from dpipe.launch.run_rank import RUN_CONFIG, load_run_config, setup_logging
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import build_engine, init_distributed, quiet_deepspeed
+from dpipe.pipeline.engine import init_distributed, quiet_deepspeed
 from dpipe.pipeline.memory import AutoCheckpointing
-from dpipe.train.attention import use_sdpa_kernels
+from dpipe.pipeline.attention import use_sdpa_kernels
+from dpipe.train.engine_setup import build_training_engine
 from dpipe.train.flops import StepFlops, architecture, shapes_of
 
 
@@ -135,7 +136,7 @@ def main() -> int:
         total = torch.cuda.get_device_properties(local_rank).total_memory
         torch.cuda.set_per_process_memory_fraction(opts["memory_cap_gb"] * 2**30 / total)
     with quiet_deepspeed():
-        built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
+        built = build_training_engine(layers, spec, run, data_parallel)
     engine = built.engine
     auto = None
     if run.pipeline.activation_checkpointing == "auto" and cuda:

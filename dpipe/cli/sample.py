@@ -42,7 +42,7 @@ def main() -> None:
         sys.exit(2)
     from dpipe.launch.local import launch_workers
 
-    code = launch_workers(job_dir, world, module="dpipe.sample.worker")
+    code = launch_workers(job_dir, world, module="dpipe.launch.sample_worker")
     sys.exit(code)
 
 

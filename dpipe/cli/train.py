@@ -33,7 +33,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from dpipe.config.checks import check_before_workers, unknown_key_message, validate  # noqa: E402
+from dpipe.config.checks import unknown_key_message, validate
+from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402

@@ -1,8 +1,7 @@
-"""Checks of model.adapter, model.lokr_factor, model.lora.init_from and model.merge_adapters."""
+"""Checks of model.adapter and model.lokr_factor against the rest of the config (the adapter files
+that model.lora.init_from and model.merge_adapters name: dpipe.launch.prestart)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from dpipe.config.schema import Adapter, BaseCompute, RunConfig, TrainMode
 from dpipe.errors import ConfigError
@@ -34,36 +33,3 @@ def check_adapter(run: RunConfig) -> None:
     if m.lokr_factor == 0 or m.lokr_factor < -1:
         raise ConfigError(f"model.lokr_factor must be -1 (as square as it divides) or >= 1, got "
                           f"{m.lokr_factor}")
-
-
-def check_adapter_files(run: RunConfig, spec) -> None:
-    """model.lora.init_from and model.merge_adapters name readable adapter files of a form this
-    family reads, before any worker starts; their keys and shapes are checked against the
-    model on every stage (dpipe.train.adapter_init)."""
-    from dpipe.models.adapters import adapter_kind
-    from dpipe.train.adapter_init import read_adapter_file
-
-    m = run.model
-    if m.lora.init_from:
-        _, _, keys, _ = read_adapter_file(m.lora.init_from, "model.lora.init_from", spec)
-        kind = adapter_kind(keys)
-        if kind != m.adapter:
-            raise ConfigError(
-                f"model.lora.init_from={m.lora.init_from} holds a {kind.value} adapter, but this "
-                f"run trains model.adapter={m.adapter.value}: set model.adapter={kind.value}, or "
-                f"give a {m.adapter.value} file")
-    for i, file in enumerate(m.merge_adapters):
-        read_adapter_file(file, f"model.merge_adapters[{i}]", spec)
-
-
-def adapter_file_path(file: str, key: str) -> Path:
-    """The safetensors file `file` names (a folder: its pytorch_lora_weights.safetensors)."""
-    from dpipe.models.lora_files import DIFFUSERS_LORA
-
-    path = Path(file).expanduser()
-    if path.is_dir():
-        path = path / DIFFUSERS_LORA
-    if not path.is_file():
-        raise ConfigError(f"{key}={file}: no such file (give a .safetensors LoRA file, or a "
-                          f"folder holding {DIFFUSERS_LORA})")
-    return path

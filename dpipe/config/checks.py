@@ -24,7 +24,7 @@ from dpipe.config.schema import (
     RunConfig,
     TrainMode,
 )
-from dpipe.config.adapter_checks import check_adapter, check_adapter_files
+from dpipe.config.adapter_checks import check_adapter
 from dpipe.config.logger_checks import check_loggers
 from dpipe.config.optim_checks import check_optimizer
 from dpipe.errors import ConfigError
@@ -272,79 +272,6 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     if t.keep_exports < 0:
         raise ConfigError(f"train.keep_exports must be >= 0 (0: keep every step export), "
                           f"got {t.keep_exports}")
-
-
-def _check_resolutions(run: RunConfig, spec) -> None:
-    """Every resolution holds the model's pixel multiple (the buckets would fail in the workers,
-    after the cache was planned)."""
-    from dpipe.errors import UserError
-
-    try:
-        multiple = spec.pixel_multiple
-    except (OSError, KeyError, UserError):  # a tiny model made by the first worker: checked there
-        return
-    d = run.dataset
-    given = [("dataset.resolutions", d.resolutions)]
-    given += [(f"dataset.directories[{i}].resolutions", x.resolutions)
-              for i, x in enumerate(d.directories) if x.resolutions]
-    for key, values in given:
-        small = [r for r in values if r < multiple]
-        if small:
-            raise ConfigError(f"{key}={list(values)}: {small[0]} is smaller than the model's pixel "
-                              f"multiple {multiple} (image sides are multiples of it): use "
-                              f"{multiple} or more")
-
-
-def check_before_workers(run: RunConfig, run_dir, spec) -> None:
-    """What only the files can tell, checked before any worker starts (in the workers each
-    would fail at once, after every process had started and loaded its libraries): the run dir
-    is writable, `dataset.cache_dir` can be a folder, the dataset's folders exist, and the
-    pipeline fits the model's layer count where the family reads it from its config."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from dpipe.config.schema import DatasetKind
-    from dpipe.data.sources import check_directory
-    from dpipe.models.safetensors_files import check_folder_files
-
-    try:
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as err:
-        raise ConfigError(f"the run dir {run_dir} is not writable ({err.strerror}): choose "
-                          "another (`name=...` or `hydra.run.dir=...`) or fix its "
-                          "permissions") from None
-    cache = Path(run.dataset.cache_dir).expanduser()
-    existing = next(p for p in (cache, *cache.parents) if os.path.lexists(p))
-    if not existing.is_dir():
-        where = "is a file" if existing == cache else f"is inside {existing}, which is a file"
-        raise ConfigError(f"dataset.cache_dir={run.dataset.cache_dir} {where}: give a folder "
-                          "(it is created if missing)")
-    if run.dataset.kind == DatasetKind.folder:  # a synthetic dataset's folder is drawn into
-        folders = [("dataset.path", run.dataset.path)] if run.dataset.path else []
-        folders += [("dataset.directories", d.path) for d in run.dataset.directories]
-        for eval_set in run.dataset.eval.sets:
-            folders += [(f"dataset.eval.sets[name={eval_set.name}]", d.path)
-                        for d in eval_set.directories]
-        for key, folder in folders:
-            check_directory(Path(folder), what=f"{key} folder")
-    spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
-    # An empty or cut-short weights file (a download or copy that stopped), from its header.
-    check_folder_files(Path(run.model.path).expanduser(), "model.path=")
-    if run.model.single_file_config:
-        check_folder_files(Path(run.model.single_file_config).expanduser(),
-                           "model.single_file_config=")
-    check_adapter_files(run, spec)
-    _check_resolutions(run, spec)
-    layers = spec.pipeline_layer_count()
-    p = run.pipeline
-    if layers is not None and p.stages > layers:
-        raise ConfigError(f"pipeline.stages={p.stages} but the model has only {layers} pipeline "
-                          f"layers: use pipeline.stages <= {layers}")
-    if layers is not None and p.split and p.split[-1] >= layers:
-        raise ConfigError(f"pipeline.split={p.split}: layer indices must be < {layers} (the "
-                          "model's layer count)")
 
 
 def unknown_key_message(full_key: str) -> str | None:

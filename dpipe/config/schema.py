@@ -164,7 +164,7 @@ class BaseCompute(str, Enum):
 
 class AttentionKernel(str, Enum):
     # The default: cudnn for LoRAs on the GPUs where its kernel has been checked in training
-    # (compute capability 9.0: H100, H200; dpipe.train.attention.CUDNN_CHECKED), sdpa for full
+    # (compute capability 9.0: H100, H200; dpipe.pipeline.attention.CUDNN_CHECKED), sdpa for full
     # fine-tunes and elsewhere (other GPUs, the CPU). Runs log the kernel it chose.
     auto = "auto"
     # PyTorch's scaled_dot_product_attention, diffusers' default, without cuDNN's kernel: flash,
@@ -175,7 +175,7 @@ class AttentionKernel(str, Enum):
     # run a call). On an H200 its forward and backward ran at 2x flash's speed at FLUX.1-dev's,
     # Qwen-Image's and HunyuanVideo 1.5's shapes and FLUX.1-dev's LoRA step took 3.13 s instead
     # of 3.73 (docs/performance.md). Every tiny family's LoRA trains with it eager, and 20 of
-    # 22 compiled, to sdpa's losses on an H200 (tests/gpu, since dpipe.train.attention fixed the
+    # 22 compiled, to sdpa's losses on an H200 (tests/gpu, since dpipe.pipeline.attention fixed the
     # layout its backward needs). Compiled, a tiny full fine-tune went NaN with it; other GPUs
     # are unchecked: hence `auto`'s rule.
     cudnn = "cudnn"

@@ -20,7 +20,8 @@ from dpipe.data.buckets import (
 from dpipe.data.captions import caption_variants, load_captions_file, match_captions
 from dpipe.data.index import FileIndex
 from dpipe.data.sources import (
-    FoundFile, check_directory, crop_fraction, image_extensions, list_files, same_stem_files, walk)
+    FoundFile, check_directory, image_extensions, list_files, same_stem_files, walk)
+from dpipe.images import crop_fraction
 from dpipe.data.video import timeline_length
 from dpipe.errors import DataError
 

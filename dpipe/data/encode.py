@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from dpipe.data.audio import AudioSource, load_audio, sample_count
 from dpipe.data.cache_store import TensorStore
-from dpipe.data.sources import crop_top_left, fit, load_image, open_mask
+from dpipe.images import crop_top_left, fit, load_image, open_mask
 from dpipe.data.video import load_clip
 from dpipe.errors import DataError
 from dpipe.models.spec import ModelSpec

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from dpipe.data.captions import read_caption
-from dpipe.data.sources import FoundFile, file_fingerprint, probe_image
+from dpipe.data.sources import FoundFile, file_fingerprint
+from dpipe.images import probe_image
 from dpipe.data.audio import probe_audio
 from dpipe.data.video import probe_video
 from dpipe.errors import DataError

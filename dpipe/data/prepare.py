@@ -31,7 +31,8 @@ from dpipe.data.encode import (
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
 from dpipe.data.report import DataReport
-from dpipe.data.sources import crop_top_left, file_fingerprint, list_files
+from dpipe.data.sources import file_fingerprint, list_files
+from dpipe.images import crop_top_left
 from dpipe.data.synthetic import generate_shapes
 from dpipe.data.video import timeline_length
 from dpipe.errors import DataError, UserError

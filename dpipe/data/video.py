@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from dpipe.data.audio import track_of
-from dpipe.data.sources import fit, to_tensor
+from dpipe.images import fit, to_tensor
 from dpipe.errors import DataError
 
 _EPS = 1e-6

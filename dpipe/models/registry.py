@@ -11,7 +11,7 @@ from dpipe.models.spec import ModelSpec
 # family name -> "module:Class"; imported lazily so one family's imports never slow another's.
 FAMILIES: dict[str, str] = {
     "flux": "dpipe.models.flux.spec:FluxSpec",
-    "flux_kontext": "dpipe.models.flux_kontext.spec:FluxKontextSpec",
+    "flux_kontext": "dpipe.models.flux.kontext:FluxKontextSpec",
     "flux2": "dpipe.models.flux2.spec:Flux2Spec",
     "wan": "dpipe.models.wan.spec:WanSpec",
     "cosmos_predict2": "dpipe.models.cosmos_predict2.spec:CosmosPredict2Spec",
@@ -20,8 +20,8 @@ FAMILIES: dict[str, str] = {
     "hunyuan_video": "dpipe.models.hunyuan_video.spec:HunyuanVideoSpec",
     "ltx_video": "dpipe.models.ltx_video.spec:LTXVideoSpec",
     "hunyuan_video15": "dpipe.models.hunyuan_video15.spec:HunyuanVideo15Spec",
-    "ltx2": "dpipe.models.ltx2.spec:LTX2Spec",
-    "ltx23": "dpipe.models.ltx23.spec:LTX23Spec",
+    "ltx2": "dpipe.models.ltx_video.ltx2.spec:LTX2Spec",
+    "ltx23": "dpipe.models.ltx_video.ltx2.ltx23:LTX23Spec",
     "chroma": "dpipe.models.chroma.spec:ChromaSpec",
     "sd3": "dpipe.models.sd3.spec:SD3Spec",
     "auraflow": "dpipe.models.auraflow.spec:AuraFlowSpec",

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch import nn
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
@@ -20,9 +19,6 @@ from dpipe.errors import ConfigError
 from dpipe.pipeline.memory import ActivationProbe
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.pipeline.recompute import offloaded, recomputed
-from dpipe.train.grad_clip import install_clipping
-from dpipe.train.optim import (ROLE, base_lr, build_optimizer, group_hyperparameters,
-                               lr_factor, user_group)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +48,7 @@ def start_rank(run: RunConfig) -> torch.device:
     attention kernels chosen before any layer runs or is traced, or its share of the CPU cores;
     then the process group. Returns its device."""
     if torch.cuda.is_available():
-        from dpipe.train.attention import use_sdpa_kernels
+        from dpipe.pipeline.attention import use_sdpa_kernels
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         use_sdpa_kernels(run.model, run.pipeline.compiles)
@@ -116,7 +112,7 @@ def _pipeline_module_class():
             ranks as DeepSpeed spreads its own layer files."""
             from safetensors.torch import save_file
 
-            from dpipe.train.checkpoint import layer_file
+            from dpipe.pipeline.layer_files import layer_file
 
             dp_rank, dp_size = self._grid.data_parallel_id, self._grid.data_parallel_size
             num_layers = len(self.forward_funcs)
@@ -143,7 +139,7 @@ def _pipeline_module_class():
             """Loads each layer's file (safetensors, or an older checkpoint's pickle) after a
             strict key and shape check: every trainable tensor (every tensor when `strict`)
             must be there with its shape, or a block would silently keep its fresh weights."""
-            from dpipe.train.checkpoint import check_layer_state, read_layer_state
+            from dpipe.pipeline.layer_files import check_layer_state, read_layer_state
 
             for idx, layer in enumerate(self.forward_funcs):
                 if not hasattr(layer, "load_state_dict"):
@@ -188,7 +184,7 @@ def export_names_metadata(layer, state: dict) -> dict[str, str]:
     """The diffusers name of each parameter in a layer file (`EXPORT_NAMES`, JSON), so that
     `dpipe-export` writes a checkpoint's weights in the family's formats without building the
     model; buffers have none (exports hold parameters only)."""
-    from dpipe.train.checkpoint import EXPORT_NAMES
+    from dpipe.pipeline.layer_files import EXPORT_NAMES
 
     if not hasattr(layer, "source_named_parameters"):
         return {}
@@ -222,7 +218,7 @@ def deepspeed_bf16(run: RunConfig) -> bool:
             and run.optim.master_weights)
 
 
-def _deepspeed_wraps_optimizer(run: RunConfig) -> bool:
+def deepspeed_wraps_optimizer(run: RunConfig) -> bool:
     """Whether DeepSpeed puts its own optimizer (bf16 or ZeRO) around ours; it then clips."""
     return deepspeed_bf16(run) or run.pipeline.zero_stage > 0
 
@@ -234,7 +230,7 @@ def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.micro_batches,
         "train_batch_size": p.micro_batch_size * p.micro_batches * data_parallel,
-        "gradient_clipping": run.optim.grad_clip if _deepspeed_wraps_optimizer(run) else 0.0,
+        "gradient_clipping": run.optim.grad_clip if deepspeed_wraps_optimizer(run) else 0.0,
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": full_bf16},
         "steps_per_print": 1 << 30,  # dpipe reports progress itself
@@ -243,8 +239,12 @@ def deepspeed_config(run: RunConfig, data_parallel: int) -> dict:
 
 
 def build_engine(
-    layers: list[nn.Module], costs: list[float], loss_fn, run: RunConfig, data_parallel: int
+    layers: list[nn.Module], costs: list[float], loss_fn, run: RunConfig, data_parallel: int,
+    optimizer_for,
 ) -> BuiltEngine:
+    """This rank's stage of `layers` as a DeepSpeed pipeline engine. `optimizer_for(named)`
+    gives the (optimizer, lr scheduler) for the stage's trainable parameters, `named` as
+    (diffusers name, parameter) pairs: the trainer builds them (dpipe.train.optim)."""
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -291,11 +291,7 @@ def build_engine(
     named = [(name, q) for layer in module.forward_funcs
              for name, q in layer.source_named_parameters() if q.requires_grad]
     assert len(named) == len(trainable), "a trainable parameter outside the pipeline layers"
-    _check_param_groups(named, run)
-    optimizer = build_optimizer(named, run.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_factor(run.optim, run.train.max_steps)
-    )
+    optimizer, scheduler = optimizer_for(named)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
@@ -305,8 +301,6 @@ def build_engine(
     engine = adopt(engine, p.stages)
     if module.swap is not None:
         module.swap.attach(engine.device)
-    if not _deepspeed_wraps_optimizer(run):
-        install_clipping(optimizer, run.optim.grad_clip, engine.grid.get_pipe_parallel_group())
     module.checkpointed = _fixed_checkpointing(p.activation_checkpointing,
                                                len(module.forward_funcs))
     module.offload = p.activation_checkpointing == "offload"
@@ -316,55 +310,6 @@ def build_engine(
         stage=engine.stage_id,
         trainable_parameters=sum(q.numel() for q in trainable),
     )
-
-
-def _check_param_groups(named: list, run: RunConfig) -> None:
-    """Every `optim.param_groups` pattern must take some parameter on some stage (a collective):
-    one that takes none is a misspelt name, which would train at the default rate unnoticed."""
-    groups = run.optim.param_groups
-    if not groups:
-        return
-    mine = [0] * len(groups)
-    for name, _ in named:
-        index = user_group(name, run.optim)
-        if index is not None:
-            mine[index] += 1
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for i, group in enumerate(groups):
-        if not any(counts[i] for counts in every):
-            examples = ", ".join(name for name, _ in named[:3])
-            raise ConfigError(
-                f"optim.param_groups[{i}].match={group.match!r} is found in no trainable "
-                f"parameter's name (they look like: {examples}); fix the pattern (a Python "
-                "regular expression, searched in each name)")
-
-
-def apply_optim_config(engine, run: RunConfig) -> None:
-    """Makes a loaded checkpoint's optimizer follow the current `optim.*` from the next step on.
-
-    Loading restores each param group's lr and hyperparameters (betas, eps, weight decay and
-    each optimizer's own), the schedule's base lrs and (in DeepSpeed's bf16 and ZeRO optimizers)
-    the clipping norm as they were saved, so a resume with a changed `optim.lr` would log the
-    change and train on the old value. The schedule's position (`last_epoch`), the optimizer's
-    moments and its running estimates (Prodigy's d) stay the checkpoint's. The schedule
-    function itself is not saved (torch stores functions as None): it is already the current one.
-    """
-    scheduler = engine.lr_scheduler
-    # Ours: DeepSpeed's wrappers forward their param_groups to it.
-    groups = scheduler.optimizer.param_groups
-    factor = lr_factor(run.optim, run.train.max_steps)
-    # Each group's role (dpipe.train.optim) was saved with it; "decay" in older checkpoints.
-    roles = [group.get(ROLE, "decay") for group in groups]
-    scheduler.base_lrs = [base_lr(run.optim, role) for role in roles]
-    scheduler.lr_lambdas = [factor] * len(groups)
-    for group, role, lr in zip(groups, roles, scheduler.base_lrs):
-        group.update(initial_lr=lr, lr=lr * factor(scheduler.last_epoch),
-                     **group_hyperparameters(run.optim, role))
-    scheduler._last_lr = [group["lr"] for group in groups]
-    if _deepspeed_wraps_optimizer(run):
-        engine.optimizer.clip_grad = run.optim.grad_clip
-    # Otherwise dpipe's own clipping (install_clipping) was installed with the current norm.
 
 
 def _release_other_stages(layers: list[nn.Module], module) -> None:

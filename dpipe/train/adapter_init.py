@@ -20,7 +20,7 @@ from torch import nn
 from dpipe.config.schema import Adapter, ModelConfig
 from dpipe.errors import ConfigError
 from dpipe.models.adapters import adapter_kind, is_adapter_param, load_adapter_file, modules_of
-from dpipe.models.lora_files import peft_to_diffusers
+from dpipe.models.lora_files import DIFFUSERS_LORA, peft_to_diffusers
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,6 @@ def read_adapter_file(file: str, key: str, spec=None) -> tuple[Path, str, list[s
     diffusers-format adapter file; anything else is refused, naming `key` and what to give."""
     from safetensors import safe_open
 
-    from dpipe.config.adapter_checks import adapter_file_path
 
     path = adapter_file_path(file, key)
     try:
@@ -149,3 +148,14 @@ def check_fit(file: str, key: str, params: dict[str, Any], tensors: dict[str, to
                     f"{key}={file}: module {module}: {part} expected shape "
                     f"{tuple(param.shape)}, found {shape} (a different model.lora.rank, "
                     "model.adapter or model.lokr_factor?)")
+
+
+def adapter_file_path(file: str, key: str) -> Path:
+    """The safetensors file `file` names (a folder: its pytorch_lora_weights.safetensors)."""
+    path = Path(file).expanduser()
+    if path.is_dir():
+        path = path / DIFFUSERS_LORA
+    if not path.is_file():
+        raise ConfigError(f"{key}={file}: no such file (give a .safetensors LoRA file, or a "
+                          f"folder holding {DIFFUSERS_LORA})")
+    return path

@@ -21,7 +21,7 @@ import torch
 from dpipe.config.schema import AttentionKernel, RunConfig
 from dpipe.errors import TrainingDiverged
 from dpipe.train import checkpoint
-from dpipe.train.attention import kernel_for
+from dpipe.pipeline.attention import kernel_for
 
 
 def not_finite(loss: float, grad_norm: float | None) -> str | None:

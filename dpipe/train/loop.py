@@ -13,13 +13,11 @@ from omegaconf import OmegaConf
 
 from dpipe.config.schema import Precision, RunConfig, TrainMode
 from dpipe.data import prepare
-from dpipe.launch import env as dist_env
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import (apply_optim_config, build_engine, quiet_deepspeed,
-                                   start_rank)
+from dpipe.pipeline.engine import quiet_deepspeed, start_rank
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.sample.requests import sample_requests
 from dpipe.sample.training import TrainingSamples
@@ -27,9 +25,11 @@ from dpipe.train import checkpoint, gpu_memory, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.ema import WeightAverage
+from dpipe.train.placement import node_name, placement
 from dpipe.train.prior import PriorTargets
 from dpipe.train.export import export, export_dir
 from dpipe.train.optim import evaluation_weights, logged_scalars
+from dpipe.train.engine_setup import apply_optim_config, build_training_engine
 from dpipe.train.flops import StepFlops, architecture
 from dpipe.train.trainable import load_denoiser, trainable_layers
 
@@ -64,11 +64,11 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     layers = trainable_layers(spec, run, denoiser)
     del denoiser  # the layers hold their own parts; a stage keeps only its layers
     with quiet_deepspeed():
-        built = build_engine(layers, spec.layer_costs(layers), spec.loss, run, data_parallel)
+        built = build_training_engine(layers, spec, run, data_parallel)
     engine = built.engine
     dp_rank = engine.grid.get_data_parallel_rank()
     where = [None] * world  # which node holds which stage, for the log (a collective)
-    dist.all_gather_object(where, (built.stage, dist_env.node_name()))
+    dist.all_gather_object(where, (built.stage, node_name()))
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))
 
     step = 0
@@ -85,7 +85,7 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
     prepare.resume_plan(dataset, step, run_dir)  # the data order continues exactly; logs changes
     if rank == 0:
         _summary(run, built, plan, len(layers), world, resumed)
-        log.info("stages on nodes: %s", dist_env.placement(where))
+        log.info("stages on nodes: %s", placement(where))
 
     reporter = None
     if rank == 0:

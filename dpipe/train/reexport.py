@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from dpipe.config.schema import TrainMode
 from dpipe.errors import UserError
+from dpipe.pipeline.layer_files import EXPORT_NAMES, layer_file
 from dpipe.train import checkpoint
 from dpipe.train.ema import file_name as ema_file_name
 from dpipe.train.export import export_dir, write_formats
@@ -35,7 +36,7 @@ def reexport(run_dir: Path, checkpoint_name: str | None = None) -> Path:
     from omegaconf import OmegaConf
 
     from dpipe.config.checks import validate
-    from dpipe.launch.run_rank import RUN_CONFIG
+    from dpipe.config.run_name import RUN_CONFIG
     from dpipe.models.registry import build_spec
 
     if not (run_dir / RUN_CONFIG).is_file():
@@ -112,7 +113,7 @@ def _layer_files(path: Path) -> list[tuple[int, Path]]:
                         "its export")
     gaps = sorted(set(range(max(i for i, _ in found) + 1)) - {i for i, _ in found})
     if gaps:  # an export without those layers' tensors would be written, and look whole
-        missing = ", ".join(checkpoint.layer_file(path, i).name for i in gaps)
+        missing = ", ".join(layer_file(path, i).name for i in gaps)
         raise UserError(f"checkpoint {path} lacks the layer files {missing}: nothing exported; "
                         "choose another checkpoint (checkpoint=step_<N>)")
     return sorted(found)
@@ -120,7 +121,7 @@ def _layer_files(path: Path) -> list[tuple[int, Path]]:
 
 def _export_names(layer_path: Path) -> dict[str, str]:
     with safe_open(layer_path, framework="pt") as f:
-        names = (f.metadata() or {}).get(checkpoint.EXPORT_NAMES)
+        names = (f.metadata() or {}).get(EXPORT_NAMES)
     if names is None:
         raise UserError(f"{layer_path} does not name its tensors' diffusers parameters (it was "
                         "written by an older dpipe): resume the run with dpipe-train, whose "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.config.schema import BaseCompute, Precision, RunConfig, TrainMode
-from dpipe.train.attention import require_gpu_kernel, use_attention_kernel
+from dpipe.pipeline.attention import require_gpu_kernel, use_attention_kernel
 from dpipe.train.lora import frozen_dtype, make_trainable
 
 

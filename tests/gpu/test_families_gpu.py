@@ -54,7 +54,7 @@ SIDE_BY_SIDE = 4
 
 
 # The overrides of each mode's sweeps; eager and compiled with PyTorch's default kernels (the
-# default, auto, is cudnn on the GPUs of dpipe.train.attention.CUDNN_CHECKED).
+# default, auto, is cudnn on the GPUs of dpipe.pipeline.attention.CUDNN_CHECKED).
 MODES = {"eager": ["pipeline.compile=false", "model.attention=sdpa"],
          "compiled": ["pipeline.compile=true", "model.attention=sdpa"],
          "cudnn": ["pipeline.compile=false", "model.attention=cudnn"],
@@ -109,7 +109,7 @@ def test_family_trains_on_a_gpu_without_host_syncs(tmp_path_factory, mode, model
 def test_family_trains_with_cudnn_attention_as_with_sdpa(tmp_path_factory, mode, model):
     """`model.attention=cudnn` (whose backward once read out of bounds on FLUX, eager) gives every
     family the losses of PyTorch's default kernels, in bf16's tolerance. Compiled, each choice
-    has its own inductor cache (dpipe.train.attention), so these are cuDNN's own kernels."""
+    has its own inductor cache (dpipe.pipeline.attention), so these are cuDNN's own kernels."""
     sdpa = torch.tensor([r["loss"] for r in audited_runs(WITH_SDPA[mode], model, tmp_path_factory,
                                                           mode)])
     cudnn = torch.tensor([r["loss"] for r in audited_runs(mode, model, tmp_path_factory)])

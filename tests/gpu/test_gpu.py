@@ -157,7 +157,7 @@ def test_fp8_linears_hold_no_bf16_weight_copy_for_backward(compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cudnn_attention_trains_as_sdpa_does(tmp_path, monkeypatch, compiled):
     """Eager, cuDNN's backward read out of bounds on FLUX's single-block gradient (a slice) and
-    trained to NaN until dpipe laid that gradient out as the output (dpipe.train.attention).
+    trained to NaN until dpipe laid that gradient out as the output (dpipe.pipeline.attention).
     Each compiled run has its own inductor cache: the caches do not key on SDPA's kernel."""
     one = ("pipeline.stages=1", "pipeline.data_parallel=1",
            f"pipeline.compile={str(compiled).lower()}")
@@ -176,7 +176,7 @@ def test_gpu_defaults_compile_and_pick_the_attention_kernel(tmp_path, mode):
     kernels elsewhere, and a full fine-tune with the default kernels everywhere (compiled with
     cuDNN's, the tiny full fine-tune's gradients were NaN at its first step on an H200); the
     run's log says both, and the losses are finite."""
-    from dpipe.train.attention import CUDNN_CHECKED
+    from dpipe.pipeline.attention import CUDNN_CHECKED
 
     cudnn = torch.cuda.get_device_capability() in CUDNN_CHECKED and mode == "lora"
     run_dir = tmp_path / mode

@@ -297,7 +297,7 @@ def test_flex_attention_gives_sdpa_output_or_is_refused(lora_run, monkeypatch):
     from dpipe.data.batches import step_micro_batches
     from dpipe.errors import ConfigError
     from dpipe.models.registry import build_spec
-    from dpipe.train.attention import use_attention_kernel
+    from dpipe.pipeline.attention import use_attention_kernel
     from dpipe.train.trainable import trainable_layers
 
     run = run_config(lora_run)

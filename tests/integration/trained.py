@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from dpipe.config.checks import validate
 from dpipe.models.registry import build_spec
-from dpipe.train.checkpoint import newest_complete, read_layer_state
+from dpipe.pipeline.layer_files import read_layer_state
+from dpipe.train.checkpoint import newest_complete
 from dpipe.train.lora import make_trainable
 
 

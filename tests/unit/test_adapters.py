@@ -208,7 +208,7 @@ def test_init_from_refuses_a_file_of_another_rank_naming_the_module(exports, tmp
 
 
 def test_init_from_refuses_another_adapter_and_comfyui_files(exports, tmp_path):
-    from dpipe.config.checks import check_before_workers
+    from dpipe.launch.prestart import check_before_workers
 
     spec, _, _, folder = exports["lokr"]
     run = compose_run([*BASE, f"model.lora.init_from={folder}"])

@@ -1,5 +1,5 @@
 """`model.attention=auto`, the default: cuDNN's kernel for LoRAs on the GPUs where dpipe has
-checked it in training (dpipe.train.attention.CUDNN_CHECKED: Hopper), PyTorch's default kernels
+checked it in training (dpipe.pipeline.attention.CUDNN_CHECKED: Hopper), PyTorch's default kernels
 for full fine-tunes and elsewhere."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dpipe.config.schema import AttentionKernel, ModelConfig, TrainMode
-from dpipe.train.attention import kernel_for, require_gpu_kernel, risky_cudnn
+from dpipe.pipeline.attention import kernel_for, require_gpu_kernel, risky_cudnn
 
 
 def test_auto_is_the_default():

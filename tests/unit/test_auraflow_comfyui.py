@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.auraflow.comfyui import native_state_dict
-from dpipe.models.auraflow.spec import COMFYUI_LORA, DIFFUSERS_LORA, AuraFlowSpec
+from dpipe.models.auraflow.spec import COMFYUI_LORA, AuraFlowSpec
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.auraflow.tiny import make_tiny_auraflow
 from tests.exports import export_lora
 

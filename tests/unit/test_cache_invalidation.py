@@ -68,7 +68,7 @@ def test_editing_one_image_re_encodes_that_image_only(tmp_path):
 
 
 def _load(path):
-    from dpipe.data.sources import load_image
+    from dpipe.images import load_image
 
     return load_image(path, 32, 32)
 
@@ -198,7 +198,7 @@ def _by_name(dataset):
 
 
 def test_editing_a_control_image_re_encodes_that_items_text_only(tmp_path):
-    from dpipe.data.sources import load_image
+    from dpipe.images import load_image
 
     cfg = _edit_dataset(tmp_path)
     spec = SeesControl()

@@ -1,4 +1,4 @@
-"""Each SDPA kernel choice compiles into its own inductor cache folder (dpipe.train.attention).
+"""Each SDPA kernel choice compiles into its own inductor cache folder (dpipe.pipeline.attention).
 
 torch.compile's FX-graph and AOTAutograd caches do not key on SDPA's kernel flags (measured on an
 H200: docs/bench-results/h200-1gpu-profiles/sdpa_cache.py), so a shared folder would hand a run
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from dpipe.train.attention import use_compile_cache_of
+from dpipe.pipeline.attention import use_compile_cache_of
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dpipe.config.checks import check_before_workers, validate
+from dpipe.config.checks import validate
+from dpipe.launch.prestart import check_before_workers
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.registry import build_spec
 from dpipe.train.checkpoint import check_resume, finished_run

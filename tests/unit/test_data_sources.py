@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from dpipe.data.discover import directories, discover
-from dpipe.data.sources import file_fingerprint, image_extensions, load_image
+from dpipe.data.sources import file_fingerprint, image_extensions
+from dpipe.images import load_image
 from dpipe.data.synthetic import COLOURS, MANIFEST_NAME, SHAPES, generate_shapes
 from dpipe.errors import DataError
 

@@ -23,7 +23,7 @@ from tests.exports import export_lora
 
 FAMILIES = {
     "flux": ("dpipe.models.flux.tiny", "make_tiny_flux", flux1_layout),
-    "flux_kontext": ("dpipe.models.flux_kontext.tiny", "make_tiny_flux_kontext", flux1_layout),
+    "flux_kontext": ("dpipe.models.flux.tiny", "make_tiny_flux_kontext", flux1_layout),
     "flux2": ("dpipe.models.flux2.tiny", "make_tiny_flux2", flux2_layout),
 }
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dpipe.launch.env import (
-    cuda_device, expand_nodelist, from_environ, in_slurm_step, placement, reachable_master,
+    cuda_device, expand_nodelist, from_environ, in_slurm_step, reachable_master,
     slurm_env, tasks_on_node,
 )
+from dpipe.train.placement import placement
 
 
 def two_node_task(procid: int, **extra) -> dict:

@@ -16,9 +16,9 @@ from dpipe.config.schema import ModelConfig, TimestepConfig
 from dpipe.data.audio import AudioSource, load_audio, sample_count
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.prepare import Layout, prepare
-from dpipe.models.ltx2.audio import N_FFT, log_mel, mel_filterbank
-from dpipe.models.ltx2.spec import LTX2Spec
-from dpipe.models.ltx2.tiny import make_tiny_ltx2
+from dpipe.models.ltx_video.ltx2.audio import N_FFT, log_mel, mel_filterbank
+from dpipe.models.ltx_video.ltx2.spec import LTX2Spec
+from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.spec import AudioFormat
 from tests.unit.test_data_support import dataset_config, write_image, write_video
 

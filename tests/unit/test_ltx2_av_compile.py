@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.ltx2.av_layers import AVState
+from dpipe.models.ltx_video.ltx2.av_layers import AVState
 
 
 def _state(prompt: bool) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,7 @@
 """LTX-2 and LTX-2.3 with model.audio=true sample video and sound as LTX2Pipeline does: dpipe's
 recipe, stepped through the joint pipeline layers, ends at the pipeline's final latents of both
 streams; the decoded frames and waveform are the pipeline's; the written .mp4 holds both streams
-(dpipe/models/ltx2/av_sampling.py)."""
+(dpipe/models/ltx_video/ltx2/av_sampling.py)."""
 
 import os
 
@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from dpipe.models.ltx2.tiny import make_tiny_ltx2
-from dpipe.models.ltx23.tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.sampling import SampleRequest
 from dpipe.sample import outputs
 from tests.unit.video_checks import tiny_spec
@@ -93,7 +93,7 @@ def test_the_sound_has_its_own_guidance_scale(spec):
     only through the cross-modal attention. The video-only sampler refuses the key."""
     import dataclasses
 
-    from dpipe.models.ltx2.sampling import LTX2Sampling
+    from dpipe.models.ltx_video.ltx2.sampling import LTX2Sampling
 
     sampling = spec.sampling()
     usual = SampleRequest(0, "a red fox", "blurry", seed=5, width=64, height=64, frames=9)
@@ -125,7 +125,7 @@ def test_the_sound_has_its_own_guidance_scale(spec):
 
 def test_audio_false_samples_video_only(spec):
     """model.audio=false keeps the video-only sampler: no sound, the video latents alone."""
-    from dpipe.models.ltx2.sampling import LTX2Sampling
+    from dpipe.models.ltx_video.ltx2.sampling import LTX2Sampling
 
     video_only = tiny_spec(spec.path, spec.family, audio=False).sampling()
     assert type(video_only) is LTX2Sampling and not video_only.makes_sound()

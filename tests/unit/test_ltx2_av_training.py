@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 
 from dpipe.data.batches import DataBatch
 from dpipe.errors import DataError
-from dpipe.models.ltx2.av_layers import LTX2AVBlock
-from dpipe.models.ltx2.spec import AUDIO_TEXT_KEY, pack_audio, unpack_audio
-from dpipe.models.ltx2.tiny import make_tiny_ltx2
-from dpipe.models.ltx23.tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.audio import pack_audio, unpack_audio
+from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
+from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.spec import AUDIO_TEXT_KEY
+from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from dpipe.models.tiny_parts import seeded
 from tests.unit.video_checks import (

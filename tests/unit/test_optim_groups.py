@@ -12,7 +12,7 @@ from torch import nn
 
 from dpipe.config.compose import compose_run
 from dpipe.errors import ConfigError
-from dpipe.pipeline.engine import apply_optim_config
+from dpipe.train.engine_setup import apply_optim_config
 from dpipe.train.optim import build_optimizer, evaluation_weights, lr_factor
 
 OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "came", "prodigy", "schedulefree_adamw", "muon"]

@@ -19,7 +19,7 @@ from dpipe.config.store import register_schemas
 from dpipe.errors import ConfigError
 from dpipe.launch.summary import PointResult, write_summary
 from dpipe.launch.sweep import register_launchers
-from dpipe.pipeline.engine import apply_optim_config
+from dpipe.train.engine_setup import apply_optim_config
 from dpipe.models.fingerprint import sha256_of
 from dpipe.train.checkpoint import MARKER, check_resume, resume_changes, tag_for
 from dpipe.train.optim import build_optimizer

@@ -15,7 +15,8 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 from diffusers.training_utils import (
     compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3)
 
-from dpipe.config.checks import check_before_workers, validate
+from dpipe.config.checks import validate
+from dpipe.launch.prestart import check_before_workers
 from dpipe.config.schema import TimestepConfig, TimestepSampling, TimestepWeighting
 from dpipe.data.batches import noised_batch
 from dpipe.data.evaluate import quantile_timestep

@@ -17,8 +17,8 @@ from PIL import Image
 
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
-from dpipe.models.flux_kontext.spec import FluxKontextSpec
-from dpipe.models.flux_kontext.tiny import make_tiny_flux_kontext
+from dpipe.models.flux.kontext import FluxKontextSpec
+from dpipe.models.flux.tiny import make_tiny_flux_kontext
 
 CAPTION = "make the circle green"
 

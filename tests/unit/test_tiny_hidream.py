@@ -152,8 +152,12 @@ def test_comfyui_lora_loads_like_the_diffusers_file(tiny, pipe, tmp_path):
     export_lora(spec, lora, tmp_path)
     inputs, _ = _inputs(spec, pipe, 16, 16, torch.Generator().manual_seed(2))
     outputs = []
-    for weight_name in ("pytorch_lora_weights.safetensors", COMFYUI_FILE):
-        transformer = spec.load_denoiser_with_lora(tmp_path, weight_name)
+    # The ComfyUI file alone in a folder, under the diffusers file's name: loaded the same way.
+    comfy_dir = tmp_path / "comfyui"
+    comfy_dir.mkdir()
+    (tmp_path / COMFYUI_FILE).rename(comfy_dir / "pytorch_lora_weights.safetensors")
+    for lora_dir in (tmp_path, comfy_dir):
+        transformer = spec.load_denoiser_with_lora(lora_dir)
         with torch.no_grad():
             outputs.append(spec.denoiser_forward(transformer, inputs))
     with torch.no_grad():

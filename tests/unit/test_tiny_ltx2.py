@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.comfyui import peft_pairs
-from dpipe.models.ltx2.spec import COMFYUI_LORA, LTX2Spec
-from dpipe.models.ltx2.tiny import make_tiny_ltx2
+from dpipe.models.ltx_video.ltx2.spec import COMFYUI_LORA, LTX2Spec
+from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from dpipe.models.sync_free import sizes
 from tests.unit.video_checks import (

@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import peft_pairs
-from dpipe.models.ltx2.tiny import make_tiny_ltx2, write_single_file
-from dpipe.models.ltx23.spec import COMFYUI_LORA, LTX23Spec
-from dpipe.models.ltx23.tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.ltx23 import COMFYUI_LORA, LTX23Spec
+from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
+from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2, write_single_file
 from dpipe.models.ltx_video.spec import DIFFUSERS_LORA
 from tests.unit.video_checks import (
     CAPTIONS, assert_layers_match, deltas, lora_denoiser, lora_state_dict, micro_batch, tiny_spec)

@@ -19,7 +19,8 @@ from transformers import Gemma2Model, GemmaTokenizer
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
-from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec, from_native, native_state_dict
+from dpipe.models.lumina2.comfyui import from_native, native_state_dict
+from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import (

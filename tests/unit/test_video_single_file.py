@@ -34,8 +34,8 @@ def _factories():
     from dpipe.models.cosmos_predict2 import tiny as cosmos
     from dpipe.models.hunyuan_video import tiny as hunyuan
     from dpipe.models.hunyuan_video15 import tiny as hunyuan15
-    from dpipe.models.ltx2 import tiny as ltx2
-    from dpipe.models.ltx23 import tiny as ltx23
+    from dpipe.models.ltx_video.ltx2 import ltx23_tiny as ltx23
+    from dpipe.models.ltx_video.ltx2 import tiny as ltx2
     from dpipe.models.ltx_video import tiny as ltx
 
     return {

@@ -1,5 +1,5 @@
 #!/bin/bash
-# For one H200 (eleventh session): with the fix (dpipe.train.attention lays the gradient SDPA's
+# For one H200 (eleventh session): with the fix (dpipe.pipeline.attention lays the gradient SDPA's
 # backward receives out as its output), the tiny FLUX model's eager cuDNN training (watched: the
 # incoming gradients' strides), compute-sanitizer's memcheck again, then the GPU tests of cuDNN.
 # Needs .san/ as run3.sh does. Run through call.sh (DEADLINE).

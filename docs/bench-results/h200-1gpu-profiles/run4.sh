@@ -1,6 +1,6 @@
 #!/bin/bash
 # For one H200 (twelfth session): dpipe's per-choice inductor cache folders
-# (dpipe.train.attention.use_compile_cache_of). Three processes share one cache folder, as two
+# (dpipe.pipeline.attention.use_compile_cache_of). Three processes share one cache folder, as two
 # runs on one machine do: default kernels, then cuDNN's, then default again; each should run its
 # own choice's kernels (run3.sh showed the second ran the first's without the folders).
 HERE=$(cd "$(dirname "$0")" && pwd)

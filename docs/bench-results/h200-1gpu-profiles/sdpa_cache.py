@@ -5,7 +5,7 @@ could get the kernel an earlier compile of the same graph chose. `python sdpa_ca
 compiles, per argument, under flash-only (`flash`) or cuDNN-first (`cudnn`) flags, runs forward
 and backward under the profiler and prints the attention kernels that ran.
 
-`--dpipe` sets the flags as a run does, with dpipe.train.attention.use_sdpa_kernels (the
+`--dpipe` sets the flags as a run does, with dpipe.pipeline.attention.use_sdpa_kernels (the
 default choice for `flash`, `model.attention=cudnn` for `cudnn`), which also points
 TORCHINDUCTOR_CACHE_DIR at that choice's own folder: one process per argument, sharing one
 cache folder, should then run each choice's own kernel. `--shape B,T,H,D` (default FLUX.1-dev's
@@ -36,7 +36,7 @@ def kernels_run(order: str, via_dpipe: bool = False,
                 shape: tuple[int, ...] = (1, 4608, 24, 128)) -> list[str]:
     if via_dpipe:
         from dpipe.config.schema import AttentionKernel, ModelConfig
-        from dpipe.train.attention import use_sdpa_kernels
+        from dpipe.pipeline.attention import use_sdpa_kernels
         use_sdpa_kernels(ModelConfig(
             attention=AttentionKernel.cudnn if order == "cudnn" else AttentionKernel.sdpa),
             compiles=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -90,7 +90,7 @@ class AuraFlowHead(PipelineLayer):
         out = out.reshape(out.shape[0], h, w, p, p, c).permute(0, 5, 1, 3, 2, 4)
         out = out.reshape(out.shape[0], c, h * p, w * p)
         # The text stream ends unused; it still needs a gradient when it crossed a stage boundary.
-        return out + 0.0 * text_hidden.sum()
+        return keep_in_graph(out, text_hidden)
 
 
 def auraflow_layers(transformer: nn.Module) -> list[PipelineLayer]:

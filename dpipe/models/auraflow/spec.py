@@ -15,26 +15,17 @@ the diffusers folder that gives the VAE, text encoder and configs.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
-from dpipe.models.diffusers_folder import (
-    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
-                  "scheduler")
+from dpipe.models.diffusers_folder import kl_latents
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.spec import NoisedBatch
 
 # Every Linear of both kinds of blocks (attention incl. the text stream's projections, the SwiGLU
 # MLPs, the AdaLN modulations), none outside them, as AuraFlow LoRAs are trained.
@@ -49,53 +40,30 @@ COMFYUI_LORA = "auraflow_lora_comfyui.safetensors"
 LORA_TARGETS = r"(?:joint|single)_transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class AuraFlowSpec(ModelSpec):
+class AuraFlowSpec(DiffusersFamily):
     family = "auraflow"
+    title, example = "AuraFlow", "fal/AuraFlow-v0.3"
+    pipeline_class, denoiser_class = "AuraFlowPipeline", "AuraFlowTransformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                      "scheduler")
+    text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
+    tiny_writer = "dpipe.models.auraflow.tiny:make_tiny_auraflow"
+    lora_modules = LORA_TARGETS
+    layers = auraflow_layers
+    block_count_keys = ("num_mmdit_layers", "num_single_dit_layers")
+    block_types = (AuraFlowJointBlock, AuraFlowSingleBlock)
+    sampler = "dpipe.models.auraflow.sampling:AuraFlowSampling"
+    # A single file: original names; the config from the folder.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file, to_original = from_original, native_state_dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (original names) with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.auraflow.tiny import make_tiny_auraflow
-
-            make_tiny_auraflow(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "AuraFlow", "fal/AuraFlow-v0.3")
-        check_single_file(self.single_file)
-        self._config("vae")
-        self._config("transformer")
-
-    def _config(self, part: str) -> dict[str, Any]:
-        return read_json(self.path / part / "config.json")
+    def read_configs(self) -> None:
+        super().read_configs()
+        self.part_config("transformer")  # pixel_multiple reads its patch size
 
     @property
     def pixel_multiple(self) -> int:
-        vae_scale = 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-        return vae_scale * int(self._config("transformer").get("patch_size", 2))
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import AuraFlowPipeline
-
-        return load_encoders(AuraFlowPipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder"))
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import AuraFlowTransformer2DModel
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(AuraFlowTransformer2DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return kl_image_fingerprint(self.family, self.path)
-        return {"family": self.family, "t5": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
+        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -109,68 +77,17 @@ class AuraFlowSpec(ModelSpec):
         return {"t5": embeds}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return auraflow_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """auraflow_layers: the embedding, every joint and single block, the head."""
-        joint, single = denoiser_config(
-            self.path / "transformer", "AuraFlowTransformer2DModel", "num_mmdit_layers",
-            "num_single_dit_layers")
-        return 2 + joint + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        return block_costs(layers, (AuraFlowJointBlock, AuraFlowSingleBlock))
-
     def make_inputs(self, batch: NoisedBatch):
         inputs = (batch.noisy, batch.timesteps, batch.text["t5"])
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import AuraFlowPipeline
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(AuraFlowPipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)),
-                        {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        native_state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, t, text = inputs
         return denoiser(latents, encoder_hidden_states=text, timestep=t, return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import AuraFlowPipeline
-
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = AuraFlowPipeline.from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None, **base)
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import AuraFlowTransformer2DModel
-
-        return AuraFlowTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.auraflow.sampling import AuraFlowSampling
-
-        return AuraFlowSampling(self)

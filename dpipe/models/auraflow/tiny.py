@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.tiny_parts import seeded, tiny_corpus, write_atomically
+from dpipe.models.tiny_parts import seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # UMT5 d_model = transformer joint_attention_dim
@@ -37,16 +37,9 @@ def make_tiny_auraflow(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random AuraFlow diffusers folder at `path` and return `path`.
 
     An existing complete folder is returned untouched; the build is atomic (see
-    `tiny_parts.write_atomically`), so concurrent callers are safe.
+    `tiny_parts.write_once`), so concurrent callers are safe.
     """
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_auraflow; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_auraflow")
 
 
 def _write(out: Path, seed: int) -> None:

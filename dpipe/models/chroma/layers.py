@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -81,7 +81,7 @@ class ChromaHead(PipelineLayer):
         hidden, text_hidden, mods, _ids, _mask = inputs
         out = self.proj_out(self.norm_out(hidden, mods[:, -2:]))
         # The text stream ends here unused; it still needs a gradient when the head starts a stage.
-        return out + 0.0 * text_hidden.sum()
+        return keep_in_graph(out, text_hidden)
 
 
 def chroma_layers(transformer: nn.Module) -> list[PipelineLayer]:

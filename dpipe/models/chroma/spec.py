@@ -20,27 +20,19 @@ diffusers' pipeline only up to that masking difference.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.common.latent_packing import image_ids, pack
-from dpipe.models.diffusers_folder import (
-    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
-
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+from dpipe.models.diffusers_folder import kl_latents
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.spec import NoisedBatch
 
 # Every Linear of both kinds of blocks: attention (image and text projections), the MLPs, and the
 # single blocks' fused MLP in/out. Chroma's blocks have no modulation Linears (the approximator
@@ -65,55 +57,25 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, to
             for k, v in weights.items()}
 
 
-class ChromaSpec(ModelSpec):
+class ChromaSpec(DiffusersFamily):
     family = "chroma"
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (original names) with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.chroma.tiny import make_tiny_chroma
-
-            make_tiny_chroma(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "Chroma", "lodestones/Chroma1-HD")
-        check_single_file(self.single_file)
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
+    title, example = "Chroma", "lodestones/Chroma1-HD"
+    pipeline_class, denoiser_class = "ChromaPipeline", "ChromaTransformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+    text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
+    text_notes = {"mask": "prompt+1 pad"}
+    tiny_writer = "dpipe.models.chroma.tiny:make_tiny_chroma"
+    lora_modules = LORA_TARGETS
+    layers, block_count_keys = chroma_layers, ("num_layers", "num_single_layers")
+    block_types = (ChromaDoubleBlock, ChromaSingleBlock)
+    sampler = "dpipe.models.chroma.sampling:ChromaSampling"
+    # A single file: original names (original.py); the config from the folder.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file, to_original = from_original, original_state_dict
 
     @property
     def pixel_multiple(self) -> int:
-        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * 2
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import ChromaPipeline
-
-        return load_encoders(ChromaPipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder"))
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import ChromaTransformer2DModel
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(ChromaTransformer2DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return kl_image_fingerprint(self.family, self.path)
-        return {
-            "family": self.family,
-            "t5": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "mask": "prompt+1 pad",
-        }
+        return 2 * super().pixel_multiple
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -127,22 +89,6 @@ class ChromaSpec(ModelSpec):
         return {"t5": text, "mask": mask}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return chroma_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """chroma_layers: the embedding, every double- and single-stream block, the head."""
-        double, single = denoiser_config(
-            self.path / "transformer", "ChromaTransformer2DModel", "num_layers",
-            "num_single_layers")
-        return 2 + double + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        return block_costs(layers, (ChromaDoubleBlock, ChromaSingleBlock))
-
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         packed = pack(batch.noisy)
@@ -161,25 +107,9 @@ class ChromaSpec(ModelSpec):
         # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
         return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-element loss weights (masks)
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import ChromaPipeline
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(ChromaPipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)))])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        original_state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata)))]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -187,22 +117,3 @@ class ChromaSpec(ModelSpec):
         return denoiser(hidden_states=packed, encoder_hidden_states=text, timestep=t,
                         img_ids=img_ids.float(), txt_ids=txt_ids.float(),
                         attention_mask=padding_mask(mask), return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import ChromaPipeline
-
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = ChromaPipeline.from_pretrained(self.path, text_encoder=None, vae=None,
-                                              tokenizer=None, **base)
-        pipe.load_lora_weights(str(lora_dir))
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import ChromaTransformer2DModel
-
-        return ChromaTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.chroma.sampling import ChromaSampling
-
-        return ChromaSampling(self)

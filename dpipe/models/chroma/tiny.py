@@ -21,7 +21,8 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32
@@ -32,14 +33,7 @@ DTYPE = torch.bfloat16
 def make_tiny_chroma(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Chroma diffusers folder at `path` and return `path` (an existing
     complete folder is left untouched; concurrent callers are safe)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_chroma; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_chroma")
 
 
 def _write(out: Path, seed: int) -> None:
@@ -69,9 +63,9 @@ def _write(out: Path, seed: int) -> None:
         vae = tiny_flux_vae(LATENT_CHANNELS)
 
     scheduler.save_pretrained(out / "scheduler")
-    _save(transformer, out / "transformer", shards=2)
-    _save(text_encoder, out / "text_encoder", shards=2)
-    _save(vae, out / "vae", shards=1)
+    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
     pipe = ChromaPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder,
         tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"), transformer=transformer)
@@ -81,16 +75,6 @@ def _write(out: Path, seed: int) -> None:
     index.setdefault("image_encoder", [None, None])
     index.setdefault("feature_extractor", [None, None])
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
-    torch.nn.Module.to(model, DTYPE)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

@@ -2,7 +2,7 @@
 
 A family folder imports only this package, the top-level shared modules of `dpipe.models`
 (spec, diffusers_folder, single_file, lora_files, comfyui, attention_mask, sync_free, ...),
-`dpipe.diffusion` and its own files; tests/unit/test_family_imports.py checks it.
+`dpipe.diffusion` and its own files; tests/unit/test_layers.py checks it.
 
 - stage_io: what a pipeline layer does to the tensors it sends (`needs_grad`)
 - shapes: padded lengths, valid frame counts, images as one-frame videos

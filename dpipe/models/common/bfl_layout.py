@@ -204,3 +204,11 @@ def source_format(file: Path) -> tuple[str, torch.dtype]:
     if file_is_quantized(file):
         dtype = torch.bfloat16
     return (COMFYUI_PREFIX if key.startswith(COMFYUI_PREFIX) else ""), dtype
+
+
+def save_like_source(transformer_dir: Path, source: Path, out_dir: Path) -> Path:
+    """A trained FLUX transformer folder as `out_dir / source.name`, in BFL's layout with the
+    source file's prefix and dtype (`source_format`), so the tools that loaded the source load
+    the fine-tune the same way."""
+    prefix, dtype = source_format(source)
+    return save_bfl_file(transformer_dir, out_dir / source.name, prefix, dtype)

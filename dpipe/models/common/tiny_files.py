@@ -1,10 +1,10 @@
 """Writing tiny models' components in the real repos' layout (shards and index files as released).
 
-Three writers with three shard rules, kept as they are so the tiny folders the tests assert on stay
-byte for byte the same: `save_sharded` (the video families) fills files up to one share or the
-largest tensor; `save_component` (the Qwen-Image family and its kin) also gives one dominating
-tensor a file of its own; `save_in_shards` (Wan, Cosmos-Predict2) fills them up to one share plus
-the largest tensor.
+Three writers with three shard rules, kept as they are so the tiny folders the tests assert on
+stay byte for byte the same: `save_sharded` (the video families) fills files up to one share or
+the largest tensor; `save_component` (the Qwen-Image family and its kin) also gives one dominating
+tensor a file of its own; `save_exact_shards` (the FLUX families, Chroma) fills files up to one
+share plus the largest tensor, which gives exactly the number of files asked for.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ def save_component(model: torch.nn.Module, directory: Path, shards: int, dtype: 
     model.save_pretrained(directory, max_shard_size=cap)
 
 
-def save_in_shards(model: torch.nn.Module, directory: Path, shards: int, dtype: torch.dtype) -> None:
-    """save_pretrained in `dtype`, in exactly `shards` files (+ index) when > 1: filled greedily
-    with whole tensors up to one share plus the largest tensor, so each holds at least a share."""
-    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns about fp32-kept modules
+def save_exact_shards(model: torch.nn.Module, directory: Path, shards: int,
+                      dtype: torch.dtype = torch.bfloat16) -> None:
+    """`save_pretrained` in `dtype`, in exactly `shards` files (+ index) when > 1."""
+    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
     if shards == 1:
         model.save_pretrained(directory)
         return
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
     sizes = [t.numel() * t.element_size() for t in unique]
+    # Greedy filling with whole tensors: a cap of one share plus the largest tensor makes each
+    # file hold at least one share, so exactly `shards` files come out.
     model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

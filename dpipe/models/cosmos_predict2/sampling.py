@@ -159,7 +159,7 @@ class CosmosPredict2Sampling(FamilySampling):
         with nearest_resize_without_torchvision():
             if not self.spec.variant.video2world:
                 return pipe(**kwargs).images.unsqueeze(2)  # (1, C, h, w) -> (1, C, 1, h, w)
-            from dpipe.data.sources import fit, open_rgb
+            from dpipe.images import fit, open_rgb
 
             _posterior_mean(pipe.vae)
             image = fit(open_rgb(request.control), request.width, request.height)

@@ -26,7 +26,7 @@ import torch
 
 from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_in_shards
+from dpipe.models.common.tiny_files import save_exact_shards
 from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
@@ -99,9 +99,9 @@ def _write(out: Path, seed: int, variant: str) -> None:
         # diffusers zero-initialises nothing here; random adaLN weights keep every path alive.
 
     scheduler.save_pretrained(out / "scheduler")
-    save_in_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_in_shards(vae, out / "vae", shards=1, dtype=DTYPE)
-    save_in_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
     index = {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",

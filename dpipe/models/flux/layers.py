@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -65,7 +65,7 @@ class FluxHead(PipelineLayer):
         out = self.proj_out(self.norm_out(hidden, temb))
         # The text stream ends unused here; when the head is alone on the last stage, the text
         # tensor it received still needs a gradient for the pipeline's backward pass.
-        return out + 0.0 * text_hidden.sum()
+        return keep_in_graph(out, text_hidden)
 
 
 def flux_layers(transformer: nn.Module) -> list[PipelineLayer]:

@@ -1,4 +1,4 @@
-"""A tiny FLUX.1-dev, random but for its VAE, in exactly the layout of black-forest-labs/FLUX.1-dev.
+"""A tiny FLUX.1-dev (and FLUX.1 Kontext), random but for its VAE, in exactly the layout of black-forest-labs/FLUX.1-dev.
 
 Tests and CI cannot download the real 12B checkpoint, so they run the real loading code
 (`FluxPipeline.from_pretrained`, `FluxTransformer2DModel.from_pretrained(subfolder=...)`) on this
@@ -27,8 +27,8 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.colour_vae import colour_flux_vae
-from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.tiny_parts import save_clip_tokenizer, save_t5_tokenizer, seeded, write_once
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
@@ -44,14 +44,24 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
     An existing complete folder is returned untouched; the build happens in a temporary sibling
     folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
     """
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_flux; delete it or choose another folder")
-        write_atomically(path, lambda tmp: write_tiny_flux(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: write_tiny_flux(tmp, seed),
+                      "make_tiny_flux")
+
+
+def make_tiny_flux_kontext(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random FLUX.1-Kontext-dev diffusers folder at `path` and return it.
+
+    black-forest-labs/FLUX.1-Kontext-dev has exactly FLUX.1-dev's layout and architecture (the
+    same component classes, scheduler and VAE; a FluxTransformer2DModel with guidance embedding);
+    only model_index.json names the FluxKontextPipeline. So this is the tiny FLUX.1-dev with the
+    Kontext pipeline named in its model_index.json."""
+    def write(out: Path) -> None:
+        write_tiny_flux(out, seed)
+        index = json.loads((out / "model_index.json").read_text())
+        index["_class_name"] = "FluxKontextPipeline"
+        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    return write_once(path, "model_index.json", write, "make_tiny_flux_kontext")
 
 
 def write_tiny_flux(out: Path, seed: int) -> None:
@@ -96,10 +106,10 @@ def write_tiny_flux(out: Path, seed: int) -> None:
     scheduler.save_pretrained(out / "scheduler")
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
     # so code that reads the weight files finds the same names as on the real repo.
-    _save(transformer, out / "transformer", shards=3)
-    _save(text_encoder_2, out / "text_encoder_2", shards=2)
-    _save(text_encoder, out / "text_encoder", shards=1)
-    _save(vae, out / "vae", shards=1)
+    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
+    save_exact_shards(text_encoder_2, out / "text_encoder_2", shards=2, dtype=DTYPE)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=1, dtype=DTYPE)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
 
     pipe = FluxPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
@@ -111,20 +121,6 @@ def write_tiny_flux(out: Path, seed: int) -> None:
     # which every transformers version can load.
     index["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
-    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules, which these have none of.
-    torch.nn.Module.to(model, DTYPE)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    # One entry per storage: tied weights (T5's shared / embed_tokens) are written once.
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    # Shards are filled greedily with whole tensors: a cap of one share plus the largest tensor
-    # makes each shard hold at least one share, so exactly `shards` files come out.
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
 
 
 def write_bfl_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 
 
@@ -79,7 +79,7 @@ class Flux2SingleBlock(PipelineLayer):
         if self.first:
             hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids = inputs
             # The double-block modulations end here (see the module docstring).
-            hidden = hidden + 0.0 * (mod_img.sum() + mod_txt.sum())
+            hidden = keep_in_graph(hidden, mod_img, mod_txt)
         else:
             hidden, text_hidden, temb, mod_single, ids = inputs
         text_hidden, hidden = self.block(
@@ -100,7 +100,7 @@ class Flux2Head(PipelineLayer):
         out = self.proj_out(self.norm_out(hidden, temb))
         # Text stream and single-block modulations end unused here; when the head starts a
         # stage, what it received still needs a gradient.
-        return out + 0.0 * (text_hidden.sum() + mod_single.sum())
+        return keep_in_graph(out, text_hidden, mod_single)
 
 
 def flux2_layers(transformer: nn.Module) -> list[PipelineLayer]:

@@ -113,7 +113,7 @@ class Flux2Sampling(FamilySampling):
         pipe.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
         kwargs = {}
         if request.control is not None:  # an edit: the reference image fitted to the size
-            from dpipe.data.sources import fit, open_rgb
+            from dpipe.images import fit, open_rgb
 
             kwargs["image"] = fit(open_rgb(request.control), request.width, request.height)
         if self.guidance_kind == "cfg" and guidance > 1:

@@ -24,7 +24,6 @@ diffusers and for ComfyUI (BFL layout, q/k/v fused: see `common/bfl_layout.py`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,17 +31,14 @@ from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ModelLoadError
-from dpipe.models.common.bfl_layout import comfyui_lora, flux2_layout, save_bfl_file, source_format
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.common.bfl_layout import comfyui_lora, flux2_layout, save_like_source
+from dpipe.models.diffusers_folder import load_encoders, read_json
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, block_costs
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.single_file import load_or_fail
+from dpipe.models.spec import NoisedBatch
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
 REFERENCE_T = 10  # Flux2Pipeline._prepare_image_ids: reference image i gets t = 10 + 10 * i
 
@@ -61,42 +57,58 @@ LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:" + "|".join(_DOUBLE_LINEARS) + ")
                 + r"|single_transformer_blocks\.\d+\.(?:" + "|".join(_SINGLE_LINEARS) + ")")
 
 
-class Flux2Spec(ModelSpec):
+def from_bfl_file(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """BFL-named FLUX.2 weights -> diffusers names, by diffusers' own converter (it reads no
+    sizes, so it serves any FLUX.2 width). It fails with a KeyError on a block weight it has no
+    name for: reported as the file not being a FLUX.2 checkpoint."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    try:
+        return convert_flux2_transformer_checkpoint_to_diffusers(dict(state))
+    except KeyError as err:
+        raise ValueError(f"not a FLUX.2 transformer in BFL's layout: no diffusers name for the "
+                         f"block weight {err}") from None
+
+
+class Flux2Spec(DiffusersFamily):
     family = "flux2"
+    title, example = "FLUX.2", "black-forest-labs/FLUX.2-dev"
+    denoiser_class = "Flux2Transformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
+    vae_config_keys = ()  # the VAE's files hold its BatchNorm statistics
+    image_notes = {"latent": "mode, 2x2 patchified, batch-norm normalised"}
+    tiny_writer = "dpipe.models.flux2.tiny:make_tiny_flux2"
+    lora_modules = LORA_TARGETS
+    layers, block_count_keys = flux2_layers, ("num_layers", "num_single_layers")
+    block_types = (Flux2DoubleBlock, Flux2SingleBlock)
+    sampler = "dpipe.models.flux2.sampling:Flux2Sampling"
+    lora_writer = "Flux2Pipeline"  # for Klein folders too: the same file
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file = from_bfl_file
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer in BFL's layout with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.flux2.tiny import make_tiny_flux2
-
-            make_tiny_flux2(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "FLUX.2", "black-forest-labs/FLUX.2-dev")
-        check_single_file(self.single_file)
-        self._pipeline_class()
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
-
-    def _pipeline_class(self):
+    @property
+    def pipeline_class(self) -> str:
+        """FLUX.2-dev's pipeline or Klein's, as model_index.json names it."""
         name = read_json(self.path / "model_index.json").get("_class_name")
         if name not in PIPELINES:
             raise ModelLoadError(
                 f"model.path={self.path} holds a {name}, not a FLUX.2 pipeline "
                 f"({' or '.join(PIPELINES)})")
-        import diffusers
+        return name
 
-        return getattr(diffusers, name)
+    @property
+    def text_notes(self) -> dict[str, Any]:
+        # dev and Klein encode prompts with different LLMs and templates
+        return {"pipeline": read_json(self.path / "model_index.json").get("_class_name")}
+
+    def read_configs(self) -> None:
+        self.pipeline_class  # a folder of another pipeline fails here, before the VAE's config
+        super().read_configs()
 
     @property
     def pixel_multiple(self) -> int:
         # VAE downscale (x8 for the real VAE), then the 2x2 patchify of the latents.
-        return 2 ** (len(self._vae_config()["block_out_channels"]) - 1) * 2
+        return 2 * super().pixel_multiple
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -109,31 +121,10 @@ class Flux2Spec(ModelSpec):
         if tokenizer.chat_template is None:
             raise ModelLoadError(f"{self.path / 'tokenizer'} has no chat template "
                                  "(chat_template.jinja), which FLUX.2 prompts are built with")
-        pipe = load_encoders(self._pipeline_class(), self.path, device, dtype,
-                             frozen=("vae", "text_encoder"), tokenizer=None)
+        pipe = load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
+                             frozen=self.frozen_parts, tokenizer=None)
         pipe.tokenizer = tokenizer
         return pipe
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import Flux2Transformer2DModel
-
-        return load_denoiser(Flux2Transformer2DModel, self.path, self.single_file, dtype,
-                             convert=_from_bfl)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {
-                "family": self.family,
-                "vae": folder_fingerprint(self.path / "vae"),  # includes the BatchNorm stats
-                "latent": "mode, 2x2 patchified, batch-norm normalised",
-            }
-        return {
-            "family": self.family,
-            "pipeline": read_json(self.path / "model_index.json").get("_class_name"),
-            "text_encoder": folder_fingerprint(self.path / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-        }
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -149,21 +140,6 @@ class Flux2Spec(ModelSpec):
         return {"text": text}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return flux2_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """flux2_layers: the embedding, every double- and single-stream block, the head."""
-        double, single = denoiser_config(
-            self.path / "transformer", "Flux2Transformer2DModel", "num_layers", "num_single_layers")
-        return 2 + double + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        return block_costs(layers, (Flux2DoubleBlock, Flux2SingleBlock))
-
     def make_inputs(self, batch: NoisedBatch):
         b, c, h, w = batch.latents.shape
         text = batch.text["text"]
@@ -196,26 +172,14 @@ class Flux2Spec(ModelSpec):
         return super().prior_labels(outputs[:, :labels[0].shape[1]], labels, rows)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import Flux2Pipeline
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(
+            weights, lora_scale(metadata), flux2_layout(self.part_config("transformer"))),
+            {"format": "comfyui"})]
 
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(Flux2Pipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(weights, lora_scale(metadata), flux2_layout(
-                read_json(self.path / "transformer" / "config.json"))), {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_denoiser_folder
-
-        folder = write_denoiser_folder(
-            shards, out_dir / "transformer", self.path / "transformer" / "config.json")
-        if self.single_file is not None:  # also in the layout it came in, named, typed and
-            # prefixed as the source, so tools that loaded that file load the fine-tune the same way
-            prefix, dtype = source_format(self.single_file)
-            save_bfl_file(folder, out_dir / self.single_file.name, prefix, dtype)
-        return folder
+    def export_single_file(self, folder, out_dir):
+        # BFL's layout in the source's prefix and dtype, as the FLUX families always wrote it.
+        return save_like_source(folder, self.single_file, out_dir)
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -224,36 +188,6 @@ class Flux2Spec(ModelSpec):
             hidden_states=packed, encoder_hidden_states=text, timestep=t,
             guidance=guidance if denoiser.config.guidance_embeds else None,
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        pipe = self._pipeline_class().from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None,
-            transformer=self.load_denoiser(torch.float32))
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import Flux2Transformer2DModel
-
-        return Flux2Transformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.flux2.sampling import Flux2Sampling
-
-        return Flux2Sampling(self)
-
-
-def _from_bfl(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """BFL-named FLUX.2 weights -> diffusers names, by diffusers' own converter (it reads no
-    sizes, so it serves any FLUX.2 width). It fails with a KeyError on a block weight it has no
-    name for: reported as the file not being a FLUX.2 checkpoint."""
-    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
-
-    try:
-        return convert_flux2_transformer_checkpoint_to_diffusers(dict(state))
-    except KeyError as err:
-        raise ValueError(f"not a FLUX.2 transformer in BFL's layout: no diffusers name for the "
-                         f"block weight {err}") from None
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.tiny_parts import seeded, tiny_corpus, write_atomically
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.tiny_parts import seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
@@ -60,14 +61,7 @@ CHAT_TEMPLATE = (
 def make_tiny_flux2(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random FLUX.2-dev diffusers folder at `path` and return `path` (an
     existing complete folder is left untouched; concurrent callers are safe)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_flux2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_flux2")
 
 
 def _write(out: Path, seed: int) -> None:
@@ -118,9 +112,9 @@ def _write(out: Path, seed: int) -> None:
         vae.bn.running_var.copy_(0.5 + torch.rand(4 * LATENT_CHANNELS))
 
     scheduler.save_pretrained(out / "scheduler")
-    _save(transformer, out / "transformer", shards=3)
-    _save(text_encoder, out / "text_encoder", shards=2)
-    _save(vae, out / "vae", shards=1)
+    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer).save_config(out)
     index = json.loads((out / "model_index.json").read_text())
@@ -174,13 +168,3 @@ def save_processor(directory: Path):
 
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
-    torch.nn.Module.to(model, DTYPE)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.hidream.moe import make_sync_free
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
@@ -136,7 +136,7 @@ class HiDreamHead(PipelineLayer):
         x = out[:, :ph * pw].reshape(out.shape[0], ph, pw, p, p, -1).permute(0, 5, 1, 3, 2, 4)
         images = x.reshape(out.shape[0], -1, ph * p, pw * p)
         # The text stream ends here; crossing a stage boundary it still needs a gradient path.
-        return images.contiguous() + 0.0 * text.sum()
+        return keep_in_graph(images.contiguous(), text)
 
 
 def hidream_layers(transformer: nn.Module) -> list[PipelineLayer]:

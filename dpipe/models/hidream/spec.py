@@ -27,22 +27,17 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ModelLoadError
-from dpipe.models.diffusers_folder import (
-    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.comfyui import renamed
+from dpipe.models.diffusers_folder import kl_latents, load_encoders
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
 from dpipe.models.hidream.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, load_or_fail, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.single_file import load_or_fail
+from dpipe.models.spec import NoisedBatch
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
-                  "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 LLAMA_PARTS = ("text_encoder_4", "tokenizer_4")
 COMFYUI_FILE = "hidream_lora_comfyui.safetensors"
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "tokenizer",
@@ -56,22 +51,35 @@ LORA_TARGETS = (r"(?:double|single)_stream_blocks\.\d+\.block\.(?:"
                 r"|ff_i\.(?:experts\.\d+|shared_experts)\.w[123]|ff_t\.w[123]|adaLN_modulation\.1)")
 
 
-class HiDreamSpec(ModelSpec):
+def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A single file's weights -> diffusers names, through diffusers' own converter: in 0.42.1
+    it only strips ComfyUI's prefix (the original names are diffusers'), which the loader has
+    done already; kept so a future converter's renames apply here too."""
+    from diffusers.loaders.single_file_utils import convert_hidream_transformer_to_diffusers
+
+    return convert_hidream_transformer_to_diffusers(dict(state))
+
+
+class HiDreamSpec(DiffusersFamily):
     family = "hidream"
+    title, example = "HiDream-I1", "HiDream-ai/HiDream-I1-Full"
+    pipeline_class, denoiser_class = "HiDreamImagePipeline", "HiDreamImageTransformer2DModel"
+    # Llama (LLAMA_PARTS) is not in the repo: checked apart, with how to link it in.
+    required_parts = ("model_index.json", "transformer", "vae", "scheduler", "text_encoder",
+                      "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
+                      "tokenizer_3")
+    frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+    text_fingerprint = {part: part for part in TEXT_PARTS}
+    tiny_writer = "dpipe.models.hidream.tiny:make_tiny_hidream"
+    lora_modules = LORA_TARGETS
+    layers = hidream_layers
+    block_count_keys = ("num_layers", "num_single_layers")
+    sampler = "dpipe.models.hidream.sampling:HiDreamSampling"
+    # A single file as ComfyUI holds it: the original names, which are diffusers'.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file, to_original = from_original, dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.hidream.tiny import make_tiny_hidream
-
-            make_tiny_hidream(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "HiDream-I1", "HiDream-ai/HiDream-I1-Full")
-        check_single_file(self.single_file)
+    def read_configs(self) -> None:
         missing = [p for p in LLAMA_PARTS if not (self.path / p).exists()]
         if missing:
             raise ModelLoadError(
@@ -79,16 +87,12 @@ class HiDreamSpec(ModelSpec):
                 "Llama-3.1-8B-Instruct, is not part of its repo. Link your copy in: "
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'text_encoder_4'} && "
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'tokenizer_4'}")
-        self._config("vae")
-        self._config("transformer")
-
-    def _config(self, part: str) -> dict[str, Any]:
-        return read_json(self.path / part / "config.json")
+        super().read_configs()
+        self.part_config("transformer")  # pixel_multiple reads its patch size
 
     @property
     def pixel_multiple(self) -> int:
-        vae_scale = 2 ** (len(self._config("vae")["block_out_channels"]) - 1)
-        return vae_scale * int(self._config("transformer")["patch_size"])
+        return super().pixel_multiple * int(self.part_config("transformer")["patch_size"])
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -102,21 +106,8 @@ class HiDreamSpec(ModelSpec):
             "text_encoder_4": LlamaForCausalLM.from_pretrained(self.path / "text_encoder_4",
                                                                dtype=dtype),
         }, self.path)
-        return load_encoders(HiDreamImagePipeline, self.path, device, dtype, **llama, frozen=(
-            "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"))
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import HiDreamImageTransformer2DModel
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(HiDreamImageTransformer2DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return kl_image_fingerprint(self.family, self.path)
-        return {"family": self.family, "max_text_tokens": self.cfg.max_text_tokens,
-                **{p: folder_fingerprint(self.path / p) for p in TEXT_PARTS}}
+        return load_encoders(HiDreamImagePipeline, self.path, device, dtype, **llama,
+                             frozen=self.frozen_parts)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -134,20 +125,7 @@ class HiDreamSpec(ModelSpec):
     def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
         return noisy_latents(x0, noise, t), x0 - noise  # HiDream predicts the negated velocity
 
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return hidream_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """hidream_layers: the embedding, every dual- and single-stream block, the head."""
-        dual, single = denoiser_config(
-            self.path / "transformer", "HiDreamImageTransformer2DModel", "num_layers",
-            "num_single_layers")
-        return 2 + dual + single
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
+    def layer_costs(self, layers) -> list[float]:
         """Modelled forward FLOPs (dpipe.models.hidream.costs) at a 1024x1024 image."""
         return costs.layer_forward_flops(layers, costs.NOMINAL_IMAGE_TOKENS,
                                          self.cfg.max_text_tokens)
@@ -159,30 +137,12 @@ class HiDreamSpec(ModelSpec):
         weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
         return inputs, (batch.target,) if weight is None else (batch.target, weight)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import HiDreamImagePipeline
-
-        from dpipe.models.comfyui import renamed
-
-        weights = peft_to_diffusers(state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         # ComfyUI (and diffusion-pipe) name HiDream LoRAs after the original model, whose module
         # names diffusers kept: `diffusion_model.<module>.lora_A/lora_B.weight`, no alpha, so the
         # scale alpha / rank is folded into lora_B.
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(HiDreamImagePipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_FILE, lambda: renamed(weights, lora_scale(metadata)))])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        dict)  # the file has the diffusers names
+        return [LoraFormat(COMFYUI_FILE, lambda: renamed(weights, lora_scale(metadata)))]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -197,26 +157,15 @@ class HiDreamSpec(ModelSpec):
         finally:
             denoiser.train(training)
 
-    def load_denoiser_with_lora(self, lora_dir: Path,
-                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
+    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         from diffusers import HiDreamImagePipeline
 
+        # Every encoder left out by name, Llama's too: it is not among the required parts.
         pipe = load_or_fail(lambda: HiDreamImagePipeline.from_pretrained(
-            self.path, vae=None, **dict.fromkeys(TEXT_PARTS), **base), self.path)
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
+            self.path, vae=None, **dict.fromkeys(TEXT_PARTS),
+            transformer=self.load_denoiser(torch.float32)), self.path)
+        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
         return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import HiDreamImageTransformer2DModel
-
-        return HiDreamImageTransformer2DModel.from_pretrained(export_dir / "transformer")
-
-    # ---- sampling ----------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.hidream.sampling import HiDreamSampling
-
-        return HiDreamSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES
@@ -237,12 +186,3 @@ class HiDreamSpec(ModelSpec):
         image_tokens = (h // p) * (w // p) if h == w else denoiser.max_seq
         return b * costs.train_flops(self.pipeline_layers(denoiser), image_tokens, t5.shape[1],
                                      full)
-
-
-def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """A single file's weights -> diffusers names, through diffusers' own converter: in 0.42.1
-    it only strips ComfyUI's prefix (the original names are diffusers'), which the loader has
-    done already; kept so a future converter's renames apply here too."""
-    from diffusers.loaders.single_file_utils import convert_hidream_transformer_to_diffusers
-
-    return convert_hidream_transformer_to_diffusers(dict(state))

@@ -24,7 +24,7 @@ from pathlib import Path
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, write_once)
 
 LATENT_CHANNELS = 16
 CLIP_L, CLIP_G, T5_DIM, LLAMA_DIM = 32, 48, 32, 32
@@ -35,14 +35,7 @@ CLIP_POSITIONS = 248  # HiDream's CLIPs are long-context (Long-CLIP)
 
 def make_tiny_hidream(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random HiDream-I1 folder (with a tiny Llama in text_encoder_4/)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_hidream; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_hidream")
 
 
 def _write(out: Path, seed: int) -> None:

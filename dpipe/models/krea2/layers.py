@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
 
@@ -80,7 +80,7 @@ class Krea2Head(PipelineLayer):
         out = self.final_layer(hidden[:, text_mask.shape[1]:], temb)
         # The block modulation ends unused here; alone on the last stage it still needs a
         # gradient.
-        return out + 0.0 * temb_mod.sum()
+        return keep_in_graph(out, temb_mod)
 
 
 def krea2_layers(transformer: nn.Module) -> list[PipelineLayer]:

@@ -20,7 +20,11 @@ Krea2Transformer2DModel. Where each value comes from:
   files), so the diffusers config is the mapping above, not a quoted file.
 """
 
-from dpipe.models.krea2.tiny import NUM_TEXT_LAYERS, TEXT_DIM, Z_DIM
+# The tiny test model's sizes (dpipe.models.krea2.tiny writes it).
+Z_DIM = 4  # latent channels (16 in the real VAE)
+TEXT_DIM = 32  # Qwen3-VL hidden size = the transformer's text_hidden_dim (2560 for Qwen3-VL-4B)
+SELECT_LAYERS = (1, 2, 4)  # hidden_states taps (0 is the embedding output), as (2, 5, ..., 35)
+NUM_TEXT_LAYERS = len(SELECT_LAYERS)
 
 KREA2_12B = {
     "_class_name": "Krea2Transformer2DModel",

@@ -23,12 +23,9 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.krea2.sizes import KREA2_TINY, SELECT_LAYERS, TEXT_DIM, Z_DIM
+from dpipe.models.tiny_parts import seeded, write_once
 
-Z_DIM = 4  # latent channels (16 in the real VAE)
-TEXT_DIM = 32  # Qwen3-VL hidden size = the transformer's text_hidden_dim (2560 for Qwen3-VL-4B)
-SELECT_LAYERS = (1, 2, 4)  # hidden_states taps (0 is the embedding output), as (2, 5, ..., 35)
-NUM_TEXT_LAYERS = len(SELECT_LAYERS)
 DTYPE = torch.bfloat16
 # The scheduler config the pipeline's docstring requires: dynamic (exponential) shifting with the
 # Krea 2 parameters.
@@ -38,14 +35,7 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True,
 
 def make_tiny_krea2(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Krea 2 diffusers folder at `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_krea2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_krea2")
 
 
 def _write(out: Path, seed: int) -> None:
@@ -53,8 +43,6 @@ def _write(out: Path, seed: int) -> None:
         AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
         Krea2Transformer2DModel)
     from transformers import Qwen2Tokenizer, Qwen3VLModel
-
-    from dpipe.models.krea2.sizes import KREA2_TINY  # imports this module's sizes
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=262144)
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
 
@@ -111,7 +111,7 @@ class LTXHead(PipelineLayer):
         out = self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)
         # The text stream and temb end unused here; they still need a gradient when the head is
         # alone on the last stage.
-        return out + 0.0 * (text_hidden.sum() + temb.sum())
+        return keep_in_graph(out, text_hidden, temb)
 
 
 def ltx_layers(transformer: nn.Module, ratios: tuple[int, int]) -> list[PipelineLayer]:

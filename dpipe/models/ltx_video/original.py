@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-COMFY_PREFIX = "model.diffusion_model."
 # diffusers name part -> original, whole dot-separated components only.
 _RENAMES = {"proj_in": "patchify_proj", "time_embed": "adaln_single", "norm_q": "q_norm",
             "norm_k": "k_norm"}

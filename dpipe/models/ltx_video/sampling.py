@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.diffusers_folder import read_json
-from dpipe.models.ltx_video.spec import unpack
+from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
@@ -122,7 +122,7 @@ class LTXVideoSampling(FamilySampling):
 
             from PIL import Image
 
-            from dpipe.data.sources import load_image
+            from dpipe.images import load_image
 
             # The control image fitted to the request's size as dpipe loads it.
             pixels = load_image(Path(request.control), request.width, request.height)

@@ -18,22 +18,19 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
-from dpipe.errors import ConfigError, DataError
+from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
 from dpipe.models.common.shapes import as_video, frames_ok
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
+from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
 from dpipe.models.ltx_video.original import from_original, original_state_dict
-from dpipe.models.single_file import SINGLE_FILE_SUFFIXES, check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.ltx_video.packing import pack
+from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 COMFYUI_LORA = "ltx_video_lora_comfyui.safetensors"
 ENCODING_VERSION = 1
 # LTXPipeline's default frame rate: it scales the temporal rotary positions (frames / fps). A
@@ -46,20 +43,6 @@ LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn1\.to_q|attn1\.to_k|attn1\.to_
                 r"|attn2\.to_q|attn2\.to_k|attn2\.to_v|attn2\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)")
 
 
-def pack(latents: torch.Tensor, p: int, pt: int) -> torch.Tensor:
-    """(B, C, F, H, W) -> (B, F/pt * H/p * W/p, C*pt*p*p), as LTXPipeline._pack_latents."""
-    b, c, f, h, w = latents.shape
-    x = latents.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
-    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
-
-
-def unpack(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int) -> torch.Tensor:
-    """The inverse of `pack`, as LTXPipeline._unpack_latents."""
-    f, h, w = grid
-    x = tokens.reshape(tokens.shape[0], f, h, w, -1, pt, p, p)
-    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
-
-
 def ltx_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mean of the per-element `error` over the tokens that are denoised. Labels: (target,)
     or (target, weight, trained): `weight` multiplies each element (mask weights, 0 on condition
@@ -70,51 +53,36 @@ def ltx_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Ten
     return (weight.float() * error).sum() / (trained.float().sum() * target.shape[-1]).clamp(min=1)
 
 
-class LTXVideoSpec(ModelSpec):
+class LTXVideoSpec(DiffusersFamily):
     family = "ltx_video"
-    pipeline_class = "LTXPipeline"
-    transformer_class = "LTXVideoTransformer3DModel"
+    title, example = "LTX-Video", "Lightricks/LTX-Video"
+    pipeline_class, denoiser_class = "LTXPipeline", "LTXVideoTransformer3DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                      "scheduler")
+    text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
+    text_notes = {"encoding": ENCODING_VERSION}
+    vae_config_keys = ("scaling_factor",)
+    image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
+    tiny_writer = "dpipe.models.ltx_video.tiny:make_tiny_ltx_video"
+    lora_modules = LORA_TARGETS
+    sampler = "dpipe.models.ltx_video.sampling:LTXVideoSampling"
+    # The single file users download (original / ComfyUI names), with model.single_file_config.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file = staticmethod(from_original)
+    to_original = staticmethod(original_state_dict)
     comfyui_lora = COMFYUI_LORA
-    text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
-    # Original-layout single files -> diffusers names; None: the family reads diffusers folders only.
-    single_file_convert = staticmethod(from_original)
-    # diffusers names -> the original ones, for writing a full fine-tune back in the file's layout.
-    single_file_names = staticmethod(original_state_dict)
     # A diffusers module name -> ComfyUI's, for its LoRA file: ComfyUI's LTX-Video model uses
     # diffusers' names.
     comfyui_module = staticmethod(lambda name: name)
+    text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        if self.single_file_convert is None and self.path.suffix in SINGLE_FILE_SUFFIXES:
-            raise ConfigError(f"model.path={self.path}: {self.family} trains from a diffusers "
-                              "folder only (single-file checkpoints are not read yet)")
-        # model.path: the diffusers folder, or a single-file checkpoint (original / ComfyUI names)
-        # with model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
-
-            make_tiny_ltx_video(self.path)
-        self._check_folder(REQUIRED_PARTS, "LTX-Video", "Lightricks/LTX-Video")
-
-    def _check_folder(self, parts: tuple[str, ...], name: str, example: str) -> None:
-        check_folder(self.path, parts, name, example)
-        check_single_file(self.single_file)
-        self._vae_config()
-        self._transformer_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
-
-    def _transformer_config(self) -> dict[str, Any]:
-        return read_json(self.path / "transformer" / "config.json")
+    def read_configs(self) -> None:
+        self.part_config("vae")
+        self.part_config("transformer")
 
     def _ratios(self) -> tuple[int, int]:
         """(spatial, temporal) compression of the VAE, as AutoencoderKLLTXVideo derives them."""
-        vae = self._vae_config()
+        vae = self.part_config("vae")
         levels = 2 ** sum(vae.get("spatio_temporal_scaling", (True, True, True, False)))
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * levels
         temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * levels
@@ -122,11 +90,12 @@ class LTXVideoSpec(ModelSpec):
 
     @property
     def _patches(self) -> tuple[int, int]:
-        t = self._transformer_config()
+        t = self.part_config("transformer")
         return t.get("patch_size", 1), t.get("patch_size_t", 1)
 
     @property
     def pixel_multiple(self) -> int:
+        # The VAE's spatial compression (not its level count) times the transformer's patch.
         return self._ratios()[0] * self._patches[0]
 
     @property
@@ -147,30 +116,6 @@ class LTXVideoSpec(ModelSpec):
     @property
     def i2v(self) -> bool:
         return bool(getattr(self.cfg, "i2v", None))
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        import diffusers
-
-        return load_encoders(getattr(diffusers, self.pipeline_class), self.path, device, dtype,
-                             frozen=("vae", "text_encoder"))
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        import diffusers
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(getattr(diffusers, self.transformer_class), self.path,
-                             self.single_file, dtype, convert=self.single_file_convert)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {"family": self.family, "encoding": ENCODING_VERSION,
-                    "vae": folder_fingerprint(self.path / "vae"), "latent": "mode",
-                    "scaling_factor": self._vae_config().get("scaling_factor")}
-        return {"family": self.family, "encoding": ENCODING_VERSION,
-                "t5": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -199,16 +144,8 @@ class LTXVideoSpec(ModelSpec):
         return {"t5": embeds, "mask": mask.long()}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return ltx_layers(denoiser, self._ratios())
-
-    def pipeline_layer_count(self) -> int:
-        """ltx_layers (and LTX-2's ltx2_layers): the embedding, every block, the head."""
-        blocks, = denoiser_config(self.path / "transformer", self.transformer_class, "num_layers")
-        return 2 + blocks
+    def pipeline_layers(self, denoiser: nn.Module):
+        return ltx_layers(denoiser, self._ratios())  # the rotary positions scale by the VAE's
 
     def make_inputs(self, batch: NoisedBatch):
         p, pt = self._patches
@@ -247,24 +184,12 @@ class LTXVideoSpec(ModelSpec):
         return ltx_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        import diffusers
-
-        weights = peft_to_diffusers(state_dict)
+    def lora_formats(self, weights: dict[str, torch.Tensor],
+                     metadata: dict[str, Any]) -> list[LoraFormat]:
         # ComfyUI's names (`comfyui_module`) under `diffusion_model.`.
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(getattr(diffusers, self.pipeline_class), weights,
-                                                 metadata, out_dir),
-            [LoraFormat(self.comfyui_lora,
-                        lambda: renamed(weights, lora_scale(metadata), self.comfyui_module),
-                        {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        self.single_file_names)
+        return [LoraFormat(self.comfyui_lora,
+                           lambda: renamed(weights, lora_scale(metadata), self.comfyui_module),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -276,24 +201,16 @@ class LTXVideoSpec(ModelSpec):
             num_frames=f, height=h, width=w,
             rope_interpolation_scale=rope_scale(self._ratios(), rate), return_dict=False)[0]
 
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str = DIFFUSERS_LORA) -> nn.Module:
-        import diffusers
-
+    def load_denoiser_with_lora(self, lora_dir: Path,
+                                weight_name: str = DIFFUSERS_LORA) -> nn.Module:
+        """As the base, but any of the LoRA files (`weight_name`: ComfyUI's loads in diffusers
+        too), and every part of the folder but the transformer and scheduler left out (LTX-2's
+        audio VAE and vocoder among them)."""
+        parts = [p for p in read_json(self.path / "model_index.json")
+                 if not p.startswith("_") and p not in ("scheduler", "transformer")]
         # From a single file, the base transformer is that file's, as the user loads it.
         base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
-            self.path, text_encoder=None, vae=None, tokenizer=None, **base)
+        pipe = diffusers_class(self.pipeline_class).from_pretrained(
+            self.path, **dict.fromkeys(parts), **base)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        import diffusers
-
-        return getattr(diffusers, self.transformer_class).from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        if self.family != LTXVideoSpec.family:  # a family built on this spec (LTX-2) samples
-            return super().sampling()  # its own way, or not at all
-        from dpipe.models.ltx_video.sampling import LTXVideoSampling
-
-        return LTXVideoSampling(self)

@@ -19,7 +19,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # T5 d_model (caption_channels)
@@ -28,14 +28,8 @@ T5_MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 
 def make_tiny_ltx_video(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random LTX-Video diffusers folder at `path` and return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_ltx_video; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_ltx_video")
 
 
 def _write(out: Path, seed: int) -> None:

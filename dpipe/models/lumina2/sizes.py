@@ -2,7 +2,10 @@
 transformer folder, 2.61B parameters), for benchmarks with random weights: no download needed.
 The tiny one is the test model's (`dpipe.models.lumina2.tiny` builds it)."""
 
-from dpipe.models.lumina2.tiny import DIM, LATENT_CHANNELS, TEXT_DIM
+# The tiny test model's sizes (dpipe.models.lumina2.tiny writes it).
+LATENT_CHANNELS = 4
+DIM = 48
+TEXT_DIM = 32  # Gemma hidden size = the transformer's cap_feat_dim (2304 for Gemma-2 2B)
 
 LUMINA2_2B = {
     "_class_name": "Lumina2Transformer2DModel",

@@ -24,11 +24,9 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_atomically
+from dpipe.models.lumina2.sizes import LATENT_CHANNELS, TEXT_DIM, LUMINA2_TINY
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
 
-LATENT_CHANNELS = 4
-DIM = 48
-TEXT_DIM = 32  # Gemma hidden size = the transformer's cap_feat_dim (2304 for Gemma-2 2B)
 DTYPE = torch.bfloat16
 # Lumina2Pipeline's default system prompt: in the tokenizer's corpus so that it costs few tokens.
 SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree"
@@ -38,14 +36,7 @@ _SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<e
 
 def make_tiny_lumina2(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Lumina 2 diffusers folder at `path` and return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_lumina2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_lumina2")
 
 
 def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
@@ -100,8 +91,6 @@ def _write(out: Path, seed: int) -> None:
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
     from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
-
-    from dpipe.models.lumina2.sizes import LUMINA2_TINY  # imports this module's sizes
 
     vocab = save_gemma_tokenizer(out / "tokenizer")
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)

@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.common.key_tables import swap_halves
 from dpipe.models.lora_files import NotInFormat
 
@@ -63,7 +64,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
             which = which.removesuffix(".weight")
             if module == "norm_out.linear" and which == "B":
                 tensor = swap_halves(tensor)
-            name = f"diffusion_model.{TOP_LINEARS[module]}"
+            name = f"{COMFY_PREFIX}{TOP_LINEARS[module]}"
             parts.setdefault(name, {}).setdefault(None, {})[which] = tensor
             continue
         m = _KEY.fullmatch(key)
@@ -76,7 +77,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float,
             # The last block's context modulation is stored (shift, scale) in the original and
             # (scale, shift) in diffusers: swap the up-projection's halves back.
             tensor = swap_halves(tensor)
-        name = f"diffusion_model.joint_blocks.{block}.{target}"
+        name = f"{COMFY_PREFIX}joint_blocks.{block}.{target}"
         parts.setdefault(name, {}).setdefault(chunk, {})[which] = tensor
     out = {}
     for name, chunks in parts.items():

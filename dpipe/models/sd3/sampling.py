@@ -27,7 +27,7 @@ class SD3Sampling(FamilySampling):
         return scheduler.timesteps
 
     def image_tokens(self, latents: torch.Tensor) -> int:
-        patch = int(self.spec._transformer_config().get("patch_size", 2))
+        patch = int(self.spec.part_config("transformer").get("patch_size", 2))
         return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
 
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

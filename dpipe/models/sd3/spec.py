@@ -15,30 +15,21 @@ the diffusers folder that gives the VAE, text encoders and configs (see original
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
-from dpipe.models.diffusers_folder import (
-    check_folder, kl_image_fingerprint, kl_latents, load_denoiser, load_encoders, read_json)
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
+from dpipe.models.diffusers_folder import kl_latents
+from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.sd3.comfyui import comfyui_lora
 from dpipe.models.sd3.layers import sd3_layers
 from dpipe.models.sd3.original import from_original, original_state_dict
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
-
-log = logging.getLogger(__name__)
+from dpipe.models.spec import NoisedBatch
 
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3",
               "tokenizer", "tokenizer_2", "tokenizer_3")
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", *TEXT_PARTS)
 
 # Every Linear of the joint blocks: attention (and SD3.5-medium's second attention, attn2), both
 # MLPs and the adaLN modulations; nothing outside the blocks. The last block has no text output
@@ -54,60 +45,26 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 COMFYUI_LORA = "sd3_lora_comfyui.safetensors"
 
 
-class SD3Spec(ModelSpec):
+class SD3Spec(DiffusersFamily):
     family = "sd3"
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (original MMDiT names)
-        # with model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.sd3.tiny import make_tiny_sd3
-
-            make_tiny_sd3(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "Stable Diffusion 3",
-                     "stabilityai/stable-diffusion-3.5-large")
-        check_single_file(self.single_file)
-        self._vae_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
-
-    def _transformer_config(self) -> dict[str, Any]:
-        return read_json(self.path / "transformer" / "config.json")
+    title, example = "Stable Diffusion 3", "stabilityai/stable-diffusion-3.5-large"
+    pipeline_class, denoiser_class = "StableDiffusion3Pipeline", "SD3Transformer2DModel"
+    required_parts = ("model_index.json", "transformer", "vae", *TEXT_PARTS)
+    frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    text_fingerprint = {part: part for part in TEXT_PARTS}
+    text_notes = {"clip_layer": "penultimate"}
+    tiny_writer = "dpipe.models.sd3.tiny:make_tiny_sd3"
+    lora_modules = LORA_TARGETS
+    layers = sd3_layers
+    sampler = "dpipe.models.sd3.sampling:SD3Sampling"
+    # A single file: original MMDiT names; the config from the folder.
+    single_file_suffixes = SINGLE_FILE_SUFFIXES
+    from_single_file, to_original = from_original, original_state_dict
 
     @property
     def pixel_multiple(self) -> int:
         # VAE downscale (x8 for the real VAE), then the transformer's patch size (2).
-        vae_scale = 2 ** (len(self._vae_config()["block_out_channels"]) - 1)
-        return vae_scale * int(self._transformer_config().get("patch_size", 2))
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import StableDiffusion3Pipeline
-
-        return load_encoders(StableDiffusion3Pipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import SD3Transformer2DModel
-
-        # A single file: original names; the config from the folder
-        return load_denoiser(SD3Transformer2DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return kl_image_fingerprint(self.family, self.path)
-        return {
-            "family": self.family,
-            **{part: folder_fingerprint(self.path / part) for part in TEXT_PARTS},
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "clip_layer": "penultimate",
-        }
+        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -121,17 +78,6 @@ class SD3Spec(ModelSpec):
         return {"text": text, "pooled": pooled}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return sd3_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """sd3_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(self.path / "transformer", "SD3Transformer2DModel", "num_layers")
-        return 2 + blocks
-
     def make_inputs(self, batch: NoisedBatch):
         # SD3 patchifies inside its embedding: the first layer takes (B, C, H, W) latents.
         inputs = (batch.noisy, batch.timesteps, batch.text["text"], batch.text["pooled"])
@@ -140,51 +86,13 @@ class SD3Spec(ModelSpec):
             return inputs, (batch.target,)
         return inputs, (batch.target, weight)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-pixel loss weights (masks), broadcast over channels
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import StableDiffusion3Pipeline
-
-        from dpipe.models.sd3.comfyui import comfyui_lora
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(StableDiffusion3Pipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(
-                weights, lora_scale(metadata), self._transformer_config()["num_layers"]))])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        original_state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: comfyui_lora(
+            weights, lora_scale(metadata), self.part_config("transformer")["num_layers"]))]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, t, text, pooled = inputs
         return denoiser(hidden_states=latents, encoder_hidden_states=text,
                         pooled_projections=pooled, timestep=t * 1000, return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import StableDiffusion3Pipeline
-
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = StableDiffusion3Pipeline.from_pretrained(
-            self.path, text_encoder=None, text_encoder_2=None, text_encoder_3=None, vae=None,
-            tokenizer=None, tokenizer_2=None, tokenizer_3=None, **base)
-        pipe.load_lora_weights(str(lora_dir))
-        return pipe.transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel.from_pretrained(export_dir / "transformer")
-
-    def sampling(self):
-        from dpipe.models.sd3.sampling import SD3Sampling
-
-        return SD3Sampling(self)

@@ -26,7 +26,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, write_atomically)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, write_once)
 
 LATENT_CHANNELS = 4
 CLIP_DIM = 32
@@ -42,14 +42,7 @@ def make_tiny_sd3(path: Path, seed: int = 0) -> Path:
     An existing complete folder is returned untouched; the build happens in a temporary sibling
     folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
     """
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_sd3; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_sd3")
 
 
 def _write(out: Path, seed: int) -> None:

@@ -32,17 +32,14 @@ from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.common.quantized_files import file_is_quantized
 from dpipe.models.diffusers_folder import kl_latents, read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
-from dpipe.models.lora_files import (
-    LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
+from dpipe.models.family import DiffusersFamily
+from dpipe.models.lora_files import LoraFormat
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
 from dpipe.models.single_file import read_single_file
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, counted_layer_flops, denoiser_config)
+from dpipe.models.spec import NoisedBatch, PipelineLayer, counted_layer_flops, denoiser_config
 
-REQUIRED_PARTS = ("model_index.json", "unet", "vae", "text_encoder", "text_encoder_2",
-                  "tokenizer", "tokenizer_2", "scheduler")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 KOHYA_FILE = "lora_kohya.safetensors"
 
@@ -53,8 +50,19 @@ LORA_TARGETS = (r"(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)\.attentions\.\d+
                 r"|ff\.net\.0\.proj|ff\.net\.2))")
 
 
-class SDXLSpec(ModelSpec):
+class SDXLSpec(DiffusersFamily):
     family = "sdxl"
+    title, example = "SDXL", "stabilityai/stable-diffusion-xl-base-1.0"
+    pipeline_class, denoiser_class = "StableDiffusionXLPipeline", "UNet2DConditionModel"
+    denoiser_folder = lora_component = "unet"
+    required_parts = ("model_index.json", "unet", "vae", "text_encoder", "text_encoder_2",
+                      "tokenizer", "tokenizer_2", "scheduler")
+    lora_modules = LORA_TARGETS
+    layers = sdxl_layers
+    sampler = "dpipe.models.sdxl.sampling:SDXLSampling"
+    # model.path may be one checkpoint of the whole pipeline (UNet, VAE and both text encoders in
+    # Stability's names), read through diffusers' from_single_file: `self.single_file` says so,
+    # and the methods that read the folder below read either.
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -110,7 +118,7 @@ class SDXLSpec(ModelSpec):
             if config and config.startswith(("/", ".", "~")) and self._config_dir is None:
                 raise ModelLoadError(f"model.single_file_config={config} is not a folder")
         else:
-            missing = [p for p in REQUIRED_PARTS if not (self.path / p).exists()]
+            missing = [p for p in self.required_parts if not (self.path / p).exists()]
             if missing:
                 raise ModelLoadError(
                     f"model.path={self.path} is not a complete SDXL diffusers folder: missing "
@@ -226,12 +234,6 @@ class SDXLSpec(ModelSpec):
         return ddpm.noisy_and_target(x0, noise, abar, prediction)
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return sdxl_layers(denoiser)
-
     def pipeline_layer_count(self) -> int | None:
         """sdxl_layers: the embedding; each down block's resnets (with their transformers) and
         its downsampler; the mid block; each up block's resnets (one more than a down block's)
@@ -303,22 +305,15 @@ class SDXLSpec(ModelSpec):
         return (error.flatten(1).mean(1) * weights.float()).mean()
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import StableDiffusionXLPipeline
-
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         from dpipe.models.sdxl.ldm import kohya_lora
 
-        weights = peft_to_diffusers(state_dict)
         # LoKr and LoHa name it "alpha" (their kohya file is not written: adapter_formats)
         rank, alpha = metadata["r"], metadata.get("lora_alpha", metadata.get("alpha"))
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(StableDiffusionXLPipeline, weights, metadata,
-                                                 out_dir, component="unet"),
-            [LoraFormat(KOHYA_FILE, lambda: kohya_lora(weights, self._unet_config_dict(), alpha),
-                        {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
-                         "ss_network_alpha": str(alpha),
-                         "ss_base_model_version": "sdxl_base_v1-0"})])
+        return [LoraFormat(KOHYA_FILE, lambda: kohya_lora(weights, self._unet_config_dict(), alpha),
+                           {"ss_network_module": "networks.lora", "ss_network_dim": str(rank),
+                            "ss_network_alpha": str(alpha),
+                            "ss_base_model_version": "sdxl_base_v1-0"})]
 
     def _unet_config_dict(self) -> dict[str, Any]:
         if self._unet_config is None:
@@ -346,13 +341,3 @@ class SDXLSpec(ModelSpec):
                               tokenizer=None, tokenizer_2=None)
         pipe.load_lora_weights(str(lora_dir))  # picks pytorch_lora_weights.safetensors
         return pipe.unet
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import UNet2DConditionModel
-
-        return UNet2DConditionModel.from_pretrained(export_dir / "unet")
-
-    def sampling(self):
-        from dpipe.models.sdxl.sampling import SDXLSampling
-
-        return SDXLSampling(self)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
-from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_atomically
+from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_once
 
 SINGLE_FILE = "sd_xl_base_1.0.safetensors"
 CLIP_L_DIM, CLIP_G_DIM = 32, 48
@@ -33,14 +33,7 @@ TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
 
 def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random SDXL folder (diffusers + single file) at `path`; return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_sdxl; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_sdxl")
 
 
 def _write(out: Path, seed: int) -> None:

@@ -179,7 +179,7 @@ class WanSampling(FamilySampling):
             if frames == 1:
                 d.state["condition"] = d.control[:, z:2 * z]
             else:
-                from dpipe.data.sources import load_image
+                from dpipe.images import load_image
 
                 r = d.request
                 image = load_image(Path(r.control), r.width, r.height)
@@ -277,7 +277,7 @@ class WanSampling(FamilySampling):
         pipe = cls.from_pretrained(self.path, dtype=torch.float32, **components)
         kwargs = {}
         if image_to_video:
-            from dpipe.data.sources import fit, open_rgb
+            from dpipe.images import fit, open_rgb
 
             kwargs["image"] = fit(open_rgb(Path(request.control)), request.width, request.height)
         return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,

@@ -31,7 +31,7 @@ import torch
 
 from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_in_shards
+from dpipe.models.common.tiny_files import save_exact_shards
 from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
@@ -132,10 +132,10 @@ def _write(out: Path, seed: int, variant: str) -> None:
                 "added_kv_proj_dim": HEADS * HEAD_DIM if v.get("clip") else None}))
 
     scheduler.save_pretrained(out / "scheduler")
-    save_in_shards(text_encoder, out / "text_encoder", shards=2, dtype=torch.bfloat16)
-    save_in_shards(vae, out / "vae", shards=1, dtype=torch.float32)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=torch.bfloat16)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=torch.float32)
     for name, model in zip(("transformer", "transformer_2"), transformers):
-        save_in_shards(model, out / name, shards=3, dtype=torch.float32)
+        save_exact_shards(model, out / name, shards=3, dtype=torch.float32)
     parts = dict(tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),
                  text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                  transformer=transformers[0],
@@ -170,6 +170,6 @@ def _clip_parts(out: Path, seed: int):
         crop_size={"height": 224, "width": 224}, do_rescale=True, rescale_factor=1 / 255,
         do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
         image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True)
-    save_in_shards(encoder, out / "image_encoder", shards=1, dtype=torch.bfloat16)
+    save_exact_shards(encoder, out / "image_encoder", shards=1, dtype=torch.bfloat16)
     processor.save_pretrained(out / "image_processor")
     return encoder, processor

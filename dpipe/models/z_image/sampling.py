@@ -36,7 +36,7 @@ class ZImageSampling(FamilySampling):
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
         vae = self.vae_config()
         s = 2 * 2 ** (len(vae["block_out_channels"]) - 1)
-        return (int(self.spec._transformer_config().get("in_channels", 16)),
+        return (int(self.spec.part_config("transformer").get("in_channels", 16)),
                 2 * (request.height // s), 2 * (request.width // s))
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 folder, 6.15B parameters; the base Z-Image shares it), for benchmarks with random weights: no
 download needed. The tiny one is the test model's (`dpipe.models.z_image.tiny` builds it)."""
 
-from dpipe.models.z_image.tiny import DIM, LATENT_CHANNELS, TEXT_DIM
+# The tiny test model's sizes (dpipe.models.z_image.tiny writes it).
+LATENT_CHANNELS = 4
+DIM = 32  # transformer width
+TEXT_DIM = 32  # Qwen3 hidden size = the transformer's cap_feat_dim (2560 for Qwen3-4B)
 
 Z_IMAGE_6B = {
     "_class_name": "ZImageTransformer2DModel",

@@ -22,32 +22,21 @@ from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.z_image.sizes import LATENT_CHANNELS, TEXT_DIM, Z_IMAGE_TINY
 
-LATENT_CHANNELS = 4
-DIM = 32  # transformer width
-TEXT_DIM = 32  # Qwen3 hidden size = the transformer's cap_feat_dim (2560 for Qwen3-4B)
 DTYPE = torch.bfloat16  # as the real repo stores its weights
 
 
 def make_tiny_z_image(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Z-Image diffusers folder at `path` and return `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_z_image; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_z_image")
 
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
-
-    from dpipe.models.z_image.sizes import Z_IMAGE_TINY  # imports this module's sizes
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=40960)
     vocab = max(added.values()) + 1

@@ -27,8 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.ltx2.layers import video_path
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
+from dpipe.models.ltx_video.ltx2.layers import video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
@@ -204,9 +204,8 @@ class LTX2AVHead(LTXHead):
         # Every float received needs a gradient when the head is alone on the last stage; the
         # ones the outputs do not read get a zero one. Chosen by field name: `id()` of a tensor
         # in a compiled layer makes dynamo guard on that very object, and every call recompiled.
-        rest = sum(0.0 * getattr(s, name).sum() for name in _NOT_READ_BY_HEAD
-                   if getattr(s, name) is not None)
-        return video + rest, audio + rest
+        unused = [getattr(s, name) for name in _NOT_READ_BY_HEAD if getattr(s, name) is not None]
+        return keep_in_graph(video, *unused), keep_in_graph(audio, *unused)
 
 
 def _output(hidden, embedded, table, norm, proj):

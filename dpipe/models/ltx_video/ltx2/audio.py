@@ -92,3 +92,13 @@ def encode_audio(pipe: Any, waveforms: torch.Tensor) -> torch.Tensor:
     packed = pipe._pack_audio_latents(latents)
     packed = pipe._normalize_audio_latents(packed, vae.latents_mean, vae.latents_std)
     return pipe._unpack_audio_latents(packed, length, mel_bins)
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, L, M) audio latents -> (B, L, C * M) tokens, as LTX2Pipeline._pack_audio_latents."""
+    return latents.transpose(1, 2).flatten(2, 3)
+
+
+def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
+    """The inverse of `pack_audio`, as LTX2Pipeline._unpack_audio_latents."""
+    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)

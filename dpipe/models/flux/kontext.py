@@ -1,11 +1,11 @@
 """FLUX.1 Kontext [dev]: image editing with FLUX.1's components (FluxTransformer2DModel,
 AutoencoderKL 16 ch, CLIP-L + T5-XXL), trained on (target, reference image, instruction) triples.
 
-Kept as its own family (`flux_kontext`) rather than a switch on `flux`: its checkpoints load with
+Its own family (`flux_kontext`) rather than a switch on `flux`: its checkpoints load with
 FluxKontextPipeline (which is what users load its LoRAs with), its training samples need a
 reference image, and everything else is FLUX.1's, inherited from `FluxSpec` unchanged (text and
 image encoding, pipeline layers, LoRA targets, export incl. the ComfyUI LoRA, single-file loading
-of `flux1-kontext-dev.safetensors` in BFL's layout), so the FLUX.1 code stays untouched.
+of `flux1-kontext-dev.safetensors` in BFL's layout).
 
 The reference image is encoded by the same VAE as the target (the dataset's `control_dir`
 delivers it as `batch.control`, latents shaped as the target's). As FluxKontextPipeline does, its
@@ -17,44 +17,31 @@ transformer predicts all tokens, of which the loss reads the target's only.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.common.latent_packing import image_ids, pack
-from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
-from dpipe.models.flux.spec import REQUIRED_PARTS, FluxSpec
-from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.flux.spec import FluxSpec
 from dpipe.models.spec import NoisedBatch
-
-PIPELINE = "FluxKontextPipeline"
 
 
 class FluxKontextSpec(FluxSpec):
     family = "flux_kontext"
+    title, example = "FLUX.1 Kontext", "black-forest-labs/FLUX.1-Kontext-dev"
+    pipeline_class = "FluxKontextPipeline"
+    tiny_writer = "dpipe.models.flux.tiny:make_tiny_flux_kontext"
+    sampler = "dpipe.models.flux.sampling:FluxKontextSampling"
 
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.flux_kontext.tiny import make_tiny_flux_kontext
-
-            make_tiny_flux_kontext(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "FLUX.1 Kontext",
-                     "black-forest-labs/FLUX.1-Kontext-dev")
-        super().ensure_available()
+    def read_configs(self) -> None:
+        super().read_configs()
+        # FLUX.1-dev's folder has the same parts: only model_index.json tells them apart.
         name = read_json(self.path / "model_index.json").get("_class_name")
-        if name != PIPELINE:
+        if name != self.pipeline_class:
             raise ModelLoadError(
-                f"model.path={self.path} holds a {name}, not FLUX.1 Kontext ({PIPELINE}); "
-                "for FLUX.1-dev or schnell use model=flux")
-
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import FluxKontextPipeline
-
-        return load_encoders(FluxKontextPipeline, self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "text_encoder_2"))
+                f"model.path={self.path} holds a {name}, not FLUX.1 Kontext "
+                f"({self.pipeline_class}); for FLUX.1-dev or schnell use model=flux")
 
     def make_inputs(self, batch: NoisedBatch):
         inputs, labels = super().make_inputs(batch)
@@ -73,17 +60,3 @@ class FluxKontextSpec(FluxSpec):
     def loss(self, outputs, labels) -> torch.Tensor:
         # The reference image's tokens come last and carry no loss.
         return super().loss(outputs[:, :labels[0].shape[1]], labels)
-
-    def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
-        from diffusers import FluxKontextPipeline
-
-        pipe = FluxKontextPipeline.from_pretrained(
-            self.path, text_encoder=None, text_encoder_2=None, vae=None, tokenizer=None,
-            tokenizer_2=None, transformer=self.load_denoiser(torch.float32))
-        pipe.load_lora_weights(str(lora_dir), weight_name=DIFFUSERS_LORA)
-        return pipe.transformer
-
-    def sampling(self):
-        from dpipe.models.flux_kontext.sampling import FluxKontextSampling
-
-        return FluxKontextSampling(self)

@@ -1,5 +1,5 @@
-"""LTX-2.3 (22B audio-video): LTX-2's family (`dpipe.models.ltx2`) on the LTX-2.3
-release, whose diffusers classes are LTX-2's with 2.3's switches on (see tiny.py): gated
+"""LTX-2.3 (22B audio-video): LTX-2's family (`dpipe.models.ltx_video.ltx2`) on the LTX-2.3
+release, whose diffusers classes are LTX-2's with 2.3's switches on (see ltx23_tiny.py): gated
 attention, the text cross-attention modulated by the timestep (`prompt_adaln`, 9 modulation rows
 per block), prompt tokens projected per stream by the connectors (no caption_projection), a
 larger VAE decoder and a vocoder with bandwidth extension.
@@ -17,18 +17,18 @@ audio and cross-modal attentions' ones) next to LTX-2's Linears, and a full fine
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpipe.models.adapters import is_adapter_param
-from dpipe.models.ltx2.av_layers import LTX2AVBlock
-from dpipe.models.ltx2.layers import LTX2VideoBlock
-from dpipe.models.ltx2.spec import AUDIO_TEXT_KEY, LTX2Spec
-from dpipe.models.ltx23.sizes import SAMPLE_SHAPES, SIZES, VAES
-from dpipe.models.spec import PipelineLayer, attention_train_flops, block_costs
+from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
+from dpipe.models.ltx_video.ltx2.layers import LTX2VideoBlock
+from dpipe.models.ltx_video.ltx2.ltx23_sizes import SAMPLE_SHAPES, SIZES, VAES
+from dpipe.models.ltx_video.ltx2.release import RELEASES
+from dpipe.models.ltx_video.ltx2.spec import AUDIO_TEXT_KEY, LTX2Spec
+from dpipe.models.spec import attention_train_flops
 
 COMFYUI_LORA = "ltx23_lora_comfyui.safetensors"
 
@@ -45,38 +45,30 @@ AUDIO_LORA_TARGETS = (r"|transformer_blocks\.\d+\.(?:(?:audio_attn1|audio_attn2|
 class LTX23Spec(LTX2Spec):
     family = "ltx23"
     release = "2.3"
+    title, example = "LTX-2.3", RELEASES["2.3"][1]
+    tiny_writer = "dpipe.models.ltx_video.ltx2.ltx23_tiny:make_tiny_ltx23"
+    lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
     comfyui_lora = COMFYUI_LORA
-
-    @staticmethod
-    def make_tiny(path: Path) -> Path:
-        from dpipe.models.ltx23.tiny import make_tiny_ltx23
-
-        return make_tiny_ltx23(path)
-
-    def lora_targets(self) -> str:
-        return LORA_TARGETS + AUDIO_LORA_TARGETS if self.cfg.audio else LORA_TARGETS
+    # Equal blocks, light embedder and head. By parameters the embedder (time_embed's 9-row and
+    # prompt_adaln's modulation, ~200M at 22B) would weigh half a block, and every block carries
+    # its audio half, which video-only training never runs; the embedder and head run a few
+    # Linears on one timestep token or memory-bound per-token ones. With model.audio every block
+    # runs both streams: the blocks stay equal.
+    block_types = (LTX2VideoBlock, LTX2AVBlock)
 
     # ---- the configs: the folder's, or a benchmark size's -----------------------------------
     _bench_size: str | None = None
 
-    def _transformer_config(self) -> dict[str, Any]:
-        return SIZES[self._bench_size] if self._bench_size else super()._transformer_config()
-
-    def _vae_config(self) -> dict[str, Any]:
-        return VAES[self._bench_size] if self._bench_size else super()._vae_config()
+    def part_config(self, part: str) -> dict[str, Any]:
+        sized = {"transformer": SIZES, "vae": VAES}.get(part)
+        if self._bench_size and sized:
+            return sized[self._bench_size]
+        return super().part_config(part)
 
     def pipeline_layer_count(self) -> int:
         if self._bench_size:
             return 2 + SIZES[self._bench_size]["num_layers"]
         return super().pipeline_layer_count()
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Equal blocks, light embedder and head. By parameters the embedder (time_embed's
-        9-row and prompt_adaln's modulation, ~200M at 22B) would weigh half a block, and every
-        block carries its audio half, which video-only training never runs; the embedder and
-        head run a few Linears on one timestep token or memory-bound per-token ones. With
-        model.audio every block runs both streams: the blocks stay equal."""
-        return block_costs(layers, (LTX2VideoBlock, LTX2AVBlock))
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

@@ -4,10 +4,10 @@ LTX-2 conversion (`--version 2.3`) writes its transformer/config.json: LTX-2's 4
 4096-wide video and a 2048-wide audio stream, with 2.3's gated attention, cross-attention
 modulation and connector-side prompt projections; 18.99B parameters (the release's "22B" counts
 its text connectors too, which dpipe does not train). The tiny one is the test model's
-(`dpipe.models.ltx23.tiny`)."""
+(`dpipe.models.ltx_video.ltx2.ltx23_tiny`)."""
 
-from dpipe.models.ltx2.tiny import TRANSFORMER as LTX2_TINY, VAE as LTX2_TINY_VAE
-from dpipe.models.ltx23.tiny import TRANSFORMER_23, VAE_23
+from dpipe.models.ltx_video.ltx2.tiny import TRANSFORMER as LTX2_TINY, VAE as LTX2_TINY_VAE
+from dpipe.models.ltx_video.ltx2.ltx23_tiny import TRANSFORMER_23, VAE_23
 
 LTX23_22B = {
     "_class_name": "LTX2VideoTransformer3DModel",

@@ -1,7 +1,7 @@
 """A tiny random LTX-2.3, written in the diffusers layout of the LTX-2.3 release
 (diffusers/LTX-2.3-Diffusers, converted from Lightricks/LTX-2.3).
 
-The folder is LTX-2's (`dpipe.models.ltx2.tiny`: LTX2Pipeline with transformer, connectors, VAE,
+The folder is LTX-2's (`dpipe.models.ltx_video.ltx2.tiny`: LTX2Pipeline with transformer, connectors, VAE,
 audio VAE, vocoder, Gemma 3 text encoder and tokenizer) with LTX-2.3's switches on, as diffusers'
 conversion of the 2.3 checkpoints sets them:
   * transformer: `gated_attn` / `audio_gated_attn` (a per-head gate in every attention,
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpipe.models.ltx2.tiny import TRANSFORMER, make_tiny_ltx2
+from dpipe.models.ltx_video.ltx2.tiny import TRANSFORMER, make_tiny_ltx2
 
 VIDEO_WIDTH = TRANSFORMER["num_attention_heads"] * TRANSFORMER["attention_head_dim"]  # 32
 AUDIO_WIDTH = TRANSFORMER["audio_num_attention_heads"] * TRANSFORMER["audio_attention_head_dim"]

@@ -25,7 +25,7 @@ from tokenizers import processors
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_atomically
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # Gemma 3 hidden size (3840 for the 12B)
@@ -78,16 +78,10 @@ VOCODER = {
 def make_tiny_ltx2(path: Path, seed: int = 0, **overrides: dict[str, Any]) -> Path:
     """Write (once) a tiny random LTX-2 diffusers folder at `path` and return `path`.
     `overrides`: {part: config changes} for a later release of the same classes (LTX-2.3,
-    `dpipe.models.ltx23.tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
+    `dpipe.models.ltx_video.ltx2.ltx23_tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
     there names another vocoder class of diffusers.pipelines.ltx2.vocoder)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_ltx2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed, overrides))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, overrides),
+                      "make_tiny_ltx2")
 
 
 @lru_cache(maxsize=1)
@@ -194,7 +188,7 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     from diffusers import LTX2VideoTransformer3DModel
     from safetensors.torch import save_file
 
-    from dpipe.models.ltx2.original import original_state_dict
+    from dpipe.models.ltx_video.ltx2.original import original_state_dict
 
     model = LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
     tensors = {prefix + k: v.to(torch.bfloat16).contiguous()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.ltx_video.spec import unpack
+from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 GUIDANCE_RESCALE = 0.7  # LTX2Pipeline's guidance_rescale default
@@ -69,7 +69,7 @@ class LTX2Sampling(FamilySampling):
     # whole-sample std in the rescale do not depend on the layout) ----------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
         spatial, temporal = self.spec._ratios()
-        channels = self.spec._transformer_config()["in_channels"]
+        channels = self.spec.part_config("transformer")["in_channels"]
         return (channels, (request.frames - 1) // temporal + 1, request.height // spatial,
                 request.width // spatial)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
@@ -112,7 +112,7 @@ class LTX2Head(LTXHead):
     def forward(self, inputs):
         hidden, text, temb, embedded, *prompt, _mask, _grid, _rate = inputs
         out = super().forward((hidden, text, temb, embedded))
-        return out + 0.0 * prompt[0].sum() if prompt else out
+        return keep_in_graph(out, prompt[0]) if prompt else out
 
 
 def ltx2_layers(transformer: nn.Module) -> list[PipelineLayer]:

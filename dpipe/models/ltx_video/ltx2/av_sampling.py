@@ -37,8 +37,8 @@ import torch
 
 from dpipe.models.common import joined_latents
 from dpipe.models.diffusers_folder import read_json
-from dpipe.models.ltx2.sampling import GUIDANCE_RESCALE, LTX2Sampling, rescale_noise_cfg
-from dpipe.models.ltx2.spec import pack_audio, unpack_audio
+from dpipe.models.ltx_video.ltx2.sampling import GUIDANCE_RESCALE, LTX2Sampling, rescale_noise_cfg
+from dpipe.models.ltx_video.ltx2.audio import pack_audio, unpack_audio
 from dpipe.models.sampling import Denoising, SampleRequest
 
 AUDIO_COMPRESSION = 4  # AutoencoderKLLTX2Audio's LATENT_DOWNSAMPLE_FACTOR (time and mel bins)
@@ -208,3 +208,9 @@ class LTX2AVSampling(LTX2Sampling):
         out = self.run_pipeline(denoiser, request, steps, guidance, {}, output_type="pt")
         rate = read_json(self.path / "vocoder" / "config.json")["output_sampling_rate"]
         return out.frames[0].permute(1, 0, 2, 3).float(), (out.audio[0].float(), int(rate))
+
+
+def ltx2_sampling(spec) -> LTX2Sampling:
+    """The sampler of an LTX-2 spec (its `sampler`): video only with model.audio=false, video
+    and sound together with model.audio=true."""
+    return LTX2AVSampling(spec) if spec.cfg.audio else LTX2Sampling(spec)

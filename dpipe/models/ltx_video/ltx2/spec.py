@@ -23,28 +23,28 @@ from torch import nn
 
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError
-from dpipe.models.diffusers_folder import check_folder, load_encoders, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.ltx2.audio import N_FFT, encode_audio
-from dpipe.models.ltx2.av_layers import ltx2_av_layers
-from dpipe.models.ltx2.layers import ltx2_layers
-from dpipe.models.ltx2.original import (
-    diffusers_names, from_original, original_module, original_state_dict)
-from dpipe.models.ltx2.release import RELEASES, check_release
 from dpipe.models.attention_mask import has_padding
-from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.common.stage_io import keep_in_graph
+from dpipe.models.diffusers_folder import load_encoders, read_json
+from dpipe.models.family import diffusers_class
+from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
+from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
+from dpipe.models.ltx_video.ltx2.layers import ltx2_layers
+from dpipe.models.ltx_video.ltx2.original import (
+    diffusers_names, from_original, original_module, original_state_dict)
+from dpipe.models.ltx_video.ltx2.release import RELEASES, check_release
 from dpipe.models.ltx_video.layers import frame_rate
-from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
-from dpipe.models.spec import AudioFormat, PipelineLayer, replace_rows
+from dpipe.models.ltx_video.spec import LTXVideoSpec
+from dpipe.models.spec import AudioFormat, replace_rows
 from dpipe.models.sync_free import sizes
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
-                  "connectors", "scheduler")
 COMFYUI_LORA = "ltx2_lora_comfyui.safetensors"
 # LTX2Pipeline's default frame rate, which the video rotary positions are conditioned on: for
 # images and batches made without a dataset (a clip trains at its own rate, `DataBatch.fps`).
 FRAME_RATE = 24.0
-# Part of the audio latents' cache keys: bump when dpipe.models.ltx2.audio changes its output.
+# Part of the audio latents' cache keys: bump when dpipe.models.ltx_video.ltx2.audio changes its output.
 AUDIO_ENCODING_VERSION = 1
 
 # The Linears of the video path of every block (self-attention, text cross-attention, MLP); with
@@ -60,27 +60,29 @@ AUDIO_LORA_TARGETS = (r"|transformer_blocks\.\d+\.(?:(?:audio_attn1|audio_attn2|
 AUDIO_TEXT_KEY = "audio_text"
 
 
-def pack_audio(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, L, M) audio latents -> (B, L, C * M) tokens, as LTX2Pipeline._pack_audio_latents."""
-    return latents.transpose(1, 2).flatten(2, 3)
-
-
-def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
-    """The inverse of `pack_audio`, as LTX2Pipeline._unpack_audio_latents."""
-    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)
-
-
 class LTX2Spec(LTXVideoSpec):
     family = "ltx2"
-    pipeline_class = "LTX2Pipeline"
-    transformer_class = "LTX2VideoTransformer3DModel"
+    # Which LTX-2 release the family trains (dpipe.models.ltx_video.ltx2.release): a folder or single
+    # file of another is refused, naming what it holds and the family that takes it.
+    release = "2.0"
+    title, example = "LTX-2.0", RELEASES["2.0"][1]
+    pipeline_class, denoiser_class = "LTX2Pipeline", "LTX2VideoTransformer3DModel"
+    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
+                      "connectors", "scheduler")
+    text_fingerprint = {"gemma": "text_encoder", "connectors": "connectors",
+                        "tokenizer": "tokenizer"}
+    tiny_writer = "dpipe.models.ltx_video.ltx2.tiny:make_tiny_ltx2"
+    # The video path's targets; with model.audio also the audio ones (`lora_targets`).
+    lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
+    sampler = "dpipe.models.ltx_video.ltx2.av_sampling:ltx2_sampling"  # with sound where model.audio
+    from_single_file = staticmethod(from_original)
+    to_original = staticmethod(original_state_dict)
     comfyui_lora = COMFYUI_LORA
-    text_key = "video_text"
-    trains_audio = True  # model.audio=true: both streams (av_layers.py)
-    single_file_convert = staticmethod(from_original)
-    single_file_names = staticmethod(original_state_dict)
     # ComfyUI's LTX-2 model holds the original names (patchify_proj, adaln_single, ...)
     comfyui_module = staticmethod(original_module)
+    text_key = "video_text"
+    trains_audio = True  # model.audio=true: both streams (av_layers.py)
+    default_fps = FRAME_RATE  # LTX-2 positions frames by the frame rate itself
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -88,32 +90,14 @@ class LTX2Spec(LTXVideoSpec):
             raise ConfigError("model.i2v=true: dpipe trains LTX-2 text-to-video (and images) only; "
                               "leave model.i2v unset")
 
-    # Which LTX-2 release the family trains (dpipe.models.ltx2.release): a folder or single
-    # file of another is refused, naming what it holds and the family that takes it.
-    release = "2.0"
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            self.make_tiny(self.path)
-        _family, example = RELEASES[self.release]
-        check_folder(self.path, REQUIRED_PARTS, f"LTX-{self.release}", example)
+    def read_configs(self) -> None:
         check_release(self.path, self.single_file, self.release)  # before any other config
-        self._check_folder(REQUIRED_PARTS, f"LTX-{self.release}", example)
-
-    @staticmethod
-    def make_tiny(path: Path) -> Path:
-        from dpipe.models.ltx2.tiny import make_tiny_ltx2
-
-        return make_tiny_ltx2(path)
-
-    default_fps = FRAME_RATE  # LTX-2 positions frames by the frame rate itself
+        super().read_configs()
 
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import LTX2Pipeline
-
         # The audio VAE encodes the clips' sound with model.audio=true; the vocoder only plays.
         sound = {} if self.cfg.audio else {"audio_vae": None}
-        return load_encoders(LTX2Pipeline, self.path, device, dtype,
+        return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
                              frozen=("vae", "text_encoder", "connectors")
                              + (("audio_vae",) if self.cfg.audio else ()),
                              vocoder=None, **sound)
@@ -129,20 +113,16 @@ class LTX2Spec(LTXVideoSpec):
         return encode_audio(encoders, waveforms)
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return super().encoder_fingerprint(kind)
         if kind == "audio":  # the audio VAE's weights (latents_mean/std among them), its config
             return {"family": self.family, "encoding": AUDIO_ENCODING_VERSION,
                     "audio_vae": folder_fingerprint(self.path / "audio_vae"), "latent": "mode",
                     "n_fft": N_FFT}
-        return {"family": self.family, "encoding": ENCODING_VERSION,
-                "gemma": folder_fingerprint(self.path / "text_encoder"),
-                "connectors": folder_fingerprint(self.path / "connectors"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens,
-                # model.audio=true caches the audio prompt tokens too (`encode_prompts`): other
-                # entries; those of model.audio=false keep their keys.
-                **({"audio_prompts": True} if self.cfg.audio else {})}
+        fingerprint = super().encoder_fingerprint(kind)
+        if kind != "image" and self.cfg.audio:
+            # model.audio=true caches the audio prompt tokens too (`encode_prompts`): other
+            # entries; those of model.audio=false keep their keys.
+            fingerprint["audio_prompts"] = True
+        return fingerprint
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -157,9 +137,9 @@ class LTX2Spec(LTXVideoSpec):
         return text
 
     def lora_targets(self) -> str:
-        return LORA_TARGETS + AUDIO_LORA_TARGETS if self.cfg.audio else LORA_TARGETS
+        return self.lora_modules + self.audio_lora_modules if self.cfg.audio else self.lora_modules
 
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
+    def pipeline_layers(self, denoiser: nn.Module):
         return ltx2_av_layers(denoiser) if self.cfg.audio else ltx2_layers(denoiser)
 
     def make_inputs(self, batch):
@@ -178,7 +158,7 @@ class LTX2Spec(LTXVideoSpec):
         audio_text = batch.text[AUDIO_TEXT_KEY][:, :inputs[2].shape[1]]  # trimmed as the video's
         b = batch.latents.shape[0]
         if getattr(batch, "audio_noisy", None) is None:
-            c = self._transformer_config()
+            c = self.part_config("transformer")
             audio = audio_text.new_zeros(b, 0, c["audio_in_channels"])
             target = audio_text.new_zeros(b, 0, c.get("audio_out_channels")
                                           or c["audio_in_channels"])
@@ -206,7 +186,7 @@ class LTX2Spec(LTXVideoSpec):
         (video, audio), target = outputs, labels[-1]
         loss = super().loss(video, labels[:-1])
         if target.numel() == 0:
-            return loss + 0.0 * audio.sum()  # the audio head stays in the graph
+            return keep_in_graph(loss, audio)  # the audio head stays in the graph
         # Video labels (target,) or (target, weight, trained): every token is trained here
         # (no image-to-video), so the weights' mean is each sample's own weight.
         weight = per_sample_weight(labels[1] if len(labels) > 2 else None, audio)
@@ -251,7 +231,7 @@ class LTX2Spec(LTXVideoSpec):
                     out.append((weights, {k: k for k in f.keys()}))
             return out
         with safe_open(self.single_file, "pt") as f:
-            stored = {k.removeprefix("model.").removeprefix("diffusion_model."): k for k in f.keys()}
+            stored = {k.removeprefix("model.").removeprefix(COMFY_PREFIX): k for k in f.keys()}
         # The converter only renames keys, so run on {name: key in the file} it maps the names;
         # the file's other components (VAE, audio VAE, vocoder) are not the transformer's.
         from accelerate import init_empty_weights
@@ -300,24 +280,3 @@ class LTX2Spec(LTXVideoSpec):
             return video
         out = cfg.audio_out_channels or cfg.audio_in_channels
         return video, packed.new_zeros(b, 0, out)
-
-    def sampling(self):
-        """Video only (model.audio=false), or video and sound together (av_sampling.py)."""
-        if self.cfg.audio:
-            from dpipe.models.ltx2.av_sampling import LTX2AVSampling
-
-            return LTX2AVSampling(self)
-        from dpipe.models.ltx2.sampling import LTX2Sampling
-
-        return LTX2Sampling(self)
-
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
-        from diffusers import LTX2Pipeline
-
-        # From a single file, the base transformer is that file's, as the user loads it.
-        base = {"transformer": self.load_denoiser(torch.float32)} if self.single_file else {}
-        pipe = LTX2Pipeline.from_pretrained(
-            self.path, text_encoder=None, vae=None, audio_vae=None, vocoder=None, tokenizer=None,
-            connectors=None, **base)
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
-        return pipe.transformer

@@ -1,0 +1,92 @@
+"""Lumina 2 in the original checkpoint's names, which ComfyUI runs: the transformer's weights
+(single files) and its LoRAs.
+
+ComfyUI runs Lumina 2 with the original checkpoint's names (diffusers'
+`convert_lumina2_to_diffusers` maps them the other way): attention.qkv (fused), attention.out,
+feed_forward.w1/w2/w3, adaLN_modulation.1 for the modulation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpipe.models.comfyui import fused_pair, peft_pairs
+
+_TO_NATIVE = [(".attn.to_out.0", ".attention.out"), (".feed_forward.linear_1", ".feed_forward.w1"),
+              (".feed_forward.linear_2", ".feed_forward.w2"),
+              (".feed_forward.linear_3", ".feed_forward.w3"), (".norm1.linear", ".adaLN_modulation.1")]
+
+
+def native_module_name(name: str) -> str:
+    for diffusers_name, native in _TO_NATIVE:
+        name = name.replace(diffusers_name, native)
+    return name
+
+
+_TO_NATIVE_WEIGHTS = [
+    ("time_caption_embed.caption_embedder", "cap_embedder"),
+    ("time_caption_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+    ("time_caption_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
+    ("norm_out.linear_1", "final_layer.adaLN_modulation.1"), ("norm_out.linear_2", "final_layer.linear"),
+    (".norm1.norm.", ".attention_norm1."), (".norm2.", ".attention_norm2."),
+    (".attn.norm_q.", ".attention.q_norm."), (".attn.norm_k.", ".attention.k_norm."),
+]
+
+
+def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers Lumina2Transformer2DModel state dict under the original (ComfyUI) names: the
+    inverse of diffusers' `convert_lumina2_to_diffusers` (q/k/v fused into attention.qkv)."""
+    out = {}
+    for key, value in state_dict.items():
+        if ".attn.to_k." in key or ".attn.to_v." in key:
+            continue
+        if ".attn.to_q." in key:
+            base, _, tail = key.partition(".attn.to_q.")
+            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
+                [state_dict[f"{base}.attn.to_{n}.{tail}"] for n in "qkv"], dim=0)
+            continue
+        if key.startswith("context_refiner.") and ".norm1." in key:
+            key = key.replace(".norm1.", ".attention_norm1.")  # no modulation: a plain RMSNorm
+        for diffusers_name, native in _TO_NATIVE_WEIGHTS:
+            key = key.replace(diffusers_name, native)
+        out[native_module_name(key)] = value
+    return out
+
+
+def from_native(native: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Original/ComfyUI-named weights -> `model`'s diffusers names: qkv split at the model's own
+    sizes here, every other name by diffusers' `convert_lumina2_to_diffusers`."""
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    native = {k.removeprefix("model.").removeprefix("diffusion_model."): v
+              for k, v in native.items() if k != "norm_final.weight"}  # unused in the original
+    out = {}
+    for key in [k for k in native if ".attention.qkv." in k]:
+        base = key.split(".attention.qkv.")[0]
+        attn = model.get_submodule(base).attn
+        sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
+        for name, part in zip(("to_q", "to_k", "to_v"), native.pop(key).split(sizes, dim=0)):
+            out[f"{base}.attn.{name}.weight"] = part
+    out.update(convert_lumina2_to_diffusers(native))
+    return out
+
+
+def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
+    """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
+    pairs = peft_pairs(weights)
+    out = {}
+    for module, (a, b) in pairs.items():
+        if module.endswith((".attn.to_k", ".attn.to_v")):
+            continue
+        if module.endswith(".attn.to_q"):
+            base = module[: -len(".attn.to_q")]
+            parts = [pairs.get(f"{base}.attn.{n}") for n in ("to_q", "to_k", "to_v")]
+            if any(p is None for p in parts):
+                raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
+                                 "(ComfyUI's Lumina 2 has one fused qkv Linear)")
+            fa, fb = fused_pair(parts, [p[1].shape[0] for p in parts], 1.0)
+            out[f"{base}.attention.qkv"] = (fa, fb, alpha * 3)  # alpha / rank unchanged
+        else:
+            out[native_module_name(module)] = (a, b, alpha)
+    return out
