@@ -16,7 +16,7 @@ import torch
 
 from dpipe.config.schema import LoraConfig, ModelConfig, TrainMode
 from dpipe.errors import ConfigError, DataError
-from dpipe.models.cosmos_predict2.comfyui import COMFY_PREFIX
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.cosmos_predict2.spec import COMFYUI_LORA, CosmosPredict2Spec
 from dpipe.models.cosmos_predict2.tiny import make_tiny_cosmos_predict2
 from dpipe.models.spec import NoisedBatch

@@ -316,7 +316,7 @@ def test_single_file_transformer_loads_as_the_folder_one(models, tmp_path):
         folder = _spec(models, case)
         file = _single_file(models, tmp_path, case)
         spec = WanSpec(ModelConfig(family="wan", path=str(file),
-                                   single_file_config=str(folder.root), **CASES[case][1]))
+                                   single_file_config=str(folder.path), **CASES[case][1]))
         spec.ensure_available()
         assert spec.variant == folder.variant and spec.expert == folder.expert
         want, got = folder.load_denoiser(torch.float32).state_dict(), spec.load_denoiser(

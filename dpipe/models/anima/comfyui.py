@@ -4,7 +4,7 @@ Anima's single file (circlestone-labs/Anima, `split_files/diffusion_models/`) is
 Cosmos-Predict2 transformer under NVIDIA's names (`blocks.0.self_attn.q_proj.weight`, ...) plus
 the text adapter under `llm_adapter.` with diffusers' own names inside it
 (`llm_adapter.blocks.0.cross_attn.k_proj.weight`), with `net.` in front (ComfyUI also takes them
-without). The transformer's names are Cosmos-Predict2's (`dpipe.models.cosmos_predict2.comfyui`);
+without). The transformer's names are Cosmos-Predict2's (`dpipe.models.common.cosmos_names`);
 the adapter's only take the prefix.
 
 ComfyUI's LoRA for Anima: `diffusion_model.<original module>.lora_A.weight` / `.lora_B.weight`,
@@ -20,8 +20,8 @@ import torch
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.anima.model import ADAPTER_PREFIX
-from dpipe.models.cosmos_predict2.comfyui import (
-    COMFY_PREFIX, original_module_name, original_state_dict as cosmos_original_state_dict)
+from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.common.cosmos_names import file_state_dict, original_module_name
 from dpipe.models.lora_files import NotInFormat
 
 _FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
@@ -78,7 +78,7 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             out[ADAPTER_PREFIX + name] = value
         else:
             raise KeyError(f"no Anima single-file name for {key!r}")
-    return {**cosmos_original_state_dict(transformer, prefix=""), **out}
+    return {**file_state_dict(transformer), **out}
 
 
 def module_name(diffusers_module: str) -> str:

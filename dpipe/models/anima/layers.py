@@ -7,7 +7,7 @@ The first layer takes `AnimaSpec.make_inputs`' tuple
 runs the adapter as AnimaModularPipeline's text-conditioning step does (the Qwen3 states
 cross-attended by learned queries of the T5 token ids, zeroed after the prompt and padded to
 `min_sequence_length`) and hands Cosmos-Predict2's embedding layer (latents, t, text, grid); from
-there on the layers are Cosmos-Predict2's own (`dpipe.models.cosmos_predict2.layers`), passing
+there on the layers are Cosmos-Predict2's own (`dpipe.models.common.cosmos_layers`), passing
 (hidden, text, temb, embedded_timestep, grid). The adapter runs once per micro-batch on the
 first stage; its gradient comes back through the text every block attends to.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpipe.models.cosmos_predict2.layers import CosmosEmbed, cosmos_layers
+from dpipe.models.common.cosmos_layers import CosmosEmbed, cosmos_layers
 from dpipe.models.spec import PipelineLayer
 
 

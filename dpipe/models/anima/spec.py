@@ -1,7 +1,7 @@
 """Anima (circlestone-labs): Cosmos-Predict2-2B-Text2Image's transformer conditioned through a
 trained text adapter (AnimaTextConditioner, the "LLM adapter") on Qwen3-0.6B, with the Qwen-Image
-VAE; text-to-image. Built on `dpipe.models.cosmos_predict2`, whose layers, latents and key names
-it shares.
+VAE; text-to-image. Cosmos-Predict2's layers, latents and key names (`dpipe.models.common.cosmos*`)
+are its own.
 
 Prompts, as AnimaModularPipeline's text-encoder step makes them (its own `encode_prompt`): the
 Qwen3 encoder's last hidden states of the prompt (zeroed after it) with their mask, and the
@@ -36,24 +36,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.anima.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.anima.layers import AnimaEmbed, anima_layers
 from dpipe.models.anima.model import COMPONENTS, AnimaDenoiser, load_anima_denoiser
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.common.cosmos import (
+    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
+    wan_vae_latents)
+from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.cosmos_predict2.layers import CosmosBlock
-from dpipe.models.cosmos_predict2.spec import CosmosPredict2Spec, CosmosVariant
-from dpipe.models.diffusers_folder import check_folder, load_or_fail, read_json
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.diffusers_folder import load_or_fail, read_json, write_denoiser_folder
+from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
-from dpipe.models.single_file import check_single_file, export_like_source, split_path
+from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
-from dpipe.models.sync_free import carrier, sizes
+from dpipe.models.sync_free import carrier
 
 REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"
 INDEX = "modular_model_index.json"
+PIPELINE = "AnimaModularPipeline"
 REQUIRED_PARTS = (INDEX, "transformer", "text_conditioner", "text_encoder", "tokenizer",
                   "t5_tokenizer", "vae", "scheduler")
 COMFYUI_LORA = "anima_lora_comfyui.safetensors"
@@ -61,31 +64,31 @@ T5_PAD_ID = 0  # T5's <pad>
 
 # Every Linear of the transformer's blocks (as Cosmos-Predict2's LoRAs) and of the adapter's
 # blocks (attention and MLP): a peft regex over AnimaDenoiser's module names.
-_BLOCK_LINEARS = [
-    r"attn1\.to_q", r"attn1\.to_k", r"attn1\.to_v", r"attn1\.to_out\.0",
-    r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"norm[123]\.linear_[12]",
-]
 _ADAPTER_LINEARS = [r"(?:self_attn|cross_attn)\.[qkvo]_proj", r"mlp\.[02]"]
-LORA_TARGETS = (r"transformer\.transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+LORA_TARGETS = (r"transformer\.transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LINEARS) + ")"
                 r"|text_conditioner\.blocks\.\d+\.(?:" + "|".join(_ADAPTER_LINEARS) + ")")
 # Relative cost of the adapter in stage balancing: its tokens (the prompt's, padded to 512)
 # against a 1024x1024 image's 4096 in the transformer's blocks.
 TEXT_TOKENS, IMAGE_TOKENS = 512, 4096
 
 
-class AnimaSpec(CosmosPredict2Spec):
+class AnimaSpec(DiffusersFamily):
     family = "anima"
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.path, self.single_file = split_path(cfg)
+    title, example = "Anima", REPO
+    pipeline_class, denoiser_class = PIPELINE, "CosmosTransformer3DModel"
+    required_parts = REQUIRED_PARTS
+    text_fingerprint = {"qwen3": "text_encoder", "tokenizer": "tokenizer",
+                        "t5_tokenizer": "t5_tokenizer"}
+    vae_config_keys = ("latents_mean", "latents_std")
+    tiny_writer = "dpipe.models.anima.tiny:make_tiny_anima"
+    lora_modules = LORA_TARGETS
+    layers = anima_layers
+    sampler = "dpipe.models.anima.sampling:AnimaSampling"
+    single_file_suffixes = (".safetensors",)
 
     def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.anima.tiny import make_tiny_anima
-
-            make_tiny_anima(self.path)
+        # A (non-modular) diffusers folder of another model is named before it is found
+        # incomplete.
         other = self.path / "model_index.json"
         if self.path.is_dir() and not (self.path / INDEX).is_file() and other.is_file():
             name = read_json(other).get("_class_name")
@@ -95,13 +98,14 @@ class AnimaSpec(CosmosPredict2Spec):
                 f"text_conditioner/, as {REPO}" + (
                     "; train Cosmos-Predict2 with model=cosmos_predict2"
                     if str(name).startswith("Cosmos2") else ""))
-        check_folder(self.path, REQUIRED_PARTS, "Anima", REPO)
+        super().ensure_available()
+
+    def read_configs(self) -> None:
         index = read_json(self.path / INDEX)
-        if index.get("_class_name") != "AnimaModularPipeline":
+        if index.get("_class_name") != PIPELINE:
             raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
                                  "AnimaModularPipeline: not an Anima folder")
-        check_single_file(self.single_file)
-        config = read_json(self.path / "transformer" / "config.json")
+        config = self.part_config("transformer")
         if config.get("extra_pos_embed_type") or config.get("img_context_dim_in"):
             raise ModelLoadError(f"{self.path / 'transformer'} is not Anima's Cosmos-Predict2 "
                                  "transformer (Cosmos 1.0 or 2.5 options are set)")
@@ -109,13 +113,15 @@ class AnimaSpec(CosmosPredict2Spec):
 
     @cached_property
     def variant(self) -> CosmosVariant:
-        transformer = read_json(self.path / "transformer" / "config.json")
-        vae = read_json(self.path / "vae" / "config.json")
-        downsample = vae.get("temperal_downsample", [False, True, True])
-        return CosmosVariant(
-            pipeline="AnimaModularPipeline", z_dim=vae.get("z_dim", 16),
-            spatial=2 ** len(downsample), temporal=2 ** sum(downsample),
-            patch=tuple(transformer.get("patch_size", (1, 2, 2))), video2world=False)
+        return read_variant(lambda name: read_json(self.path / name), PIPELINE)
+
+    @cached_property
+    def i2v(self) -> bool:
+        return first_frame_task(self.path, self.variant, self.cfg.i2v)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.variant.spatial * self.variant.patch[1]
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -140,23 +146,17 @@ class AnimaSpec(CosmosPredict2Spec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_anima_denoiser(self.path, self.single_file, dtype)
 
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = read_json(self.path / "vae" / "config.json")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latents_mean": vae.get("latents_mean"), "latents_std": vae.get("latents_std"),
-                    "latent": "mode"}
-        return {"family": self.family, "qwen3": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "t5_tokenizer": folder_fingerprint(self.path / "t5_tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
-
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         if pixels.ndim == 5 and pixels.shape[2] > 1:
             raise DataError(f"Anima is an image model: it takes no {pixels.shape[2]}-frame "
                             "clips; give images")
-        return super().encode_images(encoders, pixels)
+        return wan_vae_latents(encoders.vae, pixels.unsqueeze(2) if pixels.ndim == 4 else pixels)
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, F, H, W), images as F = 1: a dataset's clips reach `encode_images`, which
+        refuses them naming Anima."""
+        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -178,12 +178,6 @@ class AnimaSpec(CosmosPredict2Spec):
                 "t5_mask": padded(out["t5_attention_mask"].long())}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return anima_layers(denoiser)
-
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """A block is 1; the head a few Linears (0.02); the first layer adds the adapter, whose
         blocks' weights run over the prompt's 512 tokens where a transformer block's run over
@@ -196,9 +190,9 @@ class AnimaSpec(CosmosPredict2Spec):
                 costs.append(1.0)
             elif isinstance(layer, AnimaEmbed):
                 adapter = sum(p.numel() for p in layer.text_conditioner.blocks.parameters())
-                costs.append(0.02 + adapter / block_params * TEXT_TOKENS / IMAGE_TOKENS)
+                costs.append(EDGE_LAYER_COST + adapter / block_params * TEXT_TOKENS / IMAGE_TOKENS)
             else:
-                costs.append(0.02)
+                costs.append(EDGE_LAYER_COST)
         return costs
 
     def make_inputs(self, batch: NoisedBatch):
@@ -214,12 +208,6 @@ class AnimaSpec(CosmosPredict2Spec):
                   text["t5_mask"].long(), grid)
         weight = getattr(batch, "loss_weight", None)  # masks, (B, 1, 1, h, w), or None
         return inputs, (target,) if weight is None else (target, weight)
-
-    # ---- sampling ----------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.anima.sampling import AnimaSampling
-
-        return AnimaSampling(self)
 
     # ---- benchmarks ----------------------------------------------------------------------------
     bench_configs = SIZES
@@ -285,8 +273,6 @@ class AnimaSpec(CosmosPredict2Spec):
         model's configs; from a single file, also that file's layout (`out_dir/<its name>`)."""
         from safetensors.torch import load_file, save_file
 
-        from dpipe.models.diffusers_folder import write_denoiser_folder
-
         parts: dict[str, list[Path]] = {c: [] for c in COMPONENTS}
         with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
             for i, shard in enumerate(shards):
@@ -301,7 +287,7 @@ class AnimaSpec(CosmosPredict2Spec):
             out_dir.mkdir(parents=True, exist_ok=True)
             for component, files in parts.items():
                 write_denoiser_folder(files, out_dir / component,
-                                              self.path / component / "config.json")
+                                     self.path / component / "config.json")
             if self.single_file is not None:
                 merged = Path(tmp) / "merged"
                 merged.mkdir()

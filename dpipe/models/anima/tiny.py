@@ -25,7 +25,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"
 QWEN_DIM = 32  # Qwen3 hidden size (1024 in Qwen3-0.6B) = the adapter's source_dim
@@ -57,14 +57,8 @@ def make_tiny_anima(path: Path, seed: int = 0) -> Path:
     """Write (once) a tiny random Anima folder at `path`; return `path`. An existing complete
     folder is returned untouched; the build happens in a temporary sibling folder renamed into
     place, so concurrent callers (pytest workers, pipeline ranks) are safe."""
-    path = Path(path)
-    if not (path / "modular_model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no modular_model_index.json, so it is not a tiny model "
-                "written by make_tiny_anima; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "modular_model_index.json", lambda tmp: _write(tmp, seed),
+                      "make_tiny_anima")
 
 
 def _write(out: Path, seed: int) -> None:

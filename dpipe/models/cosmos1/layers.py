@@ -2,7 +2,7 @@
 embedding) as pipeline layers: Cosmos-Predict2's embed, blocks and head (the same diffusers
 class), plus that embedding.
 
-Every layer passes Cosmos-Predict2's tuple (`dpipe.models.cosmos_predict2.layers`) with one more
+Every layer passes Cosmos-Predict2's tuple (`dpipe.models.common.cosmos_layers`) with one more
 tensor at its end:
   pos  (1, tokens, D) the learnable position embedding of the latents' grid, made once by the
        embedding layer from its weights and added to the hidden states at the start of every
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.cosmos_predict2.layers import CosmosBlock, CosmosEmbed, CosmosHead
+from dpipe.models.common.cosmos_layers import CosmosBlock, CosmosEmbed, CosmosHead
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
 
@@ -51,7 +51,7 @@ class Cosmos1Head(CosmosHead):
         out = super().forward(inputs[:5])
         # The position embedding ends here: when the head is alone on the last stage, the tensor
         # it received still needs a gradient for the pipeline's backward pass.
-        return out + 0.0 * inputs[5].sum()
+        return keep_in_graph(out, inputs[5])
 
 
 def cosmos1_layers(transformer: nn.Module) -> list[PipelineLayer]:

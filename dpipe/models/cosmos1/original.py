@@ -18,9 +18,9 @@ import re
 
 import torch
 
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.lora_files import NotInFormat
 
-COMFY_PREFIX = "diffusion_model."
 NVIDIA_PREFIX = "net."
 # A key only Cosmos 1.0's layout has, and one only Cosmos-Predict2's (diffusers' own detection).
 COSMOS1_KEY = "blocks.block0.blocks.0.block.attn.to_q.0.weight"

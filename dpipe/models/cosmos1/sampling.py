@@ -18,32 +18,9 @@ import dataclasses
 import torch
 
 from dpipe.diffusion.edm import Preconditioning, t_of_sigma
+from dpipe.models.common.cosmos import PromptsPass
+from dpipe.models.cosmos1.latents import FPS, latent_statistics
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
-
-FPS = 30  # CosmosTextToWorldPipeline's default; it scales the temporal rope
-
-
-class _PromptsPass:
-    """Stands in for `CosmosSafetyChecker` (the cosmos_guardrail package) in the reference run:
-    with latent output the pipeline only asks it about the prompt."""
-
-    def to(self, *args, **kwargs):
-        return self
-
-    def check_text_safety(self, prompt: str) -> bool:
-        return True
-
-
-def latent_statistics(vae_config, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(mean, std) of the Cosmos VAE's latents, shaped (1, C, F', 1, 1) for `latents`' F' latent
-    frames (the config holds C x 16 values, one per channel and latent frame), or None where the
-    config has none."""
-    if vae_config.latents_mean is None:
-        return None
-    c = vae_config.latent_channels
-    frames = latents.shape[2]
-    view = lambda v: torch.tensor(v).view(1, c, -1, 1, 1)[:, :, :frames].to(latents)
-    return view(vae_config.latents_mean), view(vae_config.latents_std)
 
 
 class Cosmos1Sampling(FamilySampling):
@@ -117,7 +94,7 @@ class Cosmos1Sampling(FamilySampling):
         from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 
         pipe = CosmosTextToWorldPipeline.from_pretrained(
-            self.path, transformer=denoiser, dtype=torch.float32, safety_checker=_PromptsPass())
+            self.path, transformer=denoiser, dtype=torch.float32, safety_checker=PromptsPass())
         with nearest_resize_without_torchvision():
             return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
                         height=request.height, width=request.width, num_frames=request.frames,

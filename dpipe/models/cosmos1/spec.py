@@ -1,7 +1,8 @@
 """Cosmos 1.0 Diffusion Text2World (7B / 14B): CosmosTransformer3DModel with a learnable absolute
 position embedding + the Cosmos CV8x8x8 VAE (AutoencoderKLCosmos) + T5-11B's encoder, the EDM
-formulation. A variant of Cosmos-Predict2 (the same transformer class; dpipe.models.cosmos_predict2
-layers, with the position embedding added), trained and sampled otherwise.
+formulation. A variant of Cosmos-Predict2 (the same transformer class and layers,
+dpipe.models.common.cosmos_layers, with the position embedding added), trained and sampled
+otherwise.
 
 Objective. EDM (dpipe.diffusion.edm), as CosmosTextToWorldPipeline's EDMEulerScheduler
 preconditions the transformer: it takes c_in x_sigma at c_noise = log(sigma) / 4, and its output F
@@ -28,7 +29,6 @@ names, or ComfyUI's repackaged file without them) with that folder as model.sing
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,25 +37,19 @@ from torch import nn
 from dpipe.diffusion.edm import Preconditioning, noisy_input_and_target, sigma_of_t
 from dpipe.diffusion.loss import video_loss, weighted_labels
 from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.common.cosmos import CosmosFamily
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.cosmos1.layers import Cosmos1Block, cosmos1_layers
+from dpipe.models.cosmos1.latents import FPS, latent_statistics
+from dpipe.models.cosmos1.layers import cosmos1_layers
 from dpipe.models.cosmos1.original import from_original, lora_to_comfyui, original_state_dict
-from dpipe.models.cosmos1.sampling import FPS, latent_statistics
 from dpipe.models.cosmos1.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.cosmos_predict2.spec import LORA_TARGETS, REQUIRED_PARTS
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, LoraFormat, lora_scale, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import (ModelSpec, NoisedBatch, PipelineLayer, attention_train_flops,
-                               denoiser_config, model_params)
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier, sizes
 
 COMFYUI_LORA = "cosmos1_lora_comfyui.safetensors"
 PIPELINE = "CosmosTextToWorldPipeline"
-SINGLE_FILE_SUFFIXES = (".pt", ".safetensors")  # NVIDIA's model.pt / ComfyUI's files
 SIGMA_DATA = 0.5  # the released EDMEulerScheduler's (the folder's config is read where there is one)
 MAX_LATENT_FRAMES = 16  # the VAE's latent statistics cover 16 latent frames (121 frames)
 # What another Cosmos folder's model_index.json names, and what to use for it.
@@ -68,26 +62,17 @@ _OTHER_PIPELINES = {
 }
 
 
-class _NoSafetyChecker:
-    """Stands in for `CosmosSafetyChecker` (cosmos_guardrail) in the pipeline that encodes
-    prompts: guardrails check prompts and decoded videos at generation, not text embeddings."""
-
-
-class Cosmos1Spec(ModelSpec):
+class Cosmos1Spec(CosmosFamily):
     family = "cosmos1"
+    title, example = "Cosmos 1.0 Text2World", "nvidia/Cosmos-1.0-Diffusion-7B-Text2World"
+    pipeline_class, vae_class = PIPELINE, "AutoencoderKLCosmos"
+    tiny_writer = "dpipe.models.cosmos1.tiny:make_tiny_cosmos1"
+    layers = cosmos1_layers  # the same LoRA targets as Cosmos-Predict2's
+    sampler = "dpipe.models.cosmos1.sampling:Cosmos1Sampling"
+    single_file_suffixes = (".pt", ".safetensors")  # NVIDIA's model.pt / ComfyUI's files
+    from_single_file, to_original = from_original, original_state_dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.path, self.single_file = split_path(cfg, SINGLE_FILE_SUFFIXES)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.cosmos1.tiny import make_tiny_cosmos1
-
-            make_tiny_cosmos1(self.path)
-        check_folder(self.path, REQUIRED_PARTS, "Cosmos 1.0 Text2World",
-                     "nvidia/Cosmos-1.0-Diffusion-7B-Text2World")
-        check_single_file(self.single_file)
+    def read_configs(self) -> None:
         index = self.path / "model_index.json"
         pipeline = read_json(index).get("_class_name")
         if pipeline in _OTHER_PIPELINES:
@@ -108,44 +93,15 @@ class Cosmos1Spec(ModelSpec):
 
     @cached_property
     def _vae(self) -> dict[str, Any]:
-        return read_json(self.path / "vae" / "config.json")
+        return self.part_config("vae")
+
+    @property
+    def image_notes(self) -> dict[str, Any]:
+        return {"sigma_data": self.sigma_data, "latent": "encoder output"}
 
     @property
     def pixel_multiple(self) -> int:
         return self._vae.get("spatial_compression_ratio", 8) * 2  # x the 2x2 patches
-
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import AutoencoderKLCosmos, CosmosTextToWorldPipeline
-        from transformers import AutoTokenizer, T5EncoderModel
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-            text_encoder = T5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=dtype)
-            vae = AutoencoderKLCosmos.from_pretrained(self.path, subfolder="vae", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        for module in (text_encoder, vae):
-            module.requires_grad_(False).eval().to(device)
-        return CosmosTextToWorldPipeline(text_encoder=text_encoder, tokenizer=tokenizer,
-                                         transformer=None, vae=vae, scheduler=None,
-                                         safety_checker=_NoSafetyChecker())
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import CosmosTransformer3DModel
-
-        return load_denoiser(CosmosTransformer3DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latents_mean": self._vae.get("latents_mean"),
-                    "latents_std": self._vae.get("latents_std"), "sigma_data": self.sigma_data,
-                    "latent": "encoder output"}
-        return {"family": self.family, "t5": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -171,39 +127,10 @@ class Cosmos1Spec(ModelSpec):
             return latents * self.sigma_data
         return (latents - stats[0]) * self.sigma_data / stats[1]
 
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
-
-    @torch.no_grad()
-    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, _ = encoders.encode_prompt(prompts, do_classifier_free_guidance=False,
-                                           max_sequence_length=self.cfg.max_text_tokens,
-                                           device=encoders.text_encoder.device)
-        return {"t5": embeds}
-
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS  # the same module names as Cosmos-Predict2's
-
     def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
         """(c_in x_sigma, (x0 - c_skip x_sigma) / c_out) at sigma = t / (1 - t): EDM."""
         return noisy_input_and_target(x0, noise, sigma_of_t(t), self.sigma_data)
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return cosmos1_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """cosmos1_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(self.path / "transformer", "CosmosTransformer3DModel",
-                                  "num_layers")
-        return 2 + blocks
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Time per layer relative to a block: the blocks are identical; the embedding and head
-        are a few Linears over the tokens (by parameter count the embedding's timestep MLP and
-        position tables would weigh as half a block)."""
-        return [1.0 if isinstance(layer, Cosmos1Block) else 0.02 for layer in layers]
 
     def make_inputs(self, batch: NoisedBatch):
         latents = batch.latents
@@ -215,12 +142,6 @@ class Cosmos1Spec(ModelSpec):
 
     def loss(self, outputs, labels) -> torch.Tensor:
         return video_loss(self.element_error(outputs, labels[0]), labels)
-
-    # ---- sampling ----------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.cosmos1.sampling import Cosmos1Sampling
-
-        return Cosmos1Sampling(self)
 
     # ---- benchmarks --------------------------------------------------------------------------
     bench_configs = SIZES
@@ -251,21 +172,9 @@ class Cosmos1Spec(ModelSpec):
                     + c.num_layers * attention)
 
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
-                        {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        original_state_dict)
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -279,18 +188,3 @@ class Cosmos1Spec(ModelSpec):
         with nearest_resize_without_torchvision():
             return denoiser(hidden_states=hidden, timestep=c_noise, encoder_hidden_states=text,
                             fps=fps, padding_mask=padding_mask, return_dict=False)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
-        """As diffusers users load a LoRA into Cosmos 1.0, whose pipeline has no
-        `load_lora_weights`: `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`."""
-        transformer = self.load_denoiser(torch.float32)
-        transformer.load_lora_adapter(str(lora_dir), prefix="transformer",
-                                      weight_name=weight_name or DIFFUSERS_LORA)
-        return transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import CosmosTransformer3DModel
-
-        return CosmosTransformer3DModel.from_pretrained(export_dir / "transformer")
-
-

@@ -27,7 +27,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real model)
 TEXT_MAX_LENGTH = 512
@@ -49,14 +49,7 @@ def make_tiny_cosmos1(path: Path, seed: int = 0) -> Path:
     An existing complete folder is returned untouched; the build happens in a temporary sibling
     folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
     """
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_cosmos1; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_cosmos1")
 
 
 def _write(out: Path, seed: int) -> None:

@@ -34,21 +34,11 @@ import dataclasses
 
 import torch
 
+from dpipe.models.common.cosmos import PromptsPass
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 SIGMA_MAX, SIGMA_MIN, SIGMA_DATA = 80.0, 0.002, 1.0  # set by both Cosmos2 pipelines' __init__
 FINAL_SIGMAS_TYPE = "sigma_min"
-
-
-class _PromptsPass:
-    """Stands in for `CosmosSafetyChecker` (the cosmos_guardrail package) in the reference run:
-    with latent output the pipelines only ask it about the prompt."""
-
-    def to(self, *args, **kwargs):
-        return self
-
-    def check_text_safety(self, prompt: str) -> bool:
-        return True
 
 
 class CosmosPredict2Sampling(FamilySampling):
@@ -161,7 +151,7 @@ class CosmosPredict2Sampling(FamilySampling):
 
         cls = getattr(diffusers, self.spec.variant.pipeline)
         pipe = cls.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32,
-                                   safety_checker=_PromptsPass())
+                                   safety_checker=PromptsPass())
         kwargs = dict(prompt=request.prompt, negative_prompt=request.negative_prompt,
                       height=request.height, width=request.width, num_inference_steps=steps,
                       guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
@@ -169,7 +159,7 @@ class CosmosPredict2Sampling(FamilySampling):
         with nearest_resize_without_torchvision():
             if not self.spec.variant.video2world:
                 return pipe(**kwargs).images.unsqueeze(2)  # (1, C, h, w) -> (1, C, 1, h, w)
-            from dpipe.data.sources import fit, open_rgb
+            from dpipe.images import fit, open_rgb
 
             _posterior_mean(pipe.vae)
             image = fit(open_rgb(request.control), request.width, request.height)

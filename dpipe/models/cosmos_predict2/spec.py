@@ -25,82 +25,42 @@ files hold it) with that folder as model.single_file_config for the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
-from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.errors import DataError, ModelLoadError
+from dpipe.models.common.cosmos import (
+    CosmosFamily, CosmosVariant, first_frame_task, read_variant, wan_vae_latents)
+from dpipe.models.common.cosmos_layers import cosmos_layers
+from dpipe.models.common.cosmos_names import file_state_dict, from_original, lora_to_comfyui
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.cosmos_predict2.comfyui import from_original, lora_to_comfyui
-from dpipe.models.cosmos_predict2.layers import CosmosBlock, cosmos_layers
-from dpipe.models.diffusers_folder import check_folder, load_denoiser, read_json
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import check_single_file, split_path
-from dpipe.models.spec import ModelSpec, NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes
 
-REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
-                  "scheduler")
 COMFYUI_LORA = "cosmos_predict2_lora_comfyui.safetensors"
 FPS = 16  # Cosmos2VideoToWorldPipeline's default frame rate, which scales the temporal rope
 SIGMA_CONDITIONING = 0.0001  # the pipeline's noise level of the given frames
-SINGLE_FILE_SUFFIXES = (".safetensors", ".pt")  # ComfyUI's files / NVIDIA's checkpoints
-
-# Every Linear of the blocks (attention, MLP and the adaLN-LoRA modulations), as diffusion-pipe
-# and ComfyUI users train Cosmos-Predict2 LoRAs. A peft regex over diffusers' module names.
-_BLOCK_LINEARS = [
-    r"attn1\.to_q", r"attn1\.to_k", r"attn1\.to_v", r"attn1\.to_out\.0",
-    r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"norm[123]\.linear_[12]",
-]
-LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-@dataclass(frozen=True)
-class CosmosVariant:
-    pipeline: str  # Cosmos2TextToImagePipeline or Cosmos2VideoToWorldPipeline
-    z_dim: int
-    spatial: int
-    temporal: int
-    patch: tuple[int, int, int]
-    video2world: bool  # a condition-mask input channel
-
-
-class _NoSafetyChecker:
-    """Stands in for `CosmosSafetyChecker` (cosmos_guardrail) in the pipeline that encodes
-    prompts: guardrails check prompts and decoded videos at generation, not text embeddings."""
-
-
-class CosmosPredict2Spec(ModelSpec):
+class CosmosPredict2Spec(CosmosFamily):
     family = "cosmos_predict2"
+    title, example = "Cosmos-Predict2", "nvidia/Cosmos-Predict2-2B-Text2Image"
+    # Both Cosmos2 pipelines encode prompts with the same code.
+    pipeline_class, vae_class = "Cosmos2TextToImagePipeline", "AutoencoderKLWan"
+    image_notes = {"sigma_data": 1.0, "latent": "mode"}
+    # The folder's name picks the variant: tiny-cosmos_predict2_<variant>.
+    tiny_writer = "dpipe.models.cosmos_predict2.tiny:make_named_tiny_cosmos_predict2"
+    layers = cosmos_layers
+    sampler = "dpipe.models.cosmos_predict2.sampling:CosmosPredict2Sampling"
+    single_file_suffixes = (".safetensors", ".pt")  # ComfyUI's files / NVIDIA's checkpoints
+    from_single_file, to_original = from_original, file_state_dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # model.path: the diffusers folder, or a single-file transformer (NVIDIA's names) with
-        # model.single_file_config naming the diffusers folder for the rest.
-        self.path, self.single_file = split_path(cfg, SINGLE_FILE_SUFFIXES)
-
-    def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
-            from dpipe.models.cosmos_predict2.tiny import VARIANTS, make_tiny_cosmos_predict2
-
-            variant = self.path.name.removeprefix("tiny-cosmos_predict2_")
-            if variant not in VARIANTS:
-                raise ConfigError(f"model.path={self.path}: a tiny Cosmos-Predict2 folder is named "
-                                  f"tiny-cosmos_predict2_<variant>, variant in {sorted(VARIANTS)}")
-            make_tiny_cosmos_predict2(self.path, variant=variant)
-        check_folder(self.path, REQUIRED_PARTS, "Cosmos-Predict2",
-                     "nvidia/Cosmos-Predict2-2B-Text2Image")
-        check_single_file(self.single_file)
-        config = self._config("transformer/config.json")
+    def read_configs(self) -> None:
+        config = self.part_config("transformer")
         if config.get("extra_pos_embed_type"):
             raise ModelLoadError(
                 f"{self.path / 'transformer' / 'config.json'} sets extra_pos_embed_type="
@@ -111,75 +71,23 @@ class CosmosPredict2Spec(ModelSpec):
                                  "img_context_dim_in: a Cosmos 2.5 transformer, not supported")
         self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
 
-    def _config(self, name: str) -> dict[str, Any]:
-        return read_json(self.path / name)
-
     @cached_property
     def variant(self) -> CosmosVariant:
-        index = self._config("model_index.json")
-        transformer = self._config("transformer/config.json")
-        vae = self._config("vae/config.json")
-        z_dim = vae.get("z_dim", 16)
-        downsample = vae.get("temperal_downsample", [False, True, True])
-        return CosmosVariant(
-            pipeline=index["_class_name"], z_dim=z_dim, spatial=2 ** len(downsample),
-            temporal=2 ** sum(downsample), patch=tuple(transformer.get("patch_size", (1, 2, 2))),
-            video2world=transformer.get("in_channels", z_dim) == z_dim + 1)
+        def config(name: str) -> dict:
+            return read_json(self.path / name)
+
+        return read_variant(config, config("model_index.json")["_class_name"])
 
     @cached_property
     def i2v(self) -> bool:
-        if self.variant.video2world:
-            if self.cfg.i2v is False:
-                raise ConfigError(f"{self.path} is a Video2World model, conditioned on its first "
-                                  "frame: leave model.i2v unset (or true)")
-            return True
-        if self.cfg.i2v:
-            raise ConfigError(f"{self.path} is a Text2Image model and takes no first frame: "
-                              "leave model.i2v unset (or false)")
-        return False
+        return first_frame_task(self.path, self.variant, self.cfg.i2v)
 
     @property
     def pixel_multiple(self) -> int:
         return self.variant.spatial * self.variant.patch[1]
 
-    # ---- components -------------------------------------------------------------------------
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        from diffusers import AutoencoderKLWan, Cosmos2TextToImagePipeline
-        from transformers import AutoTokenizer, T5EncoderModel
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-            text_encoder = T5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=dtype)
-            vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
-        for module in (text_encoder, vae):
-            module.requires_grad_(False).eval().to(device)
-        # Both Cosmos2 pipelines encode prompts with the same code.
-        return Cosmos2TextToImagePipeline(text_encoder=text_encoder, tokenizer=tokenizer,
-                                          transformer=None, vae=vae, scheduler=None,
-                                          safety_checker=_NoSafetyChecker())
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import CosmosTransformer3DModel
-
-        # A single file: NVIDIA's names; the config from the folder
-        return load_denoiser(CosmosTransformer3DModel, self.path, self.single_file, dtype,
-                             convert=from_original)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = self._config("vae/config.json")
-            return {"family": self.family, "vae": folder_fingerprint(self.path / "vae"),
-                    "latents_mean": vae.get("latents_mean"), "latents_std": vae.get("latents_std"),
-                    "sigma_data": 1.0, "latent": "mode"}
-        return {"family": self.family, "t5": folder_fingerprint(self.path / "text_encoder"),
-                "tokenizer": folder_fingerprint(self.path / "tokenizer"),
-                "max_text_tokens": self.cfg.max_text_tokens}
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, encoders, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels (B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> normalised latents
         (B, 16, F', h, w)."""
         v = self.variant
@@ -192,43 +100,9 @@ class CosmosPredict2Spec(ModelSpec):
         if frames % v.temporal != 1:
             raise DataError(f"the Wan VAE of Cosmos-Predict2 takes 4k+1 frames; got a clip of "
                             f"{frames}: use frame buckets of the form 4k+1 (1, 5, 9, ..., 93)")
-        vae = encoders.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
-        return (latents - mean) / std  # * sigma_data, which is 1
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
-
-    @torch.no_grad()
-    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, _ = encoders.encode_prompt(prompts, do_classifier_free_guidance=False,
-                                           max_sequence_length=self.cfg.max_text_tokens,
-                                           device=encoders.text_encoder.device)
-        return {"t5": embeds}
+        return wan_vae_latents(encoders.vae, pixels)
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return cosmos_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """cosmos_layers: the embedding, every block, the head."""
-        blocks, = denoiser_config(
-            self.path / "transformer", "CosmosTransformer3DModel", "num_layers")
-        return 2 + blocks
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Time per layer relative to a block: the blocks are identical, and the embedding and
-        head are a few Linears over the tokens (parameter counts would weigh the embedding's large
-        timestep and text projections as half a block)."""
-        return [1.0 if isinstance(layer, CosmosBlock) else 0.02 for layer in layers]
-
     def make_inputs(self, batch: NoisedBatch):
         latents, hidden, target = batch.latents, batch.noisy, batch.target
         t = batch.timesteps.to(latents.dtype)
@@ -253,33 +127,10 @@ class CosmosPredict2Spec(ModelSpec):
         inputs = (hidden, t, batch.text["t5"], grid)
         return inputs, (target,) if weight is None else (target, weight)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with weights broadcast over the elements (masks, given frames)
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
-    # ---- sampling ----------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.cosmos_predict2.sampling import CosmosPredict2Sampling
-
-        return CosmosPredict2Sampling(self)
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers.loaders.lora_pipeline import CosmosLoraLoaderMixin
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(CosmosLoraLoaderMixin, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
-                        {"format": "comfyui"})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.cosmos_predict2.comfyui import original_state_dict
-        from dpipe.models.diffusers_folder import write_transformer_folder
-
-        return write_transformer_folder(shards, out_dir, self.path, self.single_file,
-                                        lambda w: original_state_dict(w, prefix=""))
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -299,17 +150,3 @@ class CosmosPredict2Spec(ModelSpec):
             return denoiser(hidden_states=hidden[:, :z], timestep=t, encoder_hidden_states=text,
                             fps=fps or None, padding_mask=padding_mask, return_dict=False,
                             **kwargs)[0]
-
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
-        """As diffusers users load a LoRA into Cosmos-Predict2, whose Cosmos2 pipelines have no
-        `load_lora_weights`: `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`."""
-        transformer = self.load_denoiser(torch.float32)
-        transformer.load_lora_adapter(str(lora_dir), prefix="transformer",
-                                      weight_name=weight_name or DIFFUSERS_LORA)
-        return transformer
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import CosmosTransformer3DModel
-
-        return CosmosTransformer3DModel.from_pretrained(export_dir / "transformer")
-

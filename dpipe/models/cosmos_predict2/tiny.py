@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512
@@ -48,14 +50,18 @@ def make_tiny_cosmos_predict2(path: Path, seed: int = 0, variant: str = "text2im
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny Cosmos-Predict2 variant {variant!r}; choose one of "
                          f"{sorted(VARIANTS)}")
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_cosmos_predict2; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed, variant))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, variant),
+                      "make_tiny_cosmos_predict2")
+
+
+def make_named_tiny_cosmos_predict2(path: Path) -> Path:
+    """The tiny model of the variant the folder's name gives: .../tiny-cosmos_predict2_<variant>
+    (model.tiny=true)."""
+    variant = path.name.removeprefix("tiny-cosmos_predict2_")
+    if variant not in VARIANTS:
+        raise ConfigError(f"model.path={path}: a tiny Cosmos-Predict2 folder is named "
+                          f"tiny-cosmos_predict2_<variant>, variant in {sorted(VARIANTS)}")
+    return make_tiny_cosmos_predict2(path, variant=variant)
 
 
 def make_tiny_cosmos_predict2_v2w(path: Path, seed: int = 0) -> Path:
@@ -93,9 +99,9 @@ def _write(out: Path, seed: int, variant: str) -> None:
         # diffusers zero-initialises nothing here; random adaLN weights keep every path alive.
 
     scheduler.save_pretrained(out / "scheduler")
-    _save(text_encoder, out / "text_encoder", shards=2)
-    _save(vae, out / "vae", shards=1)
-    _save(transformer, out / "transformer", shards=2)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
     index = {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",
@@ -107,17 +113,6 @@ def _write(out: Path, seed: int, variant: str) -> None:
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
-    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules.
-    torch.nn.Module.to(model, DTYPE)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
 
 
 # Buffers of NVIDIA's training code in its checkpoints, which diffusers' converter drops.
@@ -133,7 +128,7 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
     from diffusers import CosmosTransformer3DModel
     from safetensors.torch import save_file
 
-    from dpipe.models.cosmos_predict2.comfyui import original_state_dict
+    from dpipe.models.common.cosmos_names import original_state_dict
 
     model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
     tensors = {k: v.to(DTYPE).contiguous()

@@ -8,8 +8,8 @@ reads that layout too (it converts it back). The mapping is one to one: Wan's or
 q, k, v, o apart, as diffusers does.
 
 Single-file transformers (wan2.1_t2v_14B_bf16.safetensors, ...) hold the whole state dict under
-those names without a prefix; `original_state_dict` writes it (diffusers'
-`WanTransformer3DModel.from_single_file` reads it back).
+those names without a prefix; `original_state_dict` writes it, `from_original` reads it back
+(diffusers' converter, as `WanTransformer3DModel.from_single_file`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import re
 
 import torch
 
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.lora_files import NotInFormat
-
-COMFY_PREFIX = "diffusion_model."
 
 # diffusers module name -> original Wan module name, for every Linear of a block.
 _BLOCK_RENAMES = {
@@ -121,3 +120,10 @@ def _original_key(key: str) -> str:
         if module in _TOP_RENAMES:
             return f"{_TOP_RENAMES[module]}.{param}"
     raise KeyError(f"no original Wan name for {key!r}")
+
+
+def from_original(state: dict[str, torch.Tensor], _model) -> dict[str, torch.Tensor]:
+    """A single file's original Wan names -> diffusers', by diffusers' converter."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(state)

@@ -24,7 +24,7 @@ import copy
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
 
@@ -135,7 +135,7 @@ class WanHead(PipelineLayer):
         out = out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
         # The context and the block modulation end unused here; when the head is alone on the
         # last stage, the tensors it received still need gradients for the pipeline's backward.
-        return out + 0.0 * (context.sum() + proj.sum())
+        return keep_in_graph(out, context, proj)
 
 
 def wan_layers(transformer: nn.Module) -> list[PipelineLayer]:

@@ -55,7 +55,6 @@ class WanSampling(FamilySampling):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.path = spec.root  # the diffusers folder (model.path may be a single-file expert)
         self.variant = spec.variant
         self._frozen = None  # (device, dtype, module): the other A14B expert while in use
         self._users: list[weakref.ref] = []  # the requests that may still need it
@@ -180,7 +179,7 @@ class WanSampling(FamilySampling):
             if frames == 1:
                 d.state["condition"] = d.control[:, z:2 * z]
             else:
-                from dpipe.data.sources import load_image
+                from dpipe.images import load_image
 
                 r = d.request
                 image = load_image(Path(r.control), r.width, r.height)
@@ -278,7 +277,7 @@ class WanSampling(FamilySampling):
         pipe = cls.from_pretrained(self.path, dtype=torch.float32, **components)
         kwargs = {}
         if image_to_video:
-            from dpipe.data.sources import fit, open_rgb
+            from dpipe.images import fit, open_rgb
 
             kwargs["image"] = fit(open_rgb(Path(request.control)), request.width, request.height)
         return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,

@@ -2,7 +2,9 @@
 folder, 14.29B parameters), for benchmarks with random weights: no download needed. The tiny one
 is the tiny text-to-video model's (`dpipe.models.wan.tiny` builds every tiny variant from it)."""
 
-from dpipe.models.wan.tiny import HEAD_DIM, HEADS, TEXT_DIM
+# The tiny model's widths (`dpipe.models.wan.tiny` writes its folders from WAN_TINY).
+TEXT_DIM = 32  # UMT5 d_model = the transformer's text_dim
+HEADS, HEAD_DIM = 2, 12  # head_dim 12 splits into rotary parts 4 (t) + 4 (h) + 4 (w)
 
 WAN21_T2V_14B = {
     "_class_name": "WanTransformer3DModel",

@@ -43,17 +43,14 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
+from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import (
-    lora_scale, LoraFormat, peft_to_diffusers, save_diffusers_lora,
-    write_lora_files)
-from dpipe.models.single_file import load_or_fail, load_transformer_file
-from dpipe.models.spec import (
-    ModelSpec, NoisedBatch, PipelineLayer, denoiser_config, attention_train_flops, model_params)
-from dpipe.models.wan.comfyui import lora_to_comfyui, original_state_dict
+from dpipe.models.lora_files import LoraFormat, lora_scale
+from dpipe.models.single_file import check_single_file
+from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
+from dpipe.models.wan.comfyui import from_original, lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
@@ -61,7 +58,6 @@ from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpa
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
 COMFYUI_LORA = "wan_lora_comfyui.safetensors"
-SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
 # Bump when the layout of cached latents changes (the conditioning channels), so old entries are
 # never read as new ones.
 _CACHE_LAYOUT = 1
@@ -82,47 +78,41 @@ class WanEncoders:
     image: Any | None  # WanImageToVideoPipeline with the CLIP image encoder (Wan 2.1 i2v)
 
 
-class WanSpec(ModelSpec):
+class WanSpec(DiffusersFamily):
     family = "wan"
     supports_timestep_range = True
+    title, example = "Wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
+    pipeline_class, denoiser_class = "WanPipeline", "WanTransformer3DModel"
+    required_parts = REQUIRED_PARTS
+    text_fingerprint = {"umt5": "text_encoder", "tokenizer": "tokenizer"}
+    vae_config_keys = ("latents_mean", "latents_std")
+    # The folder's name picks the variant: .../tiny-<variant>.
+    tiny_writer = "dpipe.models.wan.tiny:make_named_tiny_wan"
+    lora_modules = LORA_TARGETS
+    layers = wan_layers
+    sampler = "dpipe.models.wan.sampling:WanSampling"
+    # A single-file transformer (the original / ComfyUI layout, e.g.
+    # wan2.1_t2v_14B_bf16.safetensors) trains with everything else from a diffusers folder.
+    single_file_suffixes = (".safetensors", ".sft")
+    from_single_file, to_original = from_original, original_state_dict
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        # A single-file transformer (the original / ComfyUI layout, e.g.
-        # wan2.1_t2v_14B_bf16.safetensors) trains with everything else from a diffusers folder.
-        self.single_file = self.path.suffix in SINGLE_FILE_SUFFIXES
-        folder = getattr(cfg, "single_file_config", None)
-        if self.single_file and not folder:
-            raise ConfigError(
-                f"model.path={self.path} is a single-file Wan transformer: set "
-                "model.single_file_config to the Wan diffusers folder of the same model (its text "
-                "encoder, VAE, tokenizer and configs are read from there)")
-        if folder and not self.single_file:
-            raise ConfigError("model.single_file_config is only used when model.path is a single-"
-                              "file (.safetensors) transformer")
-        # The diffusers folder: everything but a single-file transformer comes from it.
-        self.root = Path(folder).expanduser() if self.single_file else self.path
-        self.root_key = "model.single_file_config" if self.single_file else "model.path"
+    @property
+    def root_key(self) -> str:
+        """The setting that names the diffusers folder, for messages."""
+        return "model.single_file_config" if self.single_file else "model.path"
 
     def ensure_available(self) -> None:
-        if self.single_file and not self.path.is_file():
-            raise ModelLoadError(f"model.path={self.path} does not exist")
-        if self.cfg.tiny and not self.root.exists():
-            from dpipe.models.wan.tiny import VARIANTS, make_tiny_wan
-
-            # The tiny variant is named by the folder: .../tiny-wan22_ti2v
-            variant = self.root.name.removeprefix("tiny-")
-            if variant not in VARIANTS:
-                raise ConfigError(f"{self.root_key}={self.root}: a tiny Wan folder is named "
-                                  f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
-            make_tiny_wan(self.root, variant=variant)
-        check_folder(self.root, REQUIRED_PARTS, "Wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-                     key=self.root_key)
+        # The folder's checks name the setting that gives it (model.single_file_config for a
+        # single file), and the tiny variant and the trained expert are checked too.
+        check_single_file(self.single_file)
+        if self.cfg.tiny and not self.path.exists():
+            imported(self.tiny_writer)(self.path, self.root_key)
+        check_folder(self.path, REQUIRED_PARTS, self.title, self.example, key=self.root_key)
         if self.variant.clip_tokens:  # Wan 2.1 i2v reads the image with CLIP too
-            check_folder(self.root, ("image_encoder", "image_processor"), "Wan 2.1 i2v",
+            check_folder(self.path, ("image_encoder", "image_processor"), "Wan 2.1 i2v",
                          "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", key=self.root_key)
-        if not (self.root / self.expert).is_dir():
-            raise ModelLoadError(f"{self.root_key}={self.root} has no {self.expert}/ folder")
+        if not (self.path / self.expert).is_dir():
+            raise ModelLoadError(f"{self.root_key}={self.path} has no {self.expert}/ folder")
         if self.variant.clip_tokens and self.cfg.max_text_tokens != 512:
             raise ConfigError(
                 f"model.max_text_tokens={self.cfg.max_text_tokens}: Wan 2.1 i2v's attention splits "
@@ -131,7 +121,7 @@ class WanSpec(ModelSpec):
 
     # ---- what the folder is ------------------------------------------------------------------
     def _config(self, name: str) -> dict[str, Any]:
-        return read_json(self.root / name)
+        return read_json(self.path / name)
 
     @cached_property
     def variant(self) -> WanVariant:
@@ -159,19 +149,39 @@ class WanSpec(ModelSpec):
         v, wanted = self.variant, self.cfg.i2v
         if v.concat_condition:  # image-to-video checkpoints need their image
             if wanted is False:
-                raise ConfigError(f"{self.root} is an image-to-video Wan model: leave model.i2v "
+                raise ConfigError(f"{self.path} is an image-to-video Wan model: leave model.i2v "
                                   "unset (or true)")
             return True
         if v.expand_timesteps:  # TI2V-5B does both
             return bool(wanted)
         if wanted:
-            raise ConfigError(f"{self.root} is a text-to-video Wan model and takes no first "
+            raise ConfigError(f"{self.path} is a text-to-video Wan model and takes no first "
                               "frame: leave model.i2v unset (or false)")
         return False
 
     @property
+    def denoiser_folder(self) -> str:
+        return self.expert
+
+    @property
     def pixel_multiple(self) -> int:
         return self.variant.spatial * self.variant.patch[1]
+
+    # The cache keys: what shapes the latents besides the VAE (the conditioning channels) and
+    # the prompts (Wan's prompt cleaning uses ftfy when installed).
+    @property
+    def image_notes(self) -> dict[str, Any]:
+        notes = {"layout": _CACHE_LAYOUT, "latent": "mode",
+                 "condition": self.variant.concat_condition}
+        if self.variant.clip_tokens:
+            notes["clip"] = [folder_fingerprint(self.path / p)
+                             for p in ("image_encoder", "image_processor")]
+        return notes
+
+    @property
+    def text_notes(self) -> dict[str, Any]:
+        ftfy = importlib.util.find_spec("ftfy")
+        return {"ftfy": _version("ftfy") if ftfy else None}
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> WanEncoders:
@@ -179,11 +189,11 @@ class WanSpec(ModelSpec):
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.root / "tokenizer")
-            text_encoder = UMT5EncoderModel.from_pretrained(self.root / "text_encoder", dtype=dtype)
-            vae = AutoencoderKLWan.from_pretrained(self.root, subfolder="vae", dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+            text_encoder = UMT5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=dtype)
+            vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", dtype=dtype)
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the encoders from {self.root}: {err}") from None
+            raise ModelLoadError(f"cannot load the encoders from {self.path}: {err}") from None
         for module in (text_encoder, vae):
             module.requires_grad_(False).eval().to(device)
         # WanPipeline's encode_prompt (WanImageToVideoPipeline's needs ftfy installed).
@@ -196,52 +206,17 @@ class WanSpec(ModelSpec):
             index = self._config("model_index.json")
             try:
                 processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
-                    self.root / "image_processor")
+                    self.path / "image_processor")
                 encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
-                    self.root / "image_encoder", dtype=dtype)
+                    self.path / "image_encoder", dtype=dtype)
             except (OSError, ValueError) as err:
                 raise ModelLoadError(
-                    f"cannot load the image encoder of {self.root}: {err}") from None
+                    f"cannot load the image encoder of {self.path}: {err}") from None
             encoder.requires_grad_(False).eval().to(device)
             image = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
                                             scheduler=None, image_processor=processor,
                                             image_encoder=encoder)
         return WanEncoders(text=text, image=image)
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        from diffusers import WanTransformer3DModel
-
-        if self.single_file:  # diffusers' converter maps the original names; configs from the
-            # folder; a quantized file (ComfyUI's fp8_scaled) is read dequantized; the float32
-            # parts stay float32 as from_pretrained keeps them (diffusers' from_single_file
-            # would round them to `dtype`).
-            from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-
-            return load_or_fail(lambda: load_transformer_file(
-                WanTransformer3DModel, self.root / self.expert, self.path, dtype,
-                lambda state, _model: convert_wan_transformer_to_diffusers(state)), self.path)
-        return load_or_fail(lambda: WanTransformer3DModel.from_pretrained(
-            self.root, subfolder=self.expert, dtype=dtype), self.root / self.expert)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "image":
-            vae = self._config("vae/config.json")
-            fp = {"family": self.family, "layout": _CACHE_LAYOUT,
-                  "vae": folder_fingerprint(self.root / "vae"),
-                  "latents_mean": vae.get("latents_mean"), "latents_std": vae.get("latents_std"),
-                  "latent": "mode", "condition": self.variant.concat_condition}
-            if self.variant.clip_tokens:
-                fp["clip"] = [folder_fingerprint(self.root / p)
-                              for p in ("image_encoder", "image_processor")]
-            return fp
-        ftfy = importlib.util.find_spec("ftfy")  # Wan's prompt cleaning uses it when installed
-        return {
-            "family": self.family,
-            "umt5": folder_fingerprint(self.root / "text_encoder"),
-            "tokenizer": folder_fingerprint(self.root / "tokenizer"),
-            "max_text_tokens": self.cfg.max_text_tokens,
-            "ftfy": _version("ftfy") if ftfy else None,
-        }
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -300,22 +275,11 @@ class WanSpec(ModelSpec):
         return {"umt5": embeds}
 
     # ---- training ----------------------------------------------------------------------------
-    def lora_targets(self) -> str:
-        return LORA_TARGETS
-
     def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
         # Only the z latent channels are noised; i2v conditioning channels stay as cached.
         z = self.variant.z_dim
         x, n = x0[:, :z], noise[:, :z]
         return noisy_latents(x, n, self.train_timesteps(t)), velocity_target(x, n)
-
-    def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
-        return wan_layers(denoiser)
-
-    def pipeline_layer_count(self) -> int:
-        """wan_layers: the embedding, every block, the head; of the expert this run trains."""
-        blocks, = denoiser_config(self.root / self.expert, "WanTransformer3DModel", "num_layers")
-        return 2 + blocks
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Time per layer relative to a block: the blocks are identical, and the embedding and
@@ -349,30 +313,10 @@ class WanSpec(ModelSpec):
             inputs += (unpack_tokens(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
         return inputs, (target,) if weight is None else (target, weight)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with weights broadcast over the elements (masks, given frames)
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
-
     # ---- export ------------------------------------------------------------------------------
-    def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
-                    out_dir: Path) -> list[Path]:
-        from diffusers import WanPipeline
-
-        weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_diffusers_lora(WanPipeline, weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
-                        {"format": "comfyui", "expert": self.expert})])
-
-    def export_full(self, shards: list[Path], out_dir: Path) -> Path:
-        from dpipe.models.single_file import export_like_source
-        from dpipe.models.diffusers_folder import write_denoiser_folder
-
-        folder = write_denoiser_folder(
-            shards, out_dir / self.expert, self.root / self.expert / "config.json")
-        if self.single_file:  # also as the source: its keys (and prefix), order and dtypes
-            export_like_source(folder, self.path, original_state_dict, out_dir)
-        return folder
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                           {"format": "comfyui", "expert": self.expert})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -398,7 +342,7 @@ class WanSpec(ModelSpec):
             skip.update(image_encoder=None, image_processor=None)
         if self.single_file:  # the trained expert from its file, as the user loads it
             components.setdefault(self.expert, self.load_denoiser(torch.float32))
-        return cls.from_pretrained(self.root, **{**skip, **components})
+        return cls.from_pretrained(self.path, **{**skip, **components})
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         """The way users load a Wan LoRA: `pipe.load_lora_weights(...)`, with
@@ -410,17 +354,6 @@ class WanSpec(ModelSpec):
             kwargs["load_into_transformer_2"] = True
         pipe.load_lora_weights(str(lora_dir), **kwargs)
         return getattr(pipe, self.expert)
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        from diffusers import WanTransformer3DModel
-
-        return WanTransformer3DModel.from_pretrained(export_dir / self.expert)
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sampling(self):
-        from dpipe.models.wan.sampling import WanSampling
-
-        return WanSampling(self)
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

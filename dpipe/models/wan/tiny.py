@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
+from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_atomically
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
-TEXT_DIM = 32  # UMT5 d_model = the transformer's text_dim
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim
-HEADS, HEAD_DIM = 2, 12  # head_dim 12 splits into rotary parts 4 (t) + 4 (h) + 4 (w)
 TEXT_MAX_LENGTH = 512  # Wan pads every prompt to 512 tokens; the i2v attention relies on it
 
 _WAN21_VAE = dict(z_dim=16)  # the constructor's defaults are Wan 2.1's latents_mean/std
@@ -67,14 +68,18 @@ def make_tiny_wan(path: Path, seed: int = 0, variant: str = "wan21_t2v") -> Path
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny Wan variant {variant!r}; choose one of {sorted(VARIANTS)}")
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_wan; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed, variant))
-    return path
+    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, variant),
+                      "make_tiny_wan")
+
+
+def make_named_tiny_wan(path: Path, key: str = "model.path") -> Path:
+    """The tiny model of the variant the folder's name gives: .../tiny-<variant>, e.g.
+    tiny-wan22_ti2v (model.tiny=true); `key` is the setting that names the folder."""
+    variant = path.name.removeprefix("tiny-")
+    if variant not in VARIANTS:
+        raise ConfigError(f"{key}={path}: a tiny Wan folder is named "
+                          f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
+    return make_tiny_wan(path, variant=variant)
 
 
 def make_tiny_wan_i2v(path: Path, seed: int = 0) -> Path:
@@ -97,8 +102,6 @@ def _write(out: Path, seed: int, variant: str) -> None:
     from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
                            WanPipeline, WanTransformer3DModel)
     from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
-
-    from dpipe.models.wan.sizes import WAN_TINY  # imports this module's sizes
 
     v = VARIANTS[variant]
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
@@ -129,10 +132,10 @@ def _write(out: Path, seed: int, variant: str) -> None:
                 "added_kv_proj_dim": HEADS * HEAD_DIM if v.get("clip") else None}))
 
     scheduler.save_pretrained(out / "scheduler")
-    _save(text_encoder, out / "text_encoder", torch.bfloat16, shards=2)
-    _save(vae, out / "vae", torch.float32, shards=1)
+    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=torch.bfloat16)
+    save_exact_shards(vae, out / "vae", shards=1, dtype=torch.float32)
     for name, model in zip(("transformer", "transformer_2"), transformers):
-        _save(model, out / name, torch.float32, shards=3)
+        save_exact_shards(model, out / name, shards=3, dtype=torch.float32)
     parts = dict(tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),
                  text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                  transformer=transformers[0],
@@ -167,19 +170,6 @@ def _clip_parts(out: Path, seed: int):
         crop_size={"height": 224, "width": 224}, do_rescale=True, rescale_factor=1 / 255,
         do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
         image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True)
-    _save(encoder, out / "image_encoder", torch.bfloat16, shards=1)
+    save_exact_shards(encoder, out / "image_encoder", shards=1, dtype=torch.bfloat16)
     processor.save_pretrained(out / "image_processor")
     return encoder, processor
-
-
-def _save(model: torch.nn.Module, directory: Path, dtype: torch.dtype, shards: int) -> None:
-    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules.
-    torch.nn.Module.to(model, dtype)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    # Shards are filled greedily with whole tensors: a cap of one share plus the largest tensor
-    # makes each shard hold at least one share, so exactly `shards` files come out.
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))

@@ -1,4 +1,5 @@
-"""Cosmos-Predict2 weights under NVIDIA's original module names, as ComfyUI loads them.
+"""Cosmos-Predict2 weights under NVIDIA's original module names, as ComfyUI loads them (Anima's
+transformer is Cosmos-Predict2's and keeps these names in its files).
 
 ComfyUI's Cosmos-Predict2 model ("MiniTrainDIT") keeps the names of NVIDIA's checkpoints without
 their `net.` prefix, and its LoRA loader takes `diffusion_model.<module>.lora_A.weight` /
@@ -19,9 +20,8 @@ import re
 
 import torch
 
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.lora_files import NotInFormat
-
-COMFY_PREFIX = "diffusion_model."
 
 _BLOCK_RENAMES = {
     "attn1.to_q": "self_attn.q_proj", "attn1.to_k": "self_attn.k_proj",
@@ -117,3 +117,9 @@ def from_original(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tens
     if set(state) <= set(model.state_dict()):
         return state
     return convert_cosmos_transformer_checkpoint_to_diffusers(dict(state))
+
+
+def file_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`original_state_dict` without a prefix: the names a full fine-tune's single file takes
+    (`export_like_source` puts back the source file's own prefix)."""
+    return original_state_dict(weights, prefix="")

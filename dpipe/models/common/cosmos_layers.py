@@ -1,5 +1,5 @@
 """Cosmos-Predict2's transformer (CosmosTransformer3DModel) as pipeline layers: embed -> blocks ->
-head.
+head. Cosmos 1.0 adds its position embedding to them, and Anima its text adapter in front.
 
 Every layer passes the tuple (hidden, text, temb, embedded_timestep, grid):
   hidden             (B, tokens, D) video tokens, tokens = F' * h' * w' after the (1, 2, 2) patches
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
 
@@ -108,7 +108,7 @@ class CosmosHead(PipelineLayer):
         out = out.permute(0, 7, 1, 6, 2, 4, 3, 5).flatten(6, 7).flatten(4, 5).flatten(2, 3)
         # The text ends unused here; when the head is alone on the last stage, the tensor it
         # received still needs a gradient for the pipeline's backward pass.
-        return out + 0.0 * text.sum()
+        return keep_in_graph(out, text)
 
 
 def cosmos_layers(transformer: nn.Module) -> list[PipelineLayer]:
