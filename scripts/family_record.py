@@ -13,7 +13,7 @@ through the stages at the end with the latents saved. It records per run the los
 the sha256 of every exported file (diffusers, ComfyUI, single files and their metadata, relative
 to the run's `lora/` or `model/`), of every saved sample latent, image and clip, the names of the
 cache's entries (their keys) and the hashes of the tiny model folders' files (safetensors files
-by their content, clips by their decoded frames: see `sha`). `compare` prints every
+by their content, clips by their streams' frame counts and sizes: see `sha`). `compare` prints every
 difference and exits 1 if there is one. Losses are compared bit for bit (their float repr).
 """
 
@@ -42,8 +42,9 @@ COMMON = [*SWEEP, "pipeline.stages=2", "train.precision=fp32"]
 def sha(path: Path) -> str:
     """The file's sha256; for safetensors, of its content (metadata sorted, then each tensor's
     name, dtype, shape and bytes), since safetensors writes its header's metadata in an order
-    that differs from process to process; for an mp4, of its decoded frames and sound, whose
-    container holds encoder timing."""
+    that differs from process to process. An mp4 is recorded by its streams' frame counts and
+    sizes: x264's output depends on the encoding process's thread count (two runs of the same
+    code differ), and its frames are those of the sample's latents, which are recorded."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -58,11 +59,13 @@ def sha(path: Path) -> str:
     if path.suffix == ".mp4":
         import av
 
-        digest = hashlib.sha256()
         with av.open(str(path)) as container:
-            for frame in container.decode(*container.streams):
-                digest.update(frame.to_ndarray().tobytes())
-        return "decoded:" + digest.hexdigest()
+            streams = []
+            for stream in container.streams:
+                frames = [f for f in container.decode(stream)]
+                shape = frames[0].to_ndarray().shape if frames else ()
+                streams.append(f"{stream.type} {len(frames)} x {shape}")
+        return "mp4: " + "; ".join(streams)
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
