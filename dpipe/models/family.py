@@ -210,10 +210,11 @@ class DiffusersFamily(ModelSpec):
     # ---- using exported weights ---------------------------------------------------------------
     def load_denoiser_with_lora(self, lora_dir: Path,
                                 weight_name: str = DIFFUSERS_LORA) -> nn.Module:
-        # Every part of the pipeline but its denoiser and scheduler is left out: only the
+        # Every component of the pipeline (a [library, class] entry of model_index.json; the
+        # others are config values) but its denoiser and scheduler is left out: only the
         # denoiser carries the LoRA.
-        parts = [p for p in read_json(self.path / "model_index.json")
-                 if not p.startswith("_") and p not in ("scheduler", self.denoiser_folder)]
+        parts = [name for name, value in read_json(self.path / "model_index.json").items()
+                 if isinstance(value, list) and name not in ("scheduler", self.denoiser_folder)]
         pipe = load_or_fail(lambda: diffusers_class(self.pipeline_class).from_pretrained(
             self.path, **dict.fromkeys(parts),
             **{self.denoiser_folder: self.load_denoiser(torch.float32)}), self.path)

@@ -40,7 +40,7 @@ log = logging.getLogger("dpipe")
 # Settings a checkpoint cannot follow on resume, and why. Every other change (steps, learning
 # rate, schedule, logging, data settings (not the dataset's folders), batch size, seed) is
 # allowed, logged and applied: the optim.* values replace the loaded optimizer's
-# (dpipe.pipeline.engine.apply_optim_config).
+# (dpipe.train.engine_setup.apply_optim_config).
 INCOMPATIBLE = {
     "model.family": "another model",
     "model.mode": "LoRA and full fine-tunes save different tensors",

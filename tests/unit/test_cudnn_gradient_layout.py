@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.train import attention
+from dpipe.pipeline import attention
 
 
 def _flux_single_block_like(sdpa):

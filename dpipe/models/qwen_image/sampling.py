@@ -145,7 +145,7 @@ class QwenImageEditSampling(QwenImageSampling):
 
     def control_image(self, request: SampleRequest):
         """The control image as dpipe's sampler encodes it: fitted to `control_size` (as
-        `dpipe.data.sources.load_image` does), 8-bit RGB; the pipeline keeps that size."""
+        `dpipe.images.load_image` does), 8-bit RGB; the pipeline keeps that size."""
         from dpipe.images import fit, open_rgb
 
         return fit(open_rgb(request.control), *self.control_size(request))
