@@ -239,8 +239,11 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_identically(array_sw
 
 def test_external_requeue_restarts_from_the_last_periodic_checkpoint(slurm, tmp_path):
     # time-based checkpoints only: this also shows that train.checkpoint_every_minutes works
+    # More steps than STEPS: SLURM takes a second or two to act on a requeue, in which an idle
+    # machine trained all 40 steps (the job then completed before it was requeued).
+    steps = 150
     sweep = start_sweep(tmp_path / "requeue", "train.checkpoint_every_steps=0",
-                        "train.checkpoint_every_minutes=0.005")
+                        "train.checkpoint_every_minutes=0.005", f"train.max_steps={steps}")
     job = sweep.job_ids()[0]
     wait_for("a periodic checkpoint",
              lambda: any(sweep.sweep_dir.glob("0_*/checkpoints/step_*/COMPLETE")), sweep)
@@ -249,10 +252,10 @@ def test_external_requeue_restarts_from_the_last_periodic_checkpoint(slurm, tmp_
     log = sweep.job_log(job)
     resumed = re.search(r"resumed from \S+step_(\d+) \(step (\d+)\)", log)
     assert resumed, log
-    assert 1 <= int(resumed.group(2)) < STEPS
+    assert 1 <= int(resumed.group(2)) < steps
     assert "requeueing the job" not in log  # SLURM's requeue, not dpipe's
     run_dir = sweep.run_dir(0)
-    assert metrics(run_dir)[-1]["step"] == STEPS and (run_dir / LORA).is_file()
+    assert metrics(run_dir)[-1]["step"] == steps and (run_dir / LORA).is_file()
     assert [p["status"] for p in sweep.summary()] == ["completed"]
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dpipe.cli.train_help import EXAMPLES
-from tests.cli import dpipe_train
+from tests.cli import dpipe_train, metrics
+from tests.integration.trained import run_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,11 @@ def test_the_documented_sweep_runs_as_written(tmp_path):
     points = summary(sweep_dir)
     assert [Path(p["run_dir"]).name for p in points] == folders
     assert [p["status"] for p in points] == ["completed"] * 4
-    assert all((sweep_dir / f / "lora").is_dir() for f in folders)
+    for folder, (lr, rank) in zip(folders, [(1e-4, 16), (1e-4, 32), (5e-5, 16), (5e-5, 32)]):
+        run = run_config(sweep_dir / folder)  # each point trained with its own values
+        assert (run.optim.lr, run.model.lora.rank) == (lr, rank)
+        assert metrics(sweep_dir / folder)[-1]["step"] == 1
+        assert (sweep_dir / folder / "lora" / "pytorch_lora_weights.safetensors").is_file()
     md = (sweep_dir / "sweep_summary.md").read_text()
     assert "All points: train.max_steps=1" in md
     assert "| 3 | optim.lr=5e-05 model.lora.rank=32 | completed | 1 |" in md
