@@ -157,7 +157,8 @@ def compare(a_path: Path, b_path: Path) -> int:
         if isinstance(x, dict) and isinstance(y, dict):
             for key in sorted(set(x) | set(y)):
                 if key not in x or key not in y:
-                    differences.append(f"{where}/{key}: only in {'after' if key in y else 'before'}")
+                    side = "after" if key in y else "before"
+                    differences.append(f"{where}/{key}: only in {side}")
                 else:
                     diff(f"{where}/{key}", x[key], y[key])
         elif x != y:

@@ -130,7 +130,8 @@ class DiffusersFamily(ModelSpec):
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_denoiser(diffusers_class(self.denoiser_class), self.path, self.single_file,
-                             dtype, convert=type(self).from_single_file, subfolder=self.denoiser_folder)
+                             dtype, convert=type(self).from_single_file,
+                             subfolder=self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).

@@ -55,7 +55,8 @@ def module_name(file: Path) -> str:
 def imports(file: Path):
     """(line, dotted dpipe module, names imported from it) of every import in `file`, relative
     ones resolved."""
-    package = module_name(file) if file.name == "__init__.py" else module_name(file).rpartition(".")[0]
+    name = module_name(file)
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(file.read_text(), str(file))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
