@@ -123,3 +123,11 @@ def test_the_walk_sees_relative_function_level_and_package_imports(tmp_path):
                      "dpipe.train.loop"]
     assert [unit_of(t) for t in found] == ["dpipe.models", "dpipe.models.flux",
                                            "dpipe.models.wan", "dpipe.train"]
+
+
+def test_every_folder_of_code_is_a_package():
+    # pyproject's packages.find (setuptools' find_packages) leaves out a folder without an
+    # __init__.py: a non-editable install would lack its modules (LTX-Video's and HunyuanVideo's
+    # folders lacked one until 2026-12-07).
+    folders = {f.parent for f in DPIPE.rglob("*.py")}
+    assert not sorted(str(d) for d in folders if not (d / "__init__.py").is_file())
