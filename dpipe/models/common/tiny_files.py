@@ -18,44 +18,40 @@ def save_sharded(model: torch.nn.Module, directory: Path, shards: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:
     """`save_pretrained` in `dtype`, split into about `shards` files (+ index) when > 1, as the
     real checkpoints are, so code reading the weight files meets the same layout."""
-    torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
-    sizes = [t.numel() * t.element_size() for t in unique]
     # Greedy filling up to one share (or the largest tensor, if bigger): at least `shards` files,
     # and more when one tensor dominates (as the ByT5 projection does in tiny HunyuanVideo 1.5).
-    model.save_pretrained(directory, max_shard_size=max(-(-sum(sizes) // shards), max(sizes)))
+    _save(model, directory, shards, dtype, lambda share, largest, total: max(share, largest))
 
 
 def save_component(model: torch.nn.Module, directory: Path, shards: int, dtype: torch.dtype) -> None:
     """save_pretrained in `dtype`; with shards > 1, split into about that many files with an index
     file, as the real repos' large components are (a tensor is never split, so one dominating
     tensor can leave fewer files; never just one)."""
-    # Plain nn.Module.to: diffusers' override warns about fp32-kept modules, which these have none of.
-    torch.nn.Module.to(model, dtype)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    # One entry per storage: tied weights are written once.
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    cap = max(-(-sum(sizes) // shards), max(sizes))
-    if cap >= sum(sizes):  # one tensor outweighs the rest: give it a file of its own
-        cap = max(sizes)
-    model.save_pretrained(directory, max_shard_size=cap)
+    def cap(share: int, largest: int, total: int) -> int:
+        # Where that cap would hold everything, one tensor outweighs the rest: it gets a file
+        # of its own.
+        return largest if max(share, largest) >= total else max(share, largest)
+
+    _save(model, directory, shards, dtype, cap)
 
 
 def save_exact_shards(model: torch.nn.Module, directory: Path, shards: int,
                       dtype: torch.dtype = torch.bfloat16) -> None:
     """`save_pretrained` in `dtype`, in exactly `shards` files (+ index) when > 1."""
+    # Greedy filling with whole tensors: a cap of one share plus the largest tensor makes each
+    # file hold at least one share, so exactly `shards` files come out.
+    _save(model, directory, shards, dtype, lambda share, largest, total: share + largest)
+
+
+def _save(model: torch.nn.Module, directory: Path, shards: int, dtype: torch.dtype,
+          cap) -> None:
+    """`save_pretrained` in `dtype`; with shards > 1, in files of at most `cap(share, largest,
+    total)` bytes (share: a `shards`-th of the total, largest: the largest tensor's)."""
     torch.nn.Module.to(model, dtype)  # plain Module.to: diffusers' override warns needlessly
     if shards == 1:
         model.save_pretrained(directory)
         return
     unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()  # tied weights once
     sizes = [t.numel() * t.element_size() for t in unique]
-    # Greedy filling with whole tensors: a cap of one share plus the largest tensor makes each
-    # file hold at least one share, so exactly `shards` files come out.
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+    total = sum(sizes)
+    model.save_pretrained(directory, max_shard_size=cap(-(-total // shards), max(sizes), total))
