@@ -24,6 +24,7 @@ from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
+from dpipe.models.hunyuan_video.latents import VideoLatentGrid
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original, lora_linears, original_state_dict
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
@@ -46,7 +47,7 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideoSpec(DiffusersFamily):
+class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     family = "hunyuan_video"
     title, example = "HunyuanVideo", "hunyuanvideo-community/HunyuanVideo"
     pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
@@ -71,16 +72,6 @@ class HunyuanVideoSpec(DiffusersFamily):
         # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
         self.part_config("vae")
         self.part_config("transformer")
-
-    @property
-    def pixel_multiple(self) -> int:
-        # The VAE's config names its downscale; the transformer's 2x2 patches on top.
-        return (self.part_config("vae")["spatial_compression_ratio"]
-                * self.part_config("transformer")["patch_size"])
-
-    @property
-    def temporal_ratio(self) -> int:
-        return self.part_config("vae")["temporal_compression_ratio"]
 
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer

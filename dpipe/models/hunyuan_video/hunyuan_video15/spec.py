@@ -32,6 +32,7 @@ from dpipe.models.hunyuan_video.hunyuan_video15.layers import IMAGE_TOKENS, huny
 from dpipe.models.hunyuan_video.hunyuan_video15.original import (
     comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.hunyuan_video.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.hunyuan_video.latents import VideoLatentGrid
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import NoisedBatch, attention_train_flops
@@ -52,7 +53,7 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideo15Spec(DiffusersFamily):
+class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     family = "hunyuan_video15"
     title, example = "HunyuanVideo 1.5", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
     pipeline_class = "HunyuanVideo15Pipeline"
@@ -84,16 +85,6 @@ class HunyuanVideo15Spec(DiffusersFamily):
                 f"{self.path / 'transformer'} is an image-to-video HunyuanVideo 1.5 (task_type="
                 f"{config.get('task_type')!r}); dpipe trains the text-to-video checkpoints")
         self.part_config("vae")
-
-    @property
-    def pixel_multiple(self) -> int:
-        # The VAE's config names its downscale; the transformer's patches on top.
-        return (self.part_config("vae")["spatial_compression_ratio"]
-                * self.part_config("transformer")["patch_size"])
-
-    @property
-    def temporal_ratio(self) -> int:
-        return self.part_config("vae")["temporal_compression_ratio"]
 
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         pipe = super().load_encoders(device, dtype)
