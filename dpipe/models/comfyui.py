@@ -97,6 +97,30 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
     return out
 
 
+def in_original_names(weights: dict[str, torch.Tensor], scale: float, original_name,
+                      format_name: str) -> dict[str, torch.Tensor]:
+    """ComfyUI LoRA weights from diffusers-named ones (`<module>.lora_A.weight`, ...), each module
+    under `original_name(module)`: the original checkpoint's name, which ComfyUI's model keeps.
+    The scale alpha / rank is folded into B and no `.alpha` is written, so every loader applies 1.
+    Modules `original_name` has no name for (KeyError) raise NotInFormat naming `format_name`,
+    with the tensors of the others."""
+    out, unnamed = {}, set()
+    for key, value in weights.items():
+        module, part = key.rsplit(".lora_", 1)
+        if not part.startswith(("A.", "B.")):
+            raise KeyError(f"not a LoRA weight: {key!r}")
+        try:
+            name = original_name(module)
+        except KeyError:
+            unnamed.add(module)
+            continue
+        value = value * scale if part.startswith("B.") else value
+        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
+    if unnamed:
+        raise NotInFormat(format_name, sorted(unnamed), out)
+    return out
+
+
 def comfy_lora_tensors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
                        ) -> dict[str, torch.Tensor]:
     """{ComfyUI module name: (A, B, alpha)} as a ComfyUI LoRA's tensors: keys

@@ -17,7 +17,7 @@ import torch
 from dpipe.config.schema import LoraConfig, ModelConfig, TrainMode
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.spec import NoisedBatch
-from dpipe.models.wan.comfyui import COMFY_PREFIX
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.wan.spec import COMFYUI_LORA, WanSpec
 from dpipe.models.wan.tiny import make_tiny_wan
 from dpipe.train.lora import make_trainable

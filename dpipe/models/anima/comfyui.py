@@ -20,9 +20,8 @@ import torch
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.anima.model import ADAPTER_PREFIX
-from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.comfyui import in_original_names
 from dpipe.models.common.cosmos_names import file_state_dict, original_module_name
-from dpipe.models.lora_files import NotInFormat
 
 _FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
 COSMOS_KEY = "blocks.0.self_attn.q_proj.weight"  # NVIDIA's first block, in every Cosmos file
@@ -92,20 +91,5 @@ def module_name(diffusers_module: str) -> str:
 
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """ComfyUI LoRA weights from AnimaDenoiser's diffusers-named ones; alpha / rank folded into
-    B (no `.alpha` written). Modules without an original name raise NotInFormat with the rest."""
-    out, unnamed = {}, set()
-    for key, value in weights.items():
-        module, part = key.rsplit(".lora_", 1)
-        if not part.startswith(("A.", "B.")):
-            raise KeyError(f"not a LoRA weight: {key!r}")
-        try:
-            name = module_name(module)
-        except KeyError:
-            unnamed.add(module)
-            continue
-        value = value * scale if part.startswith("B.") else value
-        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
-    if unnamed:
-        raise NotInFormat("ComfyUI (Anima)", sorted(unnamed), out)
-    return out
+    """ComfyUI LoRA weights from AnimaDenoiser's diffusers-named ones, under Anima's names."""
+    return in_original_names(weights, scale, module_name, "ComfyUI (Anima)")

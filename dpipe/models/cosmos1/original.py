@@ -18,8 +18,7 @@ import re
 
 import torch
 
-from dpipe.models.comfyui import COMFY_PREFIX
-from dpipe.models.lora_files import NotInFormat
+from dpipe.models.comfyui import in_original_names
 
 NVIDIA_PREFIX = "net."
 # A key only Cosmos 1.0's layout has, and one only Cosmos-Predict2's (diffusers' own detection).
@@ -69,24 +68,8 @@ def original_module_name(diffusers_name: str) -> str:
 
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """ComfyUI LoRA weights from diffusers-format ones; alpha/rank folded into B, no `.alpha`
-    written, so every loader applies 1. Modules without an original name raise NotInFormat,
-    with the tensors of the others."""
-    out, unnamed = {}, set()
-    for key, value in weights.items():
-        module, part = key.rsplit(".lora_", 1)
-        if not part.startswith(("A.", "B.")):
-            raise KeyError(f"not a LoRA weight: {key!r}")
-        try:
-            name = original_module_name(module.removeprefix("transformer."))
-        except KeyError:
-            unnamed.add(module)
-            continue
-        value = value * scale if part.startswith("B.") else value
-        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
-    if unnamed:
-        raise NotInFormat("ComfyUI (original Cosmos 1.0)", sorted(unnamed), out)
-    return out
+    """ComfyUI LoRA weights from diffusers-format ones, under NVIDIA's Cosmos 1.0 names."""
+    return in_original_names(weights, scale, lambda module: original_module_name(module.removeprefix("transformer.")), "ComfyUI (original Cosmos 1.0)")
 
 
 def original_key(key: str) -> str:

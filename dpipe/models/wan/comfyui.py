@@ -18,8 +18,7 @@ import re
 
 import torch
 
-from dpipe.models.comfyui import COMFY_PREFIX
-from dpipe.models.lora_files import NotInFormat
+from dpipe.models.comfyui import in_original_names
 
 # diffusers module name -> original Wan module name, for every Linear of a block.
 _BLOCK_RENAMES = {
@@ -58,24 +57,8 @@ def original_module_name(diffusers_name: str) -> str:
 
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """ComfyUI LoRA weights from diffusers-format ones (`<module>.lora_A.weight`, ...). The LoRA
-    scale alpha/rank is folded into B and no `.alpha` is written: every loader then applies 1.
-    Modules without an original name raise NotInFormat, with the tensors of the others."""
-    out, unnamed = {}, set()
-    for key, value in weights.items():
-        module, part = key.rsplit(".lora_", 1)
-        if not part.startswith(("A.", "B.")):
-            raise KeyError(f"not a LoRA weight: {key!r}")
-        try:
-            name = original_module_name(module)
-        except KeyError:
-            unnamed.add(module)
-            continue
-        value = value * scale if part.startswith("B.") else value
-        out[f"{COMFY_PREFIX}{name}.lora_{part}"] = value.contiguous()
-    if unnamed:
-        raise NotInFormat("ComfyUI (original Wan)", sorted(unnamed), out)
-    return out
+    """ComfyUI LoRA weights from diffusers-format ones, under the original Wan names."""
+    return in_original_names(weights, scale, original_module_name, "ComfyUI (original Wan)")
 
 
 # Whole-transformer names (a full fine-tune in the original / ComfyUI single-file layout): the
