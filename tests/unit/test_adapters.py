@@ -8,7 +8,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path
 
 import pytest
 import torch

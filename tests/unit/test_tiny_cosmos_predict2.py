@@ -95,16 +95,7 @@ def test_shapes_match_the_declared_configs(folders):
     assert embeds[0, length:].abs().sum() == 0 and embeds[0, :length].abs().sum() > 0
 
 
-def test_idempotent_and_deterministic(tmp_path, folders):
-    root = folders["text2image"]
-    stamps = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
-    assert make_tiny_cosmos_predict2(root) == root
-    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == stamps
-    again = make_tiny_cosmos_predict2(tmp_path / "again")
-    files = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (root / rel).read_bytes() == (again / rel).read_bytes(), rel
+def test_an_unknown_variant_is_named(tmp_path):
     with pytest.raises(ValueError, match="text2image"):
         make_tiny_cosmos_predict2(tmp_path / "x", variant="predict3")
 

@@ -102,17 +102,7 @@ def test_shapes_match_the_declared_config(pipe):
     assert len(clip_ids) == len(CAPTION.split()) + 2  # every word is one token, plus bos/eos
 
 
-def test_idempotent_and_deterministic(tmp_path, tiny_flux):
-    stamps = {p: p.stat().st_mtime_ns for p in tiny_flux.rglob("*")}
-    assert make_tiny_flux(tiny_flux) == tiny_flux
-    assert {p: p.stat().st_mtime_ns for p in tiny_flux.rglob("*")} == stamps
-
-    again = make_tiny_flux(tmp_path / "again", seed=0)
-    files = sorted(p.relative_to(tiny_flux) for p in tiny_flux.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (tiny_flux / rel).read_bytes() == (again / rel).read_bytes(), rel
-
+def test_another_seed_makes_another_model(tmp_path, tiny_flux):
     other = make_tiny_flux(tmp_path / "other", seed=1)
     shard = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
     assert (other / shard).read_bytes() != (tiny_flux / shard).read_bytes()

@@ -120,13 +120,6 @@ def test_layers_equal_the_transformer_in_fp32(spec):
     assert torch.isfinite(spec.loss(x, labels))
 
 
-def test_every_parameter_is_in_a_layer(spec):
-    denoiser = spec.load_denoiser(torch.float32)
-    names = {n for layer in spec.pipeline_layers(denoiser)
-             for n, _ in layer.source_named_parameters()}
-    assert names == {n for n, _ in denoiser.named_parameters()}
-
-
 def test_sampling_matches_the_pipeline(spec):
     from dpipe.models.sampling import SampleRequest
 

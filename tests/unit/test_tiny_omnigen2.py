@@ -21,7 +21,7 @@ from dpipe.models.omnigen2.sizes import OMNIGEN2_4B, OMNIGEN2_TINY
 from dpipe.models.omnigen2.spec import COMFY_LORA, OmniGen2Spec
 from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
 from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-from tests.unit.video_checks import assert_same_files, noised_images
+from tests.unit.video_checks import noised_images
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -140,11 +140,6 @@ def test_layout(tiny):
 
     mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "mllm")
     assert mllm.config.text_config.hidden_size == OMNIGEN2_TINY["text_feat_dim"]
-
-
-def test_idempotent_and_deterministic(tmp_path, tiny):
-    again = make_tiny_omnigen2(tmp_path / "again", seed=0)
-    assert_same_files(tiny, again)
 
 
 def _inputs(spec, encoders, captions, seed=0):

@@ -104,17 +104,8 @@ def test_shapes_match_the_declared_configs(folders):
     assert embeds.shape == (1, 226, 32)  # the pipeline's default length; Wan trains with 512
 
 
-def test_idempotent_and_deterministic(tmp_path, folders):
+def test_the_two_experts_are_different_models(folders):
     root = folders["wan22_a14b"]
-    stamps = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
-    assert make_tiny_wan(root, variant="wan22_a14b") == root
-    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == stamps
-    again = make_tiny_wan(tmp_path / "again", variant="wan22_a14b")
-    files = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (root / rel).read_bytes() == (again / rel).read_bytes(), rel
-    # The two experts are different models.
     shard = "diffusion_pytorch_model-00001-of-00003.safetensors"
     high, low = (root / "transformer" / shard), (root / "transformer_2" / shard)
     assert high.read_bytes() != low.read_bytes()

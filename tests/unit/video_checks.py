@@ -5,7 +5,6 @@ checkpointing, the exactness of exported LoRA files, and which attention calls g
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -84,14 +83,6 @@ def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
     for name, value in want_tensors.items():
         assert got_tensors[name].dtype == value.dtype, (name, got_tensors[name].dtype, value.dtype)
         assert torch.equal(got_tensors[name], value), name
-
-
-def assert_same_files(folder: Path, again: Path) -> None:
-    """The same files with the same bytes (a tiny model made twice)."""
-    files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    for rel in files:
-        assert (folder / rel).read_bytes() == (again / rel).read_bytes(), rel
 
 
 def latent_inputs(spec, encoders, latents: torch.Tensor, prompts: list[str], t) -> tuple:
