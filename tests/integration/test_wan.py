@@ -28,6 +28,7 @@ CAPTIONS = ["a red circle on a blue background", "a green square"]
 CASES = {  # name: (variant, model config overrides)
     "t2v": ("wan21_t2v", {}),
     "i2v": ("wan21_i2v", {}),
+    "flf2v": ("wan21_flf2v", {}),
     "ti2v": ("wan22_ti2v", {}),
     "ti2v_i2v": ("wan22_ti2v", {"i2v": True}),
     "a14b_low": ("wan22_a14b", {"max_t": 0.875}),

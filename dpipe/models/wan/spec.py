@@ -47,12 +47,14 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.frame_modes import FRAME_MODES
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import check_single_file
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.wan.comfyui import from_original, lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
+from dpipe.models.wan.frames import condition_mask, condition_video, image_embedder_input
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -159,6 +161,12 @@ class WanSpec(DiffusersFamily):
                               "frame: leave model.i2v unset (or false)")
         return False
 
+    def frame_modes(self) -> dict[str, float]:
+        v = self.variant
+        if v.condition_modes:  # the first mode is the checkpoint's own task
+            return {m: float(i == 0) for i, m in enumerate(v.condition_modes)}
+        return {"first": 1.0} if self.i2v else {"none": 1.0}
+
     @property
     def denoiser_folder(self) -> str:
         return self.expert
@@ -173,6 +181,8 @@ class WanSpec(DiffusersFamily):
     def image_notes(self) -> dict[str, Any]:
         notes = {"layout": _CACHE_LAYOUT, "latent": "mode",
                  "condition": self.variant.concat_condition}
+        if self.variant.condition_modes not in ((), ("first",)):  # more than the first frame
+            notes["frames"] = list(self.variant.condition_modes)
         if self.variant.clip_tokens:
             notes["clip"] = [folder_fingerprint(self.path / p)
                              for p in ("image_encoder", "image_processor")]
@@ -234,15 +244,14 @@ class WanSpec(DiffusersFamily):
         vae = encoders.text.vae
         latents = self._vae_encode(vae, pixels)
         parts = [latents]
-        if v.concat_condition:
+        for mode in v.condition_modes:
             if frames == 1:  # the condition video is the image itself
                 parts.append(latents)
-            else:  # the first frame, then black (zeros in [-1, 1]) as WanImageToVideoPipeline
-                condition = torch.cat([pixels[:, :, :1], pixels.new_zeros(
-                    pixels.shape[0], 3, frames - 1, *pixels.shape[3:])], dim=2)
-                parts.append(self._vae_encode(vae, condition))
-        if v.clip_tokens:
-            tokens = self._clip_tokens(encoders.image, pixels[:, :, 0])
+            else:
+                parts.append(self._vae_encode(vae, condition_video(pixels, mode)))
+        if v.clip_tokens:  # FLF2V: the first frame's tokens, then the last one's
+            shown = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if v.flf2v else [])
+            tokens = torch.cat([self._clip_tokens(encoders.image, f) for f in shown], dim=1)
             parts.append(pack_tokens(tokens, latents.shape))
         return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
 
@@ -296,9 +305,10 @@ class WanSpec(DiffusersFamily):
         # Per-element loss weights: masks from the dataset, (B, 1, 1, h, w), or None.
         weight = getattr(batch, "loss_weight", None)
         if v.concat_condition:
-            mask = torch.zeros_like(latents[:, :4])
-            mask[:, :, 0] = 1  # the first latent frame is given
-            hidden = torch.cat([hidden, mask, latents[:, z:2 * z]], dim=1)
+            modes = self._frame_modes(batch)
+            hidden = torch.cat([hidden, condition_mask(latents[:, :4], modes),
+                                torch.stack([latents[b, v.condition_channels(m)]
+                                             for b, m in enumerate(modes)])], dim=1)
         elif self.i2v and frames > 1:  # TI2V: the clean first frame at t = 0, left out of the loss
             hidden = hidden.clone()
             hidden[:, :, 0] = latents[:, :z, 0]
@@ -310,8 +320,14 @@ class WanSpec(DiffusersFamily):
             weight = given if weight is None else weight * given
         inputs = (hidden, t, batch.text["umt5"])
         if v.clip_tokens:
-            inputs += (unpack_tokens(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
+            inputs += (unpack_tokens(latents[:, v.tokens_start:], v.image_tokens, v.image_dim),)
         return inputs, (target,) if weight is None else (target, weight)
+
+    def _frame_modes(self, batch: NoisedBatch) -> list[str]:
+        """Each sample's frame mode by name; the checkpoint's own where the batch has none."""
+        if batch.frame_mode is None:
+            return [self.variant.condition_modes[0]] * len(batch.latents)
+        return [FRAME_MODES[int(m)] for m in batch.frame_mode]
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
@@ -329,9 +345,9 @@ class WanSpec(DiffusersFamily):
             if timestep.ndim == 1:
                 timestep = timestep[:, None].expand(-1, frames)
             timestep = timestep.repeat_interleave((height // p_h) * (width // p_w), dim=1)
+        image = image_embedder_input(denoiser.condition_embedder, image[0] if image else None)
         return denoiser(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                        encoder_hidden_states_image=image[0] if image else None,
-                        return_dict=False)[0]
+                        encoder_hidden_states_image=image, return_dict=False)[0]
 
     def _pipeline(self, **components):
         import diffusers
