@@ -38,9 +38,9 @@ def frame_probabilities(spec: ModelSpec, cfg: DatasetConfig) -> dict[str, float]
         if refused:
             raise ConfigError(
                 f"dataset.conditioning.{refused[0]}={chosen[refused[0]]}: model.family="
-                f"{spec.family} at {spec.path} takes only {', '.join(taken)} (frames it "
-                f"conditions on); set dataset.conditioning to those, or train a checkpoint that "
-                f"takes {refused[0]}")
+                f"{spec.family} at {spec.path} takes the frame mode(s) {', '.join(taken)} "
+                f"only; give dataset.conditioning those, or train a checkpoint that takes "
+                f"{refused[0]}")
     return None if chosen["none"] == 1.0 else chosen
 
 
