@@ -632,7 +632,7 @@ class TrainConfig:
 
 # The keys a `sample.prompts` item may set besides `prompt` (dpipe.sample.requests checks them).
 PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "control",
-               "audio_guidance")
+               "first_frame", "last_frame", "audio_guidance")
 
 
 @dataclass

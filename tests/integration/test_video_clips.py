@@ -31,9 +31,11 @@ SWEEPS = [
     (5, (), ["tiny_hunyuan_video", "tiny_hunyuan_video15", "tiny_wan", "tiny_wan_i2v",
              "tiny_cosmos_predict2_v2w"]),
     # Wan 2.2 I2V-A14B's low-noise expert on its t range, each sample given its first frame or
-    # its first and last frames.
-    (5, ("dataset.conditioning.first=0.5", "dataset.conditioning.both=0.5"),
-     ["tiny_wan22_i2v_a14b"]),
+    # its first and last frames; sampled from a first and a last frame at the end.
+    (5, ("dataset.conditioning.first=0.5", "dataset.conditioning.both=0.5",
+         "sample.prompts=[{prompt: a red square, first_frame: {folder}/image0.png, "
+         "last_frame: {folder}/image1.png, frames: 5}]", "sample.steps=2",
+         "sample.save_latents=true"), ["tiny_wan22_i2v_a14b"]),
     (9, ("model.i2v=true",), ["tiny_ltx_video", "tiny_wan22_ti2v"]),
     (9, (), ["tiny_ltx2"]),  # LTX-2: the video stream
 ]
@@ -84,7 +86,8 @@ def runs(mixed_folder, tmp_path_factory) -> dict[str, Sweep]:
                       "dataset=folder", f"dataset.path={mixed_folder}", "dataset.resolutions=[64]",
                       f"dataset.frame_buckets=[1,{frames}]", "pipeline.stages=2",
                       "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-                      "train.max_steps=3", "train.progress_bar=false", *extra)
+                      "train.max_steps=3", "train.progress_bar=false",
+                      *(e.replace("{folder}", str(mixed_folder)) for e in extra))
         runs.update({model: sweep for model in models})
     return runs
 
@@ -146,6 +149,13 @@ def test_clips_and_images_train_in_one_run(model, runs):
         assert (f"conditioning: of the 6 samples of the run's 3 steps, first {drawn['first']} "
                 f"({drawn['first'] / 6:.1%}), both {drawn['both']} ({drawn['both'] / 6:.1%}) "
                 "(dataset.conditioning: first=0.5, both=0.5)") in report
+        # The staged sample from a first and a last frame is WanImageToVideoPipeline's with
+        # `last_image` (the frozen high-noise expert takes the first step).
+        from tests.integration.sampled import diffusers_latents, saved_latents
+
+        expected = diffusers_latents(run_dir, run_dir / "lora")[0]
+        torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_3", 0), expected,
+                                   rtol=1e-4, atol=1e-5)
 
     # The exported LoRA, loaded as users load it, reproduces the trained model on a clip.
     spec, trained = trained_layers(run_dir)

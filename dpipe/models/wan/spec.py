@@ -195,7 +195,7 @@ class WanSpec(DiffusersFamily):
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> WanEncoders:
-        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+        from diffusers import AutoencoderKLWan, WanPipeline
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         try:
@@ -210,23 +210,29 @@ class WanSpec(DiffusersFamily):
         text = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None)
         image = None
         if self.variant.clip_tokens:
-            import transformers
-
-            # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
-            index = self._config("model_index.json")
-            try:
-                processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
-                    self.path / "image_processor")
-                encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
-                    self.path / "image_encoder", dtype=dtype)
-            except (OSError, ValueError) as err:
-                raise ModelLoadError(
-                    f"cannot load the image encoder of {self.path}: {err}") from None
-            encoder.requires_grad_(False).eval().to(device)
-            image = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-                                            scheduler=None, image_processor=processor,
-                                            image_encoder=encoder)
+            image = self.load_image_encoder(device, dtype, tokenizer=tokenizer,
+                                            text_encoder=text_encoder, vae=vae)
         return WanEncoders(text=text, image=image)
+
+    def load_image_encoder(self, device: torch.device, dtype: torch.dtype, **parts):
+        """Wan 2.1 i2v's CLIP image encoder in a WanImageToVideoPipeline (its `encode_image`),
+        with the other `parts` given (none: the image encoder alone)."""
+        import transformers
+        from diffusers import WanImageToVideoPipeline
+
+        # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
+        index = self._config("model_index.json")
+        try:
+            processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
+                self.path / "image_processor")
+            encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
+                self.path / "image_encoder", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the image encoder of {self.path}: {err}") from None
+        encoder.requires_grad_(False).eval().to(device)
+        parts = {"tokenizer": None, "text_encoder": None, "vae": None, **parts}
+        return WanImageToVideoPipeline(scheduler=None, image_processor=processor,
+                                       image_encoder=encoder, **parts)
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,8 +257,7 @@ class WanSpec(DiffusersFamily):
                 parts.append(self._vae_encode(vae, condition_video(pixels, mode)))
         if v.clip_tokens:  # FLF2V: the first frame's tokens, then the last one's
             shown = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if v.flf2v else [])
-            tokens = torch.cat([self._clip_tokens(encoders.image, f) for f in shown], dim=1)
-            parts.append(pack_tokens(tokens, latents.shape))
+            parts.append(pack_tokens(self.clip_tokens(encoders.image, shown), latents.shape))
         return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
 
     def encode_videos(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
@@ -266,6 +271,11 @@ class WanSpec(DiffusersFamily):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
         return (latents - mean) * inv_std
+
+    def clip_tokens(self, pipe, frames: list[torch.Tensor]) -> torch.Tensor:
+        """The CLIP tokens the transformer takes of (B, 3, H, W) frames (the first; FLF2V's first
+        and last), (B, tokens, D), as the cache packs them."""
+        return torch.cat([self._clip_tokens(pipe, f) for f in frames], dim=1)
 
     @staticmethod
     def _clip_tokens(pipe, first_frames: torch.Tensor) -> torch.Tensor:
