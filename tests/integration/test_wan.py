@@ -152,6 +152,17 @@ def test_ti2v_first_frame_is_given_and_left_out_of_the_loss(models):
     # One-frame items have nothing left to predict: they train text-to-image.
     inputs, labels = spec.make_inputs(_batch(spec, 1))
     assert inputs[1].shape == (2,) and len(labels) == 1
+    # dataset.conditioning first/none per sample: sample 0 as above, sample 1 as text-to-video.
+    from dataclasses import replace
+
+    from dpipe.models.frame_modes import FIRST, NONE
+
+    assert spec.frame_modes() == {"none": 0.0, "first": 1.0}
+    mixed, mixed_labels = spec.make_inputs(replace(batch, frame_mode=torch.tensor([FIRST, NONE])))
+    torch.testing.assert_close(mixed[0][0], hidden[0])
+    torch.testing.assert_close(mixed[0][1], batch.noisy[1])
+    assert mixed[1][0].tolist() == t[0].tolist() and (mixed[1][1] == batch.timesteps[1]).all()
+    assert (mixed_labels[1][0, :, 0] == 0).all() and (mixed_labels[1][1] == 1).all()
 
 
 def test_experts_and_their_timestep_ranges(models):

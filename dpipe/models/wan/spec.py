@@ -47,7 +47,7 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.frame_modes import FRAME_MODES
+from dpipe.models.frame_modes import FIRST, FRAME_MODES
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import check_single_file
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
@@ -165,7 +165,9 @@ class WanSpec(DiffusersFamily):
         v = self.variant
         if v.condition_modes:  # the first mode is the checkpoint's own task
             return {m: float(i == 0) for i, m in enumerate(v.condition_modes)}
-        return {"first": 1.0} if self.i2v else {"none": 1.0}
+        if v.expand_timesteps:  # TI2V-5B does both; model.i2v picks the default
+            return {"none": float(not self.i2v), "first": float(self.i2v)}
+        return {"none": 1.0}
 
     @property
     def denoiser_folder(self) -> str:
@@ -319,19 +321,29 @@ class WanSpec(DiffusersFamily):
             hidden = torch.cat([hidden, condition_mask(latents[:, :4], modes),
                                 torch.stack([latents[b, v.condition_channels(m)]
                                              for b, m in enumerate(modes)])], dim=1)
-        elif self.i2v and frames > 1:  # TI2V: the clean first frame at t = 0, left out of the loss
+        elif v.expand_timesteps and frames > 1 and self._given_first(batch).any():
+            # TI2V: a sample given its first frame has it clean at t = 0, left out of the loss.
+            given = self._given_first(batch)
             hidden = hidden.clone()
-            hidden[:, :, 0] = latents[:, :z, 0]
+            hidden[given, :, 0] = latents[given, :z, 0]
             t = t[:, None].repeat(1, frames)
-            t[:, 0] = 0
-            # The mean over the predicted frames only: 0 on the first, F / (F - 1) on the others.
-            given = torch.full((1, 1, frames, 1, 1), frames / (frames - 1), dtype=target.dtype)
-            given[:, :, 0] = 0
-            weight = given if weight is None else weight * given
+            t[given, 0] = 0
+            # Their mean over the predicted frames only: 0 on the first, F / (F - 1) on the others.
+            rows = torch.ones(len(given), 1, frames, 1, 1, dtype=target.dtype)
+            rows[given] = frames / (frames - 1)
+            rows[given, :, 0] = 0
+            weight = rows if weight is None else weight * rows
         inputs = (hidden, t, batch.text["umt5"])
         if v.clip_tokens:
             inputs += (unpack_tokens(latents[:, v.tokens_start:], v.image_tokens, v.image_dim),)
         return inputs, (target,) if weight is None else (target, weight)
+
+    def _given_first(self, batch: NoisedBatch) -> torch.Tensor:
+        """(B,) bool: TI2V samples given their first frame (model.i2v where the batch has no
+        modes)."""
+        if batch.frame_mode is None:
+            return torch.full((len(batch.latents),), self.i2v)
+        return batch.frame_mode == FIRST
 
     def _frame_modes(self, batch: NoisedBatch) -> list[str]:
         """Each sample's frame mode by name; the checkpoint's own where the batch has none."""
