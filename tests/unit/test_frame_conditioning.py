@@ -78,3 +78,10 @@ def test_bad_probabilities_and_modes_the_checkpoint_cannot_take_are_refused():
         frame_probabilities(_wan("flf2v"), _dataset(first=0.5, both=0.5))
     with pytest.raises(ConfigError, match=r"conditioning.last=0.2: .* takes the frame mode\(s\) first, both only"):
         frame_probabilities(_wan("i2v_a14b"), _dataset(first=0.8, last=0.2))
+
+
+def test_the_cache_key_names_the_frame_modes_it_holds():
+    """I2V-A14B's cached latents hold the condition latents of both of its modes: its cache key
+    says so (entries of the first-frame-only layout are made anew); T2V's key is unchanged."""
+    assert _wan("i2v_a14b").image_notes["frames"] == ["first", "both"]
+    assert "frames" not in _wan("t2v").image_notes
