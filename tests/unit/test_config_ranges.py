@@ -263,4 +263,4 @@ def test_a_misspelt_option_is_one_line_with_the_options_close_to_it():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "error: model=tiny_wann: no such option of the model group (conf/model/); did you mean "
-        "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan22_ti2v)"]
+        "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan_flf2v)"]
