@@ -80,7 +80,8 @@ def _run(layers, inputs):
     return x
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "flf2v" else c
+                                  for c in CASES])
 @pytest.mark.parametrize("frames", [1, 5])
 def test_layers_reproduce_the_diffusers_forward_on_videos(models, case, frames):
     spec = _spec(models, case)
@@ -426,6 +427,7 @@ def test_two_stage_run_with_activation_checkpointing(tmp_path):
                                                         rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["flf2v", "i2v_a14b_low"])
 def test_first_last_frame_conditioning_is_what_the_pipeline_builds(models, case):
     """Given its first and last frames (Wan 2.1 FLF2V; Wan 2.2 I2V-A14B with frame mode "both"),

@@ -48,7 +48,8 @@ def test_text_to_video_pipelines_generate(folders, variant):
 
 
 @needs_ftfy
-@pytest.mark.parametrize("variant", ["wan21_i2v", "wan22_i2v_a14b", "wan21_flf2v"])
+@pytest.mark.parametrize("variant", ["wan21_i2v", "wan22_i2v_a14b",
+                                     pytest.param("wan21_flf2v", marks=pytest.mark.slow)])
 def test_image_to_video_pipelines_generate(folders, variant):
     pipe = WanImageToVideoPipeline.from_pretrained(folders[variant], dtype=torch.float32)
     # FLF2V's image embedding takes the CLIP tokens of a first and a last frame.
