@@ -370,6 +370,18 @@ class EvalSetConfig:
 
 
 @dataclass
+class ConditioningConfig:
+    """Video families: the probability that a training sample conditions on its first frame,
+    its last frame, both or none (drawn per sample and step from train.seed). All null: the
+    checkpoint's own task (text-to-video: none, image-to-video: first, first-last-frame: both);
+    given ones must sum to 1, and the ones left null are 0."""
+    first: Optional[float] = None
+    last: Optional[float] = None
+    both: Optional[float] = None
+    none: Optional[float] = None
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = 0  # 0: no eval during training
     before_training: bool = True  # also at the run's first step (a baseline)
@@ -397,6 +409,8 @@ class DatasetConfig(DataSettings):
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Write every rank's micro-batches (step, bucket, files) to <run_dir>/data/batches-rank*.jsonl.
     log_batches: bool = False
+    # Video families: which frames each sample conditions on (first/last/both/none).
+    conditioning: ConditioningConfig = field(default_factory=ConditioningConfig)
 
     def __post_init__(self):
         from dpipe.errors import ConfigError
@@ -618,7 +632,7 @@ class TrainConfig:
 
 # The keys a `sample.prompts` item may set besides `prompt` (dpipe.sample.requests checks them).
 PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "control",
-               "audio_guidance")
+               "first_frame", "last_frame", "audio_guidance")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dpipe.config.schema import TimestepConfig, TimestepWeighting
 from dpipe.data.cache_store import DamagedEntry, TensorStore
+from dpipe.data.conditioning import draw_mode
 from dpipe.data.loader import InMainProcess
 from dpipe.data.manifest import Sample
 from dpipe.data.plan import BatchPlan
@@ -61,6 +62,8 @@ class CachedDataset:
         self.rank = rank
         self.log = log
         self.remake = remake
+        # Video families: each frame mode's probability (`dpipe.data.conditioning`), or None.
+        self.frame_probabilities: dict[str, float] | None = None
         # Per sample request: (prompt, negative prompt, control latents or None) cache keys.
         self.request_keys: list[tuple[str, str, str | None]] = []
 
@@ -174,12 +177,12 @@ def noised_batch(
     timesteps_cfg: TimestepConfig, seed: int, step: int, slots: range,
     loss_weight: torch.Tensor | None = None, control: torch.Tensor | None = None,
     timesteps: torch.Tensor | None = None, conditions: dict | None = None,
-    audio: torch.Tensor | None = None,
+    audio: torch.Tensor | None = None, frame_mode: torch.Tensor | None = None,
 ) -> NoisedBatch:
     """Noise and timesteps of each sample from (seed, step, slot); `timesteps` fixes them (evals:
     then no timestep weighting, so eval losses compare across `train.timesteps.weighting`);
     `conditions`: `sample_conditions` of the samples; `audio`: the clips' audio latents, noised
-    at the same t with noise of their own stream."""
+    at the same t with noise of their own stream; `frame_mode`: each sample's frame mode."""
     noise, t = [], []
     # shift=auto: the family sampler's shift at this micro-batch's (its bucket's) latent size.
     shift = spec.training_shift(latents.shape[1:]) if timesteps_cfg.auto_shift else None
@@ -197,7 +200,7 @@ def noised_batch(
     sound = {} if audio is None else noised_audio(spec, audio, t_t, seed, step, slots)
     return NoisedBatch(latents=latents, noise=noise_t, timesteps=t_t, noisy=noisy, target=target,
                      text=text, loss_weight=loss_weight, control=control, **(conditions or {}),
-                     **sound)
+                     frame_mode=frame_mode, **sound)
 
 
 def noised_audio(spec: ModelSpec, audio: torch.Tensor, t: torch.Tensor, seed: int, step: int,
@@ -250,9 +253,12 @@ def step_micro_batches(
         latents, text, mask_weight, control = dataset.collate(batch.samples, texts)
         dataset.write_log(step, micro, dp_rank, batch, latents, records)
         weight = weigh_samples(mask_weight, directory_weights(batch.samples), latents)
+        modes = dataset.frame_probabilities
+        frame_mode = None if modes is None else torch.tensor(
+            [draw_mode(modes, seed, step, slot) for slot in batch.slots], dtype=torch.long)
         noised = noised_batch(spec, latents, text, timesteps_cfg, seed, step, batch.slots,
                               weight, control, conditions=sample_conditions(batch.samples),
-                              audio=dataset.audio(batch.samples))
+                              audio=dataset.audio(batch.samples), frame_mode=frame_mode)
         inputs, labels = spec.make_inputs(noised)
         if noised.loss_weight is not None and len(labels) < 2:  # never ignore weights silently
             used = [name for name, on in (

@@ -30,6 +30,7 @@ from dpipe.data.encode import (
     AudioJob, LatentJob, MaskJob, TextJob, default_workers, run_jobs)
 from dpipe.data.manifest import Bucket, Manifest, Sample
 from dpipe.data.plan import BatchPlan, load_history
+from dpipe.data import conditioning
 from dpipe.data.report import DataReport
 from dpipe.data.sources import file_fingerprint, list_files
 from dpipe.images import crop_top_left
@@ -50,11 +51,12 @@ class Layout:
     micro_batches: int = 1
     data_parallel: int = 1
     seed: int = 0
+    steps: int = 0  # the run's steps: the report counts the frame modes they train
 
     @classmethod
     def of(cls, run, data_parallel: int) -> "Layout":
         return cls(run.pipeline.micro_batch_size, run.pipeline.micro_batches, data_parallel,
-                   run.train.seed)
+                   run.train.seed, run.train.max_steps)
 
 
 @dataclass
@@ -95,6 +97,7 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
     `sample_requests`: its prompts are encoded once, with the captions). The same on every rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     layout = layout or Layout()
+    frame_probabilities = conditioning.frame_probabilities(spec, cfg)  # refuses bad modes first
     store = TensorStore(Path(cfg.cache_dir).expanduser())
     data_dir = Path(run_dir) / DATA_DIR if run_dir is not None else None
 
@@ -135,6 +138,13 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
     dataset.reports = reports
     dataset.stats = {"files_read": work.reads, **counts, "failed": len(failures),
                      "entries": work.total_keys}
+    dataset.frame_probabilities = frame_probabilities
+    history, saved = work.history
+    dataset.plan = BatchPlan(manifests["train"], layout.micro_batch_size, layout.micro_batches,
+                             layout.data_parallel, layout.seed, history, saved) if make_plan else None
+    if frame_probabilities is not None and dataset.plan is not None:
+        reports["train"].frame_modes = (frame_probabilities, conditioning.planned_counts(
+            dataset.plan, frame_probabilities, layout.seed, layout.steps), layout.steps)
     if rank == 0:
         for report in reports.values():
             for line in report.lines():
@@ -148,9 +158,6 @@ def prepare(spec: ModelSpec, cfg: DatasetConfig, device: torch.device, dtype: to
             data_dir.mkdir(parents=True, exist_ok=True)
             for name, report in reports.items():
                 report.write(data_dir / f"report-{name.replace(' ', '-')}.txt")
-    history, saved = work.history
-    dataset.plan = BatchPlan(manifests["train"], layout.micro_batch_size, layout.micro_batches,
-                             layout.data_parallel, layout.seed, history, saved) if make_plan else None
     if cfg.log_batches and data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         dataset.log = open(data_dir / f"batches-rank{rank:03d}.jsonl", "a")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,9 @@ class DataReport:
     # (files, the smallest (width, height))}. Training at 512 on 96 px images blurs them.
     upscaled: dict[str, tuple[int, tuple[int, int]]] = field(default_factory=dict)
     cache: str = ""  # "n of m entries cached, k made now"
+    # Video families with frame conditioning: (each mode's probability, how many samples of the
+    # run's steps take each mode, the steps).
+    frame_modes: tuple[dict[str, float], Counter, int] | None = None
 
     def rows(self) -> list[tuple]:
         out = []
@@ -64,9 +68,20 @@ class DataReport:
             out.append(f"  upscaled: {files} file(s) in {directory} are smaller than their bucket "
                        f"(smallest {w}x{h}) and are enlarged to train; lower dataset.resolutions "
                        "to train them at their own size")
+        if self.frame_modes is not None:
+            out.append(self._frame_modes_line())
         out += [f"  note: {n}" for n in self.notes]
         out += [f"  warning: {w}" for w in self.warnings]
         return out
+
+    def _frame_modes_line(self) -> str:
+        wanted, counts, steps = self.frame_modes
+        total = sum(counts.values())
+        trained = ", ".join(f"{mode} {counts[mode]} ({counts[mode] / max(1, total):.1%})"
+                            for mode, p in wanted.items() if p > 0 or counts[mode])
+        asked = ", ".join(f"{mode}={p:g}" for mode, p in wanted.items() if p > 0)
+        return (f"  conditioning: of the {total} samples of the run's {steps} steps, {trained} "
+                f"(dataset.conditioning: {asked})")
 
     def write(self, path: Path) -> None:
         from dpipe.io import atomic_write_text

@@ -1,7 +1,7 @@
 """What only the files can tell, checked in the launcher before any worker starts (in the workers
 each would fail at once, after every process had started and loaded its libraries): the run dir,
-the cache dir, the dataset's folders, the model's weight files and adapters, the resolutions and
-the pipeline against the model's layer count."""
+the cache dir, the dataset's folders, the model's weight files and adapters, the resolutions, the
+frame modes of `dataset.conditioning` and the pipeline against the model's layer count."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from dpipe.config.schema import DatasetKind, RunConfig
+from dpipe.data.conditioning import frame_probabilities
 from dpipe.data.sources import check_directory
 from dpipe.errors import ConfigError, UserError
 from dpipe.models.adapters import adapter_kind
@@ -34,6 +35,15 @@ def _check_resolutions(run: RunConfig, spec) -> None:
             raise ConfigError(f"{key}={list(values)}: {small[0]} is smaller than the model's pixel "
                               f"multiple {multiple} (image sides are multiples of it): use "
                               f"{multiple} or more")
+
+
+def _check_frame_modes(run: RunConfig, spec) -> None:
+    """dataset.conditioning sums to 1 and names only modes the checkpoint takes."""
+    try:
+        spec.frame_modes()  # Wan reads what the checkpoint takes from its folder's configs
+    except (OSError, KeyError, UserError):  # a tiny model made by the first worker: checked there
+        return
+    frame_probabilities(spec, run.dataset)
 
 
 def check_before_workers(run: RunConfig, run_dir, spec) -> None:
@@ -70,6 +80,7 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
                            "model.single_file_config=")
     check_adapter_files(run, spec)
     _check_resolutions(run, spec)
+    _check_frame_modes(run, spec)
     layers = spec.pipeline_layer_count()
     p = run.pipeline
     if layers is not None and p.stages > layers:

@@ -36,6 +36,7 @@ class SampleRequest:
     height: int
     frames: int = 1
     control: str | None = None  # an image path (edit and image-to-video families)
+    last_frame: str | None = None  # an image path: the clip's last frame (first-last-frame)
     audio_guidance: float | None = None  # the sound's own scale; None: the family's usual
 
     @property
@@ -112,7 +113,25 @@ class FamilySampling:
         if request.control is not None and not (self.needs_control or self.takes_control):
             return (f"control={request.control}: {self.spec.family} takes no control image; "
                     "remove `control`")
+        if request.last_frame is not None:
+            return self.last_frame_problem(request)
         return self.sound_problem(request)
+
+    def last_frame_problem(self, request: SampleRequest) -> str | None:
+        """What is wrong with a request's `last_frame`, or None: the checkpoint must take a
+        last frame (`ModelSpec.frame_modes`), and a clip must have one besides its first."""
+        modes = self.spec.frame_modes()
+        if "both" not in modes and "last" not in modes:
+            return (f"last_frame={request.last_frame}: model.family={self.spec.family} at "
+                    f"{self.path} takes no last frame (its frame modes: {', '.join(modes)}); "
+                    "remove `last_frame`")
+        if "last" not in modes and request.control is None:
+            return (f"last_frame={request.last_frame}: {self.spec.family} takes a last frame "
+                    "with a first one; give the item a `first_frame` too")
+        if request.frames == 1:
+            return (f"last_frame={request.last_frame} with frames=1: a one-frame sample has no "
+                    f"last frame besides its first; ask for {self.frame_step + 1} or more frames")
+        return None
 
     def sound_problem(self, request: SampleRequest) -> str | None:
         """What is wrong with the request's sound settings (`audio_guidance`), or None."""

@@ -78,6 +78,9 @@ class NoisedBatch:
     audio_noise: torch.Tensor | None = None
     audio_noisy: torch.Tensor | None = None
     audio_target: torch.Tensor | None = None
+    # Video families taking given frames (`ModelSpec.frame_modes`): each sample's mode, an index
+    # into `dpipe.models.frame_modes.FRAME_MODES` (int64, (B,)); None: the checkpoint's own task.
+    frame_mode: torch.Tensor | None = None
 
 
 class PipelineLayer(nn.Module):
@@ -223,6 +226,13 @@ class ModelSpec(abc.ABC):
         """Waveforms (B, channels, samples), float in [-1, 1] at `audio_format().sample_rate`
         -> normalised audio latents (B, ...), as the family's pipeline decodes them."""
         raise NotImplementedError(f"model.family={self.family} has no audio encoder")
+
+    # ---- frame conditioning (video families) -----------------------------------------------------
+    def frame_modes(self) -> dict[str, float]:
+        """The frame modes (`dpipe.models.frame_modes.FRAME_MODES`) this checkpoint takes, each
+        with its probability in the checkpoint's own task (the `dataset.conditioning` default):
+        text-to-video takes none, image-to-video the first frame, first-last-frame both."""
+        return {"none": 1.0}
 
     # ---- training ----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -55,7 +55,8 @@ def sample_requests(cfg: SampleConfig, spec, dataset: DatasetConfig | None = Non
             width=_whole(fields, "width", where, cfg.width or side, 1),
             height=_whole(fields, "height", where, cfg.height or side, 1),
             frames=_whole(fields, "frames", where, frames, 1),
-            control=_control(fields, where),
+            control=_first_frame(fields, where),
+            last_frame=_image(fields, "last_frame", where, "the clip's last frame"),
             audio_guidance=_scale(fields, "audio_guidance", where, cfg.audio_guidance),
         )
         for key in ("width", "height"):
@@ -138,12 +139,21 @@ def _scale(fields: dict, key: str, where: str, default: float | None) -> float |
     return float(value)
 
 
-def _control(fields: dict, where: str) -> str | None:
-    value = fields.get("control")
+def _first_frame(fields: dict, where: str) -> str | None:
+    """`first_frame` is the control image of image-to-video families, by the name of its role."""
+    if fields.get("first_frame") is not None and fields.get("control") is not None:
+        raise ConfigError(f"{where} gives both `control` and `first_frame`, which are one image "
+                          "for image-to-video: keep one")
+    if fields.get("first_frame") is not None:
+        return _image(fields, "first_frame", where, "the clip's first frame")
+    return _image(fields, "control", where, "the control image to edit or animate")
+
+
+def _image(fields: dict, key: str, where: str, what: str) -> str | None:
+    value = fields.get(key)
     if value is None:
         return None
     path = Path(str(value)).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{where}.control={value}: no such image file; give the path of the "
-                          "control image to edit or animate")
+        raise ConfigError(f"{where}.{key}={value}: no such image file; give the path of {what}")
     return str(path.resolve())

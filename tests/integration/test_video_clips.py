@@ -8,12 +8,15 @@ same run as 1-frame images.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from dpipe.data.conditioning import draw_mode
+from dpipe.models.frame_modes import FRAME_MODES
 from dpipe.models.sync_free import sizes
 from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
@@ -22,11 +25,17 @@ from tests.integration.trained import cached_dataset, run_config, run_layers, tr
 # VAE takes, and extra overrides. LTX-Video and Wan 2.2 TI2V train image-to-video here (first-frame
 # conditioning on the clips; images stay text-to-image).
 SWEEPS = [
-    # HunyuanVideo (1.5), Wan: i2v conditioning (CLIP tokens + first-frame latents), the A14B
-    # low-noise expert on its t range; Cosmos-Predict2 Video2World: first latent frame given,
-    # condition-mask channel. The 9-frame clips are cut to 5.
+    # HunyuanVideo (1.5), Wan: i2v conditioning (CLIP tokens + first-frame latents);
+    # Cosmos-Predict2 Video2World: first latent frame given, condition-mask channel. The 9-frame
+    # clips are cut to 5.
     (5, (), ["tiny_hunyuan_video", "tiny_hunyuan_video15", "tiny_wan", "tiny_wan_i2v",
-             "tiny_wan22_a14b", "tiny_cosmos_predict2_v2w"]),
+             "tiny_cosmos_predict2_v2w"]),
+    # Wan 2.2 I2V-A14B's low-noise expert on its t range, each sample given its first frame or
+    # its first and last frames; sampled from a first and a last frame at the end.
+    (5, ("dataset.conditioning.first=0.5", "dataset.conditioning.both=0.5",
+         "sample.prompts=[{prompt: a red square, first_frame: {folder}/image0.png, "
+         "last_frame: {folder}/image1.png, frames: 5}]", "sample.steps=2",
+         "sample.save_latents=true"), ["tiny_wan22_i2v_a14b"]),
     (9, ("model.i2v=true",), ["tiny_ltx_video", "tiny_wan22_ti2v"]),
     (9, (), ["tiny_ltx2"]),  # LTX-2: the video stream
 ]
@@ -77,7 +86,8 @@ def runs(mixed_folder, tmp_path_factory) -> dict[str, Sweep]:
                       "dataset=folder", f"dataset.path={mixed_folder}", "dataset.resolutions=[64]",
                       f"dataset.frame_buckets=[1,{frames}]", "pipeline.stages=2",
                       "pipeline.micro_batches=2", "optim.lr=1e-3", "train.checkpoint_every_steps=0",
-                      "train.max_steps=3", "train.progress_bar=false", *extra)
+                      "train.max_steps=3", "train.progress_bar=false",
+                      *(e.replace("{folder}", str(mixed_folder)) for e in extra))
         runs.update({model: sweep for model in models})
     return runs
 
@@ -87,6 +97,23 @@ def _micro_batches(spec, run, dataset, plan, step):
 
     return list(step_micro_batches(spec, dataset, plan, run.train.timesteps, run.train.seed,
                                    step, 0))
+
+
+def _frame_modes(spec, run, dataset, plan, step: int) -> list[str]:
+    """The frame modes the samples of a step trained with (Wan I2V-A14B), read from the model's
+    inputs where they show (the mask's last pixel frame, on clips) and checked against the
+    draw there."""
+    modes = []
+    z = spec.variant.z_dim
+    for micro, (inputs, _) in enumerate(_micro_batches(spec, run, dataset, plan, step)):
+        slots = plan.micro_batch(step, micro, 0).slots
+        drawn = [FRAME_MODES[draw_mode(dataset.frame_probabilities, run.train.seed, step, slot)]
+                 for slot in slots]
+        if inputs[0].shape[2] > 1:
+            shown = ["both" if m else "first" for m in inputs[0][:, z + 3, -1, 0, 0].tolist()]
+            assert shown == drawn
+        modes += drawn
+    return modes
 
 
 @pytest.mark.slow
@@ -113,6 +140,22 @@ def test_clips_and_images_train_in_one_run(model, runs):
                   for inputs, labels in _micro_batches(spec, run, dataset, plan, 0)]
     assert metrics(run_dir)[0]["loss"] == pytest.approx(torch.stack(losses).mean().item(),
                                                         rel=1e-5, abs=1e-7)
+
+    if model == "tiny_wan22_i2v_a14b":  # the report counts the frame modes the batches took
+        drawn = Counter(m for step in range(run.train.max_steps)
+                        for m in _frame_modes(spec, run, dataset, plan, step))
+        assert set(drawn) == {"first", "both"}
+        report = (run_dir / "data" / "report-train.txt").read_text()
+        assert (f"conditioning: of the 6 samples of the run's 3 steps, first {drawn['first']} "
+                f"({drawn['first'] / 6:.1%}), both {drawn['both']} ({drawn['both'] / 6:.1%}) "
+                "(dataset.conditioning: first=0.5, both=0.5)") in report
+        # The staged sample from a first and a last frame is WanImageToVideoPipeline's with
+        # `last_image` (the frozen high-noise expert takes the first step).
+        from tests.integration.sampled import diffusers_latents, saved_latents
+
+        expected = diffusers_latents(run_dir, run_dir / "lora")[0]
+        torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_3", 0), expected,
+                                   rtol=1e-4, atol=1e-5)
 
     # The exported LoRA, loaded as users load it, reproduces the trained model on a clip.
     spec, trained = trained_layers(run_dir)

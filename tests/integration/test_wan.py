@@ -28,6 +28,7 @@ CAPTIONS = ["a red circle on a blue background", "a green square"]
 CASES = {  # name: (variant, model config overrides)
     "t2v": ("wan21_t2v", {}),
     "i2v": ("wan21_i2v", {}),
+    "flf2v": ("wan21_flf2v", {}),
     "ti2v": ("wan22_ti2v", {}),
     "ti2v_i2v": ("wan22_ti2v", {"i2v": True}),
     "a14b_low": ("wan22_a14b", {"max_t": 0.875}),
@@ -79,7 +80,8 @@ def _run(layers, inputs):
     return x
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "flf2v" else c
+                                  for c in CASES])
 @pytest.mark.parametrize("frames", [1, 5])
 def test_layers_reproduce_the_diffusers_forward_on_videos(models, case, frames):
     spec = _spec(models, case)
@@ -151,6 +153,17 @@ def test_ti2v_first_frame_is_given_and_left_out_of_the_loss(models):
     # One-frame items have nothing left to predict: they train text-to-image.
     inputs, labels = spec.make_inputs(_batch(spec, 1))
     assert inputs[1].shape == (2,) and len(labels) == 1
+    # dataset.conditioning first/none per sample: sample 0 as above, sample 1 as text-to-video.
+    from dataclasses import replace
+
+    from dpipe.models.frame_modes import FIRST, NONE
+
+    assert spec.frame_modes() == {"none": 0.0, "first": 1.0}
+    mixed, mixed_labels = spec.make_inputs(replace(batch, frame_mode=torch.tensor([FIRST, NONE])))
+    torch.testing.assert_close(mixed[0][0], hidden[0])
+    torch.testing.assert_close(mixed[0][1], batch.noisy[1])
+    assert mixed[1][0].tolist() == t[0].tolist() and (mixed[1][1] == batch.timesteps[1]).all()
+    assert (mixed_labels[1][0, :, 0] == 0).all() and (mixed_labels[1][1] == 1).all()
 
 
 def test_experts_and_their_timestep_ranges(models):
@@ -412,3 +425,47 @@ def test_two_stage_run_with_activation_checkpointing(tmp_path):
     assert result.code == 0, f"dpipe-train failed ({result.code}):\n{result.out}\n{result.err}"
     assert metrics(run_dir)[0]["loss"] == pytest.approx(one_process_first_loss(run_dir),
                                                         rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["flf2v", "i2v_a14b_low"])
+def test_first_last_frame_conditioning_is_what_the_pipeline_builds(models, case):
+    """Given its first and last frames (Wan 2.1 FLF2V; Wan 2.2 I2V-A14B with frame mode "both"),
+    the inputs hold WanImageToVideoPipeline's own conditioning with `last_image`: the mask with
+    the last pixel frame given, the latents of [first, black..., last] and (FLF2V) the CLIP
+    tokens of both frames; the mode "first" of I2V-A14B is the pipeline without `last_image`."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from dpipe.models.frame_modes import BOTH, FIRST
+
+    spec = _spec(models, case)
+    encoders = _encoders(spec)
+    text = encoders.text
+    pipe = encoders.image or WanImageToVideoPipeline(
+        tokenizer=text.tokenizer, text_encoder=text.text_encoder, vae=text.vae, scheduler=None)
+    z = spec.variant.z_dim
+    uint8 = torch.randint(0, 256, (1, 3, 5, 32, 32), generator=torch.Generator().manual_seed(4),
+                          dtype=torch.uint8)
+    pixels = uint8.float() / 127.5 - 1
+    first, last = (Image.fromarray(uint8[0, :, i].permute(1, 2, 0).numpy()) for i in (0, -1))
+    cached = spec.encode_videos(encoders, pixels)
+    noisy = torch.randn(1, z, 2, 4, 4)
+    modes = [BOTH] if case == "flf2v" else [BOTH, FIRST]
+    for mode in modes:
+        batch = NoisedBatch(latents=cached, noise=noisy, timesteps=torch.tensor([0.5]),
+                            noisy=noisy, target=noisy,
+                            text=spec.encode_prompts(encoders, CAPTIONS[:1]),
+                            frame_mode=torch.tensor([mode]))
+        inputs, _ = spec.make_inputs(batch)
+        frames = {"last_image": pipe.video_processor.preprocess(last, height=32, width=32)}
+        if mode == FIRST:
+            frames = {}
+        image = pipe.video_processor.preprocess(first, height=32, width=32)
+        _, condition = pipe.prepare_latents(image, 1, z, 32, 32, 5, torch.float32, "cpu",
+                                            torch.Generator().manual_seed(0), **frames)
+        torch.testing.assert_close(inputs[0][:, z:], condition, rtol=1e-5, atol=1e-5)
+        assert torch.equal(inputs[0][:, :z], noisy)
+    if case == "flf2v":  # the pipeline's image_embeds: encode_image([image, last_image])
+        tokens = pipe.encode_image([first, last], device="cpu")
+        torch.testing.assert_close(inputs[3], tokens.reshape(1, -1, tokens.shape[-1]))

@@ -108,6 +108,16 @@ def test_a_valid_run_passes_the_checks_before_the_workers(tmp_path):
     check_before_workers(run, tmp_path, spec)
 
 
+def test_frame_modes_the_model_cannot_take_fail_before_the_workers(tmp_path):
+    run, spec = _run(tmp_path, "dataset.conditioning.first=1")
+    with pytest.raises(ConfigError, match=r"dataset.conditioning.first=1.0: model.family=flux at "
+                                          r".* takes the frame mode\(s\) none only"):
+        check_before_workers(run, tmp_path, spec)
+    run, spec = _run(tmp_path, "dataset.conditioning.none=0.5")
+    with pytest.raises(ConfigError, match=r"dataset.conditioning \(none=0.5\) sums to 0.5"):
+        check_before_workers(run, tmp_path, spec)
+
+
 def test_pipeline_longer_than_the_model_fails_before_the_workers(tmp_path):
     run, spec = _run(tmp_path, "pipeline.stages=8")
     with pytest.raises(ConfigError, match=r"pipeline.stages=8 but the model has only 7 pipeline "
@@ -263,4 +273,4 @@ def test_a_misspelt_option_is_one_line_with_the_options_close_to_it():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "error: model=tiny_wann: no such option of the model group (conf/model/); did you mean "
-        "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan22_ti2v)"]
+        "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan_flf2v)"]

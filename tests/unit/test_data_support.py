@@ -143,6 +143,9 @@ class FakeSpec:
     def load_encoders(self, device, dtype):
         return None
 
+    def frame_modes(self) -> dict[str, float]:  # text-to-image: no frames to condition on
+        return {"none": 1.0}
+
     def encode_images(self, encoders, pixels: torch.Tensor) -> torch.Tensor:
         self.encoded.append(("image", len(pixels)))
         pooled = torch.nn.functional.avg_pool2d(pixels, 4)

@@ -99,3 +99,28 @@ def test_a_control_image_is_refused_by_a_family_that_takes_none(flux, tmp_path):
 def test_bad_round_settings(flux, key, value, message):
     with pytest.raises(ConfigError, match=message):
         sample_requests(SampleConfig(prompts=["a"], **{key: value}), flux)
+
+
+def test_first_and_last_frames_are_checked_against_the_checkpoint(flux, tmp_path):
+    from tests.unit.test_frame_conditioning import _wan
+
+    start, end = tmp_path / "start.png", tmp_path / "end.png"
+    start.write_bytes(b"")
+    end.write_bytes(b"")
+    item = {"prompt": "a", "first_frame": str(start), "last_frame": str(end), "frames": 5}
+    size = {"width": 64, "height": 64}
+    [request] = sample_requests(SampleConfig(prompts=[item], **size), _wan("i2v_a14b"))
+    assert (request.control, request.last_frame) == (str(start), str(end))
+    for spec, changes, message in [
+        (flux, {"first_frame": None, "frames": 1},
+         r"last_frame=.*end.png: model.family=flux at .* takes no last frame"),
+        (_wan("i2v"), {}, r"takes no last frame \(its frame modes: first\)"),
+        (_wan("i2v_a14b"), {"frames": 1}, "a one-frame sample has no last frame"),
+        (_wan("i2v_a14b"), {"control": str(start)}, "gives both `control` and `first_frame`"),
+        (_wan("i2v_a14b"), {"last_frame": str(tmp_path / "gone.png")},
+         r"last_frame=.*gone.png: no such image file"),
+        (_wan("flf2v"), {"last_frame": None}, "FLF2V samples from a first and a last frame"),
+    ]:
+        prompts = [{k: v for k, v in {**item, **changes}.items() if v is not None}]
+        with pytest.raises(ConfigError, match=message):
+            sample_requests(SampleConfig(prompts=prompts, **size), spec)

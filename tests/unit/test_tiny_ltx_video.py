@@ -22,6 +22,7 @@ from dpipe.models.comfyui import peft_pairs
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.ltx_video.spec import COMFYUI_LORA, LTXVideoSpec
 from dpipe.models.ltx_video.tiny import make_tiny_ltx_video
+from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
@@ -251,3 +252,34 @@ def test_each_clip_trains_at_its_frame_rate(spec, encoders, tiny):
             torch.testing.assert_close(mixed[i:i + 1], alone, rtol=1e-5, atol=1e-5)
         at_25 = run(layers, spec.make_inputs(_batch_at(spec, encoders, [25.0, 25.0]))[0])
     assert (at_25[0] - mixed[0]).abs().max() > 1e-5  # the rate moves the temporal positions
+
+
+def test_frame_modes_condition_each_sample_on_its_own(spec, encoders):
+    """dataset.conditioning on LTX-Video: per sample, a first frame (as model.i2v trains every
+    sample) or none (as text-to-video); a micro-batch may mix them."""
+    from dpipe.models.frame_modes import FIRST, NONE
+
+    assert spec.frame_modes() == {"none": 1.0, "first": 0.0}
+    pixels = torch.rand(2, 3, 17, 64, 64) * 2 - 1
+    latents = spec.encode_videos(encoders, pixels)
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([0.3, 0.8])
+    noisy, target = spec.noise(latents, noise, t)
+    text = spec.encode_prompts(encoders, CAPTIONS)
+    batch = NoisedBatch(latents=latents, noise=noise, timesteps=t, noisy=noisy, target=target,
+                        text=text, frame_mode=torch.tensor([FIRST, NONE]))
+    (packed, t_tokens, *_), labels = spec.make_inputs(batch)
+    alone = [spec.make_inputs(NoisedBatch(
+        latents=latents[i:i + 1], noise=noise[i:i + 1], timesteps=t[i:i + 1],
+        noisy=noisy[i:i + 1], target=target[i:i + 1], text={k: v[i:i + 1] for k, v in text.items()},
+        frame_mode=torch.tensor([mode]))) for i, mode in enumerate([FIRST, NONE])]
+    # Sample 0 as model.i2v trains it (first frame clean at t = 0, left out of the loss),
+    # sample 1 as text-to-video.
+    (packed0, t0, *_), labels0 = alone[0]
+    torch.testing.assert_close(packed[:1], packed0)
+    torch.testing.assert_close(t_tokens[:1], t0)
+    assert torch.equal(labels[2][:1], labels0[2])
+    (packed1, t1, *_), _ = alone[1]
+    torch.testing.assert_close(packed[1:], packed1)
+    assert torch.equal(t_tokens[1], torch.full_like(t_tokens[1], 0.8)) and t1.shape == (1, 1)
+    assert labels[2][1].all() and not labels[2][0, :64].any()

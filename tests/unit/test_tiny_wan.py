@@ -48,10 +48,14 @@ def test_text_to_video_pipelines_generate(folders, variant):
 
 
 @needs_ftfy
-@pytest.mark.parametrize("variant", ["wan21_i2v", "wan22_i2v_a14b"])
+@pytest.mark.parametrize("variant", ["wan21_i2v", "wan22_i2v_a14b",
+                                     pytest.param("wan21_flf2v", marks=pytest.mark.slow)])
 def test_image_to_video_pipelines_generate(folders, variant):
     pipe = WanImageToVideoPipeline.from_pretrained(folders[variant], dtype=torch.float32)
-    frames = _generate(pipe, image=Image.new("RGB", (64, 64), (220, 40, 40)))
+    # FLF2V's image embedding takes the CLIP tokens of a first and a last frame.
+    last = ({"last_image": Image.new("RGB", (64, 64), (40, 40, 220))}
+            if variant == "wan21_flf2v" else {})
+    frames = _generate(pipe, image=Image.new("RGB", (64, 64), (220, 40, 40)), **last)
     assert frames.shape == (1, 5, 64, 64, 3) and np.isfinite(frames).all()
 
 
@@ -94,6 +98,8 @@ def test_shapes_match_the_declared_configs(folders):
     transformer = WanTransformer3DModel.from_pretrained(folders["wan21_i2v"],
                                                         subfolder="transformer")
     assert transformer.config.in_channels == 36 and transformer.config.image_dim == 32
+    flf2v = WanTransformer3DModel.from_pretrained(folders["wan21_flf2v"], subfolder="transformer")
+    assert flf2v.config.pos_embed_seq_len == 2 * 257  # two frames' CLIP tokens
     text_encoder = UMT5EncoderModel.from_pretrained(folders["wan21_t2v"] / "text_encoder")
     assert text_encoder.config.d_model == WanTransformer3DModel.from_pretrained(
         folders["wan21_t2v"], subfolder="transformer").config.text_dim

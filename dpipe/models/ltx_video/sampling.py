@@ -10,7 +10,8 @@ latents_mean / latents_std and scaling_factor and, for a timestep-conditioned VA
 later), passes the pipeline's default decode_timestep 0.0 (its decode noise scale defaults to
 that timestep, so no noise is mixed in).
 
-Image-to-video (`model.i2v=true`, as LTXImageToVideoPipeline and as dpipe trains it): the first
+Image-to-video (an item with a first frame, `control` or `first_frame`; needed with
+`model.i2v=true`, as LTXImageToVideoPipeline and as dpipe trains it): the first
 latent frame is the control image's latents, its tokens get t = 0, and only the later frames are
 stepped. One difference from the pipeline, on purpose: the pipeline encodes the image with a
 *sample* of the VAE posterior (mean + std * noise from the seed's generator), dpipe with its mode
@@ -26,9 +27,12 @@ LTX-Video, whose VAEs have scaling_factor 1.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dpipe.models.diffusers_folder import read_json
+from dpipe.models.frame_modes import FIRST, NONE
 from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -48,12 +52,20 @@ class LTXVideoSampling(FamilySampling):
         return float(self.spec.default_fps)
 
     @property
-    def needs_control(self) -> bool:
+    def needs_control(self) -> bool:  # trained image-to-video (model.i2v): a first frame
         return self.spec.i2v
 
-    @property
-    def pipeline_class(self) -> str:
-        return "LTXImageToVideoPipeline" if self.spec.i2v else "LTXPipeline"
+    # Any LTX-Video checkpoint samples image-to-video where given a first frame (`control`):
+    # LTXImageToVideoPipeline, with the same weights as LTXPipeline.
+    takes_control = True
+
+    @staticmethod
+    def image_to_video(request: SampleRequest) -> bool:
+        return request.control is not None
+
+    def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
+        mode = FIRST if self.image_to_video(d.request) else NONE
+        return replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
 
     # ---- latents -----------------------------------------------------------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
@@ -67,7 +79,7 @@ class LTXVideoSampling(FamilySampling):
         return latents.shape[-3] * latents.shape[-2] * latents.shape[-1]
 
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
-        if not self.spec.i2v:
+        if not self.image_to_video(request):
             return super().start(request, steps, guidance, text, uncond, control, device)
         if control is None:
             raise ValueError(f"{self.spec.family} (i2v) samples from a control image")
@@ -90,7 +102,7 @@ class LTXVideoSampling(FamilySampling):
         return unpack(output.float(), (f // pt, h // p, w // p), p, pt)
 
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
-        if not self.spec.i2v:
+        if not self.image_to_video(d.request):
             return super().step(d, t, prediction)
         # LTXImageToVideoPipeline steps the frames after the first (the condition) alone.
         later = d.scheduler.step(prediction[:, :, 1:], t, d.latents[:, :, 1:], return_dict=False)[0]
@@ -114,10 +126,11 @@ class LTXVideoSampling(FamilySampling):
                          guidance: float) -> torch.Tensor:
         import diffusers
 
-        pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
-            self.path, transformer=denoiser, dtype=torch.float32)
+        cls = "LTXImageToVideoPipeline" if self.image_to_video(request) else "LTXPipeline"
+        pipe = getattr(diffusers, cls).from_pretrained(self.path, transformer=denoiser,
+                                                       dtype=torch.float32)
         image = {}
-        if self.spec.i2v:
+        if self.image_to_video(request):
             from pathlib import Path
 
             from PIL import Image

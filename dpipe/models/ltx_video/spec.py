@@ -20,6 +20,7 @@ from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
+from dpipe.models.frame_modes import FIRST
 from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
@@ -115,6 +116,17 @@ class LTXVideoSpec(DiffusersFamily):
     def i2v(self) -> bool:
         return bool(getattr(self.cfg, "i2v", None))
 
+    def frame_modes(self) -> dict[str, float]:
+        # One checkpoint makes both: text-to-video (LTXPipeline) and, from a first frame,
+        # image-to-video (LTXImageToVideoPipeline); model.i2v picks the default.
+        return {"none": float(not self.i2v), "first": float(self.i2v)}
+
+    def given_first_frame(self, batch: NoisedBatch) -> torch.Tensor:
+        """(B,) bool: the samples whose first latent frame is given (clean, at t = 0)."""
+        if batch.frame_mode is None:
+            return torch.full((batch.latents.shape[0],), self.i2v)
+        return batch.frame_mode == FIRST
+
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -151,12 +163,14 @@ class LTXVideoSpec(DiffusersFamily):
         b, c, f, h, w = x0.shape
         grid = (f // pt, h // p, w // p)
         frame_tokens, tokens = grid[1] * grid[2], grid[0] * grid[1] * grid[2]
-        condition = self.i2v and grid[0] > 1
+        given = self.given_first_frame(batch) & (grid[0] > 1)
+        condition = bool(given.any())
         if condition:  # the first latent frame is the clean image (LTXImageToVideoPipeline)
-            noisy = torch.cat([x0[:, :, :pt], noisy[:, :, pt:]], dim=2)
-            clean = torch.zeros(tokens)
-            clean[:frame_tokens] = 1.0
-            t_tokens = t[:, None] * (1 - clean)[None]
+            noisy = noisy.clone()
+            noisy[given, :, :pt] = x0[given, :, :pt]
+            clean = torch.zeros(b, tokens)
+            clean[given, :frame_tokens] = 1.0
+            t_tokens = t[:, None] * (1 - clean)
         else:
             t_tokens = t[:, None]
         # The text cut after the longest prompt (dpipe.models.attention_mask): at one clip per
@@ -171,7 +185,7 @@ class LTXVideoSpec(DiffusersFamily):
             return inputs, (target,)
         trained = torch.ones(b, tokens, 1)
         if condition:
-            trained[:, :frame_tokens] = 0
+            trained[given, :frame_tokens] = 0
         weight = trained.expand_as(target).clone()
         if mask_weight is not None:
             per_pixel = mask_weight.view(b, 1, 1, h, w).expand(b, 1, f, h, w)

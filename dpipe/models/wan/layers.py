@@ -14,7 +14,8 @@ Per-frame timesteps are how Wan 2.2 TI2V conditions on a first frame: its tokens
 diffusers takes one timestep per token there; the layers send one per latent frame instead (all
 tokens of a frame share it) and expand it inside each block, so stages never exchange a
 (B, tokens, 6, dim) tensor. The input tuple of the first layer is `WanSpec.make_inputs`':
-(latents (B, C, F, h, w), t in [0, 1] of shape (B,) or (B, F), text (B, L, D)[, clip (B, N, D')]).
+(latents (B, C, F, h, w), t in [0, 1] of shape (B,) or (B, F), text (B, L, D)[, clip (B, N, D')]);
+FLF2V's clip holds the tokens of the first frame, then those of the last.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, sizes
+from dpipe.models.wan.frames import image_embedder_input
 
 
 def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
@@ -54,7 +56,8 @@ class WanEmbed(PipelineLayer):
         timestep = t * 1000
         per_frame = timestep.ndim == 2
         temb, proj, context, image_context = self.condition_embedder(
-            timestep.flatten(), text, image[0] if image else None,
+            timestep.flatten(), text,
+            image_embedder_input(self.condition_embedder, image[0] if image else None),
             timestep_seq_len=timestep.shape[1] if per_frame else None)
         proj = proj.unflatten(-1, (6, -1))
         if image_context is not None:

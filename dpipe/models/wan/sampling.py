@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+from dpipe.models.frame_modes import FRAME_MODES
+from dpipe.models.wan.frames import condition_video
 from dpipe.models.wan.variant import pack_tokens, unpack_tokens
 
 
@@ -86,7 +88,15 @@ class WanSampling(FamilySampling):
             return ("frames=1 with a control: Wan 2.2 TI2V's control is the first frame of a "
                     f"clip, which would be the whole sample; ask for {self.frame_step + 1} or "
                     "more frames, or leave out `control` for text-to-image")
+        if problem is None and self.variant.condition_modes == ("both",) and (
+                request.last_frame is None):
+            return ("Wan 2.1 FLF2V samples from a first and a last frame: give the item a "
+                    "`last_frame` (and `first_frame`), and 5 or more frames")
         return problem
+
+    def frame_mode(self, d: Denoising) -> str:
+        """What an image-to-video checkpoint's sample conditions on: "both" with a last frame."""
+        return "both" if d.request.last_frame is not None else "first"
 
     @property
     def other_expert(self) -> str | None:
@@ -141,11 +151,15 @@ class WanSampling(FamilySampling):
         batch = super().batch(d, t, text)
         x, v = d.latents, self.variant
         if v.concat_condition:  # [x_t, condition video latents, (CLIP tokens)], as cached
-            parts = [x, self._condition(d).to(x)]
+            mode = self.frame_mode(d)
+            condition = self._condition(d).to(x)
+            # The request's condition in its mode's channels, the other modes' left empty.
+            parts = [x] + [condition if m == mode else torch.zeros_like(condition)
+                           for m in v.condition_modes]
             if v.clip_tokens:
-                tokens = unpack_tokens(d.control[:, 2 * v.z_dim:], v.clip_tokens, v.image_dim)
-                parts.append(pack_tokens(tokens, x.shape).to(x))
-            return replace(batch, latents=torch.cat(parts, dim=1))
+                parts.append(pack_tokens(self._tokens(d), x.shape).to(x))
+            return replace(batch, latents=torch.cat(parts, dim=1),
+                           frame_mode=torch.tensor([FRAME_MODES.index(mode)]))
         if self.first_frame(d):  # with model.i2v, make_inputs takes frame 0 from the latents
             latents = x.clone()
             latents[:, :, :1] = d.control[:, :v.z_dim, :1].to(x)
@@ -172,23 +186,41 @@ class WanSampling(FamilySampling):
         return inputs
 
     def _condition(self, d: Denoising) -> torch.Tensor:
-        """Latents of the condition video [first frame, black...] (i2v checkpoints), once per
-        request: the control's own for one latent frame, else encoded from the control image."""
+        """Latents of the condition video [first frame, black..., (last frame)] (i2v
+        checkpoints), once per request: the control's own for one latent frame, else encoded from
+        the request's images."""
         if "condition" not in d.state:
-            z, frames = self.variant.z_dim, d.request.frames
+            mode, frames = self.frame_mode(d), d.request.frames
             if frames == 1:
-                d.state["condition"] = d.control[:, z:2 * z]
+                d.state["condition"] = d.control[:, self.variant.condition_channels(mode)]
             else:
-                from dpipe.images import load_image
-
-                r = d.request
-                image = load_image(Path(r.control), r.width, r.height)
-                video = torch.cat([image[:, None], image.new_zeros(3, frames - 1, *image.shape[1:])],
-                                  dim=1)[None]
+                given = self._frames(d)
+                clip = given[0].new_zeros(1, 3, frames, *given[0].shape[-2:])
+                clip[:, :, 0], clip[:, :, -1] = given[0], given[-1]
                 vae = self.load_vae(d.latents.device, torch.float32)
-                d.state["condition"] = self.spec._vae_encode(vae, video)
+                d.state["condition"] = self.spec._vae_encode(vae, condition_video(clip, mode))
                 del vae
         return d.state["condition"]
+
+    def _frames(self, d: Denoising) -> list[torch.Tensor]:
+        """The request's first frame and, where given, its last, (1, 3, H, W) in [-1, 1]."""
+        from dpipe.images import load_image
+
+        r = d.request
+        paths = [r.control] + ([r.last_frame] if r.last_frame is not None else [])
+        return [load_image(Path(p), r.width, r.height)[None] for p in paths]
+
+    def _tokens(self, d: Denoising) -> torch.Tensor:
+        """The CLIP tokens (Wan 2.1 i2v): the control's cached ones; with a last frame (FLF2V),
+        those of both frames, from the image encoder once per request."""
+        v = self.variant
+        if d.request.last_frame is None:
+            return unpack_tokens(d.control[:, v.tokens_start:], v.image_tokens, v.image_dim)
+        if "tokens" not in d.state:
+            pipe = self.spec.load_image_encoder(d.latents.device, torch.float32)
+            d.state["tokens"] = self.spec.clip_tokens(pipe, self._frames(d))
+            del pipe
+        return d.state["tokens"]
 
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         d.state["dtype"] = output.dtype  # the stages' compute dtype, for a frozen expert
@@ -280,6 +312,9 @@ class WanSampling(FamilySampling):
             from dpipe.images import fit, open_rgb
 
             kwargs["image"] = fit(open_rgb(Path(request.control)), request.width, request.height)
+            if request.last_frame is not None:
+                kwargs["last_image"] = fit(open_rgb(Path(request.last_frame)), request.width,
+                                           request.height)
         return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
                     height=request.height, width=request.width, num_frames=request.frames,
                     num_inference_steps=steps, guidance_scale=guidance,

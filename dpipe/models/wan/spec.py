@@ -47,12 +47,14 @@ from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.frame_modes import FIRST, FRAME_MODES
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import check_single_file
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.wan.comfyui import from_original, lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
+from dpipe.models.wan.frames import condition_mask, condition_video, image_embedder_input
 from dpipe.models.wan.variant import WanVariant, pack_tokens, read_variant, unpack_tokens
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
@@ -159,6 +161,14 @@ class WanSpec(DiffusersFamily):
                               "frame: leave model.i2v unset (or false)")
         return False
 
+    def frame_modes(self) -> dict[str, float]:
+        v = self.variant
+        if v.condition_modes:  # the first mode is the checkpoint's own task
+            return {m: float(i == 0) for i, m in enumerate(v.condition_modes)}
+        if v.expand_timesteps:  # TI2V-5B does both; model.i2v picks the default
+            return {"none": float(not self.i2v), "first": float(self.i2v)}
+        return {"none": 1.0}
+
     @property
     def denoiser_folder(self) -> str:
         return self.expert
@@ -173,6 +183,8 @@ class WanSpec(DiffusersFamily):
     def image_notes(self) -> dict[str, Any]:
         notes = {"layout": _CACHE_LAYOUT, "latent": "mode",
                  "condition": self.variant.concat_condition}
+        if self.variant.condition_modes not in ((), ("first",)):  # more than the first frame
+            notes["frames"] = list(self.variant.condition_modes)
         if self.variant.clip_tokens:
             notes["clip"] = [folder_fingerprint(self.path / p)
                              for p in ("image_encoder", "image_processor")]
@@ -185,7 +197,7 @@ class WanSpec(DiffusersFamily):
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> WanEncoders:
-        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+        from diffusers import AutoencoderKLWan, WanPipeline
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         try:
@@ -200,23 +212,29 @@ class WanSpec(DiffusersFamily):
         text = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=None)
         image = None
         if self.variant.clip_tokens:
-            import transformers
-
-            # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
-            index = self._config("model_index.json")
-            try:
-                processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
-                    self.path / "image_processor")
-                encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
-                    self.path / "image_encoder", dtype=dtype)
-            except (OSError, ValueError) as err:
-                raise ModelLoadError(
-                    f"cannot load the image encoder of {self.path}: {err}") from None
-            encoder.requires_grad_(False).eval().to(device)
-            image = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-                                            scheduler=None, image_processor=processor,
-                                            image_encoder=encoder)
+            image = self.load_image_encoder(device, dtype, tokenizer=tokenizer,
+                                            text_encoder=text_encoder, vae=vae)
         return WanEncoders(text=text, image=image)
+
+    def load_image_encoder(self, device: torch.device, dtype: torch.dtype, **parts):
+        """Wan 2.1 i2v's CLIP image encoder in a WanImageToVideoPipeline (its `encode_image`),
+        with the other `parts` given (none: the image encoder alone)."""
+        import transformers
+        from diffusers import WanImageToVideoPipeline
+
+        # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
+        index = self._config("model_index.json")
+        try:
+            processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
+                self.path / "image_processor")
+            encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(
+                self.path / "image_encoder", dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the image encoder of {self.path}: {err}") from None
+        encoder.requires_grad_(False).eval().to(device)
+        parts = {"tokenizer": None, "text_encoder": None, "vae": None, **parts}
+        return WanImageToVideoPipeline(scheduler=None, image_processor=processor,
+                                       image_encoder=encoder, **parts)
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -234,16 +252,14 @@ class WanSpec(DiffusersFamily):
         vae = encoders.text.vae
         latents = self._vae_encode(vae, pixels)
         parts = [latents]
-        if v.concat_condition:
+        for mode in v.condition_modes:
             if frames == 1:  # the condition video is the image itself
                 parts.append(latents)
-            else:  # the first frame, then black (zeros in [-1, 1]) as WanImageToVideoPipeline
-                condition = torch.cat([pixels[:, :, :1], pixels.new_zeros(
-                    pixels.shape[0], 3, frames - 1, *pixels.shape[3:])], dim=2)
-                parts.append(self._vae_encode(vae, condition))
-        if v.clip_tokens:
-            tokens = self._clip_tokens(encoders.image, pixels[:, :, 0])
-            parts.append(pack_tokens(tokens, latents.shape))
+            else:
+                parts.append(self._vae_encode(vae, condition_video(pixels, mode)))
+        if v.clip_tokens:  # FLF2V: the first frame's tokens, then the last one's
+            shown = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if v.flf2v else [])
+            parts.append(pack_tokens(self.clip_tokens(encoders.image, shown), latents.shape))
         return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
 
     def encode_videos(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
@@ -257,6 +273,11 @@ class WanSpec(DiffusersFamily):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
         return (latents - mean) * inv_std
+
+    def clip_tokens(self, pipe, frames: list[torch.Tensor]) -> torch.Tensor:
+        """The CLIP tokens the transformer takes of (B, 3, H, W) frames (the first; FLF2V's first
+        and last), (B, tokens, D), as the cache packs them."""
+        return torch.cat([self._clip_tokens(pipe, f) for f in frames], dim=1)
 
     @staticmethod
     def _clip_tokens(pipe, first_frames: torch.Tensor) -> torch.Tensor:
@@ -296,22 +317,39 @@ class WanSpec(DiffusersFamily):
         # Per-element loss weights: masks from the dataset, (B, 1, 1, h, w), or None.
         weight = getattr(batch, "loss_weight", None)
         if v.concat_condition:
-            mask = torch.zeros_like(latents[:, :4])
-            mask[:, :, 0] = 1  # the first latent frame is given
-            hidden = torch.cat([hidden, mask, latents[:, z:2 * z]], dim=1)
-        elif self.i2v and frames > 1:  # TI2V: the clean first frame at t = 0, left out of the loss
+            modes = self._frame_modes(batch)
+            hidden = torch.cat([hidden, condition_mask(latents[:, :4], modes),
+                                torch.stack([latents[b, v.condition_channels(m)]
+                                             for b, m in enumerate(modes)])], dim=1)
+        elif v.expand_timesteps and frames > 1 and self._given_first(batch).any():
+            # TI2V: a sample given its first frame has it clean at t = 0, left out of the loss.
+            given = self._given_first(batch)
             hidden = hidden.clone()
-            hidden[:, :, 0] = latents[:, :z, 0]
+            hidden[given, :, 0] = latents[given, :z, 0]
             t = t[:, None].repeat(1, frames)
-            t[:, 0] = 0
-            # The mean over the predicted frames only: 0 on the first, F / (F - 1) on the others.
-            given = torch.full((1, 1, frames, 1, 1), frames / (frames - 1), dtype=target.dtype)
-            given[:, :, 0] = 0
-            weight = given if weight is None else weight * given
+            t[given, 0] = 0
+            # Their mean over the predicted frames only: 0 on the first, F / (F - 1) on the others.
+            rows = torch.ones(len(given), 1, frames, 1, 1, dtype=target.dtype)
+            rows[given] = frames / (frames - 1)
+            rows[given, :, 0] = 0
+            weight = rows if weight is None else weight * rows
         inputs = (hidden, t, batch.text["umt5"])
         if v.clip_tokens:
-            inputs += (unpack_tokens(latents[:, 2 * z:], v.clip_tokens, v.image_dim),)
+            inputs += (unpack_tokens(latents[:, v.tokens_start:], v.image_tokens, v.image_dim),)
         return inputs, (target,) if weight is None else (target, weight)
+
+    def _given_first(self, batch: NoisedBatch) -> torch.Tensor:
+        """(B,) bool: TI2V samples given their first frame (model.i2v where the batch has no
+        modes)."""
+        if batch.frame_mode is None:
+            return torch.full((len(batch.latents),), self.i2v)
+        return batch.frame_mode == FIRST
+
+    def _frame_modes(self, batch: NoisedBatch) -> list[str]:
+        """Each sample's frame mode by name; the checkpoint's own where the batch has none."""
+        if batch.frame_mode is None:
+            return [self.variant.condition_modes[0]] * len(batch.latents)
+        return [FRAME_MODES[int(m)] for m in batch.frame_mode]
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
@@ -329,9 +367,9 @@ class WanSpec(DiffusersFamily):
             if timestep.ndim == 1:
                 timestep = timestep[:, None].expand(-1, frames)
             timestep = timestep.repeat_interleave((height // p_h) * (width // p_w), dim=1)
+        image = image_embedder_input(denoiser.condition_embedder, image[0] if image else None)
         return denoiser(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                        encoder_hidden_states_image=image[0] if image else None,
-                        return_dict=False)[0]
+                        encoder_hidden_states_image=image, return_dict=False)[0]
 
     def _pipeline(self, **components):
         import diffusers

@@ -13,6 +13,8 @@ i2v, sharded transformer and text-encoder weights with index files, and the stor
 Variants (`VARIANTS`), each the layout of one real repo:
   wan21_t2v       Wan-AI/Wan2.1-T2V-14B-Diffusers (and 1.3B)
   wan21_i2v       Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: 36 input channels, CLIP image tokens
+  wan21_flf2v     Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers: wan21_i2v with a position table over
+                  the CLIP tokens of two frames (pos_embed_seq_len 514)
   wan22_ti2v      Wan-AI/Wan2.2-TI2V-5B-Diffusers: 48-channel VAE, per-token timesteps
   wan22_a14b      Wan-AI/Wan2.2-T2V-A14B-Diffusers: high-noise `transformer`, low-noise
                   `transformer_2`, boundary_ratio 0.875
@@ -36,6 +38,7 @@ from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
 from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim
+CLIP_TOKENS = (224 // 14) ** 2 + 1  # of the image encoder below: a 224 crop in 14 px patches
 TEXT_MAX_LENGTH = 512  # Wan pads every prompt to 512 tokens; the i2v attention relies on it
 
 _WAN21_VAE = dict(z_dim=16)  # the constructor's defaults are Wan 2.1's latents_mean/std
@@ -51,6 +54,8 @@ VARIANTS: dict[str, dict] = {
                       flow_shift=5.0),
     "wan21_i2v": dict(pipeline="WanImageToVideoPipeline", vae=_WAN21_VAE, in_channels=36,
                       experts=1, clip=True, flow_shift=3.0),
+    "wan21_flf2v": dict(pipeline="WanImageToVideoPipeline", vae=_WAN21_VAE, in_channels=36,
+                        experts=1, clip=True, flf2v=True, flow_shift=5.0),
     "wan22_ti2v": dict(pipeline="WanPipeline", vae=_WAN22_VAE, in_channels=48, experts=1,
                        flow_shift=5.0, expand_timesteps=True),
     "wan22_a14b": dict(pipeline="WanPipeline", vae=_WAN21_VAE, in_channels=16, experts=2,
@@ -84,6 +89,10 @@ def make_named_tiny_wan(path: Path, key: str = "model.path") -> Path:
 
 def make_tiny_wan_i2v(path: Path, seed: int = 0) -> Path:
     return make_tiny_wan(path, seed, "wan21_i2v")
+
+
+def make_tiny_wan_flf2v(path: Path, seed: int = 0) -> Path:
+    return make_tiny_wan(path, seed, "wan21_flf2v")
 
 
 def make_tiny_wan22_ti2v(path: Path, seed: int = 0) -> Path:
@@ -129,7 +138,9 @@ def _write(out: Path, seed: int, variant: str) -> None:
             transformers.append(WanTransformer3DModel.from_config({
                 **WAN_TINY, "in_channels": v["in_channels"], "out_channels": z_dim,
                 "image_dim": IMAGE_DIM if v.get("clip") else None,
-                "added_kv_proj_dim": HEADS * HEAD_DIM if v.get("clip") else None}))
+                "added_kv_proj_dim": HEADS * HEAD_DIM if v.get("clip") else None,
+                # FLF2V: a position table over the CLIP tokens of the first and last frames.
+                "pos_embed_seq_len": 2 * CLIP_TOKENS if v.get("flf2v") else None}))
 
     scheduler.save_pretrained(out / "scheduler")
     save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=torch.bfloat16)

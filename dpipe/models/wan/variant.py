@@ -24,8 +24,39 @@ class WanVariant:
     concat_condition: bool  # 2z+4 input channels: mask + first-frame latents (i2v)
     clip_tokens: int  # CLIP image tokens (Wan 2.1 i2v), 0 without an image encoder
     image_dim: int
+    # Wan 2.1 FLF2V: the image embedding's position table spans the CLIP tokens of two frames
+    # (`pos_embed_seq_len` in its transformer config), the first and the last.
+    flf2v: bool
     expand_timesteps: bool  # per-token timesteps (Wan 2.2 TI2V-5B)
     boundary: float | None  # two experts split at this t (Wan 2.2 A14B)
+
+    @property
+    def condition_modes(self) -> tuple[str, ...]:
+        """The frame modes whose condition video the cache holds, in their channel order
+        (after the z latent channels): those the checkpoint takes. Wan 2.1 I2V's image embedding
+        takes one frame's CLIP tokens and FLF2V's two (WanImageToVideoPipeline with
+        `last_image`), so each has one mode; Wan 2.2 I2V-A14B (no CLIP) takes a first frame with
+        or without a last one."""
+        if not self.concat_condition:
+            return ()
+        if self.clip_tokens:
+            return ("both",) if self.flf2v else ("first",)
+        return ("first", "both")
+
+    def condition_channels(self, mode: str) -> slice:
+        """Where `mode`'s condition video latents lie in the cached channels."""
+        start = self.z_dim * (1 + self.condition_modes.index(mode))
+        return slice(start, start + self.z_dim)
+
+    @property
+    def tokens_start(self) -> int:
+        """The first cached channel of the packed CLIP tokens."""
+        return self.z_dim * (1 + len(self.condition_modes))
+
+    @property
+    def image_tokens(self) -> int:
+        """CLIP tokens the transformer takes: one frame's, two for FLF2V."""
+        return self.clip_tokens * (2 if self.flf2v else 1)
 
 
 def read_variant(config: Callable[[str], dict[str, Any]]) -> WanVariant:
@@ -46,6 +77,7 @@ def read_variant(config: Callable[[str], dict[str, Any]]) -> WanVariant:
         patch=tuple(transformer.get("patch_size", (1, 2, 2))),
         concat_condition=transformer.get("in_channels", z_dim) == 2 * z_dim + 4,
         clip_tokens=clip_tokens, image_dim=transformer.get("image_dim") or 0,
+        flf2v=bool(transformer.get("pos_embed_seq_len")),
         expand_timesteps=bool(index.get("expand_timesteps")),
         boundary=index.get("boundary_ratio") if two_experts else None,
     )

@@ -90,6 +90,9 @@ class LTX2Spec(LTXVideoSpec):
             raise ConfigError("model.i2v=true: dpipe trains LTX-2 text-to-video (and images) only; "
                               "leave model.i2v unset")
 
+    def frame_modes(self) -> dict[str, float]:
+        return {"none": 1.0}  # LTX2ImageToVideoPipeline's first-frame conditioning: not yet
+
     def read_configs(self) -> None:
         check_release(self.path, self.single_file, self.release)  # before any other config
         super().read_configs()
