@@ -8,6 +8,7 @@ image (an error naming the files). Nothing is dropped without a line in the data
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -46,7 +47,8 @@ class Item:
     captions: list[str]  # every caption variant, final (prefix, shuffled tags)
     directory: int
     mask: tuple[str, str] | None = None  # (path, sha256)
-    control: tuple[str, str] | None = None
+    # (path, sha256) of each control (reference) image, in order; () without a control_dir.
+    controls: tuple[tuple[str, str], ...] = ()
     audio: AudioSource | None = None  # clips, when the model trains on sound
 
 
@@ -152,8 +154,7 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                              caption_variants(captions, s.caption_prefix, s.shuffle_tags,
                                               s.tag_variants, s.keep_tags, s.tag_separator))
             item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
-            item.control = _companion(controls, stem, f, item, "control image", control_dir,
-                                      problems)
+            item.controls = _references(controls, stem, f, item, control_dir, problems)
             if audio and kind == "video":
                 sidecar = listing.audio.get(stem)
                 item.audio = _sound(f.path, record, sidecar,
@@ -258,6 +259,24 @@ def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,
     records = index.records(files, "image", workers)
     index.save()
     return {stem: (f, r) for (stem, f), r in zip(found.items(), records)}
+
+
+def _references(table, stem: str, f: FoundFile, item: Item, folder: Path | None,
+                problems: list[str]) -> tuple[tuple[str, str], ...]:
+    """An item's control images: the same-stem file (`photo.png` for `photo.jpg`), else the
+    numbered ones in order (`photo_1.png`, `photo_2.png`, ... up to the first number missing)."""
+    if table is None:
+        return ()
+    stems = [stem]
+    if stem not in table:
+        stems = list(itertools.takewhile(table.__contains__,
+                                         (f"{stem}_{n}" for n in itertools.count(1))))
+    if not stems:
+        problems.append(f"{f.path}: no control image in {folder} (expected {stem}.<image "
+                        f"extension>, or {stem}_1, {stem}_2, ... for several)")
+        return ()
+    found = [_companion(table, s, f, item, "control image", folder, problems) for s in stems]
+    return tuple(found) if all(found) else ()
 
 
 def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Path | None,

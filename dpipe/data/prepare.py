@@ -233,6 +233,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             raise DataError(f"model family {spec.family} trains on images, but the dataset "
                             f"({name}) has {len(videos)} video(s):" + list_files(videos)
                             + "\nRemove them or choose a video model.")
+        _check_references(spec, name, found)
         if sees_control:
             _check_controls(spec, name, found)
         notes = _choose_frame_buckets(spec, found)
@@ -250,10 +251,11 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             drops = not eval_mode and s.caption_dropout > 0
             text_keys, empty = [], None
             if sees_control:
-                path, sha = item.control
+                paths = tuple(path for path, _ in item.controls)
+                shas = _joined(sha for _, sha in item.controls)
                 for caption in item.captions + ([""] if drops else []):
-                    k = seen_key.fields(sha, w, h, caption)
-                    texts.setdefault(k, TextJob(k, caption, path, w, h))
+                    k = seen_key.fields(shas, w, h, caption)
+                    texts.setdefault(k, TextJob(k, caption, _one_or_all(paths), w, h))
                     text_keys.append(k)
                 if drops:
                     empty = text_keys.pop()
@@ -269,11 +271,14 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             if item.mask:
                 mask = mask_key.fields(item.mask[1], w, h)
                 jobs.setdefault(mask, MaskJob(mask, item.mask[0], p.shape.width, p.shape.height))
-            if item.control:
-                control = latent_key.fields(item.control[1], "image", None, w, h, 1, 0)
-                jobs.setdefault(control, LatentJob(control, item.control[0], "image",
-                                                   p.shape.width, p.shape.height, role="control",
-                                                   source_size=(item.info["w"], item.info["h"])))
+            if item.controls:
+                control_keys = []
+                for path, sha in item.controls:
+                    k = latent_key.fields(sha, "image", None, w, h, 1, 0)
+                    jobs.setdefault(k, LatentJob(k, path, "image", w, h, role="control",
+                                                 source_size=(item.info["w"], item.info["h"])))
+                    control_keys.append(k)
+                control = _one_or_all(tuple(control_keys))
             audio = None
             # Clips only: images (and clips cut to one frame) train the video path alone.
             if item.audio is not None and frames > 1:
@@ -376,10 +381,11 @@ def _request_jobs(requests: list, spec: ModelSpec, dtype: torch.dtype, latent_ke
         control = sha = None
         w, h = sampling.control_size(request)
         if request.control is not None:
-            sha = file_fingerprint(Path(request.control))
-            control = latent_key.fields(sha, "image", None, w, h, 1, 0)
-            jobs.setdefault(control, LatentJob(control, request.control, "image", w, h,
-                                               role="control"))
+            shas = [file_fingerprint(Path(path)) for path in request.controls]
+            control_keys = [latent_key.fields(one, "image", None, w, h, 1, 0) for one in shas]
+            for k, path in zip(control_keys, request.controls):
+                jobs.setdefault(k, LatentJob(k, path, "image", w, h, role="control"))
+            control, sha = _one_or_all(tuple(control_keys)), _joined(shas)
         keys = []
         for caption in (request.prompt, request.negative_prompt):
             if caption is request.negative_prompt and negative_key is not None:
@@ -423,8 +429,32 @@ def prepare_prompts(spec: ModelSpec, cache_dir: str, device: torch.device, dtype
     return dataset
 
 
+def _joined(shas) -> str:
+    """The text+control key's "control source": the control file's sha256, or those of several
+    references joined in their order (their order changes the encoding, so the key)."""
+    return "+".join(shas)
+
+
+def _one_or_all(values: tuple):
+    """One reference as itself, several as the tuple (`Sample.control`, `TextJob.control`)."""
+    return values[0] if len(values) == 1 else values
+
+
+def _check_references(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
+    """No item may have more control images than the family takes (`ModelSpec.references`)."""
+    most = getattr(spec, "references", 1)
+    over = [f"{i.path}: {len(i.controls)} control images ({', '.join(p for p, _ in i.controls)})"
+            for i in found.items if len(i.controls) > most]
+    if over:
+        raise DataError(
+            f"model.family={spec.family} takes at most {most} control image(s) per file, but "
+            f"{len(over)} file(s) of the dataset ({name}) have more:" + list_files(over)
+            + "\nRemove the extra numbered files (<stem>_2, ...) from dataset.control_dir, or "
+            "choose a family that takes several references.")
+
+
 def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
-    missing = [i.path for i in found.items if not i.control]
+    missing = [i.path for i in found.items if not i.controls]
     if missing:
         raise DataError(
             f"model.family={spec.family} encodes each caption together with its control image, "
@@ -444,7 +474,9 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
     for p, (latent, texts, mask, control, empty, audio) in zip(s.placements, s.sample_keys):
         item = s.discovery.items[p.item]
         settings = s.discovery.directories[item.directory].settings
-        bad = failed.get(latent) or failed.get(control or "") or failed.get(audio or "")
+        controls = (control,) if isinstance(control, str) else control or ()
+        bad = (failed.get(latent) or next((failed[k] for k in controls if k in failed), None)
+               or failed.get(audio or ""))
         if bad:
             if item.path not in reported:
                 dropped.append((item.path, f"unreadable: {bad}"))

@@ -138,12 +138,21 @@ def _scale(fields: dict, key: str, where: str, default: float | None) -> float |
     return float(value)
 
 
-def _control(fields: dict, where: str) -> str | None:
+def _control(fields: dict, where: str) -> str | tuple[str, ...] | None:
+    """An image path, or a list of them (several references, in order): one stays a string."""
     value = fields.get("control")
     if value is None:
         return None
-    path = Path(str(value)).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"{where}.control={value}: no such image file; give the path of the "
-                          "control image to edit or animate")
-    return str(path.resolve())
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not values:
+        raise ConfigError(f"{where}.control=[]: give an image path (or several), or leave "
+                          "`control` out")
+    paths = []
+    for number, one in enumerate(values):
+        path = Path(str(one)).expanduser()
+        if not path.is_file():
+            key = f"{where}.control" + (f"[{number}]" if len(values) > 1 else "")
+            raise ConfigError(f"{key}={one}: no such image file; give the path of the "
+                              "control image to edit or animate")
+        paths.append(str(path.resolve()))
+    return paths[0] if len(paths) == 1 else tuple(paths)
