@@ -18,7 +18,8 @@ from dpipe.config.schema import AudioMissing, DataSettings, DatasetConfig, Missi
 from dpipe.data.audio import AudioSource
 from dpipe.data.buckets import (
     Shape, aspect_ratios, bucket_sizes, clip_starts, frame_bucket, nearest_size)
-from dpipe.data.captions import caption_variants, load_captions_file, match_captions
+from dpipe.data.captions import (
+    CaptionsFile, caption_variants, load_captions_file, match_captions)
 from dpipe.data.index import FileIndex
 from dpipe.data.sources import (
     FoundFile, check_directory, image_extensions, list_files, same_stem_files, walk)
@@ -121,7 +122,9 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                     if audio and kind == "video" and st in listing.audio]
         sidecar_records = dict(zip((a.rel for a in sidecars),
                                    index.records(sidecars, "audio", workers)))
-        table = (load_captions_file(root / s.captions_file) if s.captions_file else {})
+        listed = (load_captions_file(root / s.captions_file) if s.captions_file
+                  else CaptionsFile({}, {}))
+        table = listed.captions
         masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
         controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
         result.reads += index.reads
@@ -154,7 +157,12 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                              caption_variants(captions, s.caption_prefix, s.shuffle_tags,
                                               s.tag_variants, s.keep_tags, s.tag_separator))
             item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
-            item.controls = _references(controls, stem, f, item, control_dir, problems)
+            named = match_captions(listed.controls, f.rel) if listed.controls else None
+            if named is None:
+                item.controls = _references(controls, stem, f, item, control_dir, problems)
+            else:
+                item.controls = _listed_references(named, controls, f, item, control_dir,
+                                                   root / s.captions_file, problems)
             if audio and kind == "video":
                 sidecar = listing.audio.get(stem)
                 item.audio = _sound(f.path, record, sidecar,
@@ -277,6 +285,26 @@ def _references(table, stem: str, f: FoundFile, item: Item, folder: Path | None,
         return ()
     found = [_companion(table, s, f, item, "control image", folder, problems) for s in stems]
     return tuple(found) if all(found) else ()
+
+
+def _listed_references(names: list[str], table, f: FoundFile, item: Item, folder: Path | None,
+                       captions_file: Path, problems: list[str]) -> tuple[tuple[str, str], ...]:
+    """An item's control images as its captions file names them, in that order (paths inside
+    control_dir, with their extension)."""
+    if table is None:
+        problems.append(f"{captions_file} names control images for {f.path}: set control_dir to "
+                        "the folder that holds them")
+        return ()
+    found = []
+    for name in names:
+        stem, _suffix = os.path.splitext(name)
+        hit = table.get(stem)
+        if hit is None or os.path.basename(hit[0].path) != os.path.basename(name):
+            problems.append(f"{f.path}: its control image {name} (in {captions_file}) is not in "
+                            f"{folder}")
+            continue
+        found.append(_companion(table, stem, f, item, "control image", folder, problems))
+    return tuple(found) if len(found) == len(names) and all(found) else ()
 
 
 def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Path | None,

@@ -259,7 +259,9 @@ class SeesReferences(SeesControl):
     references = 3
 
     def encode_prompts_with_controls(self, encoders, prompts, controls):
-        assert controls.dim() == 5, "several references arrive as (B, R, 3, H, W)"
+        # Several references arrive as (B, R, 3, H, W), one as (B, 3, H, W).
+        self.__dict__.setdefault("shapes", []).append(tuple(controls.shape))
+        controls = controls if controls.dim() == 5 else controls[:, None]
         place = torch.arange(1, controls.shape[1] + 1, dtype=controls.dtype)
         weighted = controls.mean(dim=(2, 3, 4)) * place
         return super().encode_prompts_with_controls(encoders, prompts,
@@ -284,6 +286,7 @@ def test_numbered_references_are_cached_in_order_and_keyed_by_each(tmp_path):
     first = _by_name(dataset)
     assert spec.count("image") == 12 and spec.count("text+control") == 4
     sample = first["01.png"]
+    assert spec.shapes == [(4, 2, 3, 32, 32)]  # one chunk of (B, R, 3, H, W)
     assert isinstance(sample.control, tuple) and len(sample.control) == 2
     control = tmp_path / "data" / "control"
     latents, _, _, references = dataset.collate([first["00.png"], sample],
@@ -336,4 +339,35 @@ def test_more_references_than_the_family_takes_are_refused_before_encoding(tmp_p
     (tmp_path / "data" / "control" / "02_1.png").unlink()
     with pytest.raises(DataError, match=r"02.png: no control image in .*control \(expected "
                                         r"02.<image extension>, or 02_1, 02_2, \.\.\. for"):
+        _prepare(SeesReferences(), cfg)
+
+
+def test_a_captions_file_names_each_files_references_in_order(tmp_path):
+    from dpipe.errors import DataError
+    from dpipe.images import load_image
+
+    cfg = _references_dataset(tmp_path)  # 00_1.png, 00_2.png, ... in control/
+    data = tmp_path / "data"
+    records = [{"file": f"{i:02d}.png", "caption": f"listed {i}",
+                "control": [f"{i:02d}_2.png", f"{i:02d}_1.png"]} for i in range(4)]
+    records[3]["control"] = "03_1.png"  # one reference, as a string
+    (data / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    cfg.captions_file = "captions.jsonl"
+    spec = SeesReferences()
+    dataset = _prepare(spec, cfg)
+    samples = _by_name(dataset)
+    first, second = samples["01.png"].control
+    for key, name in ((first, "01_2.png"), (second, "01_1.png")):  # the file's order
+        expected = spec.encode_images(None, load_image(data / "control" / name, 32, 32)[None])
+        torch.testing.assert_close(dataset.store.get(key)["latents"], expected[0])
+    assert isinstance(samples["03.png"].control, str)
+    assert dataset.store.get(samples["01.png"].texts[0])["pooled"].tolist() == \
+        SeesReferences().encode_prompts_with_controls(None, ["listed 1"], torch.stack(
+            [load_image(data / "control" / n, 32, 32) for n in ("01_2.png", "01_1.png")])[None]
+        )["pooled"][0].tolist()
+
+    records[2]["control"] = ["02_1.png", "gone.png"]
+    (data / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    with pytest.raises(DataError, match=r"02.png: its control image gone.png \(in .*captions.jsonl"
+                                        r"\) is not in .*control"):
         _prepare(SeesReferences(), cfg)
