@@ -168,6 +168,34 @@ def test_several_reference_images_match_the_pipeline(spec, pipe):
                                torch.nn.functional.mse_loss(x[:, :64], labels[0]))
 
 
+@pytest.mark.slow
+def test_sampling_with_two_references_through_the_layers_equals_the_pipeline(spec, pipe,
+                                                                             tmp_path):
+    """An edit request with `control: [a.png, b.png]`, its references encoded as the run's cache
+    encodes them, denoised through the layers: Flux2Pipeline's latents for the same references,
+    seed and steps."""
+    from dpipe.data.synthetic import draw_shape
+    from dpipe.images import load_image
+    from dpipe.models.sampling import SampleRequest
+    from tests.unit.layered_sampling import nudged, sample_through_layers
+
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"ref{i}.png"))
+        draw_shape(i, 64)[0].save(paths[-1])
+    request = SampleRequest(0, "put the star in the circle", "", 3, 64, 64, control=tuple(paths))
+    sampling = spec.sampling()
+    assert sampling.check(request) is None
+    pixels = torch.stack([load_image(Path(p), 64, 64) for p in paths])  # (R, 3, H, W)
+    control = spec.encode_images(pipe, pixels)[None]  # (1, R, C, h, w)
+    text = spec.encode_prompts(pipe, [request.prompt])
+    denoiser = nudged(spec.load_denoiser(torch.float32))
+    with torch.no_grad():
+        got = sample_through_layers(spec, denoiser, request, 2, 4.0, text, None, control)
+        expected = sampling.diffusers_sample(denoiser, request, 2, 4.0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_mask_weights_scale_the_loss(spec):
     latents = torch.randn(1, 16, 8, 8)
     plain = NoisedBatch(latents=latents, noise=latents, timesteps=torch.tensor([0.5]),

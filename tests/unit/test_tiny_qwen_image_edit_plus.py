@@ -154,21 +154,6 @@ def test_zero_cond_t_changes_the_prediction(spec, batch):
                 - spec.denoiser_forward(plain, inputs)).abs().max() > 1e-4
 
 
-@pytest.mark.slow
-def test_the_pipeline_edits_with_two_references(tiny, references, monkeypatch):
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
-
-    # The pipeline VAE-encodes each reference at ~1 MP whatever its size: minutes for a CPU test;
-    # here at 64x64 (the integration run samples at the real size).
-    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 64 * 64)
-    pipe = QwenImageEditPlusPipeline.from_pretrained(
-        tiny, dtype=torch.float32, processor=load_processor(tiny / "processor"))
-    out = pipe(image=[_pil(r) for r in references[0]], prompt=INSTRUCTIONS[0], height=64,
-               width=64, num_inference_steps=2, true_cfg_scale=1.0,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
-
-
 def test_sample_requests_take_a_list_of_references(spec, tmp_path):
     from dpipe.sample.requests import sample_requests
 
@@ -190,6 +175,41 @@ def test_sample_requests_take_a_list_of_references(spec, tmp_path):
                                           "such image file"):
         sample_requests(SampleConfig(prompts=[{"prompt": "a",
                                                "control": [str(paths[0]), "/no/such.png"]}]), spec)
+
+
+@pytest.mark.slow
+def test_sampling_through_the_layers_equals_the_pipeline(spec, encoders, tmp_path, monkeypatch):
+    """Two references and a negative prompt (true CFG), encoded as the run's cache encodes a
+    sample request's, denoised through the layers: the pipeline's latents for the same references,
+    seed and steps."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    from dpipe.data.synthetic import draw_shape
+    from dpipe.images import load_image
+    from dpipe.models.sampling import SampleRequest
+    from tests.unit.layered_sampling import nudged, sample_through_layers
+
+    # The pipeline (and dpipe, which reads its constants) VAE-encode each reference at ~1 MP and
+    # show it to the VL encoder at ~384x384: minutes for a CPU test; here both at 64x64, the same
+    # code either way (the prompt test above keeps the real VL size).
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", 64 * 64)
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"ref{i}.png"))
+        draw_shape(i, 64)[0].save(paths[-1])
+    request = SampleRequest(0, INSTRUCTIONS[0], " ", 3, 64, 64, control=tuple(paths))
+    sampling = spec.sampling()
+    assert sampling.check(request) is None and sampling.control_size(request) == (64, 64)
+    pixels = torch.stack([load_image(Path(p), 64, 64) for p in paths])[None]  # (1, R, 3, H, W)
+    text = spec.encode_prompts_with_controls(encoders, [request.prompt], pixels)
+    uncond = spec.encode_prompts_with_controls(encoders, [request.negative_prompt], pixels)
+    control = torch.stack([spec.encode_images(encoders, pixels[:, r]) for r in range(2)], 1)
+    denoiser = nudged(spec.load_denoiser(torch.float32))
+    with torch.no_grad():
+        got = sample_through_layers(spec, denoiser, request, 2, 4.0, text, uncond, control)
+        expected = sampling.diffusers_sample(denoiser, request, 2, 4.0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

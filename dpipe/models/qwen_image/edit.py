@@ -18,7 +18,7 @@ the family `qwen_image_edit_plus` (`edit_plus.py`).
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,8 +74,10 @@ class QwenImageEditSpec(QwenImageSpec):
                                               device=encoders.vae.device)
         return self._padded(embeds, mask)
 
-    # The pixel area at which the pipeline shows a control image to the VL encoder.
-    prompt_image_area: ClassVar[int] = 1024 * 1024
+    @staticmethod
+    def prompt_image_area() -> int:
+        """The pixel area at which the pipeline shows a control image to the VL encoder."""
+        return 1024 * 1024
 
     @classmethod
     def prompt_image(cls, encoders: Any, pixels: torch.Tensor):
@@ -86,7 +88,7 @@ class QwenImageEditSpec(QwenImageSpec):
 
         array = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().byte()
         image = Image.fromarray(np.ascontiguousarray(array.permute(1, 2, 0).cpu().numpy()))
-        width, height = calculate_dimensions(cls.prompt_image_area, image.width / image.height)[:2]
+        width, height = calculate_dimensions(cls.prompt_image_area(), image.width / image.height)
         return encoders.image_processor.resize(image, height, width)
 
     # ---- training ----------------------------------------------------------------------------

@@ -40,7 +40,12 @@ class QwenImageEditPlusSpec(QwenImageEditSpec):
     tiny_writer = "dpipe.models.qwen_image.tiny:make_tiny_qwen_image_edit_plus"
     sampler = "dpipe.models.qwen_image.sampling:QwenImageEditPlusSampling"
     references = 3  # the model card's "1 to 3 input images"
-    prompt_image_area = 384 * 384  # CONDITION_IMAGE_SIZE
+
+    @staticmethod
+    def prompt_image_area() -> int:
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+        return plus.CONDITION_IMAGE_SIZE  # 384 * 384
 
     def read_configs(self) -> None:
         super().read_configs()

@@ -161,9 +161,14 @@ class QwenImageEditSampling(QwenImageSampling):
 
 
 class QwenImageEditPlusSampling(QwenImageEditSampling):
-    """Qwen-Image-Edit-2509 / 2511: every reference fitted to the ~1 MP `control_size`, as one
-    reference is, and handed to the pipeline in order (it shows each to the VL encoder at ~384x384
-    pixels and VAE-encodes it at that ~1 MP size)."""
+    """Qwen-Image-Edit-2509 / 2511: every reference fitted to the ~1 MP `control_size` (the
+    pipeline's VAE_IMAGE_SIZE), as one reference is, and handed to the pipeline in order (it shows
+    each to the VL encoder at ~384x384 pixels and VAE-encodes it at that size)."""
+
+    def control_size(self, request: SampleRequest) -> tuple[int, int]:
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+        return plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, request.width / request.height)
 
     def control_image(self, request: SampleRequest):
         from dpipe.images import fit, open_rgb
