@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -127,6 +128,7 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         table = listed.captions
         masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
         controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
+        numbered = _numbered(controls, set(stems))
         result.reads += index.reads
         result.files += len(media)
 
@@ -159,7 +161,8 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
             item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
             named = match_captions(listed.controls, f.rel) if listed.controls else None
             if named is None:
-                item.controls = _references(controls, stem, f, item, control_dir, problems)
+                item.controls = _references(controls, numbered, stem, f, item, control_dir,
+                                            problems)
             else:
                 item.controls = _listed_references(named, controls, f, item, control_dir,
                                                    root / s.captions_file, problems)
@@ -269,16 +272,34 @@ def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,
     return {stem: (f, r) for (stem, f), r in zip(found.items(), records)}
 
 
-def _references(table, stem: str, f: FoundFile, item: Item, folder: Path | None,
-                problems: list[str]) -> tuple[tuple[str, str], ...]:
+def _numbered(table, media_stems: set[str]) -> dict[str, list[int]]:
+    """Stem -> the numbers of its numbered control images (`photo_2.png`: "photo" -> [2]), other
+    than those that are some media file's own same-stem control image."""
+    out: dict[str, list[int]] = {}
+    for name in table or ():
+        match = re.fullmatch(r"(.+)_(\d+)", name)
+        if match and name not in media_stems:
+            out.setdefault(match.group(1), []).append(int(match.group(2)))
+    return out
+
+
+def _references(table, numbered: dict[str, list[int]], stem: str, f: FoundFile, item: Item,
+                folder: Path | None, problems: list[str]) -> tuple[tuple[str, str], ...]:
     """An item's control images: the same-stem file (`photo.png` for `photo.jpg`), else the
-    numbered ones in order (`photo_1.png`, `photo_2.png`, ... up to the first number missing)."""
+    numbered ones in order (`photo_1.png`, `photo_2.png`, ...: a gap in the numbers is an
+    error, not a cut)."""
     if table is None:
         return ()
     stems = [stem]
     if stem not in table:
         stems = list(itertools.takewhile(table.__contains__,
                                          (f"{stem}_{n}" for n in itertools.count(1))))
+        beyond = sorted(n for n in numbered.get(stem, ()) if n > len(stems))
+        if beyond:
+            problems.append(f"{f.path}: its control images in {folder} skip a number ("
+                            + ", ".join(f"{stem}_{n}" for n in beyond) + f" after "
+                            f"{len(stems)} in order): number them {stem}_1, {stem}_2, ...")
+            return ()
     if not stems:
         problems.append(f"{f.path}: no control image in {folder} (expected {stem}.<image "
                         f"extension>, or {stem}_1, {stem}_2, ... for several)")

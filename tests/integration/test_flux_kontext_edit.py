@@ -9,7 +9,6 @@ loss of the same micro-batches; the exported LoRA, loaded with the family's diff
 reproduces the trained model on an edit batch; the one-reference runs' staged samples equal the
 pipelines' (the two-reference samplers: their unit tests).
 
-
 (The Qwen edits are not in test_families.py: that harness trains on dataset=synthetic, which has
 no control images, and they refuse to train without them.)
 """

@@ -334,9 +334,12 @@ def test_more_references_than_the_family_takes_are_refused_before_encoding(tmp_p
     assert "model.family=fake takes at most 1 control image(s) per file" in message
     assert "00.png: 2 control images" in message and "control/00_2.png" in message
     assert spec.encoded == []
-    # A missing file among them: the files found are numbered up to the first gap, so the
-    # image with no `_1` has no control image at all and is named.
+    # A missing file among them: a gap in the numbers is named, as is an image with none.
     (tmp_path / "data" / "control" / "02_1.png").unlink()
+    with pytest.raises(DataError, match=r"02.png: its control images in .*control skip a "
+                                        r"number \(02_2 after 0 in order\): number them 02_1"):
+        _prepare(SeesReferences(), cfg)
+    (tmp_path / "data" / "control" / "02_2.png").unlink()
     with pytest.raises(DataError, match=r"02.png: no control image in .*control \(expected "
                                         r"02.<image extension>, or 02_1, 02_2, \.\.\. for"):
         _prepare(SeesReferences(), cfg)
