@@ -137,6 +137,7 @@ def test_reference_image_inputs_match_the_pipeline(spec, pipe):
     torch.testing.assert_close(loss, torch.nn.functional.mse_loss(x[:, :64], labels[0]))
 
 
+@pytest.mark.slow
 def test_several_reference_images_match_the_pipeline(spec, pipe):
     """Two references (B, R, C, h, w), of their own sizes: tokens in their order after the
     noisy ones, ids with t = 10 and 20 (Flux2Pipeline's `_prepare_image_ids`); layers ==
