@@ -449,8 +449,9 @@ def _check_references(spec: ModelSpec, name: str, found: disc.Discovery) -> None
         raise DataError(
             f"model.family={spec.family} takes at most {most} control image(s) per file, but "
             f"{len(over)} file(s) of the dataset ({name}) have more:" + list_files(over)
-            + "\nRemove the extra numbered files (<stem>_2, ...) from dataset.control_dir, or "
-            "choose a family that takes several references.")
+            + f"\nKeep at most {most} per file (numbered <stem>_1, <stem>_2, ... files in "
+            "control_dir, or the `control` lists of the captions file), or choose a family that "
+            "takes more references.")
 
 
 def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
