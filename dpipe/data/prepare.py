@@ -504,6 +504,7 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             True if settings.prior_preservation and not eval_mode else None, audio))
     if sound is not None:
         _check_audio_lengths(buckets.values(), sound.sample_rate)
+    _check_reference_counts(buckets.values())
     ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)
@@ -539,6 +540,24 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
     report.upscaled = {d: (len(files), min(files.values(), key=lambda wh: (wh[0] * wh[1], wh)))
                        for d, files in sorted(upscaled.items())}
     return report.manifest, report
+
+
+def _check_reference_counts(buckets) -> None:
+    """A micro-batch stacks its samples' references, so the files of a bucket trained more than
+    one to a micro-batch must have as many each."""
+    for b in buckets:
+        counts: dict[int, str] = {}
+        for sample in b.samples:
+            if sample.control:
+                counts.setdefault(len(sample.control_keys), sample.source)
+        if b.micro_batch_size > 1 and len(counts) > 1:
+            listed = [f"{source}: {n} control image(s)" for n, source in sorted(counts.items())]
+            raise DataError(
+                f"bucket {b.name} (micro-batch {b.micro_batch_size}) mixes files with "
+                f"{' and '.join(map(str, sorted(counts)))} control images, which a micro-batch "
+                "cannot stack, e.g.:" + list_files(listed) + "\nGive its files as many "
+                f"each, or add {{resolution: {b.resolution}, micro_batch_size: 1}} to "
+                "dataset.micro_batch_sizes.")
 
 
 def _no_sound_trained(s: _Set) -> str | None:

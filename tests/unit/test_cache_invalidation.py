@@ -345,6 +345,18 @@ def test_more_references_than_the_family_takes_are_refused_before_encoding(tmp_p
         _prepare(SeesReferences(), cfg)
 
 
+def test_a_micro_batch_of_files_with_different_reference_counts_is_refused(tmp_path):
+    from dpipe.errors import DataError
+
+    cfg = _references_dataset(tmp_path)
+    (tmp_path / "data" / "control" / "01_2.png").unlink()  # 01.png: one reference
+    spec = SeesReferences()
+    with pytest.raises(DataError, match=r"bucket 32x32 \(micro-batch 2\) mixes files with 1 and 2 "
+                                        r"control images(.|\n)*01.png: 1 control image"):
+        prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout(2, 1, 1, 0))
+    _prepare(SeesReferences(), cfg)  # one to a micro-batch: any mix
+
+
 def test_a_captions_file_names_each_files_references_in_order(tmp_path):
     from dpipe.errors import DataError
     from dpipe.images import load_image
