@@ -98,7 +98,8 @@ def plan_job(args: list[str]) -> tuple[Path, int]:
     run.sample.prompts_file = None  # its prompts are among these now
     run.sample.prompts = [{"prompt": r.prompt, "negative_prompt": r.negative_prompt,
                            "seed": r.seed, "width": r.width, "height": r.height,
-                           "frames": r.frames, **({"control": r.control} if r.control else {})}
+                           "frames": r.frames, **({"control": list(r.controls) if len(r.controls) > 1 else r.control}
+                              if r.control else {})}
                           for r in requests]
 
     if "run" in special:

@@ -283,7 +283,8 @@ class DataSettings:
     caption_dropout: float = 0.0  # probability of training a sample on the empty caption
     # Same-stem files (any image format) weighting the loss per pixel: white 1, black 0.
     mask_dir: Optional[str] = None
-    # Same-stem control/reference images (edit models), cached and delivered with each sample.
+    # Same-stem control/reference images (edit models), cached and delivered with each sample;
+    # several per file as <stem>_1, <stem>_2, ... (families that take several references).
     control_dir: Optional[str] = None
     # Each sample's loss counts this many times: e.g. 0.5 for a regularisation directory, so it
     # steers less than the subject's own images.
@@ -641,8 +642,8 @@ class SampleConfig:
     `dpipe-sample`. With no prompts nothing is sampled and nothing is loaded for it."""
 
     # Each item a prompt, or a mapping with `prompt` and any of negative_prompt, seed, width,
-    # height, frames, control (an image path, for edit and image-to-video families),
-    # audio_guidance.
+    # height, frames, control (an image path, for edit and image-to-video families; a list of
+    # paths, in order, for families that take several references), audio_guidance.
     prompts: list[Any] = field(default_factory=list)
     # A text file of prompts, one per line (blank lines and lines starting with # skipped),
     # sampled after the items of `prompts`: prompts with commas need no quoting there.

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 def _role(key: str, sample: Sample) -> str:
     """What the entry `key` is to `sample`, for messages."""
-    roles = {sample.latent: "latents", sample.mask: "mask", sample.control: "control latents",
-             sample.audio: "audio latents"}
+    roles = {sample.latent: "latents", sample.mask: "mask", sample.audio: "audio latents",
+             **{k: "control latents" for k in sample.control_keys}}
     return roles.get(key, "caption embedding")
 
 
@@ -118,13 +118,23 @@ class CachedDataset:
             weight = torch.stack([self._weight(s, latents.shape[1:]) for s in samples])
         control = None
         if any(s.control for s in samples):
-            missing = [s.source for s in samples if not s.control]
-            if missing:
-                raise DataError(f"a batch mixes files with and without control images "
-                                f"({missing[0]}); give every directory of the bucket a "
-                                "control_dir")
-            control = torch.stack([self.get(s.control, s)["latents"] for s in samples])
+            counts = {len(s.control_keys) for s in samples}
+            if len(counts) > 1:
+                first = min(samples, key=lambda s: len(s.control_keys))
+                raise DataError(
+                    f"a micro-batch mixes files with {' and '.join(map(str, sorted(counts)))} "
+                    f"control images ({first.source} has {len(first.control_keys)}); give "
+                    "every file of a bucket as many (and a control_dir to every directory), "
+                    "or set pipeline.micro_batch_size=1")
+            control = torch.stack([self._references(s) for s in samples])
         return latents, text, weight, control
+
+    def _references(self, sample: Sample) -> torch.Tensor:
+        """A sample's control latents: (C, h, w) for one reference, (R, C, h, w) for several
+        (`dpipe.models.spec.reference_latents`)."""
+        if isinstance(sample.control, str):
+            return self.get(sample.control, sample)["latents"]
+        return torch.stack([self.get(k, sample)["latents"] for k in sample.control])
 
     def audio(self, samples: list[Sample]) -> torch.Tensor | None:
         """The clips' audio latents, stacked; None where no sample has sound (images, or a

@@ -1,4 +1,6 @@
-"""Captions: same-stem .txt files or a JSON/JSONL captions file; prefix and tag shuffling.
+"""Captions: same-stem .txt files or a JSON/JSONL captions file; prefix and tag shuffling. A
+captions file's records may also name each file's control images (`"control": "a.png"` or
+`["a.png", "b.png"]`, in order, paths inside the directory's control_dir).
 
 Every variant a sample can be trained with is a fixed string known before training (the captions
 of its file, each shuffled into `tag_variants` orders), so each is encoded once into the cache
@@ -10,11 +12,18 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 from dpipe.errors import DataError
 
 _FILE_KEYS = ("file", "path", "image", "video", "name")
 _CAPTION_KEYS = ("captions", "caption", "text", "prompt")
+_CONTROL_KEY = "control"
+
+
+class CaptionsFile(NamedTuple):
+    captions: dict[str, list[str]]  # file name -> its captions
+    controls: dict[str, list[str]]  # file name -> its control images, where a record names them
 
 
 def read_caption(path: Path) -> str:
@@ -27,10 +36,11 @@ def read_caption(path: Path) -> str:
         raise DataError(f"cannot read caption {path} ({error}): check its permissions.")
 
 
-def load_captions_file(path: Path) -> dict[str, list[str]]:
+def load_captions_file(path: Path) -> CaptionsFile:
     """File name (as written in the file: a path relative to the directory, or a bare name) ->
-    its captions. JSON: {"cat.jpg": "a cat"} or {"cat.jpg": ["a cat", "a tabby"]} or a list of
-    records; JSONL: one record per line, e.g. {"file": "cat.jpg", "caption": "a cat"}."""
+    its captions (and control images). JSON: {"cat.jpg": "a cat"} or {"cat.jpg": ["a cat", "a
+    tabby"]} or a list of records; JSONL: one record per line, e.g. {"file": "cat.jpg",
+    "caption": "a cat"}, or with {"control": ["cat_ref.png", "hat.png"]}."""
     if not path.is_file():
         raise DataError(f"captions_file {path} does not exist: fix the dataset's captions_file.")
     try:
@@ -41,12 +51,14 @@ def load_captions_file(path: Path) -> dict[str, list[str]]:
             data = json.loads(text)
             records = data if isinstance(data, list) else None
             if isinstance(data, dict):
-                return {str(k): _caption_list(v, path, k) for k, v in data.items()}
+                return CaptionsFile({str(k): _caption_list(v, path, k) for k, v in data.items()},
+                                    {})
     except (ValueError, OSError) as error:
         raise DataError(f"cannot read captions_file {path} ({error}): it must be JSON or JSONL.")
     if records is None:
         raise DataError(f"captions_file {path}: expected an object or a list of records.")
     out: dict[str, list[str]] = {}
+    controls: dict[str, list[str]] = {}
     for number, record in enumerate(records, 1):
         name = next((record.get(k) for k in _FILE_KEYS if isinstance(record, dict) and k in record),
                     None)
@@ -58,7 +70,9 @@ def load_captions_file(path: Path) -> dict[str, list[str]]:
                 f"{', '.join(_FILE_KEYS)}) and captions (one of {', '.join(_CAPTION_KEYS)}); "
                 f"got {record!r}")
         out.setdefault(str(name), []).extend(_caption_list(value, path, name))
-    return out
+        if _CONTROL_KEY in record:
+            controls[str(name)] = _control_list(record[_CONTROL_KEY], path, name, number)
+    return CaptionsFile(out, controls)
 
 
 def match_captions(table: dict[str, list[str]], rel: str) -> list[str] | None:
@@ -101,4 +115,13 @@ def _caption_list(value, path: Path, name) -> list[str]:
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         raise DataError(f"captions_file {path}: the captions of {name!r} must be a string or a "
                         f"non-empty list of strings, got {value!r}")
+    return [v.strip() for v in values]
+
+
+def _control_list(value, path: Path, name, number: int) -> list[str]:
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+        raise DataError(f"captions_file {path}, record {number}: the control of {name!r} must be "
+                        f"an image path or a non-empty list of them (inside control_dir), got "
+                        f"{value!r}")
     return [v.strip() for v in values]

@@ -8,7 +8,9 @@ image (an error naming the files). Nothing is dropped without a line in the data
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +19,8 @@ from dpipe.config.schema import AudioMissing, DataSettings, DatasetConfig, Missi
 from dpipe.data.audio import AudioSource
 from dpipe.data.buckets import (
     Shape, aspect_ratios, bucket_sizes, clip_starts, frame_bucket, nearest_size)
-from dpipe.data.captions import caption_variants, load_captions_file, match_captions
+from dpipe.data.captions import (
+    CaptionsFile, caption_variants, load_captions_file, match_captions)
 from dpipe.data.index import FileIndex
 from dpipe.data.sources import (
     FoundFile, check_directory, image_extensions, list_files, same_stem_files, walk)
@@ -46,7 +49,8 @@ class Item:
     captions: list[str]  # every caption variant, final (prefix, shuffled tags)
     directory: int
     mask: tuple[str, str] | None = None  # (path, sha256)
-    control: tuple[str, str] | None = None
+    # (path, sha256) of each control (reference) image, in order; () without a control_dir.
+    controls: tuple[tuple[str, str], ...] = ()
     audio: AudioSource | None = None  # clips, when the model trains on sound
 
 
@@ -119,9 +123,12 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                     if audio and kind == "video" and st in listing.audio]
         sidecar_records = dict(zip((a.rel for a in sidecars),
                                    index.records(sidecars, "audio", workers)))
-        table = (load_captions_file(root / s.captions_file) if s.captions_file else {})
+        listed = (load_captions_file(root / s.captions_file) if s.captions_file
+                  else CaptionsFile({}, {}))
+        table = listed.captions
         masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
         controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
+        numbered = _numbered(controls, set(stems))
         result.reads += index.reads
         result.files += len(media)
 
@@ -152,8 +159,13 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
                              caption_variants(captions, s.caption_prefix, s.shuffle_tags,
                                               s.tag_variants, s.keep_tags, s.tag_separator))
             item.mask = _companion(masks, stem, f, item, "mask", mask_dir, problems)
-            item.control = _companion(controls, stem, f, item, "control image", control_dir,
-                                      problems)
+            named = match_captions(listed.controls, f.rel) if listed.controls else None
+            if named is None:
+                item.controls = _references(controls, numbered, stem, f, item, control_dir,
+                                            problems)
+            else:
+                item.controls = _listed_references(named, controls, f, item, control_dir,
+                                                   root / s.captions_file, problems)
             if audio and kind == "video":
                 sidecar = listing.audio.get(stem)
                 item.audio = _sound(f.path, record, sidecar,
@@ -258,6 +270,62 @@ def _companions(folder: Path | None, key: str, cache_dir: Path, workers: int,
     records = index.records(files, "image", workers)
     index.save()
     return {stem: (f, r) for (stem, f), r in zip(found.items(), records)}
+
+
+def _numbered(table, media_stems: set[str]) -> dict[str, list[int]]:
+    """Stem -> the numbers of its numbered control images (`photo_2.png`: "photo" -> [2]), other
+    than those that are some media file's own same-stem control image."""
+    out: dict[str, list[int]] = {}
+    for name in table or ():
+        match = re.fullmatch(r"(.+)_(\d+)", name)
+        if match and name not in media_stems:
+            out.setdefault(match.group(1), []).append(int(match.group(2)))
+    return out
+
+
+def _references(table, numbered: dict[str, list[int]], stem: str, f: FoundFile, item: Item,
+                folder: Path | None, problems: list[str]) -> tuple[tuple[str, str], ...]:
+    """An item's control images: the same-stem file (`photo.png` for `photo.jpg`), else the
+    numbered ones in order (`photo_1.png`, `photo_2.png`, ...: a gap in the numbers is an
+    error, not a cut)."""
+    if table is None:
+        return ()
+    stems = [stem]
+    if stem not in table:
+        stems = list(itertools.takewhile(table.__contains__,
+                                         (f"{stem}_{n}" for n in itertools.count(1))))
+        beyond = sorted(n for n in numbered.get(stem, ()) if n > len(stems))
+        if beyond:
+            problems.append(f"{f.path}: its control images in {folder} skip a number ("
+                            + ", ".join(f"{stem}_{n}" for n in beyond) + f" after "
+                            f"{len(stems)} in order): number them {stem}_1, {stem}_2, ...")
+            return ()
+    if not stems:
+        problems.append(f"{f.path}: no control image in {folder} (expected {stem}.<image "
+                        f"extension>, or {stem}_1, {stem}_2, ... for several)")
+        return ()
+    found = [_companion(table, s, f, item, "control image", folder, problems) for s in stems]
+    return tuple(found) if all(found) else ()
+
+
+def _listed_references(names: list[str], table, f: FoundFile, item: Item, folder: Path | None,
+                       captions_file: Path, problems: list[str]) -> tuple[tuple[str, str], ...]:
+    """An item's control images as its captions file names them, in that order (paths inside
+    control_dir, with their extension)."""
+    if table is None:
+        problems.append(f"{captions_file} names control images for {f.path}: set control_dir to "
+                        "the folder that holds them")
+        return ()
+    found = []
+    for name in names:
+        stem, _suffix = os.path.splitext(name)
+        hit = table.get(stem)
+        if hit is None or os.path.basename(hit[0].path) != os.path.basename(name):
+            problems.append(f"{f.path}: its control image {name} (in {captions_file}) is not in "
+                            f"{folder}")
+            continue
+        found.append(_companion(table, stem, f, item, "control image", folder, problems))
+    return tuple(found) if len(found) == len(names) and all(found) else ()
 
 
 def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Path | None,

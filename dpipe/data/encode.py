@@ -81,8 +81,9 @@ class TextJob(NamedTuple):
     key: str
     caption: str
     # For models whose text encoder reads the control image: the control file, fitted to
-    # width x height (the sample's bucket) as its control latents are.
-    control: str | None = None
+    # width x height (the sample's bucket) as its control latents are; a tuple of files, in
+    # order, where the sample has several references.
+    control: str | tuple[str, ...] | None = None
     width: int = 0
     height: int = 0
     # A sample's negative prompt, for families that encode those apart (negative_prompts_differ).
@@ -206,7 +207,8 @@ def _put_texts(writer, chunk: list[TextJob], embeds: dict[str, torch.Tensor]) ->
     for j, t in enumerate(chunk):
         meta = {"kind": "text", "caption": t.caption[:500]}
         if t.control is not None:
-            meta.update(control=t.control, shape=f"{t.width}x{t.height}")
+            meta.update(control=t.control if isinstance(t.control, str) else "\n".join(t.control),
+                        shape=f"{t.width}x{t.height}")
         writer.put(t.key, {name: e[j].float().cpu() for name, e in embeds.items()}, meta)
 
 
@@ -215,11 +217,13 @@ def _encode_texts_with_controls(spec, encoders, texts: list[TextJob], writer, co
     """Captions encoded with their control images, a run of one control size at a time. The
     controls are decoded here (one small image per caption, next to a VL encoder's cost)."""
     failures: list[Failure] = []
-    texts = sorted(texts, key=lambda t: (t.width, t.height, t.key))
+    def shape(t: TextJob):  # a chunk stacks its controls: one size, one reference count
+        return t.width, t.height, 1 if isinstance(t.control, str) else len(t.control)
+
+    texts = sorted(texts, key=lambda t: (shape(t), t.key))
     chunks: list[list[TextJob]] = []
     for t in texts:
-        if chunks and len(chunks[-1]) < ENCODE_BATCH and \
-                (chunks[-1][0].width, chunks[-1][0].height) == (t.width, t.height):
+        if chunks and len(chunks[-1]) < ENCODE_BATCH and shape(chunks[-1][0]) == shape(t):
             chunks[-1].append(t)
         else:
             chunks.append([t])
@@ -227,10 +231,14 @@ def _encode_texts_with_controls(spec, encoders, texts: list[TextJob], writer, co
         ready, pixels = [], []
         for t in chunk:
             try:
-                pixels.append(load_image(t.control, t.width, t.height))
+                if isinstance(t.control, str):
+                    pixels.append(load_image(t.control, t.width, t.height))
+                else:
+                    pixels.append(torch.stack([load_image(c, t.width, t.height)
+                                               for c in t.control]))
                 ready.append(t)
             except DataError as error:
-                failures.append(Failure(t.key, t.control, "control", str(error)))
+                failures.append(Failure(t.key, str(t.control), "control", str(error)))
         if ready:
             embeds = spec.encode_prompts_with_controls(
                 encoders, [t.caption for t in ready], torch.stack(pixels))

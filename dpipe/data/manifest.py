@@ -24,7 +24,9 @@ class Sample(NamedTuple):
     latent: str  # cache keys ...
     texts: tuple[str, ...]  # ... one per caption variant
     mask: str | None = None
-    control: str | None = None
+    # The control image's latents (key); a tuple of keys, in order, where the sample has several
+    # references (a single one stays a string: manifests without several keep their digest).
+    control: str | tuple[str, ...] | None = None
     repeats: int = 1
     dropout: float = 0.0  # probability of using the empty caption instead
     # The sample's own empty caption (key), for models whose text sees the control image (the
@@ -47,6 +49,13 @@ class Sample(NamedTuple):
     @property
     def identity(self) -> tuple[str, int]:
         return self.source, self.start
+
+    @property
+    def control_keys(self) -> tuple[str, ...]:
+        """The keys of the sample's control images' latents, in order; () without any."""
+        if self.control is None:
+            return ()
+        return (self.control,) if isinstance(self.control, str) else self.control
 
 
 @dataclass
@@ -99,7 +108,8 @@ class Manifest:
             for s in b.samples:
                 out.add(s.latent)
                 out.update(s.texts)
-                out.update(k for k in (s.mask, s.control, s.empty, s.audio) if k)
+                out.update(k for k in (s.mask, s.empty, s.audio) if k)
+                out.update(s.control_keys)
         return out
 
     def save(self, folder: Path) -> Path:
@@ -132,6 +142,7 @@ def _sample(row: list) -> Sample:
     for k in ("original_size", "crop_top_left"):
         if extras.get(k) is not None:
             extras[k] = tuple(extras[k])
+    ctrl = tuple(ctrl) if isinstance(ctrl, list) else ctrl
     return Sample(src, start, lat, tuple(texts), mask, ctrl, rep, drop, **extras)
 
 

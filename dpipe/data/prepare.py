@@ -240,6 +240,7 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             raise DataError(f"model family {spec.family} trains on images, but the dataset "
                             f"({name}) has {len(videos)} video(s):" + list_files(videos)
                             + "\nRemove them or choose a video model.")
+        _check_references(spec, name, found)
         if sees_control:
             _check_controls(spec, name, found)
         notes = _choose_frame_buckets(spec, found)
@@ -257,10 +258,11 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             drops = not eval_mode and s.caption_dropout > 0
             text_keys, empty = [], None
             if sees_control:
-                path, sha = item.control
+                paths = tuple(path for path, _ in item.controls)
+                shas = _joined(sha for _, sha in item.controls)
                 for caption in item.captions + ([""] if drops else []):
-                    k = seen_key.fields(sha, w, h, caption)
-                    texts.setdefault(k, TextJob(k, caption, path, w, h))
+                    k = seen_key.fields(shas, w, h, caption)
+                    texts.setdefault(k, TextJob(k, caption, _one_or_all(paths), w, h))
                     text_keys.append(k)
                 if drops:
                     empty = text_keys.pop()
@@ -276,11 +278,14 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             if item.mask:
                 mask = mask_key.fields(item.mask[1], w, h)
                 jobs.setdefault(mask, MaskJob(mask, item.mask[0], p.shape.width, p.shape.height))
-            if item.control:
-                control = latent_key.fields(item.control[1], "image", None, w, h, 1, 0)
-                jobs.setdefault(control, LatentJob(control, item.control[0], "image",
-                                                   p.shape.width, p.shape.height, role="control",
-                                                   source_size=(item.info["w"], item.info["h"])))
+            if item.controls:
+                control_keys = []
+                for path, sha in item.controls:
+                    k = latent_key.fields(sha, "image", None, w, h, 1, 0)
+                    jobs.setdefault(k, LatentJob(k, path, "image", w, h, role="control",
+                                                 source_size=(item.info["w"], item.info["h"])))
+                    control_keys.append(k)
+                control = _one_or_all(tuple(control_keys))
             audio = None
             # Clips only: images (and clips cut to one frame) train the video path alone.
             if item.audio is not None and frames > 1:
@@ -383,10 +388,11 @@ def _request_jobs(requests: list, spec: ModelSpec, dtype: torch.dtype, latent_ke
         control = sha = None
         w, h = sampling.control_size(request)
         if request.control is not None:
-            sha = file_fingerprint(Path(request.control))
-            control = latent_key.fields(sha, "image", None, w, h, 1, 0)
-            jobs.setdefault(control, LatentJob(control, request.control, "image", w, h,
-                                               role="control"))
+            shas = [file_fingerprint(Path(path)) for path in request.controls]
+            control_keys = [latent_key.fields(one, "image", None, w, h, 1, 0) for one in shas]
+            for k, path in zip(control_keys, request.controls):
+                jobs.setdefault(k, LatentJob(k, path, "image", w, h, role="control"))
+            control, sha = _one_or_all(tuple(control_keys)), _joined(shas)
         keys = []
         for caption in (request.prompt, request.negative_prompt):
             if caption is request.negative_prompt and negative_key is not None:
@@ -430,8 +436,33 @@ def prepare_prompts(spec: ModelSpec, cache_dir: str, device: torch.device, dtype
     return dataset
 
 
+def _joined(shas) -> str:
+    """The text+control key's "control source": the control file's sha256, or those of several
+    references joined in their order (their order changes the encoding, so the key)."""
+    return "+".join(shas)
+
+
+def _one_or_all(values: tuple):
+    """One reference as itself, several as the tuple (`Sample.control`, `TextJob.control`)."""
+    return values[0] if len(values) == 1 else values
+
+
+def _check_references(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
+    """No item may have more control images than the family takes (`ModelSpec.references`)."""
+    most = getattr(spec, "references", 1)
+    over = [f"{i.path}: {len(i.controls)} control images ({', '.join(p for p, _ in i.controls)})"
+            for i in found.items if len(i.controls) > most]
+    if over:
+        raise DataError(
+            f"model.family={spec.family} takes at most {most} control image(s) per file, but "
+            f"{len(over)} file(s) of the dataset ({name}) have more:" + list_files(over)
+            + f"\nKeep at most {most} per file (numbered <stem>_1, <stem>_2, ... files in "
+            "control_dir, or the `control` lists of the captions file), or choose a family that "
+            "takes more references.")
+
+
 def _check_controls(spec: ModelSpec, name: str, found: disc.Discovery) -> None:
-    missing = [i.path for i in found.items if not i.control]
+    missing = [i.path for i in found.items if not i.controls]
     if missing:
         raise DataError(
             f"model.family={spec.family} encodes each caption together with its control image, "
@@ -451,7 +482,9 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
     for p, (latent, texts, mask, control, empty, audio) in zip(s.placements, s.sample_keys):
         item = s.discovery.items[p.item]
         settings = s.discovery.directories[item.directory].settings
-        bad = failed.get(latent) or failed.get(control or "") or failed.get(audio or "")
+        controls = (control,) if isinstance(control, str) else control or ()
+        bad = (failed.get(latent) or next((failed[k] for k in controls if k in failed), None)
+               or failed.get(audio or ""))
         if bad:
             if item.path not in reported:
                 dropped.append((item.path, f"unreadable: {bad}"))
@@ -478,6 +511,7 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
             True if settings.prior_preservation and not eval_mode else None, audio))
     if sound is not None:
         _check_audio_lengths(buckets.values(), sound.sample_rate)
+    _check_reference_counts(buckets.values())
     ordered = sorted(buckets.values(), key=lambda b: (b.frames, b.resolution, b.name))
     report = DataReport(s.name, len(s.discovery.items), len(s.discovery.directories),
                         layout.micro_batches, layout.data_parallel)
@@ -513,6 +547,24 @@ def _manifest(s: _Set, cfg: DatasetConfig, layout: Layout, empty_text: str | Non
     report.upscaled = {d: (len(files), min(files.values(), key=lambda wh: (wh[0] * wh[1], wh)))
                        for d, files in sorted(upscaled.items())}
     return report.manifest, report
+
+
+def _check_reference_counts(buckets) -> None:
+    """A micro-batch stacks its samples' references, so the files of a bucket trained more than
+    one to a micro-batch must have as many each."""
+    for b in buckets:
+        counts: dict[int, str] = {}
+        for sample in b.samples:
+            if sample.control:
+                counts.setdefault(len(sample.control_keys), sample.source)
+        if b.micro_batch_size > 1 and len(counts) > 1:
+            listed = [f"{source}: {n} control image(s)" for n, source in sorted(counts.items())]
+            raise DataError(
+                f"bucket {b.name} (micro-batch {b.micro_batch_size}) mixes files with "
+                f"{' and '.join(map(str, sorted(counts)))} control images, which a micro-batch "
+                "cannot stack, e.g.:" + list_files(listed) + "\nGive its files as many "
+                f"each, or add {{resolution: {b.resolution}, micro_batch_size: 1}} to "
+                "dataset.micro_batch_sizes.")
 
 
 def _no_sound_trained(s: _Set) -> str | None:

@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "lumina2": "dpipe.models.lumina2.spec:Lumina2Spec",
     "qwen_image": "dpipe.models.qwen_image.spec:QwenImageSpec",
     "qwen_image_edit": "dpipe.models.qwen_image.edit:QwenImageEditSpec",
+    "qwen_image_edit_plus": "dpipe.models.qwen_image.edit_plus:QwenImageEditPlusSpec",
     "krea2": "dpipe.models.krea2.spec:Krea2Spec",
     "ideogram4": "dpipe.models.ideogram4.spec:Ideogram4Spec",
     "ernie_image": "dpipe.models.ernie_image.spec:ErnieImageSpec",

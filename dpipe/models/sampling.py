@@ -35,9 +35,18 @@ class SampleRequest:
     width: int
     height: int
     frames: int = 1
-    control: str | None = None  # an image path (edit and image-to-video families)
+    # An image path (edit and image-to-video families); a tuple of paths, in order, for
+    # several references (families whose spec takes them: `ModelSpec.references`).
+    control: str | tuple[str, ...] | None = None
     last_frame: str | None = None  # an image path: the clip's last frame (first-last-frame)
     audio_guidance: float | None = None  # the sound's own scale; None: the family's usual
+
+    @property
+    def controls(self) -> tuple[str, ...]:
+        """The request's control images, in order; () without any."""
+        if self.control is None:
+            return ()
+        return (self.control,) if isinstance(self.control, str) else self.control
 
     @property
     def label(self) -> str:
@@ -57,7 +66,8 @@ class Denoising:
     text: dict[str, torch.Tensor]  # cached embeddings of the prompt, batch of 1
     uncond: dict[str, torch.Tensor] | None  # of the negative prompt, with classifier-free guidance
     guidance: float
-    control: torch.Tensor | None = None  # latents of the control image, batch of 1
+    # Latents of the control image, batch of 1; several references: (1, R, C, h, w)
+    control: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)  # what a family keeps between steps
 
 
@@ -113,6 +123,9 @@ class FamilySampling:
         if request.control is not None and not (self.needs_control or self.takes_control):
             return (f"control={request.control}: {self.spec.family} takes no control image; "
                     "remove `control`")
+        if len(request.controls) > self.spec.references:
+            return (f"control: {len(request.controls)} images, but {self.spec.family} takes at "
+                    f"most {self.spec.references}; give fewer")
         if request.last_frame is not None:
             return self.last_frame_problem(request)
         return self.sound_problem(request)

@@ -44,6 +44,12 @@ class AudioFormat:
     channels: int  # 1: mono, 2: stereo
 
 
+def reference_latents(control: torch.Tensor) -> list[torch.Tensor]:
+    """A batch's control latents as one (B, C, h, w) tensor per reference, in their order:
+    `NoisedBatch.control` is (B, C, h, w) for one reference, (B, R, C, h, w) for several."""
+    return [control] if control.dim() == 4 else list(control.unbind(1))
+
+
 @dataclass(frozen=True)
 class NoisedBatch:
     """One micro-batch after noising: what the denoiser sees and what it must predict. The
@@ -60,7 +66,9 @@ class NoisedBatch:
     # Per-pixel loss weights at latent resolution, (B, 1, h, w) ((B, 1, 1, h, w) for video),
     # 1 where a sample has no mask. Models multiply their per-element loss by it.
     loss_weight: torch.Tensor | None = None
-    # Latents of the control/reference images of edit models, shaped as `latents`.
+    # Latents of the control/reference images of edit models, shaped as `latents`; where a
+    # sample has several references (families whose `references` > 1), (B, R, C, h, w) in their
+    # order: `reference_latents` gives them one by one.
     control: torch.Tensor | None = None
     # How each file was fitted to its bucket (int64, (B, 2)): the source's (height, width) and
     # the (top, left) of the centre crop, in pixels of the source scaled to cover the bucket.
@@ -210,10 +218,15 @@ class ModelSpec(abc.ABC):
     # their text entries depend on (caption, control image) and are made by
     # `encode_prompts_with_controls`, not `encode_prompts`.
     text_sees_control: ClassVar[bool] = False
+    # How many control (reference) images a sample may have: a dataset item or sample request
+    # with more is refused before training. Families taking several use as many as a sample
+    # gives (at least one); their `make_inputs` reads them with `reference_latents`.
+    references: ClassVar[int] = 1
 
     def encode_prompts_with_controls(self, encoders: Any, prompts: list[str],
                                      controls: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Prompts, each with its control image (B, 3, H, W) in [-1, 1] -> as `encode_prompts`."""
+        """Prompts, each with its control image (B, 3, H, W) in [-1, 1] (several references:
+        (B, R, 3, H, W), in their order) -> as `encode_prompts`."""
         raise NotImplementedError(f"model.family={self.family} encodes prompts without images")
 
     # ---- audio (audio-video families with model.audio=true) -------------------------------------

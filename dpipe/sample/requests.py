@@ -139,14 +139,14 @@ def _scale(fields: dict, key: str, where: str, default: float | None) -> float |
     return float(value)
 
 
-def _first_frame(fields: dict, where: str) -> str | None:
+def _first_frame(fields: dict, where: str) -> str | tuple[str, ...] | None:
     """`first_frame` is the control image of image-to-video families, by the name of its role."""
     if fields.get("first_frame") is not None and fields.get("control") is not None:
         raise ConfigError(f"{where} gives both `control` and `first_frame`, which are one image "
                           "for image-to-video: keep one")
     if fields.get("first_frame") is not None:
         return _image(fields, "first_frame", where, "the clip's first frame")
-    return _image(fields, "control", where, "the control image to edit or animate")
+    return _control(fields, where)
 
 
 def _image(fields: dict, key: str, where: str, what: str) -> str | None:
@@ -157,3 +157,23 @@ def _image(fields: dict, key: str, where: str, what: str) -> str | None:
     if not path.is_file():
         raise ConfigError(f"{where}.{key}={value}: no such image file; give the path of {what}")
     return str(path.resolve())
+
+
+def _control(fields: dict, where: str) -> str | tuple[str, ...] | None:
+    """An image path, or a list of them (several references, in order): one stays a string."""
+    value = fields.get("control")
+    if value is None:
+        return None
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not values:
+        raise ConfigError(f"{where}.control=[]: give an image path (or several), or leave "
+                          "`control` out")
+    paths = []
+    for number, one in enumerate(values):
+        path = Path(str(one)).expanduser()
+        if not path.is_file():
+            key = f"{where}.control" + (f"[{number}]" if len(values) > 1 else "")
+            raise ConfigError(f"{key}={one}: no such image file; give the path of the "
+                              "control image to edit or animate")
+        paths.append(str(path.resolve()))
+    return paths[0] if len(paths) == 1 else tuple(paths)

@@ -79,8 +79,12 @@ class SampleRound:
 
         control = None
         if control_key is not None:
-            control = self.dataset.entry(control_key, str(request.control), "control latents",
-                                         str(request.control))["latents"][None].to(self.device)
+            keys = (control_key,) if isinstance(control_key, str) else control_key
+            latents = [self.dataset.entry(k, path, "control latents", path)["latents"]
+                       for k, path in zip(keys, request.controls)]
+            # One reference: (1, C, h, w); several: (1, R, C, h, w) (NoisedBatch.control).
+            stacked = latents[0] if len(latents) == 1 else torch.stack(latents)
+            control = stacked[None].to(self.device)
         return self.sampling.start(request, self.steps, self.guidance,
                                    batched(text_key, "prompt embedding"),
                                    batched(uncond_key, "negative prompt embedding"), control,

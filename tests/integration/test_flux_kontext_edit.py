@@ -1,14 +1,16 @@
-"""Edit training end to end, for the edit families (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): a
-folder dataset with same-stem reference images in `control/`, cached by the real data pipeline
-and delivered with each sample, trained in 2 pipeline stages over 2 processes. Qwen-Image-Edit's
-text entries are its instructions encoded with their control images by the Qwen2.5-VL encoder.
+"""Edit training end to end, for the edit families (FLUX.1 Kontext, Qwen-Image-Edit with one
+reference; FLUX.2 and Qwen-Image-Edit-2511 with two): a folder dataset with same-stem reference
+images in `control/` (`000.png`, or `000_1.png` and `000_2.png`), cached by the real data pipeline
+and delivered with each sample, trained in 2 pipeline stages over 2 processes. The Qwen edits'
+text entries are their instructions encoded with their control images by the Qwen2.5-VL encoder.
 
 Checks: the micro-batches carry the reference tokens; the 2-stage first loss equals the 1-stage
 loss of the same micro-batches; the exported LoRA, loaded with the family's diffusers pipeline,
-reproduces the trained model on an edit batch.
+reproduces the trained model on an edit batch; the one-reference runs' staged samples equal the
+pipelines' (the two-reference samplers: their unit tests).
 
-(Qwen-Image-Edit is not in test_families.py: that harness trains on dataset=synthetic, which has
-no control images, and the family refuses to train without them.)
+(The Qwen edits are not in test_families.py: that harness trains on dataset=synthetic, which has
+no control images, and they refuse to train without them.)
 """
 
 from __future__ import annotations
@@ -22,25 +24,31 @@ from dpipe.models.attention_mask import has_padding
 from tests.cli import Sweep, dpipe_train, metrics, train_args
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
-EDIT_FAMILIES = ["tiny_flux_kontext", "tiny_flux2", "tiny_qwen_image_edit"]
+# By how many references each sample of their dataset has.
+ONE_REFERENCE = ["tiny_flux_kontext", "tiny_qwen_image_edit"]
+TWO_REFERENCES = ["tiny_flux2", "tiny_qwen_image_edit_plus"]
+EDIT_FAMILIES = ONE_REFERENCE + TWO_REFERENCES
 
 
 def _assert_reference_tokens(spec, inputs, labels) -> None:
     target = labels[0].shape[1]
-    if spec.family == "qwen_image_edit":  # the reference's tokens are an input of their own
-        assert inputs[0].shape[1] == target and inputs[5].shape == inputs[0].shape
-        # ... and the instruction's embedding holds the control image's vision tokens.
-        # ~1300 vision tokens at ~1024x1024. The text is cut after the longest prompt, and its
-        # mask is empty when no padding is left (dpipe.models.attention_mask).
+    references = 1 if spec.family in ("flux_kontext", "qwen_image_edit") else 2
+    if spec.family.startswith("qwen_image_edit"):  # the references' tokens: an input of their own
+        assert inputs[0].shape[1] == target and inputs[5].shape[1] == references * target
+        # ... and the instruction's embedding holds the control images' vision tokens: ~1300
+        # at ~1024x1024 (Edit), ~190 each at ~384x384 (Edit-2511). The text is cut after the
+        # longest prompt, and its mask is empty when no padding is left
+        # (dpipe.models.attention_mask).
         text, mask = inputs[2], inputs[3]
         real = mask.sum(1) if has_padding(mask) else torch.full(text.shape[:1], text.shape[1])
-        assert int(real.min()) > 1000
-    else:  # FLUX: appended after the target's, twice the target's count
-        assert inputs[0].shape[1] == 2 * target
+        assert int(real.min()) > (1000 if references == 1 else 2 * 140)
+    else:  # FLUX: appended after the target's, each as many as the target's
+        assert inputs[0].shape[1] == (1 + references) * target
 
 
-def _edit_dataset(folder: Path, count: int = 4) -> Path:
-    """Targets: shapes; references: the same shapes mirrored (the "edit" is the mirroring)."""
+def _edit_dataset(folder: Path, count: int = 4, references: int = 1) -> Path:
+    """Targets: shapes; references: the same shapes mirrored (the "edit" is the mirroring); a
+    second reference, where asked, mirrored upside down."""
     from dpipe.data.synthetic import draw_shape
 
     (folder / "control").mkdir(parents=True)
@@ -48,7 +56,13 @@ def _edit_dataset(folder: Path, count: int = 4) -> Path:
         image, caption = draw_shape(i, 64, seed=7)
         image.save(folder / f"{i:03d}.png")
         (folder / f"{i:03d}.txt").write_text(f"mirror it: {caption}\n")
-        image.transpose(0).save(folder / "control" / f"{i:03d}.png")  # FLIP_LEFT_RIGHT
+        mirrored = image.transpose(0)  # FLIP_LEFT_RIGHT
+        if references == 1:
+            mirrored.save(folder / "control" / f"{i:03d}.png")
+        else:
+            for r in range(references):
+                (mirrored if r == 0 else mirrored.transpose(1)).save(
+                    folder / "control" / f"{i:03d}_{r + 1}.png")
     return folder
 
 
@@ -58,21 +72,44 @@ def _edit_run_overrides(data: Path) -> list[str]:
             "optim.lr=1e-3", "train.checkpoint_every_steps=0"]
 
 
+def _edit_sweep(base: Path, families: list[str], references: int) -> Sweep:
+    data = _edit_dataset(base / "data", references=references)
+    samples = []
+    if references == 1:
+        # Each run ends by sampling an edit of a reference image through its 2 stages. (The
+        # two-reference families' samplers are checked against their pipelines in their unit
+        # tests: Qwen-Image-Edit-2511's pipeline encodes each reference at ~1 MP, minutes here.)
+        samples = [f"sample.prompts=[{{prompt: 'mirror it: a star', "
+                   f"control: {data}/control/001.png}}]", "sample.steps=2",
+                   "sample.save_latents=true", "sample.at_start=true"]
+    return Sweep(base / "sweep", f"model={','.join(families)}",
+                 *_edit_run_overrides(data), "train.max_steps=2", *samples)
+
+
 @pytest.fixture(scope="module")
-def edit_sweep(tmp_path_factory) -> Sweep:
-    """The three families' LoRA runs (2 steps), one sweep on one edit dataset."""
-    base = tmp_path_factory.mktemp("edit")
-    data = _edit_dataset(base / "data")
-    # Each run ends by sampling an edit of a reference image through its 2 stages.
-    prompts = f"sample.prompts=[{{prompt: 'mirror it: a star', control: {data}/control/001.png}}]"
-    return Sweep(base / "sweep", f"model={','.join(EDIT_FAMILIES)}",
-                 *_edit_run_overrides(data), "train.max_steps=2", prompts, "sample.steps=2",
-                 "sample.save_latents=true", "sample.at_start=true")
+def edit_sweeps(tmp_path_factory) -> dict[int, Sweep]:
+    """The families' LoRA runs (2 steps): one sweep per dataset (one and two references), each
+    made when first needed."""
+    return {}
+
+
+def _run_dir(model: str, sweeps: dict[int, Sweep], tmp_path_factory) -> Path:
+    references = 1 if model in ONE_REFERENCE else 2
+    if references not in sweeps:
+        sweeps[references] = _edit_sweep(
+            tmp_path_factory.mktemp(f"edit{references}"),
+            ONE_REFERENCE if references == 1 else TWO_REFERENCES, references)
+    return sweeps[references].run_dir(f"model={model}")
 
 
 @pytest.fixture(params=EDIT_FAMILIES)
-def edit_run(request, edit_sweep) -> Path:
-    return edit_sweep.run_dir(f"model={request.param}")
+def edit_run(request, edit_sweeps, tmp_path_factory) -> Path:
+    return _run_dir(request.param, edit_sweeps, tmp_path_factory)
+
+
+@pytest.fixture(params=ONE_REFERENCE)
+def sampled_edit_run(request, edit_sweeps, tmp_path_factory) -> Path:
+    return _run_dir(request.param, edit_sweeps, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -113,11 +150,12 @@ def test_exported_edit_lora_reproduces_the_trained_model(edit_run):
 
 
 @pytest.mark.slow
-def test_staged_edit_samples_equal_the_diffusers_pipeline(edit_run):
+def test_staged_edit_samples_equal_the_diffusers_pipeline(sampled_edit_run):
     """The edit sampled at the end of the run equals the family's diffusers edit pipeline's
     from the exported LoRA, the same reference image, prompt, seed and steps."""
     from tests.integration.sampled import diffusers_latents, saved_latents
 
+    edit_run = sampled_edit_run
     expected = diffusers_latents(edit_run, edit_run / "lora")
     got = saved_latents(edit_run / "samples" / "step_2", 0)
     torch.testing.assert_close(got, expected[0], rtol=1e-4, atol=1e-5)

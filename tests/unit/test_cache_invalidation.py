@@ -250,3 +250,139 @@ def test_a_model_whose_text_sees_the_control_needs_control_images(tmp_path):
 
     with pytest.raises(DataError, match="control_dir"):
         _prepare(SeesControl(), _dataset(tmp_path))
+
+
+class SeesReferences(SeesControl):
+    """SeesControl taking up to three references, each weighing in by its place (the order
+    changes the encoding, as it changes the real VL encoder's "Picture 1: ... Picture 2: ...")."""
+
+    references = 3
+
+    def encode_prompts_with_controls(self, encoders, prompts, controls):
+        # Several references arrive as (B, R, 3, H, W), one as (B, 3, H, W).
+        self.__dict__.setdefault("shapes", []).append(tuple(controls.shape))
+        controls = controls if controls.dim() == 5 else controls[:, None]
+        place = torch.arange(1, controls.shape[1] + 1, dtype=controls.dtype)
+        weighted = controls.mean(dim=(2, 3, 4)) * place
+        return super().encode_prompts_with_controls(encoders, prompts,
+                                                    weighted[:, :, None, None, None].sum(1))
+
+
+def _references_dataset(tmp_path, count=2):
+    cfg = _dataset(tmp_path, control_dir="control")
+    for i in range(4):
+        for r in range(1, count + 1):
+            write_image(tmp_path / "data" / "control" / f"{i:02d}_{r}.png", (32, 32),
+                        seed=100 * r + i, caption=None)
+    return cfg
+
+
+def test_numbered_references_are_cached_in_order_and_keyed_by_each(tmp_path):
+    from dpipe.images import load_image
+
+    cfg = _references_dataset(tmp_path)
+    spec = SeesReferences()
+    dataset = _prepare(spec, cfg)
+    first = _by_name(dataset)
+    assert spec.count("image") == 12 and spec.count("text+control") == 4
+    sample = first["01.png"]
+    assert spec.shapes == [(4, 2, 3, 32, 32)]  # one chunk of (B, R, 3, H, W)
+    assert isinstance(sample.control, tuple) and len(sample.control) == 2
+    control = tmp_path / "data" / "control"
+    latents, _, _, references = dataset.collate([first["00.png"], sample],
+                                                [first["00.png"].texts[0], sample.texts[0]])
+    assert references.shape == (2, 2, *latents.shape[1:])  # (B, R, C, h, w)
+    for r in range(2):  # in their order: 01_1, then 01_2
+        expected = spec.encode_images(None, load_image(control / f"01_{r + 1}.png", 32, 32)[None])
+        torch.testing.assert_close(references[1, r], expected[0])
+    text = dataset.store.get(sample.texts[0])["pooled"]
+    expected = SeesReferences().encode_prompts_with_controls(None, ["picture 1"], torch.stack(
+        [load_image(control / f"01_{r}.png", 32, 32) for r in (1, 2)])[None])
+    assert torch.equal(text, expected["pooled"][0])
+
+    # Swapping two references re-encodes that item's caption (no latents: the files' contents
+    # are known) and swaps its control keys.
+    (control / "01_1.png").rename(control / "tmp.png")
+    (control / "01_2.png").rename(control / "01_1.png")
+    (control / "tmp.png").rename(control / "01_2.png")
+    spec = SeesReferences()
+    again = _by_name(_prepare(spec, cfg))
+    assert spec.encoded == [("text+control", 1)]
+    assert again["01.png"].control == sample.control[::-1]
+    assert again["01.png"].texts != sample.texts
+    assert {k: s for k, s in again.items() if k != "01.png"} == \
+        {k: s for k, s in first.items() if k != "01.png"}
+
+    # Editing one reference re-encodes its latents and its item's caption, nothing else.
+    pixels = np.array(Image.open(control / "03_2.png"))
+    Image.fromarray(255 - pixels).save(control / "03_2.png")
+    spec = SeesReferences()
+    edited = _by_name(_prepare(spec, cfg))
+    assert sorted(spec.encoded) == [("image", 1), ("text+control", 1)]
+    assert edited["03.png"].control[0] == again["03.png"].control[0]
+    assert edited["03.png"].control[1] != again["03.png"].control[1]
+
+
+def test_more_references_than_the_family_takes_are_refused_before_encoding(tmp_path):
+    from dpipe.errors import DataError
+
+    cfg = _references_dataset(tmp_path)
+    spec = SeesControl()
+    with pytest.raises(DataError) as error:
+        _prepare(spec, cfg)
+    message = str(error.value)
+    assert "model.family=fake takes at most 1 control image(s) per file" in message
+    assert "00.png: 2 control images" in message and "control/00_2.png" in message
+    assert spec.encoded == []
+    # A missing file among them: a gap in the numbers is named, as is an image with none.
+    (tmp_path / "data" / "control" / "02_1.png").unlink()
+    with pytest.raises(DataError, match=r"02.png: its control images in .*control skip a "
+                                        r"number \(02_2 after 0 in order\): number them 02_1"):
+        _prepare(SeesReferences(), cfg)
+    (tmp_path / "data" / "control" / "02_2.png").unlink()
+    with pytest.raises(DataError, match=r"02.png: no control image in .*control \(expected "
+                                        r"02.<image extension>, or 02_1, 02_2, \.\.\. for"):
+        _prepare(SeesReferences(), cfg)
+
+
+def test_a_micro_batch_of_files_with_different_reference_counts_is_refused(tmp_path):
+    from dpipe.errors import DataError
+
+    cfg = _references_dataset(tmp_path)
+    (tmp_path / "data" / "control" / "01_2.png").unlink()  # 01.png: one reference
+    spec = SeesReferences()
+    with pytest.raises(DataError, match=r"bucket 32x32 \(micro-batch 2\) mixes files with 1 and 2 "
+                                        r"control images(.|\n)*01.png: 1 control image"):
+        prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout(2, 1, 1, 0))
+    _prepare(SeesReferences(), cfg)  # one to a micro-batch: any mix
+
+
+def test_a_captions_file_names_each_files_references_in_order(tmp_path):
+    from dpipe.errors import DataError
+    from dpipe.images import load_image
+
+    cfg = _references_dataset(tmp_path)  # 00_1.png, 00_2.png, ... in control/
+    data = tmp_path / "data"
+    records = [{"file": f"{i:02d}.png", "caption": f"listed {i}",
+                "control": [f"{i:02d}_2.png", f"{i:02d}_1.png"]} for i in range(4)]
+    records[3]["control"] = "03_1.png"  # one reference, as a string
+    (data / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    cfg.captions_file = "captions.jsonl"
+    spec = SeesReferences()
+    dataset = _prepare(spec, cfg)
+    samples = _by_name(dataset)
+    first, second = samples["01.png"].control
+    for key, name in ((first, "01_2.png"), (second, "01_1.png")):  # the file's order
+        expected = spec.encode_images(None, load_image(data / "control" / name, 32, 32)[None])
+        torch.testing.assert_close(dataset.store.get(key)["latents"], expected[0])
+    assert isinstance(samples["03.png"].control, str)
+    assert dataset.store.get(samples["01.png"].texts[0])["pooled"].tolist() == \
+        SeesReferences().encode_prompts_with_controls(None, ["listed 1"], torch.stack(
+            [load_image(data / "control" / n, 32, 32) for n in ("01_2.png", "01_1.png")])[None]
+        )["pooled"][0].tolist()
+
+    records[2]["control"] = ["02_1.png", "gone.png"]
+    (data / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    with pytest.raises(DataError, match=r"02.png: its control image gone.png \(in .*captions.jsonl"
+                                        r"\) is not in .*control"):
+        _prepare(SeesReferences(), cfg)

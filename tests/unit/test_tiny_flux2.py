@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -134,6 +135,66 @@ def test_reference_image_inputs_match_the_pipeline(spec, pipe):
     # Only the target's tokens count.
     loss = spec.loss(x, labels)
     torch.testing.assert_close(loss, torch.nn.functional.mse_loss(x[:, :64], labels[0]))
+
+
+@pytest.mark.slow
+def test_several_reference_images_match_the_pipeline(spec, pipe):
+    """Two references (B, R, C, h, w), of their own sizes: tokens in their order after the
+    noisy ones, ids with t = 10 and 20 (Flux2Pipeline's `_prepare_image_ids`); layers ==
+    diffusers, and the references' order changes the prediction."""
+    torch.manual_seed(0)
+    target = torch.randn(1, 16, 8, 8)
+    control = torch.randn(1, 2, 16, 8, 8)
+    text = spec.encode_prompts(pipe, [CAPTION])
+    batch = NoisedBatch(latents=target, noise=target, timesteps=torch.tensor([0.4]),
+                        noisy=target * 0.6, target=target, text=text, control=control)
+    inputs, labels = spec.make_inputs(batch)
+    packed, _t, _text, _guidance, _txt_ids, img_ids = inputs
+    refs = [control[:, 0], control[:, 1]]
+    torch.testing.assert_close(packed[:, 64:], torch.cat(
+        [Flux2Pipeline._pack_latents(r) for r in refs], 1))
+    assert torch.equal(img_ids[64:], pipe._prepare_image_ids(refs)[0])
+    assert img_ids[64:, 0].unique().tolist() == [10, 20]
+    with torch.no_grad():
+        x = inputs
+        for layer in spec.pipeline_layers(pipe.transformer):
+            x = layer(x)
+        expected = spec.denoiser_forward(pipe.transformer, inputs)
+        swapped = spec.denoiser_forward(pipe.transformer, spec.make_inputs(
+            replace(batch, control=control.flip(1)))[0])
+    assert x.shape == (1, 192, 16)  # 64 target + 2 x 64 reference tokens
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    assert (x[:, :64] - swapped[:, :64]).abs().max() > 1e-4
+    torch.testing.assert_close(spec.loss(x, labels),
+                               torch.nn.functional.mse_loss(x[:, :64], labels[0]))
+
+
+@pytest.mark.slow
+def test_sampling_with_two_references_through_the_layers_equals_the_pipeline(spec, pipe,
+                                                                             tmp_path):
+    """An edit request with `control: [a.png, b.png]`, its references encoded as the run's cache
+    encodes them, denoised through the layers: Flux2Pipeline's latents for the same references,
+    seed and steps."""
+    from dpipe.data.synthetic import draw_shape
+    from dpipe.images import load_image
+    from dpipe.models.sampling import SampleRequest
+    from tests.unit.layered_sampling import nudged, sample_through_layers
+
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"ref{i}.png"))
+        draw_shape(i, 64)[0].save(paths[-1])
+    request = SampleRequest(0, "put the star in the circle", "", 3, 64, 64, control=tuple(paths))
+    sampling = spec.sampling()
+    assert sampling.check(request) is None
+    pixels = torch.stack([load_image(Path(p), 64, 64) for p in paths])  # (R, 3, H, W)
+    control = spec.encode_images(pipe, pixels)[None]  # (1, R, C, h, w)
+    text = spec.encode_prompts(pipe, [request.prompt])
+    denoiser = nudged(spec.load_denoiser(torch.float32))
+    with torch.no_grad():
+        got = sample_through_layers(spec, denoiser, request, 2, 4.0, text, None, control)
+        expected = sampling.diffusers_sample(denoiser, request, 2, 4.0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_mask_weights_scale_the_loss(spec):

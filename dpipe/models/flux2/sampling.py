@@ -9,11 +9,12 @@ steps (not the scheduler's linear `calculate_shift`). Guidance: FLUX.2-dev is gu
 (the scale, 4.0 by default, is the model's input: "embedded"); Klein takes no guidance input and
 runs real classifier-free guidance with a negative prompt (the pipeline's default negative prompt
 is ""), except for the step-distilled Klein models (`is_distilled`), which take none. Reference
-images (edit sampling: a request with a `control`) arrive as `d.control`, appended after the image
-tokens by `make_inputs` with t = 10 as the pipeline does; their predictions are dropped. Decoding
+images (edit sampling: a request with a `control`, one path or several) arrive as `d.control`,
+appended after the image tokens by `make_inputs` with t = 10, 20, ... as the pipeline does; their
+predictions are dropped. Decoding
 undoes the VAE's BatchNorm normalisation and the 2x2 patchify, then runs the VAE decoder.
 
-A reference image is used at the request's size (fitted as training fits control images); the
+Each reference image is used at the request's size (fitted as training fits control images); the
 pipeline uses a given image at its own size (shrunk to 1024x1024 pixels' area where larger), so
 the reference run is given the image already fitted, and equals dpipe's then. The pipeline
 refuses reference images under 64 pixels a side; dpipe takes them.
@@ -112,10 +113,11 @@ class Flux2Sampling(FamilySampling):
             self.path, transformer=denoiser, dtype=torch.float32, tokenizer=None)
         pipe.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
         kwargs = {}
-        if request.control is not None:  # an edit: the reference image fitted to the size
+        if request.control is not None:  # an edit: the reference images fitted to the size
             from dpipe.images import fit, open_rgb
 
-            kwargs["image"] = fit(open_rgb(request.control), request.width, request.height)
+            kwargs["image"] = [fit(open_rgb(path), request.width, request.height)
+                               for path in request.controls]
         if self.guidance_kind == "cfg" and guidance > 1:
             # Klein takes no negative prompt text (it encodes ""): give it the request's, encoded
             # by the pipeline's own encoder.

@@ -11,9 +11,10 @@ position ids (t, h, w, l). Objective: rectified flow, t in [0, 1] (the model sca
 FLUX.2-dev embeds `model.guidance` as its distilled guidance.
 
 Edit training (reference images): when a batch carries control latents (`batch.control`, from
-the dataset's `control_dir`), they are appended after the noisy image tokens with their own ids
-(t = 10, as Flux2Pipeline gives its first reference image), the model predicts for all tokens and
-the loss reads only the target's. Without control latents it trains text-to-image.
+the dataset's `control_dir`: one reference or several, in order), they are appended after the
+noisy image tokens, each with its own ids (t = 10 + 10 * i for reference i, as Flux2Pipeline's
+`_prepare_image_ids`), the model predicts for all tokens and the loss reads only the target's.
+Without control latents it trains text-to-image.
 
 Single files: model.path may name the transformer as one file in Black Forest Labs' layout
 (`flux2-dev.safetensors`, with or without ComfyUI's `model.diffusion_model.` prefix), converted
@@ -37,7 +38,7 @@ from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers
 from dpipe.models.flux2.layers import Flux2DoubleBlock, Flux2SingleBlock, flux2_layers
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import load_or_fail
-from dpipe.models.spec import NoisedBatch
+from dpipe.models.spec import NoisedBatch, reference_latents
 
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
 REFERENCE_T = 10  # Flux2Pipeline._prepare_image_ids: reference image i gets t = 10 + 10 * i
@@ -82,6 +83,9 @@ class Flux2Spec(DiffusersFamily):
     layers, block_count_keys = flux2_layers, ("num_layers", "num_single_layers")
     block_types = (Flux2DoubleBlock, Flux2SingleBlock)
     sampler = "dpipe.models.flux2.sampling:Flux2Sampling"
+    # Reference images per edit sample: the pipeline sets no limit; 10 is what Black Forest Labs
+    # gives for FLUX.2 [dev] (each adds its token count to the sequence).
+    references = 10
     lora_writer = "Flux2Pipeline"  # for Klein folders too: the same file
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     from_single_file = from_bfl_file
@@ -145,11 +149,12 @@ class Flux2Spec(DiffusersFamily):
         text = batch.text["text"]
         packed = _pack(batch.noisy)
         img_ids = _ids(t=0, h=h, w=w)
-        control = getattr(batch, "control", None)  # (B, C, h', w') reference latents, or None
+        control = getattr(batch, "control", None)  # reference latents, or None
         if control is not None:
-            packed = torch.cat([packed, _pack(control.to(packed.dtype))], dim=1)
-            img_ids = torch.cat([img_ids, _ids(t=REFERENCE_T, h=control.shape[-2],
-                                               w=control.shape[-1])], dim=0)
+            refs = reference_latents(control)
+            packed = torch.cat([packed, *(_pack(r.to(packed.dtype)) for r in refs)], dim=1)
+            img_ids = torch.cat([img_ids, *(_ids(t=REFERENCE_T * (i + 1), h=r.shape[-2],
+                                                 w=r.shape[-1]) for i, r in enumerate(refs))])
         txt_ids = torch.zeros(text.shape[1], 4, dtype=torch.long)
         txt_ids[:, 3] = torch.arange(text.shape[1])
         guidance = getattr(batch, "guidance", None)  # set when sampling

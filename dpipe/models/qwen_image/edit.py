@@ -11,8 +11,8 @@ Loads the diffusers folder layout of Qwen/Qwen-Image-Edit. What differs from Qwe
   to about 1024x1024 pixels at its aspect ratio, as the pipeline does. Text entries therefore
   depend on the control image: `text_sees_control`, `encode_prompts_with_controls`.
 
-Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline: several references, zero_cond_t) are not
-covered.
+Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline: several references, zero_cond_t) are
+the family `qwen_image_edit_plus` (`edit_plus.py`).
 """
 
 from __future__ import annotations
@@ -75,15 +75,20 @@ class QwenImageEditSpec(QwenImageSpec):
         return self._padded(embeds, mask)
 
     @staticmethod
-    def prompt_image(encoders: Any, pixels: torch.Tensor):
+    def prompt_image_area() -> int:
+        """The pixel area at which the pipeline shows a control image to the VL encoder."""
+        return 1024 * 1024
+
+    @classmethod
+    def prompt_image(cls, encoders: Any, pixels: torch.Tensor):
         """A control image (3, H, W) in [-1, 1] as the pipeline hands it to the VL encoder: a PIL
-        image resized to ~1024x1024 pixels (`calculate_dimensions`) at its aspect ratio."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+        image resized to `prompt_image_area` pixels (`calculate_dimensions`) at its aspect ratio."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
         from PIL import Image
 
         array = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().byte()
         image = Image.fromarray(np.ascontiguousarray(array.permute(1, 2, 0).cpu().numpy()))
-        width, height, _ = calculate_dimensions(1024 * 1024, image.width / image.height)
+        width, height = calculate_dimensions(cls.prompt_image_area(), image.width / image.height)
         return encoders.image_processor.resize(image, height, width)
 
     # ---- training ----------------------------------------------------------------------------

@@ -9,6 +9,11 @@ reference image. RoPE is recomputed per block from the grids with the transforme
 micro-batch's longest prompt (`text_inputs`), as diffusers pads it, and with no padding left no
 attention is masked (SDPA can then run flash); RoPE of a text token does not depend on the
 padding.
+
+Qwen-Image-Edit-2511 (`zero_cond_t`): the reference images' tokens are modulated with the
+embedding of t = 0, the target's with t's, as the transformer does it: the embed layer passes
+both timestep embeddings stacked ((2B, D), t's first), each block picks per token by its image
+(`reference_index`), the text stream and the head use t's.
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ def target_tokens(shapes: torch.Tensor) -> int:
     return f * h * w
 
 
+def reference_index(shapes: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """(B, tokens) int: 0 on the target's tokens, 1 on the references' (the transformer's
+    `modulate_index` under zero_cond_t)."""
+    values = sizes(shapes)
+    total = sum(values[i] * values[i + 1] * values[i + 2] for i in range(0, len(values), 3))
+    index = torch.ones(batch, total, dtype=torch.int, device=device)
+    index[:, :target_tokens(shapes)] = 0
+    return index
+
+
 def _tables_on(pos_embed: nn.Module, device: torch.device) -> nn.Module:
     """QwenEmbedRope with its frequency tables on `device`. They are plain CPU attributes (not
     buffers: those would drop the imaginary part), copied on every call unless an lru_cache
@@ -55,6 +70,7 @@ class QwenImageEmbed(PipelineLayer):
         super().__init__()
         for name in ("img_in", "txt_norm", "txt_in", "time_text_embed"):
             self.adopt(name, getattr(transformer, name), name)
+        self.zero_cond_t = bool(transformer.config.get("zero_cond_t"))
 
     def forward(self, inputs):
         image, t, text, text_mask, shapes = inputs[:5]
@@ -62,7 +78,10 @@ class QwenImageEmbed(PipelineLayer):
             image = torch.cat([image, inputs[5]], dim=1)
         hidden = self.img_in(image)
         text_hidden = self.txt_in(self.txt_norm(text))
-        temb = self.time_text_embed(t.to(hidden.dtype), hidden)
+        t = t.to(hidden.dtype)
+        if self.zero_cond_t:  # the references' embedding (t = 0) after the target's
+            t = torch.cat([t, t * 0])
+        temb = self.time_text_embed(t, hidden)
         return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), text_mask.long(),
                 shapes)
 
@@ -78,10 +97,12 @@ class QwenImageBlock(PipelineLayer):
         rope = _tables_on(self.pos_embed, hidden.device)
         rotary = rope(grids(shapes, hidden.shape[0]), max_txt_seq_len=text_hidden.shape[1],
                       device=hidden.device)
+        index = (reference_index(shapes, hidden.shape[0], hidden.device)
+                 if self.block.zero_cond_t else None)
         text_hidden, hidden = self.block(
             hidden_states=hidden, encoder_hidden_states=text_hidden,
             encoder_hidden_states_mask=padding_mask(text_mask),
-            temb=temb, image_rotary_emb=rotary)
+            temb=temb, image_rotary_emb=rotary, modulate_index=index)
         return hidden, text_hidden, temb, text_mask, shapes
 
 
@@ -93,6 +114,8 @@ class QwenImageHead(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text_hidden, temb, _text_mask, shapes = inputs
+        if temb.shape[0] != hidden.shape[0]:  # zero_cond_t: t's embedding, not the references'
+            temb = temb[:hidden.shape[0]]
         out = self.proj_out(self.norm_out(hidden, temb))
         # The text stream ends unused here; alone on the last stage it still needs a gradient.
         return keep_in_graph(out[:, :target_tokens(shapes)], text_hidden)
@@ -107,15 +130,14 @@ def text_inputs(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
 
 def qwen_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
     cfg = transformer.config
-    unsupported = [k for k in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
-                   if cfg.get(k)]
+    unsupported = [k for k in ("use_additional_t_cond", "use_layer3d_rope") if cfg.get(k)]
     if unsupported or cfg.get("guidance_embeds"):
         from dpipe.errors import ModelLoadError
 
         raise ModelLoadError(
             f"this QwenImageTransformer2DModel sets {', '.join(unsupported) or 'guidance_embeds'} "
-            "(Qwen-Image-Edit-2511 / Layered variants), which dpipe does not train yet; "
-            "Qwen-Image and Qwen-Image-Edit are supported")
+            "(Qwen-Image-Layered), which dpipe does not train yet; Qwen-Image, Qwen-Image-Edit "
+            "and Qwen-Image-Edit-2509/2511 are supported")
     layers: list[PipelineLayer] = [QwenImageEmbed(transformer)]
     for i, block in enumerate(transformer.transformer_blocks):
         layers.append(QwenImageBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))

@@ -16,6 +16,9 @@ as the pipelines do it.
 Decoding un-normalises with the VAE's latents_mean / latents_std and decodes one frame of the
 Wan-style video VAE.
 
+Qwen-Image-Edit-2509 / 2511 (`QwenImageEditPlusSampling`) do the same with each of up to three
+references, in order.
+
 Qwen-Image-Edit additionally appends the reference image's packed latents to the image tokens (the
 family's `make_inputs` does it from `d.control`) and reads the prediction from the target tokens
 only (the last layer already cuts them). Its text comes from `encode_prompts_with_controls`: the
@@ -155,3 +158,19 @@ class QwenImageEditSampling(QwenImageSampling):
         # image's vision tokens and the instruction are all kept, as encode_prompts_with_controls
         # keeps them.
         return {"image": self.control_image(request)}
+
+
+class QwenImageEditPlusSampling(QwenImageEditSampling):
+    """Qwen-Image-Edit-2509 / 2511: every reference fitted to the ~1 MP `control_size` (the
+    pipeline's VAE_IMAGE_SIZE), as one reference is, and handed to the pipeline in order (it shows
+    each to the VL encoder at ~384x384 pixels and VAE-encodes it at that size)."""
+
+    def control_size(self, request: SampleRequest) -> tuple[int, int]:
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+        return plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, request.width / request.height)
+
+    def control_image(self, request: SampleRequest):
+        from dpipe.images import fit, open_rgb
+
+        return [fit(open_rgb(path), *self.control_size(request)) for path in request.controls]

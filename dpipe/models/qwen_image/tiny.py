@@ -1,11 +1,12 @@
-"""Tiny random Qwen-Image and Qwen-Image-Edit, written in the layouts of Qwen/Qwen-Image and
-Qwen/Qwen-Image-Edit.
+"""Tiny random Qwen-Image, Qwen-Image-Edit and Qwen-Image-Edit-2511, written in the layouts of
+Qwen/Qwen-Image, Qwen/Qwen-Image-Edit and Qwen/Qwen-Image-Edit-2511.
 
 The same components and classes as the real model_index.json files: QwenImagePipeline
 (FlowMatchEulerDiscreteScheduler, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration,
 Qwen2Tokenizer, QwenImageTransformer2DModel) and QwenImageEditPipeline (the same, plus a
 Qwen2VLProcessor in processor/, whose image processor feeds the reference image to the
-vision-language encoder). bf16 safetensors with the large parts sharded; only the sizes shrink.
+vision-language encoder), and QwenImageEditPlusPipeline (the same parts; its transformer sets
+`zero_cond_t`, as 2511's does). bf16 safetensors with the large parts sharded; only the sizes shrink.
 The tokenizer's merges make every word of the pipelines' prompt templates one token, as in the real
 vocabulary, so the pipelines' fixed template lengths (34 and 64 tokens, which they cut off) hold.
 
@@ -46,10 +47,18 @@ def make_tiny_qwen_image_edit(path: Path, seed: int = 0) -> Path:
                       "make_tiny_qwen_image_edit")
 
 
-def _write(out: Path, seed: int, edit: bool) -> None:
+def make_tiny_qwen_image_edit_plus(path: Path, seed: int = 0) -> Path:
+    """Write (once) a tiny random Qwen-Image-Edit-2511 diffusers folder at `path` (2509's layout
+    but for the transformer's `zero_cond_t`, which 2511 sets)."""
+    return write_once(path, "model_index.json",
+                      lambda tmp: _write(tmp, seed, edit=True, plus=True),
+                      "make_tiny_qwen_image_edit_plus")
+
+
+def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
     from diffusers import (
         AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
-        QwenImagePipeline, QwenImageTransformer2DModel)
+        QwenImageEditPlusPipeline, QwenImagePipeline, QwenImageTransformer2DModel)
     from transformers import Qwen2Tokenizer
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen2.5-vl", model_max_length=131072)
@@ -57,7 +66,8 @@ def _write(out: Path, seed: int, edit: bool) -> None:
     with seeded(seed):
         text_encoder = tiny_qwen25_vl(added, TEXT_DIM)
     with seeded(seed + 1):
-        transformer = QwenImageTransformer2DModel.from_config(QWEN_IMAGE_TINY)
+        transformer = QwenImageTransformer2DModel.from_config(
+            {**QWEN_IMAGE_TINY, **({"zero_cond_t": True} if plus else {})})
     with seeded(seed + 2):
         vae = AutoencoderKLQwenImage(
             base_dim=16, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
@@ -74,7 +84,7 @@ def _write(out: Path, seed: int, edit: bool) -> None:
                  transformer=transformer)
     if edit:
         parts["processor"] = _save_processor(out / "processor")
-        pipe = QwenImageEditPipeline(**parts)
+        pipe = (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(**parts)
     else:
         pipe = QwenImagePipeline(**parts)
     pipe.save_config(out)
