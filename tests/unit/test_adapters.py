@@ -207,7 +207,7 @@ def test_init_from_refuses_a_file_of_another_rank_naming_the_module(exports, tmp
     assert "expected shape (4, " in said and "found shape (8, " in said, said
 
 
-def test_init_from_refuses_another_adapter_and_comfyui_files(exports, tmp_path):
+def test_init_from_refuses_another_adapter_and_unknown_layouts(exports, tmp_path):
     from dpipe.launch.prestart import check_before_workers
 
     spec, _, _, folder = exports["lokr"]
@@ -215,10 +215,14 @@ def test_init_from_refuses_another_adapter_and_comfyui_files(exports, tmp_path):
     with pytest.raises(ConfigError, match="holds a lokr adapter, but this run trains "
                                           "model.adapter=lora: set model.adapter=lokr"):
         check_before_workers(run, tmp_path, spec)
-    comfy = exports["lora"][3] / "flux_lora_comfyui.safetensors"
-    run = compose_run([*BASE, f"model.lora.init_from={comfy}"])
-    with pytest.raises(ConfigError, match="is not a diffusers-format adapter file .* no map back "
-                                          "from ComfyUI's or kohya's names for flux"):
+    other = tmp_path / "other.safetensors"
+    save_file({"blocks.0.attn.weight": torch.zeros(2, 2), "blocks.0.lora_A.weight":
+               torch.zeros(1, 2)}, other)
+    run = compose_run([*BASE, f"model.lora.init_from={other}"])
+    with pytest.raises(ConfigError, match=f"init_from={other}: keys of no LoRA layout dpipe "
+                                          r"reads: blocks.0.attn.weight \(1 of 2\); dpipe reads "
+                                          "diffusers, peft, ComfyUI, ai-toolkit/musubi-tuner, "
+                                          "kohya, LyCORIS LoKr/LoHa files"):
         check_before_workers(run, tmp_path, spec)
 
 
@@ -232,7 +236,7 @@ def test_merge_adapters_adds_each_module_s_delta_to_the_base(adapter, exports):
     spec, _, _, folder = exports[adapter]
     base = spec.load_denoiser(torch.float32)
     merged = spec.load_denoiser(torch.float32)
-    merge_adapters(merged, [str(folder)])
+    merge_adapters(merged, [str(folder)], spec)
     assert not any(is_adapter_param(n) for n, _ in merged.named_parameters())
     reference = spec.load_denoiser(torch.float32)
     load_adapter_file(reference, folder / DIFFUSERS_LORA)
