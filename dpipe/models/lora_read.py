@@ -141,6 +141,8 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
     for raw, parts in sorted(grouped.items()):
         name, prefix = strip_prefix(raw)
         found = names.place(name, format_first=prefix in ("ComfyUI", "kohya", "LyCORIS"))
+        if found is None and prefix is not None:  # a denoiser of several components (Anima)
+            found = names.place(raw, format_first=False)
         if found is None:
             unplaced.append(raw)
             continue

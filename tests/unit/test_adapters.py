@@ -178,14 +178,22 @@ def test_exports_json_records_what_each_format_holds(adapter, exports):
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_init_from_an_export_starts_from_its_weights(adapter, exports):
+    """From the diffusers file exactly; from the LyCORIS file of a LoKr or LoHa too (a full
+    LoKr's scale, folded into lokr_w2 there, taken out again)."""
     spec, _, state, folder = exports[adapter]
-    run = compose_run([*BASE, f"model.adapter={adapter}", f"model.lora.init_from={folder}"])
-    again = {}
-    for layer in trainable_layers(spec, run):
-        again.update(layer.denoiser_state_dict(trainable_only=True))
-    assert sorted(again) == sorted(state)
-    for key in state:
-        assert torch.equal(again[key], state[key].float()), key
+    files = [folder] + ([folder / f"lycoris_{adapter}.safetensors"]
+                        if adapter in ("lokr", "loha") else [])
+    for file in files:
+        run = compose_run([*BASE, f"model.adapter={adapter}", f"model.lora.init_from={file}"])
+        again = {}
+        for layer in trainable_layers(spec, run):
+            again.update(layer.denoiser_state_dict(trainable_only=True))
+        assert sorted(again) == sorted(state)
+        for key in state:
+            if file == folder:
+                assert torch.equal(again[key], state[key].float()), key
+            else:
+                torch.testing.assert_close(again[key], state[key].float(), msg=key)
 
 
 def test_init_from_refuses_a_file_of_another_rank_naming_the_module(exports, tmp_path):

@@ -1,0 +1,135 @@
+"""Every LoRA file a family writes (diffusers, ComfyUI, kohya, LyCORIS) read back by
+model.lora.init_from onto the tiny model gives the start weights of the diffusers file; files as
+other tools write them (kohya's and musubi-tuner's underscored names, peft's) too. In this
+process, no workers."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dpipe.config.compose import compose_run
+from dpipe.errors import ConfigError
+from dpipe.models.adapters import is_adapter_param
+from dpipe.models.lora_files import DIFFUSERS_LORA
+from dpipe.models.registry import build_spec
+from dpipe.train.adapter_init import init_adapter
+from dpipe.train.lora import make_trainable
+from tests.exports import export_lora
+
+# One family per kind of writer: fused weights (FLUX.1's single blocks), fused with exchanged
+# output halves (HunyuanVideo's final modulation), kohya's names (SDXL), the original
+# checkpoint's names (Wan), `.alpha` tensors (Qwen-Image), two components (Anima). Every other
+# family's writer is one of these (dpipe.models.comfyui); all 20 pass (85 s).
+WRITERS = ["tiny_flux", "tiny_hunyuan_video", "tiny_sdxl", "tiny_wan", "tiny_qwen_image",
+           "tiny_anima"]
+
+
+def _adapted(base, run, spec, seed=None):
+    denoiser = copy.deepcopy(base)
+    make_trainable(denoiser, run.model, spec.lora_targets())
+    if seed is not None:  # trained-looking: B starts at zero, which would hide a wrong scale
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in denoiser.named_parameters():
+                if is_adapter_param(name):
+                    param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return denoiser
+
+
+def _adapter_state(denoiser):
+    return {n: p.detach().clone() for n, p in denoiser.named_parameters() if is_adapter_param(n)}
+
+
+def _run(model, *more):
+    return compose_run([f"model={model}", "dataset=synthetic", "dataset.path=/unused",
+                        "model.lora.alpha=2", *more])
+
+
+@pytest.mark.parametrize("model", WRITERS)
+def test_init_from_each_written_format_gives_the_diffusers_file_s_start(model, tmp_path):
+    run = _run(model)
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    base = spec.load_denoiser(torch.float32)
+    trained = _adapter_state(_adapted(base, run, spec, seed=0))
+    files = export_lora(spec, trained, tmp_path)
+    record = json.loads((tmp_path / "exports.json").read_text())["formats"]
+    assert len(files) > 1, record
+    for file in files:
+        run.model.lora.init_from = str(file)
+        denoiser = _adapted(base, run, spec)
+        held = record[file.name]["left_out"]
+        if held:  # a format without some modules: the run names them
+            with pytest.raises(ConfigError, match="no weights for"):
+                init_adapter(denoiser, run.model, spec)
+            continue
+        init_adapter(denoiser, run.model, spec)
+        got = _adapter_state(denoiser)
+        assert sorted(got) == sorted(trained)
+        for key, value in trained.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=f"{file.name} {key}")
+
+
+def _as_musubi(comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ComfyUI-named LoRA as musubi-tuner and kohya's sd-scripts write theirs: `lora_unet_`
+    and the module's name with dots as underscores, lora_down / lora_up, an `.alpha` each (here
+    the rank: the file's scale is folded into lora_up)."""
+    out = {}
+    for key, value in comfy.items():
+        module, part = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+        if part.startswith("A"):
+            out[f"{name}.alpha"] = torch.tensor(float(value.shape[0]))
+    return out
+
+
+def test_files_of_other_tools_and_a_text_encoder_lora_start_where_the_export_does(tmp_path):
+    """FLUX.1's ComfyUI export renamed as musubi-tuner writes it (with a text-encoder module,
+    which is left out), and its diffusers export as a PeftModel saves it (`base_model.model.`,
+    the adapter's name in each key, alpha in adapter_config.json)."""
+    run = _run("tiny_flux")
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    base = spec.load_denoiser(torch.float32)
+    trained = _adapter_state(_adapted(base, run, spec, seed=1))
+    export_lora(spec, trained, tmp_path)
+    musubi = _as_musubi(load_file(tmp_path / "flux_lora_comfyui.safetensors"))
+    musubi["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = torch.zeros(4, 8)
+    musubi["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight"] = torch.zeros(8, 4)
+    save_file(musubi, tmp_path / "musubi.safetensors")
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    save_file({f"base_model.model.{k.removeprefix('transformer.').replace('.weight', '.default.weight')}": v
+               for k, v in load_file(tmp_path / DIFFUSERS_LORA).items()},
+              peft_dir / "adapter_model.safetensors")
+    (peft_dir / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 2}))
+    for file in (tmp_path / "musubi.safetensors", peft_dir / "adapter_model.safetensors"):
+        run.model.lora.init_from = str(file)
+        denoiser = _adapted(base, run, spec)
+        init_adapter(denoiser, run.model, spec)
+        got = _adapter_state(denoiser)
+        for key, value in trained.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7,
+                                       msg=f"{file.name} {key}")
+
+
+def test_a_lora_of_another_model_lists_the_keys_that_fit_no_module(tmp_path):
+    run = _run("tiny_flux")
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    file = tmp_path / "wan.safetensors"
+    save_file({"diffusion_model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 32),
+               "diffusion_model.blocks.0.self_attn.q.lora_B.weight": torch.zeros(32, 4),
+               "diffusion_model.blocks.0.self_attn.q.alpha": torch.tensor(4.0)}, file)
+    run.model.lora.init_from = str(file)
+    denoiser = _adapted(spec.load_denoiser(torch.float32), run, spec)
+    with pytest.raises(ConfigError, match=r"init_from=.*wan.safetensors: 1 of its 1 modules fit "
+                                          r"no module of flux: diffusion_model.blocks.0.self_attn.q "
+                                          r"\(read as a ComfyUI file; dpipe reads diffusers, peft"):
+        init_adapter(denoiser, run.model, spec)
