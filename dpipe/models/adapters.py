@@ -186,7 +186,7 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     from peft import inject_adapter_in_model, set_peft_model_state_dict
 
     if meta is None:
-        meta = _lora_config_from_shapes(tensors)
+        meta = lora_config_from_shapes(tensors)
         if kind == Adapter.dora:
             meta["use_dora"] = True
     inject_adapter_in_model(peft_config(kind, meta), model, adapter_name=adapter_name)
@@ -195,7 +195,7 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         raise ValueError(f"the model has no place for {result.unexpected_keys[:5]}")
 
 
-def _lora_config_from_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def lora_config_from_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """LoraConfig arguments for a LoRA file without its config: each module's rank from its A,
     alpha = rank (scale 1)."""
     from collections import Counter

@@ -126,7 +126,7 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
     no known layout, and for modules that fit none of the family's (the first few named)."""
     tensors, meta = read_keys(path)
     fmt, kind = detect_format(tensors)
-    config, default_scale = _config(path, meta, fmt, kind)
+    config, default_scale = file_config(path, meta, fmt)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     text_encoder = []
     for key, value in tensors.items():
@@ -166,7 +166,7 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
     return LoraRead(fmt, kind, modules, scales, config, sorted(set(text_encoder)))
 
 
-def _config(path: Path, meta: dict[str, str], fmt: str, kind: Adapter):
+def file_config(path: Path, meta: dict[str, str], fmt: str):
     """(peft's config from the file's metadata or a peft folder's adapter_config.json, a
     function giving a module's scale where no `.alpha` tensor says it)."""
     config = {}
