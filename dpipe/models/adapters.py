@@ -83,8 +83,13 @@ def modules_of(weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return out
 
 
-def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
-                    ) -> dict[str, torch.Tensor]:
+def lycoris_name(module: str) -> str:
+    """LyCORIS's name for a module of the network it wraps."""
+    return LYCORIS_PREFIX + module.replace(".", "_")
+
+
+def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    name=lycoris_name) -> dict[str, torch.Tensor]:
     """A LoKr's or LoHa's diffusers-named weights (`<module>.lokr_w1`, no prefix) under the names
     LyCORIS gives a network over the same model: `lycoris_<module, dots as underscores>.lokr_w1`
     (ComfyUI's loader reads these names for FLUX.1's diffusers modules), with `.alpha`.
@@ -92,11 +97,12 @@ def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
     The loaders scale by alpha / the rank of a decomposed factor, as peft scales by alpha / r, so
     alpha is written as trained. A LoKr module whose two factors are both full matrices has no
     rank: the loaders then apply scale 1, so peft's alpha / r is folded into `lokr_w2` and no
-    alpha is written."""
+    alpha is written. `name` gives each module's name in the file (for a format's file, the
+    format's name of the module, which ComfyUI reads under `diffusion_model.`)."""
     scale = metadata["alpha"] / metadata["r"]
     out = {}
     for module, parts in sorted(modules_of(weights).items()):
-        name = LYCORIS_PREFIX + module.replace(".", "_")
+        named = name(module)
         unknown = set(parts) - set(LOKR_PARTS) - set(LOHA_PARTS)
         if unknown:
             raise ValueError(f"{module}: no LyCORIS name for {sorted(unknown)}")
@@ -104,21 +110,41 @@ def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
         for part, value in parts.items():
             if full_lokr and part == "lokr_w2":
                 value = value * scale
-            out[f"{name}.{part}"] = value.contiguous()
+            out[f"{named}.{part}"] = value.contiguous()
         if not full_lokr:
-            out[f"{name}.alpha"] = torch.tensor(float(metadata["alpha"]))
+            out[f"{named}.alpha"] = torch.tensor(float(metadata["alpha"]))
     return out
 
 
-def lycoris_delta(tensors: dict[str, torch.Tensor], module: str, shape) -> torch.Tensor:
-    """The weight delta a LyCORIS file's `module` (its diffusers name) adds, as LyCORIS and
-    ComfyUI compute it: for tests, and for merging by hand."""
-    name = LYCORIS_PREFIX + module.replace(".", "_")
+def lycoris_delta(tensors: dict[str, torch.Tensor], module: str, shape,
+                  name: str | None = None) -> torch.Tensor:
+    """The weight delta a LyCORIS file's `module` (its diffusers name; or the file's `name` for
+    it) adds, as LyCORIS and ComfyUI compute it: for tests, and for merging by hand."""
+    name = name or lycoris_name(module)
     t = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
     kind = adapter_kind(f".{part}" for part in t)
     rank = module_rank(kind, t)
     scale = t["alpha"].item() / rank if rank is not None and "alpha" in t else 1.0
     return module_delta(kind, t, scale, shape)
+
+
+def adapter_shapes(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """{module: the shape of the weight it adapts} from diffusers-named adapter weights."""
+    kind = adapter_kind(weights)
+    shapes = {}
+    for module, t in modules_of(weights).items():
+        if kind in (Adapter.lora, Adapter.dora):
+            shape = (t["lora_B.weight"].shape[0], t["lora_A.weight"].shape[1])
+        elif kind == Adapter.loha:
+            shape = (t["hada_w1_a"].shape[0], t["hada_w1_b"].shape[1])
+        else:
+            w1 = t["lokr_w1"].shape if "lokr_w1" in t else (t["lokr_w1_a"].shape[0],
+                                                               t["lokr_w1_b"].shape[1])
+            w2 = t["lokr_w2"].shape if "lokr_w2" in t else (t["lokr_w2_a"].shape[0],
+                                                               t["lokr_w2_b"].shape[1])
+            shape = (w1[0] * w2[0], w1[1] * w2[1])
+        shapes[module] = shape
+    return shapes
 
 
 def module_rank(kind: Adapter, parts: dict[str, torch.Tensor]) -> int | None:

@@ -119,6 +119,20 @@ def linear_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
 def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
     """The family's table for the modules `shapes` names (`linear_shapes`, or a folder's weight
     shapes), from its LoRA writers (`spec.lora_formats`)."""
+    from dpipe.models.lora_read import strip_prefix
+
+    formats: dict[str, list[Part]] = {}
+    for modules in format_modules(spec.lora_formats, shapes).values():
+        for name, parts in modules.items():
+            formats.setdefault(strip_prefix(name)[0], parts)
+    return LoraNames(shapes, formats)
+
+
+def format_modules(formats_of, shapes: dict[str, tuple[int, ...]]
+                   ) -> dict[str, dict[str, list[Part]]]:
+    """{format file: {module name as written there: its parts}} of each LoRA format that
+    `formats_of(weights, metadata)` (a family's `lora_formats`) writes, for the diffusers
+    modules of `shapes`, learnt from a probe written through it."""
     from dpipe.models.lora_files import NotInFormat
 
     modules = sorted(shapes)
@@ -128,8 +142,8 @@ def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
         probe[f"{module}.lora_A.weight"] = torch.full((1, cols), float(number), dtype=torch.float64)
         probe[f"{module}.lora_B.weight"] = torch.arange(1, rows + 1, dtype=torch.float64)[:, None]
     metadata = {"r": 1, "lora_alpha": 1, "alpha": 1, "target_modules": modules}
-    formats: dict[str, list[Part]] = {}
-    for fmt in spec.lora_formats(probe, metadata):
+    out = {}
+    for fmt in formats_of(probe, metadata):
         try:
             tensors = fmt.build()
         except NotInFormat as err:
@@ -137,15 +151,12 @@ def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
         except Exception as err:  # a writer that cannot take every Linear: its names unread
             log.debug("%s: no names learnt (%s: %s)", fmt.file, type(err).__name__, err)
             continue
-        for name, parts in _decoded(tensors, modules).items():
-            formats.setdefault(name, parts)
-    return LoraNames(shapes, formats)
+        out[fmt.file] = _decoded(tensors, modules)
+    return out
 
 
 def _decoded(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, list[Part]]:
-    """{format module (prefix removed): its parts} from a probe's written tensors."""
-    from dpipe.models.lora_read import strip_prefix
-
+    """{format module (as written): its parts} from a probe's written tensors."""
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         split = split_key(key)
@@ -169,5 +180,5 @@ def _decoded(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, 
             rows = column[file_rows].round().long() - 1
             found.append(Part(modules[int(number) - 1], file_rows, rows, index, a.shape[0]))
         if found:
-            out[strip_prefix(raw)[0]] = found
+            out[raw] = found
     return out

@@ -164,9 +164,19 @@ def test_exports_json_records_what_each_format_holds(adapter, exports):
     if adapter == "lora":
         assert comfy["written"]
         return
-    assert not comfy["written"] and not (folder / "flux_lora_comfyui.safetensors").exists()
-    assert ("DoRA" if adapter == "dora" else "(A, B) pairs") in comfy["error"]
+    if adapter == "dora":
+        assert not comfy["written"] and not (folder / "flux_lora_comfyui.safetensors").exists()
+        assert "DoRA" in comfy["error"]
     if adapter in ("lokr", "loha"):
+        # The ComfyUI file: each module that BFL's checkpoint keeps whole, under its name there,
+        # with the delta of the LyCORIS file; the ones it fuses (to_q, to_k, to_v) left out.
+        assert comfy["written"] and "transformer_blocks.0.attn.to_q" in comfy["left_out"]
+        held = load_file(folder / "flux_lora_comfyui.safetensors")
+        lycoris = load_file(folder / f"lycoris_{adapter}.safetensors")
+        shape = (32, 32)
+        torch.testing.assert_close(
+            lycoris_delta(held, "", shape, name="diffusion_model.double_blocks.0.img_attn.proj"),
+            lycoris_delta(lycoris, "transformer_blocks.0.attn.to_out.0", shape))
         assert record[f"lycoris_{adapter}.safetensors"]["written"]
         tensors = load_file(folder / f"lycoris_{adapter}.safetensors")
         assert all(k.startswith("lycoris_") for k in tensors)

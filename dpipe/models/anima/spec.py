@@ -264,7 +264,7 @@ class AnimaSpec(DiffusersFamily):
                     out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
         return write_lora_files(out_dir, lambda: save_anima_lora(weights, metadata, out_dir),
-                                self.lora_formats(weights, metadata))
+                                weights, metadata, self.lora_formats)
 
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
