@@ -23,10 +23,11 @@ from tests.exports import export_lora
 
 # One family per kind of writer: fused weights (FLUX.1's single blocks), fused with exchanged
 # output halves (HunyuanVideo's final modulation), kohya's names (SDXL), the original
-# checkpoint's names (Wan), `.alpha` tensors (Qwen-Image), two components (Anima). Every other
-# family's writer is one of these (dpipe.models.comfyui); all 20 pass (85 s).
+# checkpoint's names (Wan), `.alpha` tensors (Qwen-Image), two components (Anima), fused q, k, v
+# with `.alpha` (Ideogram 4). Every other family's writer is one of these (dpipe.models.comfyui);
+# the 20 families that wrote a format before Ideogram 4, Krea 2 and ERNIE-Image all pass (85 s).
 WRITERS = ["tiny_flux", "tiny_hunyuan_video", "tiny_sdxl", "tiny_wan", "tiny_qwen_image",
-           "tiny_anima"]
+           "tiny_anima", "tiny_ideogram4"]
 
 
 def _adapted(base, run, spec, seed=None):
@@ -133,3 +134,48 @@ def test_a_lora_of_another_model_lists_the_keys_that_fit_no_module(tmp_path):
                                           r"no module of flux: diffusion_model.blocks.0.self_attn.q "
                                           r"\(read as a ComfyUI file; dpipe reads diffusers, peft"):
         init_adapter(denoiser, run.model, spec)
+
+
+@pytest.mark.parametrize("model, fused", [("tiny_ideogram4", True), ("tiny_krea2", False),
+                                          ("tiny_ernie_image", False)])
+def test_the_comfyui_lora_applied_by_comfyui_s_rule_gives_the_adapted_weights(model, fused,
+                                                                               tmp_path):
+    """ComfyUI 0.33.0's rule (comfy/lora.py: W += alpha / rank * B @ A, alpha from the
+    `.alpha` tensor only) over its model's names: Ideogram 4's `attention.qkv` (q, k, v stacked
+    on the output dimension) and `attention.o`, diffusers' names elsewhere; Krea 2's and
+    ERNIE-Image's LoRAs by diffusers' names. Every written module carries `.alpha`."""
+    from dpipe.models.comfyui import apply_comfy_lora
+
+    run = _run(model)
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    base = spec.load_denoiser(torch.float32)
+    adapted = _adapted(base, run, spec, seed=3)
+    export_lora(spec, _adapter_state(adapted), tmp_path)
+    comfy = load_file(next(tmp_path.glob("*_lora_comfyui.safetensors")))
+    modules = {k.rsplit(".lora_", 1)[0] for k in comfy if ".lora_A." in k}
+    assert modules == {k.removesuffix(".alpha") for k in comfy if k.endswith(".alpha")}
+    native = {k: v for k, v in base.state_dict().items() if k.endswith(".weight")}
+    if fused:
+        for block in {k.split(".attention.")[0] for k in native if ".attention.to_q." in k}:
+            qkv = [native.pop(f"{block}.attention.to_{x}.weight") for x in "qkv"]
+            native[f"{block}.attention.qkv.weight"] = torch.cat(qkv)
+            native[f"{block}.attention.o.weight"] = native.pop(f"{block}.attention.to_out.0.weight")
+        assert "diffusion_model.layers.0.attention.qkv" in modules
+    merged = apply_comfy_lora(native, comfy)
+    expected = {}
+    for name, module in adapted.named_modules():
+        if hasattr(module, "get_delta_weight"):
+            weight = module.get_base_layer().weight
+            expected[name] = (weight + module.get_delta_weight("default")).detach()
+    for name, weight in expected.items():
+        if fused and ".attention.to_" in name:
+            block, part = name.split(".attention.")
+            if part == "to_out.0":
+                got = merged[f"{block}.attention.o.weight"]
+            else:
+                index = ["to_q", "to_k", "to_v"].index(part)
+                got = merged[f"{block}.attention.qkv.weight"].chunk(3)[index]
+        else:
+            got = merged[f"{name}.weight"]
+        torch.testing.assert_close(got, weight, rtol=1e-5, atol=1e-6, msg=name)
