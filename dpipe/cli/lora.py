@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def _arguments(command: str, args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+def parse_arguments(command: str, args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """({key: values} of the command's keys, the model.* / model= overrides)."""
     given: dict[str, list[str]] = {}
     overrides = []
@@ -121,7 +121,7 @@ def lora_command(command: str, args: list[str]) -> str:
 
     if command not in COMMANDS:
         raise UserError(f"{command!r}: dpipe-lora's commands are {', '.join(COMMANDS)}")
-    given, overrides = _arguments(command, args)
+    given, overrides = parse_arguments(command, args)
     one = {k: v[0] for k, v in given.items()}
     out = Path(one["out"]).expanduser()
     device, progress = one.get("device", "cpu"), _progress()

@@ -59,11 +59,17 @@ def module_name(key: str) -> str | None:
 
 
 def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """{module: weight shape} of every matrix in `files`, from their headers."""
+    """{module: weight shape} of every matrix in `files`, from their headers. A quantized file
+    (fp8 or int8 values with their scales) is refused: its stored values are not the weights."""
     from safetensors import safe_open
+
+    from dpipe.models.common.quantized_files import file_is_quantized
 
     shapes = {}
     for file in files:
+        if file_is_quantized(file):
+            raise UserError(f"{file}: a quantized file (8-bit values with their scales): "
+                            "dpipe-lora merges and extracts over bf16, fp16 or fp32 weights")
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
@@ -183,6 +189,7 @@ def extract(base: Path, tuned: Path, rank: int, out: Path, device: str = "cpu",
     from safetensors import safe_open
 
     base_files, tuned_files = weight_files(base), weight_files(tuned)
+    weight_shapes(base_files + tuned_files)  # quantized files refused
     base_keys = {}
     for file in base_files:
         with safe_open(str(file), "pt") as f:
