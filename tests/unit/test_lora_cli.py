@@ -86,6 +86,7 @@ def test_extract_then_merge_gives_the_fine_tune_within_the_rank_s_error(tmp_path
     assert not (tmp_path / "rank5.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_convert_round_trips_and_merge_takes_several_loras_with_weights(tmp_path, capsys):
     """FLUX.1's ComfyUI export converted back gives its diffusers file's deltas and the same
     ComfyUI file; merged at 0.5 (the ComfyUI file) and 0.25 (the diffusers file) into the tiny
