@@ -117,7 +117,7 @@ def detect_format(keys) -> tuple[str, Adapter]:
         return "kohya", kind
     if "ComfyUI" in prefixes:
         comfy = any(k.endswith(".alpha") for k in keys)
-        return ("ComfyUI" if comfy else "ai-toolkit/musubi-tuner"), kind
+        return ("ComfyUI" if comfy else "ComfyUI-named, no alpha (ai-toolkit, musubi-tuner)"), kind
     return "diffusers", kind
 
 
