@@ -116,10 +116,10 @@ class LoraConfig:
     dropout: float = 0.0
     # Module names (peft `target_modules`); None uses the family's default targets.
     targets: Optional[list[str]] = None
-    # An adapter file to start from instead of the adapter's fresh init: a diffusers-format file
-    # (`pytorch_lora_weights.safetensors`, or its folder) of the same adapter, rank, alpha and
-    # targets, as dpipe exports it. ComfyUI / kohya files are refused (no family maps their
-    # names back). null: a fresh adapter.
+    # An adapter file to start from instead of the adapter's fresh init: a file (or an export
+    # folder: its pytorch_lora_weights.safetensors) of the same adapter, rank and targets, in any
+    # format dpipe.models.lora_read reads (diffusers, peft, ComfyUI, kohya, ai-toolkit, LyCORIS);
+    # its scale is refolded to this run's alpha. null: a fresh adapter.
     init_from: Optional[str] = None
 
 
@@ -198,7 +198,7 @@ class ModelConfig:
     # LoKr only (peft's decompose_factor): the size of the Kronecker product's first factor;
     # -1 splits each weight as squarely as it divides. Set it (e.g. 8) for fewer, larger blocks.
     lokr_factor: int = -1
-    # Adapter files (diffusers format, any model.adapter kind) merged into the frozen base
+    # Adapter files (any format dpipe.models.lora_read reads) merged into the frozen base
     # weights before training, in order, and before bf16 or model.base_dtype=fp8 round them:
     # the trained adapter learns on top of them.
     merge_adapters: list[str] = field(default_factory=list)

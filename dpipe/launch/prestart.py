@@ -13,9 +13,8 @@ from dpipe.config.schema import DatasetKind, RunConfig
 from dpipe.data.conditioning import frame_probabilities
 from dpipe.data.sources import check_directory
 from dpipe.errors import ConfigError, UserError
-from dpipe.models.adapters import adapter_kind
 from dpipe.models.safetensors_files import check_folder_files
-from dpipe.train.adapter_init import read_adapter_file
+from dpipe.train.adapter_init import check_adapter_file
 
 
 def _check_resolutions(run: RunConfig, spec) -> None:
@@ -92,17 +91,16 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
 
 
 def check_adapter_files(run: RunConfig, spec) -> None:
-    """model.lora.init_from and model.merge_adapters name readable adapter files of a form this
-    family reads, before any worker starts; their keys and shapes are checked against the
-    model on every stage (dpipe.train.adapter_init)."""
+    """model.lora.init_from and model.merge_adapters name readable adapter files of a layout
+    dpipe reads (dpipe.models.lora_read), before any worker starts; their modules and shapes are
+    checked against the model on every stage (dpipe.train.adapter_init)."""
     m = run.model
     if m.lora.init_from:
-        _, _, keys, _ = read_adapter_file(m.lora.init_from, "model.lora.init_from", spec)
-        kind = adapter_kind(keys)
+        _, _, kind = check_adapter_file(m.lora.init_from, "model.lora.init_from")
         if kind != m.adapter:
             raise ConfigError(
                 f"model.lora.init_from={m.lora.init_from} holds a {kind.value} adapter, but this "
                 f"run trains model.adapter={m.adapter.value}: set model.adapter={kind.value}, or "
                 f"give a {m.adapter.value} file")
     for i, file in enumerate(m.merge_adapters):
-        read_adapter_file(file, f"model.merge_adapters[{i}]", spec)
+        check_adapter_file(file, f"model.merge_adapters[{i}]")

@@ -83,8 +83,13 @@ def modules_of(weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return out
 
 
-def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
-                    ) -> dict[str, torch.Tensor]:
+def lycoris_name(module: str) -> str:
+    """LyCORIS's name for a module of the network it wraps."""
+    return LYCORIS_PREFIX + module.replace(".", "_")
+
+
+def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    name=lycoris_name) -> dict[str, torch.Tensor]:
     """A LoKr's or LoHa's diffusers-named weights (`<module>.lokr_w1`, no prefix) under the names
     LyCORIS gives a network over the same model: `lycoris_<module, dots as underscores>.lokr_w1`
     (ComfyUI's loader reads these names for FLUX.1's diffusers modules), with `.alpha`.
@@ -92,11 +97,12 @@ def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
     The loaders scale by alpha / the rank of a decomposed factor, as peft scales by alpha / r, so
     alpha is written as trained. A LoKr module whose two factors are both full matrices has no
     rank: the loaders then apply scale 1, so peft's alpha / r is folded into `lokr_w2` and no
-    alpha is written."""
+    alpha is written. `name` gives each module's name in the file (for a format's file, the
+    format's name of the module, which ComfyUI reads under `diffusion_model.`)."""
     scale = metadata["alpha"] / metadata["r"]
     out = {}
     for module, parts in sorted(modules_of(weights).items()):
-        name = LYCORIS_PREFIX + module.replace(".", "_")
+        named = name(module)
         unknown = set(parts) - set(LOKR_PARTS) - set(LOHA_PARTS)
         if unknown:
             raise ValueError(f"{module}: no LyCORIS name for {sorted(unknown)}")
@@ -104,31 +110,74 @@ def lycoris_tensors(weights: dict[str, torch.Tensor], metadata: dict[str, Any]
         for part, value in parts.items():
             if full_lokr and part == "lokr_w2":
                 value = value * scale
-            out[f"{name}.{part}"] = value.contiguous()
+            out[f"{named}.{part}"] = value.contiguous()
         if not full_lokr:
-            out[f"{name}.alpha"] = torch.tensor(float(metadata["alpha"]))
+            out[f"{named}.alpha"] = torch.tensor(float(metadata["alpha"]))
     return out
 
 
-def lycoris_delta(tensors: dict[str, torch.Tensor], module: str, shape) -> torch.Tensor:
-    """The weight delta a LyCORIS file's `module` (its diffusers name) adds, as LyCORIS and
-    ComfyUI compute it: for tests, and for merging by hand."""
-    name = LYCORIS_PREFIX + module.replace(".", "_")
-    t = {k[len(name) + 1:]: v.float() for k, v in tensors.items() if k.startswith(name + ".")}
-    if "hada_w1_a" in t:
-        rank = t["hada_w1_b"].shape[0]
-        scale = t["alpha"].item() / rank if "alpha" in t else 1.0
-        delta = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * scale
-        return delta.reshape(shape)
-    rank = None
-    w1 = t.get("lokr_w1")
-    if w1 is None:
-        w1, rank = t["lokr_w1_a"] @ t["lokr_w1_b"], t["lokr_w1_b"].shape[0]
-    w2 = t.get("lokr_w2")
-    if w2 is None:
-        w2, rank = t["lokr_w2_a"] @ t["lokr_w2_b"], t["lokr_w2_b"].shape[0]
+def lycoris_delta(tensors: dict[str, torch.Tensor], module: str, shape,
+                  name: str | None = None) -> torch.Tensor:
+    """The weight delta a LyCORIS file's `module` (its diffusers name; or the file's `name` for
+    it) adds, as LyCORIS and ComfyUI compute it: for tests, and for merging by hand."""
+    name = name or lycoris_name(module)
+    t = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    kind = adapter_kind(f".{part}" for part in t)
+    rank = module_rank(kind, t)
     scale = t["alpha"].item() / rank if rank is not None and "alpha" in t else 1.0
-    return (torch.kron(w1, w2) * scale).reshape(shape)
+    return module_delta(kind, t, scale, shape)
+
+
+def adapter_shapes(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """{module: the shape of the weight it adapts} from diffusers-named adapter weights."""
+    kind = adapter_kind(weights)
+    shapes = {}
+    for module, t in modules_of(weights).items():
+        if kind in (Adapter.lora, Adapter.dora):
+            shape = (t["lora_B.weight"].shape[0], t["lora_A.weight"].shape[1])
+        elif kind == Adapter.loha:
+            shape = (t["hada_w1_a"].shape[0], t["hada_w1_b"].shape[1])
+        else:
+            w1 = t["lokr_w1"].shape if "lokr_w1" in t else (t["lokr_w1_a"].shape[0],
+                                                               t["lokr_w1_b"].shape[1])
+            w2 = t["lokr_w2"].shape if "lokr_w2" in t else (t["lokr_w2_a"].shape[0],
+                                                               t["lokr_w2_b"].shape[1])
+            shape = (w1[0] * w2[0], w1[1] * w2[1])
+        shapes[module] = shape
+    return shapes
+
+
+def module_rank(kind: Adapter, parts: dict[str, torch.Tensor]) -> int | None:
+    """The rank a module's alpha is divided by, as LyCORIS, kohya and ComfyUI take it: A's rows
+    (LoRA), a decomposed factor's (LoKr: the second's where both are; None where neither is)."""
+    if kind in (Adapter.lora, Adapter.dora):
+        return parts["lora_A.weight"].shape[0]
+    if kind == Adapter.loha:
+        return parts["hada_w1_b"].shape[0]
+    if "lokr_w2_b" in parts:
+        return parts["lokr_w2_b"].shape[0]
+    if "lokr_w1_b" in parts:
+        return parts["lokr_w1_b"].shape[0]
+    return None
+
+
+def module_delta(kind: Adapter, parts: dict[str, torch.Tensor], scale: float,
+                 shape) -> torch.Tensor:
+    """The fp32 weight delta of one module's adapter `parts` (peft's part names) applied at
+    `scale`: scale * B @ A (LoRA), scale * kron(w1, w2) (LoKr), scale * (w1a w1b) * (w2a w2b)
+    (LoHa), shaped as the weight. DoRA has none without the base weight (ValueError)."""
+    t = {k: v.float() for k, v in parts.items()}
+    if kind == Adapter.dora:
+        raise ValueError("a DoRA's delta depends on the base weight: merge it through peft")
+    if kind == Adapter.lora:
+        delta = t["lora_B.weight"].flatten(1) @ t["lora_A.weight"].flatten(1)
+    elif kind == Adapter.loha:
+        delta = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
+    else:
+        w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+        w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
+        delta = torch.kron(w1, w2)
+    return (delta * scale).reshape(shape)
 
 
 def load_adapter_file(model: torch.nn.Module, file, prefix: str = "transformer",
@@ -140,7 +189,6 @@ def load_adapter_file(model: torch.nn.Module, file, prefix: str = "transformer",
     ValueError naming the keys the model has no place for."""
     import json
 
-    from peft import inject_adapter_in_model, set_peft_model_state_dict
     from safetensors import safe_open
 
     lead = f"{prefix}." if prefix else ""
@@ -149,18 +197,31 @@ def load_adapter_file(model: torch.nn.Module, file, prefix: str = "transformer",
         tensors = {k.removeprefix(lead): f.get_tensor(k) for k in f.keys() if k.startswith(lead)}
     meta = {k.removeprefix(lead): v for k, v in meta.items() if k.startswith(lead)}
     kind = adapter_kind(tensors)
-    if not meta:
-        if kind != Adapter.lora:
-            raise ValueError(f"{file}: a {kind.value} file without its adapter config "
-                             "(lora_adapter_metadata)")
-        meta = _lora_config_from_shapes(tensors)
+    if not meta and kind != Adapter.lora:
+        raise ValueError(f"{file}: a {kind.value} file without its adapter config "
+                         "(lora_adapter_metadata)")
+    load_adapter_tensors(model, tensors, kind, meta or None, adapter_name)
+
+
+def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], kind: Adapter,
+                         meta: dict[str, Any] | None = None, adapter_name: str = "default"
+                         ) -> None:
+    """Puts diffusers-named adapter `tensors` on `model` through peft, with peft's config `meta`
+    or, without it, each module's rank from its shapes and scale 1 (LoRA and DoRA). Raises
+    ValueError naming the keys the model has no place for."""
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
+
+    if meta is None:
+        meta = lora_config_from_shapes(tensors)
+        if kind == Adapter.dora:
+            meta["use_dora"] = True
     inject_adapter_in_model(peft_config(kind, meta), model, adapter_name=adapter_name)
     result = set_peft_model_state_dict(model, tensors, adapter_name=adapter_name)
     if result.unexpected_keys:
-        raise ValueError(f"{file}: the model has no place for {result.unexpected_keys[:5]}")
+        raise ValueError(f"the model has no place for {result.unexpected_keys[:5]}")
 
 
-def _lora_config_from_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def lora_config_from_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """LoraConfig arguments for a LoRA file without its config: each module's rank from its A,
     alpha = rank (scale 1)."""
     from collections import Counter

@@ -134,6 +134,24 @@ def comfy_lora_tensors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]
     return tensors
 
 
+def diffusers_named(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """A ComfyUI LoRA for models whose LoRAs ComfyUI maps by diffusers' module names (Qwen-Image,
+    Krea 2, ERNIE-Image: `comfy/lora.py`'s per-model key maps): `diffusion_model.<diffusers
+    module>`, with the trained alpha as `.alpha` (ComfyUI reads alpha only from these)."""
+    return comfy_lora_tensors({m: (a, b, alpha) for m, (a, b) in peft_pairs(weights).items()})
+
+
+def with_alpha(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI LoRA tensors whose scale is folded into B, with an `.alpha` per module equal to
+    its rank (A's rows): every loader then applies alpha / rank = 1, as the folding intends,
+    and none falls back to a rule of its own for a file without alphas."""
+    out = dict(tensors)
+    for key, value in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            out[key.removesuffix(".lora_A.weight") + ".alpha"] = torch.tensor(float(value.shape[0]))
+    return out
+
+
 def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], path: Path) -> Path:
     """Writes `comfy_lora_tensors(pairs)` to `path`."""
     save_file(comfy_lora_tensors(pairs), path, metadata={"format": "pt"})

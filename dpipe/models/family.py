@@ -185,7 +185,7 @@ class DiffusersFamily(ModelSpec):
         return write_lora_files(
             out_dir, lambda: save_diffusers_lora(loader, weights, metadata, out_dir,
                                                  component=self.lora_component),
-            self.lora_formats(weights, metadata))
+            weights, metadata, self.lora_formats)
 
     def lora_formats(self, weights: dict[str, torch.Tensor],
                      metadata: dict[str, Any]) -> list[LoraFormat]:

@@ -98,62 +98,81 @@ def _refuse(reason: str) -> Callable[[], dict[str, torch.Tensor]]:
     return build
 
 
-def adapter_formats(diffusers_file: Path, formats: list[LoraFormat]) -> list[LoraFormat]:
-    """The family's `formats` for a plain LoRA. The families' ComfyUI and kohya maps take LoRA
-    (A, B) pairs: for a DoRA they are refused (ComfyUI and kohya divide a `dora_scale` by the
-    norm of the base weight's rows, or of its columns; peft's magnitude divides by the norm of
-    the adapted weight's rows, so no file of theirs is exact without the base weights), and for
-    LoKr and LoHa, which have no pairs, a LyCORIS-named file takes their place."""
-    from safetensors import safe_open
-
+def adapter_formats(weights: dict[str, torch.Tensor], metadata: dict[str, Any],
+                    formats_of: FormatsOf) -> list[LoraFormat]:
+    """The family's formats (`formats_of(weights, metadata)`) for the adapter `weights` hold.
+    The families' ComfyUI and kohya maps take LoRA (A, B) pairs: for a DoRA they are refused
+    (ComfyUI and kohya divide a `dora_scale` by the norm of the base weight's rows, or of its
+    columns; peft's magnitude divides by the norm of the adapted weight's rows, so no file of
+    theirs is exact without the base weights). A LoKr or LoHa gets a LyCORIS-named file, and
+    each format's file holds its LyCORIS tensors under that format's names (which ComfyUI
+    applies natively): the names the family's writer gives each module (`lora_names`), for the
+    modules it writes whole; a module it stacks with others into one weight is left out."""
     from dpipe.config.schema import Adapter
-    from dpipe.models.adapters import adapter_kind, lycoris_tensors
+    from dpipe.models.adapters import adapter_kind, adapter_shapes, lycoris_tensors
 
-    with safe_open(diffusers_file, "pt") as f:
-        keys, meta = list(f.keys()), f.metadata() or {}
-    kind = adapter_kind(keys)
+    kind = adapter_kind(weights)
+    formats = formats_of(weights, metadata)
     if kind == Adapter.lora:
         return formats
-    diffusers = diffusers_file.name
     if kind == Adapter.dora:
-        reason = (f"DoRA: this format has no exact form of DoRA's magnitude (its loaders normalise "
-                  f"by the base weight, peft by the adapted weight); {diffusers} holds the DoRA")
+        reason = ("DoRA: this format has no exact form of DoRA's magnitude (its loaders normalise "
+                  "by the base weight, peft by the adapted weight); the diffusers file holds it")
         return [LoraFormat(f.file, _refuse(reason), f.metadata) for f in formats]
-    reason = (f"{kind.value}: this format's map takes LoRA (A, B) pairs, which a {kind.value} has "
-              f"not; {LYCORIS_FILE[kind.value]} and {diffusers} hold it")
+    from dpipe.models.lora_names import format_modules
 
-    def lycoris():
-        from safetensors.torch import load_file
+    names = format_modules(formats_of, adapter_shapes(weights))
 
-        tensors = load_file(diffusers_file)
-        prefix = keys[0].split(".", 1)[0] + "."  # the component: "transformer." or "unet."
-        config = json.loads(meta["lora_adapter_metadata"])
-        config = {k.removeprefix(prefix): v for k, v in config.items()}
-        return lycoris_tensors({k.removeprefix(prefix): v for k, v in tensors.items()}, config)
+    def in_names(file: str) -> Callable[[], dict[str, torch.Tensor]]:
+        whole = {parts[0].module: name for name, parts in names.get(file, {}).items()
+                 if len(parts) == 1 and parts[0].whole}
 
-    return ([LoraFormat(LYCORIS_FILE[kind.value], lycoris, {"format": "pt"})]
-            + [LoraFormat(f.file, _refuse(reason), f.metadata) for f in formats])
+        def build():
+            held = {k: v for k, v in weights.items() if _module_of(k) in whole}
+            tensors = lycoris_tensors(held, metadata, name=lambda m: whole[m])
+            left = sorted({_module_of(k) for k in weights} - set(whole))
+            if left:
+                raise NotInFormat(f"{kind.value} {file}", left, tensors)
+            return tensors
+        return build
+
+    return ([LoraFormat(LYCORIS_FILE[kind.value], lambda: lycoris_tensors(weights, metadata),
+                        {"format": "pt"})]
+            + [LoraFormat(f.file, in_names(f.file), f.metadata) for f in formats])
+
+
+def _module_of(key: str) -> str:
+    """The module of a diffusers-named adapter key (`<module>.lokr_w1`)."""
+    from dpipe.models.adapters import modules_of
+
+    return next(iter(modules_of({key: None})))
 
 
 # The LyCORIS-named file of a LoKr or LoHa, beside the diffusers file.
 LYCORIS_FILE = {"lokr": "lycoris_lokr.safetensors", "loha": "lycoris_loha.safetensors"}
 
 
+# A family's LoRA formats: `lora_formats(weights, metadata)` of its spec.
+FormatsOf = Callable[[dict[str, torch.Tensor], dict[str, Any]], list[LoraFormat]]
+
+
 def write_lora_files(out_dir: Path, write_diffusers: Callable[[], Path],
-                     formats: list[LoraFormat]) -> list[Path]:
+                     weights: dict[str, torch.Tensor], metadata: dict[str, Any],
+                     formats_of: FormatsOf) -> list[Path]:
     """The one way every family writes its LoRA files: the diffusers file first, and whatever
     goes wrong there is raised, since nothing loads a LoRA without it; then each other format on
     its own, so a format that cannot hold a module, or fails, costs none of the others. The
     former leaves those modules out, the latter is not written; each warns once, and
-    `exports.json` records what every format holds. Returns the files written, the diffusers
-    file first. Errors of the disk itself (OSError) are raised: no other file would fare better.
+    `exports.json` records what every format holds. The other formats are the family's
+    (`formats_of`) for the adapter `weights` (diffusers-named) and `metadata` hold
+    (`adapter_formats`). Returns the files written, the diffusers file first. Errors of the disk itself (OSError) are raised: no other file would fare better.
     """
     from safetensors.torch import save_file
 
     diffusers_file = write_diffusers()
     written = [diffusers_file]
     record: dict[str, dict[str, Any]] = {diffusers_file.name: {"written": True, "left_out": []}}
-    formats = adapter_formats(diffusers_file, formats)
+    formats = adapter_formats(weights, metadata, formats_of)
     for fmt in formats:
         path = out_dir / fmt.file
         try:

@@ -1,15 +1,15 @@
 """Adapter files going into a run: `model.merge_adapters` (merged into the frozen base weights
 before training) and `model.lora.init_from` (the trained adapter's starting weights).
 
-Both read diffusers-format files (`<component>.<module>.lora_A.weight` ..., peft's config in the
-metadata), as every dpipe export writes them. Every pipeline stage builds the whole denoiser
+Both read a LoRA, DoRA, LoKr or LoHa file in any format users share (dpipe.models.lora_read:
+diffusers, peft, ComfyUI, kohya, ai-toolkit/musubi-tuner, LyCORIS), placed on the denoiser's
+modules through the family's own writers' names. Every pipeline stage builds the whole denoiser
 before it keeps its own layers (dpipe.train.trainable), so applying them to the denoiser there
 gives each stage its own layers' share.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,99 +19,107 @@ from torch import nn
 
 from dpipe.config.schema import Adapter, ModelConfig
 from dpipe.errors import ConfigError
-from dpipe.models.adapters import adapter_kind, is_adapter_param, load_adapter_file, modules_of
+from dpipe.models.adapters import adapter_metadata, is_adapter_param, modules_of
 from dpipe.models.lora_files import DIFFUSERS_LORA, peft_to_diffusers
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("transformer", "unet")  # the prefixes diffusers' save_lora_weights writes
-# Key starts of files in other layouts (ComfyUI, kohya, LyCORIS, a PeftModel's save): their
-# module names are not the denoiser's, and no family here maps them back.
-FOREIGN = ("diffusion_model.", "lora_unet_", "lora_transformer_", "lycoris_", "base_model.model.",
-           "lora_te")
 
-
-def read_adapter_file(file: str, key: str, spec=None) -> tuple[Path, str, list[str], dict]:
-    """(the file, its component prefix, its keys, peft's config from its metadata or {}) of a
-    diffusers-format adapter file; anything else is refused, naming `key` and what to give."""
+def check_adapter_file(file: str, key: str) -> tuple[Path, str, Adapter]:
+    """(the file, its format, its adapter kind) of a readable LoRA file of a layout dpipe reads;
+    anything else is refused, naming `key`, the keys and the formats read. Checked before any
+    worker starts; whether its modules fit the family is checked on the model (`read_adapter`)."""
     from safetensors import safe_open
 
+    from dpipe.models.lora_read import LoraLayoutError, detect_format
 
     path = adapter_file_path(file, key)
     try:
         with safe_open(str(path), "pt") as f:
-            keys, meta = list(f.keys()), f.metadata() or {}
+            keys = list(f.keys())
     except Exception as err:  # not a safetensors file
         raise ConfigError(f"{key}={file}: not readable as safetensors ({err})") from None
-    foreign = [k for k in keys if k.startswith(FOREIGN)]
-    if foreign or not any(is_adapter_param(k) for k in keys):
-        family = f" for {spec.cfg.family}" if spec is not None else ""
-        raise ConfigError(
-            f"{key}={file} is not a diffusers-format adapter file (its keys look like "
-            f"{(foreign or keys or ['nothing'])[0]!r}): dpipe reads the "
-            "pytorch_lora_weights.safetensors its exports write, and has no map back from "
-            f"ComfyUI's or kohya's names{family}. Convert it with diffusers first "
-            "(`pipe.load_lora_weights(file)` then `pipe.save_lora_weights(dir, "
-            "transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))`)")
-    first = keys[0].split(".", 1)[0]
-    prefix = first if first in COMPONENTS else ""
-    config = json.loads(meta.get("lora_adapter_metadata", "{}"))
-    if prefix:
-        config = {k.removeprefix(f"{prefix}."): v for k, v in config.items()
-                  if k.startswith(f"{prefix}.")}
-    return path, prefix, keys, config
+    try:
+        fmt, kind = detect_format(keys)
+    except LoraLayoutError as err:
+        raise ConfigError(f"{key}={file}: {err}") from None
+    return path, fmt, kind
 
 
-def merge_adapters(denoiser: nn.Module, files: list[str]) -> None:
+def read_adapter(file: str, key: str, spec, denoiser: nn.Module):
+    """The file's adapter on `denoiser`'s modules (a LoraRead), or a ConfigError naming `key`
+    and the modules that do not fit."""
+    from dpipe.models.lora_names import linear_shapes, lora_names
+    from dpipe.models.lora_read import LoraLayoutError, read_lora
+
+    path, _, _ = check_adapter_file(file, key)
+    try:
+        read = read_lora(path, lora_names(spec, linear_shapes(denoiser)), spec.cfg.family)
+    except LoraLayoutError as err:
+        raise ConfigError(f"{key}={file}: {err}") from None
+    if read.text_encoder:
+        log.warning("%s=%s: its LoRA on %d text-encoder module(s) is left out (dpipe trains "
+                    "the denoiser only)", key, file, len(read.text_encoder))
+    log.info("%s=%s: read as a %s %s file, %d modules", key, file, read.format, read.kind.value,
+             len(read.modules))
+    return read
+
+
+def merge_adapters(denoiser: nn.Module, files: list[str], spec) -> None:
     """Merges each file's adapter into `denoiser`'s weights, in order (W += its delta, as peft
-    merges it), leaving plain modules: the base the run trains on."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
+    and ComfyUI merge it), leaving plain modules: the base the run trains on."""
     for i, file in enumerate(files):
         key = f"model.merge_adapters[{i}]"
-        path, prefix, _keys, _config = read_adapter_file(file, key)
-        name = f"merged{i}"
-        try:
-            load_adapter_file(denoiser, path, prefix, adapter_name=name)
-        except (ValueError, RuntimeError) as err:
-            raise ConfigError(f"{key}={file} does not fit the model: {err}") from None
-        for module_name, module in list(denoiser.named_modules()):
-            if isinstance(module, BaseTunerLayer):
-                module.merge(adapter_names=[name])
-                parent_name, _, child = module_name.rpartition(".")
-                parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
-                setattr(parent, child, module.get_base_layer())
-        if hasattr(denoiser, "peft_config"):
-            del denoiser.peft_config
-        log.info("merged %s into the base weights", path)
+        read = read_adapter(file, key, spec, denoiser)
+        if read.kind == Adapter.dora:  # its delta needs the base weight: peft merges it
+            _merge_through_peft(denoiser, read, f"merged{i}")
+        else:
+            with torch.no_grad():
+                for module in read.modules:
+                    weight = denoiser.get_submodule(module).weight
+                    weight.add_(read.delta(module, weight.shape).to(weight.dtype))
+        log.info("merged %s into the base weights", file)
 
 
-def init_adapter(denoiser: nn.Module, cfg: ModelConfig, default_targets) -> None:
+def _merge_through_peft(denoiser: nn.Module, read, name: str) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from dpipe.models.adapters import load_adapter_tensors
+
+    load_adapter_tensors(denoiser, read.tensors(), read.kind, adapter_name=name)
+    for module_name, module in list(denoiser.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge(adapter_names=[name])
+            parent_name, _, child = module_name.rpartition(".")
+            parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
+            setattr(parent, child, module.get_base_layer())
+    if hasattr(denoiser, "peft_config"):
+        del denoiser.peft_config
+
+
+def init_adapter(denoiser: nn.Module, cfg: ModelConfig, spec) -> None:
     """Loads model.lora.init_from into the adapter `make_trainable` put on `denoiser`: every
-    adapter weight of the model from the file, shapes equal, the same alpha."""
-    from dpipe.models.adapters import adapter_metadata
-    from safetensors.torch import load_file
-
+    adapter weight of the model from the file, shapes equal, each module's delta the file's
+    (its scale refolded to this run's alpha / rank)."""
     file, key = cfg.lora.init_from, "model.lora.init_from"
-    path, prefix, keys, config = read_adapter_file(file, key)
-    kind = adapter_kind(keys)
-    if kind != Adapter(cfg.adapter):
-        raise ConfigError(f"{key}={file} holds a {kind.value} adapter, but this run trains "
+    read = read_adapter(file, key, spec, denoiser)
+    if read.kind != Adapter(cfg.adapter):
+        raise ConfigError(f"{key}={file} holds a {read.kind.value} adapter, but this run trains "
                           f"model.adapter={Adapter(cfg.adapter).value}: set "
-                          f"model.adapter={kind.value}, or give a {cfg.adapter.value} file")
-    ours = adapter_metadata(cfg, default_targets)
-    alpha_key = "lora_alpha" if "lora_alpha" in ours else "alpha"
-    for name in ("r", alpha_key, "decompose_factor"):
-        if name in config and name in ours and config[name] != ours[name]:
-            setting = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha",
-                       "alpha": "model.lora.alpha", "decompose_factor": "model.lokr_factor"}[name]
-            raise ConfigError(f"{key}={file} was trained with {name}={config[name]}, this run "
-                              f"has {setting}={ours[name]}: set {setting}={config[name]}")
-    if alpha_key not in config:
-        log.warning("%s=%s records no alpha: its weights are taken at this run's scale "
-                    "alpha / rank = %s / %s", key, file, ours[alpha_key], ours["r"])
-    tensors = {k.removeprefix(f"{prefix}.") if prefix else k: v
-               for k, v in load_file(str(path)).items()}
+                          f"model.adapter={read.kind.value}, or give a {cfg.adapter.value} file")
+    ours = adapter_metadata(cfg, spec.lora_targets())
+    for name in ("r", "decompose_factor"):
+        if name in read.config and name in ours and read.config[name] != ours[name]:
+            setting = {"r": "model.lora.rank", "decompose_factor": "model.lokr_factor"}[name]
+            raise ConfigError(f"{key}={file} was trained with {name}={read.config[name]}, this "
+                              f"run has {setting}={ours[name]}: set {setting}="
+                              f"{read.config[name]}")
+    scale = ours.get("lora_alpha", ours.get("alpha")) / ours["r"]
+    rescaled = sorted({s for s in read.scales.values() if s != scale})
+    if rescaled:
+        log.info("%s=%s: applied at scale %s in the file, refolded to this run's alpha / rank "
+                 "= %s", key, file, rescaled, scale)
+    tensors = read.tensors(scale)
     params = {diffusers_name(n): p for n, p in denoiser.named_parameters() if is_adapter_param(n)}
     check_fit(file, key, params, tensors)
     with torch.no_grad():

@@ -25,14 +25,14 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
     if run.model.merge_adapters:  # into the fp32 base, before bf16 or fp8 round it
         from dpipe.train.adapter_init import merge_adapters
 
-        merge_adapters(denoiser, run.model.merge_adapters)
+        merge_adapters(denoiser, run.model.merge_adapters, spec)
     # LoRA init: identical on every rank and every stage count, however the denoiser was made.
     torch.manual_seed(run.train.seed)
     make_trainable(denoiser, run.model, spec.lora_targets())
     if run.model.lora.init_from and run.model.mode == TrainMode.lora:
         from dpipe.train.adapter_init import init_adapter
 
-        init_adapter(denoiser, run.model, spec.lora_targets())
+        init_adapter(denoiser, run.model, spec)
     use_attention_kernel(denoiser, run.model)
     bf16 = run.train.precision == Precision.bf16
     if bf16 and run.model.mode == TrainMode.lora:

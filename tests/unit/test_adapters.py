@@ -163,9 +163,19 @@ def test_exports_json_records_what_each_format_holds(adapter, exports):
     if adapter == "lora":
         assert comfy["written"]
         return
-    assert not comfy["written"] and not (folder / "flux_lora_comfyui.safetensors").exists()
-    assert ("DoRA" if adapter == "dora" else "(A, B) pairs") in comfy["error"]
+    if adapter == "dora":
+        assert not comfy["written"] and not (folder / "flux_lora_comfyui.safetensors").exists()
+        assert "DoRA" in comfy["error"]
     if adapter in ("lokr", "loha"):
+        # The ComfyUI file: each module that BFL's checkpoint keeps whole, under its name there,
+        # with the delta of the LyCORIS file; the ones it fuses (to_q, to_k, to_v) left out.
+        assert comfy["written"] and "transformer_blocks.0.attn.to_q" in comfy["left_out"]
+        held = load_file(folder / "flux_lora_comfyui.safetensors")
+        lycoris = load_file(folder / f"lycoris_{adapter}.safetensors")
+        shape = (32, 32)
+        torch.testing.assert_close(
+            lycoris_delta(held, "", shape, name="diffusion_model.double_blocks.0.img_attn.proj"),
+            lycoris_delta(lycoris, "transformer_blocks.0.attn.to_out.0", shape))
         assert record[f"lycoris_{adapter}.safetensors"]["written"]
         tensors = load_file(folder / f"lycoris_{adapter}.safetensors")
         assert all(k.startswith("lycoris_") for k in tensors)
@@ -177,14 +187,22 @@ def test_exports_json_records_what_each_format_holds(adapter, exports):
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_init_from_an_export_starts_from_its_weights(adapter, exports):
+    """From the diffusers file exactly; from the LyCORIS file of a LoKr or LoHa too (a full
+    LoKr's scale, folded into lokr_w2 there, taken out again)."""
     spec, _, state, folder = exports[adapter]
-    run = compose_run([*BASE, f"model.adapter={adapter}", f"model.lora.init_from={folder}"])
-    again = {}
-    for layer in trainable_layers(spec, run):
-        again.update(layer.denoiser_state_dict(trainable_only=True))
-    assert sorted(again) == sorted(state)
-    for key in state:
-        assert torch.equal(again[key], state[key].float()), key
+    files = [folder] + ([folder / f"lycoris_{adapter}.safetensors"]
+                        if adapter in ("lokr", "loha") else [])
+    for file in files:
+        run = compose_run([*BASE, f"model.adapter={adapter}", f"model.lora.init_from={file}"])
+        again = {}
+        for layer in trainable_layers(spec, run):
+            again.update(layer.denoiser_state_dict(trainable_only=True))
+        assert sorted(again) == sorted(state)
+        for key in state:
+            if file == folder:
+                assert torch.equal(again[key], state[key].float()), key
+            else:
+                torch.testing.assert_close(again[key], state[key].float(), msg=key)
 
 
 def test_init_from_refuses_a_file_of_another_rank_naming_the_module(exports, tmp_path):
@@ -206,7 +224,7 @@ def test_init_from_refuses_a_file_of_another_rank_naming_the_module(exports, tmp
     assert "expected shape (4, " in said and "found shape (8, " in said, said
 
 
-def test_init_from_refuses_another_adapter_and_comfyui_files(exports, tmp_path):
+def test_init_from_refuses_another_adapter_and_unknown_layouts(exports, tmp_path):
     from dpipe.launch.prestart import check_before_workers
 
     spec, _, _, folder = exports["lokr"]
@@ -214,10 +232,14 @@ def test_init_from_refuses_another_adapter_and_comfyui_files(exports, tmp_path):
     with pytest.raises(ConfigError, match="holds a lokr adapter, but this run trains "
                                           "model.adapter=lora: set model.adapter=lokr"):
         check_before_workers(run, tmp_path, spec)
-    comfy = exports["lora"][3] / "flux_lora_comfyui.safetensors"
-    run = compose_run([*BASE, f"model.lora.init_from={comfy}"])
-    with pytest.raises(ConfigError, match="is not a diffusers-format adapter file .* no map back "
-                                          "from ComfyUI's or kohya's names for flux"):
+    other = tmp_path / "other.safetensors"
+    save_file({"blocks.0.attn.weight": torch.zeros(2, 2), "blocks.0.lora_A.weight":
+               torch.zeros(1, 2)}, other)
+    run = compose_run([*BASE, f"model.lora.init_from={other}"])
+    with pytest.raises(ConfigError, match=f"init_from={other}: keys of no LoRA layout dpipe "
+                                          r"reads: blocks.0.attn.weight \(1 of 2\); dpipe reads "
+                                          "diffusers, peft, ComfyUI, ai-toolkit/musubi-tuner, "
+                                          "kohya, LyCORIS LoKr/LoHa files"):
         check_before_workers(run, tmp_path, spec)
 
 
@@ -231,7 +253,7 @@ def test_merge_adapters_adds_each_module_s_delta_to_the_base(adapter, exports):
     spec, _, _, folder = exports[adapter]
     base = spec.load_denoiser(torch.float32)
     merged = spec.load_denoiser(torch.float32)
-    merge_adapters(merged, [str(folder)])
+    merge_adapters(merged, [str(folder)], spec)
     assert not any(is_adapter_param(n) for n, _ in merged.named_parameters())
     reference = spec.load_denoiser(torch.float32)
     load_adapter_file(reference, folder / DIFFUSERS_LORA)

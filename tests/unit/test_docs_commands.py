@@ -3,9 +3,9 @@
 The commands are read from README.md, docs/*.md and docs/models/*.md: each line of a fenced code
 block (backslash continuations joined, `NAME="..."` assignments of the file expanded) and each
 inline code span that starts with `dpipe-train`, `dpipe-sample`, `dpipe-cache`, `dpipe-bench`,
-`dpipe-export` (also as `.venv/bin/dpipe-...` or `python -m dpipe.cli.<name>`) or `make`. A lone
-`...` stands for "the overrides shown before" and is dropped; any other placeholder (`<overrides>`,
-`[export=...]`) fails, so the docs keep to commands a user can paste.
+`dpipe-export`, `dpipe-lora` (also as `.venv/bin/dpipe-...` or `python -m dpipe.cli.<name>`) or
+`make`. A lone `...` stands for "the overrides shown before" and is dropped; any other
+placeholder (`<overrides>`, `[export=...]`) fails, so the docs keep to commands a user can paste.
 
 How each is checked, in-process (a few seconds for all):
 - `dpipe-train`: its arguments go through Hydra's own argument parser (`-m`, `--cfg job`, ...),
@@ -22,6 +22,9 @@ How each is checked, in-process (a few seconds for all):
 - `dpipe-sample`: key=value arguments, split as the command splits them (its SPECIAL keys); the
   rest composed and validated as for `dpipe-train` (with `run=`, over the default config, which
   stands for the run's own).
+- `dpipe-lora`: its command and key=value arguments, split as the command splits them
+  (`parse_arguments`: the keys each command takes, none missing); model= and model.* composed
+  and validated as for `dpipe-train`.
 - `make X`: X is a target of the Makefile. The quick start's `make demo` is run for real by
   tests/integration/test_quick_start.py.
 """
@@ -36,7 +39,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROGRAMS = ("dpipe-train", "dpipe-sample", "dpipe-cache", "dpipe-bench", "dpipe-export")
+PROGRAMS = ("dpipe-train", "dpipe-sample", "dpipe-cache", "dpipe-bench", "dpipe-export",
+            "dpipe-lora")
 SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")  # fenced blocks whose lines are commands
 FENCE = re.compile(r"^[ \t]*```[ \t]*(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)?)`")  # a span may wrap onto the next line
@@ -187,6 +191,16 @@ def check_export(args: list[str]) -> None:
     assert set(given) <= set(KEYS) and "run" in given, f"dpipe-export {args}: keys {KEYS}"
 
 
+def check_lora(args: list[str]) -> None:
+    from dpipe.cli.lora import COMMANDS, parse_arguments
+
+    args = _overrides(args)
+    assert args and args[0] in COMMANDS, f"dpipe-lora {args}: commands {COMMANDS}"
+    _, overrides = parse_arguments(args[0], args[1:])
+    if overrides:
+        _validate_points(overrides)
+
+
 def check_make(args: list[str]) -> None:
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     for target in args:
@@ -194,7 +208,8 @@ def check_make(args: list[str]) -> None:
 
 
 CHECKS = {"dpipe-train": check_train, "dpipe-sample": check_sample, "dpipe-cache": check_cache,
-          "dpipe-bench": check_bench, "dpipe-export": check_export, "make": check_make}
+          "dpipe-bench": check_bench, "dpipe-export": check_export, "dpipe-lora": check_lora,
+          "make": check_make}
 
 
 def check(command: Command) -> None:

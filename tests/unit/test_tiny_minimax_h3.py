@@ -407,6 +407,11 @@ def test_single_file_loads_as_diffusers_reads_it_and_exports_in_its_layout(folde
     assert prefix + "final_layer.video_out.weight" in keys
     _, spec = _spec(folder, f"model.path={file}", f"model.single_file_config={folder}")
     _, base = _spec(folder)
+    # ComfyUI tells the model by rope.inv_freq and sizes its buffer from it: the published
+    # files hold diffusers' computed frequencies, in fp32.
+    rope = load_file(file)[prefix + "rope.inv_freq"]
+    assert rope.dtype == torch.float32
+    assert torch.equal(rope, base.load_denoiser(torch.float32).rope.inv_freq)
     loaded = spec.load_denoiser(torch.float32).state_dict()
     expected = base.load_denoiser(torch.float32).state_dict()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)

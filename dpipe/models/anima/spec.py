@@ -263,10 +263,12 @@ class AnimaSpec(DiffusersFamily):
     def export_lora(self, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any],
                     out_dir: Path) -> list[Path]:
         weights = peft_to_diffusers(state_dict)
-        return write_lora_files(
-            out_dir, lambda: save_anima_lora(weights, metadata, out_dir),
-            [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
-                        {"format": "comfyui"})])
+        return write_lora_files(out_dir, lambda: save_anima_lora(weights, metadata, out_dir),
+                                weights, metadata, self.lora_formats)
+
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                           {"format": "comfyui"})]
 
     def export_full(self, shards: list[Path], out_dir: Path) -> Path:
         """`out_dir/transformer` and `out_dir/text_conditioner`, diffusers folders with the base

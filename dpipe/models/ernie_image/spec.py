@@ -20,15 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpipe.models.comfyui import diffusers_named
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
 from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.family import DiffusersFamily
+from dpipe.models.lora_files import LoraFormat
 from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
 
 # Every Linear of every ErnieImageSharedAdaLNBlock: attention projections and the gated MLP.
 LORA_TARGETS = (r"layers\.\d+\.(?:self_attention\.(?:to_q|to_k|to_v|to_out\.0)"
                 r"|mlp\.(?:gate_proj|up_proj|linear_fc2))")
+COMFYUI_LORA = "ernie_image_lora_comfyui.safetensors"
 BN_EPS = 1e-5  # the pipeline's decode hard-codes it (its TODO: the trained value)
 
 
@@ -61,9 +64,6 @@ class ErnieImageSpec(DiffusersFamily):
     # below a block, so every stage gets blocks.
     layers, block_types = ernie_image_layers, (ErnieImageBlock,)
     sampler = "dpipe.models.ernie_image.sampling:ErnieImageSampling"
-    # The diffusers file only: no ComfyUI layout is established offline
-    # (docs/models/ernie_image.md).
-
     @property
     def pixel_multiple(self) -> int:
         # The pipeline's vae_scale_factor: the VAE's downscale (x8) times the 2x2 patchify.
@@ -104,6 +104,12 @@ class ErnieImageSpec(DiffusersFamily):
         if weight is None:
             return inputs, (batch.target,)
         return inputs, (batch.target, weight.expand(b, c, h, w))
+
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        # ComfyUI 0.33.0's ERNIE-Image keeps diffusers' names (comfy/ldm/ernie/model.py) and
+        # maps LoRAs under `diffusion_model.` or `transformer.` (comfy/lora.py).
+        return [LoraFormat(COMFYUI_LORA, lambda: diffusers_named(weights, metadata["lora_alpha"]),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

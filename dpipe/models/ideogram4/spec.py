@@ -25,14 +25,18 @@ from torch import nn
 from dpipe.errors import DataError
 from dpipe.models.common.vae_batch_norm import batch_norm_stats
 from dpipe.models.family import DiffusersFamily
+from dpipe.models.ideogram4.comfyui import lora_to_comfyui
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
 from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier, sizes
 
 # Every Linear of every Ideogram4TransformerBlock: attention, the SwiGLU and the AdaLN projection.
 LORA_TARGETS = (r"layers\.\d+\.(?:attention\.(?:to_q|to_k|to_v|to_out\.0)"
                 r"|feed_forward\.(?:w1|w2|w3)|adaln_modulation)")
+
+COMFYUI_LORA = "ideogram4_lora_comfyui.safetensors"
 
 
 def to_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +98,6 @@ class Ideogram4Spec(DiffusersFamily):
     # each below a block, so every stage gets blocks.
     layers, block_types = ideogram4_layers, (Ideogram4Block,)
     sampler = "dpipe.models.ideogram4.sampling:Ideogram4Sampling"
-    # The diffusers LoRA file only: no ComfyUI LoRA layout is established offline
-    # (docs/models/ideogram4.md).
-
     @property
     def pixel_multiple(self) -> int:
         # The pipeline's vae_scale_factor (2 ** (blocks - 1), 8 for the real VAE) x patch 2.
@@ -140,6 +141,10 @@ class Ideogram4Spec(DiffusersFamily):
         if weight is None:
             return inputs, (target,)
         return inputs, (target, to_tokens(weight.expand(b, c, h, w)))
+
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        return [LoraFormat(COMFYUI_LORA, lambda: lora_to_comfyui(weights, lora_scale(metadata)),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

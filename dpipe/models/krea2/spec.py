@@ -19,11 +19,13 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.comfyui import diffusers_named
 from dpipe.models.common.latent_packing import pack
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.lora_files import LoraFormat
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
 from dpipe.models.sync_free import carrier
@@ -31,6 +33,8 @@ from dpipe.models.sync_free import carrier
 # Every Linear of every Krea2TransformerBlock: the gated attention's projections and the SwiGLU.
 LORA_TARGETS = (r"transformer_blocks\.\d+\.(?:attn\.(?:to_q|to_k|to_v|to_gate|to_out\.0)"
                 r"|ff\.(?:gate|up|down))")
+
+COMFYUI_LORA = "krea2_lora_comfyui.safetensors"
 
 # The embedding layer's time relative to a main block (layer_costs): estimated, not measured.
 EMBED_COST = 0.5
@@ -48,8 +52,6 @@ class Krea2Spec(DiffusersFamily):
     lora_modules = LORA_TARGETS
     layers = krea2_layers
     sampler = "dpipe.models.krea2.sampling:Krea2Sampling"
-    # The diffusers LoRA file only: no ComfyUI format is established for Krea 2
-    # (docs/models/krea2.md).
 
     def _index(self) -> dict[str, Any]:
         return read_json(self.path / "model_index.json")
@@ -109,6 +111,12 @@ class Krea2Spec(DiffusersFamily):
         if weight is None:
             return inputs, (pack(batch.target),)
         return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        # ComfyUI 0.33.0 maps Krea 2 LoRAs by diffusers' module names under `diffusion_model.`
+        # onto its original-named model (comfy/lora.py, comfy/utils.py krea2_to_diffusers).
+        return [LoraFormat(COMFYUI_LORA, lambda: diffusers_named(weights, metadata["lora_alpha"]),
+                           {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -61,9 +61,21 @@ def layout(config) -> tuple[list[FusedLinear], dict[str, str], set[str]]:
 
 
 def original_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Diffusers-named transformer weights -> the original names (no prefix)."""
+    """Diffusers-named transformer weights -> the original names (no prefix), with the rotary
+    frequencies `rope.inv_freq` (fp32) that the published files hold and diffusers computes:
+    ComfyUI 0.33.0 tells a MiniMax H3 file by that key and sizes its buffer from it
+    (`comfy/model_detection.py`)."""
     fused, renames, swapped = layout(config)
-    return to_original(state, fused, "MiniMax H3 original", renames, swapped)
+    out = to_original(state, fused, "MiniMax H3 original", renames, swapped)
+    out["rope.inv_freq"] = rope_inv_freq(config)
+    return out
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """MiniMaxH3RotaryPosEmbed's `inv_freq`: `rope_freq_dim` frequencies theta^(-2i / 2F)."""
+    dim = config.get("rope_freq_dim", 16)
+    theta = config.get("rope_theta", 10000.0)
+    return 1.0 / theta ** (torch.arange(0, 2 * dim, 2, dtype=torch.float32) / (2 * dim))
 
 
 def diffusers_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
-from dpipe.models.comfyui import comfy_lora_tensors, peft_pairs
+from dpipe.models.comfyui import diffusers_named
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.qwen_image.layers import (
@@ -110,8 +110,8 @@ class QwenImageSpec(DiffusersFamily):
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         # ComfyUI's Qwen-Image uses the diffusers module names (its single-file checkpoints too).
-        pairs = {m: (a, b, metadata["lora_alpha"]) for m, (a, b) in peft_pairs(weights).items()}
-        return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(pairs), {"format": "pt"})]
+        return [LoraFormat(COMFY_LORA, lambda: diffusers_named(weights, metadata["lora_alpha"]),
+                           {"format": "pt"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""Where each module of a LoRA file in another format goes among the family's diffusers modules,
+learnt from the family's own writers, so that writing and reading are one table.
+
+A family writes its ComfyUI (or kohya) LoRA through `lora_formats`: a linear map from diffusers
+(A, B) pairs to the format's pairs that renames modules, stacks several into one fused weight
+(A rows stacked, B block-diagonal) and may reorder a weight's output rows. Writing a probe LoRA
+of rank 1 through it, each module's A filled with the module's number and its B with its row
+numbers (1, 2, ...), shows every format module's parts: which diffusers module each A row came
+from, and at which rows of the format module each of that module's rows landed. Reading inverts
+exactly that (`dpipe.models.lora_read`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# A LoRA file's key: <module>.<part>, the part in any of the names the tools write.
+KEY = re.compile(
+    r"^(?P<module>.+?)\.(?P<part>lora_[AB](?:\.default)?\.weight|lora_(?:down|up|mid)\.weight"
+    r"|alpha|dora_scale|diff|diff_b|lora_magnitude_vector(?:\.default)?(?:\.weight)?"
+    r"|lokr_w[12](?:_[ab])?(?:\.default)?|lokr_t2|hada_w[12]_[ab](?:\.default)?|hada_t[12])$")
+# Each tool's part names as peft's (diffusers' files keep peft's, without the adapter name).
+PART_NAMES = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight",
+              "lora_magnitude_vector.weight": "lora_magnitude_vector"}
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """(module, part under peft's name) of a LoRA file's key, None for a key of no known part."""
+    match = KEY.match(key)
+    if match is None:
+        return None
+    part = match["part"].replace(".default", "")
+    return match["module"], PART_NAMES.get(part, part)
+
+
+def flat(name: str) -> str:
+    """A module name as kohya-style tools write it (dots as underscores): names compare this
+    way when a file's are of that kind."""
+    return name.replace(".", "_")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One diffusers module's share of a format module: rows `file_rows` of the format module's
+    weight are the diffusers module's rows `rows`; the module is part `index` of the `parts`
+    the writer stacks along the format module's rank (A's rows)."""
+
+    module: str
+    file_rows: torch.Tensor
+    rows: torch.Tensor
+    index: int
+    parts: int
+
+    @property
+    def whole(self) -> bool:
+        """The format module is this diffusers module, row for row."""
+        return self.parts == 1 and torch.equal(self.file_rows, self.rows)
+
+
+class LoraNames:
+    """The family's module names: its diffusers modules (with their weight shapes) and the
+    modules of each format it writes, as lists of `Part`s."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], formats: dict[str, list[Part]]):
+        self.shapes = shapes
+        self.diffusers = {m: [Part(m, torch.arange(s[0]), torch.arange(s[0]), 0, 1)]
+                          for m, s in shapes.items()}
+        self.formats = formats
+
+    def place(self, name: str, format_first: bool) -> list[Part] | None:
+        """The parts of a file's module `name` (its prefix removed), looked up as written, then
+        with dots as underscores; in the format's names first for files in a format's names."""
+        tables = [self.formats, self.diffusers]
+        if not format_first:
+            tables.reverse()
+        for table in tables:
+            if name in table:
+                return table[name]
+        for table in tables:
+            found = _flat_index(table).get(flat(name))
+            if found is not None:
+                return found
+        return None
+
+
+def _flat_index(table: dict[str, list[Part]]) -> dict[str, list[Part]]:
+    index: dict[str, list[Part]] = {}
+    for name, parts in table.items():
+        index.setdefault(flat(name), parts)
+    return index
+
+
+def linear_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{module: weight shape} of the denoiser's Linear layers, under their plain names (an
+    adapted layer under its own, not its base layer's)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from dpipe.models.adapters import is_adapter_param
+
+    shapes = {}
+    for name, module in denoiser.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            base = module.get_base_layer()
+            if isinstance(base, nn.Linear):
+                shapes[name] = tuple(base.weight.shape)
+        elif isinstance(module, nn.Linear) and not is_adapter_param(name) \
+                and ".base_layer" not in f".{name}." and not name.endswith("base_layer"):
+            shapes[name] = tuple(module.weight.shape)
+    return shapes
+
+
+def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
+    """The family's table for the modules `shapes` names (`linear_shapes`, or a folder's weight
+    shapes), from its LoRA writers (`spec.lora_formats`)."""
+    from dpipe.models.lora_read import strip_prefix
+
+    formats: dict[str, list[Part]] = {}
+    for modules in format_modules(spec.lora_formats, shapes).values():
+        for name, parts in modules.items():
+            formats.setdefault(strip_prefix(name)[0], parts)
+    return LoraNames(shapes, formats)
+
+
+def format_modules(formats_of, shapes: dict[str, tuple[int, ...]]
+                   ) -> dict[str, dict[str, list[Part]]]:
+    """{format file: {module name as written there: its parts}} of each LoRA format that
+    `formats_of(weights, metadata)` (a family's `lora_formats`) writes, for the diffusers
+    modules of `shapes`, learnt from a probe written through it."""
+    from dpipe.models.lora_files import NotInFormat
+
+    modules = sorted(shapes)
+    probe = {}
+    for number, module in enumerate(modules, start=1):
+        rows, cols = shapes[module][0], shapes[module][1]
+        probe[f"{module}.lora_A.weight"] = torch.full((1, cols), float(number), dtype=torch.float64)
+        probe[f"{module}.lora_B.weight"] = torch.arange(1, rows + 1, dtype=torch.float64)[:, None]
+    metadata = {"r": 1, "lora_alpha": 1, "alpha": 1, "target_modules": modules}
+    out = {}
+    for fmt in formats_of(probe, metadata):
+        try:
+            tensors = fmt.build()
+        except NotInFormat as err:
+            tensors = err.partial
+        except Exception as err:  # a writer that cannot take every Linear: its names unread
+            log.debug("%s: no names learnt (%s: %s)", fmt.file, type(err).__name__, err)
+            continue
+        out[fmt.file] = _decoded(tensors, modules)
+    return out
+
+
+def _decoded(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, list[Part]]:
+    """{format module (as written): its parts} from a probe's written tensors."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        split = split_key(key)
+        if split is not None:
+            grouped.setdefault(split[0], {})[split[1]] = value
+    out = {}
+    for raw, parts in grouped.items():
+        a, b = parts.get("lora_A.weight"), parts.get("lora_B.weight")
+        if a is None or b is None:
+            continue
+        a, b = a.double().flatten(1), b.double().flatten(1)
+        found = []
+        for index in range(a.shape[0]):
+            number = a[index, 0].item()
+            if not (a[index] == number).all() or number != int(number) \
+                    or not 1 <= number <= len(modules):
+                found = None
+                break
+            column = b[:, index]
+            file_rows = column.nonzero().flatten()
+            rows = column[file_rows].round().long() - 1
+            found.append(Part(modules[int(number) - 1], file_rows, rows, index, a.shape[0]))
+        if found:
+            out[raw] = found
+    return out
