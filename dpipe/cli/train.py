@@ -2,6 +2,7 @@
 
     dpipe-train                                   # the tiny demo: 2 stages in 2 CPU processes
     dpipe-train --cfg job model=flux pipeline=four_stage optim.lr=2e-5   # print the config
+    dpipe-train --plan --machine 1x24 experiment=flux_lora_24gb model.path=/models/FLUX.1-dev  # the plan
     dpipe-train -m optim.lr=1e-4,5e-5             # a sweep, one run dir per point
     dpipe-train cluster=slurm_gpu optim.lr=1e-4,5e-5   # the same sweep as a SLURM job array
 
@@ -36,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
+from dpipe.cli.train_plan import print_plan, take_plan_options  # noqa: E402
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -68,6 +70,11 @@ def train_task(cfg: DictConfig) -> int:
 
         fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
         run = validate(cfg)
+        if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
+            from dpipe.models.registry import build_spec
+
+            return _exit_on_failure(print_plan(run, build_spec(run.model), hydra_cfg,
+                                               _PLAN_REQUEST))
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
         save_hydra_files(cfg, run_dir)
@@ -258,8 +265,10 @@ def _main() -> None:
     if wants_help(sys.argv[1:]):  # dpipe's help, not Hydra's (which suggests `+key=`)
         print(help_text(Path(CONF_DIR)), end="")
         return
+    global _PLAN_REQUEST
     try:  # `+experiment=x` as `experiment=x`; a preset name that is not one, refused here
-        sys.argv = [sys.argv[0], *preset_overrides(sys.argv[1:])]
+        args, _PLAN_REQUEST = take_plan_options(sys.argv[1:])
+        sys.argv = [sys.argv[0], *preset_overrides(args)]
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -296,6 +305,9 @@ def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
             return [*argv[:i + 1], *extra, *argv[i + 1:]]
     return [*argv, *extra]
 
+
+# `--plan` (dpipe.cli.train_plan): the task prints the run's plan instead of running it.
+_PLAN_REQUEST = None
 
 # Whether the user set HYDRA_FULL_ERROR (then Hydra's errors are theirs to read, untouched).
 _USER_FULL_ERROR = "HYDRA_FULL_ERROR" in os.environ
