@@ -14,7 +14,7 @@ from dpipe.errors import ConfigError
 
 @dataclass(frozen=True)
 class PlanRequest:
-    machine: str | None  # --machine's text; None: the GPUs this process sees
+    machine: object  # --machine's (dpipe.plan.machine.Machine); None: the GPUs this process sees
 
 
 def take_plan_options(argv: list[str]) -> tuple[list[str], PlanRequest | None]:
@@ -35,7 +35,11 @@ def take_plan_options(argv: list[str]) -> tuple[list[str], PlanRequest | None]:
             out.append(arg)
     if machine is not None and not plan:
         raise ConfigError("--machine goes with --plan (dpipe-train --plan --machine 1x24 ...)")
-    return out, (PlanRequest(machine) if plan else None)
+    if not plan:
+        return out, None
+    from dpipe.plan.machine import parse
+
+    return out, PlanRequest(None if machine is None else parse(machine))
 
 
 def fixed_keys(hydra_cfg) -> set[str]:
@@ -55,9 +59,8 @@ def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
     from dpipe.plan.for_run import plan_run
     from dpipe.plan.report import describe
 
-    if request.machine is not None:
-        machine = machines.parse(request.machine)
-    else:
+    machine = request.machine
+    if machine is None:
         machine = machines.visible(Path(run.dataset.cache_dir).expanduser())
         if machine.gpus == 0:
             raise ConfigError("--plan: no GPU is visible here; give the machine to plan for, "

@@ -14,12 +14,13 @@ log-sum-exp per query instead, so the forward here uses a stand-in that saves wh
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from dpipe.config.schema import Precision, RunConfig, TrainMode
+from dpipe.config.schema import BaseCompute, BaseDtype, Precision, RunConfig, TrainMode
 
 # The saved bytes the meta forward counts (eager, uncompiled code), scaled to what a real step
 # held: FLUX.1-dev LoRA r32, bf16 base, compiled, 1024^2, no recompute, one H200 peaked at 54.2
@@ -103,23 +104,25 @@ def run_latent_shape(bench_shape: tuple[int, ...], resolution: int, frames: int,
 
 
 def _meta_inputs(spec, size: str, latent_shape: tuple[int, ...], audio: bool):
+    """One micro-batch of the family's inputs, packed on the host (packing reads the text's
+    padding, which meta tensors cannot tell) from zero latents at `latent_shape` and the family's
+    random text, then moved to the meta device."""
     from dpipe.models.spec import NoisedBatch
 
     _, text = spec.random_sample(size)
     sound = {}
     if audio:
-        a = spec.random_audio(size)
-        sound = {k: torch.zeros((1, *a.shape), device="meta")
-                 for k in ("audio", "audio_noise", "audio_noisy", "audio_target")}
-    with torch.device("meta"):
-        latents = torch.zeros((1, *latent_shape))
-        text = {k: torch.zeros((1, *v.shape), dtype=v.dtype) for k, v in text.items()}
-        t = torch.full((1,), 0.5)
-        noisy, target = spec.noise(latents, torch.zeros_like(latents), t)
-        inputs, _ = spec.make_inputs(NoisedBatch(
-            latents=latents, noise=torch.zeros_like(latents), timesteps=t, noisy=noisy,
-            target=target, text=text, **sound))
-    return inputs
+        a = spec.random_audio(size)[None]
+        sound = {k: torch.zeros_like(a) for k in ("audio", "audio_noise", "audio_noisy",
+                                                   "audio_target")}
+    latents = torch.zeros((1, *latent_shape))
+    text = {k: v[None] for k, v in text.items()}
+    t = torch.full((1,), 0.5)
+    noisy, target = spec.noise(latents, torch.zeros_like(latents), t)
+    inputs, _ = spec.make_inputs(NoisedBatch(
+        latents=latents, noise=torch.zeros_like(latents), timesteps=t, noisy=noisy,
+        target=target, text=text, **sound))
+    return tuple(x.to("meta") if torch.is_tensor(x) else x for x in inputs)
 
 
 def _as_compute(x, dtype):
@@ -149,22 +152,63 @@ def _same_kind(a: nn.Module, b: nn.Module) -> bool:
     return type(a) is type(b) and shapes(a) == shapes(b)
 
 
+def _one_block_each(config: dict) -> dict:
+    """The denoiser's config with one block of each kind: every `num_..._layers` count at 1."""
+    return {k: _one_block_each(v) if isinstance(v, dict) else
+            (1 if isinstance(v, int) and k.startswith("num_") and "layers" in k and v > 1 else v)
+            for k, v in config.items()}
+
+
+def _kind(layer: nn.Module, adapted: bool) -> tuple[str, int]:
+    """A layer's class and its own weights' count (an adapter's left out where `adapted`)."""
+    return type(layer).__name__, sum(p.numel() for p in layer.parameters()
+                                     if not (adapted and p.requires_grad))
+
+
 def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> ModelFootprint:
     """The footprint of `spec`'s denoiser at benchmark size `size` (its published config), trained
     as `run` says, for micro-batches of `run.pipeline.micro_batch_size` samples at
-    `resolution`^2 and `frames` frames."""
+    `resolution`^2 and `frames` frames.
+
+    Its blocks repeat: the real-size denoiser (without adapters, built in a second) gives the
+    layers, their kinds and the family's stage-balancing costs, and a copy with one block of each
+    kind, made trainable as training makes it, gives each kind's footprint (making dozens of
+    real-size blocks trainable would take tens of seconds)."""
+    spec = spec.for_benchmark(size)
+    run = replace(run, model=replace(run.model, base_dtype=BaseDtype.auto,
+                                     base_compute=BaseCompute.auto))  # frozen(fp8) says fp8's
+    real = spec.pipeline_layers(spec.random_denoiser(size, torch.float32, torch.device("meta")))
+    costs = spec.layer_costs(real)
+    bench_latents, text = spec.random_sample(size)
+    shape = run_latent_shape(tuple(bench_latents.shape), resolution, frames, spec.latent_scale)
+    lora = run.model.mode == TrainMode.lora
+    small = copy.copy(spec)
+    small.bench_configs = {**spec.bench_configs, size: _one_block_each(spec.bench_configs[size])}
+    kinds = dict(zip(*_measured(small, run, size, shape, lora)))
+    if not all(_kind(layer, False) in kinds for layer in real):  # a family whose blocks differ
+        kinds = dict(zip(*_measured(spec, run, size, shape, lora)))
+    layers = tuple(replace(kinds[_kind(layer, False)], cost=cost)
+                   for layer, cost in zip(real, costs))
+    tokens = 1
+    for d in shape[1:]:
+        tokens *= d
+    return ModelFootprint(
+        family=spec.family, layers=layers, tokens=tokens,
+        text_bytes=sum(v.numel() * 2 for v in text.values()),
+        latent_bytes=2 * tokens * shape[0])
+
+
+def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool):
+    """(each layer's kind, its footprint) of `spec`'s denoiser at `size`, made trainable."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from dpipe.pipeline.block_swap import frozen_bytes
     from dpipe.train.trainable import trainable_layers
 
-    spec = spec.for_benchmark(size)
     denoiser = spec.random_denoiser(size, torch.float32, torch.device("meta"))
     blocks = _block_linears(denoiser)
     with torch.device("meta"):  # LoRA's weights too: nothing of the model takes host memory
         layers = trainable_layers(spec, run, denoiser)
-    bench_latents, text = spec.random_sample(size)
-    shape = run_latent_shape(tuple(bench_latents.shape), resolution, frames, spec.latent_scale)
     compute = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32
     x = _meta_inputs(spec, size, shape, getattr(run.model, "audio", False))
     saved: list[torch.Tensor] = []
@@ -174,15 +218,11 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
         return t
 
     out: list[LayerFootprint] = []
-    costs = spec.layer_costs(layers)
     mbs = run.pipeline.micro_batch_size
-    lora = run.model.mode == TrainMode.lora
     with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        for i, (layer, cost) in enumerate(zip(layers, costs)):
+        for i, layer in enumerate(layers):
             if i and _same_kind(layer, layers[i - 1]):
-                # A repeated block: the same shapes in and out, the same footprint (the
-                # forwards of a real-size model's dozens of blocks would take seconds).
-                out.append(out[-1])
+                out.append(out[-1])  # a repeated block: the same shapes in and out
                 continue
             saved.clear()
             x = _as_compute(x, compute)
@@ -199,11 +239,5 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
                 quantizable=sum(m.weight.numel() for m in layer.modules()
                                 if id(m) in blocks and not m.weight.requires_grad) if lora else 0,
                 activations=int(mbs * ACTIVATION_CALIBRATION * sum(kept.values())),
-                flops=float(mbs * flops.get_total_flops()), cost=cost))
-    tokens = 1
-    for d in shape[1:]:
-        tokens *= d
-    return ModelFootprint(
-        family=spec.family, layers=tuple(out), tokens=tokens,
-        text_bytes=sum(v.numel() * 2 for v in text.values()),
-        latent_bytes=2 * tokens * shape[0])
+                flops=float(mbs * flops.get_total_flops()), cost=0.0))
+    return [_kind(layer, lora) for layer in layers], out

@@ -1,0 +1,137 @@
+"""dpipe.plan on emulated machines, with real-size models built on the meta device (no weights,
+no GPU): the table of docs/performance.md is consistent, agrees with the hand-chosen presets and
+with the GPU runs measured so far, and `dpipe-train --plan` names the change for a run that does
+not fit. The footprints are built once per module (dpipe.plan.table caches them: ~10 s of CPU for
+the six models)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dpipe.plan import table
+from dpipe.plan.choose import choose, layout
+from dpipe.plan.machine import GiB, parse
+
+pytestmark = pytest.mark.slow  # the real-size meta builds: ~10 s of CPU in all
+
+
+def _dominates(big: str, small: str) -> bool:
+    a, b = parse(big), parse(small)
+    return (a.gpus, a.gpu_gib, a.host_gib) >= (b.gpus, b.gpu_gib, b.host_gib) and \
+        a.gpus >= b.gpus and a.gpu_gib >= b.gpu_gib and a.host_gib >= b.host_gib
+
+
+@pytest.mark.parametrize("name", table.MODELS)
+def test_more_memory_never_gives_a_slower_plan_nor_one_that_does_not_fit(name):
+    plans = {m: table.plan(name, m) for m in table.MACHINES}
+    for small, big in itertools.permutations(table.MACHINES, 2):
+        if not _dominates(big, small) or not plans[small].fits:
+            continue
+        assert plans[big].fits, f"{name}: fits {small}, not {big}: {plans[big].problems}"
+        assert plans[big].seconds_per_sample <= plans[small].seconds_per_sample * (1 + 1e-9), \
+            (name, small, big)
+    # Each fitting plan keeps its stages within the budget and uses no more GPUs than there are.
+    for machine, plan in plans.items():
+        if plan.fits:
+            assert plan.stages * plan.data_parallel <= parse(machine).gpus
+            assert all(s.peak <= s.planned <= plan.budget for s in plan.stage_plans)
+
+
+def test_what_fits_where():
+    """The table's headline facts: a FLUX.1-dev LoRA needs fp8 below 80 GiB and none above; a
+    full fine-tune of it fits no machine of the table but 8x80 GiB (as 2 stages); every worker
+    loading the denoiser in fp32 is what a 32 GiB host cannot hold."""
+    flux = {m: table.plan("FLUX.1-dev LoRA", m) for m in ("1x16,host=64", "1x24,host=64",
+                                                          "1x80,host=128", "1x24,host=32")}
+    assert [flux[m].base for m in ("1x16,host=64", "1x24,host=64", "1x80,host=128")] == \
+        ["fp8", "fp8", "bf16"]
+    assert sum(s.recompute for s in flux["1x80,host=128"].stage_plans) == 0
+    assert not flux["1x24,host=32"].fits
+    assert "loading the denoiser" in flux["1x24,host=32"].problems[0]
+    full = [m for m in table.MACHINES if table.plan("FLUX.1-dev full fine-tune", m).fits]
+    assert full == ["8x80,host=128"]
+    assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=128").stages == 2
+
+
+PRESET_MACHINES = {"flux_lora_16gb": ("FLUX.1-dev LoRA", "1x16,host=128"),
+                   "flux_lora_24gb": ("FLUX.1-dev LoRA", "1x24,host=128"),
+                   "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", "1x24,host=128"),
+                   "qwen_image_lora_24gb": ("Qwen-Image 20B LoRA", "1x24,host=128"),
+                   "hunyuan_video_lora_2x24gb": ("HunyuanVideo 13B LoRA", "2x24,host=128")}
+
+
+@pytest.mark.parametrize("preset", PRESET_MACHINES)
+def test_the_hand_chosen_presets_fit_and_the_plan_is_no_slower(preset):
+    from dpipe.config.compose import compose_config, compose_run
+    from dpipe.config.experiments import presets
+
+    assert set(PRESET_MACHINES) == set(presets())
+    name, machine = PRESET_MACHINES[preset]
+    args = [f"experiment={preset}", "model.path=/models/x"]
+    run = compose_run(args, world_size=compose_config(args).pipeline.stages)
+    m = parse(machine)
+    p = run.pipeline
+    theirs = layout(table.footprint(name), run, m, p.stages, m.gpus // p.stages,
+                    run.model.base_dtype.quantized)
+    ours = choose(table.footprint(name), run, m)
+    assert theirs.fits, theirs.problems
+    assert ours.fits and ours.budget == int(p.memory_budget_gb * GiB)
+    assert ours.seconds_per_sample <= theirs.seconds_per_sample * (1 + 1e-9)
+
+
+def test_the_measured_flux_runs():
+    """FLUX.1-dev LoRA r32 at 1024^2 on one H200, compiled (docs/performance.md, target 4):
+    bf16 base without recompute peaked at 54.2 GiB (the calibration of the activations), fp8
+    base at 43.2 GiB (not calibrated on), and fp8 with `auto` under a 24 GiB cap recomputed 45
+    of 59 layers."""
+    from dataclasses import replace
+
+    name = "FLUX.1-dev LoRA"
+    run = table.model_run(name)
+    h200 = parse("1x141,host=512")
+    none = replace(run, pipeline=replace(run.pipeline, activation_checkpointing="none"))
+    fp = table.footprint(name)
+    assert layout(fp, none, h200, 1, 1, False).stage_plans[0].peak / GiB == \
+        pytest.approx(54.2, rel=0.1)
+    assert layout(fp, none, h200, 1, 1, True).stage_plans[0].peak / GiB == \
+        pytest.approx(43.2, rel=0.1)
+    auto = replace(run, pipeline=replace(run.pipeline, activation_checkpointing="auto",
+                                         memory_budget_gb=24.0))
+    capped = layout(fp, auto, h200, 1, 1, True).stage_plans[0]
+    assert capped.recompute == pytest.approx(45, abs=6) and capped.peak <= 24 * GiB
+
+
+def test_plan_prints_the_smallest_change_for_a_run_that_does_not_fit(capsys, monkeypatch):
+    """The user's command for their 24 GB card in a 32 GiB host: it cannot load FLUX.1-dev,
+    and the plan says how much host memory would do."""
+    import sys
+
+    from dpipe.cli import train
+
+    monkeypatch.setattr(sys, "argv", [
+        "dpipe-train", "--plan", "--machine", "1x24,host=32", "model=flux",
+        "model.path=/models/FLUX.1-dev", "dataset=folder", "dataset.path=/data/photos",
+        "dataset.resolutions=[1024]", "train.precision=bf16"])
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    out = capsys.readouterr().out
+    assert info.value.code == 1, out
+    assert "does not fit: loading the denoiser (fp32, every process) needs 48 GiB of host " \
+           "memory, the host has 32 GiB" in out
+    assert "smallest change that fits: 64 GiB of host memory (this machine: 32)" in out
+    assert "model.base_dtype=fp8" in out  # the keys of the plan that fits
+
+
+@pytest.mark.parametrize("text", ["24", "2x", "1x24,ram=64"])
+def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
+    import sys
+
+    from dpipe.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["dpipe-train", "--plan", "--machine", text])
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: --machine {text}: give GPUs x GiB")
