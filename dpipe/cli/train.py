@@ -28,6 +28,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import traceback  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -37,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
-from dpipe.cli.train_plan import print_plan, take_plan_options  # noqa: E402
+from dpipe.cli.train_plan import apply_auto_pipeline, print_plan, take_plan_options  # noqa: E402
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -69,6 +70,11 @@ def train_task(cfg: DictConfig) -> int:
         import torch
 
         fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
+        planned = None
+        if cfg.pipeline.auto and torch.cuda.device_count():
+            from dpipe.plan.machine import visible
+
+            planned = apply_auto_pipeline(cfg, hydra_cfg, visible(_cache_dir(cfg)))
         run = validate(cfg)
         if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
             from dpipe.models.registry import build_spec
@@ -82,8 +88,9 @@ def train_task(cfg: DictConfig) -> int:
 
         from dpipe.train import checkpoint
 
-        if fitted is not None:
-            log.info(fitted)
+        for line in (fitted, planned):
+            if line is not None:
+                log.info(line)
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
             checkpoint.check_resume(run_dir, run_yaml(run),
@@ -149,6 +156,13 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         # The processes someone started on GPUs (one per GPU) are the GPUs this run has.
         gpus = env.world_size if torch.cuda.is_available() else 0
         fitted = fit_default_pipeline(cfg, HydraConfig.get(), gpus)
+        if cfg.pipeline.auto and gpus:  # the same plan on every rank: from total memory
+            from dpipe.plan.machine import visible
+
+            planned = apply_auto_pipeline(cfg, HydraConfig.get(),
+                                          replace(visible(_cache_dir(cfg), free=False),
+                                                  gpus=gpus))
+            fitted = planned if fitted is None else f"{fitted}\n{planned}"
         if fitted is not None and env.is_main:
             log.info(fitted)
         run = validate(cfg, world_size=env.world_size)
@@ -186,6 +200,10 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         _record_error(run_dir, env.rank, f"rank {env.rank} crashed: {type(err).__name__}: {err}")
         sys.exit(1)
     return _exit_on_failure(code)
+
+
+def _cache_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.dataset.cache_dir).expanduser()
 
 
 def _finished_message(run, run_dir: Path, requests_of) -> str | None:

@@ -1,5 +1,6 @@
 """`dpipe-train --plan [--machine NxG[,host=H][,disk=D]] [overrides]`: the plan of a run, printed
 without starting a worker (dpipe.plan): on the GPUs this machine has, or on an emulated machine.
+And `pipeline=auto`: the plan's keys applied to the run's config before it starts.
 
 Exit status 0 when the plan fits, 1 when it does not (the output names the smallest change that
 would), 2 for a mistake in the command.
@@ -71,3 +72,36 @@ def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
         rp.footprint, run, machine, fixed, rp.resolution, files=rp.files)
     print(describe(rp, change), flush=True)
     return 0 if rp.plan.fits else 1
+
+
+def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
+    """With pipeline=auto on a machine with GPUs: sets the plan's keys in `cfg` (the keys the
+    user set stay as they are) and returns the plan's description to log; refuses a run that
+    nothing fits, naming the numbers and the smallest change. None where there is nothing to do
+    (another pipeline, or no GPU: the keys of conf/pipeline/auto.yaml run as they are)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from dpipe.config.checks import validate
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.change import smallest_change
+    from dpipe.plan.for_run import plan_run
+    from dpipe.plan.report import describe
+
+    if not cfg.pipeline.auto or machine.gpus == 0:
+        return None
+    run = validate(cfg)
+    fixed = fixed_keys(hydra_cfg)
+    rp = plan_run(build_spec(run.model), run, machine, fixed)
+    if not rp.plan.fits:
+        change = smallest_change(rp.footprint, run, machine, fixed, rp.resolution,
+                                 files=rp.files)
+        raise ConfigError(
+            f"pipeline=auto: nothing fits {machine.name}: {'; '.join(rp.plan.problems)}"
+            + (f"; the smallest change that fits: {change[0]}" if change else
+               "; no single change tried fits (dpipe-train --plan shows the plan)"))
+    with open_dict(cfg):
+        for override in rp.plan.overrides:
+            key, value = override.split("=", 1)
+            if key not in fixed:
+                OmegaConf.update(cfg, key, value if not value.isdigit() else int(value))
+    return "pipeline=auto:\n" + describe(rp)

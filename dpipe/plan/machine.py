@@ -80,11 +80,17 @@ def disk_free_gib(folder: Path) -> float:
     return shutil.disk_usage(existing).free / GiB
 
 
-def visible(cache_dir: Path) -> Machine:
-    """The GPUs this process sees (the least free memory of them), the host, the cache disk."""
+def visible(cache_dir: Path, free: bool = True) -> Machine:
+    """The GPUs this process sees (the least free memory of them; `free=False`: their total
+    less the CUDA context, the same on every rank of a torchrun/SLURM launch), the host, the
+    cache disk."""
     import torch
 
     gpus = torch.cuda.device_count()
-    free = min((torch.cuda.mem_get_info(i)[0] for i in range(gpus)), default=0) / GiB
-    return Machine(gpus, round(free, 1), round(host_available_gib(), 1),
+    if free:
+        per_gpu = min((torch.cuda.mem_get_info(i)[0] for i in range(gpus)), default=0) / GiB
+    else:
+        per_gpu = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)),
+                      default=0) / GiB - CONTEXT_GIB
+    return Machine(gpus, round(per_gpu, 1), round(host_available_gib(), 1),
                    round(disk_free_gib(cache_dir), 1))

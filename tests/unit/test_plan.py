@@ -135,3 +135,42 @@ def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
         train.main()
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith(f"error: --machine {text}: give GPUs x GiB")
+
+
+def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
+    """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
+    as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
+    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
+    stages (the demo's)."""
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config, compose_run
+
+    args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
+            "dataset.resolutions=[1024]"]
+    cfg = compose_config(args)
+    assert apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128")).startswith(
+        "pipeline=auto:\nplan for 2 GPUs with 23 GiB free")
+    p, m = cfg.pipeline, cfg.model
+    assert (p.stages, p.data_parallel, m.base_dtype, p.activation_checkpointing,
+            p.memory_budget_gb, p.blocks_to_swap) == (1, 2, "fp8", "auto", 23, "auto")
+    cfg = compose_config([*args, "model.base_dtype=int8"])
+    apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
+    assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
+    cpu = compose_run(["pipeline=auto"])
+    assert cpu.pipeline.auto and cpu.pipeline.stages == 2
+    cfg = compose_config(["pipeline=auto"])
+    assert apply_auto_pipeline(cfg, cfg.hydra, parse("0x24")) is None
+
+
+def test_pipeline_auto_refuses_a_run_that_nothing_fits():
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config
+    from dpipe.errors import ConfigError
+
+    cfg = compose_config(["pipeline=auto", "model=flux", "model.path=/models/x",
+                          "train.precision=bf16", "dataset.resolutions=[1024]"])
+    with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 1 GPU with 23 GiB free, "
+                       r"32 GiB host: loading the denoiser \(fp32, every process\) needs 48 GiB "
+                       r"of host memory, the host has 32 GiB; the smallest change that fits: "
+                       r"64 GiB of host memory"):
+        apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=32"))
