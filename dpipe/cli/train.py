@@ -38,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
-from dpipe.cli.train_plan import apply_auto_pipeline, print_plan, take_plan_options  # noqa: E402
+from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, print_plan,  # noqa: E402
+                                  take_plan_options)
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -106,6 +107,10 @@ def train_task(cfg: DictConfig) -> int:
             print(done, flush=True)
             return 0
         check_before_workers(run, run_dir, spec)
+        if torch.cuda.device_count() and planned is None:  # pipeline=auto checked it already
+            from dpipe.plan.machine import visible
+
+            log.info(check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages))
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world, graceful_stop=True)

@@ -105,3 +105,31 @@ def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
             if key not in fixed:
                 OmegaConf.update(cfg, key, value if not value.isdigit() else int(value))
     return "pipeline=auto:\n" + describe(rp)
+
+
+def check_fits(run, spec, machine, data_parallel: int) -> str:
+    """Refuses a run, before any worker starts, that cannot fit `machine` whatever its
+    activations turn out to be: its stages' weights and trained state alone over the GPU
+    budget, its loading over the host's memory, its cache over the disk's free space. Returns
+    the prediction's summary line to log (the activations' part is an estimate: the memory plan
+    measures them in the first step)."""
+    from dpipe.plan.change import gib
+    from dpipe.plan.for_run import run_layout
+    from dpipe.pipeline.memory import fragmentation_margin
+
+    rp = run_layout(spec, run, machine, data_parallel)
+    plan = rp.plan
+    certain = [p for p in plan.problems if "GPU memory" not in p]
+    for i, s in enumerate(plan.stage_plans):
+        floor = s.weights + s.trainable + fragmentation_margin(plan.budget)
+        if floor > plan.budget:
+            certain.append(f"stage {i}'s weights and trained state alone take {gib(floor)} GiB "
+                           f"with the margin, {gib(plan.budget)} GiB per GPU are free")
+    if certain:
+        raise ConfigError(f"this run does not fit {machine.name}: {'; '.join(certain)}; "
+                          "`dpipe-train --plan pipeline=auto ...` (same overrides) shows a "
+                          "plan that fits, or pipeline=auto applies it")
+    step, host = plan.host_peak
+    return (f"plan: predicted GPU peak per stage {' / '.join(gib(s.peak) for s in plan.stage_plans)} "
+            f"GiB of {gib(plan.budget)}; host {gib(host)} GiB ({step}); "
+            + (f"cache {gib(plan.disk)} GiB" if plan.disk is not None else "cache not known"))

@@ -73,3 +73,17 @@ def plan_run(spec, run: RunConfig, machine: Machine, fixed: set[str],
     files = dataset_files(run)
     return RunPlan(choose(footprint, run, machine, fixed, files, encoders), footprint, size,
                    resolution, frames, files)
+
+
+def run_layout(spec, run: RunConfig, machine: Machine, data_parallel: int) -> RunPlan:
+    """The plan of the run as configured (its stages, replicas, base storage, recompute and
+    swap), on `machine`."""
+    from dpipe.plan.choose import layout
+
+    size = model_size(spec, run)
+    resolution, frames = run.dataset.resolution, max(run.dataset.frame_buckets or [1])
+    footprint = measure(spec, run, size, resolution, frames)
+    files = dataset_files(run)
+    return RunPlan(layout(footprint, run, machine, run.pipeline.stages, data_parallel,
+                          run.model.base_dtype.quantized, files), footprint, size, resolution,
+                   frames, files)

@@ -174,3 +174,27 @@ def test_pipeline_auto_refuses_a_run_that_nothing_fits():
                        r"of host memory, the host has 32 GiB; the smallest change that fits: "
                        r"64 GiB of host memory"):
         apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=32"))
+
+
+def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
+    """What a GPU run checks before its workers start (dpipe-train on a machine with GPUs):
+    FLUX.1-dev LoRA in bf16 on one 16 GiB card (its weights alone are 22 GiB), and in fp8 in a
+    32 GiB host (every worker loads the denoiser in fp32: 48 GiB); the same run in fp8 on 1x16
+    GiB with 64 GiB passes, with the prediction to log."""
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+
+    args = ["model=flux", "model.path=/models/x", "train.precision=bf16", "pipeline=single",
+            "dataset.resolutions=[1024]", "pipeline.activation_checkpointing=auto"]
+    run = compose_run(args, world_size=1)
+    with pytest.raises(ConfigError, match=r"^this run does not fit 1 GPU with 15 GiB free, 64 GiB "
+                       r"host: stage 0.s weights and trained state alone take 25.7 GiB"):
+        check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1)
+    run = compose_run([*args, "model.base_dtype=fp8", "pipeline.blocks_to_swap=auto"],
+                      world_size=1)
+    with pytest.raises(ConfigError, match="loading the denoiser .* needs 48 GiB of host memory"):
+        check_fits(run, build_spec(run.model), parse("1x16,host=32"), 1)
+    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1).startswith(
+        "plan: predicted GPU peak per stage ")
