@@ -67,9 +67,12 @@ def describe_row(name: str, machine: str) -> str:
             f"{gib(host)} ({step.split(' (')[0]}) | {p.seconds_per_sample:.2f} |")
 
 
-def markdown() -> str:
+def markdown(host: int = 128) -> str:
+    """The rows of the machines with `host` GiB of host memory: with less, a row fits where its
+    host peak does (the plan then may use fewer replicas: `MACHINES` holds 32 and 64 too)."""
     lines = ["| model | machine (GPUs x GiB, host GiB) | stages x replicas, base, layers "
              "recomputed / swapped | GPU peak GiB per stage | host peak GiB (step) | "
              "s/sample (est.) |", "|---|---|---|---|---|---|"]
-    lines += [describe_row(name, machine) for name in MODELS for machine in MACHINES]
+    lines += [describe_row(name, machine) for name in MODELS for machine in MACHINES
+              if machine.endswith(f"host={host}")]
     return "\n".join(lines)
