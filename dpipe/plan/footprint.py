@@ -184,9 +184,16 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
     lora = run.model.mode == TrainMode.lora
     small = copy.copy(spec)
     small.bench_configs = {**spec.bench_configs, size: _one_block_each(spec.bench_configs[size])}
-    kinds = dict(zip(*_measured(small, run, size, shape, lora)))
-    if not all(_kind(layer, False) in kinds for layer in real):  # a family whose blocks differ
-        kinds = dict(zip(*_measured(spec, run, size, shape, lora)))
+    failures = (IndexError, RuntimeError, ValueError, KeyError)
+    try:
+        kinds = dict(zip(*_measured(small, run, size, shape, lora)))
+    except failures:
+        kinds = {}  # a family whose layer counts shape more than its blocks (HiDream, Krea 2)
+    if not all(_kind(layer, False) in kinds for layer in real):  # or whose blocks differ
+        try:
+            kinds = dict(zip(*_measured(spec, run, size, shape, lora, skip_repeats=True)))
+        except failures:  # blocks that each take their own inputs from the tuple (HiDream)
+            kinds = dict(zip(*_measured(spec, run, size, shape, lora)))
     layers = tuple(replace(kinds[_kind(layer, False)], cost=cost)
                    for layer, cost in zip(real, costs))
     tokens = 1
@@ -198,8 +205,11 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
         latent_bytes=2 * tokens * shape[0])
 
 
-def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool):
-    """(each layer's kind, its footprint) of `spec`'s denoiser at `size`, made trainable."""
+def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool,
+              skip_repeats: bool = False):
+    """(each layer's kind, its footprint) of `spec`'s denoiser at `size`, made trainable;
+    `skip_repeats`: a block like the one before it is taken as its copy, not run (the forwards
+    of a real-size model's dozens of blocks would take seconds)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from dpipe.pipeline.block_swap import frozen_bytes
@@ -221,7 +231,7 @@ def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: boo
     mbs = run.pipeline.micro_batch_size
     with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         for i, layer in enumerate(layers):
-            if i and _same_kind(layer, layers[i - 1]):
+            if skip_repeats and i and _same_kind(layer, layers[i - 1]):
                 out.append(out[-1])  # a repeated block: the same shapes in and out
                 continue
             saved.clear()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpipe.config.schema import RunConfig
+from dpipe.errors import ConfigError
 from dpipe.plan.choose import PLANNED_KEYS, Plan, choose
 from dpipe.plan.footprint import ModelFootprint, measure
 from dpipe.plan.machine import Machine
@@ -30,9 +31,16 @@ def model_size(spec, run: RunConfig) -> str:
     """The benchmark size (`spec.bench_configs`) that is the model at `model.path`: the one whose
     config agrees with the folder's on the most keys; the first real size without a folder."""
     sizes = [s for s in spec.bench_sizes() if s != "tiny"]
-    if run.model.tiny or not sizes:
+    if run.model.tiny:
         return "tiny"
-    folder = Path(run.model.path).expanduser() / getattr(spec, "denoiser_folder", "transformer")
+    if not sizes:
+        raise ConfigError(f"model.family={spec.family}: dpipe has no real-size config of it to "
+                          "plan from (its spec's bench_configs); plan a run of a family that "
+                          "has one (docs/performance.md, 'Per-layer times')")
+    # The class's own folder name: a family that reads it from the model's folder (Wan 2.2's two
+    # experts) reads a folder that may not be there.
+    sub = getattr(type(spec), "denoiser_folder", "transformer")
+    folder = Path(run.model.path).expanduser() / (sub if isinstance(sub, str) else "transformer")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):

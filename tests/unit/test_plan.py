@@ -198,3 +198,14 @@ def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
         check_fits(run, build_spec(run.model), parse("1x16,host=32"), 1)
     assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1).startswith(
         "plan: predicted GPU peak per stage ")
+
+
+def test_a_family_without_a_real_size_config_is_refused_in_one_line():
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    run = compose_run(["model=sdxl", "model.path=/models/x", "pipeline=single"], world_size=1)
+    with pytest.raises(ConfigError, match="^model.family=sdxl: dpipe has no real-size config"):
+        plan_run(build_spec(run.model), run, parse("1x24"), set())
