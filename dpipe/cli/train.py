@@ -2,7 +2,7 @@
 
     dpipe-train                                   # the tiny demo: 2 stages in 2 CPU processes
     dpipe-train --cfg job model=flux pipeline=four_stage optim.lr=2e-5   # print the config
-    dpipe-train --plan --machine 1x24 experiment=flux_lora_24gb model.path=/models/FLUX.1-dev  # the plan
+    dpipe-train --plan --machine 1x24 model=flux model.path=/models/FLUX.1-dev   # will it fit?
     dpipe-train -m optim.lr=1e-4,5e-5             # a sweep, one run dir per point
     dpipe-train cluster=slurm_gpu optim.lr=1e-4,5e-5   # the same sweep as a SLURM job array
 

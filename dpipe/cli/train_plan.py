@@ -130,6 +130,7 @@ def check_fits(run, spec, machine, data_parallel: int) -> str:
                           "`dpipe-train --plan pipeline=auto ...` (same overrides) shows a "
                           "plan that fits, or pipeline=auto applies it")
     step, host = plan.host_peak
-    return (f"plan: predicted GPU peak per stage {' / '.join(gib(s.peak) for s in plan.stage_plans)} "
-            f"GiB of {gib(plan.budget)}; host {gib(host)} GiB ({step}); "
-            + (f"cache {gib(plan.disk)} GiB" if plan.disk is not None else "cache not known"))
+    peaks = " / ".join(gib(s.peak) for s in plan.stage_plans)
+    cache = f"cache {gib(plan.disk)} GiB" if plan.disk is not None else "cache not known"
+    return (f"plan: predicted GPU peak per stage {peaks} GiB of {gib(plan.budget)}; "
+            f"host {gib(host)} GiB ({step}); {cache}")

@@ -22,7 +22,8 @@ CONSUMER_FLOPS, DATACENTRE_FLOPS = 100e12, 400e12
 # measures its own on the first step; this estimates the plan before any GPU is touched).
 HOST_TO_DEVICE = 20e9
 # A card of G GiB leaves about G - 1 GiB for a run's allocations: the CUDA context and what the
-# allocator cannot use (a 24 GB card runs FLUX.1-dev's preset at a 23 GiB budget, docs/performance.md).
+# allocator cannot use (a 24 GB card runs FLUX.1-dev's preset at a 23 GiB budget,
+# docs/performance.md).
 CONTEXT_GIB = 1.0
 
 
