@@ -115,6 +115,7 @@ def check_fits(run, spec, machine, data_parallel: int) -> str:
     measures them in the first step)."""
     from dpipe.plan.change import gib
     from dpipe.plan.for_run import run_layout
+    from dpipe.plan.machine import size
     from dpipe.pipeline.memory import fragmentation_margin
 
     rp = run_layout(spec, run, machine, data_parallel)
@@ -131,6 +132,6 @@ def check_fits(run, spec, machine, data_parallel: int) -> str:
                           "plan that fits, or pipeline=auto applies it")
     step, host = plan.host_peak
     peaks = " / ".join(gib(s.peak) for s in plan.stage_plans)
-    cache = f"cache {gib(plan.disk)} GiB" if plan.disk is not None else "cache not known"
+    cache = f"cache {size(plan.disk)}" if plan.disk is not None else "cache not known"
     return (f"plan: predicted GPU peak per stage {peaks} GiB of {gib(plan.budget)}; "
             f"host {gib(host)} GiB ({step}); {cache}")

@@ -12,7 +12,7 @@ from dataclasses import replace
 from dpipe.config.schema import TrainMode
 from dpipe.plan.choose import Plan, choose
 from dpipe.plan.footprint import ModelFootprint
-from dpipe.plan.machine import GiB, Machine
+from dpipe.plan.machine import GiB, Machine, size
 
 
 def _lower(footprint: ModelFootprint, factor: float) -> ModelFootprint:
@@ -29,6 +29,11 @@ def smallest_change(footprint: ModelFootprint, run, machine: Machine, fixed: set
     """(the change, in words with the keys to type, and the plan it gives), or None if none of
     those tried fits."""
     tries = []
+    need = choose(footprint, run, machine, fixed, **kw).disk
+    if need is not None and machine.disk_gib is not None and need > machine.disk_gib * GiB:
+        tries.append((f"{size(need)} free on the cache disk (this one: "
+                      f"{size(int(machine.disk_gib * GiB))}; or dataset.cache_dir on another "
+                      "disk)", footprint, replace(machine, disk_gib=need / GiB), fixed))
     if run.model.mode == TrainMode.lora and "model.base_dtype" in fixed \
             and not run.model.base_dtype.quantized:
         tries.append(("model.base_dtype=fp8 (8-bit frozen base weights)",
@@ -60,3 +65,4 @@ def smallest_change(footprint: ModelFootprint, run, machine: Machine, fixed: set
 
 def gib(n: int) -> str:
     return f"{n / GiB:.1f}"
+

@@ -24,7 +24,7 @@ from dpipe.pipeline.memory import (LayerCost, fragmentation_margin, in_flight_mi
                                    plan_swap)
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.plan.footprint import ModelFootprint
-from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine
+from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
 
 # Optimizer state in bytes per trained parameter (fp32 states; a bf16 full fine-tune without
 # master weights keeps them in bf16, half of it).
@@ -208,8 +208,8 @@ def problems(plan: Plan) -> list[str]:
                    f"{plan.machine.host_gib:.0f} GiB")
     if plan.disk is not None and plan.machine.disk_gib is not None \
             and plan.disk > plan.machine.disk_gib * GiB:
-        out.append(f"the cache needs {plan.disk / GiB:.1f} GiB, the cache disk has "
-                   f"{plan.machine.disk_gib:.1f} GiB free")
+        out.append(f"the cache needs {size(plan.disk)}, the cache disk has "
+                   f"{size(int(plan.machine.disk_gib * GiB))} free")
     return out
 
 

@@ -27,6 +27,11 @@ HOST_TO_DEVICE = 20e9
 CONTEXT_GIB = 1.0
 
 
+def size(n: int) -> str:
+    """Bytes in GiB, or MiB below one GiB (a small dataset's cache)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 @dataclass(frozen=True)
 class Machine:
     gpus: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dpipe.plan.change import gib
 from dpipe.plan.choose import Plan
 from dpipe.plan.for_run import RunPlan
+from dpipe.plan.machine import size
 
 
 def stage_table(plan: Plan) -> list[str]:
@@ -36,7 +37,7 @@ def describe(rp: RunPlan, change: tuple[str, Plan] | None = None) -> str:
         *stage_table(plan),
         "  host memory, GiB: " + "; ".join(f"{k} {gib(v)}" for k, v in plan.host.items())
         + f"; peak: {plan.host_peak[0]}",
-        "  cache disk: " + (f"{gib(plan.disk)} GiB for {rp.files} files (latents and text)"
+        "  cache disk: " + (f"{size(plan.disk)} for {rp.files} files (latents and text)"
                             if plan.disk is not None else "not known (no dataset folder)"),
         f"  step time, estimated: {0.7 * plan.seconds_per_step:.1f}-"
         f"{1.4 * plan.seconds_per_step:.1f} s for {plan.samples_per_step} samples",

@@ -209,3 +209,22 @@ def test_a_family_without_a_real_size_config_is_refused_in_one_line():
     run = compose_run(["model=sdxl", "model.path=/models/x", "pipeline=single"], world_size=1)
     with pytest.raises(ConfigError, match="^model.family=sdxl: dpipe has no real-size config"):
         plan_run(build_spec(run.model), run, parse("1x24"), set())
+
+
+def test_a_cache_disk_too_small_is_refused_with_the_space_it_needs(tmp_path):
+    """The tiny FLUX.1 model and a folder of 3 images at 512^2: their latents and text entries
+    take ~0.1 MiB; a disk with 10 KiB free is refused before any worker starts."""
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes(b"")
+    run = compose_run(["model=tiny_flux", f"model.path={tmp_path}/tiny", "dataset=folder",
+                       f"dataset.path={tmp_path}", "pipeline=single"], world_size=1)
+    spec = build_spec(run.model)
+    with pytest.raises(ConfigError, match=r"the cache needs 0\.1 MiB, the cache disk has 0\.0 "
+                       r"MiB free"):
+        check_fits(run, spec, parse(f"1x24,disk={0.01 / 1024}"), 1)
+    assert "cache 0." in check_fits(run, spec, parse("1x24,disk=1"), 1)
