@@ -2,6 +2,7 @@
 
     dpipe-train                                   # the tiny demo: 2 stages in 2 CPU processes
     dpipe-train --cfg job model=flux pipeline=four_stage optim.lr=2e-5   # print the config
+    dpipe-train --plan --machine 1x24 model=flux model.path=/models/FLUX.1-dev   # will it fit?
     dpipe-train -m optim.lr=1e-4,5e-5             # a sweep, one run dir per point
     dpipe-train cluster=slurm_gpu optim.lr=1e-4,5e-5   # the same sweep as a SLURM job array
 
@@ -27,6 +28,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import traceback  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -36,6 +38,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
+from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, print_plan,  # noqa: E402
+                                  take_plan_options)
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -67,7 +71,17 @@ def train_task(cfg: DictConfig) -> int:
         import torch
 
         fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
+        planned = None
+        if cfg.pipeline.auto and torch.cuda.device_count():
+            from dpipe.plan.machine import visible
+
+            planned = apply_auto_pipeline(cfg, hydra_cfg, visible(_cache_dir(cfg)))
         run = validate(cfg)
+        if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
+            from dpipe.models.registry import build_spec
+
+            return _exit_on_failure(print_plan(run, build_spec(run.model), hydra_cfg,
+                                               _PLAN_REQUEST))
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
         save_hydra_files(cfg, run_dir)
@@ -75,8 +89,9 @@ def train_task(cfg: DictConfig) -> int:
 
         from dpipe.train import checkpoint
 
-        if fitted is not None:
-            log.info(fitted)
+        for line in (fitted, planned):
+            if line is not None:
+                log.info(line)
         world = world_size_for(run, torch.cuda.device_count())
         if run.train.resume:  # an incompatible checkpoint fails before any worker starts
             checkpoint.check_resume(run_dir, run_yaml(run),
@@ -92,6 +107,10 @@ def train_task(cfg: DictConfig) -> int:
             print(done, flush=True)
             return 0
         check_before_workers(run, run_dir, spec)
+        if torch.cuda.device_count() and planned is None:  # pipeline=auto checked it already
+            from dpipe.plan.machine import visible
+
+            log.info(check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages))
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world, graceful_stop=True)
@@ -142,6 +161,13 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         # The processes someone started on GPUs (one per GPU) are the GPUs this run has.
         gpus = env.world_size if torch.cuda.is_available() else 0
         fitted = fit_default_pipeline(cfg, HydraConfig.get(), gpus)
+        if cfg.pipeline.auto and gpus:  # the same plan on every rank: from total memory
+            from dpipe.plan.machine import visible
+
+            planned = apply_auto_pipeline(cfg, HydraConfig.get(),
+                                          replace(visible(_cache_dir(cfg), free=False),
+                                                  gpus=gpus))
+            fitted = planned if fitted is None else f"{fitted}\n{planned}"
         if fitted is not None and env.is_main:
             log.info(fitted)
         run = validate(cfg, world_size=env.world_size)
@@ -179,6 +205,10 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         _record_error(run_dir, env.rank, f"rank {env.rank} crashed: {type(err).__name__}: {err}")
         sys.exit(1)
     return _exit_on_failure(code)
+
+
+def _cache_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.dataset.cache_dir).expanduser()
 
 
 def _finished_message(run, run_dir: Path, requests_of) -> str | None:
@@ -258,8 +288,10 @@ def _main() -> None:
     if wants_help(sys.argv[1:]):  # dpipe's help, not Hydra's (which suggests `+key=`)
         print(help_text(Path(CONF_DIR)), end="")
         return
+    global _PLAN_REQUEST
     try:  # `+experiment=x` as `experiment=x`; a preset name that is not one, refused here
-        sys.argv = [sys.argv[0], *preset_overrides(sys.argv[1:])]
+        args, _PLAN_REQUEST = take_plan_options(sys.argv[1:])
+        sys.argv = [sys.argv[0], *preset_overrides(args)]
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -296,6 +328,9 @@ def _with_overrides(argv: list[str], extra: list[str]) -> list[str]:
             return [*argv[:i + 1], *extra, *argv[i + 1:]]
     return [*argv, *extra]
 
+
+# `--plan` (dpipe.cli.train_plan): the task prints the run's plan instead of running it.
+_PLAN_REQUEST = None
 
 # Whether the user set HYDRA_FULL_ERROR (then Hydra's errors are theirs to read, untouched).
 _USER_FULL_ERROR = "HYDRA_FULL_ERROR" in os.environ

@@ -51,14 +51,17 @@ def group_defaults(conf_dir: Path) -> dict[str, str | None]:
 def help_text(conf_dir: Path, prog: str = "dpipe-train") -> str:
     width = 100
     lines = [
-        f"usage: {prog} [--cfg job] [-m] [key=value | group=option ...]",
+        f"usage: {prog} [--cfg job] [-m] [--plan [--machine NxGiB]] [key=value | group=option ...]",
         "",
         "Fine-tunes a diffusion model (LoRA or full weights) with DeepSpeed pipeline parallelism:",
         "it composes the run config from conf/ and the command line, checks it, starts one worker",
         "process per GPU (CPU processes without one) and trains, resuming a run of the same name.",
         "Outputs go to outputs/<name>/ (checkpoints, exports, samples, metrics, train.log); the",
         "default name is <model>-<dataset folder's name>. The default pipeline (two stages) runs",
-        "one stage where one GPU is visible.",
+        "one stage where one GPU is visible; pipeline=auto chooses the layout that fits. --plan",
+        "prints what the run needs of this machine's GPUs, host memory and cache disk (or of one",
+        "named: --machine 1x24,host=64) without running, and the smallest change if it does not",
+        "fit.",
         "",
         "Config groups (pick one option with group=option; the default is marked *):",
     ]

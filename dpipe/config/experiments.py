@@ -47,3 +47,25 @@ def preset_overrides(args: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
                     f"{GROUP}={known[0] if known else '...'})")
         out.append(f"{GROUP}={value}")
     return out
+
+
+def preset_keys(name: str, conf_dir: Path = CONF_DIR) -> set[str]:
+    """The dotted keys preset `name` sets (a group it overrides, e.g. `/pipeline`, as that
+    group's `stages`): what a plan keeps as the preset chose it."""
+    import yaml
+
+    body = yaml.safe_load((conf_dir / GROUP / f"{name}.yaml").read_text()) or {}
+    keys = set()
+    for entry in body.pop("defaults", []):
+        if isinstance(entry, dict):
+            keys |= {f"{k.split('/')[-1]}.stages" for k in entry if k.endswith("/pipeline")}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            keys.add(prefix[:-1])
+
+    walk("", body)
+    return keys

@@ -501,6 +501,11 @@ class OptimConfig:
 
 @dataclass
 class PipelineConfig:
+    # pipeline=auto: on GPUs, the plan (dpipe.plan; `dpipe-train --plan` prints it) sets
+    # stages, data_parallel, model.base_dtype, activation_checkpointing, memory_budget_gb and
+    # blocks_to_swap for the GPUs there are, keeping any of them set on the command line; on a
+    # CPU the keys below run as they are (two stages).
+    auto: bool = False
     stages: int = 1
     # Data-parallel replicas of the whole pipeline; None: all the GPUs (1 on CPU).
     data_parallel: Optional[int] = None

@@ -302,6 +302,9 @@ class ModelSpec(abc.ABC):
     # The denoiser's diffusers configs by size name: published ones, and "tiny" (the test
     # model's, for CPU smoke tests); each names its class in "_class_name". None by default.
     bench_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    # The VAE's (spatial, temporal) downscale at the benchmark sizes: a sample's latent shape at
+    # another resolution and frame count (dpipe.plan sizes activations with it).
+    latent_scale: ClassVar[tuple[int, int]] = (8, 4)
     # Why `denoiser_forward` cannot stand in for training in dpipe-bench's plain reference loop
     # (`--plain`), for a family where it cannot; None where it can.
     plain_loop_unfit: ClassVar[str | None] = None

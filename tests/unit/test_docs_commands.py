@@ -8,7 +8,8 @@ inline code span that starts with `dpipe-train`, `dpipe-sample`, `dpipe-cache`, 
 placeholder (`<overrides>`, `[export=...]`) fails, so the docs keep to commands a user can paste.
 
 How each is checked, in-process (a few seconds for all):
-- `dpipe-train`: its arguments go through Hydra's own argument parser (`-m`, `--cfg job`, ...),
+- `dpipe-train`: its arguments go through its own options (`--plan`, `--machine`) and then
+  Hydra's own argument parser (`-m`, `--cfg job`, ...),
   each point of a sweep is composed from conf/ and validated by `dpipe.config.checks.validate`,
   the function `dpipe-train` calls first. That is every check before the filesystem's: an unknown
   key, a misspelt option, a wrong type, a value out of range, a missing `model.path`, stages
@@ -149,7 +150,11 @@ def _validate_points(overrides: list[str], validate: bool = True) -> int:
 def check_train(args: list[str]) -> None:
     from hydra._internal.utils import get_args_parser
 
-    parsed = get_args_parser().parse_args(_overrides(args))
+    from dpipe.cli.train_plan import take_plan_options
+
+    # dpipe-train's own options (`--plan`, `--machine`, parsed) come off before Hydra's parser.
+    args, _ = take_plan_options(_overrides(args))
+    parsed = get_args_parser().parse_args(args)
     _validate_points(parsed.overrides, validate=parsed.cfg is None)
 
 

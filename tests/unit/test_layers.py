@@ -21,6 +21,7 @@ LAYERS = [
     ["dpipe.cli"],
     ["dpipe.bench"],  # runs training's workers and measures them
     ["dpipe.launch"],  # the launcher, its workers, sweeps, pre-start checks
+    ["dpipe.plan"],  # what a run needs of the machine, before it starts: the layout that fits
     ["dpipe.train"],
     ["dpipe.sample"],  # training samples as it goes
     ["dpipe.pipeline", "dpipe.data"],  # the engine and its stages; the cache and the loader

@@ -74,6 +74,7 @@ class LTXVideoSpec(DiffusersFamily):
     # diffusers' names.
     comfyui_module = staticmethod(lambda name: name)
     text_key = "t5"  # the cached prompt tokens the transformer cross-attends to
+    latent_scale = (32, 8)  # LTX's VAEs: 32x in space, 8x in time
 
     def read_configs(self) -> None:
         self.part_config("vae")

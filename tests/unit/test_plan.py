@@ -1,0 +1,230 @@
+"""dpipe.plan on emulated machines, with real-size models built on the meta device (no weights,
+no GPU): the table of docs/performance.md is consistent, agrees with the hand-chosen presets and
+with the GPU runs measured so far, and `dpipe-train --plan` names the change for a run that does
+not fit. The footprints are built once per module (dpipe.plan.table caches them: ~10 s of CPU for
+the six models)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dpipe.plan import table
+from dpipe.plan.choose import choose, layout
+from dpipe.plan.machine import GiB, parse
+
+pytestmark = pytest.mark.slow  # the real-size meta builds: ~10 s of CPU in all
+
+
+def _dominates(big: str, small: str) -> bool:
+    a, b = parse(big), parse(small)
+    return (a.gpus, a.gpu_gib, a.host_gib) >= (b.gpus, b.gpu_gib, b.host_gib) and \
+        a.gpus >= b.gpus and a.gpu_gib >= b.gpu_gib and a.host_gib >= b.host_gib
+
+
+@pytest.mark.parametrize("name", table.MODELS)
+def test_more_memory_never_gives_a_slower_plan_nor_one_that_does_not_fit(name):
+    plans = {m: table.plan(name, m) for m in table.MACHINES}
+    for small, big in itertools.permutations(table.MACHINES, 2):
+        if not _dominates(big, small) or not plans[small].fits:
+            continue
+        assert plans[big].fits, f"{name}: fits {small}, not {big}: {plans[big].problems}"
+        assert plans[big].seconds_per_sample <= plans[small].seconds_per_sample * (1 + 1e-9), \
+            (name, small, big)
+    # Each fitting plan keeps its stages within the budget and uses no more GPUs than there are.
+    for machine, plan in plans.items():
+        if plan.fits:
+            assert plan.stages * plan.data_parallel <= parse(machine).gpus
+            assert all(s.peak <= s.planned <= plan.budget for s in plan.stage_plans)
+
+
+def test_what_fits_where():
+    """The table's headline facts: a FLUX.1-dev LoRA needs fp8 below 80 GiB and none above; a
+    full fine-tune of it fits no machine of the table but 8x80 GiB (as 2 stages); every worker
+    loading the denoiser in fp32 is what a 32 GiB host cannot hold."""
+    flux = {m: table.plan("FLUX.1-dev LoRA", m) for m in ("1x16,host=64", "1x24,host=64",
+                                                          "1x80,host=128", "1x24,host=32")}
+    assert [flux[m].base for m in ("1x16,host=64", "1x24,host=64", "1x80,host=128")] == \
+        ["fp8", "fp8", "bf16"]
+    assert sum(s.recompute for s in flux["1x80,host=128"].stage_plans) == 0
+    assert not flux["1x24,host=32"].fits
+    assert "loading the denoiser" in flux["1x24,host=32"].problems[0]
+    full = [m for m in table.MACHINES if table.plan("FLUX.1-dev full fine-tune", m).fits]
+    assert full == ["8x80,host=128"]
+    assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=128").stages == 2
+
+
+PRESET_MACHINES = {"flux_lora_16gb": ("FLUX.1-dev LoRA", "1x16,host=128"),
+                   "flux_lora_24gb": ("FLUX.1-dev LoRA", "1x24,host=128"),
+                   "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", "1x24,host=128"),
+                   "qwen_image_lora_24gb": ("Qwen-Image 20B LoRA", "1x24,host=128"),
+                   "hunyuan_video_lora_2x24gb": ("HunyuanVideo 13B LoRA", "2x24,host=128")}
+
+
+@pytest.mark.parametrize("preset", PRESET_MACHINES)
+def test_the_hand_chosen_presets_fit_and_the_plan_is_no_slower(preset):
+    from dpipe.config.compose import compose_config, compose_run
+    from dpipe.config.experiments import presets
+
+    assert set(PRESET_MACHINES) == set(presets())
+    name, machine = PRESET_MACHINES[preset]
+    args = [f"experiment={preset}", "model.path=/models/x"]
+    run = compose_run(args, world_size=compose_config(args).pipeline.stages)
+    m = parse(machine)
+    p = run.pipeline
+    theirs = layout(table.footprint(name), run, m, p.stages, m.gpus // p.stages,
+                    run.model.base_dtype.quantized)
+    ours = choose(table.footprint(name), run, m)
+    assert theirs.fits, theirs.problems
+    assert ours.fits and ours.budget == int(p.memory_budget_gb * GiB)
+    assert ours.seconds_per_sample <= theirs.seconds_per_sample * (1 + 1e-9)
+
+
+def test_the_measured_flux_runs():
+    """FLUX.1-dev LoRA r32 at 1024^2 on one H200, compiled (docs/performance.md, target 4):
+    bf16 base without recompute peaked at 54.2 GiB (the calibration of the activations), fp8
+    base at 43.2 GiB (not calibrated on), and fp8 with `auto` under a 24 GiB cap recomputed 45
+    of 59 layers."""
+    from dataclasses import replace
+
+    name = "FLUX.1-dev LoRA"
+    run = table.model_run(name)
+    h200 = parse("1x141,host=512")
+    none = replace(run, pipeline=replace(run.pipeline, activation_checkpointing="none"))
+    fp = table.footprint(name)
+    assert layout(fp, none, h200, 1, 1, False).stage_plans[0].peak / GiB == \
+        pytest.approx(54.2, rel=0.1)
+    assert layout(fp, none, h200, 1, 1, True).stage_plans[0].peak / GiB == \
+        pytest.approx(43.2, rel=0.1)
+    auto = replace(run, pipeline=replace(run.pipeline, activation_checkpointing="auto",
+                                         memory_budget_gb=24.0))
+    capped = layout(fp, auto, h200, 1, 1, True).stage_plans[0]
+    assert capped.recompute == pytest.approx(45, abs=6) and capped.peak <= 24 * GiB
+
+
+def test_plan_prints_the_smallest_change_for_a_run_that_does_not_fit(capsys, monkeypatch):
+    """The user's command for their 24 GB card in a 32 GiB host: it cannot load FLUX.1-dev,
+    and the plan says how much host memory would do."""
+    import sys
+
+    from dpipe.cli import train
+
+    monkeypatch.setattr(sys, "argv", [
+        "dpipe-train", "--plan", "--machine", "1x24,host=32", "model=flux",
+        "model.path=/models/FLUX.1-dev", "dataset=folder", "dataset.path=/data/photos",
+        "dataset.resolutions=[1024]", "train.precision=bf16"])
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    out = capsys.readouterr().out
+    assert info.value.code == 1, out
+    assert "does not fit: loading the denoiser (fp32, every process) needs 48 GiB of host " \
+           "memory, the host has 32 GiB" in out
+    assert "smallest change that fits: 64 GiB of host memory (this machine: 32)" in out
+    assert "model.base_dtype=fp8" in out  # the keys of the plan that fits
+
+
+@pytest.mark.parametrize("text", ["24", "2x", "1x24,ram=64"])
+def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
+    import sys
+
+    from dpipe.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["dpipe-train", "--plan", "--machine", text])
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: --machine {text}: give GPUs x GiB")
+
+
+def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
+    """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
+    as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
+    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
+    stages (the demo's)."""
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config, compose_run
+
+    args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
+            "dataset.resolutions=[1024]"]
+    cfg = compose_config(args)
+    assert apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128")).startswith(
+        "pipeline=auto:\nplan for 2 GPUs with 23 GiB free")
+    p, m = cfg.pipeline, cfg.model
+    assert (p.stages, p.data_parallel, m.base_dtype, p.activation_checkpointing,
+            p.memory_budget_gb, p.blocks_to_swap) == (1, 2, "fp8", "auto", 23, "auto")
+    cfg = compose_config([*args, "model.base_dtype=int8"])
+    apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
+    assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
+    cpu = compose_run(["pipeline=auto"])
+    assert cpu.pipeline.auto and cpu.pipeline.stages == 2
+    cfg = compose_config(["pipeline=auto"])
+    assert apply_auto_pipeline(cfg, cfg.hydra, parse("0x24")) is None
+
+
+def test_pipeline_auto_refuses_a_run_that_nothing_fits():
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config
+    from dpipe.errors import ConfigError
+
+    cfg = compose_config(["pipeline=auto", "model=flux", "model.path=/models/x",
+                          "train.precision=bf16", "dataset.resolutions=[1024]"])
+    with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 1 GPU with 23 GiB free, "
+                       r"32 GiB host: loading the denoiser \(fp32, every process\) needs 48 GiB "
+                       r"of host memory, the host has 32 GiB; the smallest change that fits: "
+                       r"64 GiB of host memory"):
+        apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=32"))
+
+
+def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
+    """What a GPU run checks before its workers start (dpipe-train on a machine with GPUs):
+    FLUX.1-dev LoRA in bf16 on one 16 GiB card (its weights alone are 22 GiB), and in fp8 in a
+    32 GiB host (every worker loads the denoiser in fp32: 48 GiB); the same run in fp8 on 1x16
+    GiB with 64 GiB passes, with the prediction to log."""
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+
+    args = ["model=flux", "model.path=/models/x", "train.precision=bf16", "pipeline=single",
+            "dataset.resolutions=[1024]", "pipeline.activation_checkpointing=auto"]
+    run = compose_run(args, world_size=1)
+    with pytest.raises(ConfigError, match=r"^this run does not fit 1 GPU with 15 GiB free, 64 GiB "
+                       r"host: stage 0.s weights and trained state alone take 25.7 GiB"):
+        check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1)
+    run = compose_run([*args, "model.base_dtype=fp8", "pipeline.blocks_to_swap=auto"],
+                      world_size=1)
+    with pytest.raises(ConfigError, match="loading the denoiser .* needs 48 GiB of host memory"):
+        check_fits(run, build_spec(run.model), parse("1x16,host=32"), 1)
+    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1).startswith(
+        "plan: predicted GPU peak per stage ")
+
+
+def test_a_family_without_a_real_size_config_is_refused_in_one_line():
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    run = compose_run(["model=sdxl", "model.path=/models/x", "pipeline=single"], world_size=1)
+    with pytest.raises(ConfigError, match="^model.family=sdxl: dpipe has no real-size config"):
+        plan_run(build_spec(run.model), run, parse("1x24"), set())
+
+
+def test_a_cache_disk_too_small_is_refused_with_the_space_it_needs(tmp_path):
+    """The tiny FLUX.1 model and a folder of 3 images at 512^2: their latents and text entries
+    take ~0.1 MiB; a disk with 10 KiB free is refused before any worker starts."""
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.errors import ConfigError
+    from dpipe.models.registry import build_spec
+
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes(b"")
+    run = compose_run(["model=tiny_flux", f"model.path={tmp_path}/tiny", "dataset=folder",
+                       f"dataset.path={tmp_path}", "pipeline=single"], world_size=1)
+    spec = build_spec(run.model)
+    with pytest.raises(ConfigError, match=r"the cache needs 0\.1 MiB, the cache disk has 0\.0 "
+                       r"MiB free"):
+        check_fits(run, spec, parse(f"1x24,disk={0.01 / 1024}"), 1)
+    assert "cache 0." in check_fits(run, spec, parse("1x24,disk=1"), 1)
