@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -35,11 +37,14 @@ def make_trainable(denoiser: nn.Module, cfg: ModelConfig, default_targets) -> No
 def count_parameters(module: nn.Module) -> tuple[int, int]:
     params = list(module.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    return trainable, sum(p.numel() for p in params)
+    # A GGUF weight's tensor holds its blocks' bytes: its values are those of its quant_shape.
+    return trainable, sum(math.prod(getattr(p, "quant_shape", p.shape)) for p in params)
 
 
 def frozen_dtype(module: nn.Module, dtype: torch.dtype) -> None:
-    """Casts frozen weights (the base model under LoRA) to `dtype` to halve their memory."""
+    """Casts frozen weights (the base model under LoRA) to `dtype` to halve their memory. Integer
+    ones are a quantized file's bytes (a GGUF base's blocks): a cast would turn them into
+    numbers they do not mean."""
     for param in module.parameters():
-        if not param.requires_grad:
+        if not param.requires_grad and param.is_floating_point():
             param.data = param.data.to(dtype)

@@ -1,0 +1,119 @@
+"""GGUF transformers kept quantized: the tiny FLUX model's Black Forest Labs-layout file written
+by the `gguf` package's own writer and quantizer (as city96's convert tool writes one), read into
+FluxTransformer2DModel through the family's key map.
+
+The tiny model's rows are 16 to 128 values wide: Q8_0, Q4_0 and Q5_0 (32-value blocks) quantize
+its block Linears; the K-quants' 256-value blocks fit none of its rows (only real sizes use them)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dpipe.config.schema import ModelConfig
+from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.common.gguf_files import gguf_linear_class, write_gguf_copy
+from dpipe.models.flux.tiny import make_tiny_flux, write_bfl_single_file
+from dpipe.models.registry import build_spec
+
+PREFIX = "model.diffusion_model."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(the tiny FLUX diffusers folder, its transformer as one plain BFL-layout file)."""
+    root = tmp_path_factory.mktemp("gguf")
+    folder = make_tiny_flux(root / "flux")
+    return folder, write_bfl_single_file(folder, root / "flux1-dev.safetensors", PREFIX)
+
+
+def _spec(path: Path, folder: Path, **model):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                          {"family": "flux", "path": str(path), "max_text_tokens": 16,
+                           "single_file_config": str(folder), **model})
+    return build_spec(OmegaConf.to_object(cfg))
+
+
+def dequantized_copy(file: Path, out: Path) -> Path:
+    """The GGUF `file` as a plain safetensors file of its values as the `gguf` package
+    dequantizes them, under ComfyUI's prefix."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(file))
+    save_file({PREFIX + t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+               .to(torch.float32).contiguous() for t in reader.tensors}, str(out))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q5_0"])
+def test_weights_are_the_gguf_packages_dequantization_and_stay_quantized(tiny, tmp_path, quant):
+    """Every weight the model multiplies by equals `gguf.quants.dequantize` of the file's tensor
+    (through the BFL key map's qkv splits and modulation swap), the quantized ones are held as
+    the file's bytes, and forward and backward equal the dequantized file's model."""
+    folder, plain = tiny
+    file = write_gguf_copy(plain, tmp_path / f"flux1-dev-{quant}.gguf", quant, "flux")
+    spec = _spec(file, folder)
+    spec.ensure_available()
+    model = spec.load_denoiser(torch.float32)
+    reference = _spec(dequantized_copy(file, tmp_path / "deq.safetensors"), folder
+                      ).load_denoiser(torch.float32)
+    want = reference.state_dict()
+    stored = {name: m for name, m in model.named_modules() if isinstance(m, gguf_linear_class())}
+    assert len(stored) >= 20, list(stored)  # every block Linear (rows of 32, 64 or 128 values)
+    got = {}
+    for name, value in model.state_dict().items():
+        module = stored.get(name.removesuffix(".weight"))
+        if module is not None and name.endswith(".weight"):
+            assert value.dtype == torch.uint8 and value.quant_type.name == quant, name
+            got[name] = module.dequantized()
+        else:
+            got[name] = value
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    # The stored bytes: what memory planning and block swap count (numel * element_size).
+    stored_bytes = sum(m.weight.numel() * m.weight.element_size() for m in stored.values())
+    values = sum(m.in_features * m.out_features for m in stored.values())
+    assert stored_bytes < values * {"Q8_0": 1.07, "Q4_0": 0.57, "Q5_0": 0.69}[quant]
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 8, 32, generator=generator)
+    out = {}
+    for key, denoiser in (("gguf", model), ("plain", reference)):
+        block = denoiser.single_transformer_blocks[0]  # proj_mlp 32 -> 128, proj_out 160 -> 32
+        x = hidden.clone().requires_grad_()
+        y = block.proj_out(torch.cat([x, block.proj_mlp(x)], dim=-1))
+        y.square().sum().backward()
+        out[key] = (y.detach(), x.grad)
+    torch.testing.assert_close(out["gguf"], out["plain"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_gguf_of_another_architecture_is_named(tiny, tmp_path):
+    folder, plain = tiny
+    for arch, said in (("wan", "another architecture ('wan'"), ("t5", "text encoder (t5)")):
+        file = write_gguf_copy(plain, tmp_path / f"{arch}.gguf", "Q8_0", arch)
+        spec = _spec(file, folder)
+        with pytest.raises(ModelLoadError, match=r"not a FLUX\.1 transformer") as err:
+            spec.load_denoiser(torch.float32)
+        assert said in str(err.value) and str(file) in str(err.value), err.value
+
+
+def test_a_gguf_base_trains_a_lora_only(tiny, tmp_path):
+    from dpipe.config.compose import compose_run
+
+    folder, _ = tiny
+    file = tmp_path / "flux1-dev-Q8_0.gguf"
+    for override, said in (("model.mode=full", "model.mode=full trains every weight"),
+                           ("model.base_dtype=fp8", "drop model.base_dtype"),
+                           ("model.merge_adapters=[a.safetensors]", "merge into a bf16 file")):
+        with pytest.raises(ConfigError, match="is a GGUF file") as err:
+            compose_run(["model=tiny_flux", f"model.path={file}", "model.tiny=false",
+                         f"model.single_file_config={folder}", "dataset=synthetic", override])
+        assert said in str(err.value), err.value
