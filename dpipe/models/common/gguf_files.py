@@ -19,6 +19,8 @@ compute-dtype copy of every Linear of a stage between its forward and backward).
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 
 import torch
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 # `general.architecture` of the image and video models city96's tools convert, and of the text
@@ -170,6 +174,12 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
         setattr(model.get_submodule(parent) if parent else model, child,
                 linear_class(module, weight.shape))
         taken.add(key)
+    if taken:
+        kinds = sorted({state[k].quant_type.name for k in taken})
+        stored = sum(state[k].numel() for k in taken)  # bytes: the tensors are uint8
+        values = sum(math.prod(state[k].quant_shape) for k in taken)
+        log.info("%s: %d Linears kept quantized (%s): %.1f MiB as stored, %.1f MiB in bf16",
+                 file, len(taken), ", ".join(kinds), stored / 2 ** 20, 2 * values / 2 ** 20)
     return {key: dequantize(value, value.quant_type, dtype)
             if key not in taken and is_gguf_quantized(value) else value
             for key, value in state.items()}
