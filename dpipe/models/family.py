@@ -103,8 +103,8 @@ class DiffusersFamily(ModelSpec):
         if self.single_file_suffixes is not None:
             # model.path: the diffusers folder, or a single file with model.single_file_config
             # naming the diffusers folder for the rest.
-            self.path, self.single_file = split_path(
-                cfg, self.single_file_suffixes + ((GGUF_SUFFIX,) if self.gguf_architectures else ()))
+            gguf = (GGUF_SUFFIX,) if self.gguf_architectures else ()
+            self.path, self.single_file = split_path(cfg, self.single_file_suffixes + gguf)
 
     # ---- the folder ---------------------------------------------------------------------------
     def ensure_available(self) -> None:
