@@ -54,6 +54,29 @@ def dequantized_copy(file: Path, out: Path) -> Path:
     return out
 
 
+def assert_gguf_keeps_the_values(spec_of, plain: Path, tmp_path: Path) -> None:
+    """A family's tiny single file `plain` as a Q8_0 GGUF, read by `spec_of(path)`'s spec: its
+    Linears whose rows split into blocks stay quantized, and every weight is the one the same
+    file's values, dequantized by the `gguf` package into a plain file, give."""
+    file = tmp_path / f"{plain.stem}-Q8_0.gguf"
+    write_gguf_copy(plain, file, "Q8_0", type(spec_of(plain)).gguf_architectures[0])
+    model = spec_of(file).load_denoiser(torch.float32)
+    want = spec_of(dequantized_copy(file, tmp_path / f"{plain.stem}-dequantized.safetensors")
+                   ).load_denoiser(torch.float32).state_dict()
+    modules = dict(model.named_modules())
+    kept, got = 0, {}
+    for name, value in model.state_dict().items():
+        module = modules.get(name.removesuffix(".weight"))
+        if isinstance(module, gguf_linear_class()) and name.endswith(".weight"):
+            assert value.dtype == torch.uint8, name
+            got[name], kept = module.dequantized(), kept + 1
+        else:
+            got[name] = value
+    assert kept >= 4 and got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 # Bytes per value of each block type: a 32-value block of Q8_0 holds an fp16 scale and 32 int8.
 BYTES_PER_VALUE = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q5_0": 22 / 32, "Q4_K": 144 / 256,
                    "Q5_K": 176 / 256, "Q6_K": 210 / 256}
