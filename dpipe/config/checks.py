@@ -233,8 +233,8 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     _check_gguf_base(m)
     if m.base_dtype.quantized and m.mode == TrainMode.full:
         raise ConfigError(
-            f"model.base_dtype={m.base_dtype.value} stores the frozen base weights in 8 bits, but "
-            "model.mode=full trains every weight (their updates would be lost to 8-bit rounding); "
+            f"model.base_dtype={m.base_dtype.value} stores the frozen base weights quantized, but "
+            "model.mode=full trains every weight (their updates would be lost to the rounding); "
             f"use model.mode=lora with {m.base_dtype.value}, or model.base_dtype=auto for a full "
             "fine-tune")
     if m.base_compute == BaseCompute.fp8 and m.mode == TrainMode.full:
