@@ -37,21 +37,49 @@ def nf4_dequantize(packed: torch.Tensor, shape: torch.Size, absmax: torch.Tensor
     return dequantize_4bit(packed, _nf4_state(shape, absmax, code, dtype))
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """x @ W^T with W dequantized from its NF4 codes in forward and again in backward: only the
-    4-bit codes and their absmax are kept for the input's gradient (the weight is frozen)."""
+# A custom op with its own backward, as dpipe.train.fp8's matmul and for its reason: compiled
+# inside a block, an autograd.Function had its dequantized weights saved for backward (seen with
+# saved-tensor hooks): a bf16 copy of every weight held.
+@torch.library.custom_op("dpipe::nf4_matmul", mutates_args=())
+def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+               out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """x @ W^T in `dtype`, W dequantized from its NF4 codes; saves only the codes for backward
+    (the weight is frozen: only the input's gradient is needed)."""
+    weight = nf4_dequantize(packed, torch.Size((out_features, in_features)), absmax, code, dtype)
+    return F.linear(x.to(dtype), weight)
 
-    @staticmethod
-    def forward(ctx, x, packed, absmax, code, shape, dtype):
-        ctx.save_for_backward(packed, absmax, code)
-        ctx.shape, ctx.dtype, ctx.x_dtype = shape, dtype, x.dtype
-        return F.linear(x.to(dtype), nf4_dequantize(packed, shape, absmax, code, dtype))
 
-    @staticmethod
-    def backward(ctx, grad):
-        packed, absmax, code = ctx.saved_tensors
-        weight = nf4_dequantize(packed, ctx.shape, absmax, code, ctx.dtype)
-        return (grad.to(ctx.dtype) @ weight).to(ctx.x_dtype), None, None, None, None, None
+@nf4_matmul.register_fake
+def _(x, packed, absmax, code, out_features, in_features, dtype):
+    return x.new_empty((*x.shape[:-1], out_features), dtype=dtype)
+
+
+@torch.library.custom_op("dpipe::nf4_matmul_input_grad", mutates_args=())
+def nf4_matmul_input_grad(grad: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                          code: torch.Tensor, out_features: int, in_features: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    weight = nf4_dequantize(packed, torch.Size((out_features, in_features)), absmax, code, dtype)
+    return grad.to(dtype) @ weight
+
+
+@nf4_matmul_input_grad.register_fake
+def _(grad, packed, absmax, code, out_features, in_features, dtype):
+    return grad.new_empty((*grad.shape[:-1], in_features), dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, packed, absmax, code, out_features, in_features, dtype = inputs
+    ctx.save_for_backward(packed, absmax, code)
+    ctx.sizes, ctx.dtype, ctx.x_dtype = (out_features, in_features), dtype, x.dtype
+
+
+def _backward(ctx, grad):
+    packed, absmax, code = ctx.saved_tensors
+    x_grad = nf4_matmul_input_grad(grad, packed, absmax, code, *ctx.sizes, ctx.dtype)
+    return x_grad.to(ctx.x_dtype), None, None, None, None, None, None
+
+
+nf4_matmul.register_autograd(_backward, setup_context=_setup_context)
 
 
 class NF4Linear(nn.Module):
@@ -78,7 +106,8 @@ class NF4Linear(nn.Module):
         device = x.device.type
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else self.compute_dtype)
-        y = _NF4Matmul.apply(x, self.weight, self.absmax, self.code, self.shape, dtype)
+        y = nf4_matmul(x, self.weight, self.absmax, self.code, self.out_features,
+                       self.in_features, dtype)
         return y if self.bias is None else y + self.bias.to(dtype)
 
     def dequantized(self) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -37,8 +35,7 @@ def make_trainable(denoiser: nn.Module, cfg: ModelConfig, default_targets) -> No
 def count_parameters(module: nn.Module) -> tuple[int, int]:
     params = list(module.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    # A GGUF weight's tensor holds its blocks' bytes: its values are those of its quant_shape.
-    return trainable, sum(math.prod(getattr(p, "quant_shape", p.shape)) for p in params)
+    return trainable, sum(p.numel() for p in params)
 
 
 def frozen_dtype(module: nn.Module, dtype: torch.dtype) -> None:

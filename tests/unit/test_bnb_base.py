@@ -44,12 +44,29 @@ def test_nf4_is_bitsandbytes_nf4_and_multiplies_by_its_dequantization():
     assert not module.weight.requires_grad and module.weight.grad is None
 
 
-def test_backward_keeps_the_4_bit_codes_not_a_dequantized_copy():
-    module = NF4Linear(_linear())
+# Compiling on the CPU takes 10-16 s on this 2-core machine: slow.
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
+def test_backward_keeps_the_4_bit_codes_not_a_dequantized_copy(compiled):
+    """Also inside torch.compile, where an autograd.Function had its dequantized weight saved."""
+    import shutil
+
+    if compiled and not shutil.which("cc"):
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    module = NF4Linear(_linear().to(torch.bfloat16))
+    model = torch.compile(module) if compiled else module
+    x = torch.randn(8, 256, requires_grad=True)
+    model(x)  # compiles
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        module(torch.randn(8, 256, requires_grad=True)).sum()
-    assert not any(t.shape == (64, 256) for t in saved), [t.shape for t in saved]
+        y = model(x)
+    assert sorted(t.dtype for t in saved if t.dim() == 2) == [torch.uint8], [
+        (t.dtype, tuple(t.shape)) for t in saved]  # the codes; absmax and code book are vectors
+    y.float().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    nn.functional.linear(x_ref.bfloat16(), module.dequantized().bfloat16(),
+                         module.bias).float().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-2)
 
 
 def test_int8_bnb_is_llm_int8s_rows_and_scales():

@@ -145,7 +145,7 @@ def test_weights_are_the_gguf_packages_dequantization_and_stay_quantized(tiny, t
     for name, value in model.state_dict().items():
         module = stored.get(name.removesuffix(".weight"))
         if module is not None and name.endswith(".weight"):
-            assert value.dtype == torch.uint8 and value.quant_type.name == quant, name
+            assert value.dtype == torch.uint8 and module.quant_type.name == quant, name
             got[name] = module.dequantized()
         else:
             got[name] = value
@@ -197,3 +197,34 @@ def test_a_gguf_base_trains_a_lora_only(tiny, tmp_path):
             compose_run(["model=tiny_flux", f"model.path={file}", "model.tiny=false",
                          f"model.single_file_config={folder}", "dataset=synthetic", override])
         assert said in str(err.value), err.value
+
+
+# Compiling on the CPU takes 10-16 s on this 2-core machine: slow.
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
+def test_backward_keeps_the_blocks_not_a_dequantized_copy(compiled):
+    """Also inside torch.compile, where an autograd.Function had its dequantized weight saved."""
+    import shutil
+
+    import gguf
+
+    if compiled and not shutil.which("cc"):
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    blocks = torch.from_numpy(gguf.quants.quantize(linear.weight.detach().numpy(), qtype))
+    module = gguf_linear_class()(linear, blocks.shape, qtype)
+    module.weight = torch.nn.Parameter(blocks, requires_grad=False)
+    module.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+    model = torch.compile(module) if compiled else module
+    x = torch.randn(4, 64, requires_grad=True)
+    model(x)  # compiles
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = model(x)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.uint8, (32, 68))]
+    y.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x_ref, module.dequantized(), module.bias).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)

@@ -86,33 +86,70 @@ def dequantize(weight: torch.Tensor, quant_type, dtype: torch.dtype) -> torch.Te
     return values.reshape(shape).to(dtype)
 
 
-class _GGUFMatmul(torch.autograd.Function):
-    """x @ W^T with W dequantized from its blocks, in forward and again in backward: only the
-    quantized bytes are kept for the input's gradient (the weight is frozen)."""
+# A custom op with its own backward, as dpipe.train.fp8's matmul and for its reason: compiled
+# inside a block, an autograd.Function had its dequantized weights saved for backward: a
+# compute-dtype copy of every weight held. The block type travels as its GGML number.
+@torch.library.custom_op("dpipe::gguf_matmul", mutates_args=())
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, quant_type: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """x @ W^T in `dtype`, W dequantized from its GGUF blocks (`data`: their bytes, rows by
+    bytes); saves only the bytes for backward (the weight is frozen)."""
+    return F.linear(x.to(dtype), dequantize(data, _ggml_type(quant_type), dtype))
 
-    @staticmethod
-    def forward(ctx, x, data, quant_type, dtype):
-        ctx.save_for_backward(data)
-        ctx.quant_type, ctx.dtype, ctx.x_dtype = quant_type, dtype, x.dtype
-        return F.linear(x.to(dtype), dequantize(data, quant_type, dtype))
 
-    @staticmethod
-    def backward(ctx, grad):
-        (data,) = ctx.saved_tensors
-        x_grad = grad.to(ctx.dtype) @ dequantize(data, ctx.quant_type, ctx.dtype)
-        return x_grad.to(ctx.x_dtype), None, None, None
+@gguf_matmul.register_fake
+def _(x, data, quant_type, dtype):
+    return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=dtype)
+
+
+@torch.library.custom_op("dpipe::gguf_matmul_input_grad", mutates_args=())
+def gguf_matmul_input_grad(grad: torch.Tensor, data: torch.Tensor, quant_type: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    return grad.to(dtype) @ dequantize(data, _ggml_type(quant_type), dtype)
+
+
+@gguf_matmul_input_grad.register_fake
+def _(grad, data, quant_type, dtype):
+    from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[_ggml_type(quant_type)]
+    return grad.new_empty((*grad.shape[:-1], data.shape[-1] // type_size * block_size),
+                          dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, data, quant_type, dtype = inputs
+    ctx.save_for_backward(data)
+    ctx.quant_type, ctx.dtype, ctx.x_dtype = quant_type, dtype, x.dtype
+
+
+def _backward(ctx, grad):
+    (data,) = ctx.saved_tensors
+    x_grad = gguf_matmul_input_grad(grad, data, ctx.quant_type, ctx.dtype)
+    return x_grad.to(ctx.x_dtype), None, None, None
+
+
+gguf_matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _ggml_type(number: int):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(number)
 
 
 def _gguf_linear_class():
     from diffusers.quantizers.gguf.utils import GGUFLinear
 
     class GGUFStoredLinear(GGUFLinear):
-        """diffusers' GGUFLinear, multiplying as this module's docstring says; the weight is the
-        file's `GGUFParameter`, frozen."""
+        """diffusers' GGUFLinear, multiplying as this module's docstring says. The weight is the
+        file's bytes as a plain frozen uint8 Parameter and its block type an attribute: a
+        `GGUFParameter` (a tensor subclass) broke torch.compile's backward."""
 
-        def __init__(self, linear: nn.Linear, stored: torch.Size):
+        def __init__(self, linear: nn.Linear, stored: torch.Size, quant_type):
             nn.Module.__init__(self)
             self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.quant_type = quant_type
             self.compute_dtype = None  # the input's (or autocast's) dtype, as an nn.Linear's
             self.device = None
             # A placeholder of the stored bytes' shape: load_state_dict(assign=True) puts the
@@ -127,16 +164,16 @@ def _gguf_linear_class():
             device = x.device.type
             dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                      else x.dtype)
-            y = _GGUFMatmul.apply(x, self.weight.as_tensor(), self.weight.quant_type, dtype)
+            y = gguf_matmul(x, self.weight, int(self.quant_type), dtype)
             return y if self.bias is None else y + self.bias.to(dtype)
 
         def dequantized(self) -> torch.Tensor:
             """The weight as the matmul sees it (fp32)."""
-            return dequantize(self.weight, self.weight.quant_type, torch.float32)
+            return dequantize(self.weight, self.quant_type, torch.float32)
 
         def extra_repr(self) -> str:
             return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                    f"{self.weight.quant_type.name}")
+                    f"{self.quant_type.name}")
 
     return GGUFStoredLinear
 
@@ -172,7 +209,7 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
                 "Linear: not a checkpoint of this model's size")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
-                linear_class(module, weight.shape))
+                linear_class(module, weight.shape, weight.quant_type))
         taken.add(key)
     if taken:
         kinds = sorted({state[k].quant_type.name for k in taken})
@@ -180,9 +217,9 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
         values = sum(math.prod(state[k].quant_shape) for k in taken)
         log.info("%s: %d Linears kept quantized (%s): %.1f MiB as stored, %.1f MiB in bf16",
                  file, len(taken), ", ".join(kinds), stored / 2 ** 20, 2 * values / 2 ** 20)
-    return {key: dequantize(value, value.quant_type, dtype)
-            if key not in taken and is_gguf_quantized(value) else value
-            for key, value in state.items()}
+    return {key: value.as_tensor() if key in taken
+            else dequantize(value, value.quant_type, dtype) if is_gguf_quantized(value)
+            else value for key, value in state.items()}
 
 
 def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
