@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
-from dpipe.models.common.gguf_files import GGUF_SUFFIX
+from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
     check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
@@ -223,9 +223,11 @@ class DiffusersFamily(ModelSpec):
         # denoiser carries the LoRA.
         parts = [name for name, value in read_json(self.path / "model_index.json").items()
                  if isinstance(value, list) and name not in ("scheduler", self.denoiser_folder)]
+        # A GGUF base's Linears as the fp32 values they hold: diffusers' LoRA loaders read the
+        # Linears' weights.
+        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
         pipe = load_or_fail(lambda: diffusers_class(self.pipeline_class).from_pretrained(
-            self.path, **dict.fromkeys(parts),
-            **{self.denoiser_folder: self.load_denoiser(torch.float32)}), self.path)
+            self.path, **dict.fromkeys(parts), **{self.denoiser_folder: denoiser}), self.path)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return getattr(pipe, self.denoiser_folder)
 

@@ -246,3 +246,21 @@ def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def with_plain_linears(model: nn.Module) -> nn.Module:
+    """`model` with each GGUF Linear replaced by an nn.Linear of its fp32 values, for diffusers'
+    LoRA loading (whose FLUX loader takes a Linear's weight shape for its size, and the file's
+    bytes are not that); the same numbers, in fp32's memory."""
+    linear_class = gguf_linear_class()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, linear_class):
+            continue
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                          device="meta")
+        plain.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+        if module.bias is not None:
+            plain.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, plain)
+    return model
