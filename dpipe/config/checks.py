@@ -230,10 +230,11 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
     if t.loader_workers is not None and t.loader_workers < 0:
         raise ConfigError(f"train.loader_workers must be >= 0 (0: no worker processes) or null "
                           f"(auto), got {t.loader_workers}")
+    _check_gguf_base(m)
     if m.base_dtype.quantized and m.mode == TrainMode.full:
         raise ConfigError(
-            f"model.base_dtype={m.base_dtype.value} stores the frozen base weights in 8 bits, but "
-            "model.mode=full trains every weight (their updates would be lost to 8-bit rounding); "
+            f"model.base_dtype={m.base_dtype.value} stores the frozen base weights quantized, but "
+            "model.mode=full trains every weight (their updates would be lost to the rounding); "
             f"use model.mode=lora with {m.base_dtype.value}, or model.base_dtype=auto for a full "
             "fine-tune")
     if m.base_compute == BaseCompute.fp8 and m.mode == TrainMode.full:
@@ -299,6 +300,28 @@ def unknown_key_message(full_key: str) -> str | None:
         schema, names = child, {f.name for f in dataclasses.fields(child)}
     return (f"unknown config key(s): '{full_key}'. Check the spelling against `dpipe-train "
             "--cfg job`; keys cannot be added with `+`.")
+
+
+def _check_gguf_base(m) -> None:
+    """A GGUF transformer stays quantized as its file stores it (dpipe.models.common.gguf_files):
+    only a LoRA trains on it, and nothing else may set or change its base weights."""
+    if not str(m.path).endswith(".gguf"):
+        return
+    if m.mode == TrainMode.full:
+        raise ConfigError(
+            f"model.path={m.path} is a GGUF file, whose base weights stay in its quantized blocks,"
+            " but model.mode=full trains every weight (their updates would be lost to the "
+            "blocks' rounding): use model.mode=lora with it, or a bf16 single file or diffusers "
+            "folder for a full fine-tune")
+    if m.base_dtype.quantized or m.base_compute != BaseCompute.auto:
+        raise ConfigError(
+            f"model.path={m.path} is a GGUF file: its quantized blocks are the base's storage and "
+            "each matmul dequantizes them; drop model.base_dtype and model.base_compute")
+    if m.merge_adapters:
+        raise ConfigError(
+            f"model.merge_adapters merges adapters into the base weights, but model.path={m.path}"
+            " is a GGUF file whose weights stay quantized: merge into a bf16 file first, or "
+            "train without model.merge_adapters")
 
 
 def _check_blocks_to_swap(p, m) -> None:

@@ -146,6 +146,11 @@ class BaseDtype(str, Enum):
     # have no outliers (a sixth of e4m3's Linear error on the tiny model's weights), coarser for
     # the small weights of a row with one large outlier.
     int8 = "int8"
+    # bitsandbytes' storages, QLoRA-style (dpipe.train.bnb_base), quantized by bitsandbytes' own
+    # functions: 4-bit NormalFloat with an fp32 absmax per 64 values (0.56 bytes a value, a
+    # quarter of bf16 plus the absmax), and LLM.int8()'s int8 rows with a scale per row.
+    nf4 = "nf4"
+    int8_bnb = "int8_bnb"
 
     @property
     def quantized(self) -> bool:
@@ -202,7 +207,8 @@ class ModelConfig:
     # weights before training, in order, and before bf16 or model.base_dtype=fp8 round them:
     # the trained adapter learns on top of them.
     merge_adapters: list[str] = field(default_factory=list)
-    # How the frozen base weights are stored under LoRA: auto, fp8, fp8_e5m2 or int8 (BaseDtype).
+    # How the frozen base weights are stored under LoRA: auto, fp8, fp8_e5m2, int8, nf4 or
+    # int8_bnb (BaseDtype).
     base_dtype: BaseDtype = BaseDtype.auto
     # How the frozen base weights multiply under LoRA: auto or fp8 (BaseCompute).
     base_compute: BaseCompute = BaseCompute.auto

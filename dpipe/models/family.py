@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
+from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
     check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
@@ -91,6 +92,10 @@ class DiffusersFamily(ModelSpec):
     # Single-file transformers (the original and ComfyUI layout) the family reads: their
     # suffixes, or None where it reads only folders.
     single_file_suffixes: ClassVar[tuple[str, ...] | None] = None
+    # The `general.architecture` names of the family's GGUF transformers (city96's tools write
+    # the original names, as its single files hold): a family that names them reads .gguf files
+    # too, kept quantized (dpipe.models.common.gguf_files).
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -98,7 +103,8 @@ class DiffusersFamily(ModelSpec):
         if self.single_file_suffixes is not None:
             # model.path: the diffusers folder, or a single file with model.single_file_config
             # naming the diffusers folder for the rest.
-            self.path, self.single_file = split_path(cfg, self.single_file_suffixes)
+            gguf = (GGUF_SUFFIX,) if self.gguf_architectures else ()
+            self.path, self.single_file = split_path(cfg, self.single_file_suffixes + gguf)
 
     # ---- the folder ---------------------------------------------------------------------------
     def ensure_available(self) -> None:
@@ -131,7 +137,8 @@ class DiffusersFamily(ModelSpec):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_denoiser(diffusers_class(self.denoiser_class), self.path, self.single_file,
                              dtype, convert=type(self).from_single_file,
-                             subfolder=self.denoiser_folder)
+                             subfolder=self.denoiser_folder, title=self.title,
+                             gguf_architectures=self.gguf_architectures)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).
@@ -216,9 +223,11 @@ class DiffusersFamily(ModelSpec):
         # denoiser carries the LoRA.
         parts = [name for name, value in read_json(self.path / "model_index.json").items()
                  if isinstance(value, list) and name not in ("scheduler", self.denoiser_folder)]
+        # A GGUF base's Linears as the fp32 values they hold: diffusers' LoRA loaders read the
+        # Linears' weights.
+        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
         pipe = load_or_fail(lambda: diffusers_class(self.pipeline_class).from_pretrained(
-            self.path, **dict.fromkeys(parts),
-            **{self.denoiser_folder: self.load_denoiser(torch.float32)}), self.path)
+            self.path, **dict.fromkeys(parts), **{self.denoiser_folder: denoiser}), self.path)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name)
         return getattr(pipe, self.denoiser_folder)
 

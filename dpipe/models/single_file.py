@@ -13,7 +13,9 @@ what the source holds besides the transformer (LTX-Video's VAE, NVIDIA's trainin
 unchanged (`export_like_source`).
 
 Quantized files (ComfyUI's scaled fp8, int8 with scales: `common/quantized_files.py`) are read
-dequantized, so the families' key maps see ordinary weights.
+dequantized, so the families' key maps see ordinary weights. GGUF files (`common/gguf_files.py`)
+stay quantized: the key maps move their blocks whole (rows split and stacked), and the Linears
+that take them dequantize at each matmul.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.gguf_files import GGUF_SUFFIX, keep_quantized, read_gguf
 from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized,
                                                  is_quantization_key, quantized_format)
 
@@ -83,14 +86,20 @@ def read_single_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
-                          convert: Callable | None = None) -> torch.nn.Module:
-    """A diffusers transformer from one file (`read_single_file`): keys stripped of ComfyUI's
-    "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file uses other
-    names, loaded into weights allocated once (no random init of billions of parameters)."""
+                          convert: Callable | None = None, title: str | None = None,
+                          gguf_architectures: tuple[str, ...] = ()) -> torch.nn.Module:
+    """A diffusers transformer from one file (`read_single_file`, or a GGUF file whose
+    `general.architecture` is one of `gguf_architectures`, kept quantized): keys stripped of
+    ComfyUI's "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file
+    uses other names, loaded into weights allocated once (no random init of billions of
+    parameters). `title`: the model's name in messages."""
     from accelerate import init_empty_weights
 
+    gguf = file.suffix == GGUF_SUFFIX
+    read = (read_gguf(file, title or model_cls.__name__, gguf_architectures) if gguf
+            else read_single_file(file, dtype))
     state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
-             for k, v in read_single_file(file, dtype).items()}
+             for k, v in read.items()}
     with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
     if convert is not None:
@@ -100,6 +109,8 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
             raise ModelLoadError(
                 f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
                 f"(converting its names failed: {err!r})") from None
+    if gguf:
+        state = keep_quantized(model, state, file, dtype)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

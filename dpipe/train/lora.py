@@ -39,7 +39,9 @@ def count_parameters(module: nn.Module) -> tuple[int, int]:
 
 
 def frozen_dtype(module: nn.Module, dtype: torch.dtype) -> None:
-    """Casts frozen weights (the base model under LoRA) to `dtype` to halve their memory."""
+    """Casts frozen weights (the base model under LoRA) to `dtype` to halve their memory. Integer
+    ones are a quantized file's bytes (a GGUF base's blocks): a cast would turn them into
+    numbers they do not mean."""
     for param in module.parameters():
-        if not param.requires_grad:
+        if not param.requires_grad and param.is_floating_point():
             param.data = param.data.to(dtype)

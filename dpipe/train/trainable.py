@@ -44,8 +44,13 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
 
         use_fp8_compute(denoiser)  # after LoRA wrapping, as below
     elif run.model.base_dtype.quantized and run.model.mode == TrainMode.lora:
+        from dpipe.train.bnb_base import MAKE
         from dpipe.train.fp8 import STORAGE, quantize_frozen_linears
 
-        # After LoRA wrapping: peft's base layers become 8-bit.
-        quantize_frozen_linears(denoiser, STORAGE[run.model.base_dtype.value])
+        # After LoRA wrapping: peft's base layers become quantized.
+        storage = run.model.base_dtype.value
+        if storage in MAKE:
+            quantize_frozen_linears(denoiser, make=MAKE[storage])
+        else:
+            quantize_frozen_linears(denoiser, STORAGE[storage])
     return spec.pipeline_layers(denoiser)

@@ -46,13 +46,16 @@ def cached_dataset(run_dir: Path):
     return dataset, dataset.plan
 
 
-def one_process_first_loss(run_dir: Path) -> float:
+def one_process_first_loss(run_dir: Path, model_path: Path | None = None) -> float:
     """The run's first-step loss as its layers give it in this process, with the initial weights
-    every rank builds: what the run's metrics must show whatever its stages."""
+    every rank builds: what the run's metrics must show whatever its stages; with `model_path`,
+    what the run would have shown from that model instead."""
     from dpipe.data.batches import step_micro_batches
     from dpipe.train.trainable import trainable_layers
 
     run = run_config(run_dir)
+    if model_path is not None:
+        run.model.path = str(model_path)
     spec = build_spec(run.model)
     layers = trainable_layers(spec, run)
     dataset, plan = cached_dataset(run_dir)

@@ -20,6 +20,7 @@ from dpipe.models.common.bfl_layout import flux1_layout, flux2_layout, from_bfl,
 from dpipe.models.flux.tiny import write_bfl_single_file
 from dpipe.models.registry import build_spec
 from tests.exports import export_lora
+from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
 
 FAMILIES = {
     "flux": ("dpipe.models.flux.tiny", "make_tiny_flux", flux1_layout),
@@ -128,6 +129,9 @@ def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, family, pre
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    if prefix:  # the same file as city96's GGUF
+        assert_gguf_keeps_the_values(
+            lambda path: _spec(family, path, single_file_config=str(folder)), file, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["flux", "flux2"])

@@ -132,6 +132,16 @@ def test_single_file_loads_as_the_folder(folders, tmp_path, family, prefix):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_its_gguf_is_read_kept_quantized(folders, tmp_path, family):
+    from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
+
+    folder = folders(family)
+    assert_gguf_keeps_the_values(
+        lambda path: _spec(family, path, single_file_config=str(folder)),
+        _write(folders, family, tmp_path, "model.diffusion_model."), tmp_path)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_file_of_another_family_fails_naming_it(folders, tmp_path, family):
     others = [f for f in FAMILIES if f != family]
     files = [_write(folders, f, tmp_path) for f in others[:1]]

@@ -93,6 +93,11 @@ def test_single_files_in_nvidias_layout_load(folder, tmp_path, name, prefix):
     reference = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer").state_dict()
     assert set(loaded) == set(reference)
     assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+    if name.endswith(".safetensors"):  # ComfyUI's file as city96's GGUF
+        from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
+
+        assert_gguf_keeps_the_values(lambda path: _spec(path, single_file_config=folder), file,
+                                     tmp_path)
 
 
 def test_a_predict2_file_or_folder_is_refused_naming_what_it_is(folder, tmp_path):

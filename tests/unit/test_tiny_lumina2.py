@@ -202,3 +202,8 @@ def test_single_file_transformer_loads_as_the_folder(tiny, tmp_path, prefix):
     loaded = spec.load_denoiser(torch.float32)
     for k, v in folder.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+    if prefix:  # the same file as city96's GGUF
+        from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
+
+        assert_gguf_keeps_the_values(
+            lambda file: _spec(file, single_file_config=str(tiny)), path, tmp_path)

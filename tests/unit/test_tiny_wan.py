@@ -134,3 +134,24 @@ def test_cli_writes_the_folder(tmp_path):
     assert cli.main(["wan22_ti2v", str(tmp_path / "cli"), "--seed", "2"]) == 0
     index = json.loads((tmp_path / "cli" / "model_index.json").read_text())
     assert index["expand_timesteps"] is True
+
+
+def test_its_transformer_as_a_gguf_is_read_kept_quantized(folders, tmp_path):
+    """Wan 2.1 T2V's transformer in ComfyUI's layout as a Q8_0 GGUF (city96's `wan`)."""
+    from omegaconf import OmegaConf
+
+    from dpipe.config.schema import ModelConfig
+    from dpipe.models.registry import build_spec
+    from dpipe.models.single_file import write_transformer_file
+    from dpipe.models.wan.comfyui import original_state_dict
+    from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
+
+    folder = folders["wan21_t2v"]
+    plain = write_transformer_file(folder / "transformer", tmp_path / "wan2.1_t2v.safetensors",
+                                   original_state_dict, prefix="model.diffusion_model.")
+
+    def spec(path):
+        return build_spec(OmegaConf.to_object(OmegaConf.merge(
+            OmegaConf.structured(ModelConfig), {"family": "wan", "path": str(path),
+                                                "single_file_config": str(folder)})))
+    assert_gguf_keeps_the_values(spec, plain, tmp_path)

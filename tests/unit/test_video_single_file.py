@@ -118,6 +118,15 @@ def test_single_file_loads_as_the_folder(folders, files, family, dtype):
     _assert_loads_as_folder(family, folders[family], files[family], dtype)
 
 
+@pytest.mark.parametrize("family", LOADED)
+def test_its_gguf_is_read_kept_quantized(folders, files, tmp_path, family):
+    from tests.unit.test_gguf_files import assert_gguf_keeps_the_values
+
+    assert_gguf_keeps_the_values(
+        lambda path: _spec(family, path, single_file_config=str(folders[family])),
+        files[family], tmp_path)
+
+
 @pytest.mark.parametrize("family,prefix", [
     ("hunyuan_video", "model.diffusion_model."), ("ltx_video", ""),
     ("cosmos_predict2", ""), ("cosmos_predict2", "model.diffusion_model."), ("ltx2", ""),

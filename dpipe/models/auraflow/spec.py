@@ -55,6 +55,7 @@ class AuraFlowSpec(DiffusersFamily):
     sampler = "dpipe.models.auraflow.sampling:AuraFlowSampling"
     # A single file: original names; the config from the folder.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("aura",)
     from_single_file, to_original = from_original, native_state_dict
 
     def read_configs(self) -> None:

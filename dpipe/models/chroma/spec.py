@@ -71,6 +71,8 @@ class ChromaSpec(DiffusersFamily):
     sampler = "dpipe.models.chroma.sampling:ChromaSampling"
     # A single file: original names (original.py); the config from the folder.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    # ComfyUI-GGUF's loader lists no Chroma name: its GGUFs carry FLUX.1's, or their own.
+    gguf_architectures = ("flux", "chroma")
     from_single_file, to_original = from_original, original_state_dict
 
     @property

@@ -70,6 +70,7 @@ class Cosmos1Spec(CosmosFamily):
     layers = cosmos1_layers  # the same LoRA targets as Cosmos-Predict2's
     sampler = "dpipe.models.cosmos1.sampling:Cosmos1Sampling"
     single_file_suffixes = (".pt", ".safetensors")  # NVIDIA's model.pt / ComfyUI's files
+    gguf_architectures = ("cosmos",)
     from_single_file, to_original = from_original, original_state_dict
 
     def read_configs(self) -> None:

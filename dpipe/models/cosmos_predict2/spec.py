@@ -57,6 +57,7 @@ class CosmosPredict2Spec(CosmosFamily):
     layers = cosmos_layers
     sampler = "dpipe.models.cosmos_predict2.sampling:CosmosPredict2Sampling"
     single_file_suffixes = (".safetensors", ".pt")  # ComfyUI's files / NVIDIA's checkpoints
+    gguf_architectures = ("cosmos",)
     from_single_file, to_original = from_original, file_state_dict
 
     def read_configs(self) -> None:

@@ -65,6 +65,7 @@ class FluxSpec(DiffusersFamily):
     sampler = "dpipe.models.flux.sampling:FluxSampling"
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     from_single_file = from_bfl_file
+    gguf_architectures = ("flux",)  # city96's FLUX.1-dev/schnell/Kontext GGUFs
 
     @property
     def comfyui_lora_name(self) -> str:

@@ -88,6 +88,8 @@ class Flux2Spec(DiffusersFamily):
     references = 10
     lora_writer = "Flux2Pipeline"  # for Klein folders too: the same file
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    # ComfyUI-GGUF's loader lists no FLUX.2 name: its GGUFs carry FLUX.1's, or their own.
+    gguf_architectures = ("flux", "flux2")
     from_single_file = from_bfl_file
 
     @property

@@ -76,6 +76,7 @@ class HiDreamSpec(DiffusersFamily):
     sampler = "dpipe.models.hidream.sampling:HiDreamSampling"
     # A single file as ComfyUI holds it: the original names, which are diffusers'.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("hidream",)
     from_single_file, to_original = from_original, dict
 
     def read_configs(self) -> None:

@@ -75,6 +75,7 @@ class HunyuanImageSpec(DiffusersFamily):
     lora_writer = "HunyuanVideoPipeline"
     # A single file in Tencent's original layout (original.py).
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("hunyuan_image",)  # not among ComfyUI-GGUF's names
     from_single_file = from_original
 
     def read_configs(self) -> None:

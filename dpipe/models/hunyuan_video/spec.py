@@ -66,6 +66,7 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
     # A single file in the original / ComfyUI layout (original.py); its names both ways.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("hyvid",)
     from_single_file, to_original = from_original, original_state_dict
 
     def read_configs(self) -> None:

@@ -67,6 +67,7 @@ class LTXVideoSpec(DiffusersFamily):
     sampler = "dpipe.models.ltx_video.sampling:LTXVideoSampling"
     # The single file users download (original / ComfyUI names), with model.single_file_config.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("ltxv",)
     from_single_file = staticmethod(from_original)
     to_original = staticmethod(original_state_dict)
     comfyui_lora = COMFYUI_LORA

@@ -59,6 +59,7 @@ class Lumina2Spec(DiffusersFamily):
     # A single file (ComfyUI's / the original layout): not read by diffusers' from_single_file,
     # whose converter splits qkv at the 2B model's sizes only.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("lumina2",)
     from_single_file = from_native
 
     @property

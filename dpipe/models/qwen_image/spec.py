@@ -54,6 +54,7 @@ class QwenImageSpec(DiffusersFamily):
     sampler = "dpipe.models.qwen_image.sampling:QwenImageSampling"
     # A single-file transformer: ComfyUI's layout, which has the diffusers names.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("qwen_image",)
 
     @property
     def pixel_multiple(self) -> int:

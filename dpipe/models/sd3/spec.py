@@ -59,6 +59,7 @@ class SD3Spec(DiffusersFamily):
     sampler = "dpipe.models.sd3.sampling:SD3Sampling"
     # A single file: original MMDiT names; the config from the folder.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("sd3",)
     from_single_file, to_original = from_original, original_state_dict
 
     @property

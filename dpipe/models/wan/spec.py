@@ -96,6 +96,7 @@ class WanSpec(DiffusersFamily):
     # A single-file transformer (the original / ComfyUI layout, e.g.
     # wan2.1_t2v_14B_bf16.safetensors) trains with everything else from a diffusers folder.
     single_file_suffixes = (".safetensors", ".sft")
+    gguf_architectures = ("wan",)
     from_single_file, to_original = from_original, original_state_dict
 
     @property

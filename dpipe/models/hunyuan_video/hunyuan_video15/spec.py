@@ -76,6 +76,7 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     lora_writer = "HunyuanVideoPipeline"
     # A single file in Tencent's original / ComfyUI layout (original.py).
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("hyvid",)  # ComfyUI-GGUF names both HunyuanVideos so
     from_single_file = from_original
 
     def read_configs(self) -> None:

@@ -76,6 +76,7 @@ class LTX2Spec(LTXVideoSpec):
     lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
     sampler = "dpipe.models.ltx_video.ltx2.av_sampling:ltx2_sampling"  # with sound where model.audio
     from_single_file = staticmethod(from_original)
+    gguf_architectures = ("ltx2",)  # the name its GGUFs carry (not LTX-Video's ltxv)
     to_original = staticmethod(original_state_dict)
     comfyui_lora = COMFYUI_LORA
     # ComfyUI's LTX-2 model holds the original names (patchify_proj, adaln_single, ...)

@@ -1,0 +1,266 @@
+"""GGUF transformers (the files city96's ComfyUI-GGUF tools and llama.cpp's `gguf` package write)
+kept quantized: the frozen base of a LoRA stays in the file's blocks and each matmul dequantizes
+its weight.
+
+Such a file holds the original checkpoint's names (as the family's single files do), Linear
+weights in a GGML block type (Q8_0, Q4_0/Q5_0, Q4_K/Q5_K/Q6_K, ...: each row cut into blocks of
+32 or 256 values sharing a scale) or F16/BF16, and small tensors (norms, biases) in F32; its
+`general.architecture` names the model ("flux", "wan", ...). diffusers reads the tensors
+(`load_gguf_checkpoint`: a quantized tensor is a `GGUFParameter`, its bytes with its type, which
+keeps the type through the families' name maps' splits and concatenations along rows) and
+defines the GGUF Linear peft wraps (`GGUFLinear`).
+
+`GGUFStoredLinear` changes what diffusers' Linear does at each matmul in two ways: it dequantizes
+through fp32, where diffusers' CPU path multiplies the block scales in fp16 (~5e-4 relative
+error: its weights differ from `gguf.quants.dequantize`'s), and its backward dequantizes again
+instead of keeping the dequantized weight for the input's gradient (autograd would hold one
+compute-dtype copy of every Linear of a stage between its forward and backward).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpipe.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+# `general.architecture` of the image and video models city96's tools convert, and of the text
+# encoders they convert (ComfyUI-GGUF's loader.py lists both): a file of one of them that the
+# family does not read is named as such.
+KNOWN_IMAGE_ARCHITECTURES = ("flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv",
+                             "hyvid", "wan", "lumina2", "qwen_image")
+TEXT_ARCHITECTURES = ("t5", "t5encoder", "llama", "qwen2vl", "qwen3", "qwen3vl", "gemma3")
+
+
+def architecture(file: Path) -> str | None:
+    """The file's `general.architecture`, None where it has none."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(file)).fields.get("general.architecture")
+    return None if field is None else str(field.contents())
+
+
+def read_gguf(file: Path, title: str, architectures: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of `file`, quantized ones as diffusers' `GGUFParameter`, F16/F32 ones as
+    tensors; refuses a file whose architecture is another model's (`architectures`: the names
+    the family's files carry)."""
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+    arch = architecture(file)
+    if arch in TEXT_ARCHITECTURES:
+        raise ModelLoadError(f"{file} is a GGUF text encoder ({arch}), not a {title} transformer:"
+                             " give the transformer's GGUF as model.path")
+    if arch in KNOWN_IMAGE_ARCHITECTURES and arch not in architectures:
+        raise ModelLoadError(
+            f"{file} is a GGUF of another architecture ({arch!r} in general.architecture), not a "
+            f"{title} transformer ({' or '.join(map(repr, architectures))})")
+    return load_gguf_checkpoint(str(file))
+
+
+def is_gguf_quantized(value: torch.Tensor) -> bool:
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    return isinstance(value, GGUFParameter)
+
+
+def dequantize(weight: torch.Tensor, quant_type, dtype: torch.dtype) -> torch.Tensor:
+    """The values of GGUF `weight` (its bytes, of `quant_type`) in `dtype`, computed in fp32 as
+    `gguf.quants.dequantize` computes them."""
+    from diffusers.quantizers.gguf.utils import (GGML_QUANT_SIZES, _quant_shape_from_byte_shape,
+                                                 dequantize_functions)
+
+    block_size, type_size = GGML_QUANT_SIZES[quant_type]
+    data = weight.as_tensor() if hasattr(weight, "as_tensor") else weight
+    data = data.view(torch.uint8)
+    blocks = data.reshape(-1, type_size)
+    values = dequantize_functions[quant_type](blocks, block_size, type_size, dtype=torch.float32)
+    shape = _quant_shape_from_byte_shape(data.shape, type_size, block_size)
+    return values.reshape(shape).to(dtype)
+
+
+# A custom op with its own backward, as dpipe.train.fp8's matmul and for its reason: compiled
+# inside a block, an autograd.Function had its dequantized weights saved for backward: a
+# compute-dtype copy of every weight held. The block type travels as its GGML number.
+@torch.library.custom_op("dpipe::gguf_matmul", mutates_args=())
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, quant_type: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """x @ W^T in `dtype`, W dequantized from its GGUF blocks (`data`: their bytes, rows by
+    bytes); saves only the bytes for backward (the weight is frozen)."""
+    return F.linear(x.to(dtype), dequantize(data, _ggml_type(quant_type), dtype))
+
+
+@gguf_matmul.register_fake
+def _(x, data, quant_type, dtype):
+    return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=dtype)
+
+
+@torch.library.custom_op("dpipe::gguf_matmul_input_grad", mutates_args=())
+def gguf_matmul_input_grad(grad: torch.Tensor, data: torch.Tensor, quant_type: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    return grad.to(dtype) @ dequantize(data, _ggml_type(quant_type), dtype)
+
+
+@gguf_matmul_input_grad.register_fake
+def _(grad, data, quant_type, dtype):
+    from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[_ggml_type(quant_type)]
+    return grad.new_empty((*grad.shape[:-1], data.shape[-1] // type_size * block_size),
+                          dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, data, quant_type, dtype = inputs
+    ctx.save_for_backward(data)
+    ctx.quant_type, ctx.dtype, ctx.x_dtype = quant_type, dtype, x.dtype
+
+
+def _backward(ctx, grad):
+    (data,) = ctx.saved_tensors
+    x_grad = gguf_matmul_input_grad(grad, data, ctx.quant_type, ctx.dtype)
+    return x_grad.to(ctx.x_dtype), None, None, None
+
+
+gguf_matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _ggml_type(number: int):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(number)
+
+
+def _gguf_linear_class():
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+
+    class GGUFStoredLinear(GGUFLinear):
+        """diffusers' GGUFLinear, multiplying as this module's docstring says. The weight is the
+        file's bytes as a plain frozen uint8 Parameter and its block type an attribute: a
+        `GGUFParameter` (a tensor subclass) broke torch.compile's backward."""
+
+        def __init__(self, linear: nn.Linear, stored: torch.Size, quant_type):
+            nn.Module.__init__(self)
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.quant_type = quant_type
+            self.compute_dtype = None  # the input's (or autocast's) dtype, as an nn.Linear's
+            self.device = None
+            # A placeholder of the stored bytes' shape: load_state_dict(assign=True) puts the
+            # file's parameter here.
+            self.weight = nn.Parameter(torch.empty(stored, dtype=torch.uint8, device="meta"),
+                                       requires_grad=False)
+            self.bias = (None if linear.bias is None else
+                         nn.Parameter(torch.empty_like(linear.bias, device="meta"),
+                                      requires_grad=False))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            device = x.device.type
+            dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else x.dtype)
+            y = gguf_matmul(x, self.weight, int(self.quant_type), dtype)
+            return y if self.bias is None else y + self.bias.to(dtype)
+
+        def dequantized(self) -> torch.Tensor:
+            """The weight as the matmul sees it (fp32)."""
+            return dequantize(self.weight, self.quant_type, torch.float32)
+
+        def extra_repr(self) -> str:
+            return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                    f"{self.quant_type.name}")
+
+    return GGUFStoredLinear
+
+
+_GGUFStoredLinear = None
+
+
+def gguf_linear_class():
+    """The GGUF Linear class (built on first use: diffusers' GGUF module imports `gguf`)."""
+    global _GGUFStoredLinear
+    if _GGUFStoredLinear is None:
+        _GGUFStoredLinear = _gguf_linear_class()
+    return _GGUFStoredLinear
+
+
+def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Puts a GGUF Linear in `model` (built on the meta device) wherever `state` (diffusers'
+    names) holds a quantized Linear weight, after checking its shape is the Linear's; returns
+    `state` with the quantized tensors that no Linear takes (convolutions, embeddings, norms
+    stored in BF16) dequantized to `dtype`."""
+    linear_class = gguf_linear_class()
+    taken = set()
+    for name, module in list(model.named_modules()):
+        key = f"{name}.weight"
+        if type(module) is not nn.Linear or not is_gguf_quantized(state.get(key)):
+            continue
+        weight = state[key]
+        if tuple(weight.quant_shape) != (module.out_features, module.in_features):
+            raise ModelLoadError(
+                f"{file}: {key} holds a {tuple(weight.quant_shape)} {weight.quant_type.name} "
+                f"weight where the model has a ({module.out_features}, {module.in_features}) "
+                "Linear: not a checkpoint of this model's size")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                linear_class(module, weight.shape, weight.quant_type))
+        taken.add(key)
+    if taken:
+        kinds = sorted({state[k].quant_type.name for k in taken})
+        stored = sum(state[k].numel() for k in taken)  # bytes: the tensors are uint8
+        values = sum(math.prod(state[k].quant_shape) for k in taken)
+        log.info("%s: %d Linears kept quantized (%s): %.1f MiB as stored, %.1f MiB in bf16",
+                 file, len(taken), ", ".join(kinds), stored / 2 ** 20, 2 * values / 2 ** 20)
+    return {key: value.as_tensor() if key in taken
+            else dequantize(value, value.quant_type, dtype) if is_gguf_quantized(value)
+            else value for key, value in state.items()}
+
+
+def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
+    """`file` (a plain single file) as the GGUF `out`, as city96's convert tool lays one out: the
+    names without ComfyUI's prefix, each 2-D `.weight` whose rows split into `quant_type`'s blocks
+    ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer, the rest in F32;
+    `general.architecture` = `arch`. The tiny models' GGUF files, for tests (their rows are
+    32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    qtype = gguf.GGMLQuantizationType[quant_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    for key, value in load_file(str(file)).items():
+        name = key.removeprefix("model.diffusion_model.")
+        array = value.to(torch.float32).numpy()
+        if key.endswith(".weight") and value.dim() == 2 and value.shape[1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def with_plain_linears(model: nn.Module) -> nn.Module:
+    """`model` with each GGUF Linear replaced by an nn.Linear of its fp32 values, for diffusers'
+    LoRA loading (whose FLUX loader takes a Linear's weight shape for its size, and the file's
+    bytes are not that); the same numbers, in fp32's memory."""
+    linear_class = gguf_linear_class()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, linear_class):
+            continue
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                          device="meta")
+        plain.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+        if module.bias is not None:
+            plain.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, plain)
+    return model
