@@ -8,11 +8,18 @@ export, one cache pass, one benchmark step). The arguments change only as MAPPIN
 models become their family's tiny model, the dataset folders a generated folder of 64 px images
 (`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops after one step.
 
-Running them all takes an estimated 15-25 minutes on 2 cores (not yet measured on an idle
-machine), more than CI's budget leaves: the runs are marked `docs_full` and `make test-docs`
-runs them; CI runs `test_every_documented_command_is_run` (each command has its process) and
-the tests of the documented paths that broke (test_sweeps, test_video_defaults, test_slurm,
-test_quick_start). Runs share processes: documented `dpipe-train` commands that are the same
+They are 61 processes. Three are run in CI by tests that run them as mapped here and check
+more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep); this module
+leaves those to them. The other 58 are marked `docs_full` and `make test-docs` runs them: too
+long for CI, whose suite took 1789 s of its 1800 s at 817b1b5. The first 20 of them (README's
+commands and the start of docs/cluster.md's, among them a 15-model sweep) took 1504 s on a
+2-core machine shared with other jobs (load average 10-28, 2026-12-07), where test_sweeps'
+run of the same README sweep took 112 s against 23 s on an idle one; the rest are the family
+pages' sweeps over up to 15 tiny models, their one-model runs and three dpipe-bench processes.
+CI runs `test_every_documented_command_is_run` (each command has its process, each test of
+RUN_BY_TESTS takes its command from `documented_command`) and the tests of the documented paths
+that broke (test_sweeps, test_video_defaults, test_slurm, test_quick_start). Runs share
+processes: documented `dpipe-train` commands that are the same
 after the mapping run once, and those that differ only in `model=` run as one `-m` sweep over
 their models (one process, one fork server; each point is exactly its command). The SLURM
 commands run on the session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
