@@ -121,19 +121,17 @@ class Sweep:
         return "".join(p.read_text(errors="replace") for p in sorted(folder.glob(f"*_{task}_log.*")))
 
 
-def start_sweep(folder: Path, *overrides: str, pin: bool = True, multirun: bool = False,
+def start_sweep(folder: Path, *overrides: str, pin: bool = True,
                 base: tuple[str, ...] = tuple(BASE)) -> Sweep:
-    """`dpipe-train [-m] base overrides` started in `folder`; `pin`: its sweep dir is
-    `folder`/sweep (then a test finds the run dirs before the sweep dir's dated name could be
-    known)."""
+    """`dpipe-train base overrides` started in `folder`; `pin`: its sweep dir is `folder`/sweep
+    (then a test finds the run dirs before the sweep dir's dated name could be known)."""
     folder.mkdir(parents=True, exist_ok=True)
     pinned = folder / "sweep" if pin else None
     out = (folder / "dpipe-train.out").open("w")
     err = (folder / "dpipe-train.err").open("w")
     pinning = [f"hydra.sweep.dir={pinned}"] if pinned else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", *(["-m"] if multirun else []), *pinning, *base,
-         *overrides],
+        [sys.executable, "-m", "dpipe.cli.train", *pinning, *base, *overrides],
         cwd=folder, stdout=out, stderr=err, start_new_session=True, env=dict(os.environ))
     return Sweep(proc, folder, time.monotonic(), pinned)
 
