@@ -25,6 +25,6 @@ test-fast: setup
 
 # Every documented command, run end to end on tiny models (tests/integration/test_documented_commands.py),
 # but the three that make test runs through its own tests: 58 processes, an estimated 15-25 min on
-# 2 cores (its first 20 took 25 min on a 2-core machine shared with other jobs), so not part of make test.
+# 2 cores (the 56 local ones took 60 min on a 2-core machine shared with other jobs), so not part of make test.
 test-docs: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full

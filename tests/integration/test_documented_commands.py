@@ -11,11 +11,11 @@ models become their family's tiny model, the dataset folders a generated folder 
 They are 61 processes. Three are run in CI by tests that run them as mapped here and check
 more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep); this module
 leaves those to them. The other 58 are marked `docs_full` and `make test-docs` runs them: too
-long for CI, whose suite took 1789 s of its 1800 s at 817b1b5. The first 20 of them (README's
-commands and the start of docs/cluster.md's, among them a 15-model sweep) took 1504 s on a
-2-core machine shared with other jobs (load average 10-28, 2026-12-07), where test_sweeps'
-run of the same README sweep took 112 s against 23 s on an idle one; the rest are the family
-pages' sweeps over up to 15 tiny models, their one-model runs and three dpipe-bench processes.
+long for CI, whose suite took 1789 s of its 1800 s at 817b1b5. Its 56 local ones all passed
+and took 3594 s on a 2-core machine shared with other jobs (load average 3-28, 2026-12-07;
+README's sweep took 112 s there against 23 s for the same run on an idle machine), the most
+the dpipe-bench processes (351, 226 and 143 s) and the family pages' sweeps over 14-15 tiny
+models (336, 324 and 146 s); the 2 SLURM ones were not timed.
 CI runs `test_every_documented_command_is_run` (each command has its process, each test of
 RUN_BY_TESTS takes its command from `documented_command`) and the tests of the documented paths
 that broke (test_sweeps, test_video_defaults, test_slurm, test_quick_start). Runs share
