@@ -23,7 +23,8 @@ test:
 test-fast: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" -n auto
 
-# Every documented command, run end to end on tiny models (tests/integration/test_documented_commands.py):
-# an estimated 15-25 min on 2 cores, so not part of make test.
+# Every documented command, run end to end on tiny models (tests/integration/test_documented_commands.py),
+# but the three that make test runs through its own tests: 58 processes, an estimated 15-25 min on
+# 2 cores (the 56 local ones took 60 min on a 2-core machine shared with other jobs), so not part of make test.
 test-docs: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full

@@ -18,5 +18,6 @@ workers=${DPIPE_TEST_WORKERS:-$(nproc)}
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 # Every documented command run end to end (docs_full) takes longer than CI allows: make test-docs.
+# (CI runs three of them through the tests that run them as mapped: test_documented_commands.)
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 -m "not docs_full" \
   "${parallel[@]}" "$@"

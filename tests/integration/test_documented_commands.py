@@ -8,11 +8,18 @@ export, one cache pass, one benchmark step). The arguments change only as MAPPIN
 models become their family's tiny model, the dataset folders a generated folder of 64 px images
 (`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops after one step.
 
-Running them all takes an estimated 15-25 minutes on 2 cores (not yet measured on an idle
-machine), more than CI's budget leaves: the runs are marked `docs_full` and `make test-docs`
-runs them; CI runs `test_every_documented_command_is_run` (each command has its process) and
-the tests of the documented paths that broke (test_sweeps, test_video_defaults, test_slurm,
-test_quick_start). Runs share processes: documented `dpipe-train` commands that are the same
+They are 61 processes. Three are run in CI by tests that run them as mapped here and check
+more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep); this module
+leaves those to them. The other 58 are marked `docs_full` and `make test-docs` runs them: too
+long for CI, whose suite took 1789 s of its 1800 s at 817b1b5. Its 56 local ones all passed
+and took 3594 s on a 2-core machine shared with other jobs (load average 3-28, 2026-12-07;
+README's sweep took 112 s there against 23 s for the same run on an idle machine), the most
+the dpipe-bench processes (351, 226 and 143 s) and the family pages' sweeps over 14-15 tiny
+models (336, 324 and 146 s); the 2 SLURM ones were not timed.
+CI runs `test_every_documented_command_is_run` (each command has its process, each test of
+RUN_BY_TESTS takes its command from `documented_command`) and the tests of the documented paths
+that broke (test_sweeps, test_video_defaults, test_slurm, test_quick_start). Runs share
+processes: documented `dpipe-train` commands that are the same
 after the mapping run once, and those that differ only in `model=` run as one `-m` sweep over
 their models (one process, one fork server; each point is exactly its command). The SLURM
 commands run on the session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
@@ -31,7 +38,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
@@ -287,6 +293,30 @@ def _merged(key: tuple, members: list[Mapped]) -> Mapped:
 
 
 PROCESSES, MAKE_ELSEWHERE = processes()
+
+# Documented commands that a test of CI runs as mapped here, checking more than this module
+# would: one process serves both, and this module does not run them again. Each such test takes
+# its command from `documented_command`, which fails once the docs no longer show it.
+RUN_BY_TESTS = {
+    "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32 train.max_steps=1":
+        "tests/integration/test_sweeps.py::test_the_documented_sweep_runs_as_written",
+    # the Makefile's demo line, which the test runs to its end (120 steps) rather than 1 step
+    "dpipe-train train=demo sample=demo train.max_steps=1":
+        "tests/integration/test_quick_start.py::"
+        "test_make_demo_trains_learns_and_leaves_the_documented_outputs",
+    "dpipe-train cluster=slurm_cpu optim.lr=1e-4,5e-5 train.max_steps=1":
+        "tests/integration/test_slurm.py::test_sweep_runs_as_a_job_array_of_two_task_jobs",
+}
+
+
+def documented_command(command: str) -> Mapped:
+    """The documented command (as mapped here) that prints as `command`, for the tests of
+    RUN_BY_TESTS to run."""
+    assert command in RUN_BY_TESTS, f"`{command}` is not in RUN_BY_TESTS"
+    found = [p for p in PROCESSES if str(p) == command]
+    assert found, (f"no documented command maps to `{command}` any more: update RUN_BY_TESTS "
+                   f"and {RUN_BY_TESTS[command]}")
+    return found[0]
 # The run that `outputs/my_run` and `/loras/style.safetensors` stand for: README's first
 # training command on a dataset folder.
 FIRST_RUN = next(c.where for c, program, args in documented()
@@ -436,8 +466,9 @@ def runner(tmp_path_factory) -> Runner:
     return Runner(tmp_path_factory.mktemp("documented"))
 
 
-LOCAL = [i for i, p in enumerate(PROCESSES) if not p.slurm]
-ON_SLURM = [i for i, p in enumerate(PROCESSES) if p.slurm]
+RUN_HERE = [i for i, p in enumerate(PROCESSES) if str(p) not in RUN_BY_TESTS]
+LOCAL = [i for i in RUN_HERE if not PROCESSES[i].slurm]
+ON_SLURM = [i for i in RUN_HERE if PROCESSES[i].slurm]
 
 
 def _id(index: int) -> str:
@@ -470,15 +501,25 @@ def test_documented_slurm_command_runs(index, runner, slurm):
 
 
 def test_every_documented_command_is_run():
-    """Each documented command is in a process above, or a `make` line run elsewhere (why)."""
+    """Each documented command is in a process above (run here or by the test RUN_BY_TESTS
+    names, which takes it from `documented_command`), or a `make` line run elsewhere (why)."""
     run = {w for p in PROCESSES for w in p.wheres}
     made = {line.split(": make")[0] for line in MAKE_ELSEWHERE}
     assert {c.where for c in COMMANDS} <= run | made
     assert not [line for line in MAKE_ELSEWHERE if line.endswith("NOT MAPPED")], (
         "a documented make target that MAPPING['make'] does not name")
+    printed = {str(p) for p in PROCESSES}
+    for command, test in RUN_BY_TESTS.items():
+        assert command in printed, f"RUN_BY_TESTS: no documented command maps to `{command}`"
+        path, name = test.split("::")
+        source = (REPO / path).read_text()
+        assert f"def {name}(" in source, f"RUN_BY_TESTS: no test {test}"
+        assert "documented_command(" in source and f'"{command}"' in source, (
+            f"{path} does not take `{command}` from documented_command")
 
 
 if __name__ == "__main__":  # python -m tests.integration.test_documented_commands: the list
     for process in PROCESSES:
-        print(f"{', '.join(process.wheres)}\n    -> {process}")
+        by = RUN_BY_TESTS.get(str(process))
+        print(f"{', '.join(process.wheres)}\n    -> {process}" + (f"\n    run by {by}" if by else ""))
     print(*MAKE_ELSEWHERE, sep="\n")

@@ -14,6 +14,7 @@ from PIL import Image
 
 from dpipe.data.synthetic import COLOURS
 from tests.cli import REPO, dpipe_train
+from tests.integration.test_documented_commands import documented_command
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +38,10 @@ def colour_distance(picture, prompt: str) -> float:
 
 
 def test_make_demo_trains_learns_and_leaves_the_documented_outputs(tmp_path):
+    # README's demo command, which test_documented_commands maps to one step and leaves to this
+    # test: the Makefile's line, run to its end
+    documented = documented_command("dpipe-train train=demo sample=demo train.max_steps=1")
+    assert [*demo_overrides(), "train.max_steps=1"] == list(documented.args)
     run_dir = tmp_path / "demo"
     result = dpipe_train(f"hydra.run.dir={run_dir}", "train.progress_bar=false",
                          *demo_overrides(), timeout=400)

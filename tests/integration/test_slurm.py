@@ -2,9 +2,11 @@
 started for the session by the `slurm` fixture and stopped by PID at its end.
 
 Sweeps go through `dpipe-train cluster=slurm_cpu ...` as a user types them: a job array, each
-point a 2-task job (2 pipeline stages on CPU, gloo). Then the time-limit signal (USR2: checkpoint,
-requeue, resume to the very same weights), an external requeue (SIGTERM: restart from the last
-periodic checkpoint) and a cancelled job (reported within seconds).
+point a 2-task job (2 pipeline stages on CPU, gloo). Then an external requeue (SIGTERM: restart
+from the last periodic checkpoint) and a cancelled job (reported within seconds). The time-limit
+signal (USR2: checkpoint, requeue, resume to the very same weights and losses) is checked by
+test_slurm_two_nodes.py's 2 x 1-task job, whose one job takes it before it loses a node: a
+second job here would repeat that check at the cost of a job, a requeue and two restarts.
 
 Without SLURM installed these tests skip; with DPIPE_REQUIRE_SLURM=1 (CI) they install it
 (scripts/slurm/install.sh, root + apt) and fail if it cannot run.
@@ -34,11 +36,9 @@ from tests.cli import REPO, metrics
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SCRIPTS = REPO / "scripts" / "slurm"
-STEPS = 40  # long enough (~3 s of steps) to signal a job mid-run, short enough to stay quick
 BASE = ["cluster=slurm_cpu", "model=tiny_flux", "dataset=synthetic", "pipeline.stages=2",
-        "pipeline.micro_batches=4", "optim.lr=1e-3", f"train.max_steps={STEPS}",
-        "train.checkpoint_every_steps=10", "train.progress_bar=false",
-        "hydra.launcher.poll_interval_s=1"]
+        "pipeline.micro_batches=4", "optim.lr=1e-3", "train.checkpoint_every_steps=10",
+        "train.progress_bar=false", "hydra.launcher.poll_interval_s=1"]
 LORA = "lora/pytorch_lora_weights.safetensors"
 
 
@@ -121,17 +121,17 @@ class Sweep:
         return "".join(p.read_text(errors="replace") for p in sorted(folder.glob(f"*_{task}_log.*")))
 
 
-def start_sweep(folder: Path, *overrides: str, pin: bool = True, multirun: bool = False) -> Sweep:
-    """`dpipe-train [-m]` started in `folder`; `pin`: its sweep dir is `folder`/sweep (then a
-    test finds the run dirs before the sweep dir's dated name could be known)."""
+def start_sweep(folder: Path, *overrides: str, pin: bool = True,
+                base: tuple[str, ...] = tuple(BASE)) -> Sweep:
+    """`dpipe-train base overrides` started in `folder`; `pin`: its sweep dir is `folder`/sweep
+    (then a test finds the run dirs before the sweep dir's dated name could be known)."""
     folder.mkdir(parents=True, exist_ok=True)
     pinned = folder / "sweep" if pin else None
     out = (folder / "dpipe-train.out").open("w")
     err = (folder / "dpipe-train.err").open("w")
     pinning = [f"hydra.sweep.dir={pinned}"] if pinned else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", *(["-m"] if multirun else []), *pinning, *BASE,
-         *overrides],
+        [sys.executable, "-m", "dpipe.cli.train", *pinning, *base, *overrides],
         cwd=folder, stdout=out, stderr=err, start_new_session=True, env=dict(os.environ))
     return Sweep(proc, folder, time.monotonic(), pinned)
 
@@ -167,30 +167,27 @@ def same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[key], wb[key]), f"{key} differs"
 
 
-@pytest.fixture(scope="module")
-def array_sweep(slurm, tmp_path_factory) -> Sweep:
-    # as docs/cluster.md has it: `-m` and the swept values, no sweep dir given
-    sweep = start_sweep(tmp_path_factory.mktemp("array"), "optim.lr=1e-3,5e-4", pin=False,
-                        multirun=True)
-    code = sweep.wait()
-    assert code == 0, sweep.output
-    return sweep
+def test_sweep_runs_as_a_job_array_of_two_task_jobs(slurm, tmp_path):
+    # docs/cluster.md's SLURM sweep as test_documented_commands maps it (one step per point; that
+    # module leaves it to this test): the defaults, no sweep dir given
+    from tests.integration.test_documented_commands import documented_command
 
-
-def test_sweep_runs_as_a_job_array_of_two_task_jobs(array_sweep):
-    sweep = array_sweep
+    documented = documented_command(
+        "dpipe-train cluster=slurm_cpu optim.lr=1e-4,5e-5 train.max_steps=1")
+    sweep = start_sweep(tmp_path, *documented.args, pin=False, base=())
+    assert sweep.wait() == 0, sweep.output
     ids = sweep.job_ids()
     assert len({j.split("_")[0] for j in ids.values()}) == 1, f"not one array: {ids}"
     assert sorted(ids.values()) == [f"{ids[0].split('_')[0]}_{i}" for i in range(2)]
     points = sweep.summary()
     assert [p["status"] for p in points] == ["completed", "completed"]
-    assert [p["metrics"]["step"] for p in points] == [STEPS, STEPS]
-    assert "| 0 | optim.lr=0.001 | completed | 40 |" in sweep.output  # the printed summary
+    assert [p["metrics"]["step"] for p in points] == [1, 1]
+    assert "| 0 | optim.lr=0.0001 | completed | 1 |" in sweep.output  # the printed summary
     assert sweep.sweep_dir.parent.name == "tiny_flux-synthetic"
-    assert [sweep.run_dir(i).name for i in ids] == ["0_lr=0.001", "1_lr=0.0005"]
+    assert [sweep.run_dir(i).name for i in ids] == ["0_lr=0.0001", "1_lr=5e-05"]
     for point, job in ids.items():
         run_dir = sweep.run_dir(point)
-        assert (run_dir / LORA).is_file() and metrics(run_dir)[-1]["step"] == STEPS
+        assert (run_dir / LORA).is_file() and metrics(run_dir)[-1]["step"] == 1
         # one job step of 2 tasks, both ranks of the run (SLURM may still be ending it: the
         # results are in before the processes are gone)
         deadline = time.monotonic() + 60
@@ -211,36 +208,10 @@ def test_sweep_runs_as_a_job_array_of_two_task_jobs(array_sweep):
               f"{stamp(first) - submitted:.1f} s after submission")
 
 
-def test_time_limit_signal_checkpoints_requeues_and_resumes_identically(array_sweep, tmp_path):
-    sweep = start_sweep(tmp_path / "usr2")  # the same run as the array's point 0 (lr 1e-3)
-    job = sweep.job_ids()[0]
-    run_dir = None
-
-    def running():
-        nonlocal run_dir
-        run_dir = next(sweep.sweep_dir.glob("0_*"), None)
-        return run_dir is not None and logged_steps(run_dir) >= 2
-
-    wait_for("training to start", running, sweep)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends at USR2@90
-    assert sweep.wait() == 0, sweep.output
-    log = sweep.job_log(job)
-    saved = re.search(r"checkpoint of step (\d+) complete: requeueing the job", log)
-    assert saved, log
-    step = int(saved.group(1))
-    assert 2 <= step < STEPS
-    assert re.search(rf"resumed from \S+step_{step:08d} \(step {step}\)", log), log
-    assert any(row[1] == "REQUEUED" for row in sacct(job, "JobID,State")), sacct(job, "JobID,State")
-    # the same weights, bit for bit, and the same loss at every step as the uninterrupted run
-    same_weights(array_sweep.run_dir(0), run_dir)
-    reference = {m["step"]: m["loss"] for m in metrics(array_sweep.run_dir(0))}
-    assert {m["step"]: m["loss"] for m in metrics(run_dir)} == reference
-
-
 def test_external_requeue_restarts_from_the_last_periodic_checkpoint(slurm, tmp_path):
     # time-based checkpoints only: this also shows that train.checkpoint_every_minutes works
-    # More steps than STEPS: SLURM takes a second or two to act on a requeue, in which an idle
-    # machine trained all 40 steps (the job then completed before it was requeued).
+    # 150 steps: SLURM takes a second or two to act on a requeue, in which an idle machine
+    # trained all of 40 steps (the job then completed before it was requeued).
     steps = 150
     sweep = start_sweep(tmp_path / "requeue", "train.checkpoint_every_steps=0",
                         "train.checkpoint_every_minutes=0.005", f"train.max_steps={steps}")

@@ -165,7 +165,9 @@ def test_time_limit_signal_then_a_lost_node_resume_to_the_straight_run(arrays, t
     wait_for("the resume after USR2", lambda: "resumed from" in sweep.job_log(job), sweep)
     log = sweep.job_log(job)
     saved = int(re.search(r"checkpoint of step (\d+) complete: requeueing the job", log).group(1))
+    assert 3 <= saved < STEPS
     assert re.search(rf"resumed from \S+step_{saved:08d} \(step {saved}\)", log), log
+    assert "REQUEUED" in [row[1] for row in sacct(job, "JobID,State")], sacct(job, "JobID,State")
     layers = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{saved:08d}").glob("layer_*"))
     assert layers, "no per-layer files"  # written by both stages: their layers together
     assert "stages on nodes: stage 0: node1 (rank 0); stage 1: node2 (rank 1)" in log

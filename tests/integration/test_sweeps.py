@@ -11,6 +11,7 @@ import pytest
 
 from dpipe.cli.train_help import EXAMPLES
 from tests.cli import dpipe_train, metrics
+from tests.integration.test_documented_commands import documented_command
 from tests.integration.trained import run_config
 
 pytestmark = pytest.mark.slow
@@ -24,10 +25,14 @@ def summary(sweep_dir) -> list[dict]:
 
 
 def test_the_documented_sweep_runs_as_written(tmp_path):
-    # `dpipe-train --help`'s and README's sweep, on the default tiny model, one step per point
+    # README's and docs/cluster.md's sweep, as test_documented_commands maps it (one step per
+    # point; that module leaves it to this test), and `dpipe-train --help`'s
+    documented = documented_command(
+        "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32 train.max_steps=1")
     sweep = next(command for _, command in EXAMPLES if " -m " in command)
     assert sweep == "dpipe-train -m optim.lr=1e-4,5e-5 model.lora.rank=16,32"
-    result = dpipe_train(*sweep.split()[1:], "train.max_steps=1", cwd=tmp_path, timeout=500)
+    assert [*sweep.split()[1:], "train.max_steps=1"] == list(documented.args)
+    result = dpipe_train(*documented.args, cwd=tmp_path, timeout=500)
     assert result.code == 0, result.out + result.err
     (sweep_dir,) = (tmp_path / "multirun" / "tiny_flux-synthetic").iterdir()  # <date>_<time>
     folders = ["0_rank=16,lr=0.0001", "1_rank=32,lr=0.0001", "2_rank=16,lr=5e-05",
