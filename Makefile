@@ -1,5 +1,5 @@
 # The two commands of the quick start (see README.md). Both set everything up first.
-.PHONY: setup demo test test-fast test-docs
+.PHONY: setup demo test test-fast test-docs test-cluster
 
 setup:
 	@bash scripts/setup.sh
@@ -28,3 +28,9 @@ test-fast: setup
 # 2 cores (the 56 local ones took 60 min on a 2-core machine shared with other jobs), so not part of make test.
 test-docs: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full
+
+# Every SLURM test, the two-node job array against one node (cluster_full) included: as root with
+# apt, on a local SLURM of two network-namespace nodes (tests/integration/test_slurm_two_nodes.py).
+test-cluster: setup
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash scripts/slurm/install.sh; fi
+	HF_HUB_OFFLINE=1 DPIPE_REQUIRE_SLURM=1 .venv/bin/python -m pytest tests/integration/test_slurm.py tests/integration/test_slurm_two_nodes.py -q -p no:cacheprovider

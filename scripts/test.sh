@@ -19,5 +19,7 @@ parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 # Every documented command run end to end (docs_full) takes longer than CI allows: make test-docs.
 # (CI runs three of them through the tests that run them as mapped: test_documented_commands.)
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 -m "not docs_full" \
+# The two-node SLURM job array (cluster_full) too: make test-cluster.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 \
+  -m "not docs_full and not cluster_full" \
   "${parallel[@]}" "$@"

@@ -49,7 +49,7 @@ gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="
 SLOWEST_MODULES = {
     "tests.integration.test_families": 480,
     "tests.integration.test_slurm": 260,
-    "tests.integration.test_slurm_two_nodes": 240,
+    "tests.integration.test_slurm_two_nodes": 130,
     "tests.integration.test_training": 210,
     "tests.integration.test_samples": 150,
     "tests.integration.test_video_clips": 155,
