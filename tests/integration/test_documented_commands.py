@@ -98,7 +98,8 @@ MAPPING = {
     "make": {"demo": "tests/integration/test_quick_start.py runs it as a user does",
              "setup": "makes the venv this suite runs in",
              "test": "is this suite", "test-fast": "is this suite without the slow tests",
-             "test-docs": "runs this module's docs_full tests"},
+             "test-docs": "runs this module's docs_full tests",
+             "test-cluster": "runs the SLURM tests, cluster_full included"},
 }
 SLURM_CLUSTERS = ("slurm_gpu", "slurm_cpu")
 BENCH_SWITCHES = ("--plain", "--loader", "--profile")  # dpipe-bench's flags without a value
