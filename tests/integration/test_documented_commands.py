@@ -42,6 +42,7 @@ import pytest
 import yaml
 
 from tests.cli import REPO
+from tests.integration.documented_files import write_edits, write_flux_files
 from tests.integration.test_slurm import slurm  # noqa: F401  (the session's local SLURM)
 from tests.unit.test_docs_commands import COMMANDS, Command, program_of
 from tests.unit.test_data_support import write_image, write_video
@@ -63,18 +64,30 @@ MAPPING = {
         "ltx_video": "tiny_ltx_video", "lumina2": "tiny_lumina2",
         "minimax_h3": "tiny_minimax_h3", "omnigen2": "tiny_omnigen2",
         "qwen_image": "tiny_qwen_image", "qwen_image_edit": "tiny_qwen_image_edit",
+        "qwen_image_edit_plus": "tiny_qwen_image_edit_plus",
         "sd3": "tiny_sd3", "sdxl": "tiny_sdxl", "wan": "tiny_wan",
         "wan22_high_noise": "tiny_wan22_a14b", "wan22_low_noise": "tiny_wan22_a14b",
         "z_image": "tiny_z_image"},
     # keys dropped: the weights on disk (a tiny model is made at first use)
     "dropped": ["model.path", "model.single_file_config"],
+    # ... but where the weights choose the checkpoint's task (the family reads it from the
+    # folder), the tiny model of that task replaces the command's (or its preset's) model
+    "variants": {"/models/Wan2.2-I2V-A14B-Diffusers": "tiny_wan22_i2v_a14b",
+                 "/models/Wan2.1-FLF2V-14B-720P-diffusers": "tiny_wan_flf2v"},
     # paths the docs name (in any argument, e.g. a sample's control image) -> generated folders
     # (@photos@: 64 px images with captions and control/ images; @clips@: two images and two
     # clips with sound, 130 and 40 frames at 24 fps; @run@ and @lora@: README's first training
-    # run, e.g. `dpipe-train model=flux ... dataset.path=/data/my_photos`, and its LoRA file)
+    # run, e.g. `dpipe-train model=flux ... dataset.path=/data/my_photos`, and its LoRA file;
+    # @edits@: images with two references each; @files@: what docs/lora-files.md assumes a
+    # user has, tests/integration/documented_files.py says what, and where its outputs go;
+    # a first and a last frame: two of the photos). Replaced in this order.
     "paths": {"/shared/data/photos": "@photos@", "/data/my_photos": "@photos@",
               "/data/photos": "@photos@", "/data/art": "@photos@", "/data/clips": "@clips@",
-              "/loras/style.safetensors": "@lora@", "outputs/my_run": "@run@"},
+              "/data/edits": "@edits@", "/data/dog.png": "@photos@/dog.png",
+              "/data/start.png": "@photos@/cat.png", "/data/end.png": "@photos@/ball.png",
+              "/loras/style.safetensors": "@lora@", "outputs/my_run": "@run@",
+              "/loras/": "@files@/loras/", "/models/": "@files@/models/",
+              "outputs/my_full_run": "@files@/my_full_run"},
     # key -> its value here, where the command or its preset (experiment=) sets it, or always
     # (`added`): one step; 64 px (the generated files' size; a tiny model at 1024 px would
     # spend minutes on attention); GPU-only settings off; SLURM's CPU preset and partition
@@ -82,7 +95,9 @@ MAPPING = {
                "pipeline.micro_batches": "2",  # the benchmarks' 8: four times the CPU work
                "pipeline.compile": "false", "model.attention": "auto",
                "cluster": "slurm_cpu", "hydra.launcher.partition": "debug",
-               "hydra.launcher.gpus_per_node": "null"},
+               "hydra.launcher.gpus_per_node": "null",
+               # dpipe-lora extract / resize: the tiny FLUX.1's narrowest matrix is 16 wide
+               "rank": "8"},
     "added": {"dpipe-train": ["train.max_steps"], "folder": ["dataset.resolutions"],
               "sampling": ["sample.steps"]},
     # per tiny model, values only this CPU needs: CPU autocast leaves layer_norm in its input's
@@ -150,6 +165,10 @@ def map_args(program: str, args: list[str]) -> list[str]:
     """`args` of `program` as MAPPING says."""
     values = MAPPING["values"]
     out = []
+    variant = next((MAPPING["variants"][a.partition("=")[2]] for a in args
+                    if a.partition("=")[2] in MAPPING["variants"] and _key(a) == "model.path"), None)
+    if variant:
+        args = [a for a in args if _key(a) != "model"] + [f"model={variant}"]
     for arg in args:
         if arg == "...":  # "the overrides shown before": the command runs without them
             continue
@@ -160,6 +179,8 @@ def map_args(program: str, args: list[str]) -> list[str]:
             out.append(arg)
         elif key in MAPPING["dropped"]:
             continue
+        elif key == "model" and variant:
+            out.append(arg)
         elif key == "model" and value in MAPPING["model"]:
             out.append(f"model={MAPPING['model'][value]}")
         elif key == "cluster" and value not in SLURM_CLUSTERS:
@@ -333,7 +354,8 @@ PHOTOS = {"cat": "a cat on a sofa", "dog": "a dog on a beach", "ball": "a red ba
 
 def write_data(root: Path) -> dict[str, str]:
     """The generated dataset folders: {token of MAPPING["paths"]: path}."""
-    photos, clips = root / "photos", root / "clips"
+    photos, clips, edits = root / "photos", root / "clips", root / "edits"
+    write_edits(edits)
     for i, (stem, caption) in enumerate(PHOTOS.items()):
         write_image(photos / f"{stem}.png", (64, 64), seed=i, caption=caption)
         # Edit families' inputs (dataset.control_dir=control); captioned, so that the folder
@@ -343,7 +365,7 @@ def write_data(root: Path) -> dict[str, str]:
         write_video(clips / f"clip{i}.mp4", frames=frames, fps=24, size=(64, 64),
                     caption=f"a grey fade, clip {i}", tones=[(330 + 110 * i, 3.0), (880, 3.0)])
         write_image(clips / f"image{i}.png", (64, 64), seed=20 + i, caption="a coloured square")
-    return {"@photos@": str(photos), "@clips@": str(clips)}
+    return {"@photos@": str(photos), "@clips@": str(clips), "@edits@": str(edits)}
 
 
 # --- Running them ----------------------------------------------------------------------------
@@ -354,6 +376,7 @@ class Outcome:
     out: str
     err: str
     cwd: Path  # the folder it ran in: its outputs/ and multirun/
+    args: list[str] = field(default_factory=list)  # as run (the generated files' paths in)
 
 
 class Runner:
@@ -376,12 +399,23 @@ class Runner:
         check_train(PROCESSES[index], done)
         return run_dirs(PROCESSES[index], done)[0]
 
+    def user_files(self) -> Path:
+        """What docs/lora-files.md assumes a user has (made now if not yet)."""
+        files = self.root / "files"
+        if not files.exists():
+            write_flux_files(files / "models", files / "loras", files / "my_full_run")
+        return files
+
     def _run(self, index: int, mapped: Mapped) -> Outcome:
         files = dict(self.files)
         if any("@run@" in a or "@lora@" in a for a in mapped.args):
             run = self.first_run()
             files.update({"@run@": str(run),
                           "@lora@": str(run / "lora" / "pytorch_lora_weights.safetensors")})
+        if any("@files@" in a for a in mapped.args):
+            files["@files@"] = str(self.user_files())
+        for earlier in _inputs_made_by(index):  # e.g. a `dpipe-lora convert`'s out= folder
+            self.outcome(earlier)
         args = list(mapped.args)
         for token, path in files.items():
             args = [a.replace(token, path) for a in args]
@@ -398,8 +432,20 @@ class Runner:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            return Outcome(-signal.SIGKILL, out, err + f"\ntimed out after {TIMEOUT} s", cwd)
-        return Outcome(proc.returncode, out, err, cwd)
+            return Outcome(-signal.SIGKILL, out, err + f"\ntimed out after {TIMEOUT} s", cwd, args)
+        return Outcome(proc.returncode, out, err, cwd, args)
+
+
+def _outputs(mapped: Mapped) -> list[str]:
+    return [a.partition("=")[2] for a in mapped.args if a.startswith("out=")]
+
+
+def _inputs_made_by(index: int) -> list[int]:
+    """The earlier processes whose `out=` this one reads (a path of it under theirs)."""
+    reads = [a.partition("=")[2] for a in PROCESSES[index].args
+             if "=" in a and not a.startswith("out=")]
+    return [i for i in range(index) if any(
+        value.startswith(made) for made in _outputs(PROCESSES[i]) for value in reads)]
 
 
 def _failed(mapped: Mapped, done: Outcome, why: str) -> str:
@@ -462,6 +508,12 @@ def check_bench(mapped: Mapped, done: Outcome) -> None:
     assert not errors, _failed(mapped, done, f"runs that failed: {errors}")
 
 
+def check_lora(mapped: Mapped, done: Outcome) -> None:
+    assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
+    out = [Path(done.cwd, a.partition("=")[2]) for a in done.args if a.startswith("out=")]
+    assert out and all(p.exists() for p in out), _failed(mapped, done, f"no {out}")
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> Runner:
     return Runner(tmp_path_factory.mktemp("documented"))
@@ -490,6 +542,8 @@ def test_documented_command_runs(index, runner):
         check_export(mapped, done, runner.first_run())
     elif mapped.program == "dpipe-bench":
         check_bench(mapped, done)
+    elif mapped.program == "dpipe-lora":
+        check_lora(mapped, done)
     else:  # dpipe-cache: build, show and prune (a dry run) on the mapped dataset
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
 

@@ -1,0 +1,105 @@
+"""The files the documented commands assume a user has, made here on tiny models.
+
+docs/lora-files.md's `dpipe-lora` lines and `model.lora.init_from` take a kohya LoRA, a second
+LoRA, FLUX.1-dev as a diffusers folder and as a single file, and a full fine-tune's export; the
+edit pages a folder with two references per image. tests/integration/test_documented_commands.py
+maps each documented path to one of these (its MAPPING["paths"]).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.unit.test_data_support import write_image
+
+LORA_RANK = 16  # docs/lora-files.md's `model.lora.init_from=... model.lora.rank=16`
+
+
+def write_edits(folder: Path) -> Path:
+    """An edit dataset as docs/models/flux2.md and qwen_image_edit_plus.md show it: each image
+    with two references in control/ (`a_1.png`, `a_2.png`); four, as a step of the default
+    pipeline takes four micro-batches of one."""
+    for i, stem in enumerate(("a", "b", "c", "d")):
+        write_image(folder / f"{stem}.png", (64, 64), seed=40 + i, caption="the person wearing the jacket")
+        for k in (1, 2):
+            write_image(folder / "control" / f"{stem}_{k}.png", (64, 64), seed=50 + 2 * i + k,
+                        caption=None)
+    return folder
+
+
+def write_flux_files(models: Path, loras: Path, full_run: Path) -> None:
+    """FLUX.1-dev (tiny) as `models/FLUX.1-dev` and `models/flux1-dev.safetensors`; a LoRA of
+    rank 16 in kohya's names (`loras/style_kohya.safetensors`) and one in diffusers' names
+    (`loras/detail.safetensors`); a full fine-tune's export (`full_run/model`)."""
+    from dpipe.models.flux.tiny import make_tiny_flux, write_bfl_single_file
+
+    folder = make_tiny_flux(models / "FLUX.1-dev")
+    write_bfl_single_file(folder, models / "flux1-dev.safetensors", prefix="model.diffusion_model.")
+    loras.mkdir(parents=True, exist_ok=True)
+    written = _trained_lora_files(folder, loras / "exported", seed=0)
+    save_file(_as_kohya(load_file(written["flux_lora_comfyui.safetensors"])),
+              loras / "style_kohya.safetensors")
+    detail = _trained_lora_files(folder, loras / "exported_detail", seed=1)
+    shutil.copy(detail["pytorch_lora_weights.safetensors"], loras / "detail.safetensors")
+    _write_fine_tune(folder / "transformer", full_run / "model")
+
+
+def _trained_lora_files(folder: Path, out: Path, seed: int) -> dict[str, Path]:
+    """The files a LoRA run of FLUX.1 (tiny, rank 16) exports, its adapter moved off zero as
+    training moves it; {file name: path}."""
+    from dpipe.config.compose import compose_run
+    from dpipe.models.adapters import is_adapter_param
+    from dpipe.models.registry import build_spec
+    from dpipe.train.lora import make_trainable
+    from tests.exports import export_lora
+
+    run = compose_run(["model=tiny_flux", f"model.path={folder}", f"model.lora.rank={LORA_RANK}",
+                       f"model.lora.alpha={LORA_RANK}", "dataset=synthetic"])
+    spec = build_spec(run.model)
+    denoiser = spec.load_denoiser(torch.float32)
+    make_trainable(denoiser, run.model, spec.lora_targets())
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    with torch.no_grad():
+        for name, param in denoiser.named_parameters():
+            if is_adapter_param(name):
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
+                state[name] = param.detach().clone()
+    return {p.name: p for p in export_lora(spec, state, out)}
+
+
+def _as_kohya(comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ComfyUI-named FLUX.1 LoRA as kohya's sd-scripts names it: `lora_unet_` and the BFL
+    module's name with dots as underscores, lora_down / lora_up, and an `.alpha` each (the
+    rank: the ComfyUI file folds its scale into lora_up)."""
+    out = {}
+    for key, value in comfy.items():
+        module, part = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+        if part.startswith("A"):
+            out[f"{name}.alpha"] = torch.tensor(float(value.shape[0]))
+    return out
+
+
+def _write_fine_tune(transformer: Path, model: Path) -> None:
+    """A full run's `model/` export (a diffusers transformer folder) whose matrices moved from
+    the base's by a rank-2 change, as a short fine-tune moves them."""
+    model.mkdir(parents=True, exist_ok=True)
+    shutil.copy(transformer / "config.json", model / "config.json")
+    generator = torch.Generator().manual_seed(2)
+    for file in sorted(transformer.glob("*.safetensors")):
+        tensors = load_file(file)
+        for key, value in tensors.items():
+            if value.ndim == 2 and min(value.shape) > 2:
+                change = (torch.randn(value.shape[0], 2, generator=generator)
+                          @ torch.randn(2, value.shape[1], generator=generator))
+                tensors[key] = (value.float() + 0.01 * change).to(value.dtype)
+        save_file(tensors, model / file.name)
+    for index in transformer.glob("*.index.json"):
+        (model / index.name).write_text(json.dumps(json.loads(index.read_text())))
