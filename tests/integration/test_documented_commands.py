@@ -87,7 +87,8 @@ MAPPING = {
               "/data/start.png": "@photos@/cat.png", "/data/end.png": "@photos@/ball.png",
               "/loras/style.safetensors": "@lora@", "outputs/my_run": "@run@",
               "/loras/": "@files@/loras/", "/models/": "@files@/models/",
-              "outputs/my_full_run": "@files@/my_full_run"},
+              "outputs/my_full_run": "@files@/my_full_run",
+              "outputs/my_exports_run": "@exports_run@"},  # a 3-step run exporting each step
     # key -> its value here, where the command or its preset (experiment=) sets it, or always
     # (`added`): one step; 64 px (the generated files' size; a tiny model at 1024 px would
     # spend minutes on attention); GPU-only settings off; SLURM's CPU preset and partition
@@ -105,6 +106,8 @@ MAPPING = {
     # meet fp32 inputs with bf16 weights and refuse them ("mixed dtype (CPU)")
     "cpu": {"tiny_hunyuan_image": {"train.precision": "fp32"},
             "tiny_hunyuan_video15": {"train.precision": "fp32"}},
+    # `dpipe-train --plan` plans for this machine's GPUs, and it has none: README's machine
+    "plan": ["--machine", "1x24,host=64"],
     # dpipe-bench: the CPU smoke size, one warm-up and one timed step; no GPU memory cap and
     # no plain reference loop (both CUDA's alone)
     "bench": {"--size": "tiny", "--warmup": "1", "--steps": "1", "--memory-cap-gb": None,
@@ -132,6 +135,16 @@ class Mapped:
     program: str
     args: tuple[str, ...]
     wheres: list[str] = field(default_factory=list)
+    # CI's form of a process that stands for one command on several families' pages (a sweep
+    # over their tiny models: its first model) or for several benchmarks (its first --run);
+    # None: CI runs `args`
+    short: tuple[str, ...] | None = None
+
+    def form(self, whole: bool) -> Mapped:
+        """This process as CI runs it (`whole=False`) or as make test-docs does."""
+        if whole or self.short is None:
+            return self
+        return Mapped(self.program, self.short, self.wheres)
 
     @property
     def slurm(self) -> bool:
@@ -191,6 +204,9 @@ def map_args(program: str, args: list[str]) -> list[str]:
             out.append(arg)
     if program in ("dpipe-train", "dpipe-sample", "dpipe-cache"):
         out = _with_additions(program, out)
+    if "--plan" in out and "--machine" not in out:
+        at = out.index("--plan") + 1
+        out[at:at] = MAPPING["plan"]
     model = next((a.partition("=")[2] for a in out if a.startswith("model=")), None)
     cpu = MAPPING["cpu"].get(model, {})
     return [f"{_key(a)}={cpu[_key(a)]}" if _key(a) in cpu and "=" in a else a for a in out]
@@ -301,7 +317,8 @@ def _merged(key: tuple, members: list[Mapped]) -> Mapped:
     if key[0] == "train":
         models = ",".join(dict.fromkeys(a.partition("=")[2] for m in members for a in m.args
                                         if a.startswith("model=")))
-        return Mapped("dpipe-train", ("-m", f"model={models}", *key[1]), wheres)
+        return Mapped("dpipe-train", ("-m", f"model={models}", *key[1]), wheres,
+                      short=("-m", f"model={models.split(',')[0]}", *key[1]))
     runs: dict[str, str] = {}  # overrides -> name
     for member in members:
         for name, overrides in _bench_parts(list(member.args))[1]:
@@ -311,7 +328,7 @@ def _merged(key: tuple, members: list[Mapped]) -> Mapped:
     args = list(key[1])
     for overrides, name in runs.items():
         args += ["--run", f"{name}: {overrides}"]
-    return Mapped("dpipe-bench", tuple(args), wheres)
+    return Mapped("dpipe-bench", tuple(args), wheres, short=tuple(args[:len(key[1]) + 2]))
 
 
 PROCESSES, MAKE_ELSEWHERE = processes()
@@ -385,19 +402,34 @@ class Runner:
     def __init__(self, root: Path):
         self.root = root
         self.files = write_data(root / "data")
-        self.outcomes: dict[int, Outcome] = {}
+        self.outcomes: dict[tuple[int, bool], Outcome] = {}
 
-    def outcome(self, index: int) -> Outcome:
-        if index not in self.outcomes:
-            self.outcomes[index] = self._run(index, PROCESSES[index])
-        return self.outcomes[index]
+    def outcome(self, index: int, whole: bool = False) -> Outcome:
+        """What came of process `index` in CI's form (or whole), run now if not yet."""
+        whole = whole and PROCESSES[index].short is not None
+        if (index, whole) not in self.outcomes:
+            self.outcomes[index, whole] = self._run(index, whole)
+        return self.outcomes[index, whole]
 
     def first_run(self) -> Path:
-        """The run dir of README's first training run (made now if not yet)."""
+        """The run dir of README's first training run (made now if not yet: its process in
+        CI's form, whose first model is the command's)."""
         index = next(i for i, p in enumerate(PROCESSES) if FIRST_RUN in p.wheres)
         done = self.outcome(index)
-        check_train(PROCESSES[index], done)
-        return run_dirs(PROCESSES[index], done)[0]
+        check_train(PROCESSES[index].form(whole=False), done)
+        return run_dirs(PROCESSES[index].form(whole=False), done)[0]
+
+    def exports_run(self) -> Path:
+        """A run dir with step exports (`outputs/my_exports_run`), made now if not yet."""
+        cwd = self.root / "exports_run"
+        if not cwd.exists():
+            cwd.mkdir()
+            done = subprocess.run(
+                [sys.executable, "-m", "dpipe.cli.train", "model=tiny_flux", "train.max_steps=3",
+                 "train.export_every_steps=1", "train.progress_bar=false"], cwd=cwd,
+                env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+            assert done.returncode == 0, done.stderr[-4000:]
+        return next(cwd.glob("outputs/*/run.yaml")).parent
 
     def user_files(self) -> Path:
         """What docs/lora-files.md assumes a user has (made now if not yet)."""
@@ -406,7 +438,8 @@ class Runner:
             write_flux_files(files / "models", files / "loras", files / "my_full_run")
         return files
 
-    def _run(self, index: int, mapped: Mapped) -> Outcome:
+    def _run(self, index: int, whole: bool) -> Outcome:
+        mapped = PROCESSES[index].form(whole)
         files = dict(self.files)
         if any("@run@" in a or "@lora@" in a for a in mapped.args):
             run = self.first_run()
@@ -414,17 +447,17 @@ class Runner:
                           "@lora@": str(run / "lora" / "pytorch_lora_weights.safetensors")})
         if any("@files@" in a for a in mapped.args):
             files["@files@"] = str(self.user_files())
+        if any("@exports_run@" in a for a in mapped.args):
+            files["@exports_run@"] = str(self.exports_run())
         for earlier in _inputs_made_by(index):  # e.g. a `dpipe-lora convert`'s out= folder
             self.outcome(earlier)
         args = list(mapped.args)
         for token, path in files.items():
             args = [a.replace(token, path) for a in args]
-        cwd = self.root / f"{index:02d}"
+        cwd = self.root / (f"{index:02d}" + ("-whole" if whole else ""))
         cwd.mkdir()
         module = "dpipe.cli." + mapped.program.removeprefix("dpipe-")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
@@ -434,6 +467,11 @@ class Runner:
             out, err = proc.communicate()
             return Outcome(-signal.SIGKILL, out, err + f"\ntimed out after {TIMEOUT} s", cwd, args)
         return Outcome(proc.returncode, out, err, cwd, args)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def _outputs(mapped: Mapped) -> list[str]:
@@ -475,6 +513,12 @@ def run_dirs(mapped: Mapped, done: Outcome) -> list[Path]:
 
 
 def check_train(mapped: Mapped, done: Outcome) -> None:
+    if "--plan" in mapped.args:  # prints the plan, starts no worker
+        assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
+        assert re.search(r"^  keys: ", done.out, re.M), _failed(mapped, done, "no keys: line")
+        assert not list(done.cwd.glob("outputs/*/metrics.jsonl")), _failed(
+            mapped, done, "--plan trained")
+        return
     if "--cfg" in mapped.args:  # prints the config, resolved, and runs nothing
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
         assert re.search(r"^name: \S+$", done.out, re.M), _failed(mapped, done, "no name: line")
@@ -522,6 +566,7 @@ def runner(tmp_path_factory) -> Runner:
 RUN_HERE = [i for i, p in enumerate(PROCESSES) if str(p) not in RUN_BY_TESTS]
 LOCAL = [i for i in RUN_HERE if not PROCESSES[i].slurm]
 ON_SLURM = [i for i in RUN_HERE if PROCESSES[i].slurm]
+SHORTENED = [i for i in LOCAL if PROCESSES[i].short is not None]
 
 
 def _id(index: int) -> str:
@@ -529,11 +574,7 @@ def _id(index: int) -> str:
     return p.wheres[0] + (f"+{len(p.wheres) - 1}" if len(p.wheres) > 1 else "")
 
 
-@pytest.mark.docs_full
-@pytest.mark.parametrize("index", LOCAL, ids=[_id(i) for i in LOCAL])
-def test_documented_command_runs(index, runner):
-    mapped = PROCESSES[index]
-    done = runner.outcome(index)
+def _check(mapped: Mapped, done: Outcome, runner: Runner) -> None:
     if mapped.program == "dpipe-train":
         check_train(mapped, done)
     elif mapped.program == "dpipe-sample":
@@ -546,6 +587,19 @@ def test_documented_command_runs(index, runner):
         check_lora(mapped, done)
     else:  # dpipe-cache: build, show and prune (a dry run) on the mapped dataset
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
+
+
+@pytest.mark.parametrize("index", LOCAL, ids=[_id(i) for i in LOCAL])
+def test_documented_command_runs(index, runner):
+    """CI's form: a sweep over several families' tiny models runs its first, a benchmark of
+    several runs its first run; test_documented_command_runs_whole runs the rest."""
+    _check(PROCESSES[index].form(whole=False), runner.outcome(index), runner)
+
+
+@pytest.mark.docs_full
+@pytest.mark.parametrize("index", SHORTENED, ids=[_id(i) for i in SHORTENED])
+def test_documented_command_runs_whole(index, runner):
+    _check(PROCESSES[index], runner.outcome(index, whole=True), runner)
 
 
 @pytest.mark.docs_full
