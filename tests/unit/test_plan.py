@@ -140,9 +140,11 @@ def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
 def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
     as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
-    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
-    stages (the demo's)."""
+    `model.base_dtype=int8` on the command line stays int8; `model.base_compute=int8` plans int8
+    weights and adds no model.base_dtype (fp8 there would be refused). On a CPU it runs as
+    composed: two stages (the demo's)."""
     from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.checks import validate
     from dpipe.config.compose import compose_config, compose_run
 
     args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
@@ -156,6 +158,10 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     cfg = compose_config([*args, "model.base_dtype=int8"])
     apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
     assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
+    cfg = compose_config([*args, "model.base_compute=int8"])
+    assert "base weights int8" in apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
+    assert cfg.model.base_dtype == "auto" and cfg.pipeline.data_parallel == 2
+    validate(cfg)
     cpu = compose_run(["pipeline=auto"])
     assert cpu.pipeline.auto and cpu.pipeline.stages == 2
     cfg = compose_config(["pipeline=auto"])
