@@ -55,6 +55,22 @@ def test_what_fits_where():
     assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=128").stages == 2
 
 
+def test_int8_compute_plans_int8_weights_without_a_base_dtype_key():
+    """`model.base_compute=int8` stores the weights in int8: the plan counts 8-bit weights where
+    bf16 would fit, and its keys (what `--plan` prints and `pipeline=auto` sets) name no
+    model.base_dtype (its fp8 would be refused beside int8 compute)."""
+    from dataclasses import replace
+
+    from dpipe.config.schema import BaseCompute
+
+    run = table.model_run("FLUX.1-dev LoRA")
+    int8 = replace(run, model=replace(run.model, base_compute=BaseCompute.int8))
+    for machine in ("1x24,host=64", "1x80,host=128"):
+        plan = choose(table.footprint("FLUX.1-dev LoRA"), int8, parse(machine))
+        assert plan.fits and plan.base == "int8", (machine, plan.base)
+        assert not any(k.startswith("model.base_dtype") for k in plan.overrides), plan.overrides
+
+
 PRESET_MACHINES = {"flux_lora_16gb": ("FLUX.1-dev LoRA", "1x16,host=128"),
                    "flux_lora_24gb": ("FLUX.1-dev LoRA", "1x24,host=128"),
                    "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", "1x24,host=128"),
@@ -140,11 +156,9 @@ def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
 def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
     as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
-    `model.base_dtype=int8` on the command line stays int8; `model.base_compute=int8` plans int8
-    weights and adds no model.base_dtype (fp8 there would be refused). On a CPU it runs as
-    composed: two stages (the demo's)."""
+    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
+    stages (the demo's)."""
     from dpipe.cli.train_plan import apply_auto_pipeline
-    from dpipe.config.checks import validate
     from dpipe.config.compose import compose_config, compose_run
 
     args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
@@ -158,10 +172,6 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     cfg = compose_config([*args, "model.base_dtype=int8"])
     apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
     assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
-    cfg = compose_config([*args, "model.base_compute=int8"])
-    assert "base weights int8" in apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
-    assert cfg.model.base_dtype == "auto" and cfg.pipeline.data_parallel == 2
-    validate(cfg)
     cpu = compose_run(["pipeline=auto"])
     assert cpu.pipeline.auto and cpu.pipeline.stages == 2
     cfg = compose_config(["pipeline=auto"])
