@@ -20,7 +20,8 @@ def check_adapter(run: RunConfig) -> None:
             "adapter: use model.mode=lora, or merge the file into the base with "
             "'model.merge_adapters=[<file>]'")
     eight_bit = (f"model.base_dtype={m.base_dtype.value}" if m.base_dtype.quantized
-                 else "model.base_compute=fp8" if m.base_compute == BaseCompute.fp8 else None)
+                 else f"model.base_compute={m.base_compute.value}"
+                 if m.base_compute != BaseCompute.auto else None)
     if m.adapter == Adapter.dora and eight_bit:
         raise ConfigError(
             "model.adapter=dora normalises each row of the adapted base weight, which "

@@ -237,16 +237,7 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
             "model.mode=full trains every weight (their updates would be lost to the rounding); "
             f"use model.mode=lora with {m.base_dtype.value}, or model.base_dtype=auto for a full "
             "fine-tune")
-    if m.base_compute == BaseCompute.fp8 and m.mode == TrainMode.full:
-        raise ConfigError(
-            "model.base_compute=fp8 multiplies the frozen base weights of a LoRA in fp8, but "
-            "model.mode=full trains every weight: use model.mode=lora with it, or drop "
-            "model.base_compute for a full fine-tune")
-    if m.base_compute == BaseCompute.fp8 and m.base_dtype not in (BaseDtype.auto, BaseDtype.fp8):
-        raise ConfigError(
-            f"model.base_compute=fp8 multiplies float8_e4m3fn weights, but model.base_dtype="
-            f"{m.base_dtype.value} asks for another storage: drop model.base_dtype (fp8 compute "
-            "stores the weights as model.base_dtype=fp8 does), or drop model.base_compute")
+    _check_base_compute(m)
     if m.attention == AttentionKernel.flex and p.compile is False:  # null compiles on a GPU
         raise ConfigError(
             "model.attention=flex needs compiled layers: uncompiled, FlexAttention runs a "
@@ -300,6 +291,29 @@ def unknown_key_message(full_key: str) -> str | None:
         schema, names = child, {f.name for f in dataclasses.fields(child)}
     return (f"unknown config key(s): '{full_key}'. Check the spelling against `dpipe-train "
             "--cfg job`; keys cannot be added with `+`.")
+
+
+# model.base_compute -> the weights it multiplies (the storage of model.base_dtype of that name).
+_COMPUTE_WEIGHTS = {BaseCompute.fp8: "float8_e4m3fn", BaseCompute.int8: "int8"}
+
+
+def _check_base_compute(m) -> None:
+    """8-bit matmuls multiply the frozen base of an adapter, stored as the model.base_dtype of
+    the same name stores it (which model.base_dtype=auto implies)."""
+    if m.base_compute == BaseCompute.auto:
+        return
+    compute = m.base_compute.value
+    if m.mode == TrainMode.full:
+        raise ConfigError(
+            f"model.base_compute={compute} multiplies the frozen base weights of a LoRA in "
+            f"{compute}, but model.mode=full trains every weight: use model.mode=lora with it, "
+            "or drop model.base_compute for a full fine-tune")
+    if m.base_dtype not in (BaseDtype.auto, BaseDtype(compute)):
+        raise ConfigError(
+            f"model.base_compute={compute} multiplies {_COMPUTE_WEIGHTS[m.base_compute]} weights,"
+            f" but model.base_dtype={m.base_dtype.value} asks for another storage: drop "
+            f"model.base_dtype ({compute} compute stores the weights as "
+            f"model.base_dtype={compute} does), or drop model.base_compute")
 
 
 def _check_gguf_base(m) -> None:

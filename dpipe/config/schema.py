@@ -165,6 +165,11 @@ class BaseCompute(str, Enum):
     # GPUs of compute capability 8.9+ (Ada, Hopper); elsewhere the run says why and multiplies
     # in bf16 from the same fp8 weights.
     fp8 = "fp8"
+    # LoRA only: the same in int8 (W8A8, torch._int_mm, the product rescaled in fp32): weights
+    # stored as model.base_dtype=int8 stores them, activations and the input gradient quantised
+    # per row to int8 (dpipe.train.int8_compute). For GPUs with int8 tensor cores and no fp8
+    # matmul: Ampere (A100, RTX 30xx), compute capability 8.0+; elsewhere as fp8's.
+    int8 = "int8"
 
 
 class AttentionKernel(str, Enum):
@@ -210,7 +215,7 @@ class ModelConfig:
     # How the frozen base weights are stored under LoRA: auto, fp8, fp8_e5m2, int8, nf4 or
     # int8_bnb (BaseDtype).
     base_dtype: BaseDtype = BaseDtype.auto
-    # How the frozen base weights multiply under LoRA: auto or fp8 (BaseCompute).
+    # How the frozen base weights multiply under LoRA: auto, fp8 or int8 (BaseCompute).
     base_compute: BaseCompute = BaseCompute.auto
     # Guidance value fed to guidance-distilled models (FLUX.1-dev) during training.
     guidance: float = 1.0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dpipe.config.schema import OptimizerName, Precision, RunConfig, TrainMode
+from dpipe.config.schema import BaseCompute, OptimizerName, Precision, RunConfig, TrainMode
 from dpipe.pipeline.memory import (LayerCost, fragmentation_margin, in_flight_micro_batches,
                                    plan_swap)
 from dpipe.pipeline.partition import stage_bounds
@@ -65,7 +65,9 @@ class Plan:
     machine: Machine
     stages: int
     data_parallel: int
-    base: str  # "bf16" / "fp32" (the training precision) or "fp8"
+    # "bf16" / "fp32" (the training precision), "fp8" (8-bit weights by model.base_dtype=fp8) or
+    # "int8" (by model.base_compute=int8, which stores them so)
+    base: str
     stage_plans: tuple[StagePlan, ...]
     budget: int  # bytes per GPU the plan keeps within
     micro_batches: int
@@ -189,7 +191,8 @@ def layout(footprint: ModelFootprint, run: RunConfig, machine: Machine, stages: 
     samples = p.micro_batches * p.micro_batch_size * data_parallel
     host = _host(footprint, run, plans, stages * data_parallel, data_parallel, encoders)
     disk = None if files is None else files * (footprint.latent_bytes + footprint.text_bytes)
-    base = "fp8" if fp8 else ("bf16" if run.train.precision == Precision.bf16 else "fp32")
+    base = (eight_bit_base(run) if fp8 else
+            "bf16" if run.train.precision == Precision.bf16 else "fp32")
     plan = Plan(machine, stages, data_parallel, base, plans, budget, p.micro_batches, samples,
                 step, host, disk)
     return replace(plan, problems=tuple(problems(plan)))
@@ -213,6 +216,12 @@ def problems(plan: Plan) -> list[str]:
     return out
 
 
+def eight_bit_base(run: RunConfig) -> str:
+    """The plan's name for 8-bit base weights: model.base_compute's format where it is set
+    (it stores the weights so, and no model.base_dtype key is needed), else fp8."""
+    return "fp8" if run.model.base_compute == BaseCompute.auto else run.model.base_compute.value
+
+
 def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
     """(stages, data_parallel, fp8) of every layout that keeps the keys in `fixed`."""
     p = run.pipeline
@@ -222,6 +231,8 @@ def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
     lora = run.model.mode == TrainMode.lora
     bases = [run.model.base_dtype.quantized] if "model.base_dtype" in fixed or not lora \
         else [False, True]
+    if lora and run.model.base_compute != BaseCompute.auto:
+        bases = [True]  # 8-bit matmuls multiply 8-bit weights: the storage comes with them
     for stages in counts:
         # Fewer replicas than the GPUs hold too: each process loads the whole denoiser, so the
         # host's memory may not hold one per GPU.

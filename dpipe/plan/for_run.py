@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpipe.config.schema import RunConfig
+from dpipe.config.schema import BaseCompute, RunConfig
 from dpipe.errors import ConfigError
 from dpipe.plan.choose import PLANNED_KEYS, Plan, choose
 from dpipe.plan.footprint import ModelFootprint, measure
@@ -92,6 +92,6 @@ def run_layout(spec, run: RunConfig, machine: Machine, data_parallel: int) -> Ru
     resolution, frames = run.dataset.resolution, max(run.dataset.frame_buckets or [1])
     footprint = measure(spec, run, size, resolution, frames)
     files = dataset_files(run)
+    eight_bit = run.model.base_dtype.quantized or run.model.base_compute != BaseCompute.auto
     return RunPlan(layout(footprint, run, machine, run.pipeline.stages, data_parallel,
-                          run.model.base_dtype.quantized, files), footprint, size, resolution,
-                   frames, files)
+                          eight_bit, files), footprint, size, resolution, frames, files)

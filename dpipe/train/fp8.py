@@ -10,6 +10,8 @@ keeping it, so no bf16 copy of the weights is ever held for the backward pass.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +22,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 STORAGE = {"fp8": FP8, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 # The largest stored value a row's largest weight maps to. int8 stops at 127, not -128, so that
 # a row's weights map symmetrically.
-_TOP = {FP8: FP8_MAX, torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max, torch.int8: 127.0}
+TOP = {FP8: FP8_MAX, torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max, torch.int8: 127.0}
 
 
 # The matmul is a custom op with its own backward, opaque to torch.compile: compiled inside a
@@ -81,7 +83,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.storage = storage
-        top = _TOP[storage]
+        top = TOP[storage]
         w = linear.weight.detach().to(torch.float32)
         # Per-row scaling puts each row's largest weight at the format's largest value: rows of
         # very different magnitude (common in attention projections) each keep their precision.
@@ -132,3 +134,38 @@ def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8,
                 setattr(parent, name, make(child) if make else QuantizedLinear(child, storage))
                 count += 1
     return count
+
+
+def quantize_for_compute(denoiser: nn.Module, compute: str, storage: torch.dtype, fast,
+                         align: int, why: str | None) -> int:
+    """`model.base_compute=<compute>`: the blocks' frozen Linears become `fast(linear)`, which
+    multiplies in 8 bits, where this process's device can (`why` is None, else the reason it
+    cannot) and both their dimensions divide by `align`; the others keep `storage` weights and
+    multiply in the compute dtype, as `model.base_dtype=<compute>` does. Logs one line saying
+    which; returns how many multiply in 8 bits."""
+    log = logging.getLogger("dpipe")
+    if why:
+        quantize_frozen_linears(denoiser, storage)
+        log.info("model.base_compute=%s: %s; the frozen Linears keep %s weights and multiply "
+                 "in bf16, as model.base_dtype=%s does", compute, why, compute, compute)
+        return 0
+    fits = {True: 0, False: 0}
+
+    def make(linear: nn.Linear) -> nn.Module:
+        ok = linear.in_features % align == 0 and linear.out_features % align == 0
+        fits[ok] += 1
+        return fast(linear) if ok else QuantizedLinear(linear, storage)
+
+    quantize_frozen_linears(denoiser, storage, make)
+    rest = (f"; {fits[False]} with a dimension not divisible by {align} keep {compute} weights "
+            "and multiply in bf16" if fits[False] else "")
+    log.info("model.base_compute=%s: %d frozen Linears multiply in %s%s", compute, fits[True],
+             compute, rest)
+    return fits[True]
+
+
+def compute_device() -> torch.device:
+    """The device this process's matmuls run on: its CUDA GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -19,14 +19,10 @@ LoRA's own matmuls (peft's A and B beside the base layer) stay in the compute dt
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from dpipe.train.fp8 import FP8, QuantizedLinear, quantize_frozen_linears
-
-log = logging.getLogger("dpipe")
+from dpipe.train.fp8 import FP8, TOP, QuantizedLinear, compute_device, quantize_for_compute
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The format of the gradient in backward's fp8 matmul; None multiplies in the compute dtype.
@@ -37,15 +33,20 @@ ALIGN = 16
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 2-D tensor in `dtype` with one fp32 scale per row, (rows, 1): x ~ q * scale.
+    """A 2-D tensor in `dtype` (an fp8 format, or int8) with one fp32 scale per row, (rows, 1):
+    x ~ q * scale.
 
-    Each row's largest magnitude maps to the format's largest value. An all-zero row gets a tiny
-    scale and zeros (not NaN); values past the range saturate instead of becoming inf. A NaN or
-    inf in a row makes its scale NaN or inf, so a diverging step still shows as non-finite."""
-    top = torch.finfo(dtype).max
+    Each row's largest magnitude maps to the format's largest value (int8: 127, rounded to the
+    nearest step). An all-zero row gets a tiny scale and zeros (not NaN); values past the range
+    saturate instead of becoming inf. A NaN or inf in a row makes its scale NaN or inf, so a
+    diverging step still shows as non-finite."""
+    top = TOP[dtype]
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
-    return (x / scale).clamp(-top, top).to(dtype), scale
+    q = (x / scale).clamp(-top, top)
+    if dtype == torch.int8:
+        q = q.round()  # a plain cast would truncate toward zero
+    return q.to(dtype), scale
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -99,10 +100,6 @@ class Fp8Linear(QuantizedLinear):
         return y if self.bias is None else y + self.bias.to(dtype)
 
 
-def fits_fp8_matmul(linear: nn.Linear) -> bool:
-    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
-
-
 def fp8_matmul_support(device: torch.device) -> str | None:
     """None where `device` multiplies in fp8; else why not, in a few words."""
     if device.type == "cpu":
@@ -122,22 +119,5 @@ def use_fp8_compute(denoiser: nn.Module) -> int:
     device can (its CUDA GPU, else the CPU) and their shapes allow; the others keep fp8 weights
     and multiply in the compute dtype, as model.base_dtype=fp8 does. Logs one line saying which;
     returns how many multiply in fp8."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    why = fp8_matmul_support(device)
-    if why:
-        quantize_frozen_linears(denoiser, FP8)
-        log.info("model.base_compute=fp8: %s; the frozen Linears keep fp8 weights and multiply "
-                 "in bf16, as model.base_dtype=fp8 does", why)
-        return 0
-    fits = {True: 0, False: 0}
-
-    def make(linear: nn.Linear) -> nn.Module:
-        fits[fits_fp8_matmul(linear)] += 1
-        return Fp8Linear(linear) if fits_fp8_matmul(linear) else QuantizedLinear(linear, FP8)
-
-    quantize_frozen_linears(denoiser, FP8, make)
-    rest = (f"; {fits[False]} with a dimension not divisible by {ALIGN} keep fp8 weights and "
-            "multiply in bf16" if fits[False] else "")
-    log.info("model.base_compute=fp8: %d frozen Linears multiply in fp8%s", fits[True], rest)
-    return fits[True]
+    return quantize_for_compute(denoiser, "fp8", FP8, Fp8Linear, ALIGN,
+                                fp8_matmul_support(compute_device()))

@@ -43,6 +43,10 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
         from dpipe.train.fp8_compute import use_fp8_compute
 
         use_fp8_compute(denoiser)  # after LoRA wrapping, as below
+    elif run.model.base_compute == BaseCompute.int8 and run.model.mode == TrainMode.lora:
+        from dpipe.train.int8_compute import use_int8_compute
+
+        use_int8_compute(denoiser)
     elif run.model.base_dtype.quantized and run.model.mode == TrainMode.lora:
         from dpipe.train.bnb_base import MAKE
         from dpipe.train.fp8 import STORAGE, quantize_frozen_linears

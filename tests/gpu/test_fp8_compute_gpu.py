@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
                                  reason="needs a CUDA GPU with fp8 matmuls")]
 
 
-def _run(run_dir, *overrides):
+def train_losses(run_dir, *overrides):
+    """The 20 losses of the tiny FLUX.1 LoRA in bf16 on this GPU, compiled, and the run's log."""
     result = dpipe_train(*train_args(
         run_dir, "model=tiny_flux", "dataset=synthetic", "train.precision=bf16",
         "train.max_steps=20", "pipeline.micro_batches=2", "train.checkpoint_every_steps=0",
@@ -26,19 +27,18 @@ def _run(run_dir, *overrides):
 
 
 def test_fp8_compute_losses_stay_within_1pct_of_bf16_over_20_steps(tmp_path):
-    bf16, _ = _run(tmp_path / "bf16")
-    fp8, log = _run(tmp_path / "fp8", "model.base_compute=fp8")
+    bf16, _ = train_losses(tmp_path / "bf16")
+    fp8, log = train_losses(tmp_path / "fp8", "model.base_compute=fp8")
     assert "frozen Linears multiply in fp8" in log, log[-2000:]
     assert len(fp8) == len(bf16) == 20
     torch.testing.assert_close(fp8, bf16, rtol=1e-2, atol=0)
 
 
-def _lora_block(fp8: bool, dim: int = 1024, heads: int = 8):
-    """A FLUX single block (diffusers' class) at width `dim` with a LoRA on its Linears."""
+def _lora_block(use=None, dim: int = 1024, heads: int = 8):
+    """A FLUX single block (diffusers' class) at width `dim` with a LoRA on its Linears, its
+    frozen Linears swapped by `use` (use_fp8_compute, use_int8_compute; None: bf16)."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
     from peft import LoraConfig, inject_adapter_in_model
-
-    from dpipe.train.fp8_compute import use_fp8_compute
 
     torch.manual_seed(0)
     block = FluxSingleTransformerBlock(dim, heads, dim // heads).cuda()
@@ -50,22 +50,23 @@ def _lora_block(fp8: bool, dim: int = 1024, heads: int = 8):
         if "lora_" not in name:
             p.data = p.data.to(torch.bfloat16)
     holder = nn.ModuleDict({"blocks": nn.ModuleList([block])})
-    if fp8:
-        assert use_fp8_compute(holder) > 0
+    if use is not None:
+        assert use(holder) > 0
     return block
 
 
-def test_fp8_compute_lora_gradients_align_with_bf16_per_parameter():
-    """Each LoRA matrix's gradient through fp8 matmuls points where bf16's does. lora_B is made
-    non-zero first: with peft's init (B = 0) every lora_A gradient is exactly zero in both runs,
-    and a cosine of two zero vectors is 0 (this test failed so on an H100 on 2026-12-06, besides
-    calling the block without its text tokens)."""
+def assert_lora_gradients_align_with_bf16(use):
+    """Each LoRA matrix's gradient through the block's 8-bit matmuls (`use` swaps them in)
+    points where bf16's does. lora_B is made non-zero first: with peft's init (B = 0) every
+    lora_A gradient is exactly zero in both runs, and a cosine of two zero vectors is 0 (this
+    test failed so on an H100 on 2026-12-06, besides calling the block without its text
+    tokens)."""
     x = torch.randn(2, 1024, 1024, device="cuda")
     text, image = x[:, :128], x[:, 128:]
     temb = torch.randn(2, 1024, device="cuda")
     grads = {}
-    for fp8 in (False, True):
-        block = _lora_block(fp8)
+    for swap in (None, use):
+        block = _lora_block(swap)
         torch.manual_seed(1)
         for name, p in block.named_parameters():
             if "lora_B" in name:
@@ -73,19 +74,26 @@ def test_fp8_compute_lora_gradients_align_with_bf16_per_parameter():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, out = block(image, text, temb, image_rotary_emb=None)
         out.float().square().mean().backward()
-        grads[fp8] = {n: p.grad.float() for n, p in block.named_parameters() if p.grad is not None}
-    assert grads[True].keys() == grads[False].keys() and len(grads[True]) == 10
-    for name, g in grads[False].items():
+        grads[swap] = {n: p.grad.float() for n, p in block.named_parameters()
+                       if p.grad is not None}
+    assert grads[use].keys() == grads[None].keys() and len(grads[use]) == 10
+    for name, g in grads[None].items():
         assert g.norm() > 0, name
-        cos = F.cosine_similarity(grads[True][name].flatten(), g.flatten(), dim=0).item()
+        cos = F.cosine_similarity(grads[use][name].flatten(), g.flatten(), dim=0).item()
         assert cos >= 0.99, (name, cos)
 
 
-def test_fp8_compute_keeps_no_activation_for_the_base_backward():
-    from dpipe.train.fp8_compute import Fp8Linear
+def test_fp8_compute_lora_gradients_align_with_bf16_per_parameter():
+    from dpipe.train.fp8_compute import use_fp8_compute
 
+    assert_lora_gradients_align_with_bf16(use_fp8_compute)
+
+
+def assert_base_backward_keeps_no_activation(linear_class):
+    """Eight 4096-wide frozen Linears of `linear_class` keep, after forward, the output and
+    nothing per layer: no input, no bf16 weight copy (32 MiB each)."""
     layers = nn.Sequential(*[
-        Fp8Linear(nn.Linear(4096, 4096, bias=False).cuda().requires_grad_(False))
+        linear_class(nn.Linear(4096, 4096, bias=False).cuda().requires_grad_(False))
         for _ in range(8)])
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layers(x).float().sum().backward()  # warm-up
@@ -94,7 +102,12 @@ def test_fp8_compute_keeps_no_activation_for_the_base_backward():
     before = torch.cuda.memory_allocated()
     y = layers(x)
     held = torch.cuda.memory_allocated() - before
-    # Kept: the output (512 KiB) and nothing per layer: no input, no bf16 weight copy (32 MiB each).
     assert held <= 2 * y.numel() * y.element_size(), f"{held / 2**20:.1f} MiB held after forward"
     y.float().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_fp8_compute_keeps_no_activation_for_the_base_backward():
+    from dpipe.train.fp8_compute import Fp8Linear
+
+    assert_base_backward_keeps_no_activation(Fp8Linear)

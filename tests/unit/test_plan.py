@@ -55,6 +55,22 @@ def test_what_fits_where():
     assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=128").stages == 2
 
 
+def test_int8_compute_plans_int8_weights_without_a_base_dtype_key():
+    """`model.base_compute=int8` stores the weights in int8: the plan counts 8-bit weights where
+    bf16 would fit, and its keys (what `--plan` prints and `pipeline=auto` sets) name no
+    model.base_dtype (its fp8 would be refused beside int8 compute)."""
+    from dataclasses import replace
+
+    from dpipe.config.schema import BaseCompute
+
+    run = table.model_run("FLUX.1-dev LoRA")
+    int8 = replace(run, model=replace(run.model, base_compute=BaseCompute.int8))
+    for machine in ("1x24,host=64", "1x80,host=128"):
+        plan = choose(table.footprint("FLUX.1-dev LoRA"), int8, parse(machine))
+        assert plan.fits and plan.base == "int8", (machine, plan.base)
+        assert not any(k.startswith("model.base_dtype") for k in plan.overrides), plan.overrides
+
+
 PRESET_MACHINES = {"flux_lora_16gb": ("FLUX.1-dev LoRA", "1x16,host=128"),
                    "flux_lora_24gb": ("FLUX.1-dev LoRA", "1x24,host=128"),
                    "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", "1x24,host=128"),
