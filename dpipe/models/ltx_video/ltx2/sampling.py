@@ -89,6 +89,15 @@ class LTX2Sampling(FamilySampling):
     def image_to_video(request: SampleRequest) -> bool:
         return request.control is not None
 
+    def check(self, request: SampleRequest) -> str | None:
+        problem = super().check(request)
+        if problem is None and self.image_to_video(request) and request.frames == 1:
+            # The pipeline would hand the image back: its one latent frame is the condition.
+            return (f"frames=1 with a first frame: {self.spec.family} makes the frames after "
+                    f"it; ask for {self.frame_step + 1} or more frames, or leave out "
+                    "`first_frame` for text-to-image")
+        return problem
+
     # ---- latents (kept unpacked, (1, C, F', h, w): the pipeline's element-wise steps and its
     # whole-sample std in the rescale do not depend on the layout) ----------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
