@@ -297,6 +297,10 @@ class DataSettings:
     # Same-stem control/reference images (edit models), cached and delivered with each sample;
     # several per file as <stem>_1, <stem>_2, ... (families that take several references).
     control_dir: Optional[str] = None
+    # Video families with frame conditioning (`conditioning`): a same-stem image per clip that
+    # is its first (last) frame, in place of the clip's own, for the condition and the clip.
+    first_frame_dir: Optional[str] = None
+    last_frame_dir: Optional[str] = None
     # Each sample's loss counts this many times: e.g. 0.5 for a regularisation directory, so it
     # steers less than the subject's own images.
     loss_weight: float = 1.0

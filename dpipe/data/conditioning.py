@@ -13,6 +13,7 @@ import math
 from collections import Counter
 
 from dpipe.config.schema import DatasetConfig
+from dpipe.data.discover import directories
 from dpipe.errors import ConfigError
 from dpipe.models.frame_modes import FRAME_MODES
 from dpipe.models.spec import ModelSpec
@@ -41,7 +42,21 @@ def frame_probabilities(spec: ModelSpec, cfg: DatasetConfig) -> dict[str, float]
                 f"{spec.family} at {spec.path} takes the frame mode(s) {', '.join(taken)} "
                 f"only; give dataset.conditioning those, or train a checkpoint that takes "
                 f"{refused[0]}")
+    _check_frame_dirs(chosen, cfg)
     return None if chosen["none"] == 1.0 else chosen
+
+
+def _check_frame_dirs(chosen: dict[str, float], cfg: DatasetConfig) -> None:
+    """first_frame_dir / last_frame_dir only where some sample is given that frame."""
+    for key, modes in (("first_frame_dir", ("first", "both")),
+                       ("last_frame_dir", ("last", "both"))):
+        named = [str(d.path) for d in directories(cfg) if getattr(d.settings, key)]
+        if named and not any(chosen[m] > 0 for m in modes):
+            asked = ", ".join(f"{m}={p:g}" for m, p in chosen.items() if p > 0)
+            raise ConfigError(
+                f"dataset {key} (set for {', '.join(named)}): no sample is given its "
+                f"{key.split('_')[0]} frame ({asked}); set dataset.conditioning.{modes[0]} or "
+                f".{modes[1]} above 0 on a checkpoint that takes it, or remove {key}")
 
 
 def draw_mode(probabilities: dict[str, float], seed: int, step: int, slot: int) -> int:

@@ -52,6 +52,10 @@ class Item:
     # (path, sha256) of each control (reference) image, in order; () without a control_dir.
     controls: tuple[tuple[str, str], ...] = ()
     audio: AudioSource | None = None  # clips, when the model trains on sound
+    # (path, sha256) of the image that is a clip's first / last frame (first_frame_dir,
+    # last_frame_dir), in place of its own.
+    first_frame: tuple[str, str] | None = None
+    last_frame: tuple[str, str] | None = None
 
 
 @dataclass
@@ -102,7 +106,9 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         s = d.settings
         root = check_directory(d.path)
         mask_dir, control_dir = _inside(root, s.mask_dir), _inside(root, s.control_dir)
-        listing = walk(root, exclude=tuple(p for p in (mask_dir, control_dir) if p))
+        first_dir, last_dir = _inside(root, s.first_frame_dir), _inside(root, s.last_frame_dir)
+        listing = walk(root, exclude=tuple(p for p in (mask_dir, control_dir, first_dir, last_dir)
+                                           if p))
         unreadable.extend(listing.unfollowable)  # skipped, and named, as unreadable files are
         media = [(f, "image") for f in listing.images] + [(f, "video") for f in listing.videos]
         media.sort(key=lambda fk: fk[0].rel)
@@ -128,6 +134,8 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
         table = listed.captions
         masks = _companions(mask_dir, "mask_dir", cache_dir, workers, problems)
         controls = _companions(control_dir, "control_dir", cache_dir, workers, problems)
+        firsts = _companions(first_dir, "first_frame_dir", cache_dir, workers, problems)
+        lasts = _companions(last_dir, "last_frame_dir", cache_dir, workers, problems)
         numbered = _numbered(controls, set(stems))
         result.reads += index.reads
         result.files += len(media)
@@ -166,6 +174,11 @@ def discover(dirs: list[Directory], cache_dir: Path, strict: bool, eval_mode: bo
             else:
                 item.controls = _listed_references(named, controls, f, item, control_dir,
                                                    root / s.captions_file, problems)
+            if kind == "video":  # an image is its own first and last frame
+                item.first_frame = _companion(firsts, stem, f, item, "first frame", first_dir,
+                                              problems, same_size=False)
+                item.last_frame = _companion(lasts, stem, f, item, "last frame", last_dir,
+                                             problems, same_size=False)
             if audio and kind == "video":
                 sidecar = listing.audio.get(stem)
                 item.audio = _sound(f.path, record, sidecar,
@@ -329,7 +342,9 @@ def _listed_references(names: list[str], table, f: FoundFile, item: Item, folder
 
 
 def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Path | None,
-               problems: list[str]) -> tuple[str, str] | None:
+               problems: list[str], same_size: bool = True) -> tuple[str, str] | None:
+    """(path, sha256) of a file's same-stem companion in `folder`'s `table`; a missing one,
+    an unreadable one, or (`same_size`: masks) one of another size is a problem."""
     if table is None:
         return None
     hit = table.get(stem)
@@ -340,7 +355,7 @@ def _companion(table, stem: str, f: FoundFile, item: Item, what: str, folder: Pa
     if "error" in record:
         problems.append(record["error"])
         return None
-    if (record["w"], record["h"]) != (item.info["w"], item.info["h"]):
+    if same_size and (record["w"], record["h"]) != (item.info["w"], item.info["h"]):
         problems.append(f"{other.path}: the {what} is {record['w']}x{record['h']} but its image "
                         f"{f.path} is {item.info['w']}x{item.info['h']}; they must match")
         return None

@@ -39,6 +39,9 @@ class LatentJob(NamedTuple):
     fps: float | None = None
     role: str = "image"  # "image" or "control": what a failure means
     source_size: tuple[int, int] | None = None  # the file's (width, height), for the metadata
+    # Clips: images that replace the first / last of its frames (first_frame_dir, last_frame_dir)
+    first_frame: str | None = None
+    last_frame: str | None = None
 
     @property
     def group(self) -> tuple:
@@ -108,7 +111,14 @@ def decode(job: LatentJob | MaskJob | AudioJob) -> torch.Tensor:
         return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(
             1, job.height, job.width).clone()
     if job.media == "video":
-        return load_clip(job.path, job.start, job.frames, job.fps, job.width, job.height)
+        clip = load_clip(job.path, job.start, job.frames, job.fps, job.width, job.height)
+        # The given frames, fitted to the bucket as the clip's own are; a clip cut to one frame
+        # keeps its first.
+        for index, image in ((-1, job.last_frame if clip.shape[1] > 1 else None),
+                             (0, job.first_frame)):
+            if image is not None:
+                clip[:, index] = load_image(image, job.width, job.height)
+        return clip
     return load_image(job.path, job.width, job.height)
 
 

@@ -251,10 +251,12 @@ def _plan_work(spec: ModelSpec, cfg: DatasetConfig, dtype: torch.dtype, store: T
             s = found.directories[item.directory].settings
             w, h, frames = p.shape
             fps = s.video_fps if item.kind == "video" else None
-            latent = latent_key.fields(item.sha256, item.kind, fps, w, h, frames, p.start)
-            jobs.setdefault(latent, LatentJob(latent, item.path, item.kind, p.shape.width,
-                                              p.shape.height, p.shape.frames, p.start, fps,
-                                              source_size=(item.info["w"], item.info["h"])))
+            latent = latent_key.fields(_source(item), item.kind, fps, w, h, frames, p.start)
+            jobs.setdefault(latent, LatentJob(
+                latent, item.path, item.kind, p.shape.width, p.shape.height, p.shape.frames,
+                p.start, fps, source_size=(item.info["w"], item.info["h"]),
+                first_frame=item.first_frame and item.first_frame[0],
+                last_frame=item.last_frame and item.last_frame[0]))
             drops = not eval_mode and s.caption_dropout > 0
             text_keys, empty = [], None
             if sees_control:
@@ -333,6 +335,14 @@ def _choose_frame_buckets(spec: ModelSpec, found: disc.Discovery) -> list[str]:
                 f"{spec.family} takes (at most {AUTO_MAX_FRAMES}); set dataset.frame_buckets "
                 "to choose others")
     return notes
+
+
+def _source(item: disc.Item) -> str:
+    """What a sample's latents are made of: the file's sha256, and those of the images given
+    as its first / last frame (so that a changed frame image makes new latents)."""
+    given = [f"{what}:{frame[1]}" for what, frame in (("first", item.first_frame),
+                                                       ("last", item.last_frame)) if frame]
+    return "+".join([item.sha256, *given])
 
 
 def _key_makers(spec: ModelSpec, dtype: torch.dtype) -> tuple[KeyMaker, ...]:

@@ -5,18 +5,22 @@ users load it.
 One run checks: micro-batches with sound and without train in it (their tuples keep one layout
 across stages); its first loss equals the 1-stage loss of the same micro-batches (video +
 audio loss); the exported LoRA reproduces the trained layers on both outputs of a clip with
-sound, and differs from the base model on both; its end-of-run sample through the 2 stages (both
-streams, the joint computation) equals LTX2Pipeline's on the exported LoRA, and its .mp4 carries
-the sound.
+sound, and differs from the base model on both; clips train given their first frame or not
+(dataset.conditioning first=0.5, none=0.5); its end-of-run samples through the 2 stages (both
+streams, the joint computation), from a prompt and from a first frame, equal LTX2Pipeline's and
+LTX2ImageToVideoPipeline's on the exported LoRA, and the .mp4 carries the sound.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from dpipe.data.conditioning import draw_mode
+from dpipe.models.frame_modes import FRAME_MODES
 from tests.cli import Sweep, metrics
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 from tests.unit.test_data_support import write_clips_with_sound
@@ -33,8 +37,10 @@ def run_dir(tmp_path_factory) -> Path:
                   "dataset.frame_buckets=[1,9]", "pipeline.stages=2", "pipeline.micro_batches=2",
                   "optim.lr=1e-3", "train.checkpoint_every_steps=0", "train.max_steps=2",
                   "train.progress_bar=false", "sample.save_latents=true",
-                  "sample.prompts=[{prompt: a grey fade with a tone, frames: 9}]",
-                  "sample.steps=2")
+                  "dataset.conditioning.first=0.5", "dataset.conditioning.none=0.5",
+                  "sample.prompts=[{prompt: a grey fade with a tone, frames: 9}, "
+                  f"{{prompt: a grey fade with a tone, first_frame: {folder}/image0.png, "
+                  "frames: 9}]", "sample.steps=2")
     return sweep.run_dir("model=tiny_ltx2")
 
 
@@ -56,6 +62,21 @@ def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
                for step in range(run.train.max_steps)}  # the steps the run trained
     audio_tokens = [inputs[6].shape[1] for step in batches.values() for inputs, _ in step]
     assert 0 in audio_tokens and max(audio_tokens) > 0, audio_tokens  # silent and with sound
+    # dataset.conditioning first=0.5, none=0.5: each sample's drawn mode shows on a clip (its
+    # first frame's tokens at t = 0, or none at 0), and the dataset report counts the draws.
+    drawn = Counter()
+    for step, micro_batches in batches.items():
+        for micro, (inputs, _) in enumerate(micro_batches):
+            modes = [FRAME_MODES[draw_mode(dataset.frame_probabilities, run.train.seed, step,
+                                           slot)] for slot in plan.micro_batch(step, micro, 0).slots]
+            drawn.update(modes)
+            if inputs[0].shape[1] > 64:  # a clip: two latent frames of 8 x 8 tokens
+                assert ["first" if (t == 0).any() else "none" for t in inputs[1]] == modes
+    assert set(drawn) == {"first", "none"}, drawn
+    report = (run_dir / "data" / "report-train.txt").read_text()
+    assert (f"of the 4 samples of the run's 2 steps, none {drawn['none']} "
+            f"({drawn['none'] / 4:.1%}), first {drawn['first']} ({drawn['first'] / 4:.1%}) "
+            "(dataset.conditioning: none=0.5, first=0.5)") in report
 
     # The 2-stage run's first loss is the 1-stage loss of the same micro-batches.
     layers = trainable_layers(spec, run)
@@ -84,9 +105,10 @@ def test_samples_are_the_pipelines_with_sound(run_dir):
 
     from tests.integration.sampled import diffusers_latents, saved_latents
 
-    expected, = diffusers_latents(run_dir, run_dir / "lora")
-    torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", 0), expected,
-                               rtol=1e-4, atol=1e-5)
+    # Text-to-video, and image-to-video from a first frame (LTX2ImageToVideoPipeline's).
+    for index, expected in enumerate(diffusers_latents(run_dir, run_dir / "lora")):
+        torch.testing.assert_close(saved_latents(run_dir / "samples" / "step_2", index),
+                                   expected, rtol=1e-4, atol=1e-5)
     with av.open(str(run_dir / "samples" / "step_2" / "0.mp4")) as container:
         track = container.streams.audio[0]
         assert (track.codec_context.name, track.rate, track.channels) == ("aac", 16000, 2)

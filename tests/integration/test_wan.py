@@ -469,3 +469,39 @@ def test_first_last_frame_conditioning_is_what_the_pipeline_builds(models, case)
     if case == "flf2v":  # the pipeline's image_embeds: encode_image([image, last_image])
         tokens = pipe.encode_image([first, last], device="cpu")
         torch.testing.assert_close(inputs[3], tokens.reshape(1, -1, tokens.shape[-1]))
+
+
+@pytest.mark.slow  # ~2 s after the module's other FLF2V tests made the tiny folder, ~15 s alone
+def test_flf2v_sample_from_a_first_and_a_last_frame_is_the_pipelines(models, tmp_path):
+    """Wan 2.1 FLF2V sampled from a first and a last frame (5 frames of 32x32, 2 steps): dpipe's
+    loop through the pipeline layers ends at WanImageToVideoPipeline's final latents given
+    `image` and `last_image`, the control being the cache's encoding of the first frame."""
+    import numpy as np
+    from PIL import Image
+
+    from dpipe.images import load_image
+    from dpipe.models.sampling import SampleRequest
+    from dpipe.sample.denoise import denoise
+    from dpipe.sample.link import StageLink
+
+    spec = _spec(models, "flf2v")
+    frames = []
+    for i in range(2):
+        frames.append(tmp_path / f"frame{i}.png")
+        pixels = np.random.default_rng(i).integers(0, 255, (32, 32, 3), np.uint8)
+        Image.fromarray(pixels).save(frames[-1])
+    request = SampleRequest(0, CAPTIONS[0], "blurry", seed=3, width=32, height=32, frames=5,
+                            control=str(frames[0]), last_frame=str(frames[1]))
+    sampling = spec.sampling()
+    assert sampling.check(request) is None
+    encoders = _encoders(spec)
+    text, uncond = (spec.encode_prompts(encoders, [p]) for p in (CAPTIONS[0], "blurry"))
+    control = spec.encode_images(encoders, load_image(frames[0], 32, 32)[None])
+    denoiser = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(denoiser)
+    d = sampling.start(request, 2, 5.0, text, uncond, control, torch.device("cpu"))
+    assert denoise(sampling, [d], StageLink.local(torch.device("cpu")),
+                   lambda x: _run(layers, x), 2) == [False]
+    with torch.no_grad():
+        expected = sampling.diffusers_sample(denoiser, request, 2, 5.0)
+    torch.testing.assert_close(d.latents, expected, rtol=1e-4, atol=1e-5)

@@ -15,6 +15,7 @@ from dpipe.models.frame_modes import FRAME_MODES
 from dpipe.models.wan.sizes import T2V_FOLDER, WAN_TINY
 from dpipe.models.wan.spec import WanSpec
 from dpipe.models.wan.variant import read_variant
+from tests.unit.test_data_support import FakeSpec
 
 # What read_variant reads of each kind of Wan folder.
 _I2V = {"model_index.json": {"_class_name": "WanImageToVideoPipeline"},
@@ -85,3 +86,58 @@ def test_the_cache_key_names_the_frame_modes_it_holds():
     says so (entries of the first-frame-only layout are made anew); T2V's key is unchanged."""
     assert _wan("i2v_a14b").image_notes["frames"] == ["first", "both"]
     assert "frames" not in _wan("t2v").image_notes
+
+
+class _FirstFrameSpec(FakeSpec):
+    """A video family whose checkpoint takes a first frame (image-to-video)."""
+
+    def __init__(self):
+        super().__init__(videos=True)
+
+    def frame_modes(self) -> dict[str, float]:
+        return {"none": 0.0, "first": 1.0}
+
+
+def test_first_frame_dir_gives_each_clip_its_first_frame_keyed_by_its_bytes(tmp_path):
+    """dataset.first_frame_dir: a clip's same-stem image is its first frame (cached with the
+    clip, under the image's bytes too); a missing image is named before any encoding; the
+    folder on a run that gives no sample a first frame is refused."""
+    import torch
+
+    from dpipe.data.prepare import Layout, prepare
+    from dpipe.errors import DataError
+    from dpipe.images import load_image
+    from tests.unit.test_data_support import dataset_config, write_image, write_video
+
+    data = tmp_path / "data"
+    for i in range(2):
+        write_video(data / f"clip{i}.mp4", frames=5, size=(32, 32))
+        write_image(data / "firsts" / f"clip{i}.png", (32, 32), seed=i, caption=None)
+    cfg = dataset_config(path=str(data), cache_dir=str(tmp_path / "cache"), resolutions=[32],
+                         frame_buckets=[5], first_frame_dir="firsts")
+
+    def latents_of(spec, clip: str) -> torch.Tensor:
+        dataset = prepare(spec, cfg, torch.device("cpu"), torch.float32, Layout())
+        sample, = [s for b in dataset.plan.manifest.buckets for s in b.samples
+                   if s.source.endswith(clip)]
+        return dataset.store.get(sample.latent)["latents"]
+
+    spec = _FirstFrameSpec()
+    latents = latents_of(spec, "clip0.mp4")  # (4, 5, 8, 8): FakeSpec pools each frame
+    image = FakeSpec().encode_images(None, load_image(data / "firsts" / "clip0.png", 32, 32)[None])
+    assert torch.equal(latents[:, 0], image[0])
+    assert latents[:3, 1:].flatten(2).std(-1).max() < 1e-2  # the clip's own frames: flat grey
+    assert spec.count("video") == 2
+
+    write_image(data / "firsts" / "clip0.png", (32, 32), seed=7, caption=None)  # new bytes
+    again = _FirstFrameSpec()
+    assert not torch.equal(latents_of(again, "clip0.mp4")[:, 0], image[0])
+    assert again.encoded == [("video", 1)]  # that clip alone is encoded again
+
+    (data / "firsts" / "clip1.png").unlink()
+    with pytest.raises(DataError, match=r"clip1\.mp4: no first frame in .*firsts \(expected "
+                                        r"clip1\.<image extension>\)"):
+        prepare(_FirstFrameSpec(), cfg, torch.device("cpu"), torch.float32, Layout())
+    with pytest.raises(ConfigError, match=r"dataset first_frame_dir \(set for .*data\): no sample "
+                                          r"is given its first frame \(none=1\)"):
+        frame_probabilities(FakeSpec(videos=True), cfg)

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
-from dpipe.errors import ConfigError, DataError
+from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx_video.ltx2.spec import COMFYUI_LORA, LTX2Spec
 from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
@@ -69,11 +69,6 @@ def test_layout_as_the_real_repo(tiny):
     for part in ("connectors", "audio_vae", "vocoder", "vae", "scheduler", "tokenizer"):
         assert (tiny / part).is_dir(), part
     assert (tiny / "transformer/diffusion_pytorch_model.safetensors.index.json").is_file()
-
-
-def test_i2v_is_refused(tiny):
-    with pytest.raises(ConfigError, match="i2v"):
-        make_spec(tiny, i2v=True)
 
 
 def test_encoders(spec, encoders):

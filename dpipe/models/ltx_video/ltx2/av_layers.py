@@ -3,9 +3,10 @@
 With `model.audio=true` each block runs `LTX2VideoTransformerBlock.forward` itself, the video and
 audio streams with both cross-modal attentions (audio-to-video and video-to-audio), as
 `LTX2VideoTransformer3DModel.forward` runs it at inference (`isolate_modalities=False`): a LoRA
-learns the computation LTX2Pipeline samples with. Both streams denoise at one t (the training
-batch noises the audio latents at the video's t), so the pipeline's `use_cross_timestep` (each
-stream's cross-attention modulation read at the other stream's sigma) changes nothing here.
+learns the computation LTX2Pipeline samples with. Both streams denoise at one sigma (the training
+batch noises the audio latents at the video's t); a given first frame's video tokens have t = 0
+(LTX2ImageToVideoPipeline), while the audio stream and the cross-modal modulations read the
+sample's sigma, as the pipeline's `use_cross_timestep` has them.
 
 Layers pass one flat tuple (`AVState.pack`): per stream its tokens, its prompt tokens, its
 modulation `temb` and output `embedded` timestep (and, for LTX-2.3-style prompt modulation, the
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.ltx_video.ltx2.layers import video_path
+from dpipe.models.ltx_video.ltx2.layers import sample_sigma, video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import sizes
@@ -113,15 +114,17 @@ class LTX2AVEmbed(PipelineLayer):
         b = packed.shape[0]
         hidden = self.proj_in(packed)
         audio_hidden = self.audio_proj_in(audio)
-        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep and sigma, to
-        # both streams.
-        timestep = (t * 1000).flatten()
+        # The pipeline passes the scheduler's timesteps (sigma * 1000) as the video's timestep,
+        # per token where the first frame is given (t (B, N), 0 on its tokens), and the sample's
+        # sigma as the audio's timestep and as both streams' sigma, which the prompt and the
+        # cross-modal modulations read (`use_cross_timestep`).
+        sigma = sample_sigma(t)
 
-        def embed(module, scale: float = 1.0):
+        def embed(module, scale: float = 1.0, timestep: torch.Tensor = sigma):
             emb, embedded = module(timestep * scale, batch_size=b, hidden_dtype=hidden.dtype)
             return emb.view(b, -1, emb.shape[-1]), embedded.view(b, -1, embedded.shape[-1])
 
-        temb, embedded = embed(self.time_embed)
+        temb, embedded = embed(self.time_embed, timestep=(t * 1000).flatten())
         audio_temb, audio_embedded = embed(self.audio_time_embed)
         if self.project_text:
             text = self.caption_projection(text).view(b, -1, hidden.shape[-1])

@@ -93,6 +93,10 @@ class LTX2AVSampling(LTX2Sampling):
         audio = torch.randn((1, *self.audio_shape(video.shape[2])), generator=generator)
         return joined_latents.join(video, pack_audio(audio))
 
+    def with_first_frame(self, latents: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        video, audio = self.streams(latents)
+        return joined_latents.join(super().with_first_frame(video, image), audio)
+
     # ---- the schedule ------------------------------------------------------------------------
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
         return super().set_timesteps(scheduler, steps, self.streams(latents)[0])

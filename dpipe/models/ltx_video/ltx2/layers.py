@@ -31,6 +31,12 @@ def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, rate: torch.Te
     return rope(coords, device=device)
 
 
+def sample_sigma(t: torch.Tensor) -> torch.Tensor:
+    """(B,) each sample's sigma * 1000 from its tokens' t, (B, 1) or (B, N): the largest, since
+    only the given first frame's tokens differ (t = 0) and a clip has later frames."""
+    return t.amax(dim=1) * 1000
+
+
 class LTX2Embed(PipelineLayer):
     def __init__(self, transformer: nn.Module):
         super().__init__()
@@ -49,16 +55,18 @@ class LTX2Embed(PipelineLayer):
         packed, t, text, text_mask, grid, rate = inputs
         b = packed.shape[0]
         hidden = self.proj_in(packed)
-        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep and sigma.
-        timestep = (t * 1000).flatten()
-        temb, embedded = self.time_embed(timestep, batch_size=b, hidden_dtype=hidden.dtype)
+        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep, per token
+        # where the first frame is given (t (B, N), 0 on its tokens), and as sigma.
+        temb, embedded = self.time_embed((t * 1000).flatten(), batch_size=b,
+                                         hidden_dtype=hidden.dtype)
         temb = temb.view(b, -1, temb.shape[-1])
         embedded = embedded.view(b, -1, embedded.shape[-1])
         text_hidden = (self.caption_projection(text).view(b, -1, hidden.shape[-1])
                        if self.project_text else text)
         out = [needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded)]
         if self.prompt_modulation:
-            temb_prompt, _ = self.prompt_adaln(timestep, batch_size=b, hidden_dtype=hidden.dtype)
+            temb_prompt, _ = self.prompt_adaln(sample_sigma(t), batch_size=b,
+                                               hidden_dtype=hidden.dtype)
             out.append(needs_grad(temb_prompt.view(b, -1, temb_prompt.shape[-1])))
         return (*out, text_mask.long(), grid, rate)
 

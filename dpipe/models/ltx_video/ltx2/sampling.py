@@ -11,6 +11,15 @@ classifier-free guidance on x0 (x0_cond + (g - 1)(x0_cond - x0_uncond), g = 3.0)
 (x * latents_std / scaling_factor + latents_mean) and decoded at decode_timestep 0 (no decode
 noise, the pipeline's default). Clips of 8k+1 frames; 1 frame is an image.
 
+Image-to-video (an item with `first_frame`, or `control`; needed with `model.i2v=true`), as
+`LTX2ImageToVideoPipeline`: the first latent frame of the noise is replaced by the image's
+latents (the VAE posterior's mode, normalised, as the pipeline encodes it with "argmax" and as
+dpipe caches it), its tokens get t = 0 while the audio and the prompt modulation read the
+step's sigma, guidance runs on the whole x0 as above, and only the later frames are stepped.
+One difference, on purpose: the pipeline first re-compresses the image as one H.264 frame at
+CRF 33 (`image_crf`, for Gemma 3 checkpoints), dpipe conditions on the image as given, as it
+trains on a clip's own first frame; `diffusers_sample` passes `image_crf=0`.
+
 What differs from the pipeline's default video, and why. dpipe's pipeline layers hold the video
 stream only (dpipe trains LTX-2 video-only, see layers.py), so no prediction here can see the
 audio stream. LTX2Pipeline's defaults need three things that do:
@@ -32,8 +41,11 @@ reaches the video). With them the two are equal.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from dpipe.models.frame_modes import FIRST, NONE
 from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -65,6 +77,27 @@ class LTX2Sampling(FamilySampling):
     def frame_step(self) -> int:
         return self.spec.temporal_ratio
 
+    @property
+    def needs_control(self) -> bool:  # trained image-to-video (model.i2v): a first frame
+        return self.spec.i2v
+
+    # Any LTX-2 checkpoint samples image-to-video where given a first frame (`control` or
+    # `first_frame`): LTX2ImageToVideoPipeline, with the same weights as LTX2Pipeline.
+    takes_control = True
+
+    @staticmethod
+    def image_to_video(request: SampleRequest) -> bool:
+        return request.control is not None
+
+    def check(self, request: SampleRequest) -> str | None:
+        problem = super().check(request)
+        if problem is None and self.image_to_video(request) and request.frames == 1:
+            # The pipeline would hand the image back: its one latent frame is the condition.
+            return (f"frames=1 with a first frame: {self.spec.family} makes the frames after "
+                    f"it; ask for {self.frame_step + 1} or more frames, or leave out "
+                    "`first_frame` for text-to-image")
+        return problem
+
     # ---- latents (kept unpacked, (1, C, F', h, w): the pipeline's element-wise steps and its
     # whole-sample std in the rescale do not depend on the layout) ----------------------------
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
@@ -95,7 +128,22 @@ class LTX2Sampling(FamilySampling):
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
         d.state["step"] = 0  # the step's index on the last stage (prediction, step)
+        if self.image_to_video(request):
+            if control is None:
+                raise ValueError(f"{self.spec.family} (i2v) samples from a first frame")
+            d.latents = self.with_first_frame(d.latents, control.to(d.latents))
         return d
+
+    def with_first_frame(self, latents: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """The noise with its first latent frame replaced by the image's latents (1, C, 1, h, w),
+        as LTX2ImageToVideoPipeline's prepare_latents mixes them (its conditioning mask)."""
+        out = latents.clone()
+        out[:, :, :1] = image[:, :, :1]
+        return out
+
+    def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
+        mode = FIRST if self.image_to_video(d.request) else NONE
+        return replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
 
     # ---- one step ----------------------------------------------------------------------------
     def _sigma(self, d: Denoising) -> torch.Tensor:
@@ -114,7 +162,13 @@ class LTX2Sampling(FamilySampling):
 
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
         velocity = (d.latents - prediction) / self._sigma(d)  # convert_x0_to_velocity
-        d.latents = d.scheduler.step(velocity, t, d.latents, return_dict=False)[0]
+        if self.image_to_video(d.request):
+            # LTX2ImageToVideoPipeline steps the frames after the first (the condition) alone.
+            later = d.scheduler.step(velocity[:, :, 1:], t, d.latents[:, :, 1:],
+                                     return_dict=False)[0]
+            d.latents = torch.cat([d.latents[:, :, :1], later], dim=2)
+        else:
+            d.latents = d.scheduler.step(velocity, t, d.latents, return_dict=False)[0]
         d.state["step"] += 1
 
     # ---- decoding ----------------------------------------------------------------------------
@@ -147,6 +201,19 @@ class LTX2Sampling(FamilySampling):
         self.run_pipeline(denoiser, request, steps, guidance, final, output_type="latent")
         return self.unpacked(final["latents"], request)
 
+    def first_frame_arguments(self, request: SampleRequest) -> dict:
+        """LTX2ImageToVideoPipeline's image: the first frame fitted to the request's size as
+        dpipe loads it, not re-compressed (`image_crf=0`, see the module's docstring)."""
+        from pathlib import Path
+
+        from PIL import Image
+
+        from dpipe.images import load_image
+
+        pixels = load_image(Path(request.control), request.width, request.height)
+        pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
+        return {"image": Image.fromarray(pixels.numpy()), "image_crf": 0}
+
     def unpacked(self, packed: torch.Tensor, request: SampleRequest) -> torch.Tensor:
         """The pipeline's packed video latents -> (1, C, F', h, w)."""
         shape = self.latent_shape(request)
@@ -155,12 +222,17 @@ class LTX2Sampling(FamilySampling):
 
     def run_pipeline(self, denoiser, request: SampleRequest, steps: int, guidance: float,
                      final: dict, **kwargs):
-        """LTX2Pipeline from the model folder with `denoiser` as its transformer, run on the
-        request with `pipeline_arguments` and `kwargs`; `final["latents"]` gets its packed,
-        normalised video latents after the last step. Returns its output."""
-        from diffusers import LTX2Pipeline
+        """LTX2Pipeline (LTX2ImageToVideoPipeline given a first frame) from the model folder
+        with `denoiser` as its transformer, run on the request with `pipeline_arguments` and
+        `kwargs`; `final["latents"]` gets its packed, normalised video latents after the last
+        step. Returns its output."""
+        import diffusers
 
-        pipe = LTX2Pipeline.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
+        cls = "LTX2ImageToVideoPipeline" if self.image_to_video(request) else "LTX2Pipeline"
+        pipe = getattr(diffusers, cls).from_pretrained(self.path, transformer=denoiser,
+                                                       dtype=torch.float32)
+        if self.image_to_video(request):
+            kwargs = {**self.first_frame_arguments(request), **kwargs}
         if request.height % 32 or request.width % 32:
             # The pipeline asks for multiples of 32, its VAE's factor in the real model; a model
             # with a smaller one (the tiny) samples multiples of its own: the size test (the only
@@ -186,7 +258,7 @@ class LTX2Sampling(FamilySampling):
         if self.isolate_modalities:
             denoiser.forward = isolated
         try:
-            return pipe(request.prompt, negative_prompt=request.negative_prompt,
+            return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
                         height=request.height, width=request.width, num_frames=request.frames,
                         frame_rate=self.fps, num_inference_steps=steps,
                         generator=torch.Generator().manual_seed(request.seed),
