@@ -11,8 +11,9 @@ Layouts read (keys after any prefix, e.g. ComfyUI's "model.diffusion_model."):
 The true weight is weight.float() * scale_weight, computed in fp32 one tensor at a time and
 stored in the training dtype; biases and norms, unquantized in such files, pass through.
 
-Any other quantization layout (bitsandbytes, GPTQ/AWQ, the newer `weight_scale` / `comfy_quant`
-keys) is refused with its keys named: reading it as plain weights would train on wrong values.
+ComfyUI's newer per-layer layout (`comfy_quant`, `weight_scale`) is read by `comfy_quant.py`.
+Any other quantization layout (bitsandbytes, GPTQ/AWQ) is refused with its keys named: reading it
+as plain weights would train on wrong values.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.comfy_quant import CONF, INPUT_SCALE as LAYER_INPUT_SCALE
+from dpipe.models.common.comfy_quant import WEIGHT_SCALE, WHAT_DPIPE_READS
 
 MARKER = "scaled_fp8"
 SCALE = ".scale_weight"
@@ -37,10 +40,6 @@ QUANTIZED_DTYPES = (*FP8_FORMATS, torch.int8)
 _UNKNOWN = ("weight_scale", "weight_scale_2", "input_scale", "comfy_quant", "absmax",
             "nested_absmax", "quant_map", "nested_quant_map", "SCB", "qweight", "qzeros",
             "scales", "g_idx", "weight_format")
-WHAT_DPIPE_READS = (
-    "dpipe reads ComfyUI's scaled fp8 (a `scaled_fp8` marker, fp8 `<module>.weight` with "
-    "`<module>.scale_weight`, optional `<module>.scale_input`) and int8 `<module>.weight` with "
-    "`<module>.scale_weight`; convert other formats to bf16 (or one of these) first")
 
 
 def _leaf(key: str) -> str:
@@ -48,8 +47,9 @@ def _leaf(key: str) -> str:
 
 
 def is_quantization_key(key: str) -> bool:
-    """The marker and the scales: keys of the file that are not weights of the model."""
-    return _leaf(key) == MARKER or key.endswith(SCALE) or key.endswith(INPUT_SCALE)
+    """The markers and the scales: keys of the file that are not weights of the model."""
+    return _leaf(key) == MARKER or key.endswith((SCALE, INPUT_SCALE, CONF, WEIGHT_SCALE,
+                                                 LAYER_INPUT_SCALE))
 
 
 def file_is_quantized(file: Path) -> bool:

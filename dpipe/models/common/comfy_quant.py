@@ -1,0 +1,194 @@
+"""ComfyUI's per-layer quantization layout ("comfy_quant"), read by the layout's own rules, and
+the stored form of each Linear it quantizes, kept for the frozen base of a LoRA.
+
+The layout, as ComfyUI 0.33.0 (upstream 783545f6, 2026-08-22) loads it (`comfy/ops.py`'s
+quantized Linear loading, `comfy/quant_ops.py`'s QUANT_ALGOS, `comfy/utils.py`
+`convert_old_quants`), with the value rules of the comfy-kitchen 0.2.31 layouts it names (eager
+backend, Apache-2.0):
+- Each quantized layer carries `<layer>.comfy_quant`, a uint8 tensor of JSON bytes
+  (`{"format": ..., "convrot": true, "convrot_groupsize": 256, ...}`; older files put the same
+  per-layer objects in the safetensors header, `_quantization_metadata` = `{"layers": {...}}`),
+  its `<layer>.weight` in the format's storage dtype and `<layer>.weight_scale` (fp32).
+- float8_e4m3fn, float8_e5m2: weight = stored.float() * weight_scale (one scale per tensor).
+- int8_tensorwise: weight = stored.float() * weight_scale, one scale per tensor or one per
+  output row (out, 1). With `convrot` (the "int8 convrot" files, e.g. MiniMax H3's): the rows
+  were rotated before quantizing, group by group of `convrot_groupsize` input columns, by the
+  normalized regular Hadamard matrix H (Kronecker powers of the 4x4 regular Hadamard, / sqrt(n):
+  symmetric and orthogonal, so H @ H = I); weight = (stored.float() * weight_scale) @ H per group.
+- `<layer>.input_scale` (activations' fp8 scale for ComfyUI's fp8 matmuls) is unused: dpipe
+  multiplies in the training precision.
+Formats not read (nvfp4, mxfp8, convrot_w4a4, asym_w4a8_int8: 4-bit or block-scaled) are
+refused with their layers named.
+
+All three map onto dpipe's 8-bit base storage (`dpipe.train.fp8.QuantizedLinear`: 8-bit values
+with an fp32 scale per output row; a tensor's one scale is that scale on every row). A convrot
+Linear multiplies in the rotated basis: x @ W^T = (x @ H) @ stored^T * scale (H symmetric), so
+its stored bytes stay as they are and the input is rotated first (`StoredForm.group`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dpipe.errors import ModelLoadError
+
+CONF = ".comfy_quant"
+WEIGHT_SCALE = ".weight_scale"
+INPUT_SCALE = ".input_scale"
+HEADER_KEY = "_quantization_metadata"
+# The formats read, and the storage dtype each holds its weights in.
+STORAGE = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+           "int8_tensorwise": torch.int8}
+NOT_READ = ("nvfp4", "mxfp8", "convrot_w4a4", "asym_w4a8_int8")
+WHAT_DPIPE_READS = (
+    "dpipe reads ComfyUI's comfy_quant layers of formats float8_e4m3fn, float8_e5m2 and "
+    "int8_tensorwise (with or without convrot), its older scaled fp8 (`scaled_fp8` marker, "
+    "`<module>.scale_weight`) and int8 with `<module>.scale_weight`; convert other formats to "
+    "bf16 (or one of these) first")
+# Storage codes in the row tables that follow a file's rows through the families' key maps.
+_CODES = list(STORAGE.values())
+
+
+def has_layers(state: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bool:
+    return bool(metadata and HEADER_KEY in metadata) or any(k.endswith(CONF) for k in state)
+
+
+def layer_configs(state: dict[str, torch.Tensor], metadata: dict[str, str] | None,
+                  file: Path) -> dict[str, dict]:
+    """{layer: its comfy_quant object}, from the `.comfy_quant` tensors (taken out of `state`)
+    and the header's `_quantization_metadata`; refuses formats dpipe does not read."""
+    layers = {}
+    if metadata and HEADER_KEY in metadata:
+        layers.update(json.loads(metadata[HEADER_KEY]).get("layers", {}))
+    for key in [k for k in state if k.endswith(CONF)]:
+        raw = state.pop(key)
+        try:
+            layers[key.removesuffix(CONF)] = json.loads(raw.numpy().tobytes())
+        except (ValueError, TypeError):
+            raise ModelLoadError(f"{file}: {key} is not the JSON object ComfyUI stores there") \
+                from None
+    unread = {layer: conf.get("format") for layer, conf in layers.items()
+              if conf.get("format") not in STORAGE}
+    if unread:
+        first = sorted(unread)[:3]
+        raise ModelLoadError(
+            f"{file} is quantized in a layout dpipe does not read: layers {first} have comfy_quant"
+            f" formats {sorted({str(f) for f in unread.values()})} ({len(unread)} layers in all)."
+            f" {WHAT_DPIPE_READS}")
+    return layers
+
+
+def hadamard(size: int) -> torch.Tensor:
+    """The normalized regular Hadamard matrix of `size` (a power of 4), fp32."""
+    if size < 4 or 4 ** round(math.log(size, 4)) != size:
+        raise ValueError(f"convrot_groupsize {size} is not a power of 4")
+    base = torch.tensor([[1., 1., 1., -1.], [1., 1., -1., 1.], [1., -1., 1., 1.],
+                         [-1., 1., 1., 1.]])
+    h = base
+    while h.shape[0] < size:
+        h = torch.kron(h, base)
+    return h / math.sqrt(size)
+
+
+def rotated(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """`weight` (rows, cols) times H, group by group of `group` columns (H @ H = I: the same
+    call rotates and rotates back)."""
+    rows, cols = weight.shape
+    if cols % group:
+        raise ValueError(f"{cols} input columns do not split into convrot groups of {group}")
+    h = hadamard(group).to(weight.device, weight.dtype)
+    return (weight.reshape(rows, cols // group, group) @ h).reshape(rows, cols)
+
+
+def convrot_group(conf: dict) -> int:
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if not conf.get("convrot", params.get("convrot", False)):
+        return 0
+    return int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+
+
+def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], file: Path,
+                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """(`state` with each quantized layer's weight as its true values in `dtype`, computed in
+    fp32, and its scales left out; {weight key: its row table}): a row table is a float64
+    (rows, 3) tensor of [scale, storage code, convrot group] per output row, which the families'
+    key maps split and stack as they do the weight's rows (float64: no weight of a model is)."""
+    out, tables = {}, {}
+    for layer, conf in layers.items():
+        weight_key = f"{layer}.weight"
+        if weight_key not in state or layer + WEIGHT_SCALE not in state:
+            raise ModelLoadError(f"{file}: {layer}{CONF} names a layer without "
+                                 f"{'a weight' if weight_key not in state else 'a weight_scale'}")
+    for key in list(state):
+        if key.endswith(INPUT_SCALE) or key.endswith(WEIGHT_SCALE):
+            continue
+        value = state.pop(key)
+        layer = key.removesuffix(".weight")
+        conf = layers.get(layer) if key.endswith(".weight") else None
+        if conf is None:
+            out[key] = value
+            continue
+        storage = STORAGE[conf["format"]]
+        if value.dtype != storage:
+            raise ModelLoadError(f"{file}: {key} is {value.dtype}, but its comfy_quant format "
+                                 f"{conf['format']} stores {storage}")
+        scale = state[layer + WEIGHT_SCALE].to(torch.float32)
+        rows = value.shape[0]
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(rows)
+        elif scale.numel() == rows and storage == torch.int8:
+            scale = scale.reshape(rows)
+        else:
+            raise ModelLoadError(
+                f"{file}: {layer}{WEIGHT_SCALE} has shape {tuple(scale.shape)}; {conf['format']} "
+                f"holds one scale per tensor{' or one per row' if storage == torch.int8 else ''}")
+        group = convrot_group(conf)
+        weight = value.to(torch.float32) * scale.reshape(-1, *([1] * (value.dim() - 1)))
+        if group:
+            try:
+                weight = rotated(weight, group)
+            except ValueError as err:
+                raise ModelLoadError(f"{file}: {key}: {err}") from None
+        out[key] = weight.to(dtype)
+        if value.dim() == 2:
+            tables[key] = torch.stack([scale.double(),
+                                       torch.full((rows,), float(_CODES.index(storage)),
+                                                  dtype=torch.float64),
+                                       torch.full((rows,), float(group), dtype=torch.float64)], 1)
+    return out, tables
+
+
+@dataclass
+class StoredForm:
+    """A Linear's weight as the file stores it: `values` (out, in) in `storage` (fp8 or int8),
+    `scale` (out,) fp32, and the convrot `group` its rows were rotated in (0: none)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    group: int = 0
+
+    def dequantized(self) -> torch.Tensor:
+        weight = self.values.to(torch.float32) * self.scale[:, None]
+        return rotated(weight, self.group) if self.group else weight
+
+
+def stored_form(weight: torch.Tensor, table: torch.Tensor) -> StoredForm | None:
+    """The stored form of fp32 `weight` (the file's values after the key map) from its row
+    `table`, or None where its rows mix storages or convrot groups. Dividing the fp32 product by
+    its scale gives the stored value back exactly: its rounding error (~1e-7) is far below half a
+    step of an 8-bit format."""
+    if table.dtype != torch.float64 or table.shape != (weight.shape[0], 3):
+        return None
+    codes, groups = table[:, 1].unique(), table[:, 2].unique()
+    if len(codes) != 1 or len(groups) != 1:
+        return None
+    storage, group = _CODES[int(codes.item())], int(groups.item())
+    scale = table[:, 0].to(torch.float32)
+    values = rotated(weight.to(torch.float32), group) if group else weight.to(torch.float32)
+    values = torch.where(scale[:, None] > 0, values / scale.clamp(min=1e-38)[:, None], 0.0)
+    values = values.round() if storage == torch.int8 else values
+    return StoredForm(values.to(storage), scale, group)

@@ -1,0 +1,243 @@
+"""ComfyUI's per-layer quantized single files (`comfy_quant`, `weight_scale`; float8, int8 and
+int8 convrot) on the tiny FLUX model's Black Forest Labs-layout file: read by the layout's rules,
+and kept in their stored 8-bit form as a LoRA's frozen base.
+
+The file is written here with the key names and JSON that ComfyUI 0.33.0 (upstream 783545f6,
+2026-08-22) reads in `comfy/ops.py` (a uint8 `<layer>.comfy_quant` tensor of JSON bytes, or the
+header's `_quantization_metadata`), and the dequantization rules below are those of the
+comfy-kitchen 0.2.31 layouts ComfyUI names in `comfy/quant_ops.py` (eager backend: `TensorCoreFP8
+Layout`, `TensorWiseINT8Layout` with `convrot`), written out here independently of dpipe's code."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dpipe.config.compose import compose_run
+from dpipe.errors import ModelLoadError
+from dpipe.models.flux.tiny import make_tiny_flux, write_bfl_single_file
+from dpipe.models.registry import build_spec
+
+PREFIX = "model.diffusion_model."
+# BFL layer -> (comfy_quant format, convrot group or 0); the other 2-D weights of the blocks and
+# the final layer's modulation are float8_e4m3fn; the embedders stay bf16, as in ComfyUI's files.
+FORMATS = {"img_attn.qkv": ("float8_e4m3fn", 0), "txt_attn.qkv": ("float8_e5m2", 0),
+           "linear1": ("int8_tensorwise", 0), "linear2": ("int8_tensorwise", 16),
+           "img_mlp.0": ("int8_tensorwise", 16), "img_mlp.2": ("int8_tensorwise", 64)}
+DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+          "int8_tensorwise": torch.int8}
+
+
+def regular_hadamard(n: int) -> torch.Tensor:
+    """comfy-kitchen's ConvRot matrix: Kronecker powers of the 4x4 regular Hadamard, / sqrt(n)."""
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]],
+                      dtype=torch.float64)
+    h = h4
+    while h.shape[0] < n:
+        h = torch.kron(h, h4)
+    return h / math.sqrt(n)
+
+
+def by_groups(w: torch.Tensor, group: int) -> torch.Tensor:
+    """W @ H^T over each group of `group` input columns (comfy-kitchen's `_rotate_weight`)."""
+    rows, cols = w.shape
+    return (w.reshape(rows, cols // group, group) @ regular_hadamard(group).T.to(w.dtype)
+            ).reshape(rows, cols)
+
+
+def layer_format(key: str) -> tuple[str, int] | None:
+    name = key.removeprefix(PREFIX).removesuffix(".weight")
+    for part, fmt in FORMATS.items():
+        if name.endswith(part):
+            return fmt
+    if "blocks." in name or name.startswith("final_layer.adaLN"):
+        return ("float8_e4m3fn", 0)
+    return None
+
+
+def comfy_quant_copy(plain: Path, out: Path, in_header: bool = False,
+                     odd: dict | None = None) -> Path:
+    """`plain` quantized as ComfyUI's quantizers write it: fp8 with one absmax scale per tensor,
+    int8 tensor-wise, int8 convrot rotated and then scaled per row; `odd`: extra layer objects."""
+    state, layers = {}, {}
+    for key, value in load_file(plain).items():
+        fmt = layer_format(key) if key.endswith(".weight") and value.dim() == 2 else None
+        if fmt is None:
+            state[key] = value
+            continue
+        name, group = fmt
+        layer = key.removesuffix(".weight")
+        w = value.to(torch.float32)
+        if group:  # rows rotated, then a scale per row (the convrot quantizer's rowwise int8)
+            w = by_groups(w.double(), group).float()
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
+        else:
+            top = 127.0 if name.startswith("int8") else torch.finfo(DTYPES[name]).max
+            scale = w.abs().amax() / top
+        q = w / scale
+        q = q.round().clamp(-128, 127) if name.startswith("int8") else q
+        state[key] = q.to(DTYPES[name])
+        state[f"{layer}.weight_scale"] = scale.float()
+        if name.startswith("float8"):
+            state[f"{layer}.input_scale"] = torch.tensor(1.0)
+        conf = {"format": name, **({"convrot": True, "convrot_groupsize": group} if group else {})}
+        layers[layer] = conf
+    for layer, conf in (odd or {}).items():
+        layers[layer] = conf
+    metadata = {"format": "pt"}
+    if in_header:
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0",
+                                                         "layers": layers})
+    else:
+        for layer, conf in layers.items():
+            state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
+                                                         dtype=torch.uint8)
+    save_file(state, str(out), metadata=metadata)
+    return out
+
+
+def dequantized_copy(file: Path, out: Path) -> Path:
+    """The file's values by ComfyUI's rules, as a plain fp32 file: fp8 and int8 value * scale,
+    convrot then rotated back, (value * scale) @ H per group (H = H^T = H^-1)."""
+    state = load_file(file)
+    layers = {k.removesuffix(".comfy_quant"): json.loads(bytes(v.tolist()))
+              for k, v in state.items() if k.endswith(".comfy_quant")}
+    plain = {}
+    for key, value in state.items():
+        layer = key.removesuffix(".weight")
+        if key.endswith((".comfy_quant", ".weight_scale", ".input_scale")):
+            continue
+        if layer not in layers:
+            plain[key] = value
+            continue
+        w = value.double() * state[f"{layer}.weight_scale"].double()
+        if layers[layer].get("convrot"):
+            w = by_groups(w, layers[layer]["convrot_groupsize"])
+        plain[key] = w.float()
+    save_file(plain, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(the tiny FLUX diffusers folder, its transformer as one plain BFL-layout file)."""
+    root = tmp_path_factory.mktemp("comfy_quant")
+    folder = make_tiny_flux(root / "flux")
+    return folder, write_bfl_single_file(folder, root / "flux1-dev.safetensors", PREFIX)
+
+
+def _run(file: Path, folder: Path, *overrides):
+    run = compose_run(["model=tiny_flux", f"model.path={file}", "model.tiny=false",
+                       f"model.single_file_config={folder}", "dataset=synthetic",
+                       "dataset.path=/unused", "train.precision=bf16", "model.lora.rank=4",
+                       *overrides])
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    return spec, run
+
+
+@pytest.mark.parametrize("in_header", [False, True], ids=["comfy_quant_keys", "header"])
+def test_values_follow_the_layouts_rules_and_linears_keep_the_stored_bytes(tiny, tmp_path,
+                                                                           in_header):
+    folder, plain = tiny
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors", in_header)
+    spec, _ = _run(file, folder)
+    model = spec.load_denoiser(torch.float32)
+    reference = _run(dequantized_copy(comfy_quant_copy(plain, tmp_path / "keys.safetensors"),
+                                      tmp_path / "deq.safetensors"), folder)[0]
+    want = reference.load_denoiser(torch.float32).state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    stored = load_file(file)
+    forms = {name: m.stored_form for name, m in model.named_modules() if "stored_form" in vars(m)}
+    # Every Linear of a quantized layer keeps its form: per double block qkv split in three
+    # (twice), two out projections, four MLP Linears, two modulations; per single block linear1
+    # split in four, linear2, the modulation; the final layer's modulation.
+    assert len(forms) == 2 * (3 + 3 + 2 + 4 + 2) + 2 * (4 + 1 + 1) + 1
+    block = "transformer_blocks.0.attn"
+    fused = torch.cat([forms[f"{block}.{p}"].values for p in ("to_q", "to_k", "to_v")])
+    assert torch.equal(fused.view(torch.uint8),
+                       stored[f"{PREFIX}double_blocks.0.img_attn.qkv.weight"].view(torch.uint8))
+    for name, bfl, dtype in (("single_transformer_blocks.1.proj_out", "single_blocks.1.linear2",
+                              torch.int8),
+                             (f"{block}.add_q_proj", "double_blocks.0.txt_attn.qkv",
+                              torch.float8_e5m2)):
+        values = stored[f"{PREFIX}{bfl}.weight"]
+        assert forms[name].values.dtype == dtype
+        assert torch.equal(forms[name].values.view(torch.uint8),
+                           values[:forms[name].values.shape[0]].view(torch.uint8)), name
+    assert forms["single_transformer_blocks.1.proj_out"].group == 16
+
+
+def test_a_lora_trains_on_the_stored_form(tiny, tmp_path):
+    """The blocks' frozen Linears hold the file's bytes (no second rounding), train as a LoRA,
+    and start from the loss of the same values held in bf16 (within bf16's rounding)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from dpipe.bench.worker import fixed_micro_batches
+    from dpipe.train.fp8 import QuantizedLinear
+    from dpipe.train.stored_base import RotatedQuantizedLinear
+    from dpipe.train.trainable import trainable_layers
+
+    folder, plain = tiny
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    losses = {}
+    for name, path in (("stored", file),
+                       ("bf16", dequantized_copy(file, tmp_path / "deq.safetensors"))):
+        spec, run = _run(path, folder)
+        layers = trainable_layers(spec, run)
+        wrapped = [m for layer in layers for m in layer.modules() if isinstance(m, LoraLinear)]
+        bases = [m.base_layer for m in wrapped]
+        if name == "stored":
+            assert bases and all(isinstance(b, QuantizedLinear) for b in bases)
+            assert sum(isinstance(b, RotatedQuantizedLinear) for b in bases) == 2 * (1 + 1 + 1)
+            assert {b.weight.dtype for b in bases} == set(DTYPES.values())
+            assert not any("stored_form" in vars(m) for layer in layers for m in layer.modules())
+        else:
+            assert not any(isinstance(b, QuantizedLinear) for b in bases)
+        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=3e-2)
+        (inputs, labels), = fixed_micro_batches(spec, "tiny", 1, 2, seed=0)
+        losses[name] = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x = inputs
+                for layer in layers:
+                    x = layer(x)
+                loss = spec.loss(x, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    assert losses["stored"][-1] < losses["stored"][0]
+    torch.testing.assert_close(losses["stored"][0], losses["bf16"][0], rtol=0.01, atol=0)
+
+
+def test_a_full_fine_tune_and_dpipes_own_storage_use_the_values(tiny, tmp_path):
+    folder, plain = tiny
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    for overrides in (["model.mode=full", "pipeline.zero_stage=1"], ["model.base_dtype=int8"]):
+        spec, _ = _run(file, folder, *overrides)
+        model = spec.load_denoiser(torch.float32)
+        assert not any("stored_form" in vars(m) for m in model.modules()), overrides
+
+
+def test_an_unread_layout_names_its_layers_and_the_formats_dpipe_reads(tiny, tmp_path):
+    folder, plain = tiny
+    layer = f"{PREFIX}double_blocks.0.img_mod.lin"
+    odd = comfy_quant_copy(plain, tmp_path / "nvfp4.safetensors",
+                           odd={layer: {"format": "nvfp4"}})
+    with pytest.raises(ModelLoadError, match="layout dpipe does not read") as err:
+        _run(odd, folder)[0].load_denoiser(torch.float32)
+    for said in (layer, "'nvfp4'", "float8_e4m3fn, float8_e5m2 and int8_tensorwise",
+                 "nvfp4.safetensors"):
+        assert said in str(err.value), err.value
