@@ -14,7 +14,7 @@ unchanged (`export_like_source`).
 
 Quantized files (ComfyUI's scaled fp8, int8 with scales: `common/quantized_files.py`; its
 per-layer `comfy_quant` layouts: `common/comfy_quant.py`) are read dequantized, so the families'
-key maps see ordinary weights. A comfy_quant file's rows also carry a row table (scale, storage,
+key maps see ordinary weights. Their scaled rows also carry a row table (scale, storage,
 convrot group) through the same key map, so that a LoRA run keeps each Linear's stored 8-bit form
 as its frozen base (`keep_stored`; `dpipe.train.stored_base`). GGUF files (`common/gguf_files.py`)
 stay quantized: the key maps move their blocks whole (rows split and stacked), and the Linears
@@ -33,7 +33,7 @@ import torch
 from dpipe.errors import ModelLoadError
 from dpipe.models.common import comfy_quant
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, keep_quantized, read_gguf
-from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized,
+from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized_with_tables,
                                                  is_quantization_key, quantized_format)
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def read_with_row_tables(file: Path, dtype: torch.dtype
     fmt = quantized_format(state, file)
     if fmt is not None:
         log.info("%s: %s, dequantized to %s", file, fmt, str(dtype).removeprefix("torch."))
-    return dequantized(state, file, dtype), {}
+    return dequantized_with_tables(state, file, dtype)
 
 
 def _header(file: Path) -> dict[str, str] | None:
@@ -133,8 +133,8 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
     ComfyUI's "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file
     uses other names, loaded into weights allocated once (no random init of billions of
     parameters). `title`: the model's name in messages. `keep_stored` (fp32 loads): each Linear
-    of a comfy_quant file also keeps its stored form (`comfy_quant.StoredForm`, as the
-    attribute `stored_form`) for a LoRA's frozen base."""
+    of a quantized file (scaled fp8, int8, comfy_quant) also keeps its stored form
+    (`comfy_quant.StoredForm`, as the attribute `stored_form`) for a LoRA's frozen base."""
     from accelerate import init_empty_weights
 
     gguf = file.suffix == GGUF_SUFFIX

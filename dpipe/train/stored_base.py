@@ -1,5 +1,6 @@
-"""A quantized file's stored 8-bit Linears as the frozen base of a LoRA (ComfyUI's comfy_quant
-float8 and int8 layouts, int8 convrot: `dpipe.models.common.comfy_quant`).
+"""A quantized file's stored 8-bit Linears as the frozen base of a LoRA (ComfyUI's scaled fp8 and
+int8 files, its comfy_quant float8 and int8 layouts, int8 convrot:
+`dpipe.models.common.quantized_files`, `dpipe.models.common.comfy_quant`).
 
 The loader leaves each such Linear's stored form beside its dequantized weight
 (`stored_form`); after LoRA wrapping, the blocks' frozen Linears become `QuantizedLinear`s of

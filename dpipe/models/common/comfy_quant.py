@@ -11,7 +11,7 @@ backend, Apache-2.0):
   its `<layer>.weight` in the format's storage dtype and `<layer>.weight_scale` (fp32).
 - float8_e4m3fn, float8_e5m2: weight = stored.float() * weight_scale (one scale per tensor).
 - int8_tensorwise: weight = stored.float() * weight_scale, one scale per tensor or one per
-  output row (out, 1). With `convrot` (the "int8 convrot" files, e.g. MiniMax H3's): the rows
+  output row (out, 1) (read for the fp8 formats too: the rule broadcasts the same way). With `convrot` (the "int8 convrot" files, e.g. MiniMax H3's): the rows
   were rotated before quantizing, group by group of `convrot_groupsize` input columns, by the
   normalized regular Hadamard matrix H (Kronecker powers of the 4x4 regular Hadamard, / sqrt(n):
   symmetric and orthogonal, so H @ H = I); weight = (stored.float() * weight_scale) @ H per group.
@@ -20,7 +20,8 @@ backend, Apache-2.0):
 Formats not read (nvfp4, mxfp8, convrot_w4a4, asym_w4a8_int8: 4-bit or block-scaled) are
 refused with their layers named.
 
-All three map onto dpipe's 8-bit base storage (`dpipe.train.fp8.QuantizedLinear`: 8-bit values
+All three, and the older layouts of `quantized_files.py` (ComfyUI loads those as
+float8_e4m3fn layers: `convert_old_quants`), map onto dpipe's 8-bit base storage (`dpipe.train.fp8.QuantizedLinear`: 8-bit values
 with an fp32 scale per output row; a tensor's one scale is that scale on every row). A convrot
 Linear multiplies in the rotated basis: x @ W^T = (x @ H) @ stored^T * scale (H symmetric), so
 its stored bytes stay as they are and the input is rotated first (`StoredForm.group`).
@@ -141,12 +142,12 @@ def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], 
         rows = value.shape[0]
         if scale.numel() == 1:
             scale = scale.reshape(1).expand(rows)
-        elif scale.numel() == rows and storage == torch.int8:
+        elif scale.numel() == rows and scale.shape in ((rows,), (rows, 1)):
             scale = scale.reshape(rows)
         else:
             raise ModelLoadError(
-                f"{file}: {layer}{WEIGHT_SCALE} has shape {tuple(scale.shape)}; {conf['format']} "
-                f"holds one scale per tensor{' or one per row' if storage == torch.int8 else ''}")
+                f"{file}: {layer}{WEIGHT_SCALE} has shape {tuple(scale.shape)}; dpipe reads one "
+                f"scale per tensor or one per output row ({rows}, 1)")
         group = convrot_group(conf)
         weight = value.to(torch.float32) * scale.reshape(-1, *([1] * (value.dim() - 1)))
         if group:
@@ -156,11 +157,16 @@ def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], 
                 raise ModelLoadError(f"{file}: {key}: {err}") from None
         out[key] = weight.to(dtype)
         if value.dim() == 2:
-            tables[key] = torch.stack([scale.double(),
-                                       torch.full((rows,), float(_CODES.index(storage)),
-                                                  dtype=torch.float64),
-                                       torch.full((rows,), float(group), dtype=torch.float64)], 1)
+            tables[key] = row_table(scale, storage, group)
     return out, tables
+
+
+def row_table(scale: torch.Tensor, storage: torch.dtype, group: int = 0) -> torch.Tensor:
+    """A weight's row table: [scale, storage code, convrot group] per row, float64 (rows, 3)."""
+    rows = scale.shape[0]
+    return torch.stack([scale.double(),
+                        torch.full((rows,), float(_CODES.index(storage)), dtype=torch.float64),
+                        torch.full((rows,), float(group), dtype=torch.float64)], 1)
 
 
 @dataclass

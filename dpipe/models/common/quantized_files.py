@@ -24,7 +24,7 @@ import torch
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.common.comfy_quant import CONF, INPUT_SCALE as LAYER_INPUT_SCALE
-from dpipe.models.common.comfy_quant import WEIGHT_SCALE, WHAT_DPIPE_READS
+from dpipe.models.common.comfy_quant import WEIGHT_SCALE, WHAT_DPIPE_READS, row_table
 
 MARKER = "scaled_fp8"
 SCALE = ".scale_weight"
@@ -98,13 +98,21 @@ def dequantized(state: dict[str, torch.Tensor], file: Path,
                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` with each scaled weight replaced by weight * scale_weight in `dtype` and the
     quantization keys left out; a plain file's state comes back as it is."""
+    return dequantized_with_tables(state, file, dtype)[0]
+
+
+def dequantized_with_tables(state: dict[str, torch.Tensor], file: Path, dtype: torch.dtype
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(`dequantized`'s state, the row tables of its scaled 2-D weights, as
+    `comfy_quant.dequantized_layers` gives them)."""
+    tables = {}
     if quantized_format(state, file) is None:
         if any(v.dtype == torch.int8 for k, v in state.items() if k.endswith(".weight")):
             raise ModelLoadError(
                 f"{file} holds int8 weights without `<module>.scale_weight` scales (e.g. "
                 f"{next(k for k, v in state.items() if v.dtype == torch.int8)}). "
                 f"{WHAT_DPIPE_READS}")
-        return state
+        return state, tables
     out = {}
     for key in list(state):
         if is_quantization_key(key):
@@ -120,8 +128,11 @@ def dequantized(state: dict[str, torch.Tensor], file: Path,
         if scale is None:
             out[key] = value.to(dtype) if value.dtype in FP8_FORMATS else value
             continue
-        out[key] = (value.to(torch.float32) * _broadcast(scale, value, key, file)).to(dtype)
-    return out
+        scale = _broadcast(scale, value, key, file)
+        out[key] = (value.to(torch.float32) * scale).to(dtype)
+        if value.dim() == 2 and value.dtype in QUANTIZED_DTYPES:
+            tables[key] = row_table(scale.reshape(-1).expand(value.shape[0]), value.dtype)
+    return out, tables
 
 
 def _broadcast(scale: torch.Tensor, weight: torch.Tensor, key: str, file: Path) -> torch.Tensor:
