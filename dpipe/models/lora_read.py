@@ -34,7 +34,7 @@ PREFIXES = (("base_model.model.", "peft"), ("transformer.", "diffusers"), ("unet
 # Text encoders' LoRAs (kohya's and diffusers' names): dpipe trains the denoiser only.
 TEXT_ENCODER = ("lora_te", "text_encoder", "te_", "te1_", "te2_", "text_model.")
 FORMATS_READ = ("diffusers", "peft", "ComfyUI", "ai-toolkit/musubi-tuner", "kohya",
-                "LyCORIS LoCon/LoKr/LoHa (Tucker cores, DoRA's dora_scale)")
+                "LyCORIS LoCon/LoKr/LoHa/DoRA")
 # The parts each kind of adapter file may hold (peft's names); any other is named, not guessed.
 KNOWN_PARTS = {Adapter.lora: {"lora_A.weight", "lora_B.weight", "lora_mid.weight", "alpha"},
                Adapter.dora: {"lora_A.weight", "lora_B.weight", "alpha", "lora_magnitude_vector",
