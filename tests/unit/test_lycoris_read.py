@@ -83,7 +83,7 @@ def test_a_locon_merges_into_sdxl_s_convolutions_as_its_bypass_forward(sdxl, tmp
     base = {n: p.detach().clone() for n, p in denoiser.named_parameters()}
     tucker, plain = "down_blocks.0.resnets.0.conv1", "down_blocks.0.resnets.0.conv2"
     linear = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
-    rank, alpha = 2, 1.0
+    rank, alpha = run.model.lora.rank, 1.0
     file = {}
     for seed, module in enumerate((tucker, plain, linear)):
         weight = denoiser.get_submodule(module).weight
@@ -117,13 +117,26 @@ def test_a_locon_merges_into_sdxl_s_convolutions_as_its_bypass_forward(sdxl, tmp
     torch.testing.assert_close(
         denoiser.get_submodule(linear).weight, base[f"{linear}.weight"] + alpha / rank
         * file[f"{name}.lora_up.weight"] @ file[f"{name}.lora_down.weight"])
-    # A Tucker core has no place in the adapters dpipe trains: continuing the file is refused.
+    # A Tucker core has no place in the adapters dpipe trains: continuing the file is refused;
+    # without it, a run that adapts the convolution (peft's conv LoRA: A (r, in, kh, kw), B
+    # (out, r, 1, 1), LoCon's shapes) starts from the file (its scale refolded into B).
     run.model.lora.init_from = str(tmp_path / "locon.safetensors")
-    run.model.lora.targets = [tucker, plain, linear]
+    run.model.lora.targets = [plain, linear]
     make_trainable(denoiser, run.model, spec.lora_targets())
     with pytest.raises(ConfigError, match=r"Tucker core .* e\.g\. down_blocks\.0\.resnets\.0"
                                           r"\.conv1.*model\.merge_adapters"):
         init_adapter(denoiser, run.model, spec)
+    save_file({k: v for k, v in file.items() if not k.startswith(_kohya(spec, tucker) + ".")},
+              tmp_path / "conv.safetensors")
+    run.model.lora.init_from = str(tmp_path / "conv.safetensors")
+    init_adapter(denoiser, run.model, spec)
+    refold = (alpha / rank) / (run.model.lora.alpha / rank)
+    for module in (plain, linear):
+        name, adapted = _kohya(spec, module), denoiser.get_submodule(module)
+        torch.testing.assert_close(adapted.lora_A["default"].weight,
+                                   file[f"{name}.lora_down.weight"])
+        torch.testing.assert_close(adapted.lora_B["default"].weight,
+                                   refold * file[f"{name}.lora_up.weight"])
 
 
 def _lycoris_dora(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
