@@ -189,10 +189,12 @@ def test_the_header_metadata_reads_as_the_comfy_quant_keys(tiny, tmp_path):
     assert all(torch.equal(keys[k], header[k]) for k in keys)
 
 
-@pytest.mark.slow  # two tiny models built and a LoRA stepped in this process: 3-12 s on 2 cores
+@pytest.mark.slow  # a tiny model made trainable and stepped in this process: 3-8 s on 2 cores
 def test_a_lora_trains_on_the_stored_form(tiny, tmp_path):
-    """The blocks' frozen Linears hold the file's bytes (no second rounding), train as a LoRA,
-    and start from the loss of the same values held in bf16 (within bf16's rounding)."""
+    """The blocks' frozen Linears hold the file's bytes (no second rounding), start from the loss
+    of the same layers over plain bf16 Linears of those values, and train as a LoRA."""
+    import copy
+
     from peft.tuners.lora import Linear as LoraLinear
 
     from dpipe.bench.worker import fixed_micro_batches
@@ -201,48 +203,58 @@ def test_a_lora_trains_on_the_stored_form(tiny, tmp_path):
     from dpipe.train.trainable import trainable_layers
 
     folder, plain = tiny
-    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
-    losses = {}
-    for name, path in (("stored", file),
-                       ("bf16", dequantized_copy(file, tmp_path / "deq.safetensors"))):
-        spec, run = _run(path, folder)
-        layers = trainable_layers(spec, run)
-        bases = [m.base_layer for layer in layers for m in layer.modules()
-                 if isinstance(m, LoraLinear)]
-        if name == "stored":
-            assert bases and all(isinstance(b, QuantizedLinear) for b in bases)
-            assert sum(isinstance(b, RotatedQuantizedLinear) for b in bases) == 2 * (1 + 1 + 1)
-            assert {b.weight.dtype for b in bases} == set(DTYPES.values())
-            assert not any("stored_form" in vars(m) for layer in layers for m in layer.modules())
-        else:
-            assert not any(isinstance(b, QuantizedLinear) for b in bases)
-        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=3e-2)
-        (inputs, labels), = fixed_micro_batches(spec, "tiny", 1, 2, seed=0)
-        losses[name] = []
-        for _ in range(2 if name == "stored" else 1):  # the bf16 base: its first loss
-            with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(
-                    name == "stored"):
-                x = inputs
-                for layer in layers:
-                    x = layer(x)
-                loss = spec.loss(x, labels)
-            losses[name].append(loss.item())
-            if name == "stored":
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-    assert losses["stored"][1] < losses["stored"][0]
-    torch.testing.assert_close(losses["stored"][0], losses["bf16"][0], rtol=0.01, atol=0)
+    spec, run = _run(comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors"), folder)
+    layers = trainable_layers(spec, run)
+    wrapped = [m for layer in layers for m in layer.modules() if isinstance(m, LoraLinear)]
+    bases = [m.base_layer for m in wrapped]
+    assert bases and all(isinstance(b, QuantizedLinear) for b in bases)
+    assert sum(isinstance(b, RotatedQuantizedLinear) for b in bases) == 2 * (1 + 1 + 1)
+    assert {b.weight.dtype for b in bases} == set(DTYPES.values())
+    assert not any("stored_form" in vars(m) for layer in layers for m in layer.modules())
+    reference = copy.deepcopy(layers)
+    for module in (m for layer in reference for m in layer.modules()):
+        if isinstance(module, LoraLinear):
+            base = module.base_layer
+            linear = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+            linear.weight.data = base.dequantized().to(torch.bfloat16)
+            if base.bias is not None:
+                linear.bias.data = base.bias.data
+            module.base_layer = linear.requires_grad_(False)
+    (inputs, labels), = fixed_micro_batches(spec, "tiny", 1, 2, seed=0)
+
+    def loss_of(stack):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = inputs
+            for layer in stack:
+                x = layer(x)
+            return spec.loss(x, labels)
+
+    with torch.no_grad():
+        start = loss_of(reference).item()
+    opt = torch.optim.AdamW([p for layer in layers for p in layer.parameters()
+                             if p.requires_grad], lr=3e-2)
+    losses = []
+    for _ in range(2):
+        loss = loss_of(layers)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(losses[0], start, rtol=0.01, atol=0)
+    assert losses[1] < losses[0]
 
 
 def test_a_full_fine_tune_and_dpipes_own_storage_use_the_values(tiny, tmp_path):
     folder, plain = tiny
     file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
-    for overrides in (["model.mode=full", "pipeline.zero_stage=1"], ["model.base_dtype=int8"]):
-        spec, _ = _run(file, folder, *overrides)
-        model = spec.load_denoiser(torch.float32)
-        assert not any("stored_form" in vars(m) for m in model.modules()), overrides
+    from dpipe.models.single_file import keeps_stored_base
+
+    for overrides in (["model.mode=full", "pipeline.zero_stage=1"], ["model.base_dtype=int8"],
+                      ["model.base_compute=fp8"]):
+        spec, run = _run(file, folder, *overrides)
+        assert not keeps_stored_base(run.model), overrides
+    model = spec.load_denoiser(torch.float32)  # the values, as a plain base
+    assert not any("stored_form" in vars(m) for m in model.modules())
 
 
 def test_an_unread_layout_names_its_layers_and_the_formats_dpipe_reads(tiny, tmp_path):
