@@ -1,12 +1,13 @@
-"""ComfyUI's per-layer quantized single files (`comfy_quant`, `weight_scale`; float8, int8 and
-int8 convrot) on the tiny FLUX model's Black Forest Labs-layout file: read by the layout's rules,
-and kept in their stored 8-bit form as a LoRA's frozen base.
+"""ComfyUI's per-layer quantized single files (`comfy_quant`, `weight_scale`; float8, int8, int8
+convrot, nvfp4, mxfp8) on the tiny FLUX model's Black Forest Labs-layout file: read by the
+layout's rules, the 8-bit ones kept in their stored form as a LoRA's frozen base.
 
 The file is written here with the key names and JSON that ComfyUI 0.33.0 (upstream 783545f6,
 2026-08-22) reads in `comfy/ops.py` (a uint8 `<layer>.comfy_quant` tensor of JSON bytes, or the
 header's `_quantization_metadata`), and the dequantization rules below are those of the
 comfy-kitchen 0.2.31 layouts ComfyUI names in `comfy/quant_ops.py` (eager backend: `TensorCoreFP8
-Layout`, `TensorWiseINT8Layout` with `convrot`), written out here independently of dpipe's code."""
+Layout`, `TensorWiseINT8Layout` with `convrot`, `TensorCoreNVFP4Layout`, `TensorCoreMXFP8Layout`,
+block scales in cuBLAS's tiled order), written out here independently of dpipe's code."""
 
 import os
 
@@ -30,7 +31,9 @@ PREFIX = "model.diffusion_model."
 # the final layer's modulation are float8_e4m3fn; the embedders stay bf16, as in ComfyUI's files.
 FORMATS = {"img_attn.qkv": ("float8_e4m3fn", 0), "txt_attn.qkv": ("float8_e5m2", 0),
            "linear1": ("int8_tensorwise", 0), "linear2": ("int8_tensorwise", 16),
-           "img_mlp.0": ("int8_tensorwise", 16), "img_mlp.2": ("int8_tensorwise", 64)}
+           "img_mlp.0": ("int8_tensorwise", 16), "img_mlp.2": ("int8_tensorwise", 64),
+           "img_mod.lin": ("nvfp4", 0), "modulation.lin": ("mxfp8", 0)}
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; 8-15: negated
 DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
           "int8_tensorwise": torch.int8}
 
@@ -50,6 +53,53 @@ def by_groups(w: torch.Tensor, group: int) -> torch.Tensor:
     rows, cols = w.shape
     return (w.reshape(rows, cols // group, group) @ regular_hadamard(group).T.to(w.dtype)
             ).reshape(rows, cols)
+
+
+def tiled(scales: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) block-scale matrix in cuBLAS's tiled order for block-scaled matmuls (the
+    order comfy-kitchen's `to_blocked` writes): zero-padded to blocks of 128 rows x 4 columns,
+    block after block, in a block row r0 + 32 r1 and column c at r0 * 16 + r1 * 4 + c."""
+    rows, cols = scales.shape
+    row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
+    out = torch.zeros(row_blocks * col_blocks * 512, dtype=scales.dtype)
+    for r in range(rows):
+        for c in range(cols):
+            block = (r // 128) * col_blocks + c // 4
+            r1, r0 = divmod(r % 128, 32)
+            out[block * 512 + r0 * 16 + r1 * 4 + c % 4] = scales[r, c]
+    return out
+
+
+def untiled(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    col_blocks = -(-cols // 4)
+    out = torch.empty(rows, cols, dtype=flat.dtype)
+    for r in range(rows):
+        for c in range(cols):
+            r1, r0 = divmod(r % 128, 32)
+            out[r, c] = flat[((r // 128) * col_blocks + c // 4) * 512 + r0 * 16 + r1 * 4 + c % 4]
+    return out
+
+
+def nvfp4(w: torch.Tensor):
+    """(packed codes, tiled e4m3 block scales, tensor scale) as comfy-kitchen's nvfp4 quantizer
+    lays them out: 16 values a block scale, e2m1 codes nearest, high nibble first."""
+    tensor_scale = w.abs().max() / (448 * 6)
+    blocks = w.reshape(w.shape[0], -1, 16)
+    block_scale = (blocks.abs().amax(-1) / 6 / tensor_scale).clamp(min=2 ** -9).to(
+        torch.float8_e4m3fn)
+    x = blocks / (block_scale.float() * tensor_scale)[..., None]
+    codes = (x.abs()[..., None] - E2M1).abs().argmin(-1) + 8 * (x < 0)
+    codes = codes.reshape(w.shape[0], -1).to(torch.uint8)
+    return (codes[:, 0::2] << 4) | codes[:, 1::2], tiled(block_scale.view(torch.uint8)), \
+        tensor_scale.reshape(())
+
+
+def mxfp8(w: torch.Tensor):
+    """(e4m3 values, tiled e8m0 block scales): a power of two 2^(e - 127) per 32 values."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    exponent = (torch.log2(blocks.abs().amax(-1) / 448).ceil() + 127).clamp(1, 254)
+    q = (blocks / torch.exp2(exponent - 127)[..., None]).reshape(w.shape).to(torch.float8_e4m3fn)
+    return q, tiled(exponent.to(torch.uint8))
 
 
 def layer_format(key: str) -> tuple[str, int] | None:
@@ -75,6 +125,13 @@ def comfy_quant_copy(plain: Path, out: Path, in_header: bool = False,
         name, group = fmt
         layer = key.removesuffix(".weight")
         w = value.to(torch.float32)
+        layers[layer] = {"format": name}
+        if name == "nvfp4":
+            state[key], state[f"{layer}.weight_scale"], state[f"{layer}.weight_scale_2"] = nvfp4(w)
+            continue
+        if name == "mxfp8":
+            state[key], state[f"{layer}.weight_scale"] = mxfp8(w)
+            continue
         if group:  # rows rotated, then a scale per row (the convrot quantizer's rowwise int8)
             w = by_groups(w.double(), group).float()
             scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
@@ -112,10 +169,26 @@ def dequantized_copy(file: Path, out: Path) -> Path:
     plain = {}
     for key, value in state.items():
         layer = key.removesuffix(".weight")
-        if key.endswith((".comfy_quant", ".weight_scale", ".input_scale")):
+        if key.endswith((".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale")):
             continue
         if layer not in layers:
             plain[key] = value
+            continue
+        fmt = layers[layer]["format"]
+        if fmt in ("nvfp4", "mxfp8"):
+            block = 16 if fmt == "nvfp4" else 32
+            scales = state[f"{layer}.weight_scale"]
+            if fmt == "nvfp4":  # high nibble first; codes 8-15 are the negated 0-7
+                codes = torch.stack([value >> 4, value & 15], -1).reshape(value.shape[0], -1)
+                values = E2M1[codes.long() % 8] * (1 - 2 * (codes >= 8).float())
+                per_block = untiled(scales, value.shape[0], values.shape[1] // block).view(
+                    torch.float8_e4m3fn).float() * state[f"{layer}.weight_scale_2"]
+            else:
+                values = value.float()
+                exponent = untiled(scales, value.shape[0], value.shape[1] // block).float()
+                per_block = torch.exp2(exponent - 127)
+            plain[key] = (values.reshape(value.shape[0], -1, block) * per_block[..., None]
+                          ).reshape(values.shape)
             continue
         w = value.double() * state[f"{layer}.weight_scale"].double()
         if layers[layer].get("convrot"):
@@ -158,10 +231,12 @@ def test_values_follow_the_layouts_rules_and_linears_keep_the_stored_bytes(tiny,
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=key)
     stored = load_file(file)
     forms = {name: m.stored_form for name, m in model.named_modules() if "stored_form" in vars(m)}
-    # Every Linear of a quantized layer keeps its form: per double block qkv split in three
-    # (twice), two out projections, four MLP Linears, two modulations; per single block linear1
-    # split in four, linear2, the modulation; the final layer's modulation.
-    assert len(forms) == 2 * (3 + 3 + 2 + 4 + 2) + 2 * (4 + 1 + 1) + 1
+    # Every Linear of an 8-bit layer keeps its form: per double block qkv split in three
+    # (twice), two out projections, four MLP Linears, the text modulation; per single block
+    # linear1 split in four, linear2; the final layer's modulation. The nvfp4 and mxfp8
+    # modulations are values only.
+    assert len(forms) == 2 * (3 + 3 + 2 + 4 + 1) + 2 * (4 + 1) + 1
+    assert not any(name.endswith(("norm1.linear", "norm.linear")) for name in forms)
     block = "transformer_blocks.0.attn"
     fused = torch.cat([forms[f"{block}.{p}"].values for p in ("to_q", "to_k", "to_v")])
     assert torch.equal(fused.view(torch.uint8),
@@ -207,13 +282,18 @@ def test_a_lora_trains_on_the_stored_form(tiny, tmp_path):
     layers = trainable_layers(spec, run)
     wrapped = [m for layer in layers for m in layer.modules() if isinstance(m, LoraLinear)]
     bases = [m.base_layer for m in wrapped]
-    assert bases and all(isinstance(b, QuantizedLinear) for b in bases)
+    # The nvfp4 and mxfp8 modulations (values only) stay plain Linears, in bf16.
+    plain_bases = [m.base_layer for layer in layers for n, m in layer.named_modules()
+                   if isinstance(m, LoraLinear) and n.endswith(("norm1.linear", "norm.linear"))]
+    assert all(type(b) is torch.nn.Linear for b in plain_bases)
+    assert bases and all(isinstance(b, QuantizedLinear) for b in bases if b not in plain_bases)
     assert sum(isinstance(b, RotatedQuantizedLinear) for b in bases) == 2 * (1 + 1 + 1)
-    assert {b.weight.dtype for b in bases} == set(DTYPES.values())
+    assert {b.weight.dtype for b in bases if b not in plain_bases} == set(DTYPES.values())
+    assert plain_bases and {b.weight.dtype for b in plain_bases} == {torch.bfloat16}
     assert not any("stored_form" in vars(m) for layer in layers for m in layer.modules())
     reference = copy.deepcopy(layers)
     for module in (m for layer in reference for m in layer.modules()):
-        if isinstance(module, LoraLinear):
+        if isinstance(module, LoraLinear) and isinstance(module.base_layer, QuantizedLinear):
             base = module.base_layer
             linear = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
             linear.weight.data = base.dequantized().to(torch.bfloat16)
@@ -259,11 +339,11 @@ def test_a_full_fine_tune_and_dpipes_own_storage_use_the_values(tiny, tmp_path):
 
 def test_an_unread_layout_names_its_layers_and_the_formats_dpipe_reads(tiny, tmp_path):
     folder, plain = tiny
-    layer = f"{PREFIX}double_blocks.0.img_mod.lin"
-    odd = comfy_quant_copy(plain, tmp_path / "nvfp4.safetensors",
-                           odd={layer: {"format": "nvfp4"}})
+    layer = f"{PREFIX}double_blocks.0.img_mlp.0"
+    odd = comfy_quant_copy(plain, tmp_path / "w4a4.safetensors",
+                           odd={layer: {"format": "convrot_w4a4"}})
     with pytest.raises(ModelLoadError, match="layout dpipe does not read") as err:
         _run(odd, folder)[0].load_denoiser(torch.float32)
-    for said in (layer, "'nvfp4'", "float8_e4m3fn, float8_e5m2 and int8_tensorwise",
-                 "nvfp4.safetensors"):
+    for said in (layer, "'convrot_w4a4'", "float8_e4m3fn, float8_e5m2, int8_tensorwise",
+                 "nvfp4 and mxfp8", "w4a4.safetensors"):
         assert said in str(err.value), err.value

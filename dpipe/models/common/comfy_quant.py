@@ -15,16 +15,28 @@ backend, Apache-2.0):
   were rotated before quantizing, group by group of `convrot_groupsize` input columns, by the
   normalized regular Hadamard matrix H (Kronecker powers of the 4x4 regular Hadamard, / sqrt(n):
   symmetric and orthogonal, so H @ H = I); weight = (stored.float() * weight_scale) @ H per group.
+- nvfp4: `<layer>.weight` uint8, two 4-bit e2m1 codes a byte (high nibble first; values 0, 0.5,
+  1, 1.5, 2, 3, 4, 6 and their negatives), `<layer>.weight_scale` one float8_e4m3fn scale per 16
+  values of a row, `<layer>.weight_scale_2` an fp32 scale for the tensor: weight = value *
+  block scale * weight_scale_2.
+- mxfp8: `<layer>.weight` float8_e4m3fn, `<layer>.weight_scale` one e8m0 power of two per 32
+  values of a row (2^(byte - 127); byte 0 reads as 0, as comfy-kitchen reads it).
+  Both keep their block scales in cuBLAS's tiled order for block-scaled matmuls (blocks of 128
+  rows x 4 scale columns; in a block, row r0 + 32 r1 and column c at r0 * 16 + r1 * 4 + c),
+  padded to whole blocks; the weights' own padding (rows or columns not multiples of 16 / 32)
+  cannot be told from the file alone and is not read.
 - `<layer>.input_scale` (activations' fp8 scale for ComfyUI's fp8 matmuls) is unused: dpipe
   multiplies in the training precision.
-Formats not read (nvfp4, mxfp8, convrot_w4a4, asym_w4a8_int8: 4-bit or block-scaled) are
-refused with their layers named.
+Formats not read (convrot_w4a4, asym_w4a8_int8: 4-bit with rotations or codebooks) are refused
+with their layers named.
 
-All three, and the older layouts of `quantized_files.py` (ComfyUI loads those as
-float8_e4m3fn layers: `convert_old_quants`), map onto dpipe's 8-bit base storage (`dpipe.train.fp8.QuantizedLinear`: 8-bit values
+The float8 and int8 formats, and the older layouts of `quantized_files.py` (ComfyUI loads those
+as float8_e4m3fn layers: `convert_old_quants`), map onto dpipe's 8-bit base storage (`dpipe.train.fp8.QuantizedLinear`: 8-bit values
 with an fp32 scale per output row; a tensor's one scale is that scale on every row). A convrot
 Linear multiplies in the rotated basis: x @ W^T = (x @ H) @ stored^T * scale (H symmetric), so
-its stored bytes stay as they are and the input is rotated first (`StoredForm.group`).
+its stored bytes stay as they are and the input is rotated first (`StoredForm.group`). nvfp4
+(4 bits) and mxfp8 (a scale per 32 values) have no such form there: they are read dequantized
+(a LoRA's base then in the training precision, or as model.base_dtype stores it).
 """
 
 from __future__ import annotations
@@ -41,14 +53,19 @@ from dpipe.errors import ModelLoadError
 CONF = ".comfy_quant"
 WEIGHT_SCALE = ".weight_scale"
 INPUT_SCALE = ".input_scale"
+WEIGHT_SCALE_2 = ".weight_scale_2"
 HEADER_KEY = "_quantization_metadata"
 # The formats read, and the storage dtype each holds its weights in.
 STORAGE = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
            "int8_tensorwise": torch.int8}
-NOT_READ = ("nvfp4", "mxfp8", "convrot_w4a4", "asym_w4a8_int8")
+# Block-scaled formats: read dequantized. (storage dtype, values per block scale)
+BLOCK_SCALED = {"nvfp4": (torch.uint8, 16), "mxfp8": (torch.float8_e4m3fn, 32)}
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 WHAT_DPIPE_READS = (
-    "dpipe reads ComfyUI's comfy_quant layers of formats float8_e4m3fn, float8_e5m2 and "
-    "int8_tensorwise (with or without convrot), its older scaled fp8 (`scaled_fp8` marker, "
+    "dpipe reads ComfyUI's comfy_quant layers of formats float8_e4m3fn, float8_e5m2, "
+    "int8_tensorwise (with or without convrot), nvfp4 and mxfp8, its older scaled fp8 "
+    "(`scaled_fp8` marker, "
     "`<module>.scale_weight`) and int8 with `<module>.scale_weight`; convert other formats to "
     "bf16 (or one of these) first")
 # Storage codes in the row tables that follow a file's rows through the families' key maps.
@@ -74,7 +91,7 @@ def layer_configs(state: dict[str, torch.Tensor], metadata: dict[str, str] | Non
             raise ModelLoadError(f"{file}: {key} is not the JSON object ComfyUI stores there") \
                 from None
     unread = {layer: conf.get("format") for layer, conf in layers.items()
-              if conf.get("format") not in STORAGE}
+              if conf.get("format") not in STORAGE and conf.get("format") not in BLOCK_SCALED}
     if unread:
         first = sorted(unread)[:3]
         raise ModelLoadError(
@@ -126,13 +143,16 @@ def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], 
             raise ModelLoadError(f"{file}: {layer}{CONF} names a layer without "
                                  f"{'a weight' if weight_key not in state else 'a weight_scale'}")
     for key in list(state):
-        if key.endswith(INPUT_SCALE) or key.endswith(WEIGHT_SCALE):
+        if key.endswith((INPUT_SCALE, WEIGHT_SCALE, WEIGHT_SCALE_2)):
             continue
         value = state.pop(key)
         layer = key.removesuffix(".weight")
         conf = layers.get(layer) if key.endswith(".weight") else None
         if conf is None:
             out[key] = value
+            continue
+        if conf["format"] in BLOCK_SCALED:
+            out[key] = block_dequantized(value, state, layer, conf["format"], file).to(dtype)
             continue
         storage = STORAGE[conf["format"]]
         if value.dtype != storage:
@@ -159,6 +179,43 @@ def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], 
         if value.dim() == 2:
             tables[key] = row_table(scale, storage, group)
     return out, tables
+
+
+def from_tiled(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) block-scale matrix from cuBLAS's tiled order (see the module's docstring):
+    blocks of 128 rows x 4 columns, in a block row r0 + 32 r1, column c at r0 * 16 + r1 * 4 + c."""
+    row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
+    tiled = scales.reshape(row_blocks, col_blocks, 32, 4, 4)  # block, block, r0, r1, c
+    return tiled.permute(0, 3, 2, 1, 4).reshape(row_blocks * 128, col_blocks * 4)[:rows, :cols]
+
+
+def block_dequantized(value: torch.Tensor, state: dict[str, torch.Tensor], layer: str, fmt: str,
+                      file: Path) -> torch.Tensor:
+    """The fp32 values of an nvfp4 or mxfp8 `layer` (its scales in `state`)."""
+    storage, block = BLOCK_SCALED[fmt]
+    scale = state[layer + WEIGHT_SCALE]
+    if value.dtype not in (storage, torch.uint8) or value.dim() != 2:
+        raise ModelLoadError(f"{file}: {layer}.weight is a {value.dim()}-D {value.dtype} tensor, "
+                             f"not the 2-D {storage} of {fmt}")
+    if fmt == "nvfp4":
+        codes = torch.stack([value >> 4, value & 0x0F], dim=-1).reshape(value.shape[0], -1)
+        values = E2M1[codes.long()]
+        blocks = scale.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        tensor_scale = state.get(layer + WEIGHT_SCALE_2)
+        if tensor_scale is None:
+            raise ModelLoadError(f"{file}: the nvfp4 layer {layer} has no weight_scale_2")
+    else:
+        values = value.view(torch.float8_e4m3fn).to(torch.float32)
+        exponents = scale.view(torch.uint8).to(torch.int32)
+        blocks = torch.where(exponents == 0, 0.0, torch.exp2((exponents - 127).float()))
+        tensor_scale = torch.ones(())
+    rows, cols = values.shape
+    if cols % block or blocks.numel() != -(-rows // 128) * 128 * -(-(cols // block) // 4) * 4:
+        raise ModelLoadError(
+            f"{file}: {layer}.weight_scale holds {blocks.numel()} block scales, not the tiled "
+            f"scales of a {rows}x{cols} {fmt} weight")
+    per_block = from_tiled(blocks, rows, cols // block) * tensor_scale.to(torch.float32)
+    return (values.reshape(rows, -1, block) * per_block[..., None]).reshape(rows, cols)
 
 
 def row_table(scale: torch.Tensor, storage: torch.dtype, group: int = 0) -> torch.Tensor:

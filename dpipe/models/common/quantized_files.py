@@ -24,7 +24,8 @@ import torch
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.common.comfy_quant import CONF, INPUT_SCALE as LAYER_INPUT_SCALE
-from dpipe.models.common.comfy_quant import WEIGHT_SCALE, WHAT_DPIPE_READS, row_table
+from dpipe.models.common.comfy_quant import (WEIGHT_SCALE, WEIGHT_SCALE_2, WHAT_DPIPE_READS,
+                                             row_table)
 
 MARKER = "scaled_fp8"
 SCALE = ".scale_weight"
@@ -49,7 +50,7 @@ def _leaf(key: str) -> str:
 def is_quantization_key(key: str) -> bool:
     """The markers and the scales: keys of the file that are not weights of the model."""
     return _leaf(key) == MARKER or key.endswith((SCALE, INPUT_SCALE, CONF, WEIGHT_SCALE,
-                                                 LAYER_INPUT_SCALE))
+                                                 WEIGHT_SCALE_2, LAYER_INPUT_SCALE))
 
 
 def file_is_quantized(file: Path) -> bool:
