@@ -252,8 +252,9 @@ def export_like_source(folder: Path, source: Path, to_original: Callable, out_di
         name = _unprefixed(key)
         if is_quantization_key(key):
             continue
-        if name in trained:
-            dtype = torch.bfloat16 if value.dtype in QUANTIZED_DTYPES else value.dtype
+        if name in trained:  # 8-bit values, or nvfp4's packed bytes: the trained weight in bf16
+            dtype = (torch.bfloat16 if value.dtype in (*QUANTIZED_DTYPES, torch.uint8)
+                     else value.dtype)
             out[key] = trained[name].to(dtype).contiguous()
             placed.add(name)
         else:

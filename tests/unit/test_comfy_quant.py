@@ -347,3 +347,27 @@ def test_an_unread_layout_names_its_layers_and_the_formats_dpipe_reads(tiny, tmp
     for said in (layer, "'convrot_w4a4'", "float8_e4m3fn, float8_e5m2, int8_tensorwise",
                  "nvfp4 and mxfp8", "w4a4.safetensors"):
         assert said in str(err.value), err.value
+
+
+def test_a_full_fine_tune_goes_out_as_a_plain_bf16_file_in_the_source_s_layout(tiny, tmp_path):
+    """Its scales were fitted to the base weights: the trained weights go out in bf16, every
+    quantization key left out (FLUX.1's writer, and the other families' shared one)."""
+    from dpipe.models.common.bfl_layout import source_format
+    from dpipe.models.single_file import export_like_source
+
+    _, plain = tiny
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    assert source_format(file) == (PREFIX, torch.bfloat16)
+    stored = load_file(file)
+    trained = {k.removeprefix(PREFIX): torch.ones(v.shape[0], 32) for k, v in stored.items()
+               if k.endswith("img_mod.lin.weight") or k.endswith("img_attn.qkv.weight")}
+    folder = tmp_path / "trained"
+    folder.mkdir()
+    save_file(trained, str(folder / "model.safetensors"))
+    (tmp_path / "out").mkdir()
+    out = load_file(export_like_source(folder, file, lambda weights: weights, tmp_path / "out"))
+    assert not any(k.endswith(("comfy_quant", "weight_scale", "weight_scale_2", "input_scale"))
+                   for k in out)
+    for key in trained:  # nvfp4's packed bytes and fp8 values alike
+        assert out[PREFIX + key].dtype == torch.bfloat16 and torch.equal(
+            out[PREFIX + key], trained[key].bfloat16()), key
