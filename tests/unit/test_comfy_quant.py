@@ -371,3 +371,23 @@ def test_a_full_fine_tune_goes_out_as_a_plain_bf16_file_in_the_source_s_layout(t
     for key in trained:  # nvfp4's packed bytes and fp8 values alike
         assert out[PREFIX + key].dtype == torch.bfloat16 and torch.equal(
             out[PREFIX + key], trained[key].bfloat16()), key
+
+
+def test_the_memory_plan_counts_a_kept_file_in_8_bits(tiny, tmp_path):
+    """`dpipe-train --plan` / `pipeline=auto`: a LoRA on an all-8-bit file is planned with the
+    file's 8-bit base only (no model.base_dtype to add); a file with nvfp4 / mxfp8 layers, read
+    as values, and a run that sets model.base_dtype are planned as before."""
+    from dpipe.models.common.quantized_files import write_quantized_copy
+    from dpipe.plan.choose import candidates, keeps_file_base
+    from dpipe.plan.machine import parse
+
+    folder, plain = tiny
+    machine = parse("1x24,host=64")
+    eight_bit = write_quantized_copy(plain, tmp_path / "flux1-dev-int8.safetensors", torch.int8)
+    mixed = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    for path, overrides, kept in ((eight_bit, [], True), (mixed, [], False),
+                                  (eight_bit, ["model.base_dtype=int8"], False)):
+        _, run = _run(path, folder, *overrides)
+        assert keeps_file_base(run) == kept, (path.name, overrides)
+        bases = {fp8 for _, _, fp8 in candidates(run, machine, set())}
+        assert bases == ({True} if kept else {False, True}), (path.name, overrides)

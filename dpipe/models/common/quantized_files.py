@@ -67,6 +67,31 @@ def file_is_quantized(file: Path) -> bool:
                    for k in keys if k.endswith(".weight"))
 
 
+def stores_8bit_linears(file: Path) -> bool:
+    """Whether a LoRA on `file` keeps its 8-bit Linears as they are stored
+    (`dpipe.train.stored_base`): a scaled fp8 or int8 file, or a comfy_quant file whose layers
+    are all float8 or int8 (an nvfp4 or mxfp8 layer is read as values). From the header and the
+    small per-layer JSON tensors only."""
+    import json
+
+    from safetensors import safe_open
+
+    from dpipe.models.common.comfy_quant import HEADER_KEY, STORAGE
+
+    if Path(file).suffix != ".safetensors":
+        return False
+    with safe_open(str(file), "pt") as source:
+        keys = list(source.keys())
+        header = (source.metadata() or {}).get(HEADER_KEY)
+        confs = [json.loads(source.get_tensor(k).numpy().tobytes()) for k in keys
+                 if k.endswith(CONF)]
+    if header:
+        confs += list(json.loads(header).get("layers", {}).values())
+    if confs:
+        return all(conf.get("format") in STORAGE for conf in confs)
+    return any(_leaf(k) == MARKER or k.endswith(SCALE) for k in keys)
+
+
 def quantized_format(state: dict[str, torch.Tensor], file: Path) -> str | None:
     """A name for the quantization of `state` ("scaled fp8 (float8_e4m3fn)", "int8 with
     scales"), None for a plain file; refuses layouts dpipe does not read."""
