@@ -24,6 +24,10 @@ ADAPTER_PARTS = ("lora_", "lokr_", "hada_")
 LYCORIS_PREFIX = "lycoris_"  # LyCORIS's name for a module of the network it wraps
 LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+# LyCORIS's Tucker cores of a convolution's adapter (`use_tucker`): the kernel's spatial part kept
+# in a (rank, rank, *kernel) core between the two factors (LoCon's lora_mid, LoHa's hada_t1/t2,
+# LoKr's lokr_t2). peft's adapters that dpipe trains have none: such files merge, not continue.
+TUCKER_CORES = ("lora_mid.weight", "hada_t1", "hada_t2", "lokr_t2")
 
 
 def is_adapter_param(name: str) -> bool:
@@ -38,7 +42,7 @@ def adapter_kind(keys) -> Adapter:
         return Adapter.lokr
     if any(".hada_" in k for k in keys):
         return Adapter.loha
-    if any(".lora_magnitude_vector" in k for k in keys):
+    if any(".lora_magnitude_vector" in k or k.endswith(".dora_scale") for k in keys):
         return Adapter.dora
     return Adapter.lora
 
@@ -169,15 +173,31 @@ def module_delta(kind: Adapter, parts: dict[str, torch.Tensor], scale: float,
     t = {k: v.float() for k, v in parts.items()}
     if kind == Adapter.dora:
         raise ValueError("a DoRA's delta depends on the base weight: merge it through peft")
-    if kind == Adapter.lora:
+    if kind == Adapter.lora and "lora_mid.weight" in t:
+        delta = tucker(t["lora_mid.weight"], t["lora_B.weight"].flatten(1).T,
+                       t["lora_A.weight"].flatten(1))
+    elif kind == Adapter.lora:
         delta = t["lora_B.weight"].flatten(1) @ t["lora_A.weight"].flatten(1)
+    elif kind == Adapter.loha and "hada_t1" in t:
+        delta = (tucker(t["hada_t1"], t["hada_w1_a"], t["hada_w1_b"])
+                 * tucker(t["hada_t2"], t["hada_w2_a"], t["hada_w2_b"]))
     elif kind == Adapter.loha:
         delta = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
     else:
         w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
-        w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
-        delta = torch.kron(w1, w2)
+        w2 = (t["lokr_w2"] if "lokr_w2" in t
+              else tucker(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"]) if "lokr_t2" in t
+              else t["lokr_w2_a"] @ t["lokr_w2_b"])
+        # A convolution's w2 keeps its kernel dims: w1 gets them as 1s, so the Kronecker
+        # product multiplies the channels only (LyCORIS's make_kron).
+        delta = torch.kron(w1.reshape(*w1.shape, *[1] * (w2.dim() - w1.dim())), w2.contiguous())
     return (delta * scale).reshape(shape)
+
+
+def tucker(core: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A Tucker-factored kernel: delta[o, i, k...] = sum over a, b of core[a, b, k...] *
+    up[a, o] * down[b, i] (`up` (rank, out), `down` (rank, in): LyCORIS's rebuild_tucker)."""
+    return torch.einsum("ab...,ao,bi->oi...", core, up, down)
 
 
 def load_adapter_file(model: torch.nn.Module, file, prefix: str = "transformer",

@@ -80,14 +80,16 @@ def load_encoders(pipeline_cls, path: Path, device: torch.device, dtype: torch.d
 def load_denoiser(model_cls, path: Path, single_file: Path | None, dtype: torch.dtype,
                   convert: Callable | None = None, subfolder: str = "transformer",
                   title: str | None = None,
-                  gguf_architectures: tuple[str, ...] = ()) -> nn.Module:
+                  gguf_architectures: tuple[str, ...] = (),
+                  keep_stored: bool = False) -> nn.Module:
     """The denoiser from the folder's `subfolder`, or, given `single_file`, from that file with
     the folder's config (`convert(state, model)` maps the file's names where they are not
-    diffusers'; a GGUF file's `general.architecture` is one of `gguf_architectures`)."""
+    diffusers'; a GGUF file's `general.architecture` is one of `gguf_architectures`;
+    `keep_stored`: see `load_transformer_file`)."""
     if single_file is not None:
         return load_or_fail(lambda: load_transformer_file(
             model_cls, path / subfolder, single_file, dtype, convert=convert, title=title,
-            gguf_architectures=gguf_architectures), single_file)
+            gguf_architectures=gguf_architectures, keep_stored=keep_stored), single_file)
     return load_or_fail(lambda: model_cls.from_pretrained(
         path, subfolder=subfolder, dtype=dtype), path / subfolder)
 

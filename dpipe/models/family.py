@@ -32,7 +32,8 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
 from dpipe.models.single_file import (
-    SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, load_or_fail, split_path)
+    SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, keeps_stored_base, load_or_fail,
+    split_path)
 from dpipe.models.spec import ModelSpec, PipelineLayer, block_costs, denoiser_config
 
 
@@ -138,7 +139,8 @@ class DiffusersFamily(ModelSpec):
         return load_denoiser(diffusers_class(self.denoiser_class), self.path, self.single_file,
                              dtype, convert=type(self).from_single_file,
                              subfolder=self.denoiser_folder, title=self.title,
-                             gguf_architectures=self.gguf_architectures)
+                             gguf_architectures=self.gguf_architectures,
+                             keep_stored=keeps_stored_base(self.cfg))
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).

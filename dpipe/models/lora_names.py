@@ -97,9 +97,13 @@ def _flat_index(table: dict[str, list[Part]]) -> dict[str, list[Part]]:
     return index
 
 
-def linear_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
-    """{module: weight shape} of the denoiser's Linear layers, under their plain names (an
-    adapted layer under its own, not its base layer's)."""
+# The layers a LoRA file may adapt: Linears, and convolutions (LyCORIS's LoCon, kohya's conv LoRA).
+ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def layer_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{module: weight shape} of the denoiser's Linear and convolution layers, under their plain
+    names (an adapted layer under its own, not its base layer's)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from dpipe.models.adapters import is_adapter_param
@@ -108,23 +112,30 @@ def linear_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
     for name, module in denoiser.named_modules():
         if isinstance(module, BaseTunerLayer):
             base = module.get_base_layer()
-            if isinstance(base, nn.Linear):
+            if isinstance(base, ADAPTABLE):
                 shapes[name] = tuple(base.weight.shape)
-        elif isinstance(module, nn.Linear) and not is_adapter_param(name) \
+        elif isinstance(module, ADAPTABLE) and not is_adapter_param(name) \
                 and ".base_layer" not in f".{name}." and not name.endswith("base_layer"):
             shapes[name] = tuple(module.weight.shape)
     return shapes
 
 
 def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
-    """The family's table for the modules `shapes` names (`linear_shapes`, or a folder's weight
-    shapes), from its LoRA writers (`spec.lora_formats`)."""
+    """The family's table for the modules `shapes` names (`layer_shapes`, or a folder's weight
+    shapes), from its LoRA writers (`spec.lora_formats`). The writers learn the convolutions'
+    names in a probe of their own: a writer made for Linears that refuses them still gives the
+    Linears' names."""
     from dpipe.models.lora_read import strip_prefix
 
+    linears = {m: s for m, s in shapes.items() if len(s) == 2}
+    convs = {m: s for m, s in shapes.items() if len(s) > 2}
     formats: dict[str, list[Part]] = {}
-    for modules in format_modules(spec.lora_formats, shapes).values():
-        for name, parts in modules.items():
-            formats.setdefault(strip_prefix(name)[0], parts)
+    for probed in (linears, convs):
+        if not probed:
+            continue
+        for modules in format_modules(spec.lora_formats, probed).values():
+            for name, parts in modules.items():
+                formats.setdefault(strip_prefix(name)[0], parts)
     return LoraNames(shapes, formats)
 
 

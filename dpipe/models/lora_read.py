@@ -5,7 +5,11 @@ in the metadata, as every dpipe export writes it), peft (`base_model.model.<modu
 `<module>.lora_A.default.weight`), ComfyUI (`diffusion_model.<module>.lora_A.weight` with
 `.alpha` tensors), ai-toolkit/musubi-tuner (`diffusion_model.` or `transformer.` names, no
 alpha), kohya (`lora_unet_<module with _>.lora_down.weight`, `.alpha`; `lora_te*` for the text
-encoders) and LyCORIS LoKr/LoHa (`lycoris_...` or kohya's names, `.lokr_w1`, `.hada_w1_a`, ...).
+encoders) and LyCORIS (`lycoris_...` or kohya's names): LoKr/LoHa (`.lokr_w1`, `.hada_w1_a`, ...),
+LoCon (LoRA keys on convolutions too, a Tucker core `.lora_mid.weight` for a kernel's spatial part),
+Tucker LoHa/LoKr (`.hada_t1`/`.hada_t2`, `.lokr_t2`) and DoRA (`.dora_scale`, read as peft's
+magnitude where it scales the output rows: LyCORIS's default `wd_on_out`; LyCORIS, peft and this
+reader share the definition W' = m * (W + dW) / ||W + dW|| per row).
 Module names are placed through the family's `LoraNames` (the writers' own table). A module's
 scale follows the loaders' rule: alpha / rank where the file has an alpha (a `.alpha` tensor, or
 peft's config), else 1.
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dpipe.config.schema import Adapter
+from dpipe.models.adapters import LOHA_PARTS, LOKR_PARTS
 from dpipe.models.lora_names import LoraNames, Part, split_key
 
 # Key prefixes and the format whose names follow them (after the prefix: a module name).
@@ -29,7 +34,13 @@ PREFIXES = (("base_model.model.", "peft"), ("transformer.", "diffusers"), ("unet
 # Text encoders' LoRAs (kohya's and diffusers' names): dpipe trains the denoiser only.
 TEXT_ENCODER = ("lora_te", "text_encoder", "te_", "te1_", "te2_", "text_model.")
 FORMATS_READ = ("diffusers", "peft", "ComfyUI", "ai-toolkit/musubi-tuner", "kohya",
-                "LyCORIS LoKr/LoHa")
+                "LyCORIS LoCon/LoKr/LoHa/DoRA")
+# The parts each kind of adapter file may hold (peft's names); any other is named, not guessed.
+KNOWN_PARTS = {Adapter.lora: {"lora_A.weight", "lora_B.weight", "lora_mid.weight", "alpha"},
+               Adapter.dora: {"lora_A.weight", "lora_B.weight", "alpha", "lora_magnitude_vector",
+                              "dora_scale"},
+               Adapter.lokr: {*LOKR_PARTS, "lokr_t2", "alpha"},
+               Adapter.loha: {*LOHA_PARTS, "hada_t1", "hada_t2", "alpha"}}
 # The factor each kind's delta is linear in, which takes a module's scale when it is folded.
 # The first of a kind's parts that a module has is the one (dpipe's LyCORIS writer folds a full
 # LoKr's scale into lokr_w2 too).
@@ -109,7 +120,9 @@ def detect_format(keys) -> tuple[str, Adapter]:
             f"{', '.join(FORMATS_READ)} files")
     kind = adapter_kind(keys)
     prefixes = {strip_prefix(k)[1] for k in keys if not k.startswith(TEXT_ENCODER)}
-    if kind in (Adapter.lokr, Adapter.loha) and prefixes & {"LyCORIS", "kohya", "ComfyUI"}:
+    lycoris = kind in (Adapter.lokr, Adapter.loha) or any(
+        k.endswith((".lora_mid.weight", ".dora_scale")) for k in keys)
+    if lycoris and prefixes & {"LyCORIS", "kohya", "ComfyUI"}:
         return "LyCORIS", kind
     if "peft" in prefixes or any(".default" in k for k in keys) or prefixes == {None}:
         return "peft", kind
@@ -137,7 +150,7 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
         grouped.setdefault(module, {})[part] = value
     modules: dict[str, dict[str, torch.Tensor]] = {}
     scales: dict[str, float] = {}
-    unplaced, unfit = [], []
+    unplaced, unfit, unread, columns = [], [], [], []
     for raw, parts in sorted(grouped.items()):
         name, prefix = strip_prefix(raw)
         found = names.place(name, format_first=prefix in ("ComfyUI", "kohya", "LyCORIS"))
@@ -146,13 +159,35 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
         if found is None:
             unplaced.append(raw)
             continue
+        odd = sorted(set(parts) - KNOWN_PARTS[kind])
+        if odd:
+            unread += [f"{raw}.{p}" for p in odd]
+            continue
         scale = _scale(parts, kind, default_scale(name))
         parts = {p: v for p, v in parts.items() if p != "alpha"}
+        if "dora_scale" in parts:
+            magnitude = _row_magnitude(parts.pop("dora_scale"), names.shapes[found[0].module])
+            if magnitude is None:
+                columns.append(raw)
+                continue
+            parts["lora_magnitude_vector"] = magnitude
         for module, share in _shares(parts, found, kind, names.shapes):
             if share is None or module in modules:
                 unfit.append(raw)
                 break
             modules[module], scales[module] = share, scale
+    if unread:
+        raise LoraLayoutError(
+            f"{len(unread)} key(s) of a {kind.value} file that dpipe cannot place: "
+            f"{', '.join(unread[:5])}{' ...' if len(unread) > 5 else ''} (parts of no adapter "
+            f"dpipe reads, e.g. LyCORIS's full `diff`, or a dora_scale on a LoKr/LoHa; dpipe "
+            f"reads {', '.join(FORMATS_READ)} files)")
+    if columns:
+        raise LoraLayoutError(
+            f"{len(columns)} module(s) carry a dora_scale over the weight's input columns "
+            f"(LyCORIS's wd_on_out=False): {', '.join(columns[:5])}; peft's DoRA, which dpipe "
+            "trains and merges, scales output rows: retrain with wd_on_out, or merge it with "
+            "LyCORIS first")
     if unplaced:
         raise LoraLayoutError(
             f"{len(unplaced)} of its {len(grouped)} modules fit no module of {family}: "
@@ -195,10 +230,22 @@ def _scale(parts: dict[str, torch.Tensor], kind: Adapter, configured: float | No
     return configured if configured is not None else 1.0
 
 
+def _row_magnitude(dora_scale: torch.Tensor, shape) -> torch.Tensor | None:
+    """peft's DoRA magnitude (out,) from a LyCORIS `dora_scale` over the output rows ((out, 1,
+    ...)), None for one over the input columns ((1, in, ...))."""
+    if dora_scale.shape[0] != shape[0] or dora_scale.numel() != shape[0]:
+        return None
+    return dora_scale.reshape(-1)
+
+
 def _shares(parts: dict[str, torch.Tensor], found: list[Part], kind: Adapter, shapes):
     """(diffusers module, its parts or None where it has no exact form) for each of a file
     module's parts."""
-    if kind not in (Adapter.lora, Adapter.dora) or "lora_magnitude_vector" in parts:
+    if len(found) == 1 and found[0].whole:
+        yield found[0].module, parts
+        return
+    if kind not in (Adapter.lora, Adapter.dora) or "lora_magnitude_vector" in parts \
+            or "lora_mid.weight" in parts:
         if len(found) == 1 and found[0].whole:
             yield found[0].module, parts
         else:

@@ -50,7 +50,7 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def module_name(key: str) -> str | None:
-    """The module a 2-D weight key belongs to, None for other keys."""
+    """The module a weight key belongs to, None for other keys."""
     if not key.endswith(".weight"):
         return None
     for prefix in SINGLE_FILE_PREFIXES:
@@ -59,7 +59,8 @@ def module_name(key: str) -> str | None:
 
 
 def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """{module: weight shape} of every matrix in `files`, from their headers. A quantized file
+    """{module: weight shape} of every matrix and convolution kernel in `files` (LoCon's conv
+    LoRAs merge into the kernels), from their headers. A quantized file
     (fp8 or int8 values with their scales) is refused: its stored values are not the weights."""
     from safetensors import safe_open
 
@@ -74,7 +75,7 @@ def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
                 module = module_name(key)
-                if module is not None and len(shape) == 2:
+                if module is not None and len(shape) >= 2:
                     shapes[module] = shape
     return shapes
 

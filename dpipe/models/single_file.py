@@ -12,8 +12,11 @@ source in its order, prefix and dtype, each transformer weight replaced by the t
 what the source holds besides the transformer (LTX-Video's VAE, NVIDIA's training buffers) copied
 unchanged (`export_like_source`).
 
-Quantized files (ComfyUI's scaled fp8, int8 with scales: `common/quantized_files.py`) are read
-dequantized, so the families' key maps see ordinary weights. GGUF files (`common/gguf_files.py`)
+Quantized files (ComfyUI's scaled fp8, int8 with scales: `common/quantized_files.py`; its
+per-layer `comfy_quant` layouts: `common/comfy_quant.py`) are read dequantized, so the families'
+key maps see ordinary weights. Their scaled rows also carry a row table (scale, storage,
+convrot group) through the same key map, so that a LoRA run keeps each Linear's stored 8-bit form
+as its frozen base (`keep_stored`; `dpipe.train.stored_base`). GGUF files (`common/gguf_files.py`)
 stay quantized: the key maps move their blocks whole (rows split and stacked), and the Linears
 that take them dequantize at each matmul.
 """
@@ -28,8 +31,9 @@ from typing import Any, Callable
 import torch
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common import comfy_quant
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, keep_quantized, read_gguf
-from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized,
+from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized_with_tables,
                                                  is_quantization_key, quantized_format)
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,17 @@ def split_path(cfg, suffixes: tuple[str, ...] = SINGLE_FILE_SUFFIXES) -> tuple[P
     return folder, path
 
 
+def keeps_stored_base(cfg) -> bool:
+    """Whether a run keeps a quantized file's stored 8-bit Linears as its frozen base: a LoRA with
+    model.base_dtype and model.base_compute at auto (set, they ask for dpipe's own storage or
+    matmul, made from the file's values)."""
+    from dpipe.config.schema import BaseCompute, BaseDtype, TrainMode
+
+    return (getattr(cfg, "mode", None) == TrainMode.lora
+            and getattr(cfg, "base_dtype", BaseDtype.auto) == BaseDtype.auto
+            and getattr(cfg, "base_compute", BaseCompute.auto) == BaseCompute.auto)
+
+
 def check_single_file(single_file: Path | None) -> None:
     if single_file is not None and not single_file.is_file():
         raise ModelLoadError(f"model.path={single_file} does not exist")
@@ -75,40 +90,71 @@ def check_single_file(single_file: Path | None) -> None:
 def read_single_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every key of `file` (read as diffusers' `from_single_file` reads it: safetensors, or a
     torch pickle loaded weights-only), quantized weights dequantized to `dtype` and their scales
-    and marker left out; other tensors as stored."""
+    and markers left out; other tensors as stored."""
+    return read_with_row_tables(file, dtype)[0]
+
+
+def read_with_row_tables(file: Path, dtype: torch.dtype
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(`read_single_file`'s state, the row tables of its comfy_quant Linear weights: see
+    `comfy_quant.dequantized_layers`)."""
     from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 
     state = load_single_file_checkpoint(str(file))
+    metadata = _header(file)
+    if comfy_quant.has_layers(state, metadata):
+        layers = comfy_quant.layer_configs(state, metadata, file)
+        formats = sorted({c["format"] + (" convrot" if comfy_quant.convrot_group(c) else "")
+                          for c in layers.values()})
+        log.info("%s: %d comfy_quant layers (%s), read as their values in %s", file, len(layers),
+                 ", ".join(formats), str(dtype).removeprefix("torch."))
+        return comfy_quant.dequantized_layers(state, layers, file, dtype)
     fmt = quantized_format(state, file)
     if fmt is not None:
         log.info("%s: %s, dequantized to %s", file, fmt, str(dtype).removeprefix("torch."))
-    return dequantized(state, file, dtype)
+    return dequantized_with_tables(state, file, dtype)
+
+
+def _header(file: Path) -> dict[str, str] | None:
+    if Path(file).suffix != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as source:
+        return source.metadata()
 
 
 def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
                           convert: Callable | None = None, title: str | None = None,
-                          gguf_architectures: tuple[str, ...] = ()) -> torch.nn.Module:
+                          gguf_architectures: tuple[str, ...] = (),
+                          keep_stored: bool = False) -> torch.nn.Module:
     """A diffusers transformer from one file (`read_single_file`, or a GGUF file whose
     `general.architecture` is one of `gguf_architectures`, kept quantized): keys stripped of
     ComfyUI's "model.diffusion_model." prefix, mapped by `convert(state, model)` when the file
     uses other names, loaded into weights allocated once (no random init of billions of
-    parameters). `title`: the model's name in messages."""
+    parameters). `title`: the model's name in messages. `keep_stored` (fp32 loads): each Linear
+    of a quantized file (scaled fp8, int8, comfy_quant) also keeps its stored form
+    (`comfy_quant.StoredForm`, as the attribute `stored_form`) for a LoRA's frozen base."""
     from accelerate import init_empty_weights
 
     gguf = file.suffix == GGUF_SUFFIX
-    read = (read_gguf(file, title or model_cls.__name__, gguf_architectures) if gguf
-            else read_single_file(file, dtype))
-    state = {k.removeprefix("model.").removeprefix("diffusion_model."): v
-             for k, v in read.items()}
+    read, tables = ((read_gguf(file, title or model_cls.__name__, gguf_architectures), {})
+                    if gguf else read_with_row_tables(file, dtype))
+    state, tables = ({k.removeprefix("model.").removeprefix("diffusion_model."): v
+                      for k, v in found.items()} for found in (read, tables))
     with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
+    keep_stored = keep_stored and dtype == torch.float32 and bool(tables)
     if convert is not None:
+        with_tables = {**state, **tables} if keep_stored else None
         try:
             state = convert(state, model)
         except (KeyError, RuntimeError, ValueError) as err:  # names or sizes of another model
             raise ModelLoadError(
                 f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
                 f"(converting its names failed: {err!r})") from None
+        if keep_stored:
+            tables = _mapped_tables(convert, with_tables, model, file)
     if gguf:
         state = keep_quantized(model, state, file, dtype)
     expected = set(model.state_dict())
@@ -119,7 +165,39 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
             f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
             f"(e.g. {unexpected[:3]})")
     model.load_state_dict(in_load_dtypes(state, model, dtype), strict=True, assign=True)
+    if keep_stored:
+        _attach_stored_forms(model, tables, file)
     return model
+
+
+def _mapped_tables(convert: Callable, with_tables: dict[str, torch.Tensor], model,
+                   file: Path) -> dict[str, torch.Tensor]:
+    """The row tables under the diffusers names: the key map run once more on the file's state
+    with each table in place of its weight (the map moves rows; the tables are float64)."""
+    try:
+        mapped = convert(with_tables, model)
+    except Exception as err:  # a map that reshapes columns: the values load all the same
+        log.info("%s: its stored 8-bit forms do not pass the key map (%r): its weights are "
+                 "used dequantized", file, err)
+        return {}
+    return {k: v for k, v in mapped.items() if v.dtype == torch.float64}
+
+
+def _attach_stored_forms(model, tables: dict[str, torch.Tensor], file: Path) -> None:
+    kept, left = 0, 0
+    for name, module in model.named_modules():
+        table = tables.get(f"{name}.weight")
+        if table is None:
+            continue
+        form = (comfy_quant.stored_form(module.weight.detach(), table)
+                if type(module) is torch.nn.Linear else None)
+        if form is None:
+            left += 1
+            continue
+        module.stored_form = form
+        kept += 1
+    log.info("%s: %d Linears keep their stored 8-bit form, %d (not Linears, or rows of mixed "
+             "formats) are used dequantized", file, kept, left)
 
 
 def in_load_dtypes(state: dict[str, torch.Tensor], model, dtype: torch.dtype
@@ -174,8 +252,9 @@ def export_like_source(folder: Path, source: Path, to_original: Callable, out_di
         name = _unprefixed(key)
         if is_quantization_key(key):
             continue
-        if name in trained:
-            dtype = torch.bfloat16 if value.dtype in QUANTIZED_DTYPES else value.dtype
+        if name in trained:  # 8-bit values, or nvfp4's packed bytes: the trained weight in bf16
+            dtype = (torch.bfloat16 if value.dtype in (*QUANTIZED_DTYPES, torch.uint8)
+                     else value.dtype)
             out[key] = trained[name].to(dtype).contiguous()
             placed.add(name)
         else:

@@ -65,8 +65,8 @@ class Plan:
     machine: Machine
     stages: int
     data_parallel: int
-    # "bf16" / "fp32" (the training precision), "fp8" (8-bit weights by model.base_dtype=fp8) or
-    # "int8" (by model.base_compute=int8, which stores them so)
+    # "bf16" / "fp32" (the training precision), "fp8" (8-bit weights by model.base_dtype=fp8),
+    # "int8" (by model.base_compute=int8, which stores them so) or "8-bit file" (the file's own)
     base: str
     stage_plans: tuple[StagePlan, ...]
     budget: int  # bytes per GPU the plan keeps within
@@ -191,8 +191,8 @@ def layout(footprint: ModelFootprint, run: RunConfig, machine: Machine, stages: 
     samples = p.micro_batches * p.micro_batch_size * data_parallel
     host = _host(footprint, run, plans, stages * data_parallel, data_parallel, encoders)
     disk = None if files is None else files * (footprint.latent_bytes + footprint.text_bytes)
-    base = (eight_bit_base(run) if fp8 else
-            "bf16" if run.train.precision == Precision.bf16 else "fp32")
+    base = (("8-bit file" if keeps_file_base(run) else eight_bit_base(run)) if fp8
+            else "bf16" if run.train.precision == Precision.bf16 else "fp32")
     plan = Plan(machine, stages, data_parallel, base, plans, budget, p.micro_batches, samples,
                 step, host, disk)
     return replace(plan, problems=tuple(problems(plan)))
@@ -229,8 +229,9 @@ def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
     counts = [p.stages] if "pipeline.stages" in fixed or "pipeline.split" in fixed \
         else [s for s in STAGE_COUNTS if s <= gpus]
     lora = run.model.mode == TrainMode.lora
-    bases = [run.model.base_dtype.quantized] if "model.base_dtype" in fixed or not lora \
-        else [False, True]
+    bases = ([True] if keeps_file_base(run) else
+             [run.model.base_dtype.quantized] if "model.base_dtype" in fixed or not lora
+             else [False, True])
     if lora and run.model.base_compute != BaseCompute.auto:
         bases = [True]  # 8-bit matmuls multiply 8-bit weights: the storage comes with them
     for stages in counts:
@@ -241,6 +242,19 @@ def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
         for data_parallel in replicas:
             for fp8 in bases:
                 yield stages, data_parallel, fp8
+
+
+def keeps_file_base(run: RunConfig) -> bool:
+    """Whether the run's frozen base is a quantized single file's own 8-bit Linears (a LoRA on
+    it with model.base_dtype at auto: dpipe.train.stored_base): 8 bits in every plan, with no
+    model.base_dtype to set."""
+    from pathlib import Path
+
+    from dpipe.models.common.quantized_files import stores_8bit_linears
+    from dpipe.models.single_file import keeps_stored_base
+
+    path = Path(str(run.model.path)).expanduser()
+    return keeps_stored_base(run.model) and path.is_file() and stores_8bit_linears(path)
 
 
 def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,

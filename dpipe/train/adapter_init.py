@@ -19,7 +19,7 @@ from torch import nn
 
 from dpipe.config.schema import Adapter, ModelConfig
 from dpipe.errors import ConfigError
-from dpipe.models.adapters import adapter_metadata, is_adapter_param, modules_of
+from dpipe.models.adapters import TUCKER_CORES, adapter_metadata, is_adapter_param, modules_of
 from dpipe.models.lora_files import DIFFUSERS_LORA, peft_to_diffusers
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ def check_adapter_file(file: str, key: str) -> tuple[Path, str, Adapter]:
 def read_adapter(file: str, key: str, spec, denoiser: nn.Module):
     """The file's adapter on `denoiser`'s modules (a LoraRead), or a ConfigError naming `key`
     and the modules that do not fit."""
-    from dpipe.models.lora_names import linear_shapes, lora_names
+    from dpipe.models.lora_names import layer_shapes, lora_names
     from dpipe.models.lora_read import LoraLayoutError, read_lora
 
     path, _, _ = check_adapter_file(file, key)
     try:
-        read = read_lora(path, lora_names(spec, linear_shapes(denoiser)), spec.cfg.family)
+        read = read_lora(path, lora_names(spec, layer_shapes(denoiser)), spec.cfg.family)
     except LoraLayoutError as err:
         raise ConfigError(f"{key}={file}: {err}") from None
     if read.text_encoder:
@@ -103,6 +103,13 @@ def init_adapter(denoiser: nn.Module, cfg: ModelConfig, spec) -> None:
     (its scale refolded to this run's alpha / rank)."""
     file, key = cfg.lora.init_from, "model.lora.init_from"
     read = read_adapter(file, key, spec, denoiser)
+    cored = sorted(m for m, parts in read.modules.items() if set(parts) & set(TUCKER_CORES))
+    if cored:
+        raise ConfigError(
+            f"{key}={file}: {len(cored)} module(s) hold a LyCORIS Tucker core (lora_mid, "
+            f"hada_t1/t2, lokr_t2), e.g. {cored[0]}: the adapters dpipe trains (peft's) have no "
+            "such core, so the file cannot be continued; merge it into the base with "
+            "model.merge_adapters instead")
     if read.kind != Adapter(cfg.adapter):
         raise ConfigError(f"{key}={file} holds a {read.kind.value} adapter, but this run trains "
                           f"model.adapter={Adapter(cfg.adapter).value}: set "

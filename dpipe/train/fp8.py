@@ -79,18 +79,26 @@ class QuantizedLinear(nn.Module):
     saved: it is recomputed from the base model's file on every start).
     """
 
-    def __init__(self, linear: nn.Linear, storage: torch.dtype = FP8):
+    def __init__(self, linear: nn.Linear, storage: torch.dtype = FP8,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`stored`: (8-bit values, fp32 scale per row) as a file stores them, taken as they are
+        (`storage` is then their dtype); else the Linear's weight is quantized here."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        if stored is not None:
+            q, scale = stored
+            storage = q.dtype
+        else:
+            top = TOP[storage]
+            w = linear.weight.detach().to(torch.float32)
+            # Per-row scaling puts each row's largest weight at the format's largest value: rows
+            # of very different magnitude (common in attention projections) each keep their
+            # precision.
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
+            q = (w / scale[:, None]).clamp(-top, top)
+            if storage == torch.int8:
+                q = q.round()  # to nearest: a plain cast would truncate toward zero
         self.storage = storage
-        top = TOP[storage]
-        w = linear.weight.detach().to(torch.float32)
-        # Per-row scaling puts each row's largest weight at the format's largest value: rows of
-        # very different magnitude (common in attention projections) each keep their precision.
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
-        q = (w / scale[:, None]).clamp(-top, top)
-        if storage == torch.int8:
-            q = q.round()  # to nearest: a plain cast would truncate toward zero
         self.weight = nn.Parameter(q.to(storage), requires_grad=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = (None if linear.bias is None

@@ -57,4 +57,8 @@ def trainable_layers(spec, run: RunConfig, denoiser=None) -> list:
             quantize_frozen_linears(denoiser, make=MAKE[storage])
         else:
             quantize_frozen_linears(denoiser, STORAGE[storage])
+    elif run.model.mode == TrainMode.lora:
+        from dpipe.train.stored_base import keep_stored_forms
+
+        keep_stored_forms(denoiser)  # a quantized file's 8-bit Linears, where it has them
     return spec.pipeline_layers(denoiser)

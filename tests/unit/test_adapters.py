@@ -239,7 +239,7 @@ def test_init_from_refuses_another_adapter_and_unknown_layouts(exports, tmp_path
     with pytest.raises(ConfigError, match=f"init_from={other}: keys of no LoRA layout dpipe "
                                           r"reads: blocks.0.attn.weight \(1 of 2\); dpipe reads "
                                           "diffusers, peft, ComfyUI, ai-toolkit/musubi-tuner, "
-                                          "kohya, LyCORIS LoKr/LoHa files"):
+                                          "kohya, LyCORIS LoCon/LoKr/LoHa/DoRA files"):
         check_before_workers(run, tmp_path, spec)
 
 

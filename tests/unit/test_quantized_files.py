@@ -94,6 +94,17 @@ def test_flux_trains_from_a_quantized_file_with_its_weights(tiny, tmp_path, fmt)
         top = max(v.abs().max() for v in want.values())
         assert ((got[key] - value).abs() <= rel * value.abs() + step * top * 1.0001).all(), key
     assert not all(torch.equal(got[k], want[k]) for k in want)
+    # A LoRA's load keeps the file's bytes beside those values (dpipe.train.stored_base): the
+    # qkv split in three, each part with the fused tensor's scale.
+    modules = dict(spec.load_denoiser(torch.float32).named_modules())
+    stored = load_file(file)
+    parts = [vars(modules[f"transformer_blocks.0.attn.{p}"])["stored_form"]
+             for p in ("to_q", "to_k", "to_v")]
+    assert all(p.values.dtype == FORMATS[fmt][0] and p.group == 0 for p in parts)
+    assert torch.equal(torch.cat([p.values for p in parts]).view(torch.uint8),
+                       stored[f"{PREFIX}double_blocks.0.img_attn.qkv.weight"].view(torch.uint8))
+    scale = stored[f"{PREFIX}double_blocks.0.img_attn.qkv.scale_weight"]
+    assert all(torch.equal(p.scale, scale.expand(p.scale.shape)) for p in parts)
 
 
 def _rescaled(file: Path, out: Path, weight_factor: float, scale_factor: float) -> Path:

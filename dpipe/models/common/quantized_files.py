@@ -11,8 +11,9 @@ Layouts read (keys after any prefix, e.g. ComfyUI's "model.diffusion_model."):
 The true weight is weight.float() * scale_weight, computed in fp32 one tensor at a time and
 stored in the training dtype; biases and norms, unquantized in such files, pass through.
 
-Any other quantization layout (bitsandbytes, GPTQ/AWQ, the newer `weight_scale` / `comfy_quant`
-keys) is refused with its keys named: reading it as plain weights would train on wrong values.
+ComfyUI's newer per-layer layout (`comfy_quant`, `weight_scale`) is read by `comfy_quant.py`.
+Any other quantization layout (bitsandbytes, GPTQ/AWQ) is refused with its keys named: reading it
+as plain weights would train on wrong values.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from pathlib import Path
 import torch
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.comfy_quant import CONF, INPUT_SCALE as LAYER_INPUT_SCALE
+from dpipe.models.common.comfy_quant import (WEIGHT_SCALE, WEIGHT_SCALE_2, WHAT_DPIPE_READS,
+                                             row_table)
 
 MARKER = "scaled_fp8"
 SCALE = ".scale_weight"
@@ -37,10 +41,6 @@ QUANTIZED_DTYPES = (*FP8_FORMATS, torch.int8)
 _UNKNOWN = ("weight_scale", "weight_scale_2", "input_scale", "comfy_quant", "absmax",
             "nested_absmax", "quant_map", "nested_quant_map", "SCB", "qweight", "qzeros",
             "scales", "g_idx", "weight_format")
-WHAT_DPIPE_READS = (
-    "dpipe reads ComfyUI's scaled fp8 (a `scaled_fp8` marker, fp8 `<module>.weight` with "
-    "`<module>.scale_weight`, optional `<module>.scale_input`) and int8 `<module>.weight` with "
-    "`<module>.scale_weight`; convert other formats to bf16 (or one of these) first")
 
 
 def _leaf(key: str) -> str:
@@ -48,8 +48,9 @@ def _leaf(key: str) -> str:
 
 
 def is_quantization_key(key: str) -> bool:
-    """The marker and the scales: keys of the file that are not weights of the model."""
-    return _leaf(key) == MARKER or key.endswith(SCALE) or key.endswith(INPUT_SCALE)
+    """The markers and the scales: keys of the file that are not weights of the model."""
+    return _leaf(key) == MARKER or key.endswith((SCALE, INPUT_SCALE, CONF, WEIGHT_SCALE,
+                                                 WEIGHT_SCALE_2, LAYER_INPUT_SCALE))
 
 
 def file_is_quantized(file: Path) -> bool:
@@ -64,6 +65,31 @@ def file_is_quantized(file: Path) -> bool:
             return True
         return any(source.get_slice(k).get_dtype() in ("F8_E4M3", "F8_E5M2", "I8")
                    for k in keys if k.endswith(".weight"))
+
+
+def stores_8bit_linears(file: Path) -> bool:
+    """Whether a LoRA on `file` keeps its 8-bit Linears as they are stored
+    (`dpipe.train.stored_base`): a scaled fp8 or int8 file, or a comfy_quant file whose layers
+    are all float8 or int8 (an nvfp4 or mxfp8 layer is read as values). From the header and the
+    small per-layer JSON tensors only."""
+    import json
+
+    from safetensors import safe_open
+
+    from dpipe.models.common.comfy_quant import HEADER_KEY, STORAGE
+
+    if Path(file).suffix != ".safetensors":
+        return False
+    with safe_open(str(file), "pt") as source:
+        keys = list(source.keys())
+        header = (source.metadata() or {}).get(HEADER_KEY)
+        confs = [json.loads(source.get_tensor(k).numpy().tobytes()) for k in keys
+                 if k.endswith(CONF)]
+    if header:
+        confs += list(json.loads(header).get("layers", {}).values())
+    if confs:
+        return all(conf.get("format") in STORAGE for conf in confs)
+    return any(_leaf(k) == MARKER or k.endswith(SCALE) for k in keys)
 
 
 def quantized_format(state: dict[str, torch.Tensor], file: Path) -> str | None:
@@ -98,13 +124,21 @@ def dequantized(state: dict[str, torch.Tensor], file: Path,
                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` with each scaled weight replaced by weight * scale_weight in `dtype` and the
     quantization keys left out; a plain file's state comes back as it is."""
+    return dequantized_with_tables(state, file, dtype)[0]
+
+
+def dequantized_with_tables(state: dict[str, torch.Tensor], file: Path, dtype: torch.dtype
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(`dequantized`'s state, the row tables of its scaled 2-D weights, as
+    `comfy_quant.dequantized_layers` gives them)."""
+    tables = {}
     if quantized_format(state, file) is None:
         if any(v.dtype == torch.int8 for k, v in state.items() if k.endswith(".weight")):
             raise ModelLoadError(
                 f"{file} holds int8 weights without `<module>.scale_weight` scales (e.g. "
                 f"{next(k for k, v in state.items() if v.dtype == torch.int8)}). "
                 f"{WHAT_DPIPE_READS}")
-        return state
+        return state, tables
     out = {}
     for key in list(state):
         if is_quantization_key(key):
@@ -120,8 +154,11 @@ def dequantized(state: dict[str, torch.Tensor], file: Path,
         if scale is None:
             out[key] = value.to(dtype) if value.dtype in FP8_FORMATS else value
             continue
-        out[key] = (value.to(torch.float32) * _broadcast(scale, value, key, file)).to(dtype)
-    return out
+        scale = _broadcast(scale, value, key, file)
+        out[key] = (value.to(torch.float32) * scale).to(dtype)
+        if value.dim() == 2 and value.dtype in QUANTIZED_DTYPES:
+            tables[key] = row_table(scale.reshape(-1).expand(value.shape[0]), value.dtype)
+    return out, tables
 
 
 def _broadcast(scale: torch.Tensor, weight: torch.Tensor, key: str, file: Path) -> torch.Tensor:
