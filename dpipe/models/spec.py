@@ -186,6 +186,12 @@ class ModelSpec(abc.ABC):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         """The diffusion transformer/UNet that is trained, on CPU."""
 
+    def denoiser_skeleton(self):
+        """The denoiser with no weights read (`dpipe.models.diffusers_folder.DenoiserSkeleton`),
+        so that each pipeline stage reads only its own weights; None where the family loads the
+        whole denoiser (`load_denoiser`). Default: None."""
+        return None
+
     @property
     @abc.abstractmethod
     def pixel_multiple(self) -> int:

@@ -17,7 +17,7 @@ from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import quiet_deepspeed, start_rank
+from dpipe.pipeline.engine import quiet_deepspeed, stage_of, start_rank
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.sample.requests import sample_requests
 from dpipe.sample.training import TrainingSamples
@@ -59,12 +59,15 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                               sample_requests=requests)
     plan = dataset.plan
 
-    denoiser = load_denoiser(spec, run)
-    step_flops = StepFlops(spec, run, architecture(denoiser)) if rank == 0 else None
-    layers = trainable_layers(spec, run, denoiser)
-    del denoiser  # the layers hold their own parts; a stage keeps only its layers
+    stage = stage_of(rank, run.pipeline.stages, data_parallel)
+    denoiser = load_denoiser(spec, run, stage)  # or its skeleton: this stage's weights only
+    model = getattr(denoiser, "model", denoiser)
+    step_flops = StepFlops(spec, run, architecture(model)) if rank == 0 else None
+    layers = trainable_layers(spec, run, denoiser, stage)
+    del denoiser, model  # the layers hold their own parts; a stage keeps only its layers
     with quiet_deepspeed():
         built = build_training_engine(layers, spec, run, data_parallel)
+    assert built.stage == stage, "the engine placed this rank on another stage than it loaded"
     engine = built.engine
     dp_rank = engine.grid.get_data_parallel_rank()
     where = [None] * world  # which node holds which stage, for the log (a collective)
