@@ -141,12 +141,17 @@ class DiffusersFamily(ModelSpec):
                              subfolder=self.denoiser_folder, title=self.title,
                              gguf_architectures=self.gguf_architectures)
 
+    @property
+    def loads_stage_weights(self) -> bool:
+        """From a diffusers folder, where the family loads its denoiser the default way; a
+        family with its own `load_denoiser` (key conversions, extra modules) and a single file
+        load the whole denoiser."""
+        return self.single_file is None and \
+            type(self).load_denoiser is DiffusersFamily.load_denoiser
+
     def denoiser_skeleton(self):
-        """From a diffusers folder's safetensors files, where the family loads its denoiser
-        the default way; a family with its own `load_denoiser` (key conversions, extra modules)
-        and a single file load the whole denoiser."""
-        if self.single_file is not None or type(self).load_denoiser is not \
-                DiffusersFamily.load_denoiser:
+        """From the folder's safetensors files (None where it holds none)."""
+        if not self.loads_stage_weights:
             return None
         return denoiser_skeleton(diffusers_class(self.denoiser_class), self.path,
                                  self.denoiser_folder)

@@ -186,6 +186,12 @@ class ModelSpec(abc.ABC):
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         """The diffusion transformer/UNet that is trained, on CPU."""
 
+    @property
+    def loads_stage_weights(self) -> bool:
+        """Whether each pipeline stage can read only its own weights (`denoiser_skeleton`), or
+        every rank loads the whole denoiser (`load_denoiser`). Default: the whole."""
+        return False
+
     def denoiser_skeleton(self):
         """The denoiser with no weights read (`dpipe.models.diffusers_folder.DenoiserSkeleton`),
         so that each pipeline stage reads only its own weights; None where the family loads the

@@ -160,13 +160,30 @@ def _stage(footprint: ModelFootprint, run: RunConfig, machine: Machine, first: i
                      planned if planned is not None else peak + fragmentation_margin(budget))
 
 
+def loading_bytes(layers, run: RunConfig) -> int:
+    """Host bytes a process holds while it reads its stage's `layers` (footprints): their weights
+    as training keeps them (`dpipe.train.trainable`: a bf16 LoRA's frozen base in bf16, trained
+    weights in their dtype), and the largest layer's once more for the tensor in transit (read
+    in its stored dtype, then cast). An fp8 base is quantized after the stage is read in bf16."""
+    per_layer = [layer.frozen_bytes + layer.trainable_bytes for layer in layers]
+    return sum(per_layer) + max(per_layer, default=0)
+
+
 def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int,
           data_parallel: int, encoders: int | None) -> dict[str, int]:
-    """Host memory of each step of a run on one machine: every worker loads the whole denoiser
-    in fp32 before keeping its stage (`dpipe.train.trainable.load_denoiser`); the cache is built
-    with the encoders loaded; training pins the swapped weights of each stage of each replica."""
-    out = {"loading the denoiser (fp32, every process)":
-           processes * (4 * footprint.params + PROCESS_HOST)}
+    """Host memory of each step of a run on one machine: every worker reads its stage's weights
+    where the family and the run allow (`dpipe.train.trainable.reads_stage_only`), else loads
+    the whole denoiser in fp32 before keeping its stage; the cache is built with the encoders
+    loaded; training pins the swapped weights of each stage of each replica."""
+    from dpipe.train.trainable import reads_stage_only
+
+    if footprint.stage_loading and reads_stage_only(run):
+        out = {"loading the denoiser (each process its stage)": data_parallel * sum(
+            loading_bytes(footprint.layers[slice(*s.layers)], run) + PROCESS_HOST
+            for s in stage_plans)}
+    else:
+        out = {"loading the denoiser (fp32, every process)":
+               processes * (4 * footprint.params + PROCESS_HOST)}
     if encoders is not None:
         out["caching (encoders loaded)"] = encoders + PROCESS_HOST
     out["training (pinned swap buffers)"] = processes * PROCESS_HOST + data_parallel * sum(
