@@ -107,10 +107,13 @@ def train_task(cfg: DictConfig) -> int:
             print(done, flush=True)
             return 0
         check_before_workers(run, run_dir, spec)
-        if torch.cuda.device_count() and planned is None:  # pipeline=auto checked it already
+        if torch.cuda.device_count():  # also records the prediction in <run>/plan.json
             from dpipe.plan.machine import visible
 
-            log.info(check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages))
+            fits = check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages,
+                              run_dir)
+            if planned is None:  # pipeline=auto logged its plan already
+                log.info(fits)
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world, graceful_stop=True)

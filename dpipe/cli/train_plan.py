@@ -9,6 +9,7 @@ would), 2 for a mistake in the command.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dpipe.errors import ConfigError
 
@@ -107,7 +108,7 @@ def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
     return "pipeline=auto:\n" + describe(rp)
 
 
-def check_fits(run, spec, machine, data_parallel: int) -> str:
+def check_fits(run, spec, machine, data_parallel: int, run_dir: Path | None = None) -> str:
     """Refuses a run, before any worker starts, that cannot fit `machine` whatever its
     activations turn out to be: its stages' weights and trained state alone over the GPU
     budget, its loading over the host's memory, its cache over the disk's free space. Returns
@@ -130,6 +131,10 @@ def check_fits(run, spec, machine, data_parallel: int) -> str:
         raise ConfigError(f"this run does not fit {machine.name}: {'; '.join(certain)}; "
                           "`dpipe-train --plan pipeline=auto ...` (same overrides) shows a "
                           "plan that fits, or pipeline=auto applies it")
+    if run_dir is not None:  # the prediction the run's end compares with (<run>/plan.json)
+        from dpipe.train.plan_file import write_launch_prediction
+
+        write_launch_prediction(run_dir, [s.peak for s in plan.stage_plans], plan.disk)
     step, host = plan.host_peak
     peaks = " / ".join(gib(s.peak) for s in plan.stage_plans)
     cache = f"cache {size(plan.disk)}" if plan.disk is not None else "cache not known"

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dpipe.config.schema import OptimizerName, Precision, RunConfig, TrainMode
-from dpipe.pipeline.memory import (LayerCost, fragmentation_margin, in_flight_micro_batches,
-                                   plan_swap)
+from dpipe.pipeline.memory import (PROCESS_HOST, LayerCost, fragmentation_margin,
+                                   in_flight_micro_batches, loading_bytes, plan_swap)
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.plan.footprint import ModelFootprint
 from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
@@ -31,9 +31,6 @@ from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
 OPTIMIZER_STATE = {OptimizerName.adamw: 8, OptimizerName.adamw8bit: 2,
                    OptimizerName.adafactor: 1, OptimizerName.came: 2, OptimizerName.prodigy: 16,
                    OptimizerName.schedulefree_adamw: 8, OptimizerName.muon: 4}
-# Host memory of a worker process besides the model: the CUDA context, torch's and the
-# libraries' code, the loader's prefetched micro-batches.
-PROCESS_HOST = 3 * GiB
 # An fp8-stored Linear dequantizes its weight on each use: a few % of its layer's time.
 FP8_SLOWDOWN = 1.05
 STAGE_COUNTS = (1, 2, 4, 8)
@@ -160,15 +157,6 @@ def _stage(footprint: ModelFootprint, run: RunConfig, machine: Machine, first: i
                      planned if planned is not None else peak + fragmentation_margin(budget))
 
 
-def loading_bytes(layers, run: RunConfig) -> int:
-    """Host bytes a process holds while it reads its stage's `layers` (footprints): their weights
-    as training keeps them (`dpipe.train.trainable`: a bf16 LoRA's frozen base in bf16, trained
-    weights in their dtype), and the largest layer's once more for the tensor in transit (read
-    in its stored dtype, then cast). An fp8 base is quantized after the stage is read in bf16."""
-    per_layer = [layer.frozen_bytes + layer.trainable_bytes for layer in layers]
-    return sum(per_layer) + max(per_layer, default=0)
-
-
 def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int,
           data_parallel: int, encoders: int | None) -> dict[str, int]:
     """Host memory of each step of a run on one machine: every worker reads its stage's weights
@@ -179,7 +167,8 @@ def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int
 
     if footprint.stage_loading and reads_stage_only(run):
         out = {"loading the denoiser (each process its stage)": data_parallel * sum(
-            loading_bytes(footprint.layers[slice(*s.layers)], run) + PROCESS_HOST
+            loading_bytes([x.frozen_bytes + x.trainable_bytes
+                           for x in footprint.layers[slice(*s.layers)]]) + PROCESS_HOST
             for s in stage_plans)}
     else:
         out = {"loading the denoiser (fp32, every process)":

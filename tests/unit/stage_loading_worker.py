@@ -6,7 +6,6 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -25,7 +24,7 @@ def main(args: list[str]) -> int:
     from dpipe.config.compose import compose_run
     from dpipe.models.registry import build_spec
     from dpipe.pipeline.partition import stage_bounds
-    from dpipe.plan.choose import loading_bytes
+    from dpipe.pipeline.memory import loading_bytes
     from dpipe.plan.footprint import layer_weights
     from dpipe.train.trainable import trainable_layers
 
@@ -40,8 +39,8 @@ def main(args: list[str]) -> int:
         layers = trainable_layers(spec, run, meta)
     p = run.pipeline
     bounds = stage_bounds(spec.layer_costs(layers), p.stages, p.partition, p.split)
-    bound = loading_bytes([SimpleNamespace(**layer_weights(layer))
-                           for layer in layers[bounds[stage]:bounds[stage + 1]]], run)
+    weights = [layer_weights(layer) for layer in layers[bounds[stage]:bounds[stage + 1]]]
+    bound = loading_bytes([w["frozen_bytes"] + w["trainable_bytes"] for w in weights])
     del skeleton, meta, layers
 
     Path("/proc/self/clear_refs").write_text("5")  # the peak counts from here

@@ -60,7 +60,7 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     """The whole denoiser in fp32 (what every rank loaded before) would take 580 MB; stage 0 of
     2 of a bf16 LoRA holds about half of its bf16 weights. The worker measures the rise of its
     resident memory's peak while it loads (VmHWM, from a reset), against
-    `dpipe.plan.choose.loading_bytes` for that stage."""
+    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure)."""
     from diffusers import FluxTransformer2DModel
 
     folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
