@@ -7,6 +7,7 @@ the six models)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -182,7 +183,7 @@ def test_pipeline_auto_refuses_a_run_that_nothing_fits():
         apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=24"))
 
 
-def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
+def test_a_run_that_cannot_fit_is_refused_before_its_workers_start(tmp_path):
     """What a GPU run checks before its workers start (dpipe-train on a machine with GPUs):
     FLUX.1-dev LoRA in bf16 on one 16 GiB card (its weights alone are 22 GiB), and in fp8 in a
     24 GiB host (its worker reads the denoiser in bf16: 26 GiB); the same run in fp8 on 1x16
@@ -202,8 +203,12 @@ def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
                       world_size=1)
     with pytest.raises(ConfigError, match="loading the denoiser .* needs 26 GiB of host memory"):
         check_fits(run, build_spec(run.model), parse("1x16,host=24"), 1)
-    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1).startswith(
+    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1, tmp_path).startswith(
         "plan: predicted GPU peak per stage ")
+    # The prediction the run's end compares with: <run>/plan.json, before any worker starts.
+    predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]
+    assert len(predicted["gpu_peak_per_stage"]) == 1 and predicted["cache_disk"] is None
+    assert 10 * GiB < predicted["gpu_peak_per_stage"][0] <= 15 * GiB
 
 
 def test_a_family_without_a_real_size_config_is_refused_in_one_line():
