@@ -169,7 +169,7 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
 
             planned = apply_auto_pipeline(cfg, HydraConfig.get(),
                                           replace(visible(_cache_dir(cfg), free=False),
-                                                  gpus=gpus))
+                                                  gpus=gpus), world=env.world_size)
             fitted = planned if fitted is None else f"{fitted}\n{planned}"
         if fitted is not None and env.is_main:
             log.info(fitted)

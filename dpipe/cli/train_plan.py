@@ -75,11 +75,12 @@ def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
     return 0 if rp.plan.fits else 1
 
 
-def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
+def apply_auto_pipeline(cfg, hydra_cfg, machine, world: int | None = None) -> str | None:
     """With pipeline=auto on a machine with GPUs: sets the plan's keys in `cfg` (the keys the
     user set stay as they are) and returns the plan's description to log; refuses a run that
     nothing fits, naming the numbers and the smallest change. None where there is nothing to do
-    (another pipeline, or no GPU: the keys of conf/pipeline/auto.yaml run as they are)."""
+    (another pipeline, or no GPU: the keys of conf/pipeline/auto.yaml run as they are). `world`:
+    the processes torchrun or SLURM started, which the plan's layout must use, all of them."""
     from omegaconf import OmegaConf, open_dict
 
     from dpipe.config.checks import validate
@@ -92,10 +93,10 @@ def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
         return None
     run = validate(cfg)
     fixed = fixed_keys(hydra_cfg)
-    rp = plan_run(build_spec(run.model), run, machine, fixed)
+    rp = plan_run(build_spec(run.model), run, machine, fixed, world=world)
     if not rp.plan.fits:
         change = smallest_change(rp.footprint, run, machine, fixed, rp.resolution,
-                                 files=rp.files)
+                                 files=rp.files, world=world)
         raise ConfigError(
             f"pipeline=auto: nothing fits {machine.name}: {'; '.join(rp.plan.problems)}"
             + (f"; the smallest change that fits: {change[0]}" if change else

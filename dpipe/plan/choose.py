@@ -219,8 +219,10 @@ def problems(plan: Plan) -> list[str]:
     return out
 
 
-def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
-    """(stages, data_parallel, fp8) of every layout that keeps the keys in `fixed`."""
+def candidates(run: RunConfig, machine: Machine, fixed: set[str], world: int | None = None):
+    """(stages, data_parallel, fp8) of every layout that keeps the keys in `fixed`; given
+    `world`, the processes someone else started (torchrun, SLURM), only layouts of exactly that
+    many."""
     p = run.pipeline
     gpus = max(machine.gpus, 1)
     counts = [p.stages] if "pipeline.stages" in fixed or "pipeline.split" in fixed \
@@ -229,21 +231,24 @@ def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
     bases = [run.model.base_dtype.quantized] if "model.base_dtype" in fixed or not lora \
         else [False, True]
     for stages in counts:
-        # Fewer replicas than the GPUs hold too: each process loads the whole denoiser, so the
+        # Fewer replicas than the GPUs hold too: each replica reads the denoiser again, so the
         # host's memory may not hold one per GPU.
         replicas = [p.data_parallel] if "pipeline.data_parallel" in fixed and p.data_parallel \
             else range(1, max(1, gpus // stages) + 1)
         for data_parallel in replicas:
+            if world is not None and stages * data_parallel != world:
+                continue
             for fp8 in bases:
                 yield stages, data_parallel, fp8
 
 
 def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,
            fixed: set[str] = frozenset(), files: int | None = None,
-           encoders: int | None = None) -> Plan:
+           encoders: int | None = None, world: int | None = None) -> Plan:
     """The fastest layout that fits, else the layout that comes closest (its `problems` say
     why). Keys not in `fixed` are the planner's to choose: checkpointing and block swap "auto"
-    unless fixed."""
+    unless fixed. Given `world` (the processes torchrun or SLURM started), a layout of exactly
+    that many processes."""
     free = {}
     if "pipeline.activation_checkpointing" not in fixed:
         free["activation_checkpointing"] = "auto"
@@ -255,7 +260,7 @@ def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,
         free["partition"] = PartitionMethod.balanced
     planned = replace(run, pipeline=replace(run.pipeline, **free))
     plans = [layout(footprint, planned, machine, s, d, fp8, files, encoders)
-             for s, d, fp8 in candidates(planned, machine, fixed)]
+             for s, d, fp8 in candidates(planned, machine, fixed, world)]
     fitting = [p for p in plans if p.fits]
     if fitting:
         return min(fitting, key=lambda p: (p.seconds_per_sample, p.stages, p.base == "fp8"))

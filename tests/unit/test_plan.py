@@ -169,6 +169,28 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     assert apply_auto_pipeline(cfg, cfg.hydra, parse("0x24")) is None
 
 
+def test_pipeline_auto_under_torchrun_uses_every_process_it_was_given():
+    """torchrun (or SLURM) started 4 processes on a 4x24 GiB machine with a 32 GiB host: on its
+    own the plan would use 2 of the GPUs (2 stages, 1 replica: the host holds no more loading),
+    which the 4 processes cannot run; the plan of 4 processes is refused, naming the host."""
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config
+    from dpipe.errors import ConfigError
+
+    args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
+            "dataset.resolutions=[1024]"]
+    cfg = compose_config(args)
+    apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=32"))
+    assert cfg.pipeline.stages * cfg.pipeline.data_parallel == 2
+    cfg = compose_config(args)
+    with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 4 GPUs .* 32 GiB host: "
+                       r"loading the denoiser .* the smallest change that fits: 64 GiB of host"):
+        apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=32"), world=4)
+    cfg = compose_config(args)
+    apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=64"), world=4)
+    assert cfg.pipeline.stages * cfg.pipeline.data_parallel == 4
+
+
 def test_pipeline_auto_refuses_a_run_that_nothing_fits():
     from dpipe.cli.train_plan import apply_auto_pipeline
     from dpipe.config.compose import compose_config
