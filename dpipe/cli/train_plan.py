@@ -75,6 +75,32 @@ def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
     return 0 if rp.plan.fits else 1
 
 
+def planned_before(cfg, hydra_cfg, run_dir: Path) -> str | None:
+    """On resuming a pipeline=auto run from a checkpoint: the plan's keys as its earlier start
+    chose them (`<run>/run.yaml`), so the checkpoint's layout holds whatever memory is free now;
+    the keys the user sets now stay as they are. Returns the line to log; None where there is
+    nothing to keep (not pipeline=auto, not resuming, no checkpoint yet)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from dpipe.config.run_name import RUN_CONFIG
+    from dpipe.plan.choose import PLANNED_KEYS
+    from dpipe.train.checkpoint import newest_complete
+
+    saved = run_dir / RUN_CONFIG
+    if not (cfg.pipeline.auto and cfg.train.resume and saved.is_file()
+            and newest_complete(run_dir)):
+        return None
+    before, fixed, kept = OmegaConf.load(saved), fixed_keys(hydra_cfg), []
+    with open_dict(cfg):
+        for key in PLANNED_KEYS:
+            if key not in fixed:
+                value = OmegaConf.select(before, key)
+                OmegaConf.update(cfg, key, value)
+                kept.append(f"{key}={value}")
+    return ("pipeline=auto: resuming, so the plan of the run's earlier start (its run.yaml) "
+            "stays: " + " ".join(kept))
+
+
 def apply_auto_pipeline(cfg, hydra_cfg, machine, world: int | None = None) -> str | None:
     """With pipeline=auto on a machine with GPUs: sets the plan's keys in `cfg` (the keys the
     user set stay as they are) and returns the plan's description to log; refuses a run that

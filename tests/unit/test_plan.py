@@ -144,13 +144,16 @@ def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
     assert capsys.readouterr().err.startswith(f"error: --machine {text}: give GPUs x GiB")
 
 
-def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
+def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set(tmp_path):
     """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
     as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
-    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
-    stages (the demo's)."""
-    from dpipe.cli.train_plan import apply_auto_pipeline
+    `model.base_dtype=int8` on the command line stays int8. Resumed from a checkpoint where the
+    plan would differ (1x80 GiB), the run keeps its checkpoint's layout (its run.yaml's keys),
+    but for a key the user sets then. On a CPU it runs as composed: two stages (the demo's)."""
+    from dpipe.cli.train_plan import apply_auto_pipeline, planned_before
+    from dpipe.config.checks import validate
     from dpipe.config.compose import compose_config, compose_run
+    from dpipe.launch.run_rank import save_run_config
 
     args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
             "dataset.resolutions=[1024]"]
@@ -160,6 +163,21 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     p, m = cfg.pipeline, cfg.model
     assert (p.stages, p.data_parallel, m.base_dtype, p.activation_checkpointing,
             p.memory_budget_gb, p.blocks_to_swap) == (1, 2, "fp8", "auto", 23, "auto")
+    save_run_config(validate(cfg, world_size=2), tmp_path)
+    resumed = compose_config(args)
+    assert planned_before(resumed, resumed.hydra, tmp_path) is None  # no checkpoint yet
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000004" / "COMPLETE").touch()
+    assert planned_before(resumed, resumed.hydra, tmp_path).startswith(
+        "pipeline=auto: resuming, so the plan of the run's earlier start (its run.yaml) stays: "
+        "pipeline.stages=1 pipeline.data_parallel=2 ")
+    assert table.plan("FLUX.1-dev LoRA", "1x80,host=128").overrides[:2] == [
+        "pipeline.stages=1", "pipeline.data_parallel=1"]  # what a fresh plan there would be
+    p, m = resumed.pipeline, resumed.model
+    assert (p.stages, p.data_parallel, m.base_dtype, p.memory_budget_gb) == (1, 2, "fp8", 23)
+    mine = compose_config([*args, "pipeline.memory_budget_gb=20"])
+    planned_before(mine, mine.hydra, tmp_path)
+    assert mine.pipeline.memory_budget_gb == 20 and mine.pipeline.data_parallel == 2
     cfg = compose_config([*args, "model.base_dtype=int8"])
     apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
     assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
@@ -179,9 +197,8 @@ def test_pipeline_auto_under_torchrun_uses_every_process_it_was_given():
 
     args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
             "dataset.resolutions=[1024]"]
-    cfg = compose_config(args)
-    apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=32"))
-    assert cfg.pipeline.stages * cfg.pipeline.data_parallel == 2
+    alone = table.plan("FLUX.1-dev LoRA", "4x24,host=32")
+    assert alone.stages * alone.data_parallel == 2
     cfg = compose_config(args)
     with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 4 GPUs .* 32 GiB host: "
                        r"loading the denoiser .* the smallest change that fits: 64 GiB of host"):
