@@ -46,12 +46,14 @@ def bytes_as_read(layer: torch.nn.Module) -> int:
     quantized base's weights (fp8, int8) in the dtype they were read in before quantizing."""
     total = 0
     for module in layer.modules():
-        read_as = getattr(module, "compute_dtype", None)  # a quantized Linear's dtype before
+        # A quantized Linear (QuantizedLinear, NF4Linear) keeps the dtype it was read in.
+        read_as = getattr(module, "compute_dtype", None) if hasattr(module, "in_features") \
+            else None
         for name, t in [*module.named_parameters(recurse=False),
                         *module.named_buffers(recurse=False)]:
             if read_as is not None and name == "weight":
                 total += module.in_features * module.out_features * read_as.itemsize
-            elif read_as is None or name != "scale":
+            else:
                 total += t.numel() * t.element_size()
     return total
 
