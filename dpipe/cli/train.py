@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
-from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, print_plan,  # noqa: E402
-                                  take_plan_options)
+from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, planned_before,  # noqa: E402
+                                  print_plan, take_plan_options)
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -75,7 +75,8 @@ def train_task(cfg: DictConfig) -> int:
         if cfg.pipeline.auto and torch.cuda.device_count():
             from dpipe.plan.machine import visible
 
-            planned = apply_auto_pipeline(cfg, hydra_cfg, visible(_cache_dir(cfg)))
+            planned = planned_before(cfg, hydra_cfg, run_dir) or \
+                apply_auto_pipeline(cfg, hydra_cfg, visible(_cache_dir(cfg)))
         run = validate(cfg)
         if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
             from dpipe.models.registry import build_spec
@@ -107,10 +108,13 @@ def train_task(cfg: DictConfig) -> int:
             print(done, flush=True)
             return 0
         check_before_workers(run, run_dir, spec)
-        if torch.cuda.device_count() and planned is None:  # pipeline=auto checked it already
+        if torch.cuda.device_count():  # also records the prediction in <run>/plan.json
             from dpipe.plan.machine import visible
 
-            log.info(check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages))
+            fits = check_fits(run, spec, visible(_cache_dir(cfg)), world // run.pipeline.stages,
+                              run_dir)
+            if planned is None:  # pipeline=auto logged its plan already
+                log.info(fits)
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world, graceful_stop=True)
@@ -164,9 +168,10 @@ def _run_as_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> int:
         if cfg.pipeline.auto and gpus:  # the same plan on every rank: from total memory
             from dpipe.plan.machine import visible
 
-            planned = apply_auto_pipeline(cfg, HydraConfig.get(),
-                                          replace(visible(_cache_dir(cfg), free=False),
-                                                  gpus=gpus))
+            planned = planned_before(cfg, HydraConfig.get(), run_dir) or \
+                apply_auto_pipeline(cfg, HydraConfig.get(),
+                                    replace(visible(_cache_dir(cfg), free=False), gpus=gpus),
+                                    world=env.world_size)
             fitted = planned if fitted is None else f"{fitted}\n{planned}"
         if fitted is not None and env.is_main:
             log.info(fitted)

@@ -9,6 +9,7 @@ would), 2 for a mistake in the command.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dpipe.errors import ConfigError
 
@@ -74,11 +75,38 @@ def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
     return 0 if rp.plan.fits else 1
 
 
-def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
+def planned_before(cfg, hydra_cfg, run_dir: Path) -> str | None:
+    """On resuming a pipeline=auto run from a checkpoint: the plan's keys as its earlier start
+    chose them (`<run>/run.yaml`), so the checkpoint's layout holds whatever memory is free now;
+    the keys the user sets now stay as they are. Returns the line to log; None where there is
+    nothing to keep (not pipeline=auto, not resuming, no checkpoint yet)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from dpipe.config.run_name import RUN_CONFIG
+    from dpipe.plan.choose import PLANNED_KEYS
+    from dpipe.train.checkpoint import newest_complete
+
+    saved = run_dir / RUN_CONFIG
+    if not (cfg.pipeline.auto and cfg.train.resume and saved.is_file()
+            and newest_complete(run_dir)):
+        return None
+    before, fixed, kept = OmegaConf.load(saved), fixed_keys(hydra_cfg), []
+    with open_dict(cfg):
+        for key in PLANNED_KEYS:
+            if key not in fixed:
+                value = OmegaConf.select(before, key)
+                OmegaConf.update(cfg, key, value)
+                kept.append(f"{key}={value}")
+    return ("pipeline=auto: resuming, so the plan of the run's earlier start (its run.yaml) "
+            "stays: " + " ".join(kept))
+
+
+def apply_auto_pipeline(cfg, hydra_cfg, machine, world: int | None = None) -> str | None:
     """With pipeline=auto on a machine with GPUs: sets the plan's keys in `cfg` (the keys the
     user set stay as they are) and returns the plan's description to log; refuses a run that
     nothing fits, naming the numbers and the smallest change. None where there is nothing to do
-    (another pipeline, or no GPU: the keys of conf/pipeline/auto.yaml run as they are)."""
+    (another pipeline, or no GPU: the keys of conf/pipeline/auto.yaml run as they are). `world`:
+    the processes torchrun or SLURM started, which the plan's layout must use, all of them."""
     from omegaconf import OmegaConf, open_dict
 
     from dpipe.config.checks import validate
@@ -91,10 +119,10 @@ def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
         return None
     run = validate(cfg)
     fixed = fixed_keys(hydra_cfg)
-    rp = plan_run(build_spec(run.model), run, machine, fixed)
+    rp = plan_run(build_spec(run.model), run, machine, fixed, world=world)
     if not rp.plan.fits:
         change = smallest_change(rp.footprint, run, machine, fixed, rp.resolution,
-                                 files=rp.files)
+                                 files=rp.files, world=world)
         raise ConfigError(
             f"pipeline=auto: nothing fits {machine.name}: {'; '.join(rp.plan.problems)}"
             + (f"; the smallest change that fits: {change[0]}" if change else
@@ -107,7 +135,7 @@ def apply_auto_pipeline(cfg, hydra_cfg, machine) -> str | None:
     return "pipeline=auto:\n" + describe(rp)
 
 
-def check_fits(run, spec, machine, data_parallel: int) -> str:
+def check_fits(run, spec, machine, data_parallel: int, run_dir: Path | None = None) -> str:
     """Refuses a run, before any worker starts, that cannot fit `machine` whatever its
     activations turn out to be: its stages' weights and trained state alone over the GPU
     budget, its loading over the host's memory, its cache over the disk's free space. Returns
@@ -130,6 +158,10 @@ def check_fits(run, spec, machine, data_parallel: int) -> str:
         raise ConfigError(f"this run does not fit {machine.name}: {'; '.join(certain)}; "
                           "`dpipe-train --plan pipeline=auto ...` (same overrides) shows a "
                           "plan that fits, or pipeline=auto applies it")
+    if run_dir is not None:  # the prediction the run's end compares with (<run>/plan.json)
+        from dpipe.train.plan_file import write_launch_prediction
+
+        write_launch_prediction(run_dir, [s.peak for s in plan.stage_plans], plan.disk)
     step, host = plan.host_peak
     peaks = " / ".join(gib(s.peak) for s in plan.stage_plans)
     cache = f"cache {size(plan.disk)}" if plan.disk is not None else "cache not known"

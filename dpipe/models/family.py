@@ -27,7 +27,8 @@ from torch import nn
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
-    check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
+    check_folder, denoiser_skeleton, load_denoiser, load_encoders, read_json,
+    write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
@@ -141,6 +142,21 @@ class DiffusersFamily(ModelSpec):
                              subfolder=self.denoiser_folder, title=self.title,
                              gguf_architectures=self.gguf_architectures,
                              keep_stored=keeps_stored_base(self.cfg))
+
+    @property
+    def loads_stage_weights(self) -> bool:
+        """From a diffusers folder, where the family loads its denoiser the default way; a
+        family with its own `load_denoiser` (key conversions, extra modules) and a single file
+        load the whole denoiser."""
+        return self.single_file is None and \
+            type(self).load_denoiser is DiffusersFamily.load_denoiser
+
+    def denoiser_skeleton(self):
+        """From the folder's safetensors files (None where it holds none)."""
+        if not self.loads_stage_weights:
+            return None
+        return denoiser_skeleton(diffusers_class(self.denoiser_class), self.path,
+                                 self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).

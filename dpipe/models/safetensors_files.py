@@ -2,12 +2,15 @@
 never the tensors): an empty file, one cut short (a download or copy that stopped) or one that
 is no safetensors file at all is named with what it is and, when its header says, the size it
 should have. Checked before any worker starts, where a loader's own error would name the file
-without a reason, after every process had loaded its libraries."""
+without a reason, after every process had loaded its libraries. And chosen tensors of a file,
+read one by one (`read_tensors`): a pipeline stage loads its own weights and no others."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
 
 from dpipe.errors import ModelLoadError
 
@@ -65,3 +68,31 @@ def check_folder_files(path: Path, what: str) -> None:
     if path.is_dir():
         for file in sorted(path.rglob("*.safetensors")):
             check_file(file, f"{what}{path}: its file ")
+
+
+# safetensors' dtype names -> torch's (the formats diffusers folders hold).
+TENSOR_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool}
+
+
+def read_tensors(path: Path, wanted: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """The tensors of `path` named in `wanted`, each read on its own and cast to its dtype there:
+    the host holds the tensors asked for and one more in transit. Read with plain file reads, not
+    mapped: a mapped file's pages count in the process's memory while it stays open."""
+    out = {}
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
+        header = json.loads(f.read(length))
+        start = HEADER_LENGTH_BYTES + length
+        for key in sorted(wanted, key=lambda k: header[k]["data_offsets"][0]):
+            entry = header[key]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(start + begin)
+            f.readinto(memoryview(raw.numpy()))
+            stored = raw.view(TENSOR_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+            out[key] = stored.to(wanted[key])
+    return out

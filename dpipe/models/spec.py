@@ -187,6 +187,18 @@ class ModelSpec(abc.ABC):
         """The diffusion transformer/UNet that is trained, on CPU."""
 
     @property
+    def loads_stage_weights(self) -> bool:
+        """Whether each pipeline stage can read only its own weights (`denoiser_skeleton`), or
+        every rank loads the whole denoiser (`load_denoiser`). Default: the whole."""
+        return False
+
+    def denoiser_skeleton(self):
+        """The denoiser with no weights read (`dpipe.models.diffusers_folder.DenoiserSkeleton`),
+        so that each pipeline stage reads only its own weights; None where the family loads the
+        whole denoiser (`load_denoiser`). Default: None."""
+        return None
+
+    @property
     @abc.abstractmethod
     def pixel_multiple(self) -> int:
         """Image sides must be multiples of this (VAE downscale x patch size)."""

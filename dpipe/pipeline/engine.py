@@ -63,6 +63,13 @@ def start_rank(run: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def stage_of(rank: int, stages: int, data_parallel: int) -> int:
+    """The pipeline stage that `rank` runs, as DeepSpeed's topology places it."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    return PipeDataParallelTopology(num_pp=stages, num_dp=data_parallel).get_coord(rank).pipe
+
+
 def _pipeline_module_class():
     from deepspeed.pipe import PipelineModule
 

@@ -34,6 +34,18 @@ from dpipe.errors import ConfigError
 
 log = logging.getLogger("dpipe")
 GiB = 1 << 30
+# Host memory of a worker process besides the model: the CUDA context, torch's and the
+# libraries' code, the loader's prefetched micro-batches.
+PROCESS_HOST = 3 * GiB
+
+
+def loading_bytes(layer_bytes: list[int]) -> int:
+    """Host bytes a worker holds while it reads its stage's weights (`dpipe.train.trainable`),
+    from each of the stage's layers' bytes as training keeps them (a bf16 LoRA's frozen base in
+    bf16, trained weights in their dtype; an fp8 base is quantized after the stage is read in
+    bf16): all of them, and the largest layer's once more for the tensor in transit (read in its
+    stored dtype, then cast)."""
+    return sum(layer_bytes) + max(layer_bytes, default=0)
 
 
 # Measured >= 1.11 (8.1 / 7.3 GiB) on FLUX.1-dev, compiled, before the OOM, when an eager

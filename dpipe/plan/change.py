@@ -52,7 +52,7 @@ def smallest_change(footprint: ModelFootprint, run, machine: Machine, fixed: set
         if gpus > machine.gpus:
             tries.append((f"{gpus} GPUs of {machine.gpu_gib:g} GiB free (this machine: "
                           f"{machine.gpus})", footprint, machine.with_gpus(gpus), fixed))
-    for host in (64, 128, 256, 512):
+    for host in (32, 64, 128, 256, 512):
         if host > machine.host_gib:
             tries.append((f"{host} GiB of host memory (this machine: {machine.host_gib:g})",
                           footprint, replace(machine, host_gib=host), fixed))

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dpipe.config.schema import BaseCompute, OptimizerName, Precision, RunConfig, TrainMode
-from dpipe.pipeline.memory import (LayerCost, fragmentation_margin, in_flight_micro_batches,
-                                   plan_swap)
+from dpipe.pipeline.memory import (PROCESS_HOST, LayerCost, fragmentation_margin,
+                                   in_flight_micro_batches, loading_bytes, plan_swap)
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.plan.footprint import ModelFootprint
 from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
@@ -31,9 +31,6 @@ from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
 OPTIMIZER_STATE = {OptimizerName.adamw: 8, OptimizerName.adamw8bit: 2,
                    OptimizerName.adafactor: 1, OptimizerName.came: 2, OptimizerName.prodigy: 16,
                    OptimizerName.schedulefree_adamw: 8, OptimizerName.muon: 4}
-# Host memory of a worker process besides the model: the CUDA context, torch's and the
-# libraries' code, the loader's prefetched micro-batches.
-PROCESS_HOST = 3 * GiB
 # An fp8-stored Linear dequantizes its weight on each use: a few % of its layer's time.
 FP8_SLOWDOWN = 1.05
 STAGE_COUNTS = (1, 2, 4, 8)
@@ -164,11 +161,20 @@ def _stage(footprint: ModelFootprint, run: RunConfig, machine: Machine, first: i
 
 def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int,
           data_parallel: int, encoders: int | None) -> dict[str, int]:
-    """Host memory of each step of a run on one machine: every worker loads the whole denoiser
-    in fp32 before keeping its stage (`dpipe.train.trainable.load_denoiser`); the cache is built
-    with the encoders loaded; training pins the swapped weights of each stage of each replica."""
-    out = {"loading the denoiser (fp32, every process)":
-           processes * (4 * footprint.params + PROCESS_HOST)}
+    """Host memory of each step of a run on one machine: every worker reads its stage's weights
+    where the family and the run allow (`dpipe.train.trainable.reads_stage_only`), else loads
+    the whole denoiser in fp32 before keeping its stage; the cache is built with the encoders
+    loaded; training pins the swapped weights of each stage of each replica."""
+    from dpipe.train.trainable import reads_stage_only
+
+    if footprint.stage_loading and reads_stage_only(run):
+        out = {"loading the denoiser (each process its stage)": data_parallel * sum(
+            loading_bytes([x.frozen_bytes + x.trainable_bytes
+                           for x in footprint.layers[slice(*s.layers)]]) + PROCESS_HOST
+            for s in stage_plans)}
+    else:
+        out = {"loading the denoiser (fp32, every process)":
+               processes * (4 * footprint.params + PROCESS_HOST)}
     if encoders is not None:
         out["caching (encoders loaded)"] = encoders + PROCESS_HOST
     out["training (pinned swap buffers)"] = processes * PROCESS_HOST + data_parallel * sum(
@@ -222,8 +228,10 @@ def eight_bit_base(run: RunConfig) -> str:
     return "fp8" if run.model.base_compute == BaseCompute.auto else run.model.base_compute.value
 
 
-def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
-    """(stages, data_parallel, fp8) of every layout that keeps the keys in `fixed`."""
+def candidates(run: RunConfig, machine: Machine, fixed: set[str], world: int | None = None):
+    """(stages, data_parallel, fp8) of every layout that keeps the keys in `fixed`; given
+    `world`, the processes someone else started (torchrun, SLURM), only layouts of exactly that
+    many."""
     p = run.pipeline
     gpus = max(machine.gpus, 1)
     counts = [p.stages] if "pipeline.stages" in fixed or "pipeline.split" in fixed \
@@ -235,11 +243,13 @@ def candidates(run: RunConfig, machine: Machine, fixed: set[str]):
     if lora and run.model.base_compute != BaseCompute.auto:
         bases = [True]  # 8-bit matmuls multiply 8-bit weights: the storage comes with them
     for stages in counts:
-        # Fewer replicas than the GPUs hold too: each process loads the whole denoiser, so the
+        # Fewer replicas than the GPUs hold too: each replica reads the denoiser again, so the
         # host's memory may not hold one per GPU.
         replicas = [p.data_parallel] if "pipeline.data_parallel" in fixed and p.data_parallel \
             else range(1, max(1, gpus // stages) + 1)
         for data_parallel in replicas:
+            if world is not None and stages * data_parallel != world:
+                continue
             for fp8 in bases:
                 yield stages, data_parallel, fp8
 
@@ -259,10 +269,11 @@ def keeps_file_base(run: RunConfig) -> bool:
 
 def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,
            fixed: set[str] = frozenset(), files: int | None = None,
-           encoders: int | None = None) -> Plan:
+           encoders: int | None = None, world: int | None = None) -> Plan:
     """The fastest layout that fits, else the layout that comes closest (its `problems` say
     why). Keys not in `fixed` are the planner's to choose: checkpointing and block swap "auto"
-    unless fixed."""
+    unless fixed. Given `world` (the processes torchrun or SLURM started), a layout of exactly
+    that many processes."""
     free = {}
     if "pipeline.activation_checkpointing" not in fixed:
         free["activation_checkpointing"] = "auto"
@@ -274,7 +285,7 @@ def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,
         free["partition"] = PartitionMethod.balanced
     planned = replace(run, pipeline=replace(run.pipeline, **free))
     plans = [layout(footprint, planned, machine, s, d, fp8, files, encoders)
-             for s, d, fp8 in candidates(planned, machine, fixed)]
+             for s, d, fp8 in candidates(planned, machine, fixed, world)]
     fitting = [p for p in plans if p.fits]
     if fitting:
         return min(fitting, key=lambda p: (p.seconds_per_sample, p.stages, p.base == "fp8"))

@@ -55,6 +55,8 @@ class ModelFootprint:
     tokens: int  # latent elements per micro-batch, per channel: how activations grew with size
     text_bytes: int  # one sample's cached text embeddings (bf16)
     latent_bytes: int  # one sample's cached latents at the largest bucket (bf16)
+    # Whether a rank reads only its stage's weights (`ModelSpec.loads_stage_weights`).
+    stage_loading: bool = False
 
     @property
     def params(self) -> int:
@@ -202,7 +204,19 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
     return ModelFootprint(
         family=spec.family, layers=layers, tokens=tokens,
         text_bytes=sum(v.numel() * 2 for v in text.values()),
-        latent_bytes=2 * tokens * shape[0])
+        latent_bytes=2 * tokens * shape[0], stage_loading=spec.loads_stage_weights)
+
+
+def layer_weights(layer: nn.Module) -> dict[str, int]:
+    """A trainable layer's weights as `LayerFootprint` counts them (what needs no forward): its
+    parameters, the trained ones and their bytes, its frozen weights' and buffers' bytes."""
+    from dpipe.pipeline.block_swap import frozen_bytes
+
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    return {"params": sum(p.numel() for p in layer.parameters()),
+            "trainable": sum(p.numel() for p in trained),
+            "trainable_bytes": sum(p.numel() * p.element_size() for p in trained),
+            "frozen_bytes": frozen_bytes(layer)}
 
 
 def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool,
@@ -212,7 +226,6 @@ def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: boo
     of a real-size model's dozens of blocks would take seconds)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dpipe.pipeline.block_swap import frozen_bytes
     from dpipe.train.trainable import trainable_layers
 
     denoiser = spec.random_denoiser(size, torch.float32, torch.device("meta"))
@@ -240,12 +253,8 @@ def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: boo
                 x = layer(x)
             params = {id(p) for p in layer.parameters()} | {id(b) for b in layer.buffers()}
             kept = {id(t): t.numel() * t.element_size() for t in saved if id(t) not in params}
-            trained = [p for p in layer.parameters() if p.requires_grad]
             out.append(LayerFootprint(
-                params=sum(p.numel() for p in layer.parameters()),
-                trainable=sum(p.numel() for p in trained),
-                trainable_bytes=sum(p.numel() * p.element_size() for p in trained),
-                frozen_bytes=frozen_bytes(layer),
+                **layer_weights(layer),
                 quantizable=sum(m.weight.numel() for m in layer.modules()
                                 if id(m) in blocks and not m.weight.requires_grad) if lora else 0,
                 activations=int(mbs * ACTIVATION_CALIBRATION * sum(kept.values())),

@@ -73,13 +73,13 @@ def user_keys(overrides: list[str], preset_keys: set[str] = frozenset()) -> set[
 
 
 def plan_run(spec, run: RunConfig, machine: Machine, fixed: set[str],
-             encoders: int | None = None) -> RunPlan:
+             encoders: int | None = None, world: int | None = None) -> RunPlan:
     size = model_size(spec, run)
     resolution = run.dataset.resolution
     frames = max(run.dataset.frame_buckets or [1])
     footprint = measure(spec, run, size, resolution, frames)
     files = dataset_files(run)
-    return RunPlan(choose(footprint, run, machine, fixed, files, encoders), footprint, size,
+    return RunPlan(choose(footprint, run, machine, fixed, files, encoders, world), footprint, size,
                    resolution, frames, files)
 
 

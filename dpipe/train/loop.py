@@ -16,12 +16,13 @@ from dpipe.data import prepare
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
+from dpipe.models.diffusers_folder import DenoiserSkeleton
 from dpipe.models.registry import build_spec
-from dpipe.pipeline.engine import quiet_deepspeed, start_rank
+from dpipe.pipeline.engine import quiet_deepspeed, stage_of, start_rank
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes
 from dpipe.sample.requests import sample_requests
 from dpipe.sample.training import TrainingSamples
-from dpipe.train import checkpoint, gpu_memory, preemption
+from dpipe.train import checkpoint, gpu_memory, plan_file, preemption
 from dpipe.train.audit import StepAudit
 from dpipe.train.divergence import diverged, not_finite
 from dpipe.train.ema import WeightAverage
@@ -59,13 +60,18 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                               sample_requests=requests)
     plan = dataset.plan
 
-    denoiser = load_denoiser(spec, run)
-    step_flops = StepFlops(spec, run, architecture(denoiser)) if rank == 0 else None
-    layers = trainable_layers(spec, run, denoiser)
-    del denoiser  # the layers hold their own parts; a stage keeps only its layers
+    stage = stage_of(rank, run.pipeline.stages, data_parallel)
+    denoiser = load_denoiser(spec, run, stage)  # or its skeleton: this stage's weights only
+    model = getattr(denoiser, "model", denoiser)
+    step_flops = StepFlops(spec, run, architecture(model)) if rank == 0 else None
+    layers = trainable_layers(spec, run, denoiser, stage)
+    stage_only = isinstance(denoiser, DenoiserSkeleton)
+    del denoiser, model  # the layers hold their own parts; a stage keeps only its layers
     with quiet_deepspeed():
         built = build_training_engine(layers, spec, run, data_parallel)
+    assert built.stage == stage, "the engine placed this rank on another stage than it loaded"
     engine = built.engine
+    plan_file.record_start(run_dir, list(engine.module.forward_funcs), layers, stage_only)
     dp_rank = engine.grid.get_data_parallel_rank()
     where = [None] * world  # which node holds which stage, for the log (a collective)
     dist.all_gather_object(where, (built.stage, node_name()))
@@ -216,6 +222,9 @@ def run_training(run: RunConfig, run_dir: Path) -> Path | None:
                      dp_rank, ema=ema)
     if rank == 0:
         log.info("exported %s", out)
+    compared = plan_file.record_end(run_dir, built.stage, Path(run.dataset.cache_dir).expanduser())
+    if compared is not None:
+        log.info(compared)
     dist.barrier()
     return out
 

@@ -6,6 +6,7 @@ One LoRA run on 1, 2 and 4 stages (a sweep) is shared by several tests; each oth
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def test_run_leaves_real_outputs(two_stage_lora):
     assert checkpoints == ["step_00000004", "step_00000006"]  # keep_checkpoints=2
     assert (run / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    # plan.json: each process's predicted host peak (its stage read alone, as the plan states
+    # it) and what each used; the cache's bytes; no GPU figure on the CPU.
+    plan = json.loads((run / "plan.json").read_text())
+    predicted, used = plan["predicted"]["host_peak_per_process"], plan["measured"]
+    assert len(predicted) == len(used["host_peak_per_process"]) == 2
+    assert all(0 < u <= p for u, p in zip(used["host_peak_per_process"], predicted))
+    assert used["cache_disk"] > 0 and used["gpu_peak_per_stage"] is None
+    assert "plan vs run: host peak per process " in (run / "train.log").read_text()
 
 
 @pytest.fixture(scope="module")

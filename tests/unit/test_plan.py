@@ -7,6 +7,7 @@ the six models)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -41,18 +42,24 @@ def test_more_memory_never_gives_a_slower_plan_nor_one_that_does_not_fit(name):
 
 def test_what_fits_where():
     """The table's headline facts: a FLUX.1-dev LoRA needs fp8 below 80 GiB and none above; a
-    full fine-tune of it fits no machine of the table but 8x80 GiB (as 2 stages); every worker
-    loading the denoiser in fp32 is what a 32 GiB host cannot hold."""
+    full fine-tune of it fits no GPUs of the table but 8x80 GiB (as 2 stages: each worker
+    reads its stage's half, so any host of the table holds the loading); a 32 GiB host
+    holds its loading (each worker reads its stage's weights in bf16: 26.5 GiB), a 24 GiB host
+    does not."""
     flux = {m: table.plan("FLUX.1-dev LoRA", m) for m in ("1x16,host=64", "1x24,host=64",
-                                                          "1x80,host=128", "1x24,host=32")}
+                                                          "1x80,host=128", "1x24,host=32",
+                                                          "1x24,host=24")}
     assert [flux[m].base for m in ("1x16,host=64", "1x24,host=64", "1x80,host=128")] == \
         ["fp8", "fp8", "bf16"]
     assert sum(s.recompute for s in flux["1x80,host=128"].stage_plans) == 0
-    assert not flux["1x24,host=32"].fits
-    assert "loading the denoiser" in flux["1x24,host=32"].problems[0]
+    assert flux["1x24,host=32"].fits
+    assert flux["1x24,host=32"].host_peak == (
+        "loading the denoiser (each process its stage)", pytest.approx(26.5 * GiB, rel=0.01))
+    assert not flux["1x24,host=24"].fits
+    assert "loading the denoiser" in flux["1x24,host=24"].problems[0]
     full = [m for m in table.MACHINES if table.plan("FLUX.1-dev full fine-tune", m).fits]
-    assert full == ["8x80,host=128"]
-    assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=128").stages == 2
+    assert full == ["8x80,host=32", "8x80,host=64", "8x80,host=128"]
+    assert table.plan("FLUX.1-dev full fine-tune", "8x80,host=32").stages == 2
 
 
 def test_int8_compute_plans_int8_weights_without_a_base_dtype_key():
@@ -120,23 +127,23 @@ def test_the_measured_flux_runs():
 
 
 def test_plan_prints_the_smallest_change_for_a_run_that_does_not_fit(capsys, monkeypatch):
-    """The user's command for their 24 GB card in a 32 GiB host: it cannot load FLUX.1-dev,
+    """The user's command for their 24 GB card in a 24 GiB host: it cannot load FLUX.1-dev,
     and the plan says how much host memory would do."""
     import sys
 
     from dpipe.cli import train
 
     monkeypatch.setattr(sys, "argv", [
-        "dpipe-train", "--plan", "--machine", "1x24,host=32", "model=flux",
+        "dpipe-train", "--plan", "--machine", "1x24,host=24", "model=flux",
         "model.path=/models/FLUX.1-dev", "dataset=folder", "dataset.path=/data/photos",
         "dataset.resolutions=[1024]", "train.precision=bf16"])
     with pytest.raises(SystemExit) as info:
         train.main()
     out = capsys.readouterr().out
     assert info.value.code == 1, out
-    assert "does not fit: loading the denoiser (fp32, every process) needs 48 GiB of host " \
-           "memory, the host has 32 GiB" in out
-    assert "smallest change that fits: 64 GiB of host memory (this machine: 32)" in out
+    assert "does not fit: loading the denoiser (each process its stage) needs 26 GiB of host " \
+           "memory, the host has 24 GiB" in out
+    assert "smallest change that fits: 32 GiB of host memory (this machine: 24)" in out
     assert "model.base_dtype=fp8" in out  # the keys of the plan that fits
 
 
@@ -153,13 +160,16 @@ def test_a_bad_machine_is_refused_in_one_line(text, capsys, monkeypatch):
     assert capsys.readouterr().err.startswith(f"error: --machine {text}: give GPUs x GiB")
 
 
-def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
+def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set(tmp_path):
     """`pipeline=auto` on an emulated 2x24 GiB machine with a 128 GiB host: FLUX.1-dev's LoRA
     as the plan chooses it (one stage per GPU, fp8, auto recompute and swap), and
-    `model.base_dtype=int8` on the command line stays int8. On a CPU it runs as composed: two
-    stages (the demo's)."""
-    from dpipe.cli.train_plan import apply_auto_pipeline
+    `model.base_dtype=int8` on the command line stays int8. Resumed from a checkpoint where the
+    plan would differ (1x80 GiB), the run keeps its checkpoint's layout (its run.yaml's keys),
+    but for a key the user sets then. On a CPU it runs as composed: two stages (the demo's)."""
+    from dpipe.cli.train_plan import apply_auto_pipeline, planned_before
+    from dpipe.config.checks import validate
     from dpipe.config.compose import compose_config, compose_run
+    from dpipe.launch.run_rank import save_run_config
 
     args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
             "dataset.resolutions=[1024]"]
@@ -169,6 +179,21 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     p, m = cfg.pipeline, cfg.model
     assert (p.stages, p.data_parallel, m.base_dtype, p.activation_checkpointing,
             p.memory_budget_gb, p.blocks_to_swap) == (1, 2, "fp8", "auto", 23, "auto")
+    save_run_config(validate(cfg, world_size=2), tmp_path)
+    resumed = compose_config(args)
+    assert planned_before(resumed, resumed.hydra, tmp_path) is None  # no checkpoint yet
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000004" / "COMPLETE").touch()
+    assert planned_before(resumed, resumed.hydra, tmp_path).startswith(
+        "pipeline=auto: resuming, so the plan of the run's earlier start (its run.yaml) stays: "
+        "pipeline.stages=1 pipeline.data_parallel=2 ")
+    assert table.plan("FLUX.1-dev LoRA", "1x80,host=128").overrides[:2] == [
+        "pipeline.stages=1", "pipeline.data_parallel=1"]  # what a fresh plan there would be
+    p, m = resumed.pipeline, resumed.model
+    assert (p.stages, p.data_parallel, m.base_dtype, p.memory_budget_gb) == (1, 2, "fp8", 23)
+    mine = compose_config([*args, "pipeline.memory_budget_gb=20"])
+    planned_before(mine, mine.hydra, tmp_path)
+    assert mine.pipeline.memory_budget_gb == 20 and mine.pipeline.data_parallel == 2
     cfg = compose_config([*args, "model.base_dtype=int8"])
     apply_auto_pipeline(cfg, cfg.hydra, parse("2x24,host=128"))
     assert cfg.model.base_dtype == "int8" and cfg.pipeline.data_parallel == 2
@@ -176,6 +201,27 @@ def test_pipeline_auto_applies_the_plan_and_keeps_what_the_user_set():
     assert cpu.pipeline.auto and cpu.pipeline.stages == 2
     cfg = compose_config(["pipeline=auto"])
     assert apply_auto_pipeline(cfg, cfg.hydra, parse("0x24")) is None
+
+
+def test_pipeline_auto_under_torchrun_uses_every_process_it_was_given():
+    """torchrun (or SLURM) started 4 processes on a 4x24 GiB machine with a 32 GiB host: on its
+    own the plan would use 2 of the GPUs (2 stages, 1 replica: the host holds no more loading),
+    which the 4 processes cannot run; the plan of 4 processes is refused, naming the host."""
+    from dpipe.cli.train_plan import apply_auto_pipeline
+    from dpipe.config.compose import compose_config
+    from dpipe.errors import ConfigError
+
+    args = ["pipeline=auto", "model=flux", "model.path=/models/x", "train.precision=bf16",
+            "dataset.resolutions=[1024]"]
+    alone = table.plan("FLUX.1-dev LoRA", "4x24,host=32")
+    assert alone.stages * alone.data_parallel == 2
+    cfg = compose_config(args)
+    with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 4 GPUs .* 32 GiB host: "
+                       r"loading the denoiser .* the smallest change that fits: 64 GiB of host"):
+        apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=32"), world=4)
+    cfg = compose_config(args)
+    apply_auto_pipeline(cfg, cfg.hydra, parse("4x24,host=64"), world=4)
+    assert cfg.pipeline.stages * cfg.pipeline.data_parallel == 4
 
 
 def test_pipeline_auto_refuses_a_run_that_nothing_fits():
@@ -186,16 +232,16 @@ def test_pipeline_auto_refuses_a_run_that_nothing_fits():
     cfg = compose_config(["pipeline=auto", "model=flux", "model.path=/models/x",
                           "train.precision=bf16", "dataset.resolutions=[1024]"])
     with pytest.raises(ConfigError, match=r"^pipeline=auto: nothing fits 1 GPU with 23 GiB free, "
-                       r"32 GiB host: loading the denoiser \(fp32, every process\) needs 48 GiB "
-                       r"of host memory, the host has 32 GiB; the smallest change that fits: "
-                       r"64 GiB of host memory"):
-        apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=32"))
+                       r"24 GiB host: loading the denoiser \(each process its stage\) needs 26 "
+                       r"GiB of host memory, the host has 24 GiB; the smallest change that fits: "
+                       r"32 GiB of host memory"):
+        apply_auto_pipeline(cfg, cfg.hydra, parse("1x24,host=24"))
 
 
-def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
+def test_a_run_that_cannot_fit_is_refused_before_its_workers_start(tmp_path):
     """What a GPU run checks before its workers start (dpipe-train on a machine with GPUs):
     FLUX.1-dev LoRA in bf16 on one 16 GiB card (its weights alone are 22 GiB), and in fp8 in a
-    32 GiB host (every worker loads the denoiser in fp32: 48 GiB); the same run in fp8 on 1x16
+    24 GiB host (its worker reads the denoiser in bf16: 26 GiB); the same run in fp8 on 1x16
     GiB with 64 GiB passes, with the prediction to log."""
     from dpipe.cli.train_plan import check_fits
     from dpipe.config.compose import compose_run
@@ -210,10 +256,14 @@ def test_a_run_that_cannot_fit_is_refused_before_its_workers_start():
         check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1)
     run = compose_run([*args, "model.base_dtype=fp8", "pipeline.blocks_to_swap=auto"],
                       world_size=1)
-    with pytest.raises(ConfigError, match="loading the denoiser .* needs 48 GiB of host memory"):
-        check_fits(run, build_spec(run.model), parse("1x16,host=32"), 1)
-    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1).startswith(
+    with pytest.raises(ConfigError, match="loading the denoiser .* needs 26 GiB of host memory"):
+        check_fits(run, build_spec(run.model), parse("1x16,host=24"), 1)
+    assert check_fits(run, build_spec(run.model), parse("1x16,host=64"), 1, tmp_path).startswith(
         "plan: predicted GPU peak per stage ")
+    # The prediction the run's end compares with: <run>/plan.json, before any worker starts.
+    predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]
+    assert len(predicted["gpu_peak_per_stage"]) == 1 and predicted["cache_disk"] is None
+    assert 10 * GiB < predicted["gpu_peak_per_stage"][0] <= 15 * GiB
 
 
 def test_a_family_without_a_real_size_config_is_refused_in_one_line():

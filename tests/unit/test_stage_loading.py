@@ -1,0 +1,81 @@
+"""Each rank reads only its pipeline stage's weights, in the dtype training keeps them in
+(`dpipe.train.trainable`): the layers equal those of the whole denoiser loaded in fp32 bit for bit,
+and a mid-size denoiser's stage stays within the host memory the plan states for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpipe.config.compose import compose_run
+from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.diffusers_folder import DenoiserSkeleton
+from dpipe.models.registry import build_spec
+from dpipe.pipeline.partition import stage_bounds
+from dpipe.train.trainable import load_denoiser, trainable_layers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("mode", [["train.precision=bf16"], ["model.mode=full"],
+                                  ["model.adapter=lokr", "train.precision=bf16",
+                                   "model.base_dtype=fp8"]])
+def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
+    run = compose_run(["model=tiny_flux", "pipeline.stages=2", *mode], world_size=2)
+    spec = build_spec(run.model)
+    spec.ensure_available()
+    assert isinstance(load_denoiser(spec, run, 0), DenoiserSkeleton)
+    whole = trainable_layers(spec, run)  # no stage: the whole denoiser, loaded in fp32
+    p = run.pipeline
+    bounds = stage_bounds(spec.layer_costs(whole), p.stages, p.partition, p.split)
+    for stage in range(p.stages):
+        layers = trainable_layers(spec, run, stage=stage)
+        for i, layer in enumerate(layers):
+            state, expected = layer.state_dict(), whole[i].state_dict()
+            assert state.keys() == expected.keys()
+            local = bounds[stage] <= i < bounds[stage + 1]
+            frozen = {k for k, q in layer.named_parameters() if not q.requires_grad}
+            for key, value in state.items():
+                if local:
+                    assert value.dtype == expected[key].dtype, (i, key)
+                    assert torch.equal(value, expected[key]), (i, key)
+                elif key in frozen:  # another stage's base weights: never read
+                    assert value.is_meta, (stage, i, key)
+
+
+# A FLUX.1-style denoiser of 145M parameters (290 MB in bf16, 3 shards): big enough that the
+# stage's weights stand out from the allocator's noise, small enough to write in a second.
+MID_FLUX = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4,
+                attention_head_dim=64, num_attention_heads=16, joint_attention_dim=1024,
+                pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 24, 24))
+
+
+@pytest.mark.slow  # a worker process (its imports: ~6 s)
+def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
+    """The whole denoiser in fp32 (what every rank loaded before) would take 580 MB; stage 0 of
+    2 of a bf16 LoRA holds about half of its bf16 weights. The worker measures the rise of its
+    resident memory's peak while it loads (VmHWM, from a reset), against
+    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure)."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**MID_FLUX).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    for param in model.parameters():
+        param.data.fill_(0.01)  # the values do not matter here; their bytes do
+    save_exact_shards(model, folder / "transformer", shards=3)
+    del model
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", "model=tiny_flux",
+         f"model.path={folder}", "pipeline.stages=2", "train.precision=bf16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 100e6 < measured["bound"] < 290e6  # about half the bf16 weights, one layer in transit
+    assert measured["rise"] <= measured["bound"], measured
