@@ -135,9 +135,8 @@ class Mapped:
     program: str
     args: tuple[str, ...]
     wheres: list[str] = field(default_factory=list)
-    # CI's form of a process that stands for one command on several families' pages (a sweep
-    # over their tiny models: its first model) or for several benchmarks (its first --run);
-    # None: CI runs `args`
+    # CI's form of a sweep that stands for one command on several families' pages (a sweep
+    # over their tiny models): its first model; None: CI runs `args`
     short: tuple[str, ...] | None = None
 
     def form(self, whole: bool) -> Mapped:
@@ -328,7 +327,7 @@ def _merged(key: tuple, members: list[Mapped]) -> Mapped:
     args = list(key[1])
     for overrides, name in runs.items():
         args += ["--run", f"{name}: {overrides}"]
-    return Mapped("dpipe-bench", tuple(args), wheres, short=tuple(args[:len(key[1]) + 2]))
+    return Mapped("dpipe-bench", tuple(args), wheres)
 
 
 PROCESSES, MAKE_ELSEWHERE = processes()
@@ -566,7 +565,19 @@ def runner(tmp_path_factory) -> Runner:
 RUN_HERE = [i for i, p in enumerate(PROCESSES) if str(p) not in RUN_BY_TESTS]
 LOCAL = [i for i in RUN_HERE if not PROCESSES[i].slurm]
 ON_SLURM = [i for i in RUN_HERE if PROCESSES[i].slurm]
-SHORTENED = [i for i in LOCAL if PROCESSES[i].short is not None]
+
+
+def in_ci(mapped: Mapped) -> bool:
+    """CI's share: every command outside the family pages (docs/models/: each family's same
+    few lines, which tests/integration/test_families.py runs family by family and
+    tests/unit/test_docs_commands.py composes), but the benchmarks (test_bench runs that path);
+    a sweep that also stands for family pages' lines runs its first model there."""
+    return (mapped.program != "dpipe-bench"
+            and any(not where.startswith("docs/models/") for where in mapped.wheres))
+
+
+IN_CI = [i for i in LOCAL if in_ci(PROCESSES[i])]
+IN_FULL = [i for i in LOCAL if i not in IN_CI or PROCESSES[i].short is not None]
 
 
 def _id(index: int) -> str:
@@ -589,16 +600,16 @@ def _check(mapped: Mapped, done: Outcome, runner: Runner) -> None:
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
 
 
-@pytest.mark.parametrize("index", LOCAL, ids=[_id(i) for i in LOCAL])
+@pytest.mark.parametrize("index", IN_CI, ids=[_id(i) for i in IN_CI])
 def test_documented_command_runs(index, runner):
-    """CI's form: a sweep over several families' tiny models runs its first, a benchmark of
-    several runs its first run; test_documented_command_runs_whole runs the rest."""
+    """CI's share (`in_ci`), in CI's form (`Mapped.short`)."""
     _check(PROCESSES[index].form(whole=False), runner.outcome(index), runner)
 
 
 @pytest.mark.docs_full
-@pytest.mark.parametrize("index", SHORTENED, ids=[_id(i) for i in SHORTENED])
+@pytest.mark.parametrize("index", IN_FULL, ids=[_id(i) for i in IN_FULL])
 def test_documented_command_runs_whole(index, runner):
+    """The rest (make test-docs): the family pages' and benchmarks' lines, each sweep whole."""
     _check(PROCESSES[index], runner.outcome(index, whole=True), runner)
 
 
