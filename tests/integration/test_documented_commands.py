@@ -8,21 +8,23 @@ export, one cache pass, one benchmark step). The arguments change only as MAPPIN
 models become their family's tiny model, the dataset folders a generated folder of 64 px images
 (`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops after one step.
 
-They are 61 processes. Three are run in CI by tests that run them as mapped here and check
-more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep); this module
-leaves those to them. The other 58 are marked `docs_full` and `make test-docs` runs them: too
-long for CI, whose suite took 1789 s of its 1800 s at 817b1b5. Its 56 local ones all passed
-and took 3594 s on a 2-core machine shared with other jobs (load average 3-28, 2026-12-07;
-README's sweep took 112 s there against 23 s for the same run on an idle machine), the most
-the dpipe-bench processes (351, 226 and 143 s) and the family pages' sweeps over 14-15 tiny
-models (336, 324 and 146 s); the 2 SLURM ones were not timed.
-CI runs `test_every_documented_command_is_run` (each command has its process, each test of
-RUN_BY_TESTS takes its command from `documented_command`) and the tests of the documented paths
-that broke (test_sweeps, test_video_defaults, test_slurm, test_quick_start). Runs share
-processes: documented `dpipe-train` commands that are the same
-after the mapping run once, and those that differ only in `model=` run as one `-m` sweep over
-their models (one process, one fork server; each point is exactly its command). The SLURM
-commands run on the session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
+Runs share processes: documented `dpipe-train` commands that are the same after the mapping run
+once, and those that differ only in `model=` run as one `-m` sweep over their models (one
+process, one fork server; each point is exactly its command). A command that reads another's
+output (`dpipe-lora merge` of a `convert`'s folder) runs after it. The SLURM commands run on the
+session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
+
+CI (`make test`) runs three of them through tests that run them as mapped here and check more
+(RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep), and through
+`test_documented_command_runs` every command outside the family pages and the benchmarks
+(`in_ci`: README.md, docs/cluster.md, docs/lora-files.md, docs/adding-a-model.md; 30
+processes), a sweep that stands for family pages' lines too on its first model only.
+`make test-docs` (`docs_full`) runs the rest, each sweep whole: the family pages' lines (each
+family's LoRA, full and one-GPU commands, which tests/integration/test_families.py runs family
+by family), the benchmarks and the SLURM lines. All of them, 75 tests, passed in 2176 s on a
+2-core machine at load 5-6 on 2026-12-07 (the largest: two dpipe-bench processes of 10 and 9
+runs, 196 and 143 s; README's LoRA sweep over 15 families, 143 s); CI has no time for them
+all. `test_every_documented_command_is_run` (in CI) checks that every command has its process.
 A command that fails names its doc file and line.
 """
 

@@ -248,8 +248,11 @@ def test_a_run_that_cannot_fit_is_refused_before_its_workers_start(tmp_path):
     from dpipe.errors import ConfigError
     from dpipe.models.registry import build_spec
 
+    # The synthetic dataset's folder not made yet (another test may have made the default
+    # one): no files to count, so no cache disk in the prediction.
     args = ["model=flux", "model.path=/models/x", "train.precision=bf16", "pipeline=single",
-            "dataset.resolutions=[1024]", "pipeline.activation_checkpointing=auto"]
+            "dataset.resolutions=[1024]", "pipeline.activation_checkpointing=auto",
+            f"dataset.path={tmp_path / 'synthetic'}"]
     run = compose_run(args, world_size=1)
     with pytest.raises(ConfigError, match=r"^this run does not fit 1 GPU with 15 GiB free, 64 GiB "
                        r"host: stage 0.s weights and trained state alone take 25.7 GiB"):
