@@ -23,9 +23,9 @@ test:
 test-fast: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" -n auto
 
-# Every documented command, run end to end on tiny models (tests/integration/test_documented_commands.py),
-# but the three that make test runs through its own tests: 58 processes, an estimated 15-25 min on
-# 2 cores (the 56 local ones took 60 min on a 2-core machine shared with other jobs), so not part of make test.
+# The documented commands that make test leaves out, run end to end on tiny models
+# (tests/integration/test_documented_commands.py, docs_full): the family pages' lines, the
+# benchmarks and the SLURM lines, each sweep over its families whole; too long for make test.
 test-docs: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full
 

@@ -17,8 +17,8 @@ workers=${DPIPE_TEST_WORKERS:-$(nproc)}
 [ "$workers" -gt 8 ] && workers=8
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
-# Every documented command run end to end (docs_full) takes longer than CI allows: make test-docs.
-# (CI runs three of them through the tests that run them as mapped: test_documented_commands.)
+# The documented commands outside the family pages and benchmarks run here; the rest (docs_full)
+# take longer than CI allows: make test-docs (tests/integration/test_documented_commands.py).
 # The two-node SLURM job array (cluster_full) too: make test-cluster.
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 \
   -m "not docs_full and not cluster_full" \
