@@ -49,6 +49,7 @@ gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="
 SLOWEST_MODULES = {
     "tests.integration.test_families": 480,
     "tests.integration.test_slurm": 260,
+    "tests.integration.test_documented_commands": 265,  # its 30 CI processes, 2026-12-07
     "tests.integration.test_slurm_two_nodes": 130,
     "tests.integration.test_training": 210,
     "tests.integration.test_samples": 150,
