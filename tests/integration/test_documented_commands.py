@@ -21,9 +21,10 @@ CI (`make test`) runs three of them through tests that run them as mapped here a
 processes), a sweep that stands for family pages' lines too on its first model only.
 `make test-docs` (`docs_full`) runs the rest, each sweep whole: the family pages' lines (each
 family's LoRA, full and one-GPU commands, which tests/integration/test_families.py runs family
-by family), the benchmarks and the SLURM lines. All of them, 75 tests, passed in 2176 s on a
-2-core machine at load 5-6 on 2026-12-07 (the largest: two dpipe-bench processes of 10 and 9
-runs, 196 and 143 s; README's LoRA sweep over 15 families, 143 s); CI has no time for them
+by family), the benchmarks and the SLURM lines: its 47 tests passed in 1779 s on a 2-core
+machine that ran the whole suite beside them (2026-12-07, a4c3938). At load 5-6 from other jobs, all
+75 processes of the docs took 2176 s (c7da127), the largest two dpipe-bench processes of 10 and 9
+runs (196 and 143 s) and README's LoRA sweep over 15 families (143 s); CI has no time for them
 all. `test_every_documented_command_is_run` (in CI) checks that every command has its process.
 A command that fails names its doc file and line.
 """
