@@ -24,7 +24,8 @@ def write_edits(folder: Path) -> Path:
     with two references in control/ (`a_1.png`, `a_2.png`); four, as a step of the default
     pipeline takes four micro-batches of one."""
     for i, stem in enumerate(("a", "b", "c", "d")):
-        write_image(folder / f"{stem}.png", (64, 64), seed=40 + i, caption="the person wearing the jacket")
+        write_image(folder / f"{stem}.png", (64, 64), seed=40 + i,
+                    caption="the person wearing the jacket")
         for k in (1, 2):
             write_image(folder / "control" / f"{stem}_{k}.png", (64, 64), seed=50 + 2 * i + k,
                         caption=None)

@@ -22,10 +22,10 @@ processes), a sweep that stands for family pages' lines too on its first model o
 `make test-docs` (`docs_full`) runs the rest, each sweep whole: the family pages' lines (each
 family's LoRA, full and one-GPU commands, which tests/integration/test_families.py runs family
 by family), the benchmarks and the SLURM lines: its 47 tests passed in 1779 s on a 2-core
-machine that ran the whole suite beside them (2026-12-07, a4c3938). At load 5-6 from other jobs, all
-75 processes of the docs took 2176 s (c7da127), the largest two dpipe-bench processes of 10 and 9
-runs (196 and 143 s) and README's LoRA sweep over 15 families (143 s); CI has no time for them
-all. `test_every_documented_command_is_run` (in CI) checks that every command has its process.
+machine that ran the whole suite beside them (2026-12-07, a4c3938). At load 5-6 from other
+jobs, all 75 processes of the docs took 2176 s (c7da127), the largest two dpipe-bench processes
+of 10 and 9 runs (196 and 143 s) and README's LoRA sweep over 15 families (143 s); CI has no
+time for them all. `test_every_documented_command_is_run` (in CI) checks that every command has its process.
 A command that fails names its doc file and line.
 """
 
@@ -181,7 +181,8 @@ def map_args(program: str, args: list[str]) -> list[str]:
     values = MAPPING["values"]
     out = []
     variant = next((MAPPING["variants"][a.partition("=")[2]] for a in args
-                    if a.partition("=")[2] in MAPPING["variants"] and _key(a) == "model.path"), None)
+                    if _key(a) == "model.path" and a.partition("=")[2] in MAPPING["variants"]),
+                   None)
     if variant:
         args = [a for a in args if _key(a) != "model"] + [f"model={variant}"]
     for arg in args:
