@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.exports import adapted, adapter_state, comfyui_as_kohya, export_lora
 from tests.unit.test_data_support import write_image
 
 LORA_RANK = 16  # docs/lora-files.md's `model.lora.init_from=... model.lora.rank=16`
@@ -42,7 +43,7 @@ def write_flux_files(models: Path, loras: Path, full_run: Path) -> None:
     write_bfl_single_file(folder, models / "flux1-dev.safetensors", prefix="model.diffusion_model.")
     loras.mkdir(parents=True, exist_ok=True)
     written = _trained_lora_files(folder, loras / "exported", seed=0)
-    save_file(_as_kohya(load_file(written["flux_lora_comfyui.safetensors"])),
+    save_file(comfyui_as_kohya(load_file(written["flux_lora_comfyui.safetensors"])),
               loras / "style_kohya.safetensors")
     detail = _trained_lora_files(folder, loras / "exported_detail", seed=1)
     shutil.copy(detail["pytorch_lora_weights.safetensors"], loras / "detail.safetensors")
@@ -53,38 +54,13 @@ def _trained_lora_files(folder: Path, out: Path, seed: int) -> dict[str, Path]:
     """The files a LoRA run of FLUX.1 (tiny, rank 16) exports, its adapter moved off zero as
     training moves it; {file name: path}."""
     from dpipe.config.compose import compose_run
-    from dpipe.models.adapters import is_adapter_param
     from dpipe.models.registry import build_spec
-    from dpipe.train.lora import make_trainable
-    from tests.exports import export_lora
 
     run = compose_run(["model=tiny_flux", f"model.path={folder}", f"model.lora.rank={LORA_RANK}",
                        f"model.lora.alpha={LORA_RANK}", "dataset=synthetic"])
     spec = build_spec(run.model)
-    denoiser = spec.load_denoiser(torch.float32)
-    make_trainable(denoiser, run.model, spec.lora_targets())
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    with torch.no_grad():
-        for name, param in denoiser.named_parameters():
-            if is_adapter_param(name):
-                param.add_(0.1 * torch.randn(param.shape, generator=generator))
-                state[name] = param.detach().clone()
+    state = adapter_state(adapted(spec.load_denoiser(torch.float32), run, spec, seed=seed))
     return {p.name: p for p in export_lora(spec, state, out)}
-
-
-def _as_kohya(comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ComfyUI-named FLUX.1 LoRA as kohya's sd-scripts names it: `lora_unet_` and the BFL
-    module's name with dots as underscores, lora_down / lora_up, and an `.alpha` each (the
-    rank: the ComfyUI file folds its scale into lora_up)."""
-    out = {}
-    for key, value in comfy.items():
-        module, part = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)
-        name = "lora_unet_" + module.replace(".", "_")
-        out[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
-        if part.startswith("A"):
-            out[f"{name}.alpha"] = torch.tensor(float(value.shape[0]))
-    return out
 
 
 def _write_fine_tune(transformer: Path, model: Path) -> None:

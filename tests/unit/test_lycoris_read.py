@@ -20,6 +20,7 @@ from dpipe.models.adapters import is_adapter_param, module_delta
 from dpipe.models.registry import build_spec
 from dpipe.train.adapter_init import init_adapter, merge_adapters
 from dpipe.train.lora import make_trainable
+from tests.exports import adapter_from_file
 
 
 def _spec(model, *more):
@@ -169,13 +170,7 @@ def test_a_lycoris_dora_continues_and_merges_as_its_definition(tmp_path):
     peft_names = {k.replace(".default", ""): v for k, v in trained.items()}
     file = tmp_path / "dora.safetensors"
     save_file(_lycoris_dora(peft_names, alpha=2.0), file)
-    with torch.no_grad():
-        for name, param in denoiser.named_parameters():
-            if is_adapter_param(name):
-                param.fill_(float("nan"))
-    run.model.lora.init_from = str(file)
-    init_adapter(denoiser, run.model, spec)
-    got = {n: p for n, p in denoiser.named_parameters() if is_adapter_param(n)}
+    got = adapter_from_file(denoiser, run, spec, file)
     assert got.keys() == trained.keys()
     for name, value in trained.items():
         torch.testing.assert_close(got[name], value, msg=name)
