@@ -37,31 +37,35 @@ from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
-class LTXVideoSampling(FamilySampling):
-    default_steps = 50
-    default_guidance = 3.0
-    video = True
-    decode_timestep = 0.0  # LTXPipeline's default (decode_noise_scale defaults to it)
+class FirstFrameSampling(FamilySampling):
+    """What LTX-Video and LTX-2 sample alike: latent frames of `temporal_ratio` frames, and
+    image-to-video from a first frame (`control` or `first_frame`) with any checkpoint (their
+    image-to-video pipelines take the text-to-video weights), which a model.i2v run needs."""
 
     @property
     def frame_step(self) -> int:
         return self.spec.temporal_ratio
 
     @property
-    def fps(self) -> float:  # the pipeline's frame_rate (25): it scales the rotary positions
-        return float(self.spec.default_fps)
-
-    @property
     def needs_control(self) -> bool:  # trained image-to-video (model.i2v): a first frame
         return self.spec.i2v
 
-    # Any LTX-Video checkpoint samples image-to-video where given a first frame (`control`):
-    # LTXImageToVideoPipeline, with the same weights as LTXPipeline.
     takes_control = True
 
     @staticmethod
     def image_to_video(request: SampleRequest) -> bool:
         return request.control is not None
+
+
+class LTXVideoSampling(FirstFrameSampling):
+    default_steps = 50
+    default_guidance = 3.0
+    video = True
+    decode_timestep = 0.0  # LTXPipeline's default (decode_noise_scale defaults to it)
+
+    @property
+    def fps(self) -> float:  # the pipeline's frame_rate (25): it scales the rotary positions
+        return float(self.spec.default_fps)
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
         mode = FIRST if self.image_to_video(d.request) else NONE

@@ -47,7 +47,8 @@ import torch
 
 from dpipe.models.frame_modes import FIRST, NONE
 from dpipe.models.ltx_video.packing import unpack
-from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+from dpipe.models.ltx_video.sampling import FirstFrameSampling
+from dpipe.models.sampling import Denoising, SampleRequest
 
 GUIDANCE_RESCALE = 0.7  # LTX2Pipeline's guidance_rescale default
 
@@ -67,27 +68,11 @@ def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor,
     return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
 
 
-class LTX2Sampling(FamilySampling):
+class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipeline
     default_steps = 30
     default_guidance = 3.0
     video = True
     fps = 24.0  # LTX2Pipeline's frame_rate (motion_speed 1): the rotary positions' rate
-
-    @property
-    def frame_step(self) -> int:
-        return self.spec.temporal_ratio
-
-    @property
-    def needs_control(self) -> bool:  # trained image-to-video (model.i2v): a first frame
-        return self.spec.i2v
-
-    # Any LTX-2 checkpoint samples image-to-video where given a first frame (`control` or
-    # `first_frame`): LTX2ImageToVideoPipeline, with the same weights as LTX2Pipeline.
-    takes_control = True
-
-    @staticmethod
-    def image_to_video(request: SampleRequest) -> bool:
-        return request.control is not None
 
     def check(self, request: SampleRequest) -> str | None:
         problem = super().check(request)
