@@ -93,14 +93,12 @@ def test_convert_round_trips_and_merge_takes_several_loras_with_weights(tmp_path
     model's folder, each adapted weight is the base's plus 0.75 of the delta."""
     from dpipe.config.compose import compose_run
     from dpipe.models.registry import build_spec
-    from tests.unit.test_lora_read import _adapted, _adapter_state
-
-    from tests.exports import export_lora
+    from tests.exports import adapted, adapter_state, export_lora
 
     run = compose_run(["model=tiny_flux", "model.lora.alpha=2"])
     spec = build_spec(run.model)
     spec.ensure_available()
-    export_lora(spec, _adapter_state(_adapted(spec.load_denoiser(torch.float32), run, spec, 2)),
+    export_lora(spec, adapter_state(adapted(spec.load_denoiser(torch.float32), run, spec, 2)),
                 tmp_path / "export")
     comfy = tmp_path / "export" / "flux_lora_comfyui.safetensors"
     said = _run(capsys, "convert", f"lora={comfy}", "model=tiny_flux", f"out={tmp_path / 'back'}")
