@@ -14,6 +14,7 @@ from dpipe.data.conditioning import frame_probabilities
 from dpipe.data.sources import check_directory
 from dpipe.errors import ConfigError, UserError
 from dpipe.models.safetensors_files import check_folder_files
+from dpipe.pipeline.attention import require_gpu_kernel
 from dpipe.train.adapter_init import check_adapter_file
 
 
@@ -48,8 +49,9 @@ def _check_frame_modes(run: RunConfig, spec) -> None:
 def check_before_workers(run: RunConfig, run_dir, spec) -> None:
     """What only the files can tell, checked before any worker starts (in the workers each
     would fail at once, after every process had started and loaded its libraries): the run dir
-    is writable, `dataset.cache_dir` can be a folder, the dataset's folders exist, and the
-    pipeline fits the model's layer count where the family reads it from its config."""
+    is writable, `dataset.cache_dir` can be a folder, the dataset's folders exist, a GPU
+    attention kernel has a GPU, and the pipeline fits the model's layer count where the family
+    reads it from its config."""
     try:
         with tempfile.TemporaryFile(dir=run_dir):
             pass
@@ -72,6 +74,9 @@ def check_before_workers(run: RunConfig, run_dir, spec) -> None:
         for key, folder in folders:
             check_directory(Path(folder), what=f"{key} folder")
     spec.use_loss(run.train)  # a family refuses the loss settings it cannot apply
+    # The workers run on this machine (the launcher of a torchrun or SLURM job checks nothing
+    # here: each rank checks in trainable_layers).
+    require_gpu_kernel(run.model.attention)
     # An empty or cut-short weights file (a download or copy that stopped), from its header.
     check_folder_files(Path(run.model.path).expanduser(), "model.path=")
     if run.model.single_file_config:

@@ -22,6 +22,11 @@ def _assert_user_error(result, *fragments):
         assert fragment in result.err, f"{fragment!r} not in:\n{result.err}"
 
 
+def _assert_no_worker_started(result):
+    # The launcher logs "run dir: ...; starting N worker processes" (Hydra's log: stdout).
+    assert "worker processes" not in result.out + result.err, result.out + result.err
+
+
 def test_missing_model_path(tmp_path):
     result = dpipe_train(*train_args(tmp_path / "run", "model=flux", "model.path=/nonexistent/FLUX"))
     _assert_user_error(result, "model.path=/nonexistent/FLUX does not exist")
@@ -46,7 +51,7 @@ def test_empty_dataset_folder(tmp_path):
 def test_a_missing_prompts_file_stops_before_any_worker(tmp_path):
     result = dpipe_train(*train_args(tmp_path / "run", f"sample.prompts_file={tmp_path}/p.txt"))
     _assert_user_error(result, f"sample.prompts_file={tmp_path}/p.txt: no such file")
-    assert "starting" not in result.out + result.err  # "run dir: ...; starting N worker processes"
+    _assert_no_worker_started(result)
 
 
 def test_a_prompt_split_at_an_unquoted_comma_shows_in_the_log(tmp_path):
@@ -75,12 +80,13 @@ def test_unreadable_image_in_strict_mode(tmp_path):
 
 @pytest.mark.parametrize("kernel", ["flex", "cudnn"])
 def test_a_gpu_attention_kernel_on_the_cpu(tmp_path, kernel):
-    """FlexAttention has no backward pass on the CPU, cuDNN no CPU kernel: refused before the
-    first step."""
+    """FlexAttention has no backward pass on the CPU, cuDNN no CPU kernel: refused before any
+    worker starts."""
     result = dpipe_train(*train_args(tmp_path / "run", f"model.attention={kernel}",
                                      "pipeline.compile=true"))
     _assert_user_error(result, f"model.attention={kernel} trains on a CUDA GPU only",
                        "model.attention=sdpa")
+    _assert_no_worker_started(result)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +109,7 @@ def test_a_cut_short_model_file_is_named_with_its_size_before_any_worker(tiny_fl
     result = dpipe_train(*train_args(tmp_path / "run", "model=flux", f"model.path={model}"))
     _assert_user_error(result, f"{shard}: it is cut short: {whole // 2} bytes of the {whole} "
                                "its header describes")
-    assert "worker processes" not in result.err, result.err
+    _assert_no_worker_started(result)
 
 
 def test_a_lora_file_that_is_not_whole_is_named_in_one_line(tmp_path):
@@ -149,4 +155,4 @@ def test_a_resolution_below_the_pixel_multiple_is_refused_before_any_worker(tiny
                                      "dataset.resolutions=[7]"))
     _assert_user_error(result, "dataset.resolutions=[7]: 7 is smaller than the model's pixel "
                                "multiple 8")
-    assert "worker processes" not in result.err, result.err
+    _assert_no_worker_started(result)

@@ -313,6 +313,22 @@ def processes() -> tuple[list[Mapped], list[str]]:
     return [item if isinstance(item, Mapped) else _merged(item, groups[item]) for item in order], made
 
 
+def _same_run(program: str, args: list[str]) -> tuple | None:
+    """The run config that a one-run `dpipe-train` command of the default model composes: the
+    commands that only spell out defaults (README's `dpipe-train`, `dpipe-train model=tiny_flux`
+    and docs/cluster.md's `dpipe-train optim.lr=1e-4`) are one run, made once. None for other
+    commands."""
+    models = [a for a in args if a.startswith("model=")]
+    if (program != "dpipe-train" or _sweeps(tuple(args)) or any(a.startswith("-") for a in args)
+            or models not in ([], ["model=tiny_flux"])):
+        return None
+    from dataclasses import asdict
+
+    from dpipe.config.compose import compose_run
+
+    return ("run config", repr(asdict(compose_run(list(args)))))
+
+
 def _merged(key: tuple, members: list[Mapped]) -> Mapped:
     wheres = [w for m in members for w in m.wheres]
     if len(members) == 1:
@@ -405,13 +421,21 @@ class Runner:
     def __init__(self, root: Path):
         self.root = root
         self.files = write_data(root / "data")
-        self.outcomes: dict[tuple[int, bool], Outcome] = {}
+        self.outcomes: dict[tuple, Outcome] = {}  # by (index, whole), and by run config
 
     def outcome(self, index: int, whole: bool = False) -> Outcome:
-        """What came of process `index` in CI's form (or whole), run now if not yet."""
+        """What came of process `index` in CI's form (or whole), run now if not yet (or what
+        came of an earlier process that composes the same run)."""
         whole = whole and PROCESSES[index].short is not None
         if (index, whole) not in self.outcomes:
-            self.outcomes[index, whole] = self._run(index, whole)
+            mapped = PROCESSES[index].form(whole)
+            run = _same_run(mapped.program, list(mapped.args))
+            if run is None:
+                self.outcomes[index, whole] = self._run(index, whole)
+            else:
+                if run not in self.outcomes:
+                    self.outcomes[run] = self._run(index, whole)
+                self.outcomes[index, whole] = self.outcomes[run]
         return self.outcomes[index, whole]
 
     def first_run(self) -> Path:
