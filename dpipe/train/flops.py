@@ -30,16 +30,28 @@ Shapes = tuple[TensorShapes, TensorShapes]  # a micro-batch's (inputs, labels)
 
 
 def architecture(denoiser: nn.Module) -> Callable[[], nn.Module]:
-    """What makes the denoiser's architecture (a diffusers model: its class and config) on the
-    meta device; it holds neither the model nor its weights."""
-    cls, config = type(denoiser), getattr(denoiser, "config", None)
-    config = None if config is None else dict(config)
+    """What makes the denoiser's architecture on the meta device; it holds neither the model nor
+    its weights. A diffusers model: its class and config. A denoiser of several diffusers models
+    (Anima's transformer and text adapter): its class, given each part as its keyword argument
+    of the same name."""
+    cls = type(denoiser)
+    if hasattr(cls, "from_config"):
+        parts = {None: (cls, getattr(denoiser, "config", None))}
+    else:
+        parts = {name: (type(part), getattr(part, "config", None))
+                 for name, part in denoiser.named_children()}
+    parts = {name: (part_cls, None if config is None else dict(config))
+             for name, (part_cls, config) in parts.items()}
 
     def make() -> nn.Module:
-        if config is None or not hasattr(cls, "from_config"):
-            raise TypeError(f"{cls.__name__} is not a diffusers model with a config")
+        if not parts or any(config is None or not hasattr(part_cls, "from_config")
+                            for part_cls, config in parts.values()):
+            raise TypeError(f"{cls.__name__} is not a diffusers model with a config, nor made "
+                            "of such models")
         with META:
-            return cls.from_config(config)
+            made = {name: part_cls.from_config(config)
+                    for name, (part_cls, config) in parts.items()}
+            return made[None] if None in made else cls(**made)
     return make
 
 

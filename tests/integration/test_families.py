@@ -3,8 +3,10 @@
 All runs are points of two sweeps (`dpipe-train -m model=...`, LoRA and full), so the workers of
 every family's run are forked from one fork server that imported the libraries once.
 
-1. A 2-stage LoRA run in 2 processes: its first loss equals the 1-stage loss of the same
-   micro-batches; its exported LoRA, loaded the way users load it, reproduces the trained model.
+1. A 2-stage LoRA run in 2 processes, on a folder of images captioned in 1 to 9 words: its
+   first loss equals the 1-stage loss of the same micro-batches (for the families that cut text
+   padding, micro-batches whose text differs in length); its exported LoRA, loaded the way users
+   load it, reproduces the trained model.
 2. A full fine-tune, in this process on the same micro-batches: gradients reach every pipeline
    layer, and the weights written as per-stage shards by the trainer's own shard writer, turned
    into the family's folder by its `export_full` and loaded with `from_pretrained`, reproduce the
@@ -53,7 +55,15 @@ AUDIO_VIDEO_FAMILIES = ["tiny_minimax_h3"]
 FAMILIES = (IMAGE_FAMILIES + VIDEO_FAMILIES + EDIT_FAMILIES + FIRST_FRAME_FAMILIES
             + AUDIO_VIDEO_FAMILIES)
 FULL_RUN_FAMILIES = ["tiny_flux", "tiny_sdxl", "tiny_wan_i2v", "tiny_hidream"]
-SWEEP = ["dataset=synthetic", "pipeline.micro_batches=2", "optim.lr=1e-3",
+# Families that cut each micro-batch's text to its longest prompt (dpipe.models.attention_mask):
+# their stages pass text of another length with each micro-batch (inputs[2]).
+TEXT_TRIMMED = ["tiny_hunyuan_video", "tiny_qwen_image", "tiny_chroma", "tiny_z_image",
+                "tiny_lumina2", "tiny_hunyuan_image", "tiny_ltx_video", "tiny_hunyuan_video15"]
+# The runs' dataset: captions of 1 to 9 words (within the tiny Ideogram 4's 32 text tokens), so
+# that any two micro-batches differ in length.
+CAPTIONS = ["red", "a small blue circle drawn on a green background", "two stars",
+            "an orange triangle on grey"]
+SWEEP = ["dataset=folder", "dataset.resolutions=[64]", "pipeline.micro_batches=2", "optim.lr=1e-3",
          "train.checkpoint_every_steps=0", "train.progress_bar=false",
          "sample.save_latents=true", "sample.at_start=true"]
 PROMPT = "a red circle on a blue background"
@@ -83,6 +93,18 @@ def _group(model: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def captioned(tmp_path_factory) -> Path:
+    """The runs' dataset folder: 4 images, their captions of CAPTIONS' lengths."""
+    from dpipe.data.synthetic import draw_shape
+
+    folder = tmp_path_factory.mktemp("captioned")
+    for i, caption in enumerate(CAPTIONS):
+        draw_shape(i, 64)[0].save(folder / f"image{i}.png")
+        (folder / f"image{i}.txt").write_text(caption)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def control_image(tmp_path_factory) -> Path:
     from dpipe.data.synthetic import draw_shape
 
@@ -94,8 +116,9 @@ def control_image(tmp_path_factory) -> Path:
 class SweepsByGroup:
     """One sweep per sample group (their sample.prompts differ), made when first needed."""
 
-    def __init__(self, root: Path, control: Path, families: list[str], *args: str):
-        self.root, self.control, self.families, self.args = root, control, families, args
+    def __init__(self, root: Path, control: Path, folder: Path, families: list[str], *args: str):
+        self.root, self.control, self.families = root, control, families
+        self.args = (f"dataset.path={folder}", *args)
         self.sweeps: dict[str, Sweep] = {}
 
     def run_dir(self, model: str) -> Path:
@@ -108,15 +131,16 @@ class SweepsByGroup:
 
 
 @pytest.fixture(scope="module")
-def lora_sweep(tmp_path_factory, control_image) -> SweepsByGroup:
-    return SweepsByGroup(tmp_path_factory.mktemp("lora"), control_image, FAMILIES,
+def lora_sweep(tmp_path_factory, control_image, captioned) -> SweepsByGroup:
+    return SweepsByGroup(tmp_path_factory.mktemp("lora"), control_image, captioned, FAMILIES,
                          "pipeline.stages=2", "train.max_steps=2")
 
 
 @pytest.fixture(scope="module")
-def full_sweep(tmp_path_factory, control_image) -> SweepsByGroup:
+def full_sweep(tmp_path_factory, control_image, captioned) -> SweepsByGroup:
     # A middle stage (3 stages) and a second step: see point 3 of the module docstring.
-    return SweepsByGroup(tmp_path_factory.mktemp("full"), control_image, FULL_RUN_FAMILIES,
+    return SweepsByGroup(tmp_path_factory.mktemp("full"), control_image, captioned,
+                         FULL_RUN_FAMILIES,
                          "pipeline.stages=3", "train.max_steps=2", "model.mode=full")
 
 
@@ -183,10 +207,27 @@ def _check_samples(run_dir: Path, weights: Path, full: bool) -> None:
 
 
 @pytest.mark.slow
-def test_two_stage_loss_equals_one_stage_loss(lora_run):
+def test_two_stage_loss_equals_one_stage_loss(lora_run, request):
+    """Also where the stages pass text of another length with each micro-batch (TEXT_TRIMMED)."""
     one_stage = one_process_first_loss(lora_run)
     two_stage = metrics(lora_run)[0]["loss"]
     assert two_stage == pytest.approx(one_stage, rel=1e-5, abs=1e-7)
+    if request.node.callspec.params["lora_run"] in TEXT_TRIMMED:
+        from dpipe.data.batches import step_micro_batches
+        from dpipe.models.registry import build_spec
+
+        run = run_config(lora_run)
+        dataset, plan = cached_dataset(lora_run)
+        lengths = {inputs[2].shape[1] for inputs, _ in step_micro_batches(
+            build_spec(run.model), dataset, plan, run.train.timesteps, run.train.seed, 0, 0)}
+        assert len(lengths) > 1, "the micro-batches' text should differ in length"
+
+
+def test_training_counts_its_flops(lora_run):
+    """The step's FLOPs are counted on the meta device from the family's denoiser (TFLOP/s in
+    the log and the metrics): Anima's, made of two diffusers models, was not."""
+    assert "TFLOP/s not reported" not in (lora_run / "train.log").read_text()
+    assert any(m.get("tflops_per_gpu", 0) > 0 for m in metrics(lora_run))
 
 
 @pytest.mark.slow
