@@ -102,9 +102,9 @@ def mxfp8(w: torch.Tensor):
     return q, tiled(exponent.to(torch.uint8))
 
 
-def layer_format(key: str) -> tuple[str, int] | None:
+def layer_format(key: str, formats: dict = FORMATS) -> tuple[str, int] | None:
     name = key.removeprefix(PREFIX).removesuffix(".weight")
-    for part, fmt in FORMATS.items():
+    for part, fmt in formats.items():
         if name.endswith(part):
             return fmt
     if "blocks." in name or name.startswith("final_layer.adaLN"):
@@ -113,12 +113,14 @@ def layer_format(key: str) -> tuple[str, int] | None:
 
 
 def comfy_quant_copy(plain: Path, out: Path, in_header: bool = False,
-                     odd: dict | None = None) -> Path:
+                     odd: dict | None = None, formats: dict = FORMATS) -> Path:
     """`plain` quantized as ComfyUI's quantizers write it: fp8 with one absmax scale per tensor,
-    int8 tensor-wise, int8 convrot rotated and then scaled per row; `odd`: extra layer objects."""
+    int8 tensor-wise, int8 convrot rotated and then scaled per row; `odd`: extra layer objects;
+    `formats`: {BFL layer name's end: (format, convrot group)}, the other block layers fp8."""
     state, layers = {}, {}
     for key, value in load_file(plain).items():
-        fmt = layer_format(key) if key.endswith(".weight") and value.dim() == 2 else None
+        fmt = (layer_format(key, formats) if key.endswith(".weight") and value.dim() == 2
+               else None)
         if fmt is None:
             state[key] = value
             continue
