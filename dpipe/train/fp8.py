@@ -172,6 +172,32 @@ def quantize_for_compute(denoiser: nn.Module, compute: str, storage: torch.dtype
     return fits[True]
 
 
+# The compute capability each 8-bit matmul of model.base_compute needs: fp8's `_scaled_mm` runs
+# on Ada (8.9) and later; int8's `_int_mm` is checked on Ampere (8.0) and later.
+MATMUL_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"),
+                     "int8": ((8, 0), "Ampere, Ada, Hopper, Blackwell")}
+
+
+def matmul_support(device: torch.device, compute: str) -> str | None:
+    """None where `device` multiplies in `compute` ("fp8", "int8"); else why not, in a few
+    words. The CPU does: torch's CPU kernels run the same math (slowly), to test the path."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"no {compute} matmul on {device.type}"
+    return capability_short_of(compute, torch.cuda.get_device_capability(device),
+                               torch.cuda.get_device_name(device))
+
+
+def capability_short_of(compute: str, capability: tuple[int, int], name: str) -> str | None:
+    """Why the GPU `name` of `capability` has no `compute` matmul, None where it has."""
+    needed, gpus = MATMUL_CAPABILITY[compute]
+    if tuple(capability) >= needed:
+        return None
+    return (f"{name} (compute capability {capability[0]}.{capability[1]}) has no {compute} "
+            f"matmul: it needs {needed[0]}.{needed[1]} or newer ({gpus})")
+
+
 def compute_device() -> torch.device:
     """The device this process's matmuls run on: its CUDA GPU, else the CPU."""
     if torch.cuda.is_available():
