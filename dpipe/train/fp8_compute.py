@@ -89,8 +89,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 class Fp8Linear(QuantizedLinear):
     """A frozen Linear stored as `base_dtype=fp8` stores it, multiplying in fp8."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, FP8)
+    def __init__(self, linear: nn.Linear,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__(linear, FP8, stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type

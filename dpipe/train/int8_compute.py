@@ -79,8 +79,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 class Int8Linear(QuantizedLinear):
     """A frozen Linear stored as `base_dtype=int8` stores it, multiplying in int8."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, INT8)
+    def __init__(self, linear: nn.Linear,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__(linear, INT8, stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < MIN_ROWS * x.shape[-1]:
