@@ -177,3 +177,41 @@ def test_a_lora_trained_on_a_quantized_file_merges_into_it_as_comfyui_merges(tin
         out_base = spec.denoiser_forward(trained, inputs)
     lora_effect = (out_trained - out_base).norm()
     assert (out_merged - out_trained).norm() < 0.1 * lora_effect
+
+
+def test_layers_it_cannot_quantize_again_are_refused_and_nothing_is_written(tmp_path, capsys):
+    """An nvfp4 layer (comfy_quant) and a GGUF K-quant, which the gguf package does not
+    quantize: the error names the file, the weight and its format, and what to do."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+
+    layer = "model.diffusion_model.blocks.0.q"
+    save_file({f"{layer}.weight": torch.zeros(32, 128, dtype=torch.uint8),
+               f"{layer}.weight_scale": torch.zeros(512, dtype=torch.uint8),
+               f"{layer}.weight_scale_2": torch.tensor(1.0),
+               f"{layer}.comfy_quant": torch.tensor(list(b'{"format": "nvfp4"}'),
+                                                    dtype=torch.uint8)},
+              tmp_path / "nvfp4.safetensors")
+    writer = gguf.GGUFWriter(str(tmp_path / "q4_k.gguf"), arch="flux")
+    writer.add_tensor("blocks.0.q.weight", np.zeros((32, 144), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # 32 rows of 256 values
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for base, width, says in (
+            ("nvfp4.safetensors", 256, f"{layer}.weight is an nvfp4 layer: dpipe-lora merges "
+                                       "into ComfyUI's 8-bit layers"),
+            ("q4_k.gguf", 256, "blocks.0.q.weight is Q4_K, which the gguf package does not "
+                               "quantize")):
+        save_file({"diffusion_model.blocks.0.q.lora_A.weight": torch.ones(4, width),
+                   "diffusion_model.blocks.0.q.lora_B.weight": torch.ones(32, 4)},
+                  tmp_path / "lora.safetensors")
+        out = tmp_path / f"merged-{base}"
+        with pytest.raises(SystemExit) as exit_:
+            main(["merge", f"base={tmp_path / base}", f"lora={tmp_path / 'lora.safetensors'}",
+                  f"out={out}"])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+        assert not out.exists() and not list(tmp_path.glob(".merged-*"))

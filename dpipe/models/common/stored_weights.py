@@ -32,9 +32,10 @@ import torch
 from dpipe.errors import UserError
 from dpipe.io import atomic_write
 from dpipe.models.common.comfy_quant import (BLOCK_SCALED, CONF, HEADER_KEY, STORAGE,
-                                             WEIGHT_SCALE, convrot_group, rotated)
+                                             WEIGHT_SCALE, WHAT_DPIPE_READS, convrot_group,
+                                             rotated)
 from dpipe.models.common.gguf_files import GGUF_SUFFIX
-from dpipe.models.common.quantized_files import SCALE
+from dpipe.models.common.quantized_files import FP8_FORMATS, SCALE
 
 
 def open_weights(file: Path, device: str = "cpu") -> StoredWeights:
@@ -108,13 +109,16 @@ class SafetensorsWeights(StoredWeights):
         fmt = self.layers[key][0]
         if fmt not in STORAGE and fmt is not None:
             raise UserError(
-                f"{self.file}: {key} is a {fmt} layer: dpipe-lora merges into ComfyUI's 8-bit "
+                f"{self.file}: {key} is an {fmt} layer: dpipe-lora merges into ComfyUI's 8-bit "
                 f"layers ({', '.join(STORAGE)}, scaled fp8, int8 with scale_weight), not "
                 f"{' or '.join(BLOCK_SCALED)}: merge into the bf16 file instead")
 
     def value(self, key: str) -> torch.Tensor:
         stored = self.tensors[key]
         if key not in self.layers:
+            if stored.dtype == torch.int8:
+                raise UserError(f"{self.file}: {key} is int8 without a scale, not a layout "
+                                f"dpipe reads. {WHAT_DPIPE_READS}")
             return stored.float()
         self._refuse_block_scaled(key)
         scale = self.tensors[self._scale_key(key)].float()
@@ -126,6 +130,9 @@ class SafetensorsWeights(StoredWeights):
     def store(self, key: str, values: torch.Tensor) -> None:
         stored = self.tensors[key]
         if key not in self.layers:
+            if stored.dtype in FP8_FORMATS:  # an fp8 weight without a scale: saturate, not NaN
+                top = torch.finfo(stored.dtype).max
+                values = values.clamp(-top, top)
             self.tensors[key] = values.to(stored.dtype)
             return
         self._refuse_block_scaled(key)
