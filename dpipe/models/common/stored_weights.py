@@ -11,9 +11,10 @@ and comfy-kitchen 0.2.31's eager rules):
 - float8 (comfy_quant float8_e4m3fn / float8_e5m2, scaled fp8): scale = amax(|W|) / the format's
   largest value, value = W / scale in the format;
 - int8_tensorwise: scale = max(amax(|W|) / 127, 1e-30), value = round(W / scale) clamped to
-  [-128, 127]; one scale per output row where the file has one per row (comfy-kitchen keeps a
-  per-row file per-row); convrot: the rows rotated by H group by group first, then per row.
-Scales are recalculated over the whole tensor, or per row where the file stores one per row.
+  [-128, 127]; convrot: the rows rotated by H group by group first, then per row.
+Scales are recalculated over the whole tensor, or per row where the file stores one per row
+(comfy-kitchen keeps a per-row int8 layer per row; ComfyUI's fp8 rule would make a per-row fp8
+scale one per tensor: kept per row here, the file's layout).
 Values are rounded to nearest, as ComfyUI's quantizers write files (ComfyUI rounds a weight it
 patches in memory stochastically, seeded by the key: its merged weights differ from a file's by
 up to one step). The block-scaled nvfp4 and mxfp8 layers are not requantized (refused).
