@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from dpipe.cli.lora import main
 from dpipe.config.compose import compose_run
-from dpipe.models.common.gguf_files import write_gguf_copy
+from dpipe.models.common.gguf_files import with_plain_linears, write_gguf_copy
 from dpipe.models.flux.tiny import write_bfl_single_file
 from dpipe.models.registry import build_spec
 from tests.exports import adapted, adapter_state, export_lora
@@ -167,7 +167,10 @@ def test_a_lora_trained_on_a_quantized_file_merges_into_it_as_comfyui_merges(tin
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     inputs = _inputs(spec)
-    merged_model = spec_of(merged).load_denoiser(torch.float32)
+    # A GGUF's Linears as plain ones of their values: the same numbers, without dequantizing
+    # the blocks at every matmul.
+    trained = with_plain_linears(trained)
+    merged_model = with_plain_linears(spec_of(merged).load_denoiser(torch.float32))
     with torch.no_grad():
         out_trained, out_merged = (spec.denoiser_forward(m, inputs)
                                    for m in (trained, merged_model))
