@@ -9,8 +9,9 @@
 convert: a LoRA in any format dpipe reads (diffusers, peft, ComfyUI, kohya, ai-toolkit/
 musubi-tuner, LyCORIS) into every format the family writes, as a run's export (model= and
 model.* as for dpipe-train). merge: LoRAs (each times its weight, default 1) added to a base's
-weights, written in the base's layout; the LoRA's names are the base's, or give model= for
-another format's names. extract: a rank-r LoRA of the difference of two weights of one layout,
+weights, written in the base's layout (a quantized single file's, ComfyUI's 8-bit or GGUF, quantized
+again in its own format); the LoRA's names are the base's, or give model= for another format's
+names. extract: a rank-r LoRA of the difference of two weights of one layout,
 by SVD. resize: a LoRA at a lower rank, in its own format. ema: the post-hoc EMA of a run's step
 exports (train.export_every_steps). extract and resize print the energy (squared singular
 values) kept.

@@ -163,7 +163,8 @@ class BaseCompute(str, Enum):
     # model.base_dtype=fp8 stores them, activations quantised per token row on the fly, the
     # input gradient in fp8 too (dpipe.train.fp8_compute). About twice the bf16 matmul rate on
     # GPUs of compute capability 8.9+ (Ada, Hopper); elsewhere the run says why and multiplies
-    # in bf16 from the same fp8 weights.
+    # in bf16 from the same fp8 weights. On a quantized single file, the Linears it stores in
+    # float8_e4m3fn (int8 for int8) multiply its own bytes (dpipe.train.fp8.stored_as).
     fp8 = "fp8"
     # LoRA only: the same in int8 (W8A8, torch._int_mm, the product rescaled in fp32): weights
     # stored as model.base_dtype=int8 stores them, activations and the input gradient quantised

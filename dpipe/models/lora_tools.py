@@ -3,7 +3,8 @@ LoRA to a lower rank, convert one into every format a family writes, and average
 exports (post-hoc EMA). One process, CPU or GPU (`device`), every file written atomically.
 
 A base is a diffusers folder (the model's, or its denoiser's: the `.safetensors` files in it)
-or a single file; its module names are its weights' keys without `.weight` (and without a
+or a single file (plain, one of ComfyUI's 8-bit quantized layouts, or a GGUF, which merge writes
+back in its layout); its module names are its weights' keys without `.weight` (and without a
 single file's `model.diffusion_model.` / `diffusion_model.` prefix). A LoRA is read by
 `dpipe.models.lora_read`, placed by the base's own names, or by a family's (`names`) where
 its names are another format's.
@@ -12,7 +13,6 @@ its names are another format's.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -24,7 +24,7 @@ import torch
 
 from dpipe.config.schema import Adapter
 from dpipe.errors import UserError
-from dpipe.io import replace_dir
+from dpipe.io import atomic_write, replace_dir
 from dpipe.models.lora_names import LoraNames, split_key
 from dpipe.models.lora_read import LoraLayoutError, read_lora
 
@@ -60,40 +60,46 @@ def module_name(key: str) -> str | None:
 
 def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """{module: weight shape} of every matrix and convolution kernel in `files` (LoCon's conv
-    LoRAs merge into the kernels), from their headers. A quantized file
-    (fp8 or int8 values with their scales) is refused: its stored values are not the weights."""
+    LoRAs merge into the kernels), from their headers (a GGUF's tensor infos)."""
     from safetensors import safe_open
 
-    from dpipe.models.common.quantized_files import file_is_quantized
+    from dpipe.models.common.gguf_files import GGUF_SUFFIX
 
     shapes = {}
     for file in files:
-        if file_is_quantized(file):
-            raise UserError(f"{file}: a quantized file (8-bit values with their scales): "
-                            "dpipe-lora merges and extracts over bf16, fp16 or fp32 weights")
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                shape = tuple(f.get_slice(key).get_shape())
-                module = module_name(key)
-                if module is not None and len(shape) >= 2:
-                    shapes[module] = shape
+        if file.suffix == GGUF_SUFFIX:
+            from gguf import GGUFReader
+
+            found = {t.name: tuple(int(n) for n in reversed(t.shape.tolist()))
+                     for t in GGUFReader(str(file)).tensors}
+        else:
+            with safe_open(str(file), "pt") as f:
+                found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        for key, shape in found.items():
+            module = module_name(key)
+            if module is not None and len(shape) >= 2:
+                shapes[module] = shape
     return shapes
+
+
+def refuse_quantized(files: list[Path]) -> None:
+    """extract subtracts weights: a quantized file's (8-bit values with their scales, GGUF
+    blocks) are refused."""
+    from dpipe.models.common.gguf_files import GGUF_SUFFIX
+    from dpipe.models.common.quantized_files import file_is_quantized
+
+    for file in files:
+        if file.suffix == GGUF_SUFFIX or file_is_quantized(file):
+            raise UserError(f"{file}: a quantized file: dpipe-lora extracts from bf16, fp16 or "
+                            "fp32 weights (merge writes into quantized files)")
 
 
 def save_atomically(tensors: dict[str, torch.Tensor], path: Path,
                     metadata: dict[str, str] | None = None) -> Path:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read(lora: Path, names: LoraNames, family: str):
@@ -109,10 +115,11 @@ def _read(lora: Path, names: LoraNames, family: str):
 
 def merge(base: Path, loras: list[tuple[Path, float]], out: Path, names: LoraNames | None = None,
           family: str = "the base", device: str = "cpu", progress: Progress = quiet) -> Path:
-    """The base with each LoRA's delta times its weight added (W += w * scale * B @ A, in fp32,
-    stored in the base's dtypes), written in the base's layout at `out` (a file for a single
-    file, else a folder with the base's other files). Returns `out`."""
-    from safetensors import safe_open
+    """The base with each LoRA's delta times its weight added (W += w * scale * B @ A, in fp32),
+    written in the base's layout at `out` (a file for a single file, else a folder with the
+    base's other files): each weight in its dtype, or requantized in a quantized file's own
+    layout (`dpipe.models.common.stored_weights`). Returns `out`."""
+    from dpipe.models.common.stored_weights import open_weights
 
     files = weight_files(base)
     shapes = weight_shapes(files)
@@ -123,19 +130,16 @@ def merge(base: Path, loras: list[tuple[Path, float]], out: Path, names: LoraNam
     tmp_dir = None if single else Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         for file in progress(files, desc="merge", unit="file"):
-            with safe_open(str(file), "pt", device=device) as f:
-                metadata = f.metadata()
-                tensors = {key: f.get_tensor(key) for key in f.keys()}
-            for key, value in tensors.items():
+            weights = open_weights(file, device)
+            for key, shape in weights.shapes.items():
                 module = module_name(key)
                 deltas = [(r, w) for r, w in reads if module in r.modules]
                 if deltas:
-                    total = value.float()
+                    total = weights.value(key).to(device)
                     for read, weight in deltas:
-                        total += weight * read.delta(module, value.shape).to(total.device)
-                    tensors[key] = total.to(value.dtype)
-            target = out if single else tmp_dir / file.name
-            save_atomically({k: v.cpu() for k, v in tensors.items()}, target, metadata)
+                        total += weight * read.delta(module, shape).to(total.device)
+                    weights.store(key, total)
+            weights.save(out if single else tmp_dir / file.name)
         if tmp_dir is not None:
             folder = files[0].parent
             for other in folder.iterdir():
@@ -190,7 +194,7 @@ def extract(base: Path, tuned: Path, rank: int, out: Path, device: str = "cpu",
     from safetensors import safe_open
 
     base_files, tuned_files = weight_files(base), weight_files(tuned)
-    weight_shapes(base_files + tuned_files)  # quantized files refused
+    refuse_quantized(base_files + tuned_files)
     base_keys = {}
     for file in base_files:
         with safe_open(str(file), "pt") as f:

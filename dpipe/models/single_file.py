@@ -73,13 +73,17 @@ def split_path(cfg, suffixes: tuple[str, ...] = SINGLE_FILE_SUFFIXES) -> tuple[P
 
 def keeps_stored_base(cfg) -> bool:
     """Whether a run keeps a quantized file's stored 8-bit Linears as its frozen base: a LoRA with
-    model.base_dtype and model.base_compute at auto (set, they ask for dpipe's own storage or
-    matmul, made from the file's values)."""
+    model.base_dtype at auto, or with model.base_compute=fp8|int8, whose matmuls take the Linears
+    the file stores in their format as they are (`dpipe.train.fp8.stored_as`). A
+    model.base_dtype of its own asks for dpipe's storage, made from the file's values."""
     from dpipe.config.schema import BaseCompute, BaseDtype, TrainMode
 
-    return (getattr(cfg, "mode", None) == TrainMode.lora
-            and getattr(cfg, "base_dtype", BaseDtype.auto) == BaseDtype.auto
-            and getattr(cfg, "base_compute", BaseCompute.auto) == BaseCompute.auto)
+    if getattr(cfg, "mode", None) != TrainMode.lora:
+        return False
+    dtype = getattr(cfg, "base_dtype", BaseDtype.auto)
+    compute = getattr(cfg, "base_compute", BaseCompute.auto)
+    return dtype == BaseDtype.auto or (compute != BaseCompute.auto
+                                       and dtype.value == compute.value)
 
 
 def check_single_file(single_file: Path | None) -> None:

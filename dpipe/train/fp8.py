@@ -144,32 +144,92 @@ def quantize_frozen_linears(denoiser: nn.Module, storage: torch.dtype = FP8,
     return count
 
 
+def stored_as(linear: nn.Linear, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, fp32 scale per row) of `linear` as the quantized single file it was read from
+    stores it, where the file stores it in `storage` without a convrot rotation (its
+    `stored_form`, `dpipe.models.single_file`): those bytes are the weight, with no second
+    rounding; None elsewhere (the Linear's values are then quantized)."""
+    form = linear.__dict__.get("stored_form")
+    if form is None or form.group or form.values.dtype != storage:
+        return None
+    return form.values, form.scale
+
+
+def drop_stored_forms(denoiser: nn.Module) -> None:
+    """Frees the stored forms no Linear took (those outside the blocks, other formats)."""
+    for module in denoiser.modules():
+        module.__dict__.pop("stored_form", None)
+
+
 def quantize_for_compute(denoiser: nn.Module, compute: str, storage: torch.dtype, fast,
                          align: int, why: str | None) -> int:
-    """`model.base_compute=<compute>`: the blocks' frozen Linears become `fast(linear)`, which
-    multiplies in 8 bits, where this process's device can (`why` is None, else the reason it
-    cannot) and both their dimensions divide by `align`; the others keep `storage` weights and
-    multiply in the compute dtype, as `model.base_dtype=<compute>` does. Logs one line saying
-    which; returns how many multiply in 8 bits."""
+    """`model.base_compute=<compute>`: the blocks' frozen Linears become `fast(linear, stored)`,
+    which multiplies in 8 bits, where this process's device can (`why` is None, else the reason
+    it cannot) and both their dimensions divide by `align`; the others keep `storage` weights and
+    multiply in the compute dtype, as `model.base_dtype=<compute>` does. A Linear that a quantized
+    file stores in `storage` keeps the file's bytes and scales (`stored_as`). Logs one line
+    saying which; returns how many multiply in 8 bits."""
     log = logging.getLogger("dpipe")
+    kept = []
+
+    def stored(linear: nn.Linear):
+        form = stored_as(linear, storage)
+        kept.append(form is not None)
+        return form
+
     if why:
-        quantize_frozen_linears(denoiser, storage)
+        quantize_frozen_linears(denoiser, make=lambda linear: QuantizedLinear(
+            linear, storage, stored=stored(linear)))
+        drop_stored_forms(denoiser)
         log.info("model.base_compute=%s: %s; the frozen Linears keep %s weights and multiply "
-                 "in bf16, as model.base_dtype=%s does", compute, why, compute, compute)
+                 "in bf16, as model.base_dtype=%s does%s", compute, why, compute, compute,
+                 _file_bytes(kept))
         return 0
     fits = {True: 0, False: 0}
 
     def make(linear: nn.Linear) -> nn.Module:
         ok = linear.in_features % align == 0 and linear.out_features % align == 0
         fits[ok] += 1
-        return fast(linear) if ok else QuantizedLinear(linear, storage)
+        return fast(linear, stored(linear)) if ok else QuantizedLinear(linear, storage,
+                                                                        stored=stored(linear))
 
     quantize_frozen_linears(denoiser, storage, make)
+    drop_stored_forms(denoiser)
     rest = (f"; {fits[False]} with a dimension not divisible by {align} keep {compute} weights "
             "and multiply in bf16" if fits[False] else "")
-    log.info("model.base_compute=%s: %d frozen Linears multiply in %s%s", compute, fits[True],
-             compute, rest)
+    log.info("model.base_compute=%s: %d frozen Linears multiply in %s%s%s", compute, fits[True],
+             compute, rest, _file_bytes(kept))
     return fits[True]
+
+
+def _file_bytes(kept: list[bool]) -> str:
+    return f" ({sum(kept)} of them the file's own bytes)" if any(kept) else ""
+
+
+# The compute capability each 8-bit matmul of model.base_compute needs: fp8's `_scaled_mm` runs
+# on Ada (8.9) and later; int8's `_int_mm` is checked on Ampere (8.0) and later.
+MATMUL_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"),
+                     "int8": ((8, 0), "Ampere, Ada, Hopper, Blackwell")}
+
+
+def matmul_support(device: torch.device, compute: str) -> str | None:
+    """None where `device` multiplies in `compute` ("fp8", "int8"); else why not, in a few
+    words. The CPU does: torch's CPU kernels run the same math (slowly), to test the path."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"no {compute} matmul on {device.type}"
+    return capability_short_of(compute, torch.cuda.get_device_capability(device),
+                               torch.cuda.get_device_name(device))
+
+
+def capability_short_of(compute: str, capability: tuple[int, int], name: str) -> str | None:
+    """Why the GPU `name` of `capability` has no `compute` matmul, None where it has."""
+    needed, gpus = MATMUL_CAPABILITY[compute]
+    if tuple(capability) >= needed:
+        return None
+    return (f"{name} (compute capability {capability[0]}.{capability[1]}) has no {compute} "
+            f"matmul: it needs {needed[0]}.{needed[1]} or newer ({gpus})")
 
 
 def compute_device() -> torch.device:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.train.fp8 import FP8, TOP, QuantizedLinear, compute_device, quantize_for_compute
+from dpipe.train.fp8 import (FP8, TOP, QuantizedLinear, compute_device, matmul_support,
+                             quantize_for_compute)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The format of the gradient in backward's fp8 matmul; None multiplies in the compute dtype.
@@ -88,8 +89,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 class Fp8Linear(QuantizedLinear):
     """A frozen Linear stored as `base_dtype=fp8` stores it, multiplying in fp8."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, FP8)
+    def __init__(self, linear: nn.Linear,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__(linear, FP8, stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
@@ -100,24 +102,10 @@ class Fp8Linear(QuantizedLinear):
         return y if self.bias is None else y + self.bias.to(dtype)
 
 
-def fp8_matmul_support(device: torch.device) -> str | None:
-    """None where `device` multiplies in fp8; else why not, in a few words."""
-    if device.type == "cpu":
-        return None  # torch's CPU kernel: slow, but exact enough to test the path
-    if device.type != "cuda":
-        return f"no fp8 matmul on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        return (f"{name} (compute capability {major}.{minor}) has no fp8 matmul: it needs 8.9 "
-                "or newer (Ada, Hopper, Blackwell)")
-    return None
-
-
 def use_fp8_compute(denoiser: nn.Module) -> int:
     """Makes the frozen Linears of the denoiser's blocks multiply in fp8 where this process's
     device can (its CUDA GPU, else the CPU) and their shapes allow; the others keep fp8 weights
     and multiply in the compute dtype, as model.base_dtype=fp8 does. Logs one line saying which;
     returns how many multiply in fp8."""
     return quantize_for_compute(denoiser, "fp8", FP8, Fp8Linear, ALIGN,
-                                fp8_matmul_support(compute_device()))
+                                matmul_support(compute_device(), "fp8"))

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.train.fp8 import QuantizedLinear, compute_device, quantize_for_compute
+from dpipe.train.fp8 import (QuantizedLinear, compute_device, matmul_support,
+                             quantize_for_compute)
 from dpipe.train.fp8_compute import quantize_rows
 
 INT8 = torch.int8
@@ -78,8 +79,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 class Int8Linear(QuantizedLinear):
     """A frozen Linear stored as `base_dtype=int8` stores it, multiplying in int8."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, INT8)
+    def __init__(self, linear: nn.Linear,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__(linear, INT8, stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < MIN_ROWS * x.shape[-1]:
@@ -92,24 +94,10 @@ class Int8Linear(QuantizedLinear):
         return y if self.bias is None else y + self.bias.to(dtype)
 
 
-def int8_matmul_support(device: torch.device) -> str | None:
-    """None where `device` multiplies in int8; else why not, in a few words."""
-    if device.type == "cpu":
-        return None  # torch's CPU kernel: exact int32 sums, to test the path
-    if device.type != "cuda":
-        return f"no int8 matmul on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        name = torch.cuda.get_device_name(device)
-        return (f"{name} (compute capability {major}.{minor}) is not checked with int8 matmuls: "
-                "they need 8.0 or newer (Ampere, Ada, Hopper, Blackwell)")
-    return None
-
-
 def use_int8_compute(denoiser: nn.Module) -> int:
     """Makes the frozen Linears of the denoiser's blocks multiply in int8 where this process's
     device can (its CUDA GPU, else the CPU) and their shapes allow; the others keep int8 weights
     and multiply in the compute dtype, as model.base_dtype=int8 does. Logs one line saying which;
     returns how many multiply in int8."""
     return quantize_for_compute(denoiser, "int8", INT8, Int8Linear, ALIGN,
-                                int8_matmul_support(compute_device()))
+                                matmul_support(compute_device(), "int8"))

@@ -34,13 +34,17 @@ def write_edits(folder: Path) -> Path:
 
 
 def write_flux_files(models: Path, loras: Path, full_run: Path) -> None:
-    """FLUX.1-dev (tiny) as `models/FLUX.1-dev` and `models/flux1-dev.safetensors`; a LoRA of
+    """FLUX.1-dev (tiny) as `models/FLUX.1-dev`, `models/flux1-dev.safetensors` and as ComfyUI's
+    scaled fp8 file `models/flux1-dev-fp8_scaled.safetensors`; a LoRA of
     rank 16 in kohya's names (`loras/style_kohya.safetensors`) and one in diffusers' names
     (`loras/detail.safetensors`); a full fine-tune's export (`full_run/model`)."""
+    from dpipe.models.common.quantized_files import write_quantized_copy
     from dpipe.models.flux.tiny import make_tiny_flux, write_bfl_single_file
 
     folder = make_tiny_flux(models / "FLUX.1-dev")
-    write_bfl_single_file(folder, models / "flux1-dev.safetensors", prefix="model.diffusion_model.")
+    plain = write_bfl_single_file(folder, models / "flux1-dev.safetensors",
+                                  prefix="model.diffusion_model.")
+    write_quantized_copy(plain, models / "flux1-dev-fp8_scaled.safetensors", torch.float8_e4m3fn)
     loras.mkdir(parents=True, exist_ok=True)
     written = _trained_lora_files(folder, loras / "exported", seed=0)
     save_file(comfyui_as_kohya(load_file(written["flux_lora_comfyui.safetensors"])),

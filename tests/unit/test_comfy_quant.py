@@ -102,9 +102,9 @@ def mxfp8(w: torch.Tensor):
     return q, tiled(exponent.to(torch.uint8))
 
 
-def layer_format(key: str) -> tuple[str, int] | None:
+def layer_format(key: str, formats: dict = FORMATS) -> tuple[str, int] | None:
     name = key.removeprefix(PREFIX).removesuffix(".weight")
-    for part, fmt in FORMATS.items():
+    for part, fmt in formats.items():
         if name.endswith(part):
             return fmt
     if "blocks." in name or name.startswith("final_layer.adaLN"):
@@ -113,12 +113,14 @@ def layer_format(key: str) -> tuple[str, int] | None:
 
 
 def comfy_quant_copy(plain: Path, out: Path, in_header: bool = False,
-                     odd: dict | None = None) -> Path:
+                     odd: dict | None = None, formats: dict = FORMATS) -> Path:
     """`plain` quantized as ComfyUI's quantizers write it: fp8 with one absmax scale per tensor,
-    int8 tensor-wise, int8 convrot rotated and then scaled per row; `odd`: extra layer objects."""
+    int8 tensor-wise, int8 convrot rotated and then scaled per row; `odd`: extra layer objects;
+    `formats`: {BFL layer name's end: (format, convrot group)}, the other block layers fp8."""
     state, layers = {}, {}
     for key, value in load_file(plain).items():
-        fmt = layer_format(key) if key.endswith(".weight") and value.dim() == 2 else None
+        fmt = (layer_format(key, formats) if key.endswith(".weight") and value.dim() == 2
+               else None)
         if fmt is None:
             state[key] = value
             continue
@@ -329,12 +331,70 @@ def test_a_full_fine_tune_and_dpipes_own_storage_use_the_values(tiny, tmp_path):
     file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
     from dpipe.models.single_file import keeps_stored_base
 
-    for overrides in (["model.mode=full", "pipeline.zero_stage=1"], ["model.base_dtype=int8"],
-                      ["model.base_compute=fp8"]):
+    for overrides in (["model.mode=full", "pipeline.zero_stage=1"], ["model.base_dtype=int8"]):
         spec, run = _run(file, folder, *overrides)
         assert not keeps_stored_base(run.model), overrides
     model = spec.load_denoiser(torch.float32)  # the values, as a plain base
     assert not any("stored_form" in vars(m) for m in model.modules())
+
+
+def test_8bit_matmuls_multiply_the_file_s_bytes_where_it_stores_their_format(tiny, tmp_path):
+    """model.base_compute=fp8|int8 on a kept file: a block Linear the file stores in the
+    matmul's format (float8_e4m3fn for fp8, int8 without convrot for int8) multiplies the file's
+    bytes and scales as they are; the others (e5m2, convrot, the other format) are quantized from
+    their values, as on a bf16 file."""
+    import copy
+    import dataclasses
+
+    from dpipe.config.schema import BaseCompute
+    from dpipe.models.single_file import keeps_stored_base
+    from dpipe.train.fp8 import QuantizedLinear
+    from dpipe.train.fp8_compute import Fp8Linear, use_fp8_compute
+    from dpipe.train.int8_compute import Int8Linear, use_int8_compute
+
+    folder, plain = tiny
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    spec, run = _run(file, folder, "model.base_compute=fp8")
+    assert keeps_stored_base(run.model)
+    assert keeps_stored_base(dataclasses.replace(run.model, base_compute=BaseCompute.int8))
+    loaded = spec.load_denoiser(torch.float32).requires_grad_(False)  # a LoRA's frozen base
+    forms = {name: m.stored_form for name, m in loaded.named_modules() if "stored_form" in vars(m)}
+    stored = load_file(file)
+    # fp8: double block 0's image q, k, v from the file's fused e4m3 qkv; int8: single block 0's
+    # q, k, v and MLP input from its int8 tensor-wise linear1. fp8 keeps, per double block, the
+    # image q, k, v, both out projections, the text MLP and modulation (16 Linears); int8 per
+    # single block linear1 split in four (8).
+    for fast, use, storage, parts, layer, kept in (
+            (Fp8Linear, use_fp8_compute, torch.float8_e4m3fn,
+             [f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")],
+             "double_blocks.0.img_attn.qkv", 16),
+            (Int8Linear, use_int8_compute, torch.int8,
+             [f"single_transformer_blocks.0.{p}" for p in ("attn.to_q", "attn.to_k",
+                                                           "attn.to_v", "proj_mlp")],
+             "single_blocks.0.linear1", 8)):
+        model = copy.deepcopy(loaded)
+        assert use(model) > 0
+        assert not any("stored_form" in vars(m) for m in model.modules())
+        modules = dict(model.named_modules())
+        own = 0
+        for name, form in forms.items():
+            module = modules[name]
+            if not isinstance(module, QuantizedLinear):  # outside the blocks: compute dtype
+                continue
+            if form.values.dtype == storage and not form.group:
+                assert torch.equal(module.weight.view(torch.uint8), form.values.view(torch.uint8))
+                assert torch.equal(module.scale, form.scale), name
+                own += 1
+            else:
+                assert module.weight.dtype == storage
+                assert not torch.equal(module.dequantized(), form.dequantized()), name
+        assert own == kept, (fast, own)
+        assert all(type(modules[p]) is fast for p in parts)
+        fused = torch.cat([modules[p].weight for p in parts])
+        assert torch.equal(fused.view(torch.uint8),
+                           stored[f"{PREFIX}{layer}.weight"].view(torch.uint8))
+        scale = stored[f"{PREFIX}{layer}.weight_scale"]
+        assert torch.equal(modules[parts[0]].scale, scale.expand(len(modules[parts[0]].scale)))
 
 
 def test_an_unread_layout_names_its_layers_and_the_formats_dpipe_reads(tiny, tmp_path):

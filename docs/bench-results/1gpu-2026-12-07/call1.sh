@@ -8,7 +8,7 @@ source "$(dirname "$0")/../h200-1gpu-loader-fp8/common.sh"
 DEADLINE=$(( $(date +%s) + ${BUDGET:-570} ))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a $LOG
 echo "=== GPU tests ($(date -u +%T))" | tee -a $LOG
-(cd ../.. && timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_compute_gpu.py \
+(cd ../.. && timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_base_compute_gpu.py -k fp8 \
   "tests/gpu/test_gpu.py::test_the_default_pipeline_runs_one_stage_on_one_gpu" 2>&1 \
   | grep -E "assert|passed|failed|Error|skipped" | head -30) | tee -a $LOG
 SIZE=tiny bench ltxav-tiny 70 --warmup 2 --steps 1 \

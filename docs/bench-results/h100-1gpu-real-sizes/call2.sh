@@ -11,5 +11,5 @@ SIZE=dev bench flux24 180 --warmup 2 --steps 2 --memory-cap-gb 24 \
 echo "=== gpu tests ($(date -u +%T))" | tee -a $LOG
 left=$(( DEADLINE - $(date +%s) ))
 (cd ../.. && timeout $left $PY -m pytest -q -p no:cacheprovider tests/gpu/test_block_swap_gpu.py \
-  tests/gpu/test_fp8_compute_gpu.py -rA 2>&1 | grep -v "Warning\|warn" | tail -40) \
+  tests/gpu/test_base_compute_gpu.py -k fp8 -rA 2>&1 | grep -v "Warning\|warn" | tail -40) \
   | tee $OUT/gpu-tests.txt | tee -a $LOG

@@ -1,5 +1,6 @@
-"""`model.base_compute=fp8` on a GPU with fp8 matmuls (compute capability 8.9+): losses and LoRA
-gradients against bf16, and the memory its backward keeps."""
+"""`model.base_compute=fp8|int8` on a GPU with that matmul (dpipe.train.fp8.MATMUL_CAPABILITY:
+fp8 on compute capability 8.9+, int8 on 8.0+): losses and LoRA gradients against bf16, and the
+memory the base's backward keeps, the same checks for both formats."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpipe.train.fp8 import MATMUL_CAPABILITY
 from tests.cli import dpipe_train, metrics, train_args
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available()
-                                 or torch.cuda.get_device_capability() < (8, 9),
-                                 reason="needs a CUDA GPU with fp8 matmuls")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def _has_matmul(compute: str) -> bool:
+    return (torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= MATMUL_CAPABILITY[compute][0])
+
+
+FORMATS = [pytest.param(compute, marks=pytest.mark.skipif(
+    not _has_matmul(compute), reason=f"needs a CUDA GPU with {compute} matmuls"))
+    for compute in MATMUL_CAPABILITY]
 
 
 def train_losses(run_dir, *overrides):
@@ -24,14 +33,6 @@ def train_losses(run_dir, *overrides):
         "pipeline=single", "pipeline.compile=true", "optim.lr=1e-3", *overrides), timeout=900)
     assert result.code == 0, result.err[-3000:]
     return torch.tensor([m["loss"] for m in metrics(run_dir)]), result.out + result.err
-
-
-def test_fp8_compute_losses_stay_within_1pct_of_bf16_over_20_steps(tmp_path):
-    bf16, _ = train_losses(tmp_path / "bf16")
-    fp8, log = train_losses(tmp_path / "fp8", "model.base_compute=fp8")
-    assert "frozen Linears multiply in fp8" in log, log[-2000:]
-    assert len(fp8) == len(bf16) == 20
-    torch.testing.assert_close(fp8, bf16, rtol=1e-2, atol=0)
 
 
 def _lora_block(use=None, dim: int = 1024, heads: int = 8):
@@ -83,12 +84,6 @@ def assert_lora_gradients_align_with_bf16(use):
         assert cos >= 0.99, (name, cos)
 
 
-def test_fp8_compute_lora_gradients_align_with_bf16_per_parameter():
-    from dpipe.train.fp8_compute import use_fp8_compute
-
-    assert_lora_gradients_align_with_bf16(use_fp8_compute)
-
-
 def assert_base_backward_keeps_no_activation(linear_class):
     """Eight 4096-wide frozen Linears of `linear_class` keep, after forward, the output and
     nothing per layer: no input, no bf16 weight copy (32 MiB each)."""
@@ -107,7 +102,32 @@ def assert_base_backward_keeps_no_activation(linear_class):
     assert torch.isfinite(x.grad).all()
 
 
-def test_fp8_compute_keeps_no_activation_for_the_base_backward():
-    from dpipe.train.fp8_compute import Fp8Linear
+@pytest.fixture(scope="module")
+def bf16_losses(tmp_path_factory):
+    """The bf16 run both formats compare with (run once)."""
+    return train_losses(tmp_path_factory.mktemp("bf16"))[0]
 
-    assert_base_backward_keeps_no_activation(Fp8Linear)
+
+@pytest.mark.parametrize("compute", FORMATS)
+def test_losses_stay_within_1pct_of_bf16_over_20_steps(bf16_losses, tmp_path, compute):
+    losses, log = train_losses(tmp_path / compute, f"model.base_compute={compute}")
+    assert f"frozen Linears multiply in {compute}" in log, log[-2000:]
+    assert len(losses) == len(bf16_losses) == 20
+    torch.testing.assert_close(losses, bf16_losses, rtol=1e-2, atol=0)
+
+
+def _swap(compute: str):
+    from dpipe.train.fp8_compute import Fp8Linear, use_fp8_compute
+    from dpipe.train.int8_compute import Int8Linear, use_int8_compute
+
+    return {"fp8": (use_fp8_compute, Fp8Linear), "int8": (use_int8_compute, Int8Linear)}[compute]
+
+
+@pytest.mark.parametrize("compute", FORMATS)
+def test_lora_gradients_align_with_bf16_per_parameter(compute):
+    assert_lora_gradients_align_with_bf16(_swap(compute)[0])
+
+
+@pytest.mark.parametrize("compute", FORMATS)
+def test_the_base_backward_keeps_no_activation(compute):
+    assert_base_backward_keeps_no_activation(_swap(compute)[1])
