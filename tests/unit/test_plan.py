@@ -84,15 +84,15 @@ def test_int8_compute_plans_int8_weights_without_a_base_dtype_key():
 # rest to pipeline=auto (a 15 GiB budget on 16 GB, 23 GiB on 24 GB; fp8 base weights; auto
 # recompute; block swap but for flux_lora_24gb; one stage but for HunyuanVideo's two).
 HAND_CHOSEN = {
-    "flux_lora_16gb": ("FLUX.1-dev LoRA", ["pipeline=single", "pipeline.memory_budget_gb=15",
-                                           "pipeline.blocks_to_swap=auto"]),
-    "flux_lora_24gb": ("FLUX.1-dev LoRA", ["pipeline=single", "pipeline.memory_budget_gb=23"]),
-    "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", ["pipeline=single", "pipeline.memory_budget_gb=23",
-                                              "pipeline.blocks_to_swap=auto"]),
-    "qwen_image_lora_24gb": ("Qwen-Image 20B LoRA", [
-        "pipeline=single", "pipeline.memory_budget_gb=23", "pipeline.blocks_to_swap=auto"]),
-    "hunyuan_video_lora_2x24gb": ("HunyuanVideo 13B LoRA", [
-        "pipeline=two_stage", "pipeline.memory_budget_gb=23", "pipeline.blocks_to_swap=auto"]),
+    "flux_lora_16gb": ["pipeline=single", "pipeline.memory_budget_gb=15",
+                       "pipeline.blocks_to_swap=auto"],
+    "flux_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23"],
+    "wan14b_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23",
+                         "pipeline.blocks_to_swap=auto"],
+    "qwen_image_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23",
+                             "pipeline.blocks_to_swap=auto"],
+    "hunyuan_video_lora_2x24gb": ["pipeline=two_stage", "pipeline.memory_budget_gb=23",
+                                  "pipeline.blocks_to_swap=auto"],
 }
 
 
@@ -106,8 +106,8 @@ def test_each_preset_plans_for_its_machine_no_slower_than_it_chose_by_hand(prese
     from dpipe.config.compose import compose_config, compose_run
     from dpipe.config.experiments import presets
 
-    assert set(HAND_CHOSEN) == set(presets())
-    name, hand = HAND_CHOSEN[preset]
+    assert set(HAND_CHOSEN) == set(table.PRESETS) == set(presets())
+    name, hand = table.PRESETS[preset], HAND_CHOSEN[preset]
     args = [f"experiment={preset}", "model.path=/models/x"]
     cfg = compose_config(args)
     machine = plan_machine(cfg, None)
@@ -121,6 +121,7 @@ def test_each_preset_plans_for_its_machine_no_slower_than_it_chose_by_hand(prese
     assert ours.fits and ours.budget == theirs.budget == int(run.pipeline.memory_budget_gb * GiB)
     assert ours.seconds_per_sample <= theirs.seconds_per_sample * (1 + 1e-9)
     assert ours.stages * ours.data_parallel <= machine.gpus
+    assert table.preset_plan(preset) == ours  # the row of docs/performance.md's preset table
 
 
 def test_plan_on_a_preset_without_a_gpu_prints_what_the_launch_applies(capsys, monkeypatch):
