@@ -75,7 +75,9 @@ def train_task(cfg: DictConfig) -> int:
         from dpipe.plan.machine import visible
 
         # --machine, else the GPUs here, else the machine a preset targets (pipeline.machine).
-        machine = plan_machine(cfg, _PLAN_REQUEST, visible(_cache_dir(cfg)) if gpus else None)
+        planning = cfg.pipeline.auto or _PLAN_REQUEST is not None
+        machine = plan_machine(cfg, _PLAN_REQUEST,
+                               visible(_cache_dir(cfg)) if gpus and planning else None)
         if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
             from dpipe.models.registry import build_spec
 
