@@ -519,7 +519,7 @@ class PipelineConfig:
     # pipeline=auto: on GPUs, the plan (dpipe.plan; `dpipe-train --plan` prints it) sets
     # stages, data_parallel, model.base_dtype, activation_checkpointing, memory_budget_gb and
     # blocks_to_swap for the GPUs there are, keeping any of them set on the command line; on a
-    # CPU the keys below run as they are (two stages).
+    # CPU the keys below run as they are (two stages), or the plan for `machine` where it is set.
     auto: bool = False
     # The machine the plan is for where no GPU is visible, as `dpipe-train --plan --machine`
     # takes it: "NxG[,host=H][,disk=D]" (N GPUs of G GiB, H GiB of host memory, default 64).
