@@ -24,7 +24,10 @@ import sys
 from pathlib import Path
 
 from dpipe.bench.overrides import bench_overrides
-from dpipe.config.compose import compose_run
+from dpipe.config.checks import validate
+from dpipe.config.compose import compose_config
+from dpipe.config.schema import RunConfig
+from dpipe.errors import UserError
 from dpipe.launch.local import launch_workers, world_size_for
 from dpipe.launch.quiet import quiet_libraries
 from dpipe.launch.run_rank import save_run_config
@@ -57,6 +60,25 @@ def arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bench_run(overrides: list[str], visible, memory_cap_gb: float | None) -> RunConfig:
+    """One `--run`'s config, composed as dpipe-train composes it. Under pipeline=auto (every
+    experiment preset) with the plan's keys, as dpipe-train sets them: for `visible` (the GPUs
+    here, a `dpipe.plan.machine.Machine`), each taken as a card of `memory_cap_gb` where that is
+    set (its free memory: the cap less the CUDA context, as on such a card), else for the
+    preset's `pipeline.machine`."""
+    from dataclasses import replace
+
+    from dpipe.cli.train_plan import apply_auto_pipeline, plan_machine
+    from dpipe.plan.machine import CONTEXT_GIB
+
+    cfg = compose_config(bench_overrides(overrides))
+    if cfg.pipeline.auto:
+        if visible is not None and memory_cap_gb:
+            visible = replace(visible, gpu_gib=min(visible.gpu_gib, memory_cap_gb - CONTEXT_GIB))
+        apply_auto_pipeline(cfg, cfg.hydra, plan_machine(cfg, None, visible))
+    return validate(cfg)
+
+
 def main() -> None:
     quiet_libraries()
     args = arg_parser().parse_args()
@@ -74,7 +96,15 @@ def main() -> None:
     for spec in args.run:
         name, _, overrides = spec.partition(":")
         name = name.strip()
-        run = compose_run(bench_overrides(overrides.split()))
+        visible = None
+        if gpus:
+            from dpipe.plan.machine import visible as visible_machine
+
+            visible = visible_machine(Path(args.out).resolve())
+        try:
+            run = bench_run(overrides.split(), visible, args.memory_cap_gb)
+        except UserError as err:
+            sys.exit(f"error: --run {name}: {err}")
         model = build_spec(run.model)
         require_size(model, args.size)
         if args.plain and model.plain_loop_unfit:

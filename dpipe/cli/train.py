@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from dpipe.config.checks import unknown_key_message, validate
 from dpipe.launch.prestart import check_before_workers  # noqa: E402
 from dpipe.cli.train_help import help_text, wants_help  # noqa: E402
-from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, planned_before,  # noqa: E402
-                                  print_plan, take_plan_options)
+from dpipe.cli.train_plan import (apply_auto_pipeline, check_fits, plan_machine,  # noqa: E402
+                                  planned_before, print_plan, take_plan_options)
 from dpipe.config.default_pipeline import fit_default_pipeline  # noqa: E402
 from dpipe.config.experiments import preset_overrides  # noqa: E402
 from dpipe.config.store import register_schemas  # noqa: E402
@@ -70,19 +70,24 @@ def train_task(cfg: DictConfig) -> int:
     try:
         import torch
 
-        fitted = fit_default_pipeline(cfg, hydra_cfg, torch.cuda.device_count())
-        planned = None
-        if cfg.pipeline.auto and torch.cuda.device_count():
-            from dpipe.plan.machine import visible
+        gpus = torch.cuda.device_count()
+        fitted = fit_default_pipeline(cfg, hydra_cfg, gpus)
+        from dpipe.plan.machine import visible
 
-            planned = planned_before(cfg, hydra_cfg, run_dir) or \
-                apply_auto_pipeline(cfg, hydra_cfg, visible(_cache_dir(cfg)))
-        run = validate(cfg)
+        # --machine, else the GPUs here, else the machine a preset targets (pipeline.machine).
+        planning = cfg.pipeline.auto or _PLAN_REQUEST is not None
+        machine = plan_machine(cfg, _PLAN_REQUEST,
+                               visible(_cache_dir(cfg)) if gpus and planning else None)
         if _PLAN_REQUEST is not None:  # --plan: print it; no run dir, no worker
             from dpipe.models.registry import build_spec
 
-            return _exit_on_failure(print_plan(run, build_spec(run.model), hydra_cfg,
-                                               _PLAN_REQUEST))
+            run = validate(cfg)
+            return _exit_on_failure(print_plan(run, build_spec(run.model), hydra_cfg, machine))
+        planned = None
+        if cfg.pipeline.auto and machine is not None:
+            planned = planned_before(cfg, hydra_cfg, run_dir) or \
+                apply_auto_pipeline(cfg, hydra_cfg, machine)
+        run = validate(cfg)
         # Before anything reads or writes the run dir: a second run on it stops here.
         lock = run_lock.acquire(run_dir)
         save_hydra_files(cfg, run_dir)

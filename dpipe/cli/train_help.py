@@ -60,8 +60,8 @@ def help_text(conf_dir: Path, prog: str = "dpipe-train") -> str:
         "default name is <model>-<dataset folder's name>. The default pipeline (two stages) runs",
         "one stage where one GPU is visible; pipeline=auto chooses the layout that fits. --plan",
         "prints what the run needs of this machine's GPUs, host memory and cache disk (or of one",
-        "named: --machine 1x24,host=64) without running, and the smallest change if it does not",
-        "fit.",
+        "named: --machine 1x24,host=64; without GPUs, of the one an experiment preset names)",
+        "without running, and the smallest change if it does not fit.",
         "",
         "Config groups (pick one option with group=option; the default is marked *):",
     ]

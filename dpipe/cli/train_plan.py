@@ -53,20 +53,31 @@ def fixed_keys(hydra_cfg) -> set[str]:
                      preset_keys(experiment) if experiment else set())
 
 
-def print_plan(run, spec, hydra_cfg, request: PlanRequest) -> int:
-    from pathlib import Path
+def plan_machine(cfg, request: PlanRequest | None, visible=None):
+    """The machine the run's plan is for: `--plan --machine`'s, else the GPUs this process sees
+    (`visible`, None where it sees none), else the config's `pipeline.machine` (the machine an
+    experiment preset targets); None where there is none of them."""
+    if request is not None and request.machine is not None:
+        return request.machine
+    if visible is not None:
+        return visible
+    if cfg.pipeline.machine is not None:
+        from dpipe.plan.machine import parse
 
-    from dpipe.plan import machine as machines
+        return parse(str(cfg.pipeline.machine), "pipeline.machine")
+    return None
+
+
+def print_plan(run, spec, hydra_cfg, machine) -> int:
+    """Prints the plan for `machine` (`plan_machine`'s); exit status 0 where it fits, else 1."""
     from dpipe.plan.change import smallest_change
     from dpipe.plan.for_run import plan_run
     from dpipe.plan.report import describe
 
-    machine = request.machine
     if machine is None:
-        machine = machines.visible(Path(run.dataset.cache_dir).expanduser())
-        if machine.gpus == 0:
-            raise ConfigError("--plan: no GPU is visible here; give the machine to plan for, "
-                              "e.g. --machine 1x24,host=64")
+        raise ConfigError("--plan: no GPU is visible here; give the machine to plan for, "
+                          "e.g. --machine 1x24,host=64 (or pipeline.machine, as the "
+                          "experiment presets do)")
     fixed = fixed_keys(hydra_cfg)
     rp = plan_run(spec, run, machine, fixed)
     change = None if rp.plan.fits else smallest_change(

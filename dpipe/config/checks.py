@@ -248,7 +248,8 @@ def _check_cross_fields(run: RunConfig, world_size: int | None) -> None:
                                                and p.memory_budget_gb > 0):
         raise ConfigError("pipeline.memory_budget_gb must be > 0, or null for the device's memory")
 
-    if p.stages > 1 and p.micro_batches < p.stages:
+    # With pipeline=auto and a machine to plan for, the stages composed are not those that run.
+    if p.stages > 1 and p.micro_batches < p.stages and not (p.auto and p.machine is not None):
         warnings.warn(
             f"pipeline.micro_batches={p.micro_batches} < pipeline.stages={p.stages}: most of each "
             f"step is pipeline bubble; use micro_batches >= {2 * p.stages} for throughput",

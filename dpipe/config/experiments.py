@@ -51,14 +51,16 @@ def preset_overrides(args: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
 
 def preset_keys(name: str, conf_dir: Path = CONF_DIR) -> set[str]:
     """The dotted keys preset `name` sets (a group it overrides, e.g. `/pipeline`, as that
-    group's `stages`): what a plan keeps as the preset chose it."""
+    group's `stages`, but for `/pipeline: auto`, which leaves them to the plan): what a plan
+    keeps as the preset chose it."""
     import yaml
 
     body = yaml.safe_load((conf_dir / GROUP / f"{name}.yaml").read_text()) or {}
     keys = set()
     for entry in body.pop("defaults", []):
         if isinstance(entry, dict):
-            keys |= {f"{k.split('/')[-1]}.stages" for k in entry if k.endswith("/pipeline")}
+            keys |= {f"{k.split('/')[-1]}.stages" for k, v in entry.items()
+                     if k.endswith("/pipeline") and v != "auto"}
 
     def walk(prefix: str, node) -> None:
         if isinstance(node, dict):

@@ -520,8 +520,16 @@ class PipelineConfig:
     # pipeline=auto: on GPUs, the plan (dpipe.plan; `dpipe-train --plan` prints it) sets
     # stages, data_parallel, model.base_dtype, activation_checkpointing, memory_budget_gb and
     # blocks_to_swap for the GPUs there are, keeping any of them set on the command line; on a
-    # CPU the keys below run as they are (two stages).
+    # CPU the keys below run as they are (two stages), or the plan for `machine` where it is set.
     auto: bool = False
+    # The machine the plan is for where no GPU is visible, as `dpipe-train --plan --machine`
+    # takes it: "NxG[,host=H][,disk=D]" (N GPUs of G GiB, H GiB of host memory, default 64).
+    # An experiment preset names the machine it targets so: `--plan` on a laptop or a login
+    # node prints the plan the preset runs there, and dpipe-train with pipeline=auto on a
+    # machine without GPUs applies it (the same stages and base storage, on CPU processes).
+    # The GPUs a run sees win over it (torchrun and SLURM ranks plan for the GPUs they were
+    # started on), and so does `--machine`; null: plan for visible GPUs only.
+    machine: Optional[str] = None
     stages: int = 1
     # Data-parallel replicas of the whole pipeline; None: all the GPUs (1 on CPU).
     data_parallel: Optional[int] = None

@@ -52,9 +52,10 @@ class Machine:
         return Machine(gpus, self.gpu_gib, self.host_gib, self.disk_gib)
 
 
-def parse(text: str) -> Machine:
+def parse(text: str, key: str = "--machine") -> Machine:
     """`NxG[,host=H][,disk=D]` (GiB): N GPUs of G GiB (G - 1 free for the run), H GiB of host
-    memory (default 64), D GiB free on the cache disk (default: not checked)."""
+    memory (default 64), D GiB free on the cache disk (default: not checked). `key`: where the
+    text came from (`--machine`, or a config's `pipeline.machine`), for the error."""
     head, *rest = [part.strip() for part in text.split(",")]
     try:
         count, size = head.lower().split("x")
@@ -66,9 +67,10 @@ def parse(text: str) -> Machine:
         return Machine(int(count), float(size) - CONTEXT_GIB, float(options.get("host", 64)),
                        None if disk is None else float(disk))
     except ValueError:
-        raise ConfigError(f"--machine {text}: give GPUs x GiB per GPU, and optionally the host's "
+        sep = " " if key.startswith("--") else "="
+        raise ConfigError(f"{key}{sep}{text}: give GPUs x GiB per GPU, and optionally the host's "
                           "memory and the cache disk's free space in GiB, e.g. "
-                          "--machine 2x24,host=64,disk=500") from None
+                          f"{key}{sep}2x24,host=64,disk=500") from None
 
 
 def host_available_gib() -> float:

@@ -55,8 +55,23 @@ def plan(name: str, machine: str) -> Plan:
     return choose(footprint(name), model_run(name), parse(machine))
 
 
-def describe_row(name: str, machine: str) -> str:
-    p = plan(name, machine)
+# Each experiment preset (conf/experiment/) and the row of MODELS it trains, at its size.
+PRESETS = {"flux_lora_16gb": "FLUX.1-dev LoRA", "flux_lora_24gb": "FLUX.1-dev LoRA",
+           "wan14b_lora_24gb": "Wan 2.1 14B LoRA", "qwen_image_lora_24gb": "Qwen-Image 20B LoRA",
+           "hunyuan_video_lora_2x24gb": "HunyuanVideo 13B LoRA"}
+
+
+def preset_plan(preset: str) -> Plan:
+    """The plan a preset runs on the machine it names (its pipeline.machine), where no GPU is
+    visible: what `dpipe-train --plan experiment=<preset>` prints."""
+    from dpipe.config.compose import compose_run
+
+    run = compose_run([f"experiment={preset}", "model.path=/models/x"])
+    return choose(footprint(PRESETS[preset]), run, parse(run.pipeline.machine, "pipeline.machine"))
+
+
+def describe_row(name: str, machine: str, p: Plan | None = None) -> str:
+    p = plan(name, machine) if p is None else p
     if not p.fits:
         return f"| {name} | {machine} | does not fit: {'; '.join(p.problems)} | | | |"
     recompute = sum(s.recompute for s in p.stage_plans)
@@ -75,4 +90,17 @@ def markdown(host: int = 128) -> str:
              "s/sample (est.) |", "|---|---|---|---|---|---|"]
     lines += [describe_row(name, machine) for name in MODELS for machine in MACHINES
               if machine.endswith(f"host={host}")]
+    return "\n".join(lines)
+
+
+def preset_markdown() -> str:
+    """The plan of each preset on its machine (its micro-batches per step, not the 8 above)."""
+    lines = ["| preset | machine (its pipeline.machine) | stages x replicas, base, layers "
+             "recomputed / swapped | GPU peak GiB per stage | host peak GiB (step) | "
+             "s/sample (est.) |", "|---|---|---|---|---|---|"]
+    from dpipe.config.compose import compose_config
+
+    for preset in PRESETS:
+        machine = compose_config([f"experiment={preset}"]).pipeline.machine
+        lines.append(describe_row(f"`{preset}`", machine, preset_plan(preset)))
     return "\n".join(lines)

@@ -34,3 +34,16 @@ def test_a_preset_is_benchmarked_on_its_own_model_at_its_sizes(preset):
 def test_the_default_model_is_flux_and_a_named_one_wins():
     assert compose_run(bench_overrides(["pipeline=single"])).model.family == "flux"
     assert compose_run(bench_overrides(["model=wan", "pipeline=single"])).model.family == "wan"
+
+
+@pytest.mark.slow  # the plan's real-size meta build of FLUX.1-dev: 2-4 s
+def test_a_preset_is_benchmarked_with_its_plan_for_the_capped_gpu():
+    """`dpipe-bench --memory-cap-gb 16 --run "x: experiment=flux_lora_24gb"` on an 80 GiB GPU
+    times the plan a 16 GB card gets (the keys dpipe-train sets there), not the 80 GiB one's."""
+    from dpipe.cli.bench import bench_run
+    from dpipe.plan.machine import parse
+
+    run = bench_run(["experiment=flux_lora_24gb", "train.precision=bf16"], parse("1x80"), 16)
+    p = run.pipeline
+    assert (p.stages, p.data_parallel, p.memory_budget_gb, run.model.base_dtype.value,
+            p.activation_checkpointing, p.blocks_to_swap) == (1, 1, 15, "fp8", "auto", "auto")

@@ -1,7 +1,9 @@
 """The presets per GPU size, conf/experiment/*.yaml: each composes through dpipe's validation as
 `experiment=<name>` and as `+experiment=<name>`, the command line wins over it, a name that is
-not a preset is refused with the list of those that are, and its memory budget is at least what
-the model's weights need on the device (computed at real size on the meta device, no GPU).
+not a preset is refused with the list of those that are, each is a thin delta (the model, its
+resolution, the machine it is for: pipeline=auto plans the rest, tests/unit/test_plan.py checks
+that plan on each preset's machine), and the tightest plan's budget is at least what the
+model's weights need on the device (computed at real size on the meta device, no GPU).
 
 What no CPU test checks: the activations, backward's temporary buffers and the allocator's
 fragmentation that the first step measures on a GPU (dpipe.pipeline.memory). Whether a preset
@@ -14,7 +16,10 @@ import pytest
 import torch
 
 from dpipe.config.compose import CONF_DIR, compose_config, compose_run
-from dpipe.config.experiments import preset_overrides, presets
+from dpipe.cli.train_plan import PlanRequest, apply_auto_pipeline, plan_machine
+from dpipe.config.experiments import preset_keys, preset_overrides, presets
+from dpipe.plan.choose import PLANNED_KEYS
+from dpipe.plan.machine import parse
 from dpipe.errors import ConfigError
 
 PRESETS = presets()
@@ -43,9 +48,9 @@ def test_every_preset_composes_and_validates(name, plus):
     run = _run(name, plus=plus)
     assert not run.model.tiny and run.model.family in BENCH_SIZE, \
         f"{name}: a preset is for a real model; add its bench size to BENCH_SIZE"
-    assert run.pipeline.activation_checkpointing == "auto"
-    assert run.pipeline.memory_budget_gb is not None
-    assert run.model.base_dtype.quantized  # every preset so far needs 8-bit base weights
+    # A thin delta: the machine it is for, and pipeline=auto plans every layout key for it.
+    assert run.pipeline.auto and plan_machine(compose_config([f"experiment={name}"]), None)
+    assert not preset_keys(name) & set(PLANNED_KEYS), f"{name}: leave these keys to the plan"
     header = (CONF_DIR / "experiment" / f"{name}.yaml").read_text().split("\ndefaults:")[0]
     assert header.startswith("# @package _global_") and "measured" in header.lower(), \
         f"{name}: the header says what card it is for and whether it was measured on a GPU"
@@ -71,6 +76,18 @@ def test_the_command_line_wins_over_the_preset(name):
     # A group chosen on the command line wins over the preset's `override /group:` too.
     assert compose_config([f"experiment={name}", "model=tiny_flux"]).model.family == "flux"
     assert compose_config([f"experiment={name}", "model=tiny_flux"]).model.tiny
+
+
+def test_the_machine_planned_for():
+    """--machine wins over the GPUs visible, which win over the machine a preset names; a
+    pipeline.machine that is not one is refused naming the key."""
+    cfg = compose_config(["experiment=flux_lora_16gb", "model.path=/models/x"])
+    assert plan_machine(cfg, None) == parse("1x16,host=64")
+    assert plan_machine(cfg, None, visible=parse("1x80")) == parse("1x80")
+    assert plan_machine(cfg, PlanRequest(parse("2x24")), visible=parse("1x80")) == parse("2x24")
+    assert plan_machine(compose_config([]), None) is None
+    with pytest.raises(ConfigError, match="^pipeline.machine=24: give GPUs x GiB per GPU"):
+        plan_machine(compose_config(["pipeline=auto", "pipeline.machine=24"]), None)
 
 
 def test_no_preset_is_the_default():
@@ -145,15 +162,20 @@ def weights_floor(run) -> list[int]:
     return [w + m for w, m in zip(weights_on_device(stages, own), moments)]
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_the_budget_holds_the_weights_at_real_size(name):
-    """The budget covers the weights the preset keeps on the device and the planner's
-    fragmentation margin: the least any plan can reach, before activations (which the first
-    step measures on the GPU). The engine refuses a budget below the weights with every
-    layer swapped (`_check_budget_reachable`); this checks the preset is not such a one."""
+def test_the_budget_holds_the_weights_at_real_size():
+    """The budget of flux_lora_16gb's plan on its machine (the tightest of the presets) covers
+    the weights the engine keeps on the device and the planner's fragmentation margin: the
+    least any plan can reach, before activations (which the first step measures on the GPU).
+    The engine refuses a budget below the weights with every layer swapped
+    (`_check_budget_reachable`); this counts them as the engine does, where the plan's own
+    fit (tests/unit/test_plan.py, every preset) counts them from its footprint."""
+    from dpipe.config.checks import validate
     from dpipe.pipeline.memory import fragmentation_margin
 
-    run = _run(name)
+    name = "flux_lora_16gb"
+    cfg = compose_config([f"experiment={name}", "model.path=/models/x"])
+    apply_auto_pipeline(cfg, cfg.hydra, plan_machine(cfg, None))
+    run = validate(cfg, world_size=cfg.pipeline.stages)
     budget = int(run.pipeline.memory_budget_gb * GiB)
     floor = max(weights_floor(run)) + fragmentation_margin(budget)
     assert floor <= budget, (f"{name}: {floor / GiB:.2f} GiB of weights and margin, over the "

@@ -10,6 +10,8 @@ import itertools
 import json
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from dpipe.plan import table
 from dpipe.plan.choose import choose, layout
@@ -78,30 +80,73 @@ def test_int8_compute_plans_int8_weights_without_a_base_dtype_key():
         assert not any(k.startswith("model.base_dtype") for k in plan.overrides), plan.overrides
 
 
-PRESET_MACHINES = {"flux_lora_16gb": ("FLUX.1-dev LoRA", "1x16,host=128"),
-                   "flux_lora_24gb": ("FLUX.1-dev LoRA", "1x24,host=128"),
-                   "wan14b_lora_24gb": ("Wan 2.1 14B LoRA", "1x24,host=128"),
-                   "qwen_image_lora_24gb": ("Qwen-Image 20B LoRA", "1x24,host=128"),
-                   "hunyuan_video_lora_2x24gb": ("HunyuanVideo 13B LoRA", "2x24,host=128")}
+# What each preset chose by hand before it named its machine (pipeline.machine) and left the
+# rest to pipeline=auto (a 15 GiB budget on 16 GB, 23 GiB on 24 GB; fp8 base weights; auto
+# recompute; block swap but for flux_lora_24gb; one stage but for HunyuanVideo's two).
+HAND_CHOSEN = {
+    "flux_lora_16gb": ["pipeline=single", "pipeline.memory_budget_gb=15",
+                       "pipeline.blocks_to_swap=auto"],
+    "flux_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23"],
+    "wan14b_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23",
+                         "pipeline.blocks_to_swap=auto"],
+    "qwen_image_lora_24gb": ["pipeline=single", "pipeline.memory_budget_gb=23",
+                             "pipeline.blocks_to_swap=auto"],
+    "hunyuan_video_lora_2x24gb": ["pipeline=two_stage", "pipeline.memory_budget_gb=23",
+                                  "pipeline.blocks_to_swap=auto"],
+}
 
 
-@pytest.mark.parametrize("preset", PRESET_MACHINES)
-def test_the_hand_chosen_presets_fit_and_the_plan_is_no_slower(preset):
+@pytest.mark.parametrize("preset", HAND_CHOSEN)
+def test_each_preset_plans_for_its_machine_no_slower_than_it_chose_by_hand(preset):
+    """With no GPU visible, a preset's plan is for the machine it names: it fits, keeps the
+    memory budget chosen by hand, and is no slower by the plan's estimate than the hand-chosen
+    keys on the same machine (which fit too)."""
+    from dpipe.cli.train_plan import fixed_keys, plan_machine
+    from dpipe.config.checks import validate
     from dpipe.config.compose import compose_config, compose_run
     from dpipe.config.experiments import presets
 
-    assert set(PRESET_MACHINES) == set(presets())
-    name, machine = PRESET_MACHINES[preset]
+    assert set(HAND_CHOSEN) == set(table.PRESETS) == set(presets())
+    name, hand = table.PRESETS[preset], HAND_CHOSEN[preset]
     args = [f"experiment={preset}", "model.path=/models/x"]
-    run = compose_run(args, world_size=compose_config(args).pipeline.stages)
-    m = parse(machine)
-    p = run.pipeline
-    theirs = layout(table.footprint(name), run, m, p.stages, m.gpus // p.stages,
-                    run.model.base_dtype.quantized)
-    ours = choose(table.footprint(name), run, m)
+    cfg = compose_config(args)
+    machine = plan_machine(cfg, None)
+    assert machine is not None and fixed_keys(cfg.hydra) == set()  # the plan chooses them all
+    ours = choose(table.footprint(name), validate(cfg), machine, fixed_keys(cfg.hydra))
+    by_hand = [*args, *hand, "model.base_dtype=fp8", "pipeline.activation_checkpointing=auto"]
+    run = compose_run(by_hand, world_size=compose_config(by_hand).pipeline.stages)
+    theirs = layout(table.footprint(name), run, machine, run.pipeline.stages,
+                    machine.gpus // run.pipeline.stages, True)
     assert theirs.fits, theirs.problems
-    assert ours.fits and ours.budget == int(p.memory_budget_gb * GiB)
+    assert ours.fits and ours.budget == theirs.budget == int(run.pipeline.memory_budget_gb * GiB)
     assert ours.seconds_per_sample <= theirs.seconds_per_sample * (1 + 1e-9)
+    assert ours.stages * ours.data_parallel <= machine.gpus
+    assert table.preset_plan(preset) == ours  # the row of docs/performance.md's preset table
+
+
+def test_plan_on_a_preset_without_a_gpu_prints_what_the_launch_applies(capsys, monkeypatch):
+    """`dpipe-train --plan experiment=flux_lora_16gb ...` on this machine (no GPU, no --machine)
+    prints the plan for the preset's machine, and its keys are those dpipe-train sets before
+    starting the preset's run here."""
+    import sys
+
+    from dpipe.cli import train
+    from dpipe.cli.train_plan import apply_auto_pipeline, plan_machine
+    from dpipe.config.compose import compose_config
+
+    args = ["experiment=flux_lora_16gb", "model.path=/models/FLUX.1-dev"]
+    monkeypatch.setattr(sys, "argv", ["dpipe-train", "--plan", *args])
+    train.main()  # returns: the plan fits (exit status 0)
+    out = capsys.readouterr().out
+    assert out.startswith("plan for 1 GPU with 15 GiB free, 64 GiB host: flux (dev, "), out
+    keys = next(line for line in out.splitlines() if line.startswith("  keys: "))
+    cfg = compose_config(args)
+    apply_auto_pipeline(cfg, cfg.hydra, plan_machine(cfg, None))
+    printed = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in keys.split()[1:])}
+    applied = {k: getattr(v, "value", v) for k in printed  # an enum's value
+               for v in [OmegaConf.select(cfg, k)]}
+    assert printed == applied
+    assert printed["model.base_dtype"] == "fp8" and printed["pipeline.blocks_to_swap"] == "auto"
 
 
 def test_the_measured_flux_runs():

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("mode", [["train.precision=bf16"], ["model.mode=full"],
                                   ["model.adapter=lokr", "train.precision=bf16",
-                                   "model.base_dtype=fp8"]])
+                                   "model.base_dtype=fp8"],
+                                  ["model=tiny_z_image", "train.precision=bf16"]])
 def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
     run = compose_run(["model=tiny_flux", "pipeline.stages=2", *mode], world_size=2)
     spec = build_spec(run.model)

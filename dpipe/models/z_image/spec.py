@@ -67,6 +67,12 @@ class ZImageSpec(DiffusersFamily):
         return super().pixel_multiple * patch
 
     # ---- components -------------------------------------------------------------------------
+    @property
+    def loads_stage_weights(self) -> bool:
+        # Its load_denoiser is the default for a diffusers folder (its own is for single files
+        # only): each stage reads its weights from a folder as every default family does.
+        return self.single_file is None
+
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         if self.single_file is None:
             return super().load_denoiser(dtype)
