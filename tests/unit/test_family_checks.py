@@ -1,9 +1,10 @@
 """The checks every family's tiny model passes, run for each tiny model config
 (`conf/model/tiny_*.yaml`) from what the family declares: its tiny folder is made once and is the
-same everywhere, every denoiser parameter
-sits in exactly one pipeline layer, and the LoRA reaches every block. The `test_tiny_<family>.py`
-modules keep what is the family's own (loading in its pipeline, which for several families takes
-arguments of their own; prompts, latents and layers against the pipeline's)."""
+same everywhere, every denoiser parameter sits in exactly one pipeline layer, the LoRA reaches
+every block, and the folder loads in the declared diffusers pipeline and generates. A new family
+gets these by declaring; the `test_tiny_<family>.py` modules keep what is the family's own (a
+pipeline that needs parts given, as OWN_LOADING lists; prompts, latents and layers against the
+pipeline's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -105,3 +107,84 @@ def test_lora_reaches_every_block(config, models):
         assert not missing, f"blocks without LoRA parameters: {missing}"
     trainable = {n for n, p in denoiser.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+
+
+# What a pipeline's call needs beyond the prompt, size, steps, seed and (where it takes one) the
+# text length, where its defaults do not suit a tiny model: test data, not the family's (dpipe
+# samples with its own sampler, not the pipeline's call).
+CALL_ARGS = {
+    "tiny_ideogram4": {"guidance_schedule": None, "guidance_scale": 4.0},  # default: 48 steps
+    "tiny_flux_kontext": {"_auto_resize": False, "max_area": 64 * 64},  # else it renders 1 MP
+}
+# Configs whose folder its pipeline does not load with its defaults alone; their modules load it
+# with what it needs. Why, for each:
+OWN_LOADING = {
+    "tiny_anima": "a modular pipeline (no model_index.json)",
+    "tiny_minimax_h3": "a modular pipeline (no model_index.json)",
+    "tiny_omnigen2": "no diffusers pipeline runs OmniGen2",
+    "tiny_cosmos1": "its pipeline wants cosmos_guardrail's safety checker",
+    "tiny_cosmos_predict2": "its pipeline wants cosmos_guardrail's safety checker",
+    "tiny_cosmos_predict2_v2w": "its pipeline wants cosmos_guardrail's safety checker",
+    "tiny_hidream": "the Llama encoder is given to the pipeline, as for the release",
+    "tiny_flux2": "its Pixtral processor is given to the pipeline",
+    "tiny_qwen_image_edit": "Qwen2-VL's image processor needs torchvision",
+    "tiny_qwen_image_edit_plus": "Qwen2-VL's image processor needs torchvision",
+    # image-to-video folders: another pipeline than the family's, and a first frame
+    "tiny_wan_i2v": "WanImageToVideoPipeline", "tiny_wan_flf2v": "WanImageToVideoPipeline",
+    "tiny_wan22_i2v_a14b": "WanImageToVideoPipeline",
+}
+
+
+def _components(index: dict) -> list[tuple[str, tuple[str, str]]]:
+    """model_index.json's parts: name -> (module, class); a pipeline's own module ("ltx2")
+    under diffusers.pipelines."""
+    return [(name, (lib if lib in ("diffusers", "transformers") else f"diffusers.pipelines.{lib}",
+                    cls)) for name, value in index.items()
+            if isinstance(value, list) and len(value) == 2 and value[1] is not None
+            for lib, cls in [value]]
+
+
+def _pipeline(spec):
+    from dpipe.models.family import diffusers_class
+
+    return diffusers_class(spec.pipeline_class).from_pretrained(spec.path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c not in OWN_LOADING])
+def test_loads_in_its_pipeline_and_generates(config, models):
+    """The folder loads in the declared diffusers pipeline with its defaults, every part as the
+    class model_index.json names (the denoiser as declared), and makes a picture (a clip of the
+    shortest length the family takes, for video) in 2 steps."""
+    import importlib
+    import inspect
+
+    import numpy as np
+    from PIL import Image
+
+    from dpipe.models.family import diffusers_class
+
+    spec = _spec(models, config)
+    index = json.loads((spec.path / "model_index.json").read_text())
+    assert index["_class_name"] == spec.pipeline_class.rsplit(":", 1)[-1]
+    pipe = _pipeline(spec)
+    for name, (library, cls) in _components(index):
+        assert isinstance(getattr(pipe, name), getattr(importlib.import_module(library), cls)), name
+    assert isinstance(getattr(pipe, spec.denoiser_folder), diffusers_class(spec.denoiser_class))
+
+    sampling = spec.sampling()
+    takes = inspect.signature(pipe.__call__).parameters
+    args = {"height": 64, "width": 64, "num_inference_steps": 2, "output_type": "np",
+            "generator": torch.Generator().manual_seed(0), **CALL_ARGS.get(config, {})}
+    if "max_sequence_length" in takes:
+        args["max_sequence_length"] = spec.cfg.max_text_tokens
+    if sampling.video:
+        args["num_frames"] = sampling.frame_step + 1
+    if sampling.needs_control:
+        args["image"] = Image.new("RGB", (64, 64), (220, 40, 40))
+    out = pipe(prompt="a red circle on a blue background", **args)
+    pictures = np.asarray(out.frames if sampling.video else out.images)
+    frames = (args["num_frames"],) if sampling.video else ()
+    assert pictures.shape == (1, *frames, 64, 64, 3)
+    assert np.isfinite(pictures).all()
+    if getattr(out, "audio", None) is not None:  # the sound of an audio-video pipeline
+        assert len(out.audio) == 1 and torch.isfinite(torch.as_tensor(out.audio)).all()

@@ -8,7 +8,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
@@ -28,13 +27,6 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipe(tiny) -> AuraFlowPipeline:
     return AuraFlowPipeline.from_pretrained(tiny, dtype=torch.float32)
-
-
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, max_sequence_length=32,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
 
 
 def test_layout_and_components(tiny, pipe):

@@ -8,12 +8,9 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
-from transformers import T5EncoderModel, T5TokenizerFast
+from diffusers import ChromaPipeline
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
@@ -40,25 +37,14 @@ def spec(tiny_chroma) -> ChromaSpec:
     return ChromaSpec(ModelConfig(family="chroma", path=str(tiny_chroma), max_text_tokens=32))
 
 
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, negative_prompt="", height=64, width=64, num_inference_steps=2,
-               guidance_scale=3.0, max_sequence_length=32,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
-
-
-def test_components_and_layout(tiny_chroma, pipe):
+def test_parts_and_files_as_the_release(tiny_chroma):
     expected = {
-        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
-        "text_encoder": T5EncoderModel, "tokenizer": T5TokenizerFast,
-        "transformer": ChromaTransformer2DModel,
+        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
+        "text_encoder": "T5EncoderModel", "tokenizer": "T5TokenizerFast",
+        "transformer": "ChromaTransformer2DModel",
     }
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
     index = json.loads((tiny_chroma / "model_index.json").read_text())
-    assert index["_class_name"] == "ChromaPipeline"
-    assert index["tokenizer"] == ["transformers", "T5TokenizerFast"]
+    assert {name: index[name][1] for name in expected} == expected
     for rel in ["tokenizer/tokenizer.json", "text_encoder/model.safetensors.index.json",
                 "transformer/diffusion_pytorch_model.safetensors.index.json",
                 "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:

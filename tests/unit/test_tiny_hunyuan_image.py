@@ -9,7 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import HunyuanImagePipeline
@@ -38,12 +37,6 @@ def pipe(tiny) -> HunyuanImagePipeline:
 def _spec(tiny, **kw) -> HunyuanImageSpec:
     return HunyuanImageSpec(ModelConfig(family="hunyuan_image", path=str(tiny),
                                         lora=LoraConfig(rank=4, alpha=4), max_text_tokens=32, **kw))
-
-
-def test_generates_an_image(pipe):
-    out = pipe(PROMPTS[1], height=64, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
 
 
 def test_template_prefix_is_cut_where_the_real_one_is(pipe):

@@ -8,10 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+from diffusers import HunyuanVideo15Transformer3DModel
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -46,16 +45,6 @@ def spec(tiny) -> HunyuanVideo15Spec:
 @pytest.fixture(scope="module")
 def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
-
-
-def test_generates_a_video(tiny, encoders):
-    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny, dtype=torch.float32)
-    pipe.prompt_template_encode_start_idx = encoders.prompt_template_encode_start_idx
-    pipe.tokenizer_max_length = 16
-    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=5, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert np.asarray(out.frames).shape == (1, 5, 64, 64, 3)
-    assert np.isfinite(np.asarray(out.frames)).all()
 
 
 def test_layout_as_the_real_repo(tiny):

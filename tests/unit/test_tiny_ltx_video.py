@@ -59,11 +59,8 @@ def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
 
 
-def test_generates_text_and_image_to_video(tiny):
-    pipe = LTXPipeline.from_pretrained(tiny, dtype=torch.float32)
-    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=9, num_inference_steps=2,
-               max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.frames.shape == (1, 9, 64, 64, 3) and np.isfinite(out.frames).all()
+def test_generates_image_to_video(tiny):
+    # text to video: test_family_checks' test_loads_in_its_pipeline_and_generates
     i2v = LTXImageToVideoPipeline.from_pretrained(tiny, dtype=torch.float32)
     out = i2v(image=Image.new("RGB", (64, 64), (200, 20, 20)), prompt=CAPTIONS[0], height=64,
               width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16,

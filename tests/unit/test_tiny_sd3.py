@@ -8,13 +8,9 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-    StableDiffusion3Pipeline)
-from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+from diffusers import StableDiffusion3Pipeline
 
 from dpipe.models.sd3.spec import LORA_TARGETS
 from dpipe.models.sd3.tiny import make_tiny_sd3
@@ -32,24 +28,16 @@ def pipe(tiny_sd3) -> StableDiffusion3Pipeline:
     return StableDiffusion3Pipeline.from_pretrained(tiny_sd3, dtype=torch.float32)
 
 
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
-               max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
-
-
-def test_components_and_layout(tiny_sd3, pipe):
+def test_parts_and_files_as_the_release(tiny_sd3):
     expected = {
-        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
-        "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,
-        "text_encoder_3": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": CLIPTokenizer,
-        "tokenizer_3": T5TokenizerFast, "transformer": SD3Transformer2DModel,
+        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
+        "text_encoder": "CLIPTextModelWithProjection",
+        "text_encoder_2": "CLIPTextModelWithProjection", "text_encoder_3": "T5EncoderModel",
+        "tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
+        "tokenizer_3": "T5TokenizerFast", "transformer": "SD3Transformer2DModel",
     }
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
     index = json.loads((tiny_sd3 / "model_index.json").read_text())
-    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert {name: index[name][1] for name in expected} == expected
     assert index["image_encoder"] == [None, None] and index["feature_extractor"] == [None, None]
     for rel in ["tokenizer/vocab.json", "tokenizer_2/merges.txt", "tokenizer_3/tokenizer.json",
                 "text_encoder_3/model.safetensors.index.json", "text_encoder/model.safetensors",
