@@ -188,3 +188,41 @@ def test_loads_in_its_pipeline_and_generates(config, models):
     assert np.isfinite(pictures).all()
     if getattr(out, "audio", None) is not None:  # the sound of an audio-video pipeline
         assert len(out.audio) == 1 and torch.isfinite(torch.as_tensor(out.audio)).all()
+
+
+def _writes_its_own(config: str, *methods: str) -> bool:
+    """Whether the config's family writes one of `methods` itself instead of the base's."""
+    from dpipe.models.family import DiffusersFamily, imported
+    from dpipe.models.registry import FAMILIES
+
+    spec = imported(FAMILIES[CONFIGS[config][0]])
+    return any(getattr(spec, m) is not getattr(DiffusersFamily, m) for m in methods)
+
+
+# The full export where a family writes its own export or layers (the layers decide what the
+# stage shards hold), and once on the base's path throughout: every config would cost ~0.4 s each.
+FULL_EXPORTS = [c for c in CONFIGS if c == "tiny_hunyuan_video15" or _writes_its_own(
+    c, "export_full", "load_exported_full", "pipeline_layers")]
+
+
+@pytest.mark.parametrize("config", FULL_EXPORTS)
+def test_full_export_loads_as_the_base(config, models, tmp_path):
+    """A full fine-tune's export, from two stages' shards as the pipeline writes them, loads
+    back (`load_exported_full`) with every tensor of the base: the parts no layer holds too."""
+    from safetensors.torch import save_file
+
+    spec = _spec(models, config)
+    base = spec.load_denoiser(torch.float32)
+    layers = spec.pipeline_layers(base)
+    shards = []
+    for stage, part in enumerate((layers[:len(layers) // 2], layers[len(layers) // 2:])):
+        state = {k: v for layer in part
+                 for k, v in layer.denoiser_state_dict(trainable_only=False).items()}
+        shards.append(tmp_path / f"stage-{stage}.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
+    spec.export_full(shards, tmp_path / "export")
+    loaded = spec.load_exported_full(tmp_path / "export").state_dict()
+    want = base.state_dict()
+    assert loaded.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(loaded[name].float(), value), name
