@@ -52,11 +52,6 @@ ADAPTED_EDGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
 def _spec(models: Path, config: str):
     family, folder, values = CONFIGS[config]
     return tiny_spec(models / folder, family, **values)
@@ -67,10 +62,10 @@ def _files(root: Path) -> dict[Path, bytes]:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_tiny_model_is_made_once_and_the_same_everywhere(config, models, tmp_path):
+def test_tiny_model_is_made_once_and_the_same_everywhere(config, tiny_models, tmp_path):
     """A second run finds the folder and leaves it alone; a folder made elsewhere holds the same
     bytes (cache keys hash these files: a tiny model that differed per machine would miss)."""
-    spec = _spec(models, config)
+    spec = _spec(tiny_models, config)
     stamps = {p: p.stat().st_mtime_ns for p in spec.path.rglob("*")}
     spec.ensure_available()
     assert {p: p.stat().st_mtime_ns for p in spec.path.rglob("*")} == stamps
@@ -79,8 +74,8 @@ def test_tiny_model_is_made_once_and_the_same_everywhere(config, models, tmp_pat
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_every_denoiser_parameter_is_in_exactly_one_pipeline_layer(config, models):
-    spec = _spec(models, config)
+def test_every_denoiser_parameter_is_in_exactly_one_pipeline_layer(config, tiny_models):
+    spec = _spec(tiny_models, config)
     denoiser = spec.load_denoiser(torch.float32)
     layers = spec.pipeline_layers(denoiser)
     assert spec.pipeline_layer_count() in (None, len(layers))
@@ -104,13 +99,13 @@ def _linears(module: torch.nn.Module) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_lora_reaches_every_block(config, models):
+def test_lora_reaches_every_block(config, tiny_models):
     """The default targets put an adapter on every Linear of every layer between the embedding
     and the head (a regex that missed one kind of block, or one projection, would train only the
     others, silently), none in the embedding and the head, and train nothing else."""
     from tests.unit.video_checks import lora_denoiser
 
-    spec = _spec(models, config)
+    spec = _spec(tiny_models, config)
     denoiser = lora_denoiser(spec)
     layers = spec.pipeline_layers(denoiser)
     blocks = [found for found in map(_linears, layers[1:-1]) if found]  # joins hold no Linear
@@ -133,7 +128,7 @@ def test_lora_reaches_every_block(config, models):
 # text length, where its defaults do not suit a tiny model: test data, not the family's (dpipe
 # samples with its own sampler, not the pipeline's call).
 CALL_ARGS = {
-    "tiny_ideogram4": {"guidance_schedule": None, "guidance_scale": 4.0},  # default: 48 steps
+    "tiny_ideogram4": {"guidance_schedule": None},  # its default is a schedule of 48 steps
     "tiny_flux_kontext": {"_auto_resize": False, "max_area": 64 * 64},  # else it renders 1 MP
 }
 # Configs whose folder its pipeline does not load with its defaults alone; their modules load it
@@ -171,7 +166,7 @@ def _pipeline(spec):
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in OWN_LOADING])
-def test_loads_in_its_pipeline_and_generates(config, models):
+def test_loads_in_its_pipeline_and_generates(config, tiny_models):
     """The folder loads in the declared diffusers pipeline with its defaults, every part as the
     class model_index.json names (the denoiser as declared), and makes a picture (a clip of the
     shortest length the family takes, for video) in 2 steps."""
@@ -183,7 +178,7 @@ def test_loads_in_its_pipeline_and_generates(config, models):
 
     from dpipe.models.family import diffusers_class
 
-    spec = _spec(models, config)
+    spec = _spec(tiny_models, config)
     index = json.loads((spec.path / "model_index.json").read_text())
     assert index["_class_name"] == spec.pipeline_class.rsplit(":", 1)[-1]
     pipe = _pipeline(spec)
@@ -197,6 +192,8 @@ def test_loads_in_its_pipeline_and_generates(config, models):
             "generator": torch.Generator().manual_seed(0), **CALL_ARGS.get(config, {})}
     if "max_sequence_length" in takes:
         args["max_sequence_length"] = spec.cfg.max_text_tokens
+    if "guidance_scale" in takes:  # one denoiser call a step: at 1, classifier-free guidance is off
+        args["guidance_scale"] = 1.0
     if sampling.video:
         args["num_frames"] = sampling.frame_step + 1
     if sampling.needs_control:
@@ -226,12 +223,12 @@ FULL_EXPORTS = [c for c in CONFIGS if c == "tiny_hunyuan_video15" or _writes_its
 
 
 @pytest.mark.parametrize("config", FULL_EXPORTS)
-def test_full_export_loads_as_the_base(config, models, tmp_path):
+def test_full_export_loads_as_the_base(config, tiny_models, tmp_path):
     """A full fine-tune's export, from two stages' shards as the pipeline writes them, loads
     back (`load_exported_full`) with every tensor of the base: the parts no layer holds too."""
     from safetensors.torch import save_file
 
-    spec = _spec(models, config)
+    spec = _spec(tiny_models, config)
     base = spec.load_denoiser(torch.float32)
     layers = spec.pipeline_layers(base)
     shards = []

@@ -18,8 +18,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_auraflow(tmp_path_factory.mktemp("models") / "auraflow")
+def tiny(tiny_models) -> Path:
+    return make_tiny_auraflow(tiny_models / "tiny-auraflow")
 
 
 @pytest.fixture(scope="module")

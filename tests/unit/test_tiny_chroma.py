@@ -22,8 +22,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny_chroma(tmp_path_factory) -> Path:
-    return make_tiny_chroma(tmp_path_factory.mktemp("models") / "chroma")
+def tiny_chroma(tiny_models) -> Path:
+    return make_tiny_chroma(tiny_models / "tiny-chroma")
 
 
 @pytest.fixture(scope="module")

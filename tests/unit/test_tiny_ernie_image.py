@@ -25,8 +25,8 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_ernie_image(tmp_path_factory.mktemp("models") / "ernie_image")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ernie_image(tiny_models / "tiny-ernie-image")
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> Path:
-    return make_tiny_flux(tmp_path_factory.mktemp("models") / "flux")
+def tiny_flux(tiny_models) -> Path:
+    return make_tiny_flux(tiny_models / "tiny-flux")
 
 
 @pytest.fixture(scope="module")

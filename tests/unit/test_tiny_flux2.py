@@ -25,8 +25,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny_flux2(tmp_path_factory) -> Path:
-    return make_tiny_flux2(tmp_path_factory.mktemp("models") / "flux2")
+def tiny_flux2(tiny_models) -> Path:
+    return make_tiny_flux2(tiny_models / "tiny-flux2")
 
 
 @pytest.fixture(scope="module")

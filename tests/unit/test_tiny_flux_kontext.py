@@ -21,8 +21,8 @@ CAPTION = "make the circle green"
 
 
 @pytest.fixture(scope="module")
-def tiny_kontext(tmp_path_factory) -> Path:
-    return make_tiny_flux_kontext(tmp_path_factory.mktemp("models") / "kontext")
+def tiny_kontext(tiny_models) -> Path:
+    return make_tiny_flux_kontext(tiny_models / "tiny-flux-kontext")
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ PROMPTS = ["a red circle on a blue background", "a photo of two green stars"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hidream(tmp_path_factory.mktemp("models") / "hidream")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hidream(tiny_models / "tiny-hidream")
 
 
 def _spec(tiny, **kw) -> HiDreamSpec:

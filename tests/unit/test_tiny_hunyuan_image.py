@@ -24,8 +24,8 @@ PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a w
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hunyuan_image(tmp_path_factory.mktemp("models") / "hunyuan_image")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hunyuan_image(tiny_models / "tiny-hunyuan-image")
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hunyuan_video(tmp_path_factory.mktemp("models") / "hunyuan_video")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hunyuan_video(tiny_models / "tiny-hunyuan-video")
 
 
 @pytest.fixture(scope="module")

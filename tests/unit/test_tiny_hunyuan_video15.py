@@ -27,8 +27,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "hunyuan_video15")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hunyuan_video15(tiny_models / "tiny-hunyuan-video15")
 
 
 @pytest.fixture(scope="module")

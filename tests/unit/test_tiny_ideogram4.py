@@ -24,10 +24,10 @@ TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_models) -> Path:
     from dpipe.models.ideogram4.tiny import make_tiny_ideogram4
 
-    return make_tiny_ideogram4(tmp_path_factory.mktemp("models") / "ideogram4")
+    return make_tiny_ideogram4(tiny_models / "tiny-ideogram4")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_krea2(tmp_path_factory.mktemp("models") / "krea2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_krea2(tiny_models / "tiny-krea2")
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_ltx2(tmp_path_factory.mktemp("models") / "ltx2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ltx2(tiny_models / "tiny-ltx2")
 
 
 def make_spec(tiny, **values):

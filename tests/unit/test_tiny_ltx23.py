@@ -32,13 +32,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture(scope="module")
-def tiny(models) -> Path:
-    return make_tiny_ltx23(models / "ltx23")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ltx23(tiny_models / "tiny-ltx23")
 
 
 def make_spec(path, family="ltx23", **values):
@@ -148,8 +143,8 @@ def test_single_file_loads_as_the_folder(spec, tiny, tmp_path):
         torch.testing.assert_close(got[key], value.to(torch.bfloat16).float(), msg=key)
 
 
-def test_another_release_or_family_is_refused(tiny, models, tmp_path):
-    ltx20 = make_tiny_ltx2(models / "ltx2")
+def test_another_release_or_family_is_refused(tiny, tiny_models, tmp_path):
+    ltx20 = make_tiny_ltx2(tiny_models / "tiny-ltx2")
     with pytest.raises(ModelLoadError, match=r"transformer/config.json describes an LTX-2.0 "
                                              r"transformer, not LTX-2.3: use model=ltx2"):
         make_spec(ltx20)

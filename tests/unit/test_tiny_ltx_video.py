@@ -31,8 +31,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_ltx_video(tmp_path_factory.mktemp("models") / "ltx_video")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ltx_video(tiny_models / "tiny-ltx-video")
 
 
 def make_spec(tiny, **values) -> LTXVideoSpec:

@@ -29,8 +29,8 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_lumina2(tmp_path_factory.mktemp("models") / "lumina2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_lumina2(tiny_models / "tiny-lumina2")
 
 
 @pytest.fixture(scope="module")

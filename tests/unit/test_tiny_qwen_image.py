@@ -28,8 +28,8 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_qwen_image(tmp_path_factory.mktemp("models") / "qwen_image")
+def tiny(tiny_models) -> Path:
+    return make_tiny_qwen_image(tiny_models / "tiny-qwen-image")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory) -> Path:
-    return make_tiny_sd3(tmp_path_factory.mktemp("models") / "sd3")
+def tiny_sd3(tiny_models) -> Path:
+    return make_tiny_sd3(tiny_models / "tiny-sd3")
 
 
 @pytest.fixture(scope="module")

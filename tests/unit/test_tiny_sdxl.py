@@ -25,8 +25,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_sdxl(tmp_path_factory.mktemp("models") / "sdxl")
+def tiny(tiny_models) -> Path:
+    return make_tiny_sdxl(tiny_models / "tiny-sdxl")
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,8 @@ needs_ftfy = pytest.mark.skipif(importlib.util.find_spec("ftfy") is None,
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {v: make_tiny_wan(root / v, variant=v) for v in VARIANTS}
+def folders(tiny_models) -> dict[str, Path]:
+    return {v: make_tiny_wan(tiny_models / f"tiny-{v}", variant=v) for v in VARIANTS}
 
 
 def _generate(pipe, **kwargs):

@@ -29,8 +29,8 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_z_image(tmp_path_factory.mktemp("models") / "z_image")
+def tiny(tiny_models) -> Path:
+    return make_tiny_z_image(tiny_models / "tiny-z-image")
 
 
 @pytest.fixture(scope="module")
