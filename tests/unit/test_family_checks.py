@@ -159,12 +159,6 @@ def _components(index: dict) -> list[tuple[str, tuple[str, str]]]:
             for lib, cls in [value]]
 
 
-def _pipeline(spec):
-    from dpipe.models.family import diffusers_class
-
-    return diffusers_class(spec.pipeline_class).from_pretrained(spec.path, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in OWN_LOADING])
 def test_loads_in_its_pipeline_and_generates(config, tiny_models):
     """The folder loads in the declared diffusers pipeline with its defaults, every part as the
@@ -181,7 +175,7 @@ def test_loads_in_its_pipeline_and_generates(config, tiny_models):
     spec = _spec(tiny_models, config)
     index = json.loads((spec.path / "model_index.json").read_text())
     assert index["_class_name"] == spec.pipeline_class.rsplit(":", 1)[-1]
-    pipe = _pipeline(spec)
+    pipe = diffusers_class(spec.pipeline_class).from_pretrained(spec.path, dtype=torch.float32)
     for name, (library, cls) in _components(index):
         assert isinstance(getattr(pipe, name), getattr(importlib.import_module(library), cls)), name
     assert isinstance(getattr(pipe, spec.denoiser_folder), diffusers_class(spec.denoiser_class))
@@ -241,5 +235,5 @@ def test_full_export_loads_as_the_base(config, tiny_models, tmp_path):
     loaded = spec.load_exported_full(tmp_path / "export").state_dict()
     want = base.state_dict()
     assert loaded.keys() == want.keys()
-    for name, value in want.items():
-        assert torch.equal(loaded[name].float(), value), name
+    for name, value in want.items():  # a tensor the export lacks loads as meta
+        assert not loaded[name].is_meta and torch.equal(loaded[name].float(), value), name
