@@ -21,6 +21,13 @@ def dpipe_cache(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_models(dpipe_cache) -> Path:
+    """Where the tiny model configs make their folders (conf/model/tiny_*.yaml): each folder is
+    made once a session and read by every test that uses it (none writes into one)."""
+    return dpipe_cache / "models"
+
+
 def pytest_configure(config):
     """Each xdist worker's own torch work gets its share of the cores: with torch's default of
     every core per worker, two workers' in-process tests (and the training processes they start)

@@ -24,8 +24,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return make_tiny_anima(tmp_path_factory.mktemp("models") / "tiny-anima")
+def folder(tiny_models) -> Path:
+    return make_tiny_anima(tiny_models / "tiny-anima")
 
 
 def _spec(folder: Path, *overrides: str):

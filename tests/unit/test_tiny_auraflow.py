@@ -5,36 +5,26 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
-import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
 from transformers import LlamaTokenizerFast, UMT5EncoderModel
 
-from dpipe.models.auraflow.spec import LORA_TARGETS
 from dpipe.models.auraflow.tiny import make_tiny_auraflow
 
 CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_auraflow(tmp_path_factory.mktemp("models") / "auraflow")
+def tiny(tiny_models) -> Path:
+    return make_tiny_auraflow(tiny_models / "tiny-auraflow")
 
 
 @pytest.fixture(scope="module")
 def pipe(tiny) -> AuraFlowPipeline:
     return AuraFlowPipeline.from_pretrained(tiny, dtype=torch.float32)
-
-
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, max_sequence_length=32,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
 
 
 def test_layout_and_components(tiny, pipe):
@@ -60,14 +50,6 @@ def test_prompt_tokens(pipe):
     assert embeds.shape == (1, 32, 32)
     assert (embeds[0, len(ids):] == 0).all()  # the pipeline zeroes the padding's embeddings
     assert int(mask.sum()) == len(ids) * 32  # its mask comes back expanded over the width
-
-
-def test_lora_targets_cover_every_block_linear(pipe):
-    pattern = re.compile(LORA_TARGETS)
-    linears = [n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    in_blocks = [n for n in linears if "transformer_blocks." in n]
-    assert in_blocks and all(pattern.fullmatch(n) for n in in_blocks)
-    assert not any(pattern.fullmatch(n) for n in set(linears) - set(in_blocks))
 
 
 def test_deterministic(tmp_path, tiny):

@@ -5,18 +5,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
-import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
-from transformers import T5EncoderModel, T5TokenizerFast
+from diffusers import ChromaPipeline
 
 from dpipe.config.schema import ModelConfig
-from dpipe.models.chroma.spec import LORA_TARGETS, ChromaSpec
+from dpipe.models.chroma.spec import ChromaSpec
 from dpipe.models.chroma.tiny import make_tiny_chroma
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import attention_masks_of_layers_and_diffusers, latent_inputs
@@ -26,8 +22,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny_chroma(tmp_path_factory) -> Path:
-    return make_tiny_chroma(tmp_path_factory.mktemp("models") / "chroma")
+def tiny_chroma(tiny_models) -> Path:
+    return make_tiny_chroma(tiny_models / "tiny-chroma")
 
 
 @pytest.fixture(scope="module")
@@ -40,36 +36,18 @@ def spec(tiny_chroma) -> ChromaSpec:
     return ChromaSpec(ModelConfig(family="chroma", path=str(tiny_chroma), max_text_tokens=32))
 
 
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, negative_prompt="", height=64, width=64, num_inference_steps=2,
-               guidance_scale=3.0, max_sequence_length=32,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
-
-
-def test_components_and_layout(tiny_chroma, pipe):
+def test_parts_and_files_as_the_release(tiny_chroma):
     expected = {
-        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
-        "text_encoder": T5EncoderModel, "tokenizer": T5TokenizerFast,
-        "transformer": ChromaTransformer2DModel,
+        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
+        "text_encoder": "T5EncoderModel", "tokenizer": "T5TokenizerFast",
+        "transformer": "ChromaTransformer2DModel",
     }
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
     index = json.loads((tiny_chroma / "model_index.json").read_text())
-    assert index["_class_name"] == "ChromaPipeline"
-    assert index["tokenizer"] == ["transformers", "T5TokenizerFast"]
+    assert {name: index[name][1] for name in expected} == expected
     for rel in ["tokenizer/tokenizer.json", "text_encoder/model.safetensors.index.json",
                 "transformer/diffusion_pytorch_model.safetensors.index.json",
                 "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
         assert (tiny_chroma / rel).is_file(), rel
-
-
-def test_lora_targets_cover_every_block_linear(pipe):
-    linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    in_blocks = {n for n in linears if re.match(r"(single_)?transformer_blocks\.", n)}
-    assert {n for n in linears if re.fullmatch(LORA_TARGETS, n)} == in_blocks
-    assert any(n.startswith("distilled_guidance_layer.") for n in linears - in_blocks)
 
 
 def test_prompt_mask_keeps_one_padding_token(spec, pipe):

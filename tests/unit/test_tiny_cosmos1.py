@@ -37,8 +37,8 @@ class _NoGuardrail:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return make_tiny_cosmos1(tmp_path_factory.mktemp("models") / "tiny-cosmos1")
+def folder(tiny_models) -> Path:
+    return make_tiny_cosmos1(tiny_models / "tiny-cosmos1")
 
 
 def _spec(path: Path, single_file_config: Path | None = None):

@@ -38,9 +38,8 @@ class _NoGuardrail:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {v: make_tiny_cosmos_predict2(root / v, variant=v) for v in VARIANTS}
+def folders(tiny_models) -> dict[str, Path]:
+    return {v: make_tiny_cosmos_predict2(tiny_models / f"tiny-cosmos_predict2_{v}", variant=v) for v in VARIANTS}
 
 
 def test_text2image_pipeline_generates(folders):

@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
+from diffusers import FluxPipeline
 from safetensors import safe_open
-from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from dpipe.models.flux.tiny import make_tiny_flux
 from dpipe.models.tiny_parts import train_clip_bpe, train_t5_unigram, write_atomically
@@ -28,22 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory) -> Path:
-    return make_tiny_flux(tmp_path_factory.mktemp("models") / "flux")
+def tiny_flux(tiny_models) -> Path:
+    return make_tiny_flux(tiny_models / "tiny-flux")
 
 
 @pytest.fixture(scope="module")
 def pipe(tiny_flux) -> FluxPipeline:
     # Weights are stored in bf16 like the real repo; compute in fp32 on CPU.
     return FluxPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
-
-
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
-               max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np")
-    image = out.images
-    assert image.shape == (1, 64, 64, 3)
-    assert np.isfinite(image).all()
 
 
 def test_its_vae_encodes_pictures(pipe):
@@ -64,19 +54,15 @@ def test_its_vae_encodes_pictures(pipe):
     assert abs(normalized.mean()) < 0.1 and 0.8 < normalized.std() < 1.2
 
 
-def test_components_and_layout(tiny_flux, pipe):
+def test_parts_and_files_as_the_release(tiny_flux):
     expected = {
-        "scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
-        "text_encoder": CLIPTextModel, "tokenizer": CLIPTokenizer,
-        "text_encoder_2": T5EncoderModel, "tokenizer_2": T5TokenizerFast,
-        "transformer": FluxTransformer2DModel,
+        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
+        "text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
+        "text_encoder_2": "T5EncoderModel", "tokenizer_2": "T5TokenizerFast",
+        "transformer": "FluxTransformer2DModel",
     }
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
     index = json.loads((tiny_flux / "model_index.json").read_text())
-    assert index["_class_name"] == "FluxPipeline"
-    assert index["tokenizer"] == ["transformers", "CLIPTokenizer"]
-    assert index["tokenizer_2"] == ["transformers", "T5TokenizerFast"]
+    assert {name: index[name][1] for name in expected} == expected
     # Same files as black-forest-labs/FLUX.1-dev: CLIP vocab/merges, sharded weights with an index.
     for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer_2/tokenizer.json",
                 "transformer/diffusion_pytorch_model.safetensors.index.json",

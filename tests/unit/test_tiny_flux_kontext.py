@@ -5,15 +5,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from diffusers import FluxKontextPipeline
-from PIL import Image
 
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
@@ -24,8 +21,8 @@ CAPTION = "make the circle green"
 
 
 @pytest.fixture(scope="module")
-def tiny_kontext(tmp_path_factory) -> Path:
-    return make_tiny_flux_kontext(tmp_path_factory.mktemp("models") / "kontext")
+def tiny_kontext(tiny_models) -> Path:
+    return make_tiny_flux_kontext(tiny_models / "tiny-flux-kontext")
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +36,6 @@ def spec(tiny_kontext) -> FluxKontextSpec:
 @pytest.fixture(scope="module")
 def pipe(tiny_kontext) -> FluxKontextPipeline:
     return FluxKontextPipeline.from_pretrained(tiny_kontext, dtype=torch.float32)
-
-
-def test_edits_an_image(pipe, tiny_kontext):
-    assert json.loads((tiny_kontext / "model_index.json").read_text())["_class_name"] == \
-        "FluxKontextPipeline"
-    image = Image.new("RGB", (64, 64), (200, 30, 30))
-    out = pipe(image=image, prompt=CAPTION, height=64, width=64, num_inference_steps=2,
-               guidance_scale=2.5, max_sequence_length=32, _auto_resize=False, max_area=64 * 64,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
 
 
 def test_refuses_a_flux1_dev_folder(tmp_path):

@@ -6,16 +6,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import HunyuanImagePipeline
 
 from dpipe.config.schema import LoraConfig, ModelConfig
-from dpipe.models.hunyuan_image.spec import LORA_TARGETS, HunyuanImageSpec
+from dpipe.models.hunyuan_image.spec import HunyuanImageSpec
 from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS, make_tiny_hunyuan_image
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
@@ -26,8 +24,8 @@ PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a w
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hunyuan_image(tmp_path_factory.mktemp("models") / "hunyuan_image")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hunyuan_image(tiny_models / "tiny-hunyuan-image")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +36,6 @@ def pipe(tiny) -> HunyuanImagePipeline:
 def _spec(tiny, **kw) -> HunyuanImageSpec:
     return HunyuanImageSpec(ModelConfig(family="hunyuan_image", path=str(tiny),
                                         lora=LoraConfig(rank=4, alpha=4), max_text_tokens=32, **kw))
-
-
-def test_generates_an_image(pipe):
-    out = pipe(PROMPTS[1], height=64, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
 
 
 def test_template_prefix_is_cut_where_the_real_one_is(pipe):
@@ -147,14 +139,6 @@ def test_exported_lora_loads_into_the_transformer(tiny, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(spec.denoiser_forward(loaded, inputs),
                                    spec.denoiser_forward(transformer, inputs))
-
-
-def test_lora_targets_cover_every_block_linear(pipe):
-    pattern = re.compile(LORA_TARGETS)
-    linears = [n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    in_blocks = [n for n in linears if n.startswith(("transformer_blocks.", "single_transformer"))]
-    assert in_blocks and all(pattern.fullmatch(n) for n in in_blocks)
-    assert not any(pattern.fullmatch(n) for n in set(linears) - set(in_blocks))
 
 
 def test_block_costs_follow_flops(tiny, pipe):

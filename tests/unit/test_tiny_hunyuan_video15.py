@@ -8,10 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -29,8 +27,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "hunyuan_video15")
+def tiny(tiny_models) -> Path:
+    return make_tiny_hunyuan_video15(tiny_models / "tiny-hunyuan-video15")
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +44,6 @@ def spec(tiny) -> HunyuanVideo15Spec:
 @pytest.fixture(scope="module")
 def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
-
-
-def test_generates_a_video(tiny, encoders):
-    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny, dtype=torch.float32)
-    pipe.prompt_template_encode_start_idx = encoders.prompt_template_encode_start_idx
-    pipe.tokenizer_max_length = 16
-    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=5, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert np.asarray(out.frames).shape == (1, 5, 64, 64, 3)
-    assert np.isfinite(np.asarray(out.frames)).all()
 
 
 def test_layout_as_the_real_repo(tiny):
@@ -195,16 +183,3 @@ def test_comfyui_lora_keys_and_weights(spec, exported):
         want = torch.cat([parts[m] for m in modules])
         torch.testing.assert_close(fused[original], want, rtol=1e-5, atol=1e-6)
 
-
-def test_full_export_loads(spec, tmp_path):
-    from safetensors.torch import save_file
-
-    state = spec.load_denoiser(torch.float32).state_dict()
-    keys = sorted(state)
-    shards = []
-    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
-        shards.append(tmp_path / f"stage-{i}.safetensors")
-        save_file({k: state[k].contiguous() for k in part}, shards[-1])
-    loaded = HunyuanVideo15Transformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "o"))
-    for k, v in loaded.state_dict().items():
-        torch.testing.assert_close(v, state[k])

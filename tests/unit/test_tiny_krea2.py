@@ -9,13 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
-    Krea2Transformer2DModel)
-from transformers import Qwen2Tokenizer, Qwen3VLModel
+from diffusers import Krea2Pipeline
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.common.latent_packing import pack
@@ -28,8 +24,8 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_krea2(tmp_path_factory.mktemp("models") / "krea2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_krea2(tiny_models / "tiny-krea2")
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +41,13 @@ def _spec(path: Path) -> Krea2Spec:
     return Krea2Spec(OmegaConf.to_object(cfg))
 
 
-def test_generates_an_image(pipe):
-    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, max_sequence_length=TOKENS,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
-
-
-def test_components_and_layout(tiny, pipe):
-    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKLQwenImage,
-                "text_encoder": Qwen3VLModel, "tokenizer": Qwen2Tokenizer,
-                "transformer": Krea2Transformer2DModel}
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
+def test_parts_and_files_as_the_release(tiny, pipe):
+    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKLQwenImage",
+                "text_encoder": "Qwen3VLModel", "tokenizer": "Qwen2Tokenizer",
+                "transformer": "Krea2Transformer2DModel"}
     index = json.loads((tiny / "model_index.json").read_text())
-    assert index["_class_name"] == "Krea2Pipeline" and index["patch_size"] == 2
+    assert {name: index[name][1] for name in expected} == expected
+    assert index["patch_size"] == 2
     assert len(index["text_encoder_select_layers"]) == pipe.transformer.config.num_text_layers
     for rel in ["tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
                 "transformer/diffusion_pytorch_model.safetensors.index.json",

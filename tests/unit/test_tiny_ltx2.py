@@ -8,10 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -29,8 +27,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_ltx2(tmp_path_factory.mktemp("models") / "ltx2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ltx2(tiny_models / "tiny-ltx2")
 
 
 def make_spec(tiny, **values):
@@ -50,16 +48,6 @@ def spec(tiny) -> LTX2Spec:
 @pytest.fixture(scope="module")
 def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
-
-
-def test_generates_video_and_audio(tiny):
-    pipe = LTX2Pipeline.from_pretrained(tiny, dtype=torch.float32)
-    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=9, num_inference_steps=2,
-               guidance_scale=1.0, max_sequence_length=16, output_type="np",
-               generator=torch.Generator().manual_seed(0))
-    frames = np.asarray(out.frames)
-    assert frames.shape == (1, 9, 64, 64, 3) and np.isfinite(frames).all()
-    assert out.audio.shape[:2] == (1, 2)
 
 
 def test_layout_as_the_real_repo(tiny):
@@ -144,27 +132,6 @@ def test_comfyui_keys(exported):
     got = deltas({k.removeprefix("diffusion_model."): v for k, v in peft_pairs(comfy).items()})
     want = deltas(peft_pairs(lora_state_dict(denoiser)), scale=8 / 4)
     assert got.keys() == want.keys()
-
-
-def test_full_export_loads(spec, tmp_path):
-    from safetensors.torch import save_file
-
-    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
-    shards = []
-    for i, part in enumerate((layers[:3], layers[3:])):  # as two pipeline stages write them
-        state = {}
-        for layer in part:
-            state.update(layer.denoiser_state_dict(trainable_only=False))
-        shards.append(tmp_path / f"stage-{i}.safetensors")
-        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
-    # The audio modules outside the blocks are in no layer; the export adds them from the base.
-    base = spec.load_denoiser(torch.float32).state_dict()
-    assert any(k.startswith("audio_proj_in") for k in base)
-    loaded = LTX2VideoTransformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "o"))
-    assert loaded.state_dict().keys() == base.keys()
-    for k, v in loaded.state_dict().items():
-        assert v.device.type == "cpu", k
-        torch.testing.assert_close(v, base[k])
 
 
 def test_each_clip_trains_at_its_frame_rate(spec, encoders):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import LTXImageToVideoPipeline, LTXPipeline, LTXVideoTransformer3DModel
+from diffusers import LTXImageToVideoPipeline, LTXPipeline
 from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
@@ -31,8 +31,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_ltx_video(tmp_path_factory.mktemp("models") / "ltx_video")
+def tiny(tiny_models) -> Path:
+    return make_tiny_ltx_video(tiny_models / "tiny-ltx-video")
 
 
 def make_spec(tiny, **values) -> LTXVideoSpec:
@@ -59,11 +59,8 @@ def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
 
 
-def test_generates_text_and_image_to_video(tiny):
-    pipe = LTXPipeline.from_pretrained(tiny, dtype=torch.float32)
-    out = pipe(CAPTIONS[0], height=64, width=64, num_frames=9, num_inference_steps=2,
-               max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.frames.shape == (1, 9, 64, 64, 3) and np.isfinite(out.frames).all()
+def test_generates_image_to_video(tiny):
+    # text to video: test_family_checks' test_loads_in_its_pipeline_and_generates
     i2v = LTXImageToVideoPipeline.from_pretrained(tiny, dtype=torch.float32)
     out = i2v(image=Image.new("RGB", (64, 64), (200, 20, 20)), prompt=CAPTIONS[0], height=64,
               width=64, num_frames=9, num_inference_steps=2, max_sequence_length=16,
@@ -189,24 +186,6 @@ def test_comfyui_keys(exported):
     assert got.keys() == want.keys() and len(want) == 4 * 10
     for name in want:
         torch.testing.assert_close(got[name], want[name])
-
-
-def test_full_export_loads(spec, tmp_path):
-    from safetensors.torch import save_file
-
-    layers = spec.pipeline_layers(spec.load_denoiser(torch.float32))
-    shards = []
-    for i, part in enumerate((layers[:2], layers[2:])):  # as two pipeline stages write them
-        state = {}
-        for layer in part:
-            state.update(layer.denoiser_state_dict(trainable_only=False))
-        shards.append(tmp_path / f"stage-{i}.safetensors")
-        save_file({k: v.contiguous() for k, v in state.items()}, shards[-1])
-    loaded = LTXVideoTransformer3DModel.from_pretrained(spec.export_full(shards, tmp_path / "out"))
-    base = spec.load_denoiser(torch.float32).state_dict()
-    assert loaded.state_dict().keys() == base.keys()  # scale_shift_table included
-    for k, v in loaded.state_dict().items():
-        torch.testing.assert_close(v, base[k])
 
 
 def _batch_at(spec, encoders, fps, frames=9, seed=0):

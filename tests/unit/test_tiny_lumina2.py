@@ -9,13 +9,10 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
+from diffusers import Lumina2Pipeline
 from safetensors.torch import load_file
-from transformers import Gemma2Model, GemmaTokenizer
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
@@ -32,8 +29,8 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_lumina2(tmp_path_factory.mktemp("models") / "lumina2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_lumina2(tiny_models / "tiny-lumina2")
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +47,12 @@ def _spec(path: Path, **overrides) -> Lumina2Spec:
     return Lumina2Spec(OmegaConf.to_object(cfg))
 
 
-def test_generates_an_image(pipe):
-    out = pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
-               max_sequence_length=64, generator=torch.Generator().manual_seed(0),
-               output_type="np")
-    assert out.images.shape == (1, 64, 64, 3)
-    assert np.isfinite(out.images).all()
-
-
-def test_components_and_layout(tiny, pipe):
-    expected = {"scheduler": FlowMatchEulerDiscreteScheduler, "vae": AutoencoderKL,
-                "text_encoder": Gemma2Model, "tokenizer": GemmaTokenizer,
-                "transformer": Lumina2Transformer2DModel}
-    for name, cls in expected.items():
-        assert isinstance(getattr(pipe, name), cls), name
+def test_parts_and_files_as_the_release(tiny, pipe):
+    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
+                "text_encoder": "Gemma2Model", "tokenizer": "GemmaTokenizerFast",
+                "transformer": "Lumina2Transformer2DModel"}
     index = json.loads((tiny / "model_index.json").read_text())
-    assert index["_class_name"] == "Lumina2Pipeline"
-    assert index["tokenizer"] == ["transformers", "GemmaTokenizerFast"]
+    assert {name: index[name][1] for name in expected} == expected
     for rel in ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
                 "transformer/diffusion_pytorch_model.safetensors.index.json",
                 "text_encoder/model.safetensors.index.json",

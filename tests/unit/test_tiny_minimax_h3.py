@@ -21,8 +21,8 @@ from tests.exports import export_lora
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return make_tiny_minimax_h3(tmp_path_factory.mktemp("models") / "tiny-minimax_h3")
+def folder(tiny_models) -> Path:
+    return make_tiny_minimax_h3(tiny_models / "tiny-minimax_h3")
 
 
 def _spec(folder: Path, *overrides: str):

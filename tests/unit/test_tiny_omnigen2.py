@@ -94,8 +94,8 @@ REFERENCE_FIELDS = {"patch_size", "in_channels", "out_channels", "hidden_size", 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_omnigen2(tmp_path_factory.mktemp("models") / "omnigen2")
+def tiny(tiny_models) -> Path:
+    return make_tiny_omnigen2(tiny_models / "tiny-omnigen2")
 
 
 def _spec(path: Path, **overrides) -> OmniGen2Spec:

@@ -28,8 +28,8 @@ INSTRUCTIONS = ["make the circle blue", "add a small red star in the top left co
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "qwen_image_edit")
+def tiny(tiny_models) -> Path:
+    return make_tiny_qwen_image_edit(tiny_models / "tiny-qwen-image-edit")
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ INSTRUCTIONS = ["put the star on the circle", "swap their colours"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_qwen_image_edit_plus(tmp_path_factory.mktemp("models") / "edit_plus")
+def tiny(tiny_models) -> Path:
+    return make_tiny_qwen_image_edit_plus(tiny_models / "tiny-qwen-image-edit-plus")
 
 
 def _spec(path: Path) -> QwenImageEditPlusSpec:

@@ -8,7 +8,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -26,8 +25,8 @@ CAPTION = "a red circle on a blue background"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_sdxl(tmp_path_factory.mktemp("models") / "sdxl")
+def tiny(tiny_models) -> Path:
+    return make_tiny_sdxl(tiny_models / "tiny-sdxl")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +37,6 @@ def pipe(tiny) -> StableDiffusionXLPipeline:
 def _spec(path, **kw) -> SDXLSpec:
     return SDXLSpec(ModelConfig(family="sdxl", path=str(path), lora=LoraConfig(rank=4, alpha=2),
                                 **kw))
-
-
-def test_generates_an_image(pipe):
-    out = pipe(CAPTION, height=64, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
 
 
 def test_layout(tiny, pipe):
