@@ -76,6 +76,10 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     def check(self, request: SampleRequest) -> str | None:
         problem = super().check(request)
+        if problem is None and request.last_frame is not None:
+            return (f"last_frame={request.last_frame}: {self.spec.family} trains on a last frame "
+                    "(dataset.conditioning.last / both) but does not sample from one yet; "
+                    "remove `last_frame`")
         if problem is None and self.image_to_video(request) and request.frames == 1:
             # The pipeline would hand the image back: its one latent frame is the condition.
             return (f"frames=1 with a first frame: {self.spec.family} makes the frames after "
@@ -128,7 +132,14 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
         mode = FIRST if self.image_to_video(d.request) else NONE
-        return replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
+        batch = replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
+        if d.latents.shape[2] == 1:
+            return batch
+        # A clip's batch ends with the slot of its last frame's own latent, as cached
+        # (keyframes.py); these modes leave it unread.
+        slot = torch.zeros_like(d.latents[:, :, :1])
+        return replace(batch, **{k: torch.cat([getattr(batch, k), slot], dim=2)
+                                 for k in ("latents", "noisy", "target", "noise")})
 
     # ---- one step ----------------------------------------------------------------------------
     def _sigma(self, d: Denoising) -> torch.Tensor:
