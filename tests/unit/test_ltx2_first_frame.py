@@ -21,7 +21,6 @@ from PIL import Image
 
 from dpipe.config.schema import ConditioningConfig, DatasetConfig
 from dpipe.data.conditioning import frame_probabilities
-from dpipe.errors import ConfigError
 from dpipe.models.frame_modes import BOTH, LAST
 from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
@@ -141,32 +140,35 @@ def test_layers_equal_the_condition_pipelines_transformer_call(ltx23_encoders, s
 
 
 @pytest.mark.slow  # ~3.5 s on 2 busy cores (two pipelines' 2 steps)
-def test_staged_sample_is_the_i2v_pipelines(tmp_path):
-    """9 frames of 32x32 from a first frame, 2 steps, guidance 3: dpipe's loop through the
-    layers ends at LTX2ImageToVideoPipeline's final latents (image_crf=0, stg 0, modality 1), its
-    first latent frame the image's."""
+def test_staged_sample_is_the_condition_pipelines(tmp_path):
+    """9 frames of 32x32 from a first and a last frame, 2 steps, guidance 3: dpipe's loop
+    through the layers ends at LTX2ConditionPipeline's final latents (its conditions' crf=0,
+    stg 0, modality 1), the last frame's appended tokens included, its first latent frame the
+    first image's and the appended ones the last image's."""
     from dpipe.images import load_image
     from dpipe.sample.denoise import denoise
     from dpipe.sample.link import StageLink
 
     spec = tiny_spec(make_tiny_ltx2(shared_tiny("ltx2")), "ltx2")
-    image = tmp_path / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 255, (32, 32, 3), np.uint8)).save(image)
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    for seed, path in enumerate((first, last)):
+        Image.fromarray(np.random.default_rng(seed + 3).integers(0, 255, (32, 32, 3),
+                                                                 np.uint8)).save(path)
     request = SampleRequest(0, "a red fox", "blurry", seed=5, width=32, height=32, frames=9,
-                            control=str(image))
+                            control=str(first), last_frame=str(last))
     sampling = spec.sampling()
     assert sampling.check(request) is None
-    # What LTX-2 cannot take: a last frame, a one-frame clip from a first frame, and in
-    # training dataset.conditioning.last (before any file is read).
-    assert "takes no last frame" in sampling.check(replace(request, last_frame=str(image)))
-    assert "frames=1 with a first frame" in sampling.check(replace(request, frames=1))
-    with pytest.raises(ConfigError, match=r"conditioning.last=0.5: model.family=ltx2 .* takes "
-                                          r"the frame mode\(s\) none, first only"):
-        frame_probabilities(spec, DatasetConfig(path="/data", conditioning=ConditioningConfig(
-            first=0.5, last=0.5)))
+    # What LTX-2 cannot take: a one-frame clip from given frames. In training it takes every
+    # frame mode.
+    assert "frames=1 with a first frame" in sampling.check(replace(request, frames=1,
+                                                                   last_frame=None))
+    assert "no last frame besides its first" in sampling.check(replace(request, frames=1))
+    assert frame_probabilities(spec, DatasetConfig(path="/data", conditioning=ConditioningConfig(
+        first=0.25, last=0.25, both=0.25, none=0.25))) == dict.fromkeys(
+            ("none", "first", "last", "both"), 0.25)
     encoders = spec.load_encoders(torch.device("cpu"), torch.float32)
     text, uncond = (spec.encode_prompts(encoders, [p]) for p in ("a red fox", "blurry"))
-    control = spec.encode_images(encoders, load_image(image, 32, 32)[None])
+    control = spec.encode_images(encoders, load_image(first, 32, 32)[None])
     denoiser = spec.load_denoiser(torch.float32)
     layers = spec.pipeline_layers(denoiser)
     d = sampling.start(request, STEPS, GUIDANCE, text, uncond, control, torch.device("cpu"))
@@ -176,4 +178,6 @@ def test_staged_sample_is_the_i2v_pipelines(tmp_path):
         expected = sampling.diffusers_sample(denoiser, request, STEPS, GUIDANCE)
     torch.testing.assert_close(d.latents, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(d.latents[:, :, :1], control.float())
-
+    torch.testing.assert_close(d.latents[:, :, -1:], spec.encode_images(
+        encoders, load_image(last, 32, 32)[None]).float())
+    assert sampling.output_latents(request, d.latents).shape[2] == 2
