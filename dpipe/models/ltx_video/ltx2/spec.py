@@ -106,6 +106,9 @@ class LTX2Spec(LTXVideoSpec):
     # those of clips cached without it.
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode", "last_frame_latent": True}
 
+    # A given last frame adds tokens (keyframes.py), which every sample of a micro-batch has.
+    frame_mode_groups = (("none", "first"), ("last", "both"))
+
     def frame_modes(self) -> dict[str, float]:
         # LTX2ConditionPipeline conditions any LTX-2 checkpoint on a last frame (with or without
         # the first); the checkpoint's own task stays the default.
