@@ -20,6 +20,15 @@ One difference, on purpose: the pipeline first re-compresses the image as one H.
 CRF 33 (`image_crf`, for Gemma 3 checkpoints), dpipe conditions on the image as given, as it
 trains on a clip's own first frame; `diffusers_sample` passes `image_crf=0`.
 
+From a last frame (an item with `last_frame`, with or without a first), as
+`LTX2ConditionPipeline` with the last frame at latent index -1 (and the first at 0): the noise is
+drawn over the packed tokens with the last frame's appended (h * w more), kept here as one more
+latent frame after the clip's, which holds the frame's own latents (encoded alone, as training
+caches them) and is never stepped, as the pipeline's conditioning mask keeps those tokens; the
+shift's token count, the guidance and its rescale take the appended frame as the pipeline does;
+`output_latents` leaves it out of the decode. The pipeline's CRF re-compression is skipped as
+above (`crf=0` on its conditions in `diffusers_sample`).
+
 What differs from the pipeline's default video, and why. dpipe's pipeline layers hold the video
 stream only (dpipe trains LTX-2 video-only, see layers.py), so no prediction here can see the
 audio stream. LTX2Pipeline's defaults need three things that do:

@@ -31,13 +31,13 @@ from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import DataError
-from dpipe.models.frame_modes import takes_last
 from dpipe.models.attention_mask import has_padding
 from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.common.stage_io import keep_in_graph
 from dpipe.models.diffusers_folder import load_encoders, read_json
 from dpipe.models.family import diffusers_class
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.frame_modes import takes_last
 from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
 from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
 from dpipe.models.ltx_video.ltx2.keyframes import clip_frames, video_coords
