@@ -46,6 +46,23 @@ def frame_probabilities(spec: ModelSpec, cfg: DatasetConfig) -> dict[str, float]
     return None if chosen["none"] == 1.0 else chosen
 
 
+def check_micro_batches(spec: ModelSpec, probabilities: dict[str, float] | None,
+                        sizes: list[int]) -> None:
+    """Refuses modes of several `ModelSpec.frame_mode_groups` where a micro-batch holds more
+    than one sample (`sizes`: the run's micro-batch sizes of clips)."""
+    if probabilities is None or max(sizes, default=1) <= 1:
+        return
+    used = [g for g in spec.frame_mode_groups if any(probabilities.get(m, 0) > 0 for m in g)]
+    if len(used) > 1:
+        asked = ", ".join(f"{m}={p:g}" for m, p in probabilities.items() if p > 0)
+        raise ConfigError(
+            f"dataset.conditioning ({asked}) with micro-batches of {max(sizes)} clips: "
+            f"model.family={spec.family} cannot put samples given {' or '.join(used[1])} and "
+            f"samples given {' or '.join(used[0])} in one micro-batch; set "
+            "pipeline.micro_batch_size=1 (and dataset.micro_batch_sizes of clips to 1), or give "
+            "dataset.conditioning modes of one of those groups only")
+
+
 def _check_frame_dirs(chosen: dict[str, float], cfg: DatasetConfig) -> None:
     """first_frame_dir / last_frame_dir only where some sample is given that frame."""
     for key, modes in (("first_frame_dir", ("first", "both")),

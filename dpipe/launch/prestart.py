@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from dpipe.config.schema import DatasetKind, RunConfig
-from dpipe.data.conditioning import frame_probabilities
+from dpipe.data.conditioning import check_micro_batches, frame_probabilities
 from dpipe.data.sources import check_directory
 from dpipe.errors import ConfigError, UserError
 from dpipe.models.safetensors_files import check_folder_files
@@ -43,7 +43,10 @@ def _check_frame_modes(run: RunConfig, spec) -> None:
         spec.frame_modes()  # Wan reads what the checkpoint takes from its folder's configs
     except (OSError, KeyError, UserError):  # a tiny model made by the first worker: checked there
         return
-    frame_probabilities(spec, run.dataset)
+    probabilities = frame_probabilities(spec, run.dataset)
+    sizes = [run.pipeline.micro_batch_size] + [r.micro_batch_size for r in
+                                               run.dataset.micro_batch_sizes if r.frames != 1]
+    check_micro_batches(spec, probabilities, [s for s in sizes if isinstance(s, int)])
 
 
 def check_before_workers(run: RunConfig, run_dir, spec) -> None:

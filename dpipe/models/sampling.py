@@ -300,6 +300,11 @@ class FamilySampling:
         return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the soundtrack (joint audio-video families) -----------------------------------------
+    def output_latents(self, request: SampleRequest, latents: torch.Tensor) -> torch.Tensor:
+        """A finished sample's latents as decoded and saved: those it denoised (a family whose
+        sampler carries more, such as a given frame's own latents, leaves those out)."""
+        return latents
+
     def makes_sound(self) -> bool:
         """Whether the final latents hold a soundtrack too, which `decode_sound` decodes."""
         return False

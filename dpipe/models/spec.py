@@ -259,6 +259,10 @@ class ModelSpec(abc.ABC):
         text-to-video takes none, image-to-video the first frame, first-last-frame both."""
         return {"none": 1.0}
 
+    # Frame modes whose samples give a clip's tokens one layout: a micro-batch of clips mixes
+    # samples of one group only (LTX-2 appends a given last frame's tokens). Empty: any.
+    frame_mode_groups: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
     # ---- training ----------------------------------------------------------------------------
     @abc.abstractmethod
     def lora_targets(self) -> list[str] | str:

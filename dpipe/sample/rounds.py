@@ -103,6 +103,7 @@ class SampleRound:
                     failed.append(request)
                     continue
                 try:
+                    latents = self.sampling.output_latents(request, latents)
                     pixels = self._decode(latents)
                     # A one-frame sample is a PNG, which holds no sound.
                     sound = (self._decode_sound(latents)

@@ -5,8 +5,8 @@ users load it.
 One run checks: micro-batches with sound and without train in it (their tuples keep one layout
 across stages); its first loss equals the 1-stage loss of the same micro-batches (video +
 audio loss); the exported LoRA reproduces the trained layers on both outputs of a clip with
-sound, and differs from the base model on both; clips train given their first frame or not
-(dataset.conditioning first=0.5, none=0.5); its end-of-run samples through the 2 stages (both
+sound, and differs from the base model on both; clips train given their first frame, their last,
+both or none (dataset.conditioning 0.25 each); its end-of-run samples through the 2 stages (both
 streams, the joint computation), from a prompt and from a first frame, equal LTX2Pipeline's and
 LTX2ImageToVideoPipeline's on the exported LoRA, and the .mp4 carries the sound.
 """
@@ -37,7 +37,8 @@ def run_dir(tmp_path_factory) -> Path:
                   "dataset.frame_buckets=[1,9]", "pipeline.stages=2", "pipeline.micro_batches=2",
                   "optim.lr=1e-3", "train.checkpoint_every_steps=0", "train.max_steps=2",
                   "train.progress_bar=false", "sample.save_latents=true",
-                  "dataset.conditioning.first=0.5", "dataset.conditioning.none=0.5",
+                  "dataset.conditioning.first=0.25", "dataset.conditioning.last=0.25",
+                  "dataset.conditioning.both=0.25", "dataset.conditioning.none=0.25",
                   "sample.prompts=[{prompt: a grey fade with a tone, frames: 9}, "
                   f"{{prompt: a grey fade with a tone, first_frame: {folder}/image0.png, "
                   "frames: 9}]", "sample.steps=2")
@@ -62,21 +63,27 @@ def test_clips_with_sound_and_images_train_as_one_stage_does(run_dir):
                for step in range(run.train.max_steps)}  # the steps the run trained
     audio_tokens = [inputs[6].shape[1] for step in batches.values() for inputs, _ in step]
     assert 0 in audio_tokens and max(audio_tokens) > 0, audio_tokens  # silent and with sound
-    # dataset.conditioning first=0.5, none=0.5: each sample's drawn mode shows on a clip (its
-    # first frame's tokens at t = 0, or none at 0), and the dataset report counts the draws.
-    drawn = Counter()
+    # dataset.conditioning 0.25 each: each sample's drawn mode shows on a clip (its first
+    # frame's tokens at t = 0; its last frame's own 8 x 8 tokens appended, at t = 0), and the
+    # dataset report counts the draws.
+    drawn, shown = Counter(), Counter()
     for step, micro_batches in batches.items():
         for micro, (inputs, _) in enumerate(micro_batches):
             modes = [FRAME_MODES[draw_mode(dataset.frame_probabilities, run.train.seed, step,
                                            slot)] for slot in plan.micro_batch(step, micro, 0).slots]
             drawn.update(modes)
             if inputs[0].shape[1] > 64:  # a clip: two latent frames of 8 x 8 tokens
-                assert ["first" if (t == 0).any() else "none" for t in inputs[1]] == modes
-    assert set(drawn) == {"first", "none"}, drawn
+                first = [bool((t[:64] == 0).all()) for t in inputs[1]]
+                last = inputs[0].shape[1] == 3 * 64 and bool((inputs[1][:, 128:] == 0).all())
+                seen = [{(False, False): "none", (True, False): "first", (False, True): "last",
+                         (True, True): "both"}[(f, last)] for f in first]
+                assert seen == modes
+                shown.update(seen)
+    assert shown["last"] + shown["both"] > 0, shown  # a last frame reached the layers
     report = (run_dir / "data" / "report-train.txt").read_text()
-    assert (f"of the 4 samples of the run's 2 steps, none {drawn['none']} "
-            f"({drawn['none'] / 4:.1%}), first {drawn['first']} ({drawn['first'] / 4:.1%}) "
-            "(dataset.conditioning: none=0.5, first=0.5)") in report
+    counts = ", ".join(f"{m} {drawn[m]} ({drawn[m] / 4:.1%})" for m in FRAME_MODES)
+    assert (f"of the 4 samples of the run's 2 steps, {counts} (dataset.conditioning: none=0.25, "
+            "first=0.25, last=0.25, both=0.25)") in report
 
     # The 2-stage run's first loss is the 1-stage loss of the same micro-batches.
     layers = trainable_layers(spec, run)

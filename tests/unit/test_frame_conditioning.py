@@ -141,3 +141,21 @@ def test_first_frame_dir_gives_each_clip_its_first_frame_keyed_by_its_bytes(tmp_
     with pytest.raises(ConfigError, match=r"dataset first_frame_dir \(set for .*data\): no sample "
                                           r"is given its first frame \(none=1\)"):
         frame_probabilities(FakeSpec(videos=True), cfg)
+
+
+def test_ltx2_refuses_micro_batches_mixing_a_last_frame_with_none_before_the_workers():
+    """LTX-2 appends a given last frame's tokens: samples given one (last, both) and others
+    (none, first) cannot share a micro-batch, so a run drawing both kinds needs micro-batches
+    of one clip."""
+    from dpipe.data.conditioning import check_micro_batches
+    from dpipe.models.ltx_video.ltx2.spec import LTX2Spec
+
+    spec = LTX2Spec(ModelConfig(family="ltx2", path="/models/ltx2"))
+    mixed = frame_probabilities(spec, DatasetConfig(path="/data", conditioning=ConditioningConfig(
+        first=0.5, both=0.5)))
+    check_micro_batches(spec, mixed, [1, 1])
+    check_micro_batches(spec, {"none": 0.0, "first": 0.0, "last": 0.5, "both": 0.5}, [4])
+    with pytest.raises(ConfigError, match=r"dataset.conditioning \(first=0.5, both=0.5\) with "
+                                          r"micro-batches of 2 clips: model.family=ltx2 cannot "
+                                          r".*pipeline.micro_batch_size=1"):
+        check_micro_batches(spec, mixed, [1, 2])

@@ -125,7 +125,7 @@ def test_clips_sound_reaches_the_data_batch(tmp_path, spec):
     list(step_micro_batches(spec, dataset, dataset.plan, TimestepConfig(), 3, 0, 0))
     by_frames = {b.latents.shape[2]: b for b in SoundLTX2.batches}
     assert by_frames[1].audio is None and by_frames[1].audio_noisy is None  # the image
-    clips = by_frames[2]  # 9 frames -> 2 latent frames
+    clips = by_frames[3]  # 9 frames -> 2 latent frames, then the last frame's own
     assert clips.audio.shape == (2, 2, 9, 2)  # round(9 / 24 s * 25 latents/s) = 9
     t = clips.timesteps.view(-1, 1, 1, 1)
     assert torch.allclose(clips.audio_noisy, (1 - t) * clips.audio + t * clips.audio_noise)

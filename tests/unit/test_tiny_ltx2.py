@@ -61,7 +61,8 @@ def test_layout_as_the_real_repo(tiny):
 
 def test_encoders(spec, encoders):
     assert spec.encode_images(encoders, torch.zeros(2, 3, 64, 64)).shape == (2, 8, 1, 8, 8)
-    assert spec.encode_videos(encoders, torch.zeros(1, 3, 9, 64, 64)).shape == (1, 8, 2, 8, 8)
+    # A clip's 2 latent frames, then its last frame's own (keyframes.py)
+    assert spec.encode_videos(encoders, torch.zeros(1, 3, 9, 64, 64)).shape == (1, 8, 3, 8, 8)
     with pytest.raises(DataError, match="8k\\+1"):
         spec.encode_videos(encoders, torch.zeros(1, 3, 5, 64, 64))
     text = spec.encode_prompts(encoders, CAPTIONS)

@@ -194,7 +194,7 @@ def _batch_at(spec, encoders, fps, frames=9, seed=0):
 
     g = torch.Generator().manual_seed(seed)
     pixels = torch.rand(len(fps), 3, frames, 64, 64, generator=g) * 2 - 1
-    latents = spec.encode_images(encoders, pixels).float()
+    latents = spec.encode_videos(encoders, pixels).float()  # as cached
     text = {k: v.float() for k, v in spec.encode_prompts(encoders, CAPTIONS[:len(fps)]).items()}
     noise = torch.randn(latents.shape, generator=g)
     t = torch.tensor([0.3, 0.8][:len(fps)])

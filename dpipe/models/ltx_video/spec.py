@@ -20,7 +20,7 @@ from dpipe.diffusion.loss import weighted_mean
 from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
-from dpipe.models.frame_modes import FIRST
+from dpipe.models.frame_modes import takes_first
 from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
@@ -127,7 +127,7 @@ class LTXVideoSpec(DiffusersFamily):
         """(B,) bool: the samples whose first latent frame is given (clean, at t = 0)."""
         if batch.frame_mode is None:
             return torch.full((batch.latents.shape[0],), self.i2v)
-        return batch.frame_mode == FIRST
+        return torch.tensor([takes_first(int(m)) for m in batch.frame_mode])
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
+from dpipe.models.ltx_video.ltx2.keyframes import video_coords as coords_of
 from dpipe.models.ltx_video.ltx2.layers import sample_sigma, video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
-from dpipe.models.sync_free import sizes
 
 
 @dataclass
@@ -159,10 +159,10 @@ class LTX2AVBlock(PipelineLayer):
     def forward(self, inputs):
         s = AVState.unpack(inputs, self.prompt_modulation)
         b, device = s.hidden.shape[0], s.hidden.device
-        f, h, w = sizes(s.grid)
-        # The temporal coordinates are divided by each clip's frame rate, as in layers.py.
-        video_coords = self.rope.prepare_video_coords(b, f, h, w, device,
-                                                      fps=frame_rate(s.rate, 3))
+        # The temporal coordinates are divided by each clip's frame rate, and a given last
+        # frame's appended tokens placed, as in layers.py.
+        video_coords = coords_of(self.rope, s.grid, s.hidden.shape[1], b,
+                                 frame_rate(s.rate, 3), device)
         mask = text_bias(s.text_mask, s.hidden.dtype)
         if not has_sound(s):  # no audio in this micro-batch: the video path alone
             s.hidden = video_path(self.block, s.hidden, s.text, s.temb, s.temb_prompt,

@@ -49,6 +49,10 @@ class LTX2AVSampling(LTX2Sampling):
 
     def check(self, request: SampleRequest) -> str | None:
         problem = super().check(request)
+        if problem is None and request.last_frame is not None:
+            return (f"last_frame={request.last_frame}: model.audio=true samples video and sound "
+                    "from a prompt or a first frame (a last frame trains, but samples only "
+                    "with model.audio=false); remove `last_frame` here")
         if problem or not self.path.is_dir():  # not made yet: the tiny one gets both parts
             return problem
         missing = [part for part in ("audio_vae", "vocoder")

@@ -19,21 +19,22 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
+from dpipe.models.ltx_video.ltx2.keyframes import video_coords
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer
-from dpipe.models.sync_free import sizes
 
 
-def video_rotary(rope: nn.Module, grid: torch.Tensor, batch: int, rate: torch.Tensor, device):
-    f, h, w = sizes(grid)
-    # The temporal coordinates (B, N, 2) are divided by the frame rate: one per sample.
-    coords = rope.prepare_video_coords(batch, f, h, w, device, fps=frame_rate(rate, 3))
-    return rope(coords, device=device)
+def video_rotary(rope: nn.Module, grid: torch.Tensor, hidden: torch.Tensor, rate: torch.Tensor):
+    # The temporal coordinates (B, N, 2) are divided by the frame rate: one per sample; a given
+    # last frame's appended tokens have positions of their own (keyframes.py).
+    coords = video_coords(rope, grid, hidden.shape[1], hidden.shape[0], frame_rate(rate, 3),
+                          hidden.device)
+    return rope(coords, device=hidden.device)
 
 
 def sample_sigma(t: torch.Tensor) -> torch.Tensor:
     """(B,) each sample's sigma * 1000 from its tokens' t, (B, 1) or (B, N): the largest, since
-    only the given first frame's tokens differ (t = 0) and a clip has later frames."""
+    only a given frame's tokens differ (t = 0) and a clip has frames that are not given."""
     return t.amax(dim=1) * 1000
 
 
@@ -79,7 +80,7 @@ class LTX2VideoBlock(PipelineLayer):
 
     def forward(self, inputs):
         hidden, text, temb, embedded, *prompt, text_mask, grid, rate = inputs
-        rope = video_rotary(self.rope, grid, hidden.shape[0], rate, hidden.device)
+        rope = video_rotary(self.rope, grid, hidden, rate)
         out = video_path(self.block, hidden, text, temb, prompt[0] if prompt else None, rope,
                          text_bias(text_mask, hidden.dtype))
         return (out, text, temb, embedded, *prompt, text_mask, grid, rate)

@@ -20,6 +20,15 @@ One difference, on purpose: the pipeline first re-compresses the image as one H.
 CRF 33 (`image_crf`, for Gemma 3 checkpoints), dpipe conditions on the image as given, as it
 trains on a clip's own first frame; `diffusers_sample` passes `image_crf=0`.
 
+From a last frame (an item with `last_frame`, with or without a first), as
+`LTX2ConditionPipeline` with the last frame at latent index -1 (and the first at 0): the noise is
+drawn over the packed tokens with the last frame's appended (h * w more), kept here as one more
+latent frame after the clip's, which holds the frame's own latents (encoded alone, as training
+caches them) and is never stepped, as the pipeline's conditioning mask keeps those tokens; the
+shift's token count, the guidance and its rescale take the appended frame as the pipeline does;
+`output_latents` leaves it out of the decode. The pipeline's CRF re-compression is skipped as
+above (`crf=0` on its conditions in `diffusers_sample`).
+
 What differs from the pipeline's default video, and why. dpipe's pipeline layers hold the video
 stream only (dpipe trains LTX-2 video-only, see layers.py), so no prediction here can see the
 audio stream. LTX2Pipeline's defaults need three things that do:
@@ -45,7 +54,7 @@ from dataclasses import replace
 
 import torch
 
-from dpipe.models.frame_modes import FIRST, NONE
+from dpipe.models.frame_modes import BOTH, FIRST, LAST, NONE
 from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.ltx_video.sampling import FirstFrameSampling
 from dpipe.models.sampling import Denoising, SampleRequest
@@ -110,6 +119,17 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
                                 mu=self.shift_mu(scheduler, latents))
         return scheduler.timesteps
 
+    def initial_latents(self, request: SampleRequest) -> torch.Tensor:
+        if request.last_frame is None:
+            return super().initial_latents(request)
+        # LTX2ConditionPipeline draws its noise over the packed tokens, the last frame's
+        # appended ones included: (1, F' * h * w + h * w, C), here as one more latent frame.
+        c, f, h, w = self.latent_shape(request)
+        p, pt = self.spec._patches
+        generator = torch.Generator().manual_seed(request.seed)
+        noise = torch.randn((1, (f + 1) * (h // p) * (w // p), c), generator=generator)
+        return unpack(noise, (f + 1, h // p, w // p), p, pt)
+
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
         d.state["step"] = 0  # the step's index on the last stage (prediction, step)
@@ -117,7 +137,26 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
             if control is None:
                 raise ValueError(f"{self.spec.family} (i2v) samples from a first frame")
             d.latents = self.with_first_frame(d.latents, control.to(d.latents))
+        if request.last_frame is not None:
+            # Its own latent in the slot after the clip's frames (keyframes.py), clean.
+            d.latents[:, :, -1:] = self.last_frame_latents(request).to(d.latents)
         return d
+
+    def last_frame_latents(self, request: SampleRequest) -> torch.Tensor:
+        """(1, C, 1, h, w): the request's last frame fitted to its size as dpipe loads images,
+        encoded alone as the training cache encodes a clip's last frame."""
+        from pathlib import Path
+        from types import SimpleNamespace
+
+        from dpipe.images import load_image
+
+        vae = self.load_vae(torch.device("cpu"), torch.float32)
+        pixels = load_image(Path(request.last_frame), request.width, request.height)[None]
+        return self.spec.encode_images(SimpleNamespace(vae=vae), pixels)  # the VAE alone
+
+    def output_latents(self, request: SampleRequest, latents: torch.Tensor) -> torch.Tensor:
+        """The clip's latents, without a given last frame's slot."""
+        return latents[:, :, :self.latent_shape(request)[1]]
 
     def with_first_frame(self, latents: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         """The noise with its first latent frame replaced by the image's latents (1, C, 1, h, w),
@@ -127,8 +166,16 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
         return out
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
-        mode = FIRST if self.image_to_video(d.request) else NONE
-        return replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
+        first, last = self.image_to_video(d.request), d.request.last_frame is not None
+        mode = (BOTH if first else LAST) if last else (FIRST if first else NONE)
+        batch = replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
+        if d.latents.shape[2] == 1 or last:
+            return batch
+        # A clip's batch ends with the slot of its last frame's own latent, as cached
+        # (keyframes.py); these modes leave it unread.
+        slot = torch.zeros_like(d.latents[:, :, :1])
+        return replace(batch, **{k: torch.cat([getattr(batch, k), slot], dim=2)
+                                 for k in ("latents", "noisy", "target", "noise")})
 
     # ---- one step ----------------------------------------------------------------------------
     def _sigma(self, d: Denoising) -> torch.Tensor:
@@ -147,13 +194,13 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
         velocity = (d.latents - prediction) / self._sigma(d)  # convert_x0_to_velocity
-        if self.image_to_video(d.request):
-            # LTX2ImageToVideoPipeline steps the frames after the first (the condition) alone.
-            later = d.scheduler.step(velocity[:, :, 1:], t, d.latents[:, :, 1:],
-                                     return_dict=False)[0]
-            d.latents = torch.cat([d.latents[:, :, :1], later], dim=2)
-        else:
-            d.latents = d.scheduler.step(velocity, t, d.latents, return_dict=False)[0]
+        # The pipelines keep the given frames (a first one, a last one's slot) as they are: its
+        # velocity there is 0 after the conditioning mask; the other frames step.
+        start = 1 if self.image_to_video(d.request) else 0
+        end = d.latents.shape[2] - (d.request.last_frame is not None)
+        stepped = d.scheduler.step(velocity[:, :, start:end], t, d.latents[:, :, start:end],
+                                   return_dict=False)[0]
+        d.latents = torch.cat([d.latents[:, :, :start], stepped, d.latents[:, :, end:]], dim=2)
         d.state["step"] += 1
 
     # ---- decoding ----------------------------------------------------------------------------
@@ -199,11 +246,32 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
         pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
         return {"image": Image.fromarray(pixels.numpy()), "image_crf": 0}
 
+    def condition_arguments(self, request: SampleRequest) -> dict:
+        """LTX2ConditionPipeline's conditions: the first frame (where given) at latent index 0,
+        the last at -1, each fitted as dpipe loads it and not re-compressed (`crf=0`)."""
+        from pathlib import Path
+
+        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+        from PIL import Image
+
+        from dpipe.images import load_image
+
+        def fitted(path: str) -> Image.Image:
+            pixels = load_image(Path(path), request.width, request.height)
+            return Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).byte()
+                                   .permute(1, 2, 0).numpy())
+
+        given = [(request.control, 0)] if self.image_to_video(request) else []
+        return {"conditions": [LTX2VideoCondition(fitted(path), index=index, crf=0)
+                               for path, index in [*given, (request.last_frame, -1)]]}
+
     def unpacked(self, packed: torch.Tensor, request: SampleRequest) -> torch.Tensor:
-        """The pipeline's packed video latents -> (1, C, F', h, w)."""
+        """The pipeline's packed video latents -> (1, C, F', h, w); (1, C, F' + 1, h, w) with a
+        last frame, whose tokens LTX2ConditionPipeline appends."""
         shape = self.latent_shape(request)
         p, pt = self.spec._patches
-        return unpack(packed, (shape[1] // pt, shape[2] // p, shape[3] // p), p, pt)
+        frames = shape[1] // pt + (request.last_frame is not None)
+        return unpack(packed, (frames, shape[2] // p, shape[3] // p), p, pt)
 
     def run_pipeline(self, denoiser, request: SampleRequest, steps: int, guidance: float,
                      final: dict, **kwargs):
@@ -213,10 +281,13 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
         step. Returns its output."""
         import diffusers
 
-        cls = "LTX2ImageToVideoPipeline" if self.image_to_video(request) else "LTX2Pipeline"
+        cls = ("LTX2ConditionPipeline" if request.last_frame is not None
+               else "LTX2ImageToVideoPipeline" if self.image_to_video(request) else "LTX2Pipeline")
         pipe = getattr(diffusers, cls).from_pretrained(self.path, transformer=denoiser,
                                                        dtype=torch.float32)
-        if self.image_to_video(request):
+        if request.last_frame is not None:
+            kwargs = {**self.condition_arguments(request), **kwargs}
+        elif self.image_to_video(request):
             kwargs = {**self.first_frame_arguments(request), **kwargs}
         if request.height % 32 or request.width % 32:
             # The pipeline asks for multiples of 32, its VAE's factor in the real model; a model

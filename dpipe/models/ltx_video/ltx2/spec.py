@@ -11,7 +11,10 @@ LTX2Pipeline samples (av_layers.py). Images train as 1-frame videos; clips need 
 Clips train image-to-video where `dataset.conditioning.first` draws it (every clip with
 `model.i2v=true`), as `LTX2ImageToVideoPipeline` samples: the first latent frame is the clean
 image latent with t = 0 on its tokens (the audio and the prompt modulation keep the sample's
-sigma), and the loss covers the other frames only. The
+sigma), and the loss covers the other frames only. Where `dataset.conditioning.last` (or `both`)
+draws it, a clip is given its last frame as `LTX2ConditionPipeline` takes a condition at latent
+index -1: the frame's own latent appended as clean tokens at t = 0 with positions of their own
+(keyframes.py), left out of the loss; the video's own frames are all denoised. The
 transformer may instead come from the single file Lightricks release (`ltx-2-19b-dev.safetensors`,
 transformer under `model.diffusion_model.`, its VAE / audio VAE / vocoder keys skipped): model.path
 names the file and model.single_file_config the diffusers folder for the rest (see original.py).
@@ -19,6 +22,7 @@ names the file and model.single_file_config the diffusers folder for the rest (s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +37,17 @@ from dpipe.models.common.stage_io import keep_in_graph
 from dpipe.models.diffusers_folder import load_encoders, read_json
 from dpipe.models.family import diffusers_class
 from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.frame_modes import takes_last
 from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
 from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
+from dpipe.models.ltx_video.ltx2.keyframes import clip_frames, video_coords
 from dpipe.models.ltx_video.ltx2.layers import ltx2_layers, sample_sigma
 from dpipe.models.ltx_video.ltx2.original import (
     diffusers_names, from_original, original_module, original_state_dict)
 from dpipe.models.ltx_video.ltx2.release import RELEASES, check_release
 from dpipe.models.ltx_video.layers import frame_rate
-from dpipe.models.ltx_video.spec import LTXVideoSpec
+from dpipe.models.ltx_video.packing import pack
+from dpipe.models.ltx_video.spec import ENCODING_VERSION, LTXVideoSpec
 from dpipe.models.spec import AudioFormat, replace_rows
 from dpipe.models.sync_free import sizes
 
@@ -95,6 +102,29 @@ class LTX2Spec(LTXVideoSpec):
     text_key = "video_text"
     trains_audio = True  # model.audio=true: both streams (av_layers.py)
     default_fps = FRAME_RATE  # LTX-2 positions frames by the frame rate itself
+    # A clip's entry ends with its last frame's own latent (`encode_videos`): other entries than
+    # those of clips cached without it.
+    image_notes = {"encoding": ENCODING_VERSION, "latent": "mode", "last_frame_latent": True}
+
+    # A given last frame adds tokens (keyframes.py), which every sample of a micro-batch has.
+    frame_mode_groups = (("none", "first"), ("last", "both"))
+
+    def frame_modes(self) -> dict[str, float]:
+        # LTX2ConditionPipeline conditions any LTX-2 checkpoint on a last frame (with or without
+        # the first); the checkpoint's own task stays the default.
+        return {**super().frame_modes(), "last": 0.0, "both": 0.0}
+
+    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """A clip's latents, then its last frame's own latent (the frame encoded alone, as
+        LTX2ConditionPipeline encodes a last-frame condition) as one more latent frame."""
+        latents = self.encode_images(encoders, pixels)
+        if pixels.shape[2] == 1:
+            return latents
+        return torch.cat([latents, self.encode_images(encoders, pixels[:, :, -1:])], dim=2)
+
+    def training_shift(self, latent_shape: tuple[int, ...]) -> float:
+        c, f, *rest = latent_shape  # the clip's own frames decide the sampler's shift
+        return super().training_shift((c, clip_frames(f), *rest))
 
     def read_configs(self) -> None:
         check_release(self.path, self.single_file, self.release)  # before any other config
@@ -152,7 +182,7 @@ class LTX2Spec(LTXVideoSpec):
         """With model.audio: the video's inputs and labels, then the packed noisy audio latents
         (B, L, C * M) and the audio prompt tokens as inputs, the packed audio target as the
         last label; a micro-batch without sound has zero audio tokens (av_layers.py)."""
-        inputs, labels = super().make_inputs(batch)
+        inputs, labels = self._video_inputs(batch)
         if not self.cfg.audio:
             return inputs, labels
         if AUDIO_TEXT_KEY not in batch.text:
@@ -171,6 +201,38 @@ class LTX2Spec(LTXVideoSpec):
         else:
             audio, target = pack_audio(batch.audio_noisy), pack_audio(batch.audio_target)
         return (*inputs, audio, audio_text), (*labels, target)
+
+    def _video_inputs(self, batch):
+        """LTX-Video's inputs and labels of the clip's own frames (a given first frame
+        included); for samples given their last frame, its latent's tokens appended, at t = 0,
+        with a zero weight in the loss."""
+        f = clip_frames(batch.latents.shape[2])
+        last = batch.latents[:, :, f:]
+        own = replace(batch, latents=batch.latents[:, :, :f], noisy=batch.noisy[:, :, :f],
+                      target=batch.target[:, :, :f], noise=batch.noise[:, :, :f])
+        inputs, labels = super().make_inputs(own)
+        given = ([takes_last(int(m)) for m in batch.frame_mode]
+                 if batch.frame_mode is not None and last.shape[2] else [])
+        if not any(given):
+            return inputs, labels
+        if not all(given):
+            raise DataError(
+                f"a micro-batch of {len(given)} clips mixes samples given their last frame with "
+                "others (dataset.conditioning.last / both): LTX-2 appends its tokens to every "
+                "sample's; set dataset.micro_batch_size=1 or dataset.conditioning.last/both to 0")
+        p, pt = self._patches
+        packed, t, *rest = inputs
+        extra = pack(last, p, pt).to(packed.dtype)
+        b, n, k = packed.shape[0], packed.shape[1], extra.shape[1]
+        target = labels[0]
+        weight, trained = (labels[1], labels[2]) if len(labels) == 3 else (
+            torch.ones_like(target), torch.ones(b, n, 1))
+        inputs = (torch.cat([packed, extra], 1),
+                  torch.cat([t.expand(b, n), t.new_zeros(b, k)], 1), *rest)
+        labels = (torch.cat([target, target.new_zeros(b, k, target.shape[2])], 1),
+                  torch.cat([weight, weight.new_zeros(b, k, weight.shape[2])], 1),
+                  torch.cat([trained, trained.new_zeros(b, k, 1)], 1))
+        return inputs, labels
 
     def prior_labels(self, outputs, labels: tuple, rows: list[int]) -> tuple:
         """With model.audio: both streams' targets of `rows` become the base model's predictions
@@ -261,6 +323,9 @@ class LTX2Spec(LTXVideoSpec):
         # first frame), the sample's sigma for the audio and as sigma.
         timestep, sigma = t * 1000, sample_sigma(t)
         text_mask = text_mask if has_padding(text_mask) else None  # cut with none left
+        # The video's positions, and a given last frame's appended tokens' own (keyframes.py).
+        coords = video_coords(denoiser.rope, grid, packed.shape[1], b, frame_rate(rate, 3),
+                              packed.device)
         if sound and sound[0].shape[1] > 0:
             audio, audio_text = sound
             return tuple(denoiser(
@@ -268,7 +333,8 @@ class LTX2Spec(LTXVideoSpec):
                 audio_encoder_hidden_states=audio_text, timestep=timestep, audio_timestep=sigma,
                 sigma=sigma, encoder_attention_mask=text_mask,
                 audio_encoder_attention_mask=text_mask, num_frames=f, height=h, width=w,
-                fps=frame_rate(rate, 3), audio_num_frames=audio.shape[1], isolate_modalities=False,
+                fps=frame_rate(rate, 3), audio_num_frames=audio.shape[1], video_coords=coords,
+                isolate_modalities=False,
                 use_cross_timestep=True, return_dict=False))
         # A one-token stand-in for the audio stream: with isolated modalities the video output
         # does not depend on it.
@@ -283,7 +349,7 @@ class LTX2Spec(LTXVideoSpec):
             audio_encoder_hidden_states=audio_text, timestep=timestep, audio_timestep=sigma,
             sigma=sigma, encoder_attention_mask=text_mask, audio_encoder_attention_mask=text_mask,
             num_frames=f, height=h, width=w, fps=frame_rate(rate, 3), audio_num_frames=1,
-            isolate_modalities=True, return_dict=False)[0]
+            video_coords=coords, isolate_modalities=True, return_dict=False)[0]
         if not sound:
             return video
         out = cfg.audio_out_channels or cfg.audio_in_channels
