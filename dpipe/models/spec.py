@@ -156,6 +156,12 @@ class ModelSpec(abc.ABC):
         lo, hi = getattr(self.cfg, "min_t", 0.0), getattr(self.cfg, "max_t", 1.0)
         return t if (lo, hi) == (0.0, 1.0) else lo + (hi - lo) * t
 
+    def cached_latent_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape a sample of `latent_shape` (its latents as the sampler makes them, no batch
+        dimension) takes in the cache: the same, but where a family caches more with a clip
+        (LTX-2: its last frame's own latent)."""
+        return tuple(latent_shape)
+
     def training_shift(self, latent_shape: tuple[int, ...]) -> float:
         """`train.timesteps.shift=auto`: the shift of t that the family's sampler applies to
         latents of one sample's `latent_shape` (as cached, no batch dimension); computed once

@@ -150,7 +150,7 @@ def test_auto_is_each_familys_sampling_schedule(model):
         frames = sampling.frame_step + 1 if sampling.video else 1
         shape = sampling.latent_shape(SampleRequest(0, "x", "", 0, width, height, frames))
         latents = torch.zeros(1, *shape)
-        shift = spec.training_shift(shape)
+        shift = spec.training_shift(spec.cached_latent_shape(shape))  # as cached
         fresh = sampling.new_scheduler()
         if "shift" not in fresh.config and not fresh.config.get("use_flow_sigmas"):
             assert shift == 1.0  # a DDPM family's sampler shifts nothing

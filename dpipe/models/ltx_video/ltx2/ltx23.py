@@ -24,7 +24,6 @@ from torch import nn
 
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.ltx_video.ltx2.av_layers import LTX2AVBlock
-from dpipe.models.ltx_video.ltx2.keyframes import cached_frames
 from dpipe.models.ltx_video.ltx2.layers import LTX2VideoBlock
 from dpipe.models.ltx_video.ltx2.ltx23_sizes import SAMPLE_SHAPES, SIZES, VAES
 from dpipe.models.ltx_video.ltx2.release import RELEASES
@@ -96,8 +95,7 @@ class LTX23Spec(LTX2Spec):
                 "mask": torch.ones(tokens, dtype=torch.long)}
         if self.cfg.audio:  # the audio stream's prompt tokens, as encode_prompts caches them
             text[AUDIO_TEXT_KEY] = torch.randn(shapes["audio_text"])
-        c, f, h, w = shapes["latents"]  # as cached: a clip's with its last frame's slot
-        return torch.randn(c, cached_frames(f), h, w), text
+        return torch.randn(self.cached_latent_shape(shapes["latents"])), text
 
     def random_audio(self, size: str) -> torch.Tensor:
         return torch.randn(SAMPLE_SHAPES[size]["audio"])

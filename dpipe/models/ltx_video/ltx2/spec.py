@@ -40,7 +40,7 @@ from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.frame_modes import takes_last
 from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
 from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
-from dpipe.models.ltx_video.ltx2.keyframes import clip_frames, video_coords
+from dpipe.models.ltx_video.ltx2.keyframes import cached_frames, clip_frames, video_coords
 from dpipe.models.ltx_video.ltx2.layers import ltx2_layers, sample_sigma
 from dpipe.models.ltx_video.ltx2.original import (
     diffusers_names, from_original, original_module, original_state_dict)
@@ -121,6 +121,10 @@ class LTX2Spec(LTXVideoSpec):
         if pixels.shape[2] == 1:
             return latents
         return torch.cat([latents, self.encode_images(encoders, pixels[:, :, -1:])], dim=2)
+
+    def cached_latent_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        c, f, *rest = latent_shape  # a clip's entry ends with its last frame's own latent
+        return (c, cached_frames(f), *rest)
 
     def training_shift(self, latent_shape: tuple[int, ...]) -> float:
         c, f, *rest = latent_shape  # the clip's own frames decide the sampler's shift
