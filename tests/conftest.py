@@ -55,7 +55,7 @@ gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="
 # of ~5 min. Only the order matters; a module not named here runs after these, most tests first.
 SLOWEST_MODULES = {
     "tests.integration.test_families": 480,
-    "tests.integration.test_slurm": 260,
+    "tests.integration.test_slurm": 180,
     "tests.integration.test_documented_commands": 265,  # its 30 CI processes, 2026-12-07
     "tests.integration.test_slurm_two_nodes": 130,
     "tests.integration.test_training": 210,

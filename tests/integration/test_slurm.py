@@ -208,6 +208,9 @@ def test_sweep_runs_as_a_job_array_of_two_task_jobs(slurm, tmp_path):
               f"{stamp(first) - submitted:.1f} s after submission")
 
 
+# ~75 s of CI's 2 cores: in `make test-cluster` only (2026-12-07); CI's SLURM requeues are the
+# two-node test's (the time-limit signal, then a lost node).
+@pytest.mark.cluster_full
 def test_external_requeue_restarts_from_the_last_periodic_checkpoint(slurm, tmp_path):
     # time-based checkpoints only: this also shows that train.checkpoint_every_minutes works
     # 150 steps: SLURM takes a second or two to act on a requeue, in which an idle machine
