@@ -1,13 +1,31 @@
-"""Runs `dpipe-train` as a user would: a real process tree, killed as a whole on timeout."""
+"""Runs dpipe's commands for the tests: their command lines, exit codes, what they printed.
+
+`dpipe_command("dpipe-sample", ...)` (and `dpipe_train(...)`) calls the console script's `main()`
+(pyproject.toml's [project.scripts]) in this process with the given arguments: the code path of
+the typed command, without its start-up. The workers are real processes, as
+always, forked by a fork server that this process keeps from run to run as a sweep does, so a
+run saves the ~10 s of CPU of importing torch, DeepSpeed, diffusers and Hydra twice (the
+launcher and its fork server). What the run changes in this process (arguments, working
+directory, environment, signal handlers, log handlers, stdout and stderr) is put back after it.
+`train_killed_at` and the tests of signals, locks and typed commands start real processes.
+"""
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import tomllib
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +44,110 @@ def train_args(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def dpipe_train(*args: str, timeout: float = 240, cwd: Path | None = None) -> Result:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpipe.cli.train", *args],
-        cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env=dict(os.environ),
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"dpipe-train timed out after {timeout}s\n{out}\n{err}") from None
-    return Result(proc.returncode, out, err)
+    return dpipe_command("dpipe-train", *args, timeout=timeout, cwd=cwd)
+
+
+def _console_scripts() -> dict[str, str]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | None = None) -> Result:
+    """`SCRIPT ARGS` (e.g. "dpipe-sample", "run=...") run in `cwd` (the repository by default);
+    a run past `timeout` seconds is stopped as a user would (Ctrl-C, then again) and fails."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dpipe.launch import user_stop
+
+    module, function = _console_scripts()[script].split(":")
+    timed_out = threading.Event()
+    timer = threading.Timer(timeout, _interrupt_twice, args=(timed_out,))
+    saved = (sys.argv, os.getcwd(), dict(os.environ), dict(user_stop._state),
+             {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)})
+    code = 0
+    with _captured_output() as output:
+        try:
+            sys.argv = [script, *args]
+            os.chdir(cwd or REPO)
+            timer.start()
+            # as the console script does: sys.exit(main())
+            code = _exit_code(getattr(importlib.import_module(module), function)())
+        except SystemExit as done:
+            code = _exit_code(done.code)
+        except BaseException:  # as the interpreter reports an uncaught exception
+            traceback.print_exc()
+            code = 1
+        finally:
+            timer.cancel()
+            sys.argv = saved[0]
+            os.chdir(saved[1])
+            os.environ.clear()
+            os.environ.update(saved[2])
+            user_stop._state.clear()
+            user_stop._state.update(saved[3])
+            for sig, handler in saved[4].items():
+                signal.signal(sig, handler)
+            GlobalHydra.instance().clear()
+    if timed_out.is_set():
+        raise AssertionError(f"{script} timed out after {timeout}s\n{output.out}\n{output.err}")
+    return Result(code, output.out, output.err)
+
+
+def _interrupt_twice(timed_out: threading.Event) -> None:
+    """A timed-out run: stopped as by Ctrl-C, its workers killed by a second one."""
+    timed_out.set()
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
+    return 1
+
+
+class _Output:
+    out = err = ""
+
+
+@contextmanager
+def _captured_output():
+    """stdout and stderr of this process, file descriptors included (the workers write to
+    them), into files; the log handlers the run adds are removed after it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    output = _Output()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    streams, fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = io.TextIOWrapper(os.fdopen(os.dup(1), "wb"), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), line_buffering=True)
+        try:
+            yield output
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+                stream.close()
+            sys.stdout, sys.stderr = streams
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            for fd in fds:
+                os.close(fd)
+            for handler in root.handlers:
+                if handler not in handlers:
+                    handler.close()
+            root.handlers[:] = handlers
+            root.setLevel(level)
+            for file, name in ((out, "out"), (err, "err")):
+                file.seek(0)
+                setattr(output, name, file.read().decode(errors="replace"))
 
 
 def train_killed_at(run_dir: Path, marker: str, *overrides: str, timeout: float = 240) -> None:
@@ -84,13 +194,11 @@ class Sweep:
 
 def bench_rows(out: Path, runs: dict[str, str], *flags: str, timeout: float = 300) -> dict[str, dict]:
     """`dpipe-bench --size tiny` over `runs` ({name: overrides}): its result row per name."""
-    args = [sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--warmup", "1",
-            "--steps", "2", "--out", str(out), *flags]
+    args = ["--size", "tiny", "--warmup", "1", "--steps", "2", "--out", str(out), *flags]
     for name, overrides in runs.items():
         args += ["--run", f"{name}: {overrides}"]
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ))
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = dpipe_command("dpipe-bench", *args, timeout=timeout)
+    assert done.code == 0, done.out + done.err
     rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())}
-    assert [r.get("error") for r in rows.values()] == [None] * len(runs), done.stdout + done.stderr
+    assert [r.get("error") for r in rows.values()] == [None] * len(runs), done.out + done.err
     return rows

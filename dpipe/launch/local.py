@@ -13,7 +13,11 @@ it imports touches the GPU, so each worker initializes CUDA itself as if it had 
 lives as long as this process: the points of a sweep reuse it. Each worker gets this process's
 environment of the moment; only what the preloaded libraries read when imported is fixed by the
 first run. A worker's parent is the fork server, not this process, so each worker watches a pipe
-from this process and ends itself when that closes (this process died, even by SIGKILL).
+from this process and ends itself when that closes (this process died, even by SIGKILL). It
+writes to this process's stdout and stderr and works in its working directory as they are at the
+launch (`_LauncherIO`), not as they were when the server started: a second launch from one process
+(a sweep's next point, or a program that calls `dpipe.cli.train.main` again with its output
+elsewhere) gets its workers' output where its own goes.
 
 A user's stop (`graceful_stop`, training): the first SIGINT (Ctrl-C) or SIGTERM reaches every
 worker through its pipe, whenever it came (a worker not yet started reads it once it is): each
@@ -34,7 +38,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver, reduction, resource_tracker
 import shutil
 import signal
 import sys
@@ -152,7 +156,8 @@ def launch_workers(run_dir: Path, world_size: int, module: str = "dpipe.launch.w
                 launcher_alive, writer = context.Pipe(duplex=False)
                 writers.append(writer)
                 proc = context.Process(target=_run_worker, name=f"dpipe-rank{rank}",
-                                       args=(module, str(run_dir), env, launcher_alive))
+                                       args=(module, str(run_dir), env, launcher_alive,
+                                             _LauncherIO()))
                 proc.start()
                 procs.append(proc)
                 launcher_alive.close()
@@ -217,8 +222,35 @@ def _end_fork_server() -> None:
             pass
 
 
-def _run_worker(module: str, run_dir: str, env: dict, launcher_alive) -> None:
+class _LauncherIO:
+    """The launcher's stdout, stderr and working directory at a launch, for a worker to take."""
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.cwd, self.fds = os.getcwd(), (1, 2)
+
+    def __reduce__(self):  # as the worker starts: the fork server passes both fds on to it
+        return _LauncherIO._received, (reduction.DupFd(1), reduction.DupFd(2), self.cwd)
+
+    @classmethod
+    def _received(cls, stdout, stderr, cwd: str) -> "_LauncherIO":
+        io = cls.__new__(cls)
+        io.cwd, io.fds = cwd, (stdout.detach(), stderr.detach())
+        return io
+
+    def take(self) -> None:
+        """This worker writes where the launcher does and works where it does."""
+        for fd, received in zip((1, 2), self.fds):
+            os.dup2(received, fd)
+            os.close(received)
+        os.chdir(self.cwd)
+
+
+def _run_worker(module: str, run_dir: str, env: dict, launcher_alive,
+                launcher_io: _LauncherIO) -> None:
     """A forked worker: this rank's environment and arguments, then the entry point's main()."""
+    launcher_io.take()
     threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True,
                      name="dpipe-launcher-watch").start()
     os.environ.clear()

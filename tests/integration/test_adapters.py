@@ -7,17 +7,14 @@ test_optimizers.py).
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import REPO, Sweep, metrics
+from tests.cli import Sweep, dpipe_command, metrics
 from tests.integration.sampled import saved_latents
 from tests.integration.trained import cached_dataset, run_config, run_layers, trained_layers
 
@@ -120,9 +117,8 @@ def test_dpipe_sample_samples_the_export_as_training_sampled_it(adapter, straigh
     """dpipe-sample puts a LoKr or LoHa export on the denoiser through peft (the families'
     pipelines load LoRA keys only): its sample equals the one training made at its last step."""
     run_dir = straight.run_dir(f"model.adapter={adapter}")
-    done = subprocess.run([sys.executable, "-m", "dpipe.cli.sample", f"run={run_dir}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ))
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    done = dpipe_command("dpipe-sample", f"run={run_dir}")
+    assert done.code == 0, done.out + done.err[-3000:]
     torch.testing.assert_close(saved_latents(run_dir / "samples" / "sampled-final", 0),
                                saved_latents(run_dir / "samples" / "step_4", 0),
                                rtol=1e-4, atol=1e-5)

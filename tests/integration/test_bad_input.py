@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.cli import REPO, dpipe_train, train_args
+from tests.cli import dpipe_command, dpipe_train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -130,12 +128,10 @@ def test_a_lora_file_that_is_not_whole_is_named_in_one_line(tmp_path):
                             "again"),
                       (other, "it is not a safetensors file (it does not start with a header "
                               "length); give a .safetensors file")):
-        done = subprocess.run([sys.executable, "-m", "dpipe.cli.sample", "model=tiny_flux",
-                               f"lora={lora}", "sample.prompts=[a cat]", f"out={tmp_path}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 2, done.stderr[-3000:]
-        assert done.stderr.strip().splitlines() == [f"error: lora={lora}: {why}"], \
-            done.stderr[-3000:]
+        done = dpipe_command("dpipe-sample", "model=tiny_flux", f"lora={lora}",
+                             "sample.prompts=[a cat]", f"out={tmp_path}")
+        assert done.code == 2, done.err[-3000:]
+        assert done.err.strip().splitlines() == [f"error: lora={lora}: {why}"], done.err[-3000:]
 
 
 def test_a_symlink_loop_in_the_dataset_is_named_in_strict_mode(tmp_path):

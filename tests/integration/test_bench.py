@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, bench_rows
+from tests.cli import REPO, bench_rows, dpipe_command
 
 pytestmark = pytest.mark.slow
 
@@ -149,22 +149,20 @@ def test_the_convention_counts_flux_dev_at_1_67x_what_runs():
 
 
 def test_a_size_the_family_lacks_is_named_with_those_it_has(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--out",
-                           str(tmp_path), "--run", "sd3: model=tiny_sd3"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert done.returncode == 1
-    assert "--size tiny: model family sd3 has no benchmark config of that size" in done.stderr
-    assert "Traceback" not in done.stderr
+    done = dpipe_command("dpipe-bench", "--size", "tiny", "--out", str(tmp_path),
+                         "--run", "sd3: model=tiny_sd3")
+    assert done.code == 1
+    assert "--size tiny: model family sd3 has no benchmark config of that size" in done.err
+    assert "Traceback" not in done.err
 
 
 def test_a_plain_loop_that_would_not_train_every_weight_is_refused(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "dpipe.cli.bench", "--size", "tiny", "--plain",
-                           "--out", str(tmp_path), "--run", "hidream: model=hidream"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert done.returncode == 1
-    assert "--plain: HiDream's diffusers forward" in done.stderr
-    assert "leave out --plain for model.family=hidream" in done.stderr
-    assert "Traceback" not in done.stderr and not (tmp_path / "hidream").exists()
+    done = dpipe_command("dpipe-bench", "--size", "tiny", "--plain", "--out", str(tmp_path),
+                         "--run", "hidream: model=hidream")
+    assert done.code == 1
+    assert "--plain: HiDream's diffusers forward" in done.err
+    assert "leave out --plain for model.family=hidream" in done.err
+    assert "Traceback" not in done.err and not (tmp_path / "hidream").exists()
 
 
 def test_layer_timer_covers_every_layer_by_kind(tmp_path):

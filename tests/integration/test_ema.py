@@ -7,17 +7,14 @@ trains exactly the same weights (swapping the EMA in and out never changes the t
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli import REPO, dpipe_train, metrics, train_args
+from tests.cli import dpipe_command, dpipe_train, metrics, train_args
 from tests.integration.sampled import diffusers_latents, saved_latents
 
 pytestmark = pytest.mark.slow
@@ -116,9 +113,7 @@ def test_samples_are_the_ema_exports_as_the_diffusers_pipeline_loads_it(runs):
 
 def test_dpipe_sample_samples_the_ema_export_of_a_run(runs):
     run_dir = runs["straight"]
-    done = subprocess.run([sys.executable, "-m", "dpipe.cli.sample", f"run={run_dir}",
-                           "sample.ema=true"], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ))
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = dpipe_command("dpipe-sample", f"run={run_dir}", "sample.ema=true")
+    assert done.code == 0, done.out + done.err
     torch.testing.assert_close(saved_latents(run_dir / "samples" / "sampled-final-ema", 0),
                                saved_latents(run_dir / "samples" / "step_4", 0), **TOLERANCE)

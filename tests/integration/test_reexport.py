@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from tests.cli import REPO, dpipe_train, train_args
+from tests.cli import Result, dpipe_command, dpipe_train, train_args
 
 pytestmark = pytest.mark.slow
 
 
-def dpipe_export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpipe.cli.export", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+def dpipe_export(*args: str) -> Result:
+    return dpipe_command("dpipe-export", *args)
 
 
 def contents(folder: Path) -> dict:
@@ -68,10 +65,10 @@ def test_a_lost_lora_export_is_written_again_from_the_checkpoints(lora_run):
     assert "step_2/ema/flux_lora_comfyui.safetensors" in written
     shutil.rmtree(run_dir / "lora")
     final = dpipe_export(f"run={run_dir}")
-    assert final.returncode == 0, final.stderr[-3000:]
-    assert f"exported {run_dir / 'lora'}" in final.stdout
+    assert final.code == 0, final.err[-3000:]
+    assert f"exported {run_dir / 'lora'}" in final.out
     step = dpipe_export(f"run={run_dir}", "checkpoint=step_2")
-    assert step.returncode == 0, step.stderr[-3000:]
+    assert step.code == 0, step.err[-3000:]
     assert_same(written, contents(run_dir / "lora"))
 
 
@@ -84,8 +81,8 @@ def test_a_lost_lora_export_is_written_again_from_the_checkpoints(lora_run):
 def test_a_wrong_export_request_is_named(lora_run, args, message):
     run_dir, _ = lora_run
     result = dpipe_export(f"run={run_dir}", *args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert result.code == 2 and message in result.err, result.err[-2000:]
+    assert "Traceback" not in result.err
 
 
 def test_an_unverified_checkpoint_missing_a_layer_file_is_not_exported(lora_run, tmp_path):
@@ -104,23 +101,23 @@ def test_an_unverified_checkpoint_missing_a_layer_file_is_not_exported(lora_run,
     layer.unlink()
 
     result = dpipe_export(f"run={run_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.code == 0, result.err[-3000:]
     assert ("checkpoint step_00000004 is damaged: its COMPLETE lists no files to verify them by"
-            in result.stderr and "; exporting from step_00000002 (step 2) instead" in
-            result.stderr and "resuming" not in result.stderr), result.stderr[-3000:]
-    assert f"exported {run_dir / 'lora' / 'step_2'}" in result.stdout
+            in result.err and "; exporting from step_00000002 (step 2) instead" in
+            result.err and "resuming" not in result.err), result.err[-3000:]
+    assert f"exported {run_dir / 'lora' / 'step_2'}" in result.out
     assert not (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
 
     result = dpipe_export(f"run={run_dir}", "checkpoint=step_4")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "lists no files to verify them by" in result.stderr
-    assert "(the checkpoints that verify: step_00000002)" in result.stderr, result.stderr[-3000:]
+    assert result.code == 2, result.err[-3000:]
+    assert "lists no files to verify them by" in result.err
+    assert "(the checkpoints that verify: step_00000002)" in result.err, result.err[-3000:]
     assert not (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
 
 
 def test_a_folder_that_is_no_run_is_refused(tmp_path):
     result = dpipe_export(f"run={tmp_path}")
-    assert result.returncode == 2 and "holds no run (no run.yaml)" in result.stderr
+    assert result.code == 2 and "holds no run (no run.yaml)" in result.err
 
 
 def test_a_full_fine_tune_is_exported_again(tmp_path):
@@ -132,7 +129,7 @@ def test_a_full_fine_tune_is_exported_again(tmp_path):
     written = contents(run_dir / "model")
     shutil.rmtree(run_dir / "model")
     again = dpipe_export(f"run={run_dir}")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.code == 0, again.err[-3000:]
     # The diffusers folder holds the same tensors; the shards may be cut differently (one per
     # pipeline layer instead of one per stage).
     def tensors(found: dict) -> dict:
@@ -157,5 +154,5 @@ def test_a_hunyuan_video_lora_on_the_refiner_and_final_layer_exports_every_forma
     assert any("token_refiner" in k for k in names) and any("norm_out" in k for k in names)
     shutil.rmtree(run_dir / "lora")
     again = dpipe_export(f"run={run_dir}")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.code == 0, again.err[-3000:]
     assert_same(written, contents(run_dir / "lora"))

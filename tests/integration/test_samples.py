@@ -9,16 +9,13 @@ and the base model with the LoRA file.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.cli import REPO, dpipe_train, train_args, train_killed_at
+from tests.cli import dpipe_command, dpipe_train, train_args, train_killed_at
 from tests.integration.sampled import diffusers_latents, requests_of, saved_latents
 
 pytestmark = pytest.mark.slow
@@ -106,10 +103,9 @@ def test_the_png_is_the_decoded_latents(run_dir):
 
 
 def _sample(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dpipe.cli.sample", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ))
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
+    done = dpipe_command("dpipe-sample", *args)
+    assert done.code == 0, done.out + done.err
+    return done.out + done.err
 
 
 def test_dpipe_sample_from_a_step_export_over_two_stages(run_dir):
