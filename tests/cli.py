@@ -12,6 +12,7 @@ directory, environment, signal handlers, log handlers, stdout and stderr) is put
 
 from __future__ import annotations
 
+import copy
 import importlib
 import io
 import json
@@ -56,6 +57,7 @@ def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | Non
     """`SCRIPT ARGS` (e.g. "dpipe-sample", "run=...") run in `cwd` (the repository by default);
     a run past `timeout` seconds is stopped as a user would (Ctrl-C, then again) and fails."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
 
     from dpipe.launch import user_stop
 
@@ -63,7 +65,8 @@ def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | Non
     timed_out = threading.Event()
     timer = threading.Timer(timeout, _interrupt_twice, args=(timed_out,))
     saved = (sys.argv, os.getcwd(), dict(os.environ), dict(user_stop._state),
-             {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)})
+             {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)},
+             copy.deepcopy(Singleton._instances.get(GlobalHydra)))
     code = 0
     with _captured_output() as output:
         try:
@@ -87,7 +90,9 @@ def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | Non
             user_stop._state.update(saved[3])
             for sig, handler in saved[4].items():
                 signal.signal(sig, handler)
-            GlobalHydra.instance().clear()
+            Singleton._instances.pop(GlobalHydra, None)  # Hydra's global state, as it was
+            if saved[5] is not None:
+                Singleton._instances[GlobalHydra] = saved[5]
     if timed_out.is_set():
         raise AssertionError(f"{script} timed out after {timeout}s\n{output.out}\n{output.err}")
     return Result(code, output.out, output.err)

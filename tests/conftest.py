@@ -48,29 +48,30 @@ def has_gpu() -> bool:
 gpu = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA GPU")
 
 
-# Modules by the seconds they take on a 2-core machine (measured 2026-12-01, rounded): the
-# workers take them longest first, so neither is left running a long module alone at the end.
+# Modules by the seconds they take on a 2-core machine (measured 2026-12-07 at 57ac0f4, rounded):
+# the workers take them longest first, so neither is left running a long module alone at the end.
 # scripts/test.sh passes --no-loadscope-reorder so that xdist queues modules in collection order:
 # its own order (most tests first) queued the long few-test modules last, e.g. SLURM's 4 tests
 # of ~5 min. Only the order matters; a module not named here runs after these, most tests first.
 SLOWEST_MODULES = {
-    "tests.integration.test_families": 480,
-    "tests.integration.test_slurm": 180,
-    "tests.integration.test_documented_commands": 265,  # its 30 CI processes, 2026-12-07
-    "tests.integration.test_slurm_two_nodes": 130,
-    "tests.integration.test_training": 210,
-    "tests.integration.test_samples": 150,
-    "tests.integration.test_video_clips": 155,
-    "tests.integration.test_video_defaults": 110,
-    "tests.integration.test_wan": 130,
-    "tests.integration.test_data_training": 120,
-    "tests.integration.test_flux_kontext_edit": 95,
-    "tests.integration.test_hunyuan_video_checkpointing": 90,
-    "tests.integration.test_adapters": 120,
-    "tests.integration.test_bad_input": 85,
-    "tests.integration.test_sweeps": 80,
-    "tests.integration.test_launch": 60,
-    "tests.integration.test_bench": 50,
+    "tests.integration.test_families": 340,
+    "tests.integration.test_documented_commands": 255,  # its 29 CI processes
+    "tests.integration.test_samples": 100,
+    "tests.integration.test_flux_kontext_edit": 90,
+    "tests.integration.test_video_clips": 80,
+    "tests.integration.test_graceful_stop": 80,
+    "tests.integration.test_slurm": 75,
+    "tests.integration.test_reexport": 75,
+    "tests.integration.test_training": 70,
+    "tests.integration.test_bench": 70,
+    "tests.integration.test_adapters": 65,
+    "tests.unit.test_docs_commands": 60,
+    "tests.integration.test_optimizers": 60,
+    "tests.unit.test_config": 55,
+    "tests.integration.test_sweeps": 50,
+    "tests.integration.test_data_training": 50,
+    "tests.unit.test_step_flops": 50,
+    "tests.integration.test_quick_start": 40,
 }
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from dpipe.config.checks import validate
 from dpipe.config.store import register_schemas
 from dpipe.errors import ConfigError
+from tests.cli import dpipe_train
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["model", "dataset", "optim", "pipeline", "train", "sample"]
@@ -112,23 +111,19 @@ def test_few_micro_batches_are_advised_against():
 
 @pytest.mark.slow
 def test_cli_prints_the_composed_job_config():
-    out = subprocess.run(
-        [sys.executable, "-m", "dpipe.cli.train", "--cfg", "job", "model=flux",
-         "pipeline.stages=4", "optim.lr=2e-5"],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout
+    done = dpipe_train("--cfg", "job", "model=flux", "pipeline.stages=4", "optim.lr=2e-5",
+                       timeout=120)
+    assert done.code == 0, done.err
+    out = done.out
     assert "stages: 4" in out and "lr: 2.0e-05" in out and "family: flux" in out
 
 
 @pytest.mark.slow
 def test_cli_reports_a_config_error_without_traceback(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpipe.cli.train", f"hydra.run.dir={tmp_path}", "+model.foo=1"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "error: unknown config key(s): 'model.foo'" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    proc = dpipe_train(f"hydra.run.dir={tmp_path}", "+model.foo=1", timeout=120)
+    assert proc.code == 2
+    assert "error: unknown config key(s): 'model.foo'" in proc.err
+    assert "Traceback" not in proc.err
 
 
 def test_layers_compile_by_default_on_a_gpu_only():

@@ -8,8 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from dpipe.launch.prestart import check_before_workers
 from dpipe.errors import ConfigError, DataError
 from dpipe.models.registry import build_spec
 from dpipe.train.checkpoint import check_resume, finished_run
+from tests.cli import Result, dpipe_train
 from tests.unit.test_config import _compose
 from tests.unit.test_resume_config import fake_checkpoint, run_yaml
 
@@ -233,9 +232,8 @@ def test_a_run_is_finished_once_its_final_export_follows_its_last_checkpoint(tmp
     assert finished_run(tmp_path, 20, export) is None
 
 
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpipe.cli.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+def _cli(*args: str) -> Result:
+    return dpipe_train(*args, timeout=120)
 
 
 @pytest.mark.slow
@@ -244,33 +242,33 @@ def test_a_yaml_syntax_error_in_a_users_config_file_is_one_line(tmp_path):
     local.mkdir(parents=True)
     (local / "default.yaml").write_text("optim:\n  lr: [1e-4\n")  # the `optional local` file
     proc = _cli("--config-dir", str(tmp_path / "conf"), "--cfg", "job")
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert f"error: {local / 'default.yaml'}, line 3, column 1: not valid YAML" in proc.stderr
+    assert proc.code == 2, proc.err
+    assert "Traceback" not in proc.err
+    assert f"error: {local / 'default.yaml'}, line 3, column 1: not valid YAML" in proc.err
 
 
 @pytest.mark.slow
 def test_a_run_dir_under_a_file_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     proc = _cli(f"hydra.run.dir={tmp_path / 'a_file' / 'run'}")
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert f"error: cannot write the run dir: {tmp_path / 'a_file' / 'run'}" in proc.stderr
+    assert proc.code == 2, proc.err
+    assert "Traceback" not in proc.err
+    assert f"error: cannot write the run dir: {tmp_path / 'a_file' / 'run'}" in proc.err
 
 
 @pytest.mark.slow
 def test_a_misspelt_key_is_not_told_to_use_plus():
     proc = _cli("model.lora_rnk=3", "--cfg", "job")
-    assert proc.returncode == 2, proc.stderr
+    assert proc.code == 2, proc.err
     assert "error: unknown config key(s): 'model.lora_rnk': did you mean 'model.lora'? valid keys " \
-        "of 'model':" in proc.stderr
-    assert "+model.lora_rnk" not in proc.stderr and "Traceback" not in proc.stderr
+        "of 'model':" in proc.err
+    assert "+model.lora_rnk" not in proc.err and "Traceback" not in proc.err
 
 
 @pytest.mark.slow
 def test_a_misspelt_option_is_one_line_with_the_options_close_to_it():
     proc = _cli("model=tiny_wann")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [
+    assert proc.code == 2, proc.err
+    assert proc.err.splitlines() == [
         "error: model=tiny_wann: no such option of the model group (conf/model/); did you mean "
         "tiny_wan? (close to it: tiny_wan, tiny_wan_i2v, tiny_anima, tiny_wan_flf2v)"]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 
 import pytest
 
 from dpipe.config.compose import compose_config, compose_run
 from dpipe.launch.run_rank import save_run_config
+from tests.cli import dpipe_train
 
 
 def name_of(*overrides: str) -> str:
@@ -46,9 +45,8 @@ def test_two_folders_of_one_name_get_a_run_dir_each(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_cfg_job_prints_the_run_name_resolved(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dpipe.cli.train", "--cfg", "job",
-                           "dataset=folder", "dataset.path=/data/photos"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("name: tiny_flux-photos\n")
-    assert "\n  path: /data/photos\n" in proc.stdout
+    proc = dpipe_train("--cfg", "job", "dataset=folder", "dataset.path=/data/photos",
+                       cwd=tmp_path, timeout=120)
+    assert proc.code == 0, proc.err
+    assert proc.out.startswith("name: tiny_flux-photos\n")
+    assert "\n  path: /data/photos\n" in proc.out
