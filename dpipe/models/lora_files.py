@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dpipe.io import atomic_write_text
+from dpipe.io import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +196,8 @@ def write_lora_files(out_dir: Path, write_diffusers: Callable[[], Path],
             record[fmt.file] = {"written": False, "left_out": left_out,
                                 "error": "no trained module has a name in this format"}
             continue
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=fmt.metadata)
-        os.replace(tmp, path)
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        atomic_write(path, lambda tmp: save_file(contiguous, tmp, metadata=fmt.metadata))
         record[fmt.file] = {"written": True, "left_out": left_out}
         written.append(path)
     atomic_write_text(out_dir / EXPORTS_RECORD, json.dumps({"formats": record}, indent=2) + "\n")
