@@ -122,9 +122,14 @@ class _Output:
 @contextmanager
 def _captured_output():
     """stdout and stderr of this process, file descriptors included (the workers write to
-    them), into files; the log handlers the run adds are removed after it."""
+    them), into files; logging as a new process has it (no handler on the root logger, so that
+    a command's own `logging.basicConfig` takes effect), and as it was again after."""
+    loggers = _loggers()
+    before = {logger: (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+              for logger in loggers}
     root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    root.handlers[:] = []
+    root.setLevel(logging.WARNING)
     output = _Output()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -137,6 +142,18 @@ def _captured_output():
         try:
             yield output
         finally:
+            for logger in _loggers():
+                if logger in before:
+                    handlers, level, logger.propagate, logger.disabled = before[logger]
+                    logger.setLevel(level)
+                else:  # made by a module the command imported: as it set itself up, but for
+                    # handlers on this output, whose files are about to close
+                    handlers = [h for h in logger.handlers
+                                if getattr(h, "stream", None) not in (sys.stdout, sys.stderr)]
+                for handler in logger.handlers:
+                    if handler not in handlers:
+                        handler.close()
+                logger.handlers[:] = handlers
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
                 stream.close()
@@ -145,14 +162,14 @@ def _captured_output():
             os.dup2(fds[1], 2)
             for fd in fds:
                 os.close(fd)
-            for handler in root.handlers:
-                if handler not in handlers:
-                    handler.close()
-            root.handlers[:] = handlers
-            root.setLevel(level)
             for file, name in ((out, "out"), (err, "err")):
                 file.seek(0)
                 setattr(output, name, file.read().decode(errors="replace"))
+
+
+def _loggers() -> list[logging.Logger]:
+    return [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                   if isinstance(logger, logging.Logger))]
 
 
 def train_killed_at(run_dir: Path, marker: str, *overrides: str, timeout: float = 240) -> None:
