@@ -29,7 +29,7 @@ test-fast: setup
 test-docs: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full
 
-# Every SLURM test, cluster_full too (the two-node tests, external requeue): as root with
+# Every SLURM test, cluster_full too (two-node job array, external requeue): as root with
 # apt, on a local SLURM of two network-namespace nodes (tests/integration/test_slurm_two_nodes.py).
 test-cluster: setup
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash scripts/slurm/install.sh; fi
