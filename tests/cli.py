@@ -2,11 +2,11 @@
 
 `dpipe_command("dpipe-sample", ...)` (and `dpipe_train(...)`) calls the console script's `main()`
 (pyproject.toml's [project.scripts]) in this process with the given arguments: the code path of
-the typed command, without its start-up. The workers are real processes, as
-always, forked by a fork server that this process keeps from run to run as a sweep does, so a
-run saves the ~10 s of CPU of importing torch, DeepSpeed, diffusers and Hydra twice (the
-launcher and its fork server). What the run changes in this process (arguments, working
-directory, environment, signal handlers, log handlers, stdout and stderr) is put back after it.
+the typed command, without its start-up. The workers are real processes, as always, forked by a
+fork server that this process keeps from run to run as a sweep does, so a run saves the ~10 s of
+CPU of importing torch, DeepSpeed, diffusers and Hydra twice (the launcher and its fork server).
+What the run changes in this process (arguments, working directory, environment, signal
+handlers, Hydra's global state, loggers, stdout and stderr) is put back after it.
 `train_killed_at` and the tests of signals, locks and typed commands start real processes.
 """
 

@@ -228,16 +228,16 @@ class _LauncherIO:
     def __init__(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        self.cwd, self.fds = os.getcwd(), (1, 2)
+        self.cwd = os.getcwd()
 
     def __reduce__(self):  # as the worker starts: the fork server passes both fds on to it
         return _LauncherIO._received, (reduction.DupFd(1), reduction.DupFd(2), self.cwd)
 
     @classmethod
     def _received(cls, stdout, stderr, cwd: str) -> "_LauncherIO":
-        io = cls.__new__(cls)
-        io.cwd, io.fds = cwd, (stdout.detach(), stderr.detach())
-        return io
+        taken = cls.__new__(cls)
+        taken.cwd, taken.fds = cwd, (stdout.detach(), stderr.detach())
+        return taken
 
     def take(self) -> None:
         """This worker writes where the launcher does and works where it does."""
