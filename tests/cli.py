@@ -13,6 +13,7 @@ handlers, Hydra's global state, loggers, stdout and stderr) is put back after it
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import io
 import json
@@ -48,6 +49,7 @@ def dpipe_train(*args: str, timeout: float = 240, cwd: Path | None = None) -> Re
     return dpipe_command("dpipe-train", *args, timeout=timeout, cwd=cwd)
 
 
+@functools.cache
 def _console_scripts() -> dict[str, str]:
     with open(REPO / "pyproject.toml", "rb") as f:
         return tomllib.load(f)["project"]["scripts"]
@@ -64,9 +66,10 @@ def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | Non
     module, function = _console_scripts()[script].split(":")
     timed_out = threading.Event()
     timer = threading.Timer(timeout, _interrupt_twice, args=(timed_out,))
-    saved = (sys.argv, os.getcwd(), dict(os.environ), dict(user_stop._state),
-             {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)},
-             copy.deepcopy(Singleton._instances.get(GlobalHydra)))
+    argv, cwd_before, environ = sys.argv, os.getcwd(), dict(os.environ)
+    stop_state = dict(user_stop._state)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    global_hydra = copy.deepcopy(Singleton._instances.get(GlobalHydra))
     code = 0
     with _captured_output() as output:
         try:
@@ -82,17 +85,17 @@ def dpipe_command(script: str, *args: str, timeout: float = 240, cwd: Path | Non
             code = 1
         finally:
             timer.cancel()
-            sys.argv = saved[0]
-            os.chdir(saved[1])
+            sys.argv = argv
+            os.chdir(cwd_before)
             os.environ.clear()
-            os.environ.update(saved[2])
+            os.environ.update(environ)
             user_stop._state.clear()
-            user_stop._state.update(saved[3])
-            for sig, handler in saved[4].items():
+            user_stop._state.update(stop_state)
+            for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             Singleton._instances.pop(GlobalHydra, None)  # Hydra's global state, as it was
-            if saved[5] is not None:
-                Singleton._instances[GlobalHydra] = saved[5]
+            if global_hydra is not None:
+                Singleton._instances[GlobalHydra] = global_hydra
     if timed_out.is_set():
         raise AssertionError(f"{script} timed out after {timeout}s\n{output.out}\n{output.err}")
     return Result(code, output.out, output.err)
