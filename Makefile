@@ -23,11 +23,10 @@ test:
 test-fast: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow" -n auto
 
-# The documented commands that make test leaves out, run end to end on tiny models
-# (tests/integration/test_documented_commands.py, docs_full): the family pages' lines, the
-# benchmarks and the SLURM lines, each sweep over its families whole; too long for make test.
+# Every documented command, end to end on tiny models (make test runs them too):
+# tests/integration/test_documented_commands.py and the tests it leaves three of them to.
 test-docs: setup
-	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py -q -p no:cacheprovider -m docs_full
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/integration/test_documented_commands.py tests/integration/test_sweeps.py::test_the_documented_sweep_runs_as_written tests/integration/test_quick_start.py tests/integration/test_slurm.py::test_sweep_runs_as_a_job_array_of_two_task_jobs -q -p no:cacheprovider
 
 # Every SLURM test, cluster_full too (two-node job array, external requeue): as root with
 # apt, on a local SLURM of two network-namespace nodes (tests/integration/test_slurm_two_nodes.py).

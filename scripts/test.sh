@@ -17,9 +17,8 @@ workers=${DPIPE_TEST_WORKERS:-$(nproc)}
 [ "$workers" -gt 8 ] && workers=8
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
-# The documented commands outside the family pages and benchmarks run here; the rest (docs_full)
-# take longer than CI allows: make test-docs (tests/integration/test_documented_commands.py).
-# The two-node SLURM job array and the external requeue (cluster_full) too: make test-cluster.
+# The two-node SLURM job array and the external requeue (cluster_full) take longer than CI
+# allows: make test-cluster.
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 \
-  -m "not docs_full and not cluster_full" \
+  -m "not cluster_full" \
   "${parallel[@]}" "$@"

@@ -1,33 +1,25 @@
-"""Every command the docs show runs, as a real process, end to end on a tiny model.
+"""Every command the docs show runs end to end on a tiny model, in CI.
 
 tests/unit/test_docs_commands.py finds the commands (README.md, docs/*.md, docs/models/*.md) and
-composes and validates each in-process. Here each one runs as a user runs it, in a folder of its
-own (its `outputs/` and `multirun/` there): composition, Hydra's launch (sweep dirs included),
-the config checks, the workers, caching and at least one training step (or one sample, one
-export, one cache pass, one benchmark step). The arguments change only as MAPPING says: the real
-models become their family's tiny model, the dataset folders a generated folder of 64 px images
-(`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops after one step.
+composes and validates each in-process. Here each one runs with the arguments a user types, in
+a folder of its own (its `outputs/` and `multirun/` there): composition, Hydra's launch (sweep
+dirs included), the config checks, the workers, caching and at least one training step (or one
+sample, one export, one cache pass, one benchmark step). The arguments change only as MAPPING
+says: the real models become their family's tiny model, the dataset folders a generated folder
+of 64 px images (`/data/photos`) or images and clips with sound (`/data/clips`), and a run stops
+after one step.
 
-Runs share processes: documented `dpipe-train` commands that are the same after the mapping run
-once, and those that differ only in `model=` run as one `-m` sweep over their models (one
-process, one fork server; each point is exactly its command). A command that reads another's
-output (`dpipe-lora merge` of a `convert`'s folder) runs after it. The SLURM commands run on the
-session's local SLURM (tests/integration/test_slurm.py's `slurm` fixture).
-
-CI (`make test`) runs three of them through tests that run them as mapped here and check more
-(RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep), and through
-`test_documented_command_runs` every command outside the family pages and the benchmarks
-(`in_ci`: README.md, docs/cluster.md, docs/lora-files.md, docs/adding-a-model.md; 28
-tests, 26 processes; not the 3 of CHECKED_IN_CI_BY, whose path a CI test runs with other
-values), a sweep that stands for family pages' lines too on its first model only.
-`make test-docs` (`docs_full`) runs the rest, each sweep whole: the family pages' lines (each
-family's LoRA, full and one-GPU commands, which tests/integration/test_families.py runs family
-by family), the benchmarks and the SLURM lines: its 47 tests passed in 1779 s on a 2-core
-machine that ran the whole suite beside them (2026-12-07, a4c3938). At load 5-6 from other
-jobs, all 75 processes of the docs took 2176 s (c7da127), the largest two dpipe-bench processes
-of 10 and 9 runs (196 and 143 s) and README's LoRA sweep over 15 families (143 s); CI has no
-time for them all. `test_every_documented_command_is_run` (in CI) checks that every command has its process.
-A command that fails names its doc file and line.
+Runs are shared: documented `dpipe-train` commands that are the same after the mapping run once,
+and those that differ only in `model=` run as one `-m` sweep over their models (each point is
+exactly its command). A command that reads another's output (`dpipe-lora merge` of a
+`convert`'s folder) runs after it. Each runs through its console script's `main()` in the test
+process (tests/cli.py: the code of the typed command from its arguments on, the workers real
+processes); the Quick start's first command and the SLURM lines start the console script as a
+process (`as_typed`), the SLURM lines on the session's local SLURM
+(tests/integration/test_slurm.py's `slurm` fixture). Three commands run in tests that check
+more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep).
+`test_every_documented_command_is_run` checks that every command has its run. A command that
+fails names its doc file and line.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cli import REPO
+from tests.cli import REPO, dpipe_command, dpipe_train
 from tests.integration.documented_files import write_edits, write_flux_files
 from tests.integration.test_slurm import slurm  # noqa: F401  (the session's local SLURM)
 from tests.unit.test_docs_commands import COMMANDS, Command, program_of
@@ -89,6 +81,9 @@ MAPPING = {
               "/data/photos": "@photos@", "/data/art": "@photos@", "/data/clips": "@clips@",
               "/data/edits": "@edits@", "/data/dog.png": "@photos@/dog.png",
               "/data/start.png": "@photos@/cat.png", "/data/end.png": "@photos@/ball.png",
+              "/data/dog_end.png": "@photos@/ball.png",
+              # a sample's size: a 768x1024 image is 40 s of a tiny model's VAE on this CPU
+              "width: 768, height: 1024": "width: 96, height: 128",
               "/loras/style.safetensors": "@lora@", "outputs/my_run": "@run@",
               "/loras/": "@files@/loras/", "/models/": "@files@/models/",
               "outputs/my_full_run": "@files@/my_full_run",
@@ -120,7 +115,7 @@ MAPPING = {
     "make": {"demo": "tests/integration/test_quick_start.py runs it as a user does",
              "setup": "makes the venv this suite runs in",
              "test": "is this suite", "test-fast": "is this suite without the slow tests",
-             "test-docs": "runs this module's docs_full tests",
+             "test-docs": "runs this module",
              "test-cluster": "runs the SLURM tests, cluster_full included"},
 }
 SLURM_CLUSTERS = ("slurm_gpu", "slurm_cpu")
@@ -139,15 +134,6 @@ class Mapped:
     program: str
     args: tuple[str, ...]
     wheres: list[str] = field(default_factory=list)
-    # CI's form of a sweep that stands for one command on several families' pages (a sweep
-    # over their tiny models): its first model; None: CI runs `args`
-    short: tuple[str, ...] | None = None
-
-    def form(self, whole: bool) -> Mapped:
-        """This process as CI runs it (`whole=False`) or as make test-docs does."""
-        if whole or self.short is None:
-            return self
-        return Mapped(self.program, self.short, self.wheres)
 
     @property
     def slurm(self) -> bool:
@@ -337,8 +323,7 @@ def _merged(key: tuple, members: list[Mapped]) -> Mapped:
     if key[0] == "train":
         models = ",".join(dict.fromkeys(a.partition("=")[2] for m in members for a in m.args
                                         if a.startswith("model=")))
-        return Mapped("dpipe-train", ("-m", f"model={models}", *key[1]), wheres,
-                      short=("-m", f"model={models.split(',')[0]}", *key[1]))
+        return Mapped("dpipe-train", ("-m", f"model={models}", *key[1]), wheres)
     runs: dict[str, str] = {}  # overrides -> name
     for member in members:
         for name, overrides in _bench_parts(list(member.args))[1]:
@@ -422,41 +407,39 @@ class Runner:
     def __init__(self, root: Path):
         self.root = root
         self.files = write_data(root / "data")
-        self.outcomes: dict[tuple, Outcome] = {}  # by (index, whole), and by run config
+        self.outcomes: dict = {}  # by index, and by run config
 
-    def outcome(self, index: int, whole: bool = False) -> Outcome:
-        """What came of process `index` in CI's form (or whole), run now if not yet (or what
-        came of an earlier process that composes the same run)."""
-        whole = whole and PROCESSES[index].short is not None
-        if (index, whole) not in self.outcomes:
-            mapped = PROCESSES[index].form(whole)
+    def outcome(self, index: int) -> Outcome:
+        """What came of process `index`, run now if not yet (or what came of an earlier
+        process that composes the same run)."""
+        if index not in self.outcomes:
+            mapped = PROCESSES[index]
             run = _same_run(mapped.program, list(mapped.args))
             if run is None:
-                self.outcomes[index, whole] = self._run(index, whole)
+                self.outcomes[index] = self._run(index)
             else:
                 if run not in self.outcomes:
-                    self.outcomes[run] = self._run(index, whole)
-                self.outcomes[index, whole] = self.outcomes[run]
-        return self.outcomes[index, whole]
+                    self.outcomes[run] = self._run(index)
+                self.outcomes[index] = self.outcomes[run]
+        return self.outcomes[index]
 
     def first_run(self) -> Path:
-        """The run dir of README's first training run (made now if not yet: its process in
-        CI's form, whose first model is the command's)."""
+        """The run dir of README's first training run (made now if not yet: the first point
+        of the sweep it shares with the family pages' LoRA lines is its model)."""
         index = next(i for i, p in enumerate(PROCESSES) if FIRST_RUN in p.wheres)
         done = self.outcome(index)
-        check_train(PROCESSES[index].form(whole=False), done)
-        return run_dirs(PROCESSES[index].form(whole=False), done)[0]
+        check_train(PROCESSES[index], done)
+        return run_dirs(PROCESSES[index], done)[0]
 
     def exports_run(self) -> Path:
         """A run dir with step exports (`outputs/my_exports_run`), made now if not yet."""
         cwd = self.root / "exports_run"
         if not cwd.exists():
             cwd.mkdir()
-            done = subprocess.run(
-                [sys.executable, "-m", "dpipe.cli.train", "model=tiny_flux", "train.max_steps=3",
-                 "train.export_every_steps=1", "train.progress_bar=false"], cwd=cwd,
-                env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-            assert done.returncode == 0, done.stderr[-4000:]
+            done = dpipe_train("model=tiny_flux", "train.max_steps=3",
+                               "train.export_every_steps=1", "train.progress_bar=false",
+                               cwd=cwd, timeout=TIMEOUT)
+            assert done.code == 0, done.err[-4000:]
         return next(cwd.glob("outputs/*/run.yaml")).parent
 
     def user_files(self) -> Path:
@@ -466,8 +449,8 @@ class Runner:
             write_flux_files(files / "models", files / "loras", files / "my_full_run")
         return files
 
-    def _run(self, index: int, whole: bool) -> Outcome:
-        mapped = PROCESSES[index].form(whole)
+    def _run(self, index: int) -> Outcome:
+        mapped = PROCESSES[index]
         files = dict(self.files)
         if any("@run@" in a or "@lora@" in a for a in mapped.args):
             run = self.first_run()
@@ -482,8 +465,11 @@ class Runner:
         args = list(mapped.args)
         for token, path in files.items():
             args = [a.replace(token, path) for a in args]
-        cwd = self.root / (f"{index:02d}" + ("-whole" if whole else ""))
+        cwd = self.root / f"{index:02d}"
         cwd.mkdir()
+        if not as_typed(mapped):  # the console script's main(), in this process
+            done = dpipe_command(mapped.program, *args, cwd=cwd, timeout=TIMEOUT)
+            return Outcome(done.code, done.out, done.err, cwd, args)
         module = "dpipe.cli." + mapped.program.removeprefix("dpipe-")
         proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -596,32 +582,18 @@ LOCAL = [i for i in RUN_HERE if not PROCESSES[i].slurm]
 ON_SLURM = [i for i in RUN_HERE if PROCESSES[i].slurm]
 
 
-# Documented commands whose path a CI test runs with stronger checks but other values (CI's
-# 30 minutes have no room for both, 2026-12-07): make test-docs runs them as documented.
-CHECKED_IN_CI_BY = {
-    "dpipe-train cluster=local_parallel optim.lr=1e-4,5e-5 train.max_steps=1":
-        "tests/integration/test_sweeps.py::test_local_parallel_sweep_runs_points_at_once",
-    "dpipe-train model=tiny_flux sample.every_steps=250 sample.prompts=[a photo of sks dog, "
-    "{prompt: sks dog on a beach, seed: 3, width: 768, height: 1024}] train.max_steps=1 "
-    "sample.steps=2": "tests/integration/test_samples.py::test_every_round_is_written_once",
-    "dpipe-sample model=tiny_flux lora=@lora@ sample.prompts=[a cat] out=outputs/samples "
-    "sample.steps=2":
-        "tests/integration/test_samples.py::test_dpipe_sample_from_the_base_model_and_a_lora_file",
-}
+# The commands that run as a user types them, a process of the console script: the Quick start's
+# first (README's first dpipe-train line) and the SLURM lines (their jobs are processes anyway).
+# The rest call the console script's main() with the same arguments in this process
+# (tests/cli.py): the same code from the arguments on, without each process's ~10 s of CPU
+# importing torch, DeepSpeed, diffusers and Hydra twice (the launcher and its fork server).
+# The shell's part is checked here and by tests/integration/test_quick_start.py (`make demo`).
+QUICK_START = next(c.where for c, program, args in documented()
+                   if c.where.startswith("README.md") and program == "dpipe-train")
 
 
-def in_ci(mapped: Mapped) -> bool:
-    """CI's share: every command outside the family pages (docs/models/: each family's same
-    few lines, which tests/integration/test_families.py runs family by family and
-    tests/unit/test_docs_commands.py composes), but the benchmarks (test_bench runs that path)
-    and CHECKED_IN_CI_BY's; a sweep that also stands for family pages' lines runs its first
-    model there."""
-    return (mapped.program != "dpipe-bench" and str(mapped) not in CHECKED_IN_CI_BY
-            and any(not where.startswith("docs/models/") for where in mapped.wheres))
-
-
-IN_CI = [i for i in LOCAL if in_ci(PROCESSES[i])]
-IN_FULL = [i for i in LOCAL if i not in IN_CI or PROCESSES[i].short is not None]
+def as_typed(mapped: Mapped) -> bool:
+    return mapped.slurm or QUICK_START in mapped.wheres
 
 
 def _id(index: int) -> str:
@@ -644,20 +616,24 @@ def _check(mapped: Mapped, done: Outcome, runner: Runner) -> None:
         assert done.code == 0, _failed(mapped, done, f"exit status {done.code}")
 
 
-@pytest.mark.parametrize("index", IN_CI, ids=[_id(i) for i in IN_CI])
-def test_documented_command_runs(index, runner):
-    """CI's share (`in_ci`), in CI's form (`Mapped.short`)."""
-    _check(PROCESSES[index].form(whole=False), runner.outcome(index), runner)
+def part(index: int) -> str:
+    """The half of this module a process runs in: tests/conftest.py gives each half a test
+    worker of its own (GROUP_BY_PARAMS), so the two halves (~10 minutes of CPU together) run at
+    once. The family pages' own lines are one half; every process that README's first run
+    stands in, or that reads what another made, is in the other with it."""
+    return "family pages" if all(w.startswith("docs/models/") for w in PROCESSES[index].wheres) \
+        else "guides"
 
 
-@pytest.mark.docs_full
-@pytest.mark.parametrize("index", IN_FULL, ids=[_id(i) for i in IN_FULL])
-def test_documented_command_runs_whole(index, runner):
-    """The rest (make test-docs): the family pages' and benchmarks' lines, each sweep whole."""
-    _check(PROCESSES[index], runner.outcome(index, whole=True), runner)
+GROUP_BY_PARAMS = ("half",)
 
 
-@pytest.mark.docs_full
+@pytest.mark.parametrize("half,index", [(part(i), i) for i in LOCAL],
+                         ids=[_id(i) for i in LOCAL])
+def test_documented_command_runs(half, index, runner):
+    _check(PROCESSES[index], runner.outcome(index), runner)
+
+
 @pytest.mark.slurm
 @pytest.mark.parametrize("index", ON_SLURM, ids=[_id(i) for i in ON_SLURM])
 def test_documented_slurm_command_runs(index, runner, slurm):
@@ -673,6 +649,7 @@ def test_every_documented_command_is_run():
     assert not [line for line in MAKE_ELSEWHERE if line.endswith("NOT MAPPED")], (
         "a documented make target that MAPPING['make'] does not name")
     printed = {str(p) for p in PROCESSES}
+    assert [p for p in PROCESSES if as_typed(p) and not p.slurm], "no command runs as typed"
     for command, test in RUN_BY_TESTS.items():
         assert command in printed, f"RUN_BY_TESTS: no documented command maps to `{command}`"
         path, name = test.split("::")
@@ -680,11 +657,6 @@ def test_every_documented_command_is_run():
         assert f"def {name}(" in source, f"RUN_BY_TESTS: no test {test}"
         assert "documented_command(" in source and f'"{command}"' in source, (
             f"{path} does not take `{command}` from documented_command")
-    for command, test in CHECKED_IN_CI_BY.items():
-        assert command in printed, f"CHECKED_IN_CI_BY: no documented command maps to `{command}`"
-        path, name = test.split("::")
-        assert f"def {name}(" in (REPO / path).read_text(), f"CHECKED_IN_CI_BY: no test {test}"
-
 
 if __name__ == "__main__":  # python -m tests.integration.test_documented_commands: the list
     for process in PROCESSES:
