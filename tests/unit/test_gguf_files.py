@@ -54,27 +54,37 @@ def dequantized_copy(file: Path, out: Path) -> Path:
     return out
 
 
-def assert_gguf_keeps_the_values(spec_of, plain: Path, tmp_path: Path) -> None:
-    """A family's tiny single file `plain` as a Q8_0 GGUF, read by `spec_of(path)`'s spec: its
+def gguf_copy(plain: Path, out: Path, quant: str, arch: str) -> Path:
+    """`plain` as a `quant` GGUF: the `gguf` package's quantizer, or random K-quant blocks."""
+    if quant.endswith("_K"):
+        return k_quant_copy(plain, out, quant, arch)
+    return write_gguf_copy(plain, out, quant, arch)
+
+
+def assert_gguf_keeps_the_values(spec_of, plain: Path, tmp_path: Path, quant: str = "Q8_0",
+                                 kept_at_least: int = 4) -> Path:
+    """A family's tiny single file `plain` as a `quant` GGUF, read by `spec_of(path)`'s spec: its
     Linears whose rows split into blocks stay quantized, and every weight is the one the same
-    file's values, dequantized by the `gguf` package into a plain file, give."""
-    file = tmp_path / f"{plain.stem}-Q8_0.gguf"
-    write_gguf_copy(plain, file, "Q8_0", type(spec_of(plain)).gguf_architectures[0])
+    file's values, dequantized by the `gguf` package into a plain file, give. Returns the GGUF
+    and that plain file."""
+    file = gguf_copy(plain, tmp_path / f"{plain.stem}-{quant}.gguf", quant,
+                     type(spec_of(plain)).gguf_architectures[0])
     model = spec_of(file).load_denoiser(torch.float32)
-    want = spec_of(dequantized_copy(file, tmp_path / f"{plain.stem}-dequantized.safetensors")
-                   ).load_denoiser(torch.float32).state_dict()
+    dequantized = dequantized_copy(file, tmp_path / f"{plain.stem}-{quant}-dequantized.safetensors")
+    want = spec_of(dequantized).load_denoiser(torch.float32).state_dict()
     modules = dict(model.named_modules())
     kept, got = 0, {}
     for name, value in model.state_dict().items():
         module = modules.get(name.removesuffix(".weight"))
         if isinstance(module, gguf_linear_class()) and name.endswith(".weight"):
-            assert value.dtype == torch.uint8, name
+            assert value.dtype == torch.uint8 and module.quant_type.name == quant, name
             got[name], kept = module.dequantized(), kept + 1
         else:
             got[name] = value
-    assert kept >= 4 and got.keys() == want.keys()
+    assert kept >= kept_at_least and got.keys() == want.keys()
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+    return file, dequantized
 
 
 # Bytes per value of each block type: a 32-value block of Q8_0 holds an fp16 scale and 32 int8.
@@ -87,7 +97,7 @@ BYTES_PER_VALUE = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q5_0": 22 / 32, "Q4_K": 14
 K_SCALES = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
 
 
-def k_quant_copy(file: Path, out: Path, quant: str) -> Path:
+def k_quant_copy(file: Path, out: Path, quant: str, arch: str = "flux") -> Path:
     """`file` as a GGUF whose 256-value rows hold random `quant` blocks with fp16 scales of
     ~1e-3: the `gguf` package has no K-quant quantizer (llama.cpp's C tools write them), and its
     dequantization is what the test compares with."""
@@ -98,10 +108,10 @@ def k_quant_copy(file: Path, out: Path, quant: str) -> Path:
     qtype = gguf.GGMLQuantizationType[quant]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(out), arch="flux")
+    writer = gguf.GGUFWriter(str(out), arch=arch)
     for key, value in load_file(str(file)).items():
         rows, cols = value.shape if value.dim() == 2 else (0, 1)
-        if cols % block:
+        if cols % block or not key.endswith(".weight"):
             writer.add_tensor(key.removeprefix(PREFIX), value.float().numpy())
             continue
         blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
@@ -228,3 +238,100 @@ def test_backward_keeps_the_blocks_not_a_dequantized_copy(compiled):
     x_ref = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(x_ref, module.dequantized(), module.bias).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+# The families whose GGUFs are read through their own name maps, checked here (the others in
+# their own test files): family -> (the `general.architecture` their GGUFs carry, the block
+# types their tiny rows fit: K-quants need rows of 256, only Z-Image's time embedder has them).
+FAMILY_GGUFS = {"z_image": ("lumina2", ("Q8_0", "Q4_K")), "anima": ("cosmos", ("Q8_0",)),
+                "minimax_h3": ("minimax_h3", ("Q8_0",))}
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    """family -> (its tiny diffusers folder, its transformer as one original-layout file under
+    ComfyUI's prefix), made on first use."""
+    import importlib
+
+    from dpipe.config.compose import compose_run
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            spec = build_spec(compose_run([f"model=tiny_{family}", "dataset=synthetic"]).model)
+            spec.ensure_available()  # writes the tiny folder, as a run does
+            tiny = importlib.import_module(f"dpipe.models.{family}.tiny")
+            out = tmp_path_factory.mktemp(family) / f"{family}.safetensors"
+            made[family] = spec.path, tiny.write_single_file(spec.path, out, PREFIX)
+        return made[family]
+    return get
+
+
+def _family_run(family: str, path: Path, folder: Path):
+    from dpipe.config.compose import compose_run
+
+    return compose_run([f"model=tiny_{family}", f"model.path={path}", "model.tiny=false",
+                        f"model.single_file_config={folder}", "dataset=synthetic"])
+
+
+def _family_spec(family: str, path: Path, folder: Path):
+    spec = build_spec(_family_run(family, path, folder).model)
+    spec.ensure_available()
+    return spec
+
+
+@pytest.mark.parametrize("family,quant", [(f, q) for f, (_, quants) in FAMILY_GGUFS.items()
+                                          for q in quants])
+def test_a_familys_gguf_is_its_values_kept_quantized(family_files, tmp_path, family, quant):
+    """Z-Image's, Anima's (the transformer and its text adapter) and MiniMax H3's original-layout
+    file as city96's GGUF, carrying the architecture their GGUFs carry."""
+    folder, plain = family_files(family)
+    assert type(_family_spec(family, plain, folder)).gguf_architectures[0] == FAMILY_GGUFS[family][0]
+    assert_gguf_keeps_the_values(lambda path: _family_spec(family, path, folder), plain, tmp_path,
+                                 quant, kept_at_least=2 if quant.endswith("_K") else 12)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_GGUFS))
+def test_a_lora_step_on_a_familys_gguf(family_files, tmp_path, family):
+    """The layers a LoRA run builds on the family's Q8_0 GGUF: the first loss is the one the
+    gguf package's dequantized values give, one optimizer step moves the adapters only (the
+    blocks stay the file's bytes, and the loss changes); a GGUF of another model is refused
+    naming the file."""
+    from dpipe.bench.worker import fixed_micro_batches
+    from dpipe.train.trainable import trainable_layers
+    from tests.unit.video_checks import run
+
+    folder, plain = family_files(family)
+    arch = FAMILY_GGUFS[family][0]
+    file = write_gguf_copy(plain, tmp_path / f"{family}-Q8_0.gguf", "Q8_0", arch)
+    dequantized = dequantized_copy(file, tmp_path / f"{family}-dequantized.safetensors")
+    losses, stored = {}, None
+    for name, path in (("gguf", file), ("dequantized", dequantized)):
+        run_config = _family_run(family, path, folder)
+        spec = build_spec(run_config.model)
+        layers = trainable_layers(spec, run_config)
+        inputs, labels = fixed_micro_batches(spec, "tiny", 1, 2, seed=0)[0]
+        loss = spec.loss(run(layers, inputs), labels)
+        losses[name] = loss.item()
+        if name == "gguf":
+            params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+            stored = {n: m.weight.detach().clone() for layer in layers
+                      for n, m in layer.named_modules() if isinstance(m, gguf_linear_class())}
+            before = [p.detach().clone() for p in params]
+            loss.backward()
+            torch.optim.AdamW(params, lr=1e-2).step()
+            after = spec.loss(run(layers, inputs), labels).item()
+            kept = {n: m.weight for layer in layers for n, m in layer.named_modules()
+                    if isinstance(m, gguf_linear_class())}
+    assert len(stored) >= 12 and stored.keys() == kept.keys()
+    assert all(torch.equal(kept[n], stored[n]) for n in stored)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+    assert after != losses["gguf"]
+    assert losses["gguf"] == pytest.approx(losses["dequantized"], rel=1e-5, abs=1e-7)
+
+    other = "hyvid" if family == "minimax_h3" else "wan"
+    refused = write_gguf_copy(plain, tmp_path / f"{other}.gguf", "Q8_0", other)
+    with pytest.raises(ModelLoadError, match=f"another architecture \\('{other}'") as err:
+        _family_spec(family, refused, folder).load_denoiser(torch.float32)
+    assert str(refused) in str(err.value)

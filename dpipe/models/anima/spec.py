@@ -39,13 +39,15 @@ from torch import nn
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.anima.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.anima.layers import AnimaEmbed, anima_layers
-from dpipe.models.anima.model import COMPONENTS, AnimaDenoiser, load_anima_denoiser
+from dpipe.models.anima.model import (
+    COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.cosmos import (
     BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
     wan_vae_latents)
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
+from dpipe.models.common.gguf_files import with_plain_linears
 from dpipe.models.diffusers_folder import load_or_fail, read_json, write_denoiser_folder
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
@@ -85,6 +87,7 @@ class AnimaSpec(DiffusersFamily):
     layers = anima_layers
     sampler = "dpipe.models.anima.sampling:AnimaSampling"
     single_file_suffixes = (".safetensors",)
+    gguf_architectures = GGUF_ARCHITECTURES
 
     def ensure_available(self) -> None:
         # A (non-modular) diffusers folder of another model is named before it is found
@@ -315,7 +318,8 @@ class AnimaSpec(DiffusersFamily):
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         """As diffusers users load an Anima LoRA: AnimaModularPipeline's `load_lora_weights`
         (AnimaLoraLoaderMixin), into both its transformer and its text conditioner."""
-        denoiser = self.load_denoiser(torch.float32)
+        # A GGUF base's Linears as the fp32 values they hold: the LoRA loader reads the Linears.
+        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
         load_lora_like_pipeline(denoiser, lora_dir, weight_name or DIFFUSERS_LORA, self.path)
         return denoiser
 

@@ -224,7 +224,7 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
 
 def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     """`file` (a plain single file) as the GGUF `out`, as city96's convert tool lays one out: the
-    names without ComfyUI's prefix, each 2-D `.weight` whose rows split into `quant_type`'s blocks
+    names without ComfyUI's prefix (or NVIDIA's `net.`), each 2-D `.weight` whose rows split into `quant_type`'s blocks
     ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer, the rest in F32;
     `general.architecture` = `arch`. The tiny models' GGUF files, for tests (their rows are
     32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
@@ -235,7 +235,7 @@ def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     writer = gguf.GGUFWriter(str(out), arch=arch)
     for key, value in load_file(str(file)).items():
-        name = key.removeprefix("model.diffusion_model.")
+        name = key.removeprefix("model.diffusion_model.").removeprefix("net.")
         array = value.to(torch.float32).numpy()
         if key.endswith(".weight") and value.dim() == 2 and value.shape[1] % block == 0:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -33,6 +33,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.common.gguf_files import with_plain_linears
 from dpipe.models.diffusers_folder import load_or_fail, read_json
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.fingerprint import folder_fingerprint
@@ -108,6 +109,10 @@ class MiniMaxH3Spec(DiffusersFamily):
     # rest from the diffusers folder named by model.single_file_config.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     from_single_file = from_original
+    # Its GGUFs (the same original names): `minimax_h3` as the community repacks name it, and
+    # `wan`, which some repacks carry so that ComfyUI-GGUF, whose list lacks minimax_h3, loads
+    # them (a Wan file given here fails on its names).
+    gguf_architectures = ("minimax_h3", "wan")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -480,7 +485,8 @@ class MiniMaxH3Spec(DiffusersFamily):
         """As diffusers users load a MiniMax H3 LoRA: the modular pipeline's `load_lora_weights`
         (MiniMaxH3LoraLoaderMixin), into its `transformer` (the pipeline's other components play
         no part in loading a LoRA and stay unloaded)."""
-        denoiser = self.load_denoiser(torch.float32)
+        # A GGUF base's Linears as the fp32 values they hold: the LoRA loader reads the Linears.
+        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
         pipe = self._pipeline()
         pipe.update_components(transformer=denoiser)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
