@@ -240,17 +240,16 @@ def test_backward_keeps_the_blocks_not_a_dequantized_copy(compiled):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
 
 
-# The families whose GGUFs are read through their own name maps, checked here (the others in
-# their own test files): family -> (the `general.architecture` their GGUFs carry, the block
-# types their tiny rows fit: K-quants need rows of 256, only Z-Image's time embedder has them).
-FAMILY_GGUFS = {"z_image": ("lumina2", ("Q8_0", "Q4_K")), "anima": ("cosmos", ("Q8_0",)),
-                "minimax_h3": ("minimax_h3", ("Q8_0",))}
+# Families whose GGUF loading is checked here (the others' in their own test files): family ->
+# the `general.architecture` their GGUFs carry (city96's converter tells Z-Image by Lumina 2's
+# keys and Anima by Cosmos-Predict2's).
+FAMILY_GGUFS = {"z_image": "lumina2", "anima": "cosmos", "minimax_h3": "minimax_h3"}
 
 
 @pytest.fixture(scope="module")
 def family_files(tmp_path_factory):
-    """family -> (its tiny diffusers folder, its transformer as one original-layout file under
-    ComfyUI's prefix), made on first use."""
+    """family -> (a LoRA run's config on its tiny folder, its transformer as one original-layout
+    file under ComfyUI's prefix), made on first use."""
     import importlib
 
     from dpipe.config.compose import compose_run
@@ -259,79 +258,89 @@ def family_files(tmp_path_factory):
 
     def get(family: str):
         if family not in made:
-            spec = build_spec(compose_run([f"model=tiny_{family}", "dataset=synthetic"]).model)
-            spec.ensure_available()  # writes the tiny folder, as a run does
+            run = compose_run([f"model=tiny_{family}", "dataset=synthetic"])
+            build_spec(run.model).ensure_available()  # writes the tiny folder, as a run does
             tiny = importlib.import_module(f"dpipe.models.{family}.tiny")
             out = tmp_path_factory.mktemp(family) / f"{family}.safetensors"
-            made[family] = spec.path, tiny.write_single_file(spec.path, out, PREFIX)
+            made[family] = run, tiny.write_single_file(Path(run.model.path), out, PREFIX)
         return made[family]
     return get
 
 
-def _family_run(family: str, path: Path, folder: Path):
-    from dpipe.config.compose import compose_run
+def _on_file(run, path: Path):
+    """`run` (composed once: composing takes ~0.5 s) with `path` as model.path and its tiny
+    folder as model.single_file_config."""
+    import dataclasses
 
-    return compose_run([f"model=tiny_{family}", f"model.path={path}", "model.tiny=false",
-                        f"model.single_file_config={folder}", "dataset=synthetic"])
-
-
-def _family_spec(family: str, path: Path, folder: Path):
-    spec = build_spec(_family_run(family, path, folder).model)
-    spec.ensure_available()
-    return spec
+    return dataclasses.replace(run, model=dataclasses.replace(
+        run.model, path=str(path), tiny=False, single_file_config=run.model.path))
 
 
-@pytest.mark.parametrize("family,quant", [(f, q) for f, (_, quants) in FAMILY_GGUFS.items()
-                                          for q in quants])
-def test_a_familys_gguf_is_its_values_kept_quantized(family_files, tmp_path, family, quant):
-    """Z-Image's, Anima's (the transformer and its text adapter) and MiniMax H3's original-layout
-    file as city96's GGUF, carrying the architecture their GGUFs carry."""
-    folder, plain = family_files(family)
-    assert type(_family_spec(family, plain, folder)).gguf_architectures[0] == FAMILY_GGUFS[family][0]
-    assert_gguf_keeps_the_values(lambda path: _family_spec(family, path, folder), plain, tmp_path,
-                                 quant, kept_at_least=2 if quant.endswith("_K") else 12)
+def _base_weights(layers) -> dict[str, torch.Tensor]:
+    """The frozen base of LoRA `layers` by name: each GGUF Linear's weight as it multiplies."""
+    out = {}
+    for i, layer in enumerate(layers):
+        modules = dict(layer.named_modules())
+        for name, value in layer.state_dict().items():
+            module = modules.get(name.removesuffix(".weight"))
+            if "lora_" in name:
+                continue
+            gguf = isinstance(module, gguf_linear_class()) and name.endswith(".weight")
+            out[f"{i}.{name}"] = module.dequantized() if gguf else value
+    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILY_GGUFS))
-def test_a_lora_step_on_a_familys_gguf(family_files, tmp_path, family):
-    """The layers a LoRA run builds on the family's Q8_0 GGUF: the first loss is the one the
-    gguf package's dequantized values give, one optimizer step moves the adapters only (the
-    blocks stay the file's bytes, and the loss changes); a GGUF of another model is refused
-    naming the file."""
+def test_a_lora_trains_on_a_familys_gguf(family_files, tmp_path, family):
+    """The layers a LoRA run builds on the family's original-layout file as a Q8_0 GGUF (Anima's
+    text adapter included): every Linear whose rows split into blocks holds the file's bytes and
+    multiplies by the `gguf` package's dequantization of them, every other weight is that of the
+    dequantized file, and so is the first loss; an optimizer step moves the adapters only, and
+    the loss. A GGUF of another model is refused naming the file."""
     from dpipe.bench.worker import fixed_micro_batches
     from dpipe.train.trainable import trainable_layers
     from tests.unit.video_checks import run
 
-    folder, plain = family_files(family)
-    arch = FAMILY_GGUFS[family][0]
-    file = write_gguf_copy(plain, tmp_path / f"{family}-Q8_0.gguf", "Q8_0", arch)
+    base, plain = family_files(family)
+    file = write_gguf_copy(plain, tmp_path / f"{family}-Q8_0.gguf", "Q8_0", FAMILY_GGUFS[family])
     dequantized = dequantized_copy(file, tmp_path / f"{family}-dequantized.safetensors")
-    losses, stored = {}, None
+    built = {}
     for name, path in (("gguf", file), ("dequantized", dequantized)):
-        run_config = _family_run(family, path, folder)
-        spec = build_spec(run_config.model)
-        layers = trainable_layers(spec, run_config)
+        config = _on_file(base, path)
+        spec = build_spec(config.model)
+        layers = trainable_layers(spec, config)
         inputs, labels = fixed_micro_batches(spec, "tiny", 1, 2, seed=0)[0]
-        loss = spec.loss(run(layers, inputs), labels)
-        losses[name] = loss.item()
-        if name == "gguf":
-            params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-            stored = {n: m.weight.detach().clone() for layer in layers
-                      for n, m in layer.named_modules() if isinstance(m, gguf_linear_class())}
-            before = [p.detach().clone() for p in params]
-            loss.backward()
-            torch.optim.AdamW(params, lr=1e-2).step()
-            after = spec.loss(run(layers, inputs), labels).item()
-            kept = {n: m.weight for layer in layers for n, m in layer.named_modules()
-                    if isinstance(m, gguf_linear_class())}
-    assert len(stored) >= 12 and stored.keys() == kept.keys()
-    assert all(torch.equal(kept[n], stored[n]) for n in stored)
-    assert all(not torch.equal(p, b) for p, b in zip(params, before))
-    assert after != losses["gguf"]
-    assert losses["gguf"] == pytest.approx(losses["dequantized"], rel=1e-5, abs=1e-7)
+        built[name] = spec, layers, inputs, labels, spec.loss(run(layers, inputs), labels)
+    spec, layers, inputs, labels, loss = built["gguf"]
+    stored = {name: m.weight for layer in layers for name, m in layer.named_modules()
+              if isinstance(m, gguf_linear_class())}
+    assert len(stored) >= 12 and all(w.dtype == torch.uint8 for w in stored.values())
+    got, want = _base_weights(layers), _base_weights(built["dequantized"][1])
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert loss.item() == pytest.approx(built["dequantized"][4].item(), rel=1e-5, abs=1e-7)
 
-    other = "hyvid" if family == "minimax_h3" else "wan"
+    bytes_before = {name: w.clone() for name, w in stored.items()}
+    adapters = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in adapters]
+    loss.backward()
+    torch.optim.AdamW(adapters, lr=1e-2).step()
+    assert all(not torch.equal(p, b) for p, b in zip(adapters, before))
+    assert all(torch.equal(stored[n], b) for n, b in bytes_before.items())
+    assert spec.loss(run(layers, inputs), labels).item() != loss.item()
+
+    other = "hyvid" if family == "minimax_h3" else "wan"  # some MiniMax H3 GGUFs carry `wan`
     refused = write_gguf_copy(plain, tmp_path / f"{other}.gguf", "Q8_0", other)
     with pytest.raises(ModelLoadError, match=f"another architecture \\('{other}'") as err:
-        _family_spec(family, refused, folder).load_denoiser(torch.float32)
+        build_spec(_on_file(base, refused).model).load_denoiser(torch.float32)
     assert str(refused) in str(err.value)
+
+
+def test_z_images_k_quant_gguf_is_its_values_kept_quantized(family_files, tmp_path):
+    """A Q4_K GGUF (city96's Z-Image Turbo files are mostly K-quants): the tiny model's time
+    embedder is the part whose rows split into 256-value blocks."""
+
+    base, plain = family_files("z_image")
+    assert_gguf_keeps_the_values(lambda path: build_spec(_on_file(base, path).model), plain,
+                                 tmp_path, "Q4_K", kept_at_least=2)
