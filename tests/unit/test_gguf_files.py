@@ -187,7 +187,8 @@ def test_weights_are_the_gguf_packages_dequantization_and_stay_quantized(tiny, t
 
 def test_a_gguf_of_another_architecture_is_named(tiny, tmp_path):
     folder, plain = tiny
-    for arch, said in (("wan", "another architecture ('wan'"), ("t5", "text encoder (t5)")):
+    for arch, said in (("wan", "another architecture ('wan'"), ("t5", "text encoder (t5)"),
+                       ("minimax_h3", "another architecture ('minimax_h3'")):
         file = write_gguf_copy(plain, tmp_path / f"{arch}.gguf", "Q8_0", arch)
         spec = _spec(file, folder)
         with pytest.raises(ModelLoadError, match=r"not a FLUX\.1 transformer") as err:
@@ -344,3 +345,23 @@ def test_z_images_k_quant_gguf_is_its_values_kept_quantized(family_files, tmp_pa
     base, plain = family_files("z_image")
     assert_gguf_keeps_the_values(lambda path: build_spec(_on_file(base, path).model), plain,
                                  tmp_path, "Q4_K", kept_at_least=2)
+
+
+def test_z_image_and_lumina2_files_are_told_apart(family_files, tmp_path):
+    """Z-Image's blocks are Lumina 2's, and both models' GGUFs carry `lumina2`: each family
+    names the other's file (by Z-Image's caption pad token) instead of failing on sizes."""
+    from safetensors.torch import load_file
+
+    from dpipe.models.lumina2.comfyui import from_native as lumina2_names
+
+    base, plain = family_files("z_image")
+    state = {k.removeprefix(PREFIX): v for k, v in load_file(plain).items()}
+    with pytest.raises(ValueError, match="a Z-Image transformer. Train it with model=z_image"):
+        lumina2_names(state, None)
+    del state["cap_pad_token"]  # as in Lumina 2's files
+    save_file({PREFIX + k: v for k, v in state.items()}, tmp_path / "lumina2.safetensors")
+    file = write_gguf_copy(tmp_path / "lumina2.safetensors", tmp_path / "lumina2-Q8_0.gguf",
+                           "Q8_0", "lumina2")
+    with pytest.raises(ModelLoadError, match="Lumina-Image 2.0 transformer.*model=lumina2") as err:
+        build_spec(_on_file(base, file).model).load_denoiser(torch.float32)
+    assert str(file) in str(err.value)

@@ -47,7 +47,6 @@ from dpipe.models.common.cosmos import (
     wan_vae_latents)
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.common.gguf_files import with_plain_linears
 from dpipe.models.diffusers_folder import load_or_fail, read_json, write_denoiser_folder
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
@@ -318,8 +317,7 @@ class AnimaSpec(DiffusersFamily):
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         """As diffusers users load an Anima LoRA: AnimaModularPipeline's `load_lora_weights`
         (AnimaLoraLoaderMixin), into both its transformer and its text conditioner."""
-        # A GGUF base's Linears as the fp32 values they hold: the LoRA loader reads the Linears.
-        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
+        denoiser = self.load_denoiser(torch.float32)
         load_lora_like_pipeline(denoiser, lora_dir, weight_name or DIFFUSERS_LORA, self.path)
         return denoiser
 

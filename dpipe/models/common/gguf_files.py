@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 # `general.architecture` of the image and video models city96's tools convert, and of the text
-# encoders they convert (ComfyUI-GGUF's loader.py lists both): a file of one of them that the
-# family does not read is named as such.
+# encoders they convert (ComfyUI-GGUF's loader.py lists both), and `minimax_h3`, which MiniMax
+# H3's community GGUFs carry: a file of one of them that the family does not read is named as
+# such.
 KNOWN_IMAGE_ARCHITECTURES = ("flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv",
-                             "hyvid", "wan", "lumina2", "qwen_image")
+                             "hyvid", "wan", "lumina2", "qwen_image", "minimax_h3")
 TEXT_ARCHITECTURES = ("t5", "t5encoder", "llama", "qwen2vl", "qwen3", "qwen3vl", "gemma3")
 
 

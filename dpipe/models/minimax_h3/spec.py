@@ -33,7 +33,6 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
-from dpipe.models.common.gguf_files import with_plain_linears
 from dpipe.models.diffusers_folder import load_or_fail, read_json
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.fingerprint import folder_fingerprint
@@ -485,8 +484,7 @@ class MiniMaxH3Spec(DiffusersFamily):
         """As diffusers users load a MiniMax H3 LoRA: the modular pipeline's `load_lora_weights`
         (MiniMaxH3LoraLoaderMixin), into its `transformer` (the pipeline's other components play
         no part in loading a LoRA and stay unloaded)."""
-        # A GGUF base's Linears as the fp32 values they hold: the LoRA loader reads the Linears.
-        denoiser = with_plain_linears(self.load_denoiser(torch.float32))
+        denoiser = self.load_denoiser(torch.float32)
         pipe = self._pipeline()
         pipe.update_components(transformer=denoiser)
         pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)

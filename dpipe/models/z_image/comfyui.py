@@ -10,6 +10,8 @@ import torch
 
 from dpipe.models.comfyui import fused_pair, peft_pairs
 
+# Z-Image's caption pad token: in its original files, not in Lumina 2's (which have its blocks).
+Z_IMAGE_KEY = "cap_pad_token"
 _TO_NATIVE = {".attention.to_out.0": ".attention.out", "all_final_layer.2-1.": "final_layer.",
               "all_x_embedder.2-1.": "x_embedder."}
 
@@ -17,10 +19,14 @@ _TO_NATIVE = {".attention.to_out.0": ".attention.out", "all_final_layer.2-1.": "
 def from_native(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """A single file's original names (prefix removed) -> ZImageTransformer2DModel's, by
     diffusers' converter: q/k/v split from qkv in equal thirds, along rows (so a GGUF's blocks
-    split whole), and `norm_final`, which the model does not use, dropped."""
+    split whole), and `norm_final`, which the model does not use, dropped. A Lumina 2 file (the
+    same block names, and the same `lumina2` in its GGUFs) is refused as such."""
     from diffusers.loaders.single_file_utils import (
         convert_z_image_transformer_checkpoint_to_diffusers)
 
+    if Z_IMAGE_KEY not in state:
+        raise ValueError(f"it has no {Z_IMAGE_KEY}, which Z-Image's files hold: a Lumina-Image "
+                         "2.0 transformer? Train that with model=lumina2")
     return convert_z_image_transformer_checkpoint_to_diffusers(dict(state))
 
 
