@@ -20,7 +20,8 @@ pipeline's decoder inverts it.
 Weights: the diffusers folder (circlestone-labs/Anima-Base-v1.0-Diffusers, a modular-pipeline
 folder with modular_model_index.json), or Anima's single file (circlestone-labs/Anima,
 split_files/diffusion_models/*.safetensors: the transformer under NVIDIA's names and the adapter
-under `llm_adapter.`) with that folder as model.single_file_config.
+under `llm_adapter.`), or its GGUF (`cosmos`: kept quantized), with that folder as
+model.single_file_config.
 """
 
 from __future__ import annotations
