@@ -225,10 +225,10 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
 
 def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     """`file` (a plain single file) as the GGUF `out`, as city96's convert tool lays one out: the
-    names without ComfyUI's prefix (or NVIDIA's `net.`), each 2-D `.weight` whose rows split into `quant_type`'s blocks
-    ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer, the rest in F32;
-    `general.architecture` = `arch`. The tiny models' GGUF files, for tests (their rows are
-    32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
+    names without ComfyUI's prefix (or NVIDIA's `net.`), each 2-D `.weight` whose rows split into
+    `quant_type`'s blocks ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer,
+    the rest in F32; `general.architecture` = `arch`. The tiny models' GGUF files, for tests
+    (their rows are 32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
     import gguf
     from safetensors.torch import load_file
 
