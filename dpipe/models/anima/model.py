@@ -17,9 +17,13 @@ import torch
 from torch import nn
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.gguf_files import GGUF_SUFFIX, keep_quantized, read_gguf
 from dpipe.models.single_file import in_load_dtypes, load_or_fail, read_single_file
 
 ADAPTER_PREFIX = "llm_adapter."  # the adapter's keys in Anima's single file (ComfyUI's name)
+# city96's converter and ggufy tell Anima's file by its Cosmos-Predict2 keys: its GGUFs carry
+# `cosmos`, the adapter among the tensors.
+GGUF_ARCHITECTURES = ("cosmos",)
 COMPONENTS = ("transformer", "text_conditioner")
 
 
@@ -53,7 +57,7 @@ class AnimaDenoiser(nn.Module):
 
 def load_anima_denoiser(folder: Path, single_file: Path | None, dtype: torch.dtype) -> AnimaDenoiser:
     """From the diffusers folder's `transformer/` and `text_conditioner/`, or from Anima's single
-    file (the configs from the folder)."""
+    file or its GGUF (kept quantized), the configs from the folder."""
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 
     if single_file is not None:
@@ -71,7 +75,9 @@ def _from_single_file(folder: Path, file: Path, dtype: torch.dtype) -> AnimaDeno
 
     from dpipe.models.anima.comfyui import from_original
 
-    state = load_or_fail(lambda: read_single_file(file, dtype), file)
+    gguf = file.suffix == GGUF_SUFFIX
+    state = (read_gguf(file, "Anima", GGUF_ARCHITECTURES) if gguf
+             else load_or_fail(lambda: read_single_file(file, dtype), file))
     with init_empty_weights():
         denoiser = AnimaDenoiser(
             CosmosTransformer3DModel.from_config(
@@ -79,6 +85,8 @@ def _from_single_file(folder: Path, file: Path, dtype: torch.dtype) -> AnimaDeno
             AnimaTextConditioner.from_config(
                 AnimaTextConditioner.load_config(folder / "text_conditioner")))
     state = from_original(state, file)
+    if gguf:  # its quantized Linears stay in their blocks; the rest dequantized to `dtype`
+        state = keep_quantized(denoiser, state, file, dtype)
     expected = set(denoiser.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

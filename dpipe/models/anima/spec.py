@@ -20,7 +20,8 @@ pipeline's decoder inverts it.
 Weights: the diffusers folder (circlestone-labs/Anima-Base-v1.0-Diffusers, a modular-pipeline
 folder with modular_model_index.json), or Anima's single file (circlestone-labs/Anima,
 split_files/diffusion_models/*.safetensors: the transformer under NVIDIA's names and the adapter
-under `llm_adapter.`) with that folder as model.single_file_config.
+under `llm_adapter.`), or its GGUF (`cosmos`: kept quantized), with that folder as
+model.single_file_config.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from torch import nn
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.anima.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.anima.layers import AnimaEmbed, anima_layers
-from dpipe.models.anima.model import COMPONENTS, AnimaDenoiser, load_anima_denoiser
+from dpipe.models.anima.model import (
+    COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.cosmos import (
     BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
@@ -85,6 +87,7 @@ class AnimaSpec(DiffusersFamily):
     layers = anima_layers
     sampler = "dpipe.models.anima.sampling:AnimaSampling"
     single_file_suffixes = (".safetensors",)
+    gguf_architectures = GGUF_ARCHITECTURES
 
     def ensure_available(self) -> None:
         # A (non-modular) diffusers folder of another model is named before it is found

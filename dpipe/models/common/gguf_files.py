@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 # `general.architecture` of the image and video models city96's tools convert, and of the text
-# encoders they convert (ComfyUI-GGUF's loader.py lists both): a file of one of them that the
-# family does not read is named as such.
+# encoders they convert (ComfyUI-GGUF's loader.py lists both), and `minimax_h3`, which MiniMax
+# H3's community GGUFs carry: a file of one of them that the family does not read is named as
+# such.
 KNOWN_IMAGE_ARCHITECTURES = ("flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv",
-                             "hyvid", "wan", "lumina2", "qwen_image")
+                             "hyvid", "wan", "lumina2", "qwen_image", "minimax_h3")
 TEXT_ARCHITECTURES = ("t5", "t5encoder", "llama", "qwen2vl", "qwen3", "qwen3vl", "gemma3")
 
 
@@ -224,10 +225,10 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
 
 def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     """`file` (a plain single file) as the GGUF `out`, as city96's convert tool lays one out: the
-    names without ComfyUI's prefix, each 2-D `.weight` whose rows split into `quant_type`'s blocks
-    ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer, the rest in F32;
-    `general.architecture` = `arch`. The tiny models' GGUF files, for tests (their rows are
-    32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
+    names without ComfyUI's prefix (or NVIDIA's `net.`), each 2-D `.weight` whose rows split into
+    `quant_type`'s blocks ("Q8_0", "Q4_K", ...) quantized by the `gguf` package's own quantizer,
+    the rest in F32; `general.architecture` = `arch`. The tiny models' GGUF files, for tests
+    (their rows are 32-256 wide: K-quants, of 256-value blocks, apply to few of them)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -235,7 +236,7 @@ def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     writer = gguf.GGUFWriter(str(out), arch=arch)
     for key, value in load_file(str(file)).items():
-        name = key.removeprefix("model.diffusion_model.")
+        name = key.removeprefix("model.diffusion_model.").removeprefix("net.")
         array = value.to(torch.float32).numpy()
         if key.endswith(".weight") and value.dim() == 2 and value.shape[1] % block == 0:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -61,6 +61,9 @@ def from_native(native: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
 
     native = {k.removeprefix("model.").removeprefix("diffusion_model."): v
               for k, v in native.items() if k != "norm_final.weight"}  # unused in the original
+    if "cap_pad_token" in native:  # Z-Image's blocks are Lumina 2's, its GGUFs `lumina2` too
+        raise ValueError("it holds cap_pad_token: a Z-Image transformer. Train it with "
+                         "model=z_image")
     out = {}
     for key in [k for k in native if ".attention.qkv." in k]:
         base = key.split(".attention.qkv.")[0]

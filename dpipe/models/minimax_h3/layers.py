@@ -108,11 +108,10 @@ class MiniMaxH3Embed(PipelineLayer):
             video, audio, t, text, text_lengths, layout = inputs
         else:
             (video, t, text, text_lengths, layout), audio = inputs, None
-        dtype = lambda m: next(m.parameters()).dtype  # noqa: E731 - mixed-precision release
-        video = self.proj_in(video.to(dtype(self.proj_in)))
+        video = self.proj_in(video.to(compute_dtype(self.proj_in, video)))
         if audio is not None:
-            audio = self.audio_proj_in(audio.to(dtype(self.audio_proj_in)))
-        text = self.context_embedder(text.to(dtype(self.context_embedder)))
+            audio = self.audio_proj_in(audio.to(compute_dtype(self.audio_proj_in, audio)))
+        text = self.context_embedder(text.to(compute_dtype(self.context_embedder, text)))
         b = video.shape[0]
         rows = []
         for i, n in enumerate(sizes(text_lengths)):
@@ -126,8 +125,16 @@ class MiniMaxH3Embed(PipelineLayer):
             rows.append(torch.cat(parts, dim=1))
         hidden = _stack(rows, max(r.shape[1] for r in rows))
         t = t.repeat(len(rows) // b, 1)
-        temb = self.time_embedder(self.time_proj(t.reshape(-1)).to(dtype(self.time_embedder)))
+        t_freq = self.time_proj(t.reshape(-1))
+        temb = self.time_embedder(t_freq.to(compute_dtype(self.time_embedder, t_freq)))
         return needs_grad(hidden), needs_grad(temb.view(*t.shape, -1)), text_lengths, layout
+
+
+def compute_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The dtype `module` computes in: its first floating-point parameter's (the release keeps
+    its embedders and heads in fp32, the blocks in bf16), or `x`'s where it has none. A GGUF
+    Linear's weight is the file's bytes (uint8), not the dtype it multiplies in."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), x.dtype)
 
 
 class MiniMaxH3Block(PipelineLayer):
@@ -168,7 +175,7 @@ class MiniMaxH3Head(PipelineLayer):
             n = tags.shape[0]
             with _grad_unless(i >= b):
                 x = self.norm_out(hidden[i:i + 1, :n], temb[i], time_index)
-                x = x.to(self.proj_out.weight.dtype)
+                x = x.to(compute_dtype(self.proj_out, x))
                 video_out.append(self.proj_out(x.index_select(1, video)))
                 if audio.numel():
                     audio_out.append(self.audio_proj_out(x.index_select(1, audio)))

@@ -108,6 +108,10 @@ class MiniMaxH3Spec(DiffusersFamily):
     # rest from the diffusers folder named by model.single_file_config.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     from_single_file = from_original
+    # Its GGUFs (the same original names): `minimax_h3` as the community repacks name it, and
+    # `wan`, which some repacks carry so that ComfyUI-GGUF, whose list lacks minimax_h3, loads
+    # them (a Wan file given here fails on its names).
+    gguf_architectures = ("minimax_h3", "wan")
 
     def __init__(self, cfg):
         super().__init__(cfg)

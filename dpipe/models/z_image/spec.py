@@ -26,9 +26,8 @@ from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
-from dpipe.models.single_file import load_or_fail
 from dpipe.models.spec import NoisedBatch
-from dpipe.models.z_image.comfyui import comfy_lora_pairs
+from dpipe.models.z_image.comfyui import comfy_lora_pairs, from_native
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
 from dpipe.models.z_image.sizes import SAMPLE_SHAPES, SIZES
 
@@ -57,31 +56,18 @@ class ZImageSpec(DiffusersFamily):
     layers, edge_layers = z_image_layers, 3
     block_count_keys = ("n_refiner_layers", "n_refiner_layers", "n_layers")
     sampler = "dpipe.models.z_image.sampling:ZImageSampling"
-    # A single file (ComfyUI's / the original layout), read by diffusers' from_single_file.
+    # A single file (ComfyUI's / the original layout), or its GGUF: city96's converter tells
+    # Z-Image by Lumina 2's keys (cap_embedder, context_refiner's fused qkv), so Z-Image Turbo's
+    # GGUFs carry `lumina2`.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
+    gguf_architectures = ("lumina2",)
+    from_single_file = from_native
 
     @property
     def pixel_multiple(self) -> int:
         # VAE downscale (x8 for the real model), then 2x2 patches.
         patch = self.part_config("transformer").get("all_patch_size", [2])[0]
         return super().pixel_multiple * patch
-
-    # ---- components -------------------------------------------------------------------------
-    @property
-    def loads_stage_weights(self) -> bool:
-        # Its load_denoiser is the default for a diffusers folder (its own is for single files
-        # only): each stage reads its weights from a folder as every default family does.
-        return self.single_file is None
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        if self.single_file is None:
-            return super().load_denoiser(dtype)
-        from diffusers import ZImageTransformer2DModel
-
-        # diffusers converts the original names
-        return load_or_fail(lambda: ZImageTransformer2DModel.from_single_file(
-            str(self.single_file), config=str(self.path), subfolder="transformer",
-            torch_dtype=dtype), self.single_file)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:

@@ -71,3 +71,12 @@ def _write(out: Path, seed: int) -> None:
     index = json.loads((out / "model_index.json").read_text())
     assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index
     assert index["text_encoder"] == ["transformers", "Qwen3Model"], index
+
+
+def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
+    """The tiny folder's transformer as the original single file holds it (`z_image_turbo_bf16`:
+    the original names, `comfyui.native_state_dict`), bf16, each key after `prefix`."""
+    from dpipe.models.single_file import write_transformer_file
+    from dpipe.models.z_image.comfyui import native_state_dict
+
+    return write_transformer_file(folder / "transformer", file, native_state_dict, prefix, DTYPE)
