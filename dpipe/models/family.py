@@ -27,8 +27,7 @@ from torch import nn
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
-    check_folder, denoiser_skeleton, load_denoiser, load_encoders, read_json,
-    write_denoiser_folder)
+    check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
@@ -36,6 +35,7 @@ from dpipe.models.single_file import (
     SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, keeps_stored_base, load_or_fail,
     split_path)
 from dpipe.models.spec import ModelSpec, PipelineLayer, block_costs, denoiser_config
+from dpipe.models.stage_weights import folder_skeleton
 
 
 def imported(target: str) -> Any:
@@ -145,9 +145,9 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def loads_stage_weights(self) -> bool:
-        """From a diffusers folder, where the family loads its denoiser the default way; a
-        family with its own `load_denoiser` (key conversions, extra modules) and a single file
-        load the whole denoiser."""
+        """From a diffusers folder, where the family loads its denoiser the default way. A
+        family with its own `load_denoiser` says so itself: where its own is for single files
+        only (SDXL, Z-Image), or where it builds its own skeleton (Anima's two models)."""
         return self.single_file is None and \
             type(self).load_denoiser is DiffusersFamily.load_denoiser
 
@@ -155,8 +155,8 @@ class DiffusersFamily(ModelSpec):
         """From the folder's safetensors files (None where it holds none)."""
         if not self.loads_stage_weights:
             return None
-        return denoiser_skeleton(diffusers_class(self.denoiser_class), self.path,
-                                 self.denoiser_folder)
+        return folder_skeleton(diffusers_class(self.denoiser_class),
+                               self.path / self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).

@@ -14,7 +14,7 @@ import torch
 
 from dpipe.config.compose import compose_run
 from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.diffusers_folder import DenoiserSkeleton
+from dpipe.models.stage_weights import DenoiserSkeleton
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.train.trainable import load_denoiser, trainable_layers
@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("mode", [["train.precision=bf16"], ["model.mode=full"],
                                   ["model.adapter=lokr", "train.precision=bf16",
                                    "model.base_dtype=fp8"],
-                                  ["model=tiny_z_image", "train.precision=bf16"]])
+                                  ["model=tiny_z_image", "train.precision=bf16"],
+                                  ["model=tiny_sdxl", "train.precision=bf16"],
+                                  ["model=tiny_omnigen2", "train.precision=bf16"],
+                                  ["model=tiny_anima", "model.mode=full"]])
 def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
     run = compose_run(["model=tiny_flux", "pipeline.stages=2", *mode], world_size=2)
     spec = build_spec(run.model)

@@ -65,6 +65,22 @@ def load_anima_denoiser(folder: Path, single_file: Path | None, dtype: torch.dty
     return AnimaDenoiser(transformer, conditioner)
 
 
+def anima_skeleton(folder: Path):
+    """The denoiser with no weights read, each stage to read its own from the folder's
+    `transformer/` and `text_conditioner/` (`dpipe.models.stage_weights`); None where either
+    holds no safetensors weights."""
+    from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
+
+    from dpipe.models.stage_weights import (FolderWeights, empty_model, holds_safetensors,
+                                            skeleton_of)
+
+    if not all(holds_safetensors(folder / part) for part in COMPONENTS):
+        return None
+    denoiser = AnimaDenoiser(empty_model(CosmosTransformer3DModel, folder / "transformer"),
+                             empty_model(AnimaTextConditioner, folder / "text_conditioner"))
+    return skeleton_of(denoiser, FolderWeights({f"{part}.": folder / part for part in COMPONENTS}))
+
+
 def _from_single_file(folder: Path, file: Path, dtype: torch.dtype) -> AnimaDenoiser:
     from accelerate import init_empty_weights
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel

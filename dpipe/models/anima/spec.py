@@ -39,7 +39,8 @@ from torch import nn
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.anima.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.anima.layers import AnimaEmbed, anima_layers
-from dpipe.models.anima.model import COMPONENTS, AnimaDenoiser, load_anima_denoiser
+from dpipe.models.anima.model import (COMPONENTS, AnimaDenoiser, anima_skeleton,
+                                      load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.cosmos import (
     BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
@@ -145,6 +146,13 @@ class AnimaSpec(DiffusersFamily):
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_anima_denoiser(self.path, self.single_file, dtype)
+
+    @property
+    def loads_stage_weights(self) -> bool:
+        return self.single_file is None
+
+    def denoiser_skeleton(self):
+        return anima_skeleton(self.path)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
