@@ -5,6 +5,7 @@ and a mid-size denoiser's stage stays within the host memory the plan states for
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,8 +88,12 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     """The whole denoiser in fp32 (what every rank loaded before) would take 580 MB; stage 0 of
     2 of a bf16 LoRA holds about half of its bf16 weights. The worker measures the rise of its
     resident memory's peak while it loads (VmHWM, from a reset), against
-    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure)."""
+    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure): from the diffusers
+    folder, then from the same weights as ComfyUI's single file in BFL's layout (its fused
+    tensors split by the converter)."""
     from diffusers import FluxTransformer2DModel
+
+    from dpipe.models.flux.tiny import write_bfl_single_file
 
     folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
     with torch.device("meta"):
@@ -98,11 +103,18 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
         param.data.fill_(0.01)  # the values do not matter here; their bytes do
     save_exact_shards(model, folder / "transformer", shards=3)
     del model
+    file = write_bfl_single_file(folder, tmp_path / "flux1-dev.safetensors",
+                                 "model.diffusion_model.")
+    run = ["model=tiny_flux", "pipeline.stages=2", "train.precision=bf16"]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", "model=tiny_flux",
-         f"model.path={folder}", "pipeline.stages=2", "train.precision=bf16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *run,
+         f"model.path={folder}", "--", *run, f"model.path={file}",
+         f"model.single_file_config={folder}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)})
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert 100e6 < measured["bound"] < 290e6  # about half the bf16 weights, one layer in transit
-    assert measured["rise"] <= measured["bound"], measured
+    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-2:]]
+    assert measured[0]["bound"] == measured[1]["bound"]
+    assert 100e6 < measured[0]["bound"] < 290e6  # about half the bf16 weights, one layer in transit
+    for folder_or_file in measured:
+        assert folder_or_file["rise"] <= folder_or_file["bound"], measured
