@@ -16,8 +16,6 @@ their scales, and a GGUF's blocks kept quantized, by the whole load (`load_trans
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Callable
 
@@ -26,10 +24,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dpipe.errors import ModelLoadError
-from dpipe.models.safetensors_files import HEADER_LENGTH_BYTES, TENSOR_DTYPES, read_tensors
+from dpipe.models.safetensors_files import TENSOR_DTYPES, file_header, read_tensors
+from dpipe.models.single_file import check_names, converter_name
 from dpipe.models.stage_weights import DenoiserSkeleton, empty_model, skeleton_of
-
-log = logging.getLogger(__name__)
 
 # The suffixes of safetensors files among single files (Wan's releases use .sft).
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
@@ -41,15 +38,6 @@ PLAIN_DTYPES = ("F32", "F16", "BF16")
 # at FLUX.1-dev's size (0.5 GiB against a double block's 0.68 GiB in bf16); the converter's
 # run over the other tensors, as meta tensors, takes ~4 ms there.
 BATCH_BYTES = 128 << 20
-
-
-def file_header(file: Path) -> tuple[dict[str, dict], dict[str, str]]:
-    """({tensor: its header entry}, the metadata) of a safetensors file, nothing else read."""
-    with open(file, "rb") as f:
-        length = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
-        header = json.loads(f.read(length))
-    metadata = header.pop("__metadata__", None) or {}
-    return header, metadata
 
 
 def reads_by_tensor(file: Path) -> bool:
@@ -92,6 +80,7 @@ class _Traced(torch.Tensor):
         name = getattr(func, "__name__", "")
         if (name.endswith("_") or name == "__setitem__") and isinstance(args[0], _Traced):
             args[0].sources = args[0].sources | sources  # in place: into the target
+
         def traced(t):
             return (_Traced.make(t, sources)
                     if isinstance(t, torch.Tensor) and not isinstance(t, _Traced) else t)
@@ -108,28 +97,21 @@ class FileWeights:
 
     def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str):
         self.file, self.model, self.convert, self.title = file, model, convert, title
-        header, _ = file_header(file)
-        self.stored = {key: entry for key, entry in header.items()}
+        self.stored, _ = file_header(file)
         # The file's names as the converter sees them -> the file's own.
-        self.names = {key.removeprefix("model.").removeprefix("diffusion_model."): key
-                      for key in header}
-        traced = {name: _Traced.make(torch.empty(self.stored[key]["shape"],
-                                                 dtype=TENSOR_DTYPES[self.stored[key]["dtype"]],
-                                                 device="meta"), frozenset((key,)))
-                  for name, key in self.names.items()}
-        converted = self._converted(traced)
-        everything = frozenset(header)
+        self.names = {converter_name(key): key for key in self.stored}
+        converted = self._converted({name: _Traced.make(self._meta(key), frozenset((key,)))
+                                     for name, key in self.names.items()})
+        everything = frozenset(self.stored)
         # A weight the converter made by other means than torch's operations: the whole file.
         self.sources = {name: value.sources if isinstance(value, _Traced) else everything
                         for name, value in converted.items()}
-        expected = set(model.state_dict())
-        missing = sorted(expected - set(converted))
-        unexpected = sorted(set(converted) - expected)
-        if missing or unexpected:
-            raise ModelLoadError(
-                f"{file} is not a {title} checkpoint in the layout dpipe reads: {len(missing)} "
-                f"weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
-                f"(e.g. {unexpected[:3]})")
+        check_names(file, title, set(model.state_dict()), set(converted))
+
+    def _meta(self, key: str) -> torch.Tensor:
+        """The file's tensor `key` as a meta tensor of its shape and stored dtype."""
+        entry = self.stored[key]
+        return torch.empty(entry["shape"], dtype=TENSOR_DTYPES[entry["dtype"]], device="meta")
 
     def _converted(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.convert is None:
@@ -155,9 +137,7 @@ class FileWeights:
         for names, keys in self._batches(wanted):
             real = read_tensors(self.file, {key: TENSOR_DTYPES[self.stored[key]["dtype"]]
                                             for key in keys})
-            state = {name: real[key] if key in real else
-                     torch.empty(self.stored[key]["shape"],
-                                 dtype=TENSOR_DTYPES[self.stored[key]["dtype"]], device="meta")
+            state = {name: real[key] if key in real else self._meta(key)
                      for name, key in self.names.items()}
             converted = self._converted(state)
             for name in names:
