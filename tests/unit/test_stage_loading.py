@@ -35,20 +35,33 @@ def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
     _assert_stages_read_the_whole_load(["model=tiny_flux", *mode])
 
 
-def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch):
-    """FLUX.1 as ComfyUI's single file (BFL's names, fused q/k/v, the prefix), in bf16: each
-    stage reads only the file's tensors of its own weights, split by the family's converter.
-    One batch per fused tensor, as a real file's stage is read a GiB at a time."""
+# model -> (the file's name as released, its writer, the writer's key prefix, the bytes read
+# per run of the converter)
+SINGLE_FILES = {
+    # ComfyUI's: BFL's names, fused q/k/v and q/k/v/MLP, the prefix. A batch per fused tensor
+    # and the tensors the converter joins to it, as a real file's stage is read BATCH_BYTES at
+    # a time.
+    "tiny_flux": ("flux1-dev.safetensors", "dpipe.models.flux.tiny:write_bfl_single_file",
+                  "model.diffusion_model.", 1),
+    # the Cosmos transformer under NVIDIA's names and the text adapter: two models in one file
+    "tiny_anima": ("anima-preview.safetensors", "dpipe.models.anima.tiny:write_single_file",
+                   "net.", None)}
+
+
+@pytest.mark.parametrize("model", list(SINGLE_FILES))
+def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, model):
+    """A bf16 LoRA from the model's single file: each stage reads only the file's tensors of its
+    own weights, mapped by the family's converter."""
     from dpipe.models import single_file_weights
-    from dpipe.models.flux.tiny import write_bfl_single_file
+    from dpipe.models.family import imported
 
-    monkeypatch.setattr(single_file_weights, "BATCH_BYTES", 1)
-
-    run = compose_run(["model=tiny_flux"], world_size=2)
+    name, writer, prefix, batch = SINGLE_FILES[model]
+    if batch is not None:
+        monkeypatch.setattr(single_file_weights, "BATCH_BYTES", batch)
+    run = compose_run([f"model={model}"], world_size=2)
     build_spec(run.model).ensure_available()
-    file = write_bfl_single_file(Path(run.model.path), tmp_path / "flux1-dev.safetensors",
-                                 "model.diffusion_model.")
-    _assert_stages_read_the_whole_load(["model=tiny_flux", f"model.path={file}",
+    file = imported(writer)(Path(run.model.path), tmp_path / name, prefix)
+    _assert_stages_read_the_whole_load([f"model={model}", f"model.path={file}",
                                         f"model.single_file_config={run.model.path}",
                                         "train.precision=bf16"])
 

@@ -52,6 +52,7 @@ from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import export_like_source
+from dpipe.models.single_file_weights import reads_by_tensor
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier
 
@@ -149,10 +150,11 @@ class AnimaSpec(DiffusersFamily):
 
     @property
     def loads_stage_weights(self) -> bool:
-        return self.single_file is None
+        # Its own load_denoiser joins two models (and its own skeleton too).
+        return self.single_file is None or reads_by_tensor(self.single_file)
 
     def denoiser_skeleton(self):
-        return anima_skeleton(self.path)
+        return anima_skeleton(self.path, self.single_file)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
