@@ -149,7 +149,7 @@ class DiffusersFamily(ModelSpec):
         """From a diffusers folder or a plain single file (float weights in safetensors: a
         quantized file or a GGUF is read whole), where the family loads its denoiser the
         default way. A family with its own `load_denoiser` says so itself: where its own is
-        for single files only (SDXL, Z-Image), or where it builds its own skeleton (Anima's two
+        for single files only (SDXL), or where it builds its own skeleton (Anima's two
         models)."""
         if type(self).load_denoiser is not DiffusersFamily.load_denoiser:
             return False

@@ -26,7 +26,6 @@ from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.refined_joint import (
     NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
-from dpipe.models.single_file import load_or_fail
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.comfyui import comfy_lora_pairs
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
@@ -57,7 +56,7 @@ class ZImageSpec(DiffusersFamily):
     layers, edge_layers = z_image_layers, 3
     block_count_keys = ("n_refiner_layers", "n_refiner_layers", "n_layers")
     sampler = "dpipe.models.z_image.sampling:ZImageSampling"
-    # A single file (ComfyUI's / the original layout), read by diffusers' from_single_file.
+    # A single file (ComfyUI's / the original layout), its names mapped by diffusers' converter.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
 
     @property
@@ -67,21 +66,15 @@ class ZImageSpec(DiffusersFamily):
         return super().pixel_multiple * patch
 
     # ---- components -------------------------------------------------------------------------
-    @property
-    def loads_stage_weights(self) -> bool:
-        # Its load_denoiser is the default for a diffusers folder (its own is for single files
-        # only): each stage reads its weights from a folder as every default family does.
-        return self.single_file is None
+    @staticmethod
+    def from_single_file(state: dict[str, torch.Tensor], model: nn.Module
+                         ) -> dict[str, torch.Tensor]:
+        """The original names -> diffusers', by diffusers' own converter (which empties the
+        dict it is given: a copy goes in)."""
+        from diffusers.loaders.single_file_utils import (
+            convert_z_image_transformer_checkpoint_to_diffusers)
 
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        if self.single_file is None:
-            return super().load_denoiser(dtype)
-        from diffusers import ZImageTransformer2DModel
-
-        # diffusers converts the original names
-        return load_or_fail(lambda: ZImageTransformer2DModel.from_single_file(
-            str(self.single_file), config=str(self.path), subfolder="transformer",
-            torch_dtype=dtype), self.single_file)
+        return convert_z_image_transformer_checkpoint_to_diffusers(dict(state))
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
