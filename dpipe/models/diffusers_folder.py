@@ -1,7 +1,8 @@
 """What every family reads and writes the same way in a diffusers model folder: its configs, whether
 it is complete, its frozen encoders (through the family's own diffusers pipeline, so prompts and
 images are encoded exactly as at inference), its denoiser (from the folder, or from one single
-file with the folder giving the config), a trained denoiser written as a folder from per-stage
+file with the folder giving the config; each pipeline stage's own weights only:
+`dpipe.models.stage_weights`), a trained denoiser written as a folder from per-stage
 shards and, for the families with a KL image VAE, latents and the fingerprint of what shaped them.
 
 One way to do each, so every family words a broken folder the same way: the error names the path
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +22,6 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.io import atomic_write_text
 from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.safetensors_files import read_tensors
 from dpipe.models.single_file import export_like_source, load_or_fail, load_transformer_file
 
 
@@ -94,104 +93,6 @@ def load_denoiser(model_cls, path: Path, single_file: Path | None, dtype: torch.
             gguf_architectures=gguf_architectures, keep_stored=keep_stored), single_file)
     return load_or_fail(lambda: model_cls.from_pretrained(
         path, subfolder=subfolder, dtype=dtype), path / subfolder)
-
-
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
-
-
-@dataclass
-class DenoiserSkeleton:
-    """A denoiser built from its folder's config with no weights read (`denoiser_skeleton`): its
-    parameters are placeholders of their shape and dtype that hold no memory, so that anything
-    made from the model before its weights (peft's adapters, which take the device and dtype of
-    the weight they wrap) is made as over the loaded model. `load` then reads the weights a
-    pipeline stage keeps, each in the dtype it is kept in, and leaves the others on the meta
-    device."""
-
-    model: nn.Module
-    folder: Path
-    keys: dict[int, tuple[str, nn.Parameter]]  # id(parameter) -> its name in the files
-
-    def load(self, keep: set[int], dtype_of: Callable[[nn.Parameter], torch.dtype]) -> None:
-        """Reads the parameters whose id is in `keep`, each cast to `dtype_of(parameter)` as it
-        is read (never a whole copy in another dtype), and the persistent buffers the files hold;
-        puts every other parameter on the meta device."""
-        files = _weight_files(self.folder)
-        wanted: dict[Path, dict[str, torch.dtype]] = {}
-        kept: dict[str, nn.Parameter] = {}
-        for key, param in self.keys.values():
-            if id(param) in keep:
-                if key not in files:
-                    raise ModelLoadError(
-                        f"{self.folder} holds no weight {key}: save the model again with "
-                        "diffusers' save_pretrained")
-                wanted.setdefault(files[key], {})[key] = dtype_of(param)
-                kept[key] = param
-        meta: dict[int, nn.Parameter] = {}  # a placeholder -> its meta parameter
-        for module in self.model.modules():
-            for name, param in list(module._parameters.items()):
-                if id(param) in self.keys and id(param) not in keep:
-                    if id(param) not in meta:
-                        meta[id(param)] = nn.Parameter(param.to("meta"), param.requires_grad)
-                    module._parameters[name] = meta[id(param)]
-        buffers = {}
-        for module_name, module in self.model.named_modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                key = f"{module_name}.{name}" if module_name else name
-                if key in files and name not in module._non_persistent_buffers_set:
-                    dtype = torch.float32 if buffer.is_floating_point() else buffer.dtype
-                    wanted.setdefault(files[key], {})[key] = dtype
-                    buffers[key] = (module, name)
-        for file, names in wanted.items():
-            for key, tensor in read_tensors(file, names).items():
-                if key in kept:
-                    kept[key].data = tensor
-                else:
-                    module, name = buffers[key]
-                    module._buffers[name] = tensor
-
-
-def denoiser_skeleton(model_cls, path: Path, subfolder: str) -> DenoiserSkeleton | None:
-    """The denoiser of `path`/`subfolder` built from its config as diffusers' `from_pretrained`
-    builds it (no initialisation, parameters on the meta device, buffers made by the
-    constructor, eval mode), each parameter then a one-element placeholder broadcast to its
-    shape; None where the folder holds no safetensors weights (diffusers reads the rest)."""
-    import accelerate
-    from diffusers.models.modeling_utils import no_init_weights
-
-    folder = path / subfolder
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / WEIGHTS_INDEX).is_file():
-        return None
-
-    def build():
-        config = model_cls.load_config(folder)
-        with no_init_weights(), accelerate.init_empty_weights():
-            return model_cls.from_config(config)
-
-    model = load_or_fail(build, folder)
-    placeholders: dict[int, nn.Parameter] = {}  # a weight two modules share stays shared
-    keys = {}
-    for module_name, module in model.named_modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if id(param) not in placeholders:
-                empty = torch.zeros((), dtype=param.dtype).expand(param.shape)
-                placeholders[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
-                new = placeholders[id(param)]
-                keys[id(new)] = (f"{module_name}.{name}" if module_name else name, new)
-            module._parameters[name] = placeholders[id(param)]
-    return DenoiserSkeleton(model.eval(), folder, keys)
-
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Each weight name of a diffusers model folder -> the safetensors file that holds it."""
-    index = folder / WEIGHTS_INDEX
-    if index.is_file():
-        return {key: folder / name for key, name in read_json(index)["weight_map"].items()}
-    from safetensors import safe_open
-
-    with safe_open(folder / WEIGHTS_FILE, framework="pt") as f:
-        return dict.fromkeys(f.keys(), folder / WEIGHTS_FILE)
 
 
 def kl_image_fingerprint(family: str, path: Path) -> dict[str, Any]:

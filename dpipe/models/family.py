@@ -27,8 +27,7 @@ from torch import nn
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
-    check_folder, denoiser_skeleton, load_denoiser, load_encoders, read_json,
-    write_denoiser_folder)
+    check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
@@ -36,6 +35,8 @@ from dpipe.models.single_file import (
     SINGLE_FILE_SUFFIXES, check_single_file, export_like_source, keeps_stored_base, load_or_fail,
     split_path)
 from dpipe.models.spec import ModelSpec, PipelineLayer, block_costs, denoiser_config
+from dpipe.models.single_file_weights import file_skeleton, reads_by_tensor
+from dpipe.models.stage_weights import folder_skeleton
 
 
 def imported(target: str) -> Any:
@@ -145,18 +146,25 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def loads_stage_weights(self) -> bool:
-        """From a diffusers folder, where the family loads its denoiser the default way; a
-        family with its own `load_denoiser` (key conversions, extra modules) and a single file
-        load the whole denoiser."""
-        return self.single_file is None and \
-            type(self).load_denoiser is DiffusersFamily.load_denoiser
+        """From a diffusers folder or a plain single file (float weights in safetensors: a
+        quantized file or a GGUF is read whole), where the family loads its denoiser the
+        default way. A family with its own `load_denoiser` says so itself: where its own is
+        for single files only (SDXL), or where it builds its own skeleton (Anima's two
+        models)."""
+        if type(self).load_denoiser is not DiffusersFamily.load_denoiser:
+            return False
+        return self.single_file is None or reads_by_tensor(self.single_file)
 
     def denoiser_skeleton(self):
-        """From the folder's safetensors files (None where it holds none)."""
+        """From the folder's safetensors files (None where it holds none), or from the single
+        file through the family's converter (`from_single_file`)."""
         if not self.loads_stage_weights:
             return None
-        return denoiser_skeleton(diffusers_class(self.denoiser_class), self.path,
-                                 self.denoiser_folder)
+        model_cls = diffusers_class(self.denoiser_class)
+        if self.single_file is not None:
+            return file_skeleton(model_cls, self.path / self.denoiser_folder, self.single_file,
+                                 type(self).from_single_file, model_cls.__name__)
+        return folder_skeleton(model_cls, self.path / self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the
     # way back, for the export in the file's layout (`to_original(diffusers_names_state)`).

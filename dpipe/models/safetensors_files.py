@@ -70,6 +70,15 @@ def check_folder_files(path: Path, what: str) -> None:
             check_file(file, f"{what}{path}: its file ")
 
 
+def file_header(file: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """({tensor: its header entry}, the metadata) of a safetensors file, nothing else read."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
+        header = json.loads(f.read(length))
+    metadata = header.pop("__metadata__", None) or {}
+    return header, metadata
+
+
 # safetensors' dtype names -> torch's (the formats diffusers folders hold).
 TENSOR_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

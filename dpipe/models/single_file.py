@@ -144,8 +144,8 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
     gguf = file.suffix == GGUF_SUFFIX
     read, tables = ((read_gguf(file, title or model_cls.__name__, gguf_architectures), {})
                     if gguf else read_with_row_tables(file, dtype))
-    state, tables = ({k.removeprefix("model.").removeprefix("diffusion_model."): v
-                      for k, v in found.items()} for found in (read, tables))
+    state, tables = ({converter_name(k): v for k, v in found.items()}
+                     for found in (read, tables))
     with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
     keep_stored = keep_stored and dtype == torch.float32 and bool(tables)
@@ -161,17 +161,27 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
             tables = _mapped_tables(convert, with_tables, model, file)
     if gguf:
         state = keep_quantized(model, state, file, dtype)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads: "
-            f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
-            f"(e.g. {unexpected[:3]})")
+    check_names(file, model_cls.__name__, set(model.state_dict()), set(state))
     model.load_state_dict(in_load_dtypes(state, model, dtype), strict=True, assign=True)
     if keep_stored:
         _attach_stored_forms(model, tables, file)
     return model
+
+
+def converter_name(key: str) -> str:
+    """A single file's key as the families' converters take it: without ComfyUI's
+    "model.diffusion_model." (or "diffusion_model.") prefix."""
+    return key.removeprefix("model.").removeprefix("diffusion_model.")
+
+
+def check_names(file: Path, title: str, expected: set[str], found: set[str]) -> None:
+    """Raises ModelLoadError unless the converted names `found` of `file` are the model's."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{file} is not a {title} checkpoint in the layout dpipe reads: "
+            f"{len(missing)} weights missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]})")
 
 
 def _mapped_tables(convert: Callable, with_tables: dict[str, torch.Tensor], model,

@@ -401,8 +401,9 @@ class ModelSpec(abc.ABC):
 
 def denoiser_config(folder: Path, class_name: str, *keys: str) -> list[Any]:
     """The values of `keys` in the denoiser config `folder`/config.json, as diffusers'
-    `class_name` reads them: a key the file leaves out takes the class's default (diffusers is
-    imported only then: this runs in the launcher, before any worker)."""
+    `class_name` (or the class a "module:Class" names) reads them: a key the file leaves out
+    takes the class's default (the class is imported only then: this runs in the launcher,
+    before any worker)."""
     import json
 
     path = folder / "config.json"
@@ -412,11 +413,12 @@ def denoiser_config(folder: Path, class_name: str, *keys: str) -> list[Any]:
         raise ModelLoadError(f"cannot read {path}: {err}") from None
     missing = [key for key in keys if key not in config]
     if missing:
+        import importlib
         import inspect
 
-        import diffusers
-
-        params = inspect.signature(getattr(diffusers, class_name).__init__).parameters
+        module, _, name = class_name.rpartition(":")
+        model_cls = getattr(importlib.import_module(module or "diffusers"), name)
+        params = inspect.signature(model_cls.__init__).parameters
         config = {**{k: params[k].default for k in missing}, **config}
     return [config[key] for key in keys]
 
@@ -444,6 +446,15 @@ def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor,
     CPU kernel)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # A rank counts the same layers twice (the stage it reads, then the engine's split): the
+    # count is a function of the layers' kinds and parameter shapes (not their dtypes: the first
+    # count sees a stage's weights before they are cast) and of the inputs' shapes.
+    key = (fake, tuple((type(layer).__qualname__, tuple(
+               (name, tuple(p.shape)) for name, p in layer.named_parameters()))
+               for layer in layers),
+           tuple((tuple(t.shape), t.dtype) for t in inputs))
+    if key in _COUNTED:
+        return list(_COUNTED[key])
     flops = []
     # In the layers' own float dtype: a bf16 run's frozen weights are bf16, and a conv refuses
     # fp32 inputs with them outside autocast (SDXL's bf16 LoRA failed so before its first step).
@@ -462,7 +473,13 @@ def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor,
             with FlopCounterMode(display=False) as counter:
                 x = layer(x)
             flops.append(float(counter.get_total_flops()))
+    if len(_COUNTED) >= 4:
+        _COUNTED.pop(next(iter(_COUNTED)))
+    _COUNTED[key] = tuple(flops)
     return flops
+
+
+_COUNTED: dict[tuple, tuple[float, ...]] = {}  # the latest few `counted_layer_flops`
 
 
 def model_params(module: nn.Module) -> int:

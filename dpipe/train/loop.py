@@ -16,7 +16,7 @@ from dpipe.data import prepare
 from dpipe.data.batches import step_micro_batches
 from dpipe.data.evaluate import Evaluator
 from dpipe.data.loader import StepLoader, default_workers
-from dpipe.models.diffusers_folder import DenoiserSkeleton
+from dpipe.models.stage_weights import DenoiserSkeleton
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.engine import quiet_deepspeed, stage_of, start_rank
 from dpipe.pipeline.memory import AutoCheckpointing, GiB, budget_bytes

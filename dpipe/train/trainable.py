@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.config.schema import Adapter, BaseCompute, Precision, RunConfig, TrainMode
-from dpipe.models.diffusers_folder import DenoiserSkeleton
+from dpipe.models.stage_weights import DenoiserSkeleton
 from dpipe.pipeline.attention import require_gpu_kernel, use_attention_kernel
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.train.lora import frozen_dtype, make_trainable

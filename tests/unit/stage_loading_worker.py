@@ -1,7 +1,11 @@
 """A worker for tests/unit/test_stage_loading.py: reads one pipeline stage's weights of the
 denoiser at `model.path` as a training rank does, and prints (as JSON) how far the process's
-resident memory rose above what its libraries take, and the plan's bound for that stage."""
+resident memory rose above what its libraries take, and the plan's bound for that stage; then
+the same for each further group of overrides after a "--" (another model.path), each from where
+the last left the process (run it with a fixed MALLOC_MMAP_THRESHOLD_, so that what a load frees
+goes back to the system rather than serving the next one)."""
 
+import gc
 import importlib
 import json
 import sys
@@ -21,6 +25,19 @@ def main(args: list[str]) -> int:
     for library in ("accelerate", "diffusers", "peft"):  # what loading imports: before the baseline
         importlib.import_module(library)
 
+    stage, groups = int(args[0]), [[]]
+    for arg in args[1:]:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    for overrides in groups:
+        print(json.dumps(measure(stage, overrides)), flush=True)
+        gc.collect()
+    return 0
+
+
+def measure(stage: int, overrides: list[str]) -> dict[str, int]:
     from dpipe.config.compose import compose_run
     from dpipe.models.registry import build_spec
     from dpipe.pipeline.partition import stage_bounds
@@ -28,7 +45,6 @@ def main(args: list[str]) -> int:
     from dpipe.plan.footprint import layer_weights
     from dpipe.train.trainable import trainable_layers
 
-    stage, overrides = int(args[0]), args[1:]
     run = compose_run(overrides, world_size=run_stages(overrides))
     spec = build_spec(run.model)
     # The plan's bound: this stage's layers' weights as training keeps them, from the model
@@ -47,8 +63,7 @@ def main(args: list[str]) -> int:
     before = _status_bytes("VmRSS")
     loaded = trainable_layers(spec, run, stage=stage)
     rise = _status_bytes("VmHWM") - before
-    print(json.dumps({"rise": rise, "bound": bound, "layers": len(loaded)}))
-    return 0
+    return {"rise": rise, "bound": bound, "layers": len(loaded)}
 
 
 def run_stages(overrides: list[str]) -> int:

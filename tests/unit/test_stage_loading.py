@@ -5,6 +5,7 @@ and a mid-size denoiser's stage stays within the host memory the plan states for
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from dpipe.config.compose import compose_run
 from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.diffusers_folder import DenoiserSkeleton
+from dpipe.models.stage_weights import DenoiserSkeleton
 from dpipe.models.registry import build_spec
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.train.trainable import load_denoiser, trainable_layers
@@ -25,9 +26,48 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("mode", [["train.precision=bf16"], ["model.mode=full"],
                                   ["model.adapter=lokr", "train.precision=bf16",
                                    "model.base_dtype=fp8"],
-                                  ["model=tiny_z_image", "train.precision=bf16"]])
+                                  ["model=tiny_z_image", "train.precision=bf16"],
+                                  # a full fine-tune: SDXL's LoRA layers take seconds to count
+                                  ["model=tiny_sdxl", "model.mode=full"],
+                                  ["model=tiny_omnigen2", "train.precision=bf16"],
+                                  ["model=tiny_anima", "train.precision=bf16"]])
 def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
-    run = compose_run(["model=tiny_flux", "pipeline.stages=2", *mode], world_size=2)
+    _assert_stages_read_the_whole_load(["model=tiny_flux", *mode])
+
+
+# model -> (the file's name as released, its writer, the writer's key prefix, the bytes read
+# per run of the converter)
+SINGLE_FILES = {
+    # ComfyUI's: BFL's names, fused q/k/v and q/k/v/MLP, the prefix. A batch per fused tensor
+    # and the tensors the converter joins to it, as a real file's stage is read BATCH_BYTES at
+    # a time.
+    "tiny_flux": ("flux1-dev.safetensors", "dpipe.models.flux.tiny:write_bfl_single_file",
+                  "model.diffusion_model.", 1),
+    # the Cosmos transformer under NVIDIA's names and the text adapter: two models in one file
+    "tiny_anima": ("anima-preview.safetensors", "dpipe.models.anima.tiny:write_single_file",
+                   "net.", None)}
+
+
+@pytest.mark.parametrize("model", list(SINGLE_FILES))
+def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, model):
+    """A bf16 LoRA from the model's single file: each stage reads only the file's tensors of its
+    own weights, mapped by the family's converter."""
+    from dpipe.models import single_file_weights
+    from dpipe.models.family import imported
+
+    name, writer, prefix, batch = SINGLE_FILES[model]
+    if batch is not None:
+        monkeypatch.setattr(single_file_weights, "BATCH_BYTES", batch)
+    run = compose_run([f"model={model}"], world_size=2)
+    build_spec(run.model).ensure_available()
+    file = imported(writer)(Path(run.model.path), tmp_path / name, prefix)
+    _assert_stages_read_the_whole_load([f"model={model}", f"model.path={file}",
+                                        f"model.single_file_config={run.model.path}",
+                                        "train.precision=bf16"])
+
+
+def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:
+    run = compose_run([*overrides, "pipeline.stages=2"], world_size=2)
     spec = build_spec(run.model)
     spec.ensure_available()
     assert isinstance(load_denoiser(spec, run, 0), DenoiserSkeleton)
@@ -61,8 +101,12 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     """The whole denoiser in fp32 (what every rank loaded before) would take 580 MB; stage 0 of
     2 of a bf16 LoRA holds about half of its bf16 weights. The worker measures the rise of its
     resident memory's peak while it loads (VmHWM, from a reset), against
-    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure)."""
+    `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure): from the diffusers
+    folder, then from the same weights as ComfyUI's single file in BFL's layout (its fused
+    tensors split by the converter)."""
     from diffusers import FluxTransformer2DModel
+
+    from dpipe.models.flux.tiny import write_bfl_single_file
 
     folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
     with torch.device("meta"):
@@ -72,11 +116,18 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
         param.data.fill_(0.01)  # the values do not matter here; their bytes do
     save_exact_shards(model, folder / "transformer", shards=3)
     del model
+    file = write_bfl_single_file(folder, tmp_path / "flux1-dev.safetensors",
+                                 "model.diffusion_model.")
+    run = ["model=tiny_flux", "pipeline.stages=2", "train.precision=bf16"]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", "model=tiny_flux",
-         f"model.path={folder}", "pipeline.stages=2", "train.precision=bf16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *run,
+         f"model.path={folder}", "--", *run, f"model.path={file}",
+         f"model.single_file_config={folder}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)})
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert 100e6 < measured["bound"] < 290e6  # about half the bf16 weights, one layer in transit
-    assert measured["rise"] <= measured["bound"], measured
+    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-2:]]
+    assert measured[0]["bound"] == measured[1]["bound"]
+    assert 100e6 < measured[0]["bound"] < 290e6  # about half the bf16 weights, one layer in transit
+    for folder_or_file in measured:
+        assert folder_or_file["rise"] <= folder_or_file["bound"], measured

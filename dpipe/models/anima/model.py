@@ -69,6 +69,32 @@ def load_anima_denoiser(folder: Path, single_file: Path | None, dtype: torch.dty
     return AnimaDenoiser(transformer, conditioner)
 
 
+def anima_skeleton(folder: Path, single_file: Path | None):
+    """The denoiser with no weights read, each stage to read its own from the folder's
+    `transformer/` and `text_conditioner/`, or from Anima's single file through its converter
+    (`dpipe.models.stage_weights`); None where the folder holds no safetensors weights or the
+    file is not a plain one (`reads_by_tensor`)."""
+    from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
+
+    from dpipe.models.anima.comfyui import from_original
+    from dpipe.models.single_file_weights import FileWeights, reads_by_tensor
+    from dpipe.models.stage_weights import (FolderWeights, empty_model, holds_safetensors,
+                                            skeleton_of)
+
+    if single_file is not None and not reads_by_tensor(single_file):
+        return None
+    if single_file is None and not all(holds_safetensors(folder / part) for part in COMPONENTS):
+        return None
+    denoiser = AnimaDenoiser(empty_model(CosmosTransformer3DModel, folder / "transformer"),
+                             empty_model(AnimaTextConditioner, folder / "text_conditioner"))
+    if single_file is None:
+        weights = FolderWeights({f"{part}.": folder / part for part in COMPONENTS})
+    else:
+        weights = FileWeights(single_file, denoiser,
+                              lambda state, _: from_original(state, single_file), "Anima")
+    return skeleton_of(denoiser, weights)
+
+
 def _from_single_file(folder: Path, file: Path, dtype: torch.dtype) -> AnimaDenoiser:
     from accelerate import init_empty_weights
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel

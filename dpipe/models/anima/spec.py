@@ -41,7 +41,7 @@ from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.anima.comfyui import lora_to_comfyui, original_state_dict
 from dpipe.models.anima.layers import AnimaEmbed, anima_layers
 from dpipe.models.anima.model import (
-    COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, load_anima_denoiser)
+    COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, anima_skeleton, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.cosmos import (
     BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
@@ -53,6 +53,7 @@ from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import export_like_source
+from dpipe.models.single_file_weights import reads_by_tensor
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier
 
@@ -148,6 +149,14 @@ class AnimaSpec(DiffusersFamily):
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_anima_denoiser(self.path, self.single_file, dtype)
+
+    @property
+    def loads_stage_weights(self) -> bool:
+        # Its own load_denoiser joins two models (and its own skeleton too).
+        return self.single_file is None or reads_by_tensor(self.single_file)
+
+    def denoiser_skeleton(self):
+        return anima_skeleton(self.path, self.single_file)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:

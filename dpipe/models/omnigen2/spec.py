@@ -31,8 +31,8 @@ from dpipe.diffusion.loss import weighted_labels
 from dpipe.errors import ModelLoadError
 from dpipe.models.common.lumina_layers import lumina_inputs
 from dpipe.models.comfyui import renamed
-from dpipe.models.diffusers_folder import kl_latents, load_denoiser, read_json
-from dpipe.models.family import DiffusersFamily
+from dpipe.models.diffusers_folder import kl_latents, read_json
+from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.omnigen2.layers import omnigen2_layers
 from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
@@ -73,9 +73,7 @@ class OmniGen2Encoders:
 
 def transformer_class():
     """dpipe's OmniGen2 transformer (imported when needed: it imports diffusers' blocks)."""
-    from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-
-    return OmniGen2Transformer2DModel
+    return diffusers_class(OmniGen2Spec.denoiser_class)
 
 
 class OmniGen2Spec(DiffusersFamily):
@@ -83,7 +81,7 @@ class OmniGen2Spec(DiffusersFamily):
     title, example = "OmniGen2", "OmniGen2/OmniGen2"
     # No diffusers class runs OmniGen2 (so no pipeline_class): the transformer is dpipe's, its
     # config and weights the reference's; the encoders load part by part.
-    denoiser_class = TRANSFORMER_CLASS
+    denoiser_class = f"dpipe.models.omnigen2.transformer:{TRANSFORMER_CLASS}"
     required_parts = REQUIRED_PARTS
     text_fingerprint = {"mllm": "mllm", "processor": "processor"}
     text_notes = {
@@ -134,9 +132,6 @@ class OmniGen2Spec(DiffusersFamily):
         for part in (encoders.vae, encoders.mllm):
             part.to(device).requires_grad_(False).eval()
         return encoders
-
-    def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
-        return load_denoiser(transformer_class(), self.path, None, dtype)
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: OmniGen2Encoders, pixels: torch.Tensor) -> torch.Tensor:
@@ -200,9 +195,6 @@ class OmniGen2Spec(DiffusersFamily):
         denoiser = self.load_denoiser(torch.float32)
         denoiser.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
         return denoiser
-
-    def load_exported_full(self, export_dir: Path) -> nn.Module:
-        return transformer_class().from_pretrained(export_dir / "transformer")
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs = SIZES

@@ -71,7 +71,8 @@ class SDXLSpec(DiffusersFamily):
                               f"{' or '.join(ddpm.PREDICTION_TYPES)} (null: the checkpoint's own)")
         if cfg.min_snr_gamma < 0:
             raise ConfigError(f"model.min_snr_gamma={cfg.min_snr_gamma} must be >= 0 (0: off)")
-        self.single_file = self.path.suffix in SINGLE_FILE_SUFFIXES
+        # The checkpoint where model.path is one (truthy), else None, as DiffusersFamily's.
+        self.single_file = self.path if self.path.suffix in SINGLE_FILE_SUFFIXES else None
         if cfg.single_file_config is not None and not self.single_file:
             raise ConfigError("model.single_file_config is only used when model.path is a single-"
                               f"file checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)})")
@@ -153,24 +154,27 @@ class SDXLSpec(DiffusersFamily):
             module.requires_grad_(False).eval()
         return pipe
 
+    @property
+    def loads_stage_weights(self) -> bool:
+        # Its load_denoiser is the default for a diffusers folder (its own is for single files
+        # only): each stage reads its weights from a folder as every default family does.
+        return self.single_file is None
+
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
+        if self.single_file is None:
+            return super().load_denoiser(dtype)
         from diffusers import UNet2DConditionModel
 
         try:
-            if self.single_file:
-                # A quantized file goes in dequantized: diffusers' converter would keep the
-                # 8-bit values and drop their scales.
-                source = (read_single_file(self.path, dtype) if file_is_quantized(self.path)
-                          else str(self.path))
-                unet = UNet2DConditionModel.from_single_file(
-                    source, config=self.cfg.single_file_config, subfolder="unet",
-                    torch_dtype=dtype)
-            else:
-                unet = UNet2DConditionModel.from_pretrained(self.path, subfolder="unet",
-                                                            dtype=dtype)
+            # A quantized file goes in dequantized: diffusers' converter would keep the 8-bit
+            # values and drop their scales.
+            source = (read_single_file(self.path, dtype) if file_is_quantized(self.path)
+                      else str(self.path))
+            unet = UNet2DConditionModel.from_single_file(
+                source, config=self.cfg.single_file_config, subfolder="unet", torch_dtype=dtype)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot load the SDXL UNet from {self.path}: {err}") from None
-        self._unet_config = dict(unet.config)
+        self._unet_config = dict(unet.config)  # the configs may be the hub's, not a folder's
         return unet
 
     def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
