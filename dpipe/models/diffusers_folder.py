@@ -211,6 +211,18 @@ def kl_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (latents - shift) * vae.config.scaling_factor
 
 
+@torch.no_grad()
+def wan_vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, F, H, W) in [-1, 1] -> the mean of a Wan-layout video VAE (Wan's, Qwen-Image's;
+    Cosmos-Predict2, Anima, Krea 2 use them), normalised as the pipelines do:
+    (z - latents_mean) / latents_std (* sigma_data, which is 1)."""
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
+    return (latents - mean) / std
+
+
 def write_denoiser_folder(shards: list[Path], out_dir: Path, config_path: Path) -> Path:
     """Per-stage safetensors shards of a denoiser (its diffusers names) -> a diffusers model
     folder that `from_pretrained` reads as is, with the config at `config_path`. The shards are

@@ -76,6 +76,10 @@ class DiffusersFamily(ModelSpec):
     # The default is a KL VAE's: the distribution's mode, shifted and scaled.
     vae_config_keys: ClassVar[tuple[str, ...]] = ("scaling_factor", "shift_factor")
     image_notes: ClassVar[dict[str, Any]] = {"latent": "mode"}
+    # The side of the latent patches the denoiser makes tokens of (2: 2x2), by which a pixel
+    # size is a multiple of more than the VAE's downscale; None: the denoiser config's
+    # patch_size (2 where it names none, diffusers' default).
+    latent_patch: ClassVar[int | None] = 1
     tiny_writer: ClassVar[str]  # "module:function" writing the tiny model folder at a path
     lora_modules: ClassVar[str | tuple[str, ...]]  # peft target_modules (a regex or names)
     # The pipeline layers: a function of the denoiser; the denoiser config keys that count its
@@ -118,9 +122,12 @@ class DiffusersFamily(ModelSpec):
 
     def read_configs(self) -> None:
         """Reads the configs training needs, so that a broken folder fails before any worker
-        starts. Default: the VAE's, where the folder has one."""
+        starts. Default: the VAE's, where the folder has one, and the denoiser's where
+        `pixel_multiple` reads its patch size."""
         if "vae" in self.required_parts:
             self.part_config("vae")
+        if self.latent_patch is None:
+            self.part_config(self.denoiser_folder)
 
     def part_config(self, part: str) -> dict[str, Any]:
         """`part`/config.json of the model folder."""
@@ -128,8 +135,14 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def pixel_multiple(self) -> int:
-        """The VAE's downscale: 2 per level after the first."""
-        return 2 ** (len(self.part_config("vae")["block_out_channels"]) - 1)
+        """The VAE's downscale (a KL VAE's 2 per level after the first; a video VAE's, as Wan's
+        and Qwen-Image's, 2 per temporal-downsample entry) times the latent patch."""
+        vae = self.part_config("vae")
+        levels = len(vae["temperal_downsample"]) if "temperal_downsample" in vae \
+            else len(vae["block_out_channels"]) - 1
+        patch = self.latent_patch or int(
+            self.part_config(self.denoiser_folder).get("patch_size", 2))
+        return 2 ** levels * patch
 
     # ---- components ---------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:

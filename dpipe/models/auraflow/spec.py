@@ -47,6 +47,7 @@ class AuraFlowSpec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                       "scheduler")
     text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.auraflow.tiny:make_tiny_auraflow"
     lora_modules = LORA_TARGETS
     layers = auraflow_layers
@@ -57,14 +58,6 @@ class AuraFlowSpec(DiffusersFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("aura",)
     from_single_file, to_original = from_original, native_state_dict
-
-    def read_configs(self) -> None:
-        super().read_configs()
-        self.part_config("transformer")  # pixel_multiple reads its patch size
-
-    @property
-    def pixel_multiple(self) -> int:
-        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,7 @@ class ChromaSpec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
     text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
     text_notes = {"mask": "prompt+1 pad"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.chroma.tiny:make_tiny_chroma"
     lora_modules = LORA_TARGETS
     layers, block_count_keys = chroma_layers, ("num_layers", "num_single_layers")
@@ -74,10 +75,6 @@ class ChromaSpec(DiffusersFamily):
     # ComfyUI-GGUF's loader lists no Chroma name: its GGUFs carry FLUX.1's, or their own.
     gguf_architectures = ("flux", "chroma")
     from_single_file, to_original = from_original, original_state_dict
-
-    @property
-    def pixel_multiple(self) -> int:
-        return 2 * super().pixel_multiple
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:

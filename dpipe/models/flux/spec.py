@@ -59,6 +59,7 @@ class FluxSpec(DiffusersFamily):
     frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"clip": "text_encoder", "t5": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
+    latent_patch = 2
     tiny_writer = "dpipe.models.flux.tiny:make_tiny_flux"
     lora_modules = LORA_TARGETS
     layers, block_count_keys = flux_layers, ("num_layers", "num_single_layers")
@@ -70,11 +71,6 @@ class FluxSpec(DiffusersFamily):
     @property
     def comfyui_lora_name(self) -> str:
         return f"{self.family}_lora_comfyui.safetensors"
-
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downscale (x8 for FLUX.1), then 2x2 patch packing.
-        return 2 * super().pixel_multiple
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:

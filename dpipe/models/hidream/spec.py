@@ -69,6 +69,7 @@ class HiDreamSpec(DiffusersFamily):
                       "tokenizer_3")
     frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     text_fingerprint = {part: part for part in TEXT_PARTS}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.hidream.tiny:make_tiny_hidream"
     lora_modules = LORA_TARGETS
     layers = hidream_layers
@@ -88,11 +89,6 @@ class HiDreamSpec(DiffusersFamily):
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'text_encoder_4'} && "
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'tokenizer_4'}")
         super().read_configs()
-        self.part_config("transformer")  # pixel_multiple reads its patch size
-
-    @property
-    def pixel_multiple(self) -> int:
-        return super().pixel_multiple * int(self.part_config("transformer")["patch_size"])
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:

@@ -22,7 +22,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, seeded, tiny_corpus, write_once
+from dpipe.models.tiny_parts import (
+    bytes_to_unicode, learn_bpe, seeded, tiny_corpus, tiny_t5_config, write_once)
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -69,10 +70,8 @@ def _write(out: Path, seed: int) -> None:
             vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"]))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(byt5), d_model=BYT5_DIM, d_kv=12, d_ff=48, num_layers=2, num_heads=2,
-            feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0,
-            eos_token_id=1, decoder_start_token_id=0))
+        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(len(byt5), BYT5_DIM, 48,
+                                                                  d_kv=12)))
     with seeded(seed + 2):
         transformer = HunyuanImageTransformer2DModel(
             in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=HEADS,

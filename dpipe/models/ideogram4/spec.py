@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import DataError
-from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.common.vae_batch_norm import normalised_patches
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.ideogram4.comfyui import lora_to_comfyui
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
@@ -92,24 +92,16 @@ class Ideogram4Spec(DiffusersFamily):
     text_notes = {"layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length"}
     vae_config_keys = ()
     image_notes = {"latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.ideogram4.tiny:make_tiny_ideogram4"
     lora_modules = LORA_TARGETS
     # The embedding is a few projections (the text one over text tokens only), the head one:
     # each below a block, so every stage gets blocks.
     layers, block_types = ideogram4_layers, (Ideogram4Block,)
     sampler = "dpipe.models.ideogram4.sampling:Ideogram4Sampling"
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipeline's vae_scale_factor (2 ** (blocks - 1), 8 for the real VAE) x patch 2.
-        return 2 * super().pixel_multiple
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
-        mean, std = batch_norm_stats(vae)
-        return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+        return normalised_patches(encoders.vae, pixels, patchify)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

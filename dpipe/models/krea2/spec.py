@@ -21,7 +21,7 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import diffusers_named
 from dpipe.models.common.latent_packing import pack
-from dpipe.models.diffusers_folder import read_json
+from dpipe.models.diffusers_folder import read_json, wan_vae_latents
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
@@ -48,6 +48,7 @@ class Krea2Spec(DiffusersFamily):
                       "scheduler")
     # Normalised per channel with the VAE's statistics (see encode_images).
     vae_config_keys = ("latents_mean", "latents_std")
+    latent_patch = 2
     tiny_writer = "dpipe.models.krea2.tiny:make_tiny_krea2"
     lora_modules = LORA_TARGETS
     layers = krea2_layers
@@ -69,20 +70,10 @@ class Krea2Spec(DiffusersFamily):
                                  "patches, as released")
         super().read_configs()
 
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipeline's vae_scale_factor 2 ** len(temperal_downsample) (8 for the real VAE) x 2.
-        return 2 ** len(self.part_config("vae")["temperal_downsample"]) * 2
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        # A video VAE: one frame. Normalised as the pipeline un-normalises before decoding.
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mode()
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        return ((latents - mean.to(latents.dtype)) / std.to(latents.dtype))[:, :, 0]
+        # A video VAE: one frame.
+        return wan_vae_latents(encoders.vae, pixels[:, :, None])[:, :, 0]
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

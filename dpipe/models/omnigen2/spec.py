@@ -88,6 +88,7 @@ class OmniGen2Spec(DiffusersFamily):
     text_fingerprint = {"mllm": "mllm", "processor": "processor"}
     text_notes = {
         "layout": "chat template with the system prompt, hidden_states[-1], right-padded + mask"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.omnigen2.tiny:make_tiny_omnigen2"
     lora_modules = LORA_TARGETS
     # Lumina 2's loader mixin writes the same LoRA file for a "transformer" component (keys
@@ -110,11 +111,6 @@ class OmniGen2Spec(DiffusersFamily):
                 f"model.path={self.path} is not an OmniGen2 folder: {config} names {name!r} "
                 f"(model_index.json: {pipeline!r}), not {TRANSFORMER_CLASS!r}; give a download "
                 "of OmniGen2/OmniGen2, or the model.family of that model")
-
-    @property
-    def pixel_multiple(self) -> int:
-        patch = self.part_config("transformer").get("patch_size", 2)
-        return super().pixel_multiple * patch
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> OmniGen2Encoders:

@@ -53,6 +53,7 @@ class SD3Spec(DiffusersFamily):
     frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     text_fingerprint = {part: part for part in TEXT_PARTS}
     text_notes = {"clip_layer": "penultimate"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.sd3.tiny:make_tiny_sd3"
     lora_modules = LORA_TARGETS
     layers = sd3_layers
@@ -61,11 +62,6 @@ class SD3Spec(DiffusersFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("sd3",)
     from_single_file, to_original = from_original, original_state_dict
-
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downscale (x8 for the real VAE), then the transformer's patch size (2).
-        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
