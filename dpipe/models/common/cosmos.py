@@ -73,6 +73,20 @@ def first_frame_task(path: Path, variant: CosmosVariant, wanted: bool | None) ->
     return False
 
 
+@torch.no_grad()
+def wan_vae_images(vae, latents: torch.Tensor) -> torch.Tensor:
+    """As the Cosmos2 pipelines and Anima's decode (sigma_data 1): latents (1, C, F, h, w) *
+    latents_std + latents_mean through the Wan-layout VAE: the clip (3, F, H, W), or the image
+    (3, H, W) where F is 1."""
+    c = vae.config
+    shape = (1, c.z_dim, 1, 1, 1)
+    mean = torch.tensor(c.latents_mean).view(shape).to(latents.device, latents.dtype)
+    std = torch.tensor(c.latents_std).view(shape).to(latents.device, latents.dtype)
+    x = latents * std + mean
+    video = vae.decode(x.to(vae.device, vae.dtype), return_dict=False)[0][0].float()
+    return video[:, 0] if video.shape[1] == 1 else video
+
+
 class NoSafetyChecker:
     """Stands in for `CosmosSafetyChecker` (cosmos_guardrail) in the pipeline that encodes
     prompts: guardrails check prompts and decoded videos at generation, not text embeddings."""

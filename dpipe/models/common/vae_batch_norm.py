@@ -25,3 +25,14 @@ def normalised_patches(vae, pixels: torch.Tensor, patchify: Callable[[torch.Tens
     latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
     mean, std = batch_norm_stats(vae, eps)
     return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+
+
+@torch.no_grad()
+def decoded_patches(vae, latents: torch.Tensor, unpatchify: Callable[[torch.Tensor], torch.Tensor],
+                    eps: float | None = None) -> torch.Tensor:
+    """The way back, as the pipelines decode: normalised patched latents (1, 4C, h, w) -> the
+    image (3, H, W), the statistics undone, the patches unfolded by `unpatchify`."""
+    x = latents.to(vae.device, vae.dtype)
+    mean, std = batch_norm_stats(vae, eps)
+    x = unpatchify(x * std.to(x.dtype) + mean.to(x.dtype))
+    return vae.decode(x, return_dict=False)[0][0].float()

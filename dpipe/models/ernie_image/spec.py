@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dpipe.models.comfyui import diffusers_named
-from dpipe.models.common.vae_batch_norm import batch_norm_stats, normalised_patches
+from dpipe.models.common.vae_batch_norm import normalised_patches
 from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
 from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.family import DiffusersFamily
@@ -40,11 +40,6 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
     b, c, h, w = latents.shape
     x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
     return x.reshape(b, c * 4, h // 2, w // 2)
-
-
-def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the patchified latents as the pipeline un-normalises: with BN_EPS."""
-    return batch_norm_stats(vae, BN_EPS)
 
 
 class ErnieImageSpec(DiffusersFamily):

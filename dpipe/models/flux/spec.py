@@ -18,6 +18,7 @@ from torch import nn
 from dpipe.config.schema import TrainMode
 from dpipe.models.common.bfl_layout import comfyui_lora, flux1_layout, from_bfl, save_like_source
 from dpipe.models.common.latent_packing import image_ids, pack
+from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.flux.layers import FluxBlock, flux_layers
@@ -26,15 +27,6 @@ from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 
-# What the community trains for FLUX LoRAs: every Linear of both kinds of blocks (attention,
-# MLPs, modulation), none outside them. A peft regex over diffusers' module names.
-_BLOCK_LINEARS = [
-    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
-    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
-]
-LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
 # Forward + backward time per layer relative to a single-stream block, measured on an H200 at
@@ -61,7 +53,7 @@ class FluxSpec(DiffusersFamily):
                         "tokenizers": ("tokenizer", "tokenizer_2")}
     latent_patch = 2
     tiny_writer = "dpipe.models.flux.tiny:make_tiny_flux"
-    lora_modules = LORA_TARGETS
+    lora_modules = DUAL_STREAM_LORA_TARGETS
     layers, block_count_keys = flux_layers, ("num_layers", "num_single_layers")
     sampler = "dpipe.models.flux.sampling:FluxSampling"
     single_file_suffixes = SINGLE_FILE_SUFFIXES
