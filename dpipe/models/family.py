@@ -5,9 +5,9 @@ A family subclasses `DiffusersFamily` and declares (class attributes, see each b
 and a download users know, its diffusers pipeline and denoiser classes, the folder's required
 parts and its frozen encoders, the parts whose files shape cached text and latents, the tiny
 model's writer, the LoRA targets, the pipeline layers and what counts them, and its sampler.
-What it writes itself is what truly differs: how images and prompts are encoded (`encode_images`,
-`encode_prompts`), the denoiser's inputs (`make_inputs`, `denoiser_forward`), benchmark samples,
-and any LoRA format beside diffusers' (`lora_formats`). Every default is an ordinary method:
+What it writes itself is what truly differs: how prompts are encoded (`encode_prompts`, and
+`encode_images` where its latents are not a KL VAE's), the denoiser's inputs (`make_inputs`,
+`denoiser_forward`), benchmark samples, and any LoRA format beside diffusers' (`lora_formats`). Every default is an ordinary method:
 a family overrides one where it differs, and says why.
 
 Declarations that name code run late ("module:name" strings for the tiny writer and the sampler)
@@ -27,7 +27,7 @@ from torch import nn
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
-    check_folder, denoiser_skeleton, load_denoiser, load_encoders, read_json,
+    check_folder, denoiser_skeleton, kl_latents, load_denoiser, load_encoders, read_json,
     write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
@@ -186,6 +186,11 @@ class DiffusersFamily(ModelSpec):
                  for key, folder in self.text_fingerprint.items()}
         return {"family": self.family, **parts, "max_text_tokens": self.cfg.max_text_tokens,
                 **self.text_notes}
+
+    # ---- caching ------------------------------------------------------------------------------
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """A KL VAE's latents (`kl_latents`), which the default `vae_config_keys` describe."""
+        return kl_latents(encoders.vae, pixels)
 
     # ---- training -----------------------------------------------------------------------------
     def lora_targets(self) -> str | list[str]:

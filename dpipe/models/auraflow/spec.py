@@ -22,7 +22,6 @@ from torch import nn
 
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
@@ -60,9 +59,6 @@ class AuraFlowSpec(DiffusersFamily):
     from_single_file, to_original = from_original, native_state_dict
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _mask, _neg, _neg_mask = encoders.encode_prompt(

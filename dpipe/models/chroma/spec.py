@@ -29,7 +29,6 @@ from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_pad
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
 from dpipe.models.common.latent_packing import image_ids, pack
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
@@ -77,9 +76,6 @@ class ChromaSpec(DiffusersFamily):
     from_single_file, to_original = from_original, original_state_dict
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, _ids, mask, *_negative = encoders.encode_prompt(

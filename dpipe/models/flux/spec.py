@@ -19,7 +19,6 @@ from dpipe.config.schema import TrainMode
 from dpipe.models.common.bfl_layout import comfyui_lora, flux1_layout, from_bfl, save_like_source
 from dpipe.models.common.latent_packing import image_ids, pack
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
@@ -65,9 +64,6 @@ class FluxSpec(DiffusersFamily):
         return f"{self.family}_lora_comfyui.safetensors"
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, pooled, _ids = encoders.encode_prompt(

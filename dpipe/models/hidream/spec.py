@@ -28,7 +28,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import renamed
-from dpipe.models.diffusers_folder import kl_latents, load_encoders
+from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
@@ -106,9 +106,6 @@ class HiDreamSpec(DiffusersFamily):
                              frozen=self.frozen_parts)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         t5, _, llama, _, pooled, _ = encoders.encode_prompt(

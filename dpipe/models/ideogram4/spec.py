@@ -29,7 +29,7 @@ from dpipe.models.ideogram4.comfyui import lora_to_comfyui
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
 from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import LoraFormat, lora_scale
-from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
+from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 from dpipe.models.sync_free import carrier, sizes
 
 # Every Linear of every Ideogram4TransformerBlock: attention, the SwiGLU and the AdaLN projection.
@@ -169,8 +169,5 @@ class Ideogram4Spec(DiffusersFamily):
         """6 (full) or 4 (LoRA) x parameters x packed tokens, plus the blocks' attention: an
         overcount of the text projection, which runs over the text tokens only."""
         image, _t, text = inputs[:3]
-        c = denoiser.config
-        seq = image.shape[1] + text.shape[1]
-        width = c.num_attention_heads * c.attention_head_dim
-        attention = attention_train_flops(seq, width) * c.num_layers
-        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)
+        return joint_attention_train_flops(denoiser, image.shape[0],
+                                           image.shape[1] + text.shape[1], full)

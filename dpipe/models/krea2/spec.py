@@ -27,7 +27,7 @@ from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.spec import (
-    EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
+    EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 from dpipe.models.sync_free import carrier
 
 # Every Linear of every Krea2TransformerBlock: the gated attention's projections and the SwiGLU.
@@ -138,8 +138,5 @@ class Krea2Spec(DiffusersFamily):
         text fusion's parameters are counted over the joint tokens too: an overcount of its
         share (it runs over text only, its layerwise blocks over text x tapped layers)."""
         image, _t, text = inputs[:3]
-        c = denoiser.config
-        seq = image.shape[1] + text.shape[1]
-        width = c.num_attention_heads * c.attention_head_dim
-        attention = attention_train_flops(seq, width) * c.num_layers
-        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)
+        return joint_attention_train_flops(denoiser, image.shape[0],
+                                           image.shape[1] + text.shape[1], full)

@@ -17,7 +17,6 @@ from torch import nn
 
 from dpipe.models.comfyui import comfy_lora_tensors
 from dpipe.models.common.lumina import LuminaFamily
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.lumina2.comfyui import comfy_lora_pairs, from_native
@@ -49,9 +48,6 @@ class Lumina2Spec(LuminaFamily):
         return 8 * self.part_config("transformer").get("patch_size", 2)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask, _, _ = encoders.encode_prompt(

@@ -29,7 +29,7 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import renamed
 from dpipe.models.common.lumina import LuminaFamily
-from dpipe.models.diffusers_folder import kl_latents, load_denoiser, read_json
+from dpipe.models.diffusers_folder import load_denoiser, read_json
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.omnigen2.layers import omnigen2_layers
 from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
@@ -117,9 +117,6 @@ class OmniGen2Spec(LuminaFamily):
         return load_denoiser(transformer_class(), self.path, None, dtype)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: OmniGen2Encoders, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     def chat(self, tokenizer, prompt: str) -> str:
         """The reference pipeline's `_apply_chat_template`."""
         turns = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.sd3.comfyui import comfyui_lora
@@ -64,9 +63,6 @@ class SD3Spec(DiffusersFamily):
     from_single_file, to_original = from_original, original_state_dict
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, _neg, pooled, _neg_pooled = encoders.encode_prompt(
