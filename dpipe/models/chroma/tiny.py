@@ -21,7 +21,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import (
     FLUX_SCHEDULER, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
@@ -56,10 +56,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     pipe = ChromaPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder,
         tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"), transformer=transformer)

@@ -26,7 +26,7 @@ import torch
 
 from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
@@ -94,10 +94,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
             rope_scale=v["rope_scale"], concat_padding_mask=True, extra_pos_embed_type=None)
         # diffusers zero-initialises nothing here; random adaLN weights keep every path alive.
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
-    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, text_encoder=(text_encoder, 2),
+               vae=(vae, 1), transformer=(transformer, 2))
     index = {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",

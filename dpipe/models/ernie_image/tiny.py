@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_llama3_tokenizer import train_llama3_bpe
 from dpipe.models.tiny_parts import seeded, write_atomically
 
@@ -108,10 +108,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux2_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=1, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 1), vae=(vae, 1))
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     ErnieImagePipeline(transformer=transformer, vae=vae, text_encoder=text_encoder,
                        tokenizer=tokenizer, scheduler=scheduler).save_config(out)

@@ -27,7 +27,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.colour_vae import colour_flux_vae
-from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import (
     FLUX_SCHEDULER, save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
@@ -97,13 +97,10 @@ def write_tiny_flux(out: Path, seed: int) -> None:
             axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
     vae = colour_flux_vae()  # set, not drawn: its latents are the picture's colours
 
-    scheduler.save_pretrained(out / "scheduler")
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
     # so code that reads the weight files finds the same names as on the real repo.
-    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_exact_shards(text_encoder_2, out / "text_encoder_2", shards=2, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=1, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder_2=(text_encoder_2, 2), text_encoder=(text_encoder, 1), vae=(vae, 1))
 
     pipe = FluxPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
-from dpipe.models.common.tiny_files import save_exact_shards
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import FLUX_SCHEDULER, seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 4
@@ -102,10 +102,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux2_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer).save_config(out)
     index = json.loads((out / "model_index.json").read_text())

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY, TEXT_DIM, Z_DIM
@@ -72,11 +72,9 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux2_vae(Z_DIM)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(unconditional, out / "unconditional_transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               unconditional_transformer=(unconditional, 2), text_encoder=(text_encoder, 2),
+               vae=(vae, 1))
     tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out / "tokenizer")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_qwen_image_vae
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.krea2.sizes import KREA2_TINY, SELECT_LAYERS, TEXT_DIM, Z_DIM
@@ -59,10 +59,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_qwen_image_vae(Z_DIM)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
     Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer, text_encoder_select_layers=SELECT_LAYERS,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.common.tiny_files import save_parts, save_sharded
 from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 
 LATENT_CHANNELS = 8
@@ -68,10 +68,8 @@ def _write(out: Path, seed: int) -> None:
         vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS) * 0.1)
         vae.latents_std.copy_(torch.rand(LATENT_CHANNELS) + 0.5)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_sharded(transformer, out / "transformer", shards=2)
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    save_sharded(vae, out / "vae", shards=1)
+    save_parts(out, save_sharded, torch.bfloat16, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
 
     pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                        tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),

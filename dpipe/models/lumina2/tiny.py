@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.lumina2.sizes import LATENT_CHANNELS, TEXT_DIM, LUMINA2_TINY
 from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
@@ -105,10 +105,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS, levels=4)  # Lumina2Pipeline hard-codes 8x
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
 
     pipe = Lumina2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                            tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_qwen_image_vae
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY, TEXT_DIM, Z_DIM
@@ -72,10 +72,8 @@ def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
     with seeded(seed + 2):
         vae = tiny_qwen_image_vae(Z_DIM)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
     parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                  transformer=transformer)
