@@ -133,17 +133,17 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
     loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size."""
     vocab, merges = train_clip_bpe()
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
+    write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
     (directory / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     special = {"lstrip": False, "normalized": True, "rstrip": False, "single_word": False}
-    _write_json(directory / "special_tokens_map.json", {
+    write_json(directory / "special_tokens_map.json", {
         "bos_token": {"content": CLIP_BOS, **special},
         "eos_token": {"content": CLIP_EOS, **special},
         "pad_token": CLIP_EOS,
         "unk_token": {"content": CLIP_EOS, **special},
     })
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_prefix_space": False,
         "added_tokens_decoder": {  # the real file has exactly this normalized true/false mix
             str(len(vocab) - 2): {"content": CLIP_BOS, **special, "special": True},
@@ -214,13 +214,13 @@ def save_t5_tokenizer(directory: Path, model_max_length: int = 512) -> int:
                for i, t in enumerate(["<pad>", "</s>", "<unk>"])}
     decoder.update({str(len(vocab) - 1 - i): {"content": t, **plain, "lstrip": True, "rstrip": True,
                                               "special": True} for i, t in enumerate(extras)})
-    _write_json(directory / "special_tokens_map.json", {
+    write_json(directory / "special_tokens_map.json", {
         "additional_special_tokens": extras,
         "eos_token": {"content": "</s>", **plain},
         "pad_token": {"content": "<pad>", **plain},
         "unk_token": {"content": "<unk>", **plain},
     })
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_prefix_space": True,
         "added_tokens_decoder": decoder,
         "additional_special_tokens": extras,
@@ -306,5 +306,6 @@ def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], write
     return path
 
 
-def _write_json(path: Path, obj: object) -> None:
+def write_json(path: Path, obj: object) -> None:
+    """`obj` as a tokenizer's JSON files are written: indented, non-ASCII kept."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
