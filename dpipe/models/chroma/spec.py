@@ -28,7 +28,7 @@ from torch import nn
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
-from dpipe.models.common.latent_packing import image_ids, pack
+from dpipe.models.common.latent_packing import image_ids, pack, packed_labels
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
@@ -96,11 +96,7 @@ class ChromaSpec(DiffusersFamily):
             mask = torch.cat([mask, torch.ones(b, packed.shape[1], dtype=torch.long)], dim=1)
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
         inputs = (packed, batch.timesteps, text, mask, txt_ids, image_ids(h // 2, w // 2))
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from dpipe.config.schema import TrainMode
 from dpipe.models.common.bfl_layout import comfyui_lora, flux1_layout, from_bfl, save_like_source
-from dpipe.models.common.latent_packing import image_ids, pack
+from dpipe.models.common.latent_packing import image_ids, pack, packed_labels
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.flux.layers import FluxBlock, flux_layers
@@ -97,11 +97,7 @@ class FluxSpec(DiffusersFamily):
         if guidance is None:
             guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

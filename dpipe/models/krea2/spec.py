@@ -20,7 +20,7 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import diffusers_named
-from dpipe.models.common.latent_packing import pack
+from dpipe.models.common.latent_packing import pack, packed_labels
 from dpipe.models.diffusers_folder import read_json, wan_vae_latents
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
@@ -98,10 +98,7 @@ class Krea2Spec(DiffusersFamily):
         text = batch.text
         inputs = (pack(batch.noisy), batch.timesteps, text["text"],
                   text["text_mask"].round().long(), carrier(h // 2, w // 2))
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         # ComfyUI 0.33.0 maps Krea 2 LoRAs by diffusers' module names under `diffusion_model.`

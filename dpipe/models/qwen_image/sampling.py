@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.diffusers_folder import wan_vae_decoded
-from dpipe.models.qwen_image.spec import pack
+from dpipe.models.common.latent_packing import pack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import diffusers_named
+from dpipe.models.common.latent_packing import pack, packed_labels
 from dpipe.models.diffusers_folder import wan_vae_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
@@ -91,14 +92,7 @@ class QwenImageSpec(DiffusersFamily):
         b, c, h, w = batch.latents.shape
         shapes = image_grids((1, h // 2, w // 2))
         inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes)
-        return inputs, self._labels(batch)
-
-    def _labels(self, batch) -> tuple[torch.Tensor, ...]:
-        b, c, h, w = batch.latents.shape
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return (pack(batch.target),)
-        return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
@@ -132,10 +126,3 @@ class QwenImageSpec(DiffusersFamily):
         packed, _t, text = inputs[:3]
         return joint_attention_train_flops(denoiser, packed.shape[0],
                                            packed.shape[1] + text.shape[1], full)
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): the pipelines' `_pack_latents`."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
