@@ -12,6 +12,7 @@ whose files have always kept it (`save_comfy_lora`), written as `.alpha`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
@@ -136,6 +137,20 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
         out[f"{COMFY_PREFIX}{rename(name)}.lora_A.weight"] = a.contiguous()
         out[f"{COMFY_PREFIX}{rename(name)}.lora_B.weight"] = (b * scale).contiguous()
     return out
+
+
+def original_linear_name(name: str, top: dict[str, str], block: re.Pattern,
+                         renames: dict[str, str], model: str) -> str:
+    """The original checkpoint's name of a diffusers Linear: `top`'s for one outside the blocks,
+    `blocks.<i>.<renames[part]>` for a block's (`block` matches its index and part); KeyError
+    for anything outside the mapping, so a trained weight is never dropped or misnamed
+    silently."""
+    if name in top:
+        return top[name]
+    match = block.fullmatch(name)
+    if match is None or match.group(2) not in renames:
+        raise KeyError(f"no ComfyUI name for {model} module {name!r}")
+    return f"blocks.{match.group(1)}.{renames[match.group(2)]}"
 
 
 def in_original_names(weights: dict[str, torch.Tensor], scale: float, original_name,
