@@ -7,8 +7,8 @@ parts and its frozen encoders, the parts whose files shape cached text and laten
 model's writer, the LoRA targets, the pipeline layers and what counts them, and its sampler.
 What it writes itself is what truly differs: how prompts are encoded (`encode_prompts`, and
 `encode_images` where its latents are not a KL VAE's), the denoiser's inputs (`make_inputs`,
-`denoiser_forward`), benchmark samples, and any LoRA format beside diffusers' (`lora_formats`). Every default is an ordinary method:
-a family overrides one where it differs, and says why.
+`denoiser_forward`), benchmark samples, and any LoRA format beside diffusers' (`lora_formats`).
+Every default is an ordinary method: a family overrides one where it differs, and says why.
 
 Declarations that name code run late ("module:name" strings for the tiny writer and the sampler)
 are imported when first used: the launcher imports every spec it checks, and those modules pull

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
-from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models import diffusers_folder
+from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.spec import PipelineLayer

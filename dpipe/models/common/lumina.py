@@ -21,7 +21,8 @@ from dpipe.models.spec import NoisedBatch, PipelineLayer
 _BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
                   r"feed_forward\.linear_1", r"feed_forward\.linear_2", r"feed_forward\.linear_3",
                   r"norm1\.linear"]
-LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
+LORA_TARGETS = (r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS)
+                + ")")
 
 # Weights that see one token per sample (the timestep embedder, the modulations of the blocks
 # and of the head's norm), and the embedder's that see the caption's (layer_costs).
