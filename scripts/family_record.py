@@ -32,7 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.integration.test_families import FAMILIES, SWEEP, _group, sample_args  # noqa: E402
+from tests.integration.test_families import (  # noqa: E402
+    CAPTIONS, FAMILIES, SWEEP, _group, sample_args)
 
 MODES = {"lora": ["train.max_steps=3"],
          "full": ["train.max_steps=3", "model.mode=full"]}
@@ -94,6 +95,12 @@ def write(out: Path, families: list[str]) -> None:
 
     control = work / "control.png"
     draw_shape(3, 64)[0].save(control)
+    # The dataset of test_families: its images, captioned in 1 to 9 words.
+    captioned = work / "captioned"
+    captioned.mkdir()
+    for i, caption in enumerate(CAPTIONS):
+        draw_shape(i, 64)[0].save(captioned / f"image{i}.png")
+        (captioned / f"image{i}.txt").write_text(caption)
     for mode, args in MODES.items():
         groups: dict[str, list[str]] = {}
         for family in families:
@@ -101,7 +108,8 @@ def write(out: Path, families: list[str]) -> None:
         for key, members in groups.items():
             sweep_dir = work / mode / key
             cmd = [sys.executable, "-m", "dpipe.cli.train", "-m", f"hydra.sweep.dir={sweep_dir}",
-                   f"model={','.join(members)}", *COMMON, *sample_args(key, control), *args]
+                   f"model={','.join(members)}", *COMMON, *sample_args(key, control),
+                   f"dataset.path={captioned}", *args]
             print(f"== {mode} {key}: {len(members)} families", flush=True)
             done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             summary = sweep_dir / "sweep_summary.json"

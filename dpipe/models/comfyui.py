@@ -12,7 +12,8 @@ whose files have always kept it (`save_comfy_lora`), written as `.alpha`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import re
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -58,6 +59,47 @@ def fused_pair(parts: list[tuple[torch.Tensor, torch.Tensor] | None], out_dims: 
     return a.contiguous(), b.contiguous()
 
 
+def fused_qkv_state(state_dict: dict[str, torch.Tensor], attention: str,
+                    rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """A diffusers state dict in the original names of models whose checkpoints fuse each
+    `<block><attention>.to_q/to_k/to_v` into one `<block>.attention.qkv` (Lumina 2, Z-Image):
+    the three concatenated in that order, every other key through `rename`."""
+    out = {}
+    for key, value in state_dict.items():
+        if f"{attention}.to_k." in key or f"{attention}.to_v." in key:
+            continue
+        if f"{attention}.to_q." in key:
+            base, _, tail = key.partition(f"{attention}.to_q.")
+            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
+                [state_dict[f"{base}{attention}.to_{n}.{tail}"] for n in "qkv"], dim=0)
+            continue
+        out[rename(key)] = value
+    return out
+
+
+def fused_qkv_lora_pairs(weights: dict[str, torch.Tensor], alpha: float, attention: str,
+                         rename: Callable[[str], str], title: str):
+    """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)} for the models of
+    `fused_qkv_state`: each block's q/k/v LoRAs as one on `<block>.attention.qkv` (alpha / rank
+    unchanged), every other module through `rename`."""
+    pairs = peft_pairs(weights)
+    out = {}
+    for module, (a, b) in pairs.items():
+        if module.endswith((f"{attention}.to_k", f"{attention}.to_v")):
+            continue
+        if module.endswith(f"{attention}.to_q"):
+            base = module[: -len(f"{attention}.to_q")]
+            parts = [pairs.get(f"{base}{attention}.{n}") for n in ("to_q", "to_k", "to_v")]
+            if any(p is None for p in parts):
+                raise ValueError(f"{base}{attention}: a ComfyUI LoRA needs all of to_q, to_k and "
+                                 f"to_v (ComfyUI's {title} has one fused qkv Linear)")
+            fa, fb = fused_pair(parts, [p[1].shape[0] for p in parts], 1.0)
+            out[f"{base}.attention.qkv"] = (fa, fb, alpha * 3)
+        else:
+            out[rename(module)] = (a, b, alpha)
+    return out
+
+
 def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
                mapping: Iterable[tuple[str, list[str], list[int | None]]],
                swapped: Collection[str] = ()) -> dict[str, torch.Tensor]:
@@ -95,6 +137,20 @@ def renamed(state_dict: dict[str, torch.Tensor], scale: float,
         out[f"{COMFY_PREFIX}{rename(name)}.lora_A.weight"] = a.contiguous()
         out[f"{COMFY_PREFIX}{rename(name)}.lora_B.weight"] = (b * scale).contiguous()
     return out
+
+
+def original_linear_name(name: str, top: dict[str, str], block: re.Pattern,
+                         renames: dict[str, str], model: str) -> str:
+    """The original checkpoint's name of a diffusers Linear: `top`'s for one outside the blocks,
+    `blocks.<i>.<renames[part]>` for a block's (`block` matches its index and part); KeyError
+    for anything outside the mapping, so a trained weight is never dropped or misnamed
+    silently."""
+    if name in top:
+        return top[name]
+    match = block.fullmatch(name)
+    if match is None or match.group(2) not in renames:
+        raise KeyError(f"no ComfyUI name for {model} module {name!r}")
+    return f"blocks.{match.group(1)}.{renames[match.group(2)]}"
 
 
 def in_original_names(weights: dict[str, torch.Tensor], scale: float, original_name,

@@ -112,6 +112,29 @@ def kl_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (latents - shift) * vae.config.scaling_factor
 
 
+@torch.no_grad()
+def wan_vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, F, H, W) in [-1, 1] -> the mean of a Wan-layout video VAE (Wan's, Qwen-Image's;
+    Cosmos-Predict2, Anima, Krea 2 use them), normalised as the pipelines do:
+    (z - latents_mean) / latents_std (* sigma_data, which is 1)."""
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
+    return (latents - mean) / std
+
+
+@torch.no_grad()
+def wan_vae_decoded(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The way back, as the Wan and Qwen-Image pipelines decode: latents (1, C, F, h, w) /
+    (1 / latents_std) + latents_mean through the VAE (which clamps to [-1, 1]): (3, F, H, W)."""
+    c = vae.config
+    x = latents.to(vae.device, vae.dtype)
+    mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x)
+    inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x)
+    return vae.decode(x / inv_std + mean, return_dict=False)[0][0].float()
+
+
 def write_denoiser_folder(shards: list[Path], out_dir: Path, config_path: Path) -> Path:
     """Per-stage safetensors shards of a denoiser (its diffusers names) -> a diffusers model
     folder that `from_pretrained` reads as is, with the config at `config_path`. The shards are

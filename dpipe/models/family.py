@@ -5,10 +5,10 @@ A family subclasses `DiffusersFamily` and declares (class attributes, see each b
 and a download users know, its diffusers pipeline and denoiser classes, the folder's required
 parts and its frozen encoders, the parts whose files shape cached text and latents, the tiny
 model's writer, the LoRA targets, the pipeline layers and what counts them, and its sampler.
-What it writes itself is what truly differs: how images and prompts are encoded (`encode_images`,
-`encode_prompts`), the denoiser's inputs (`make_inputs`, `denoiser_forward`), benchmark samples,
-and any LoRA format beside diffusers' (`lora_formats`). Every default is an ordinary method:
-a family overrides one where it differs, and says why.
+What it writes itself is what truly differs: how prompts are encoded (`encode_prompts`, and
+`encode_images` where its latents are not a KL VAE's), the denoiser's inputs (`make_inputs`,
+`denoiser_forward`), benchmark samples, and any LoRA format beside diffusers' (`lora_formats`).
+Every default is an ordinary method: a family overrides one where it differs, and says why.
 
 Declarations that name code run late ("module:name" strings for the tiny writer and the sampler)
 are imported when first used: the launcher imports every spec it checks, and those modules pull
@@ -27,7 +27,7 @@ from torch import nn
 from dpipe.diffusion.loss import weighted_mean
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
-    check_folder, load_denoiser, load_encoders, read_json, write_denoiser_folder)
+    check_folder, kl_latents, load_denoiser, load_encoders, read_json, write_denoiser_folder)
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, LoraFormat, peft_to_diffusers, save_diffusers_lora, write_lora_files)
@@ -77,6 +77,10 @@ class DiffusersFamily(ModelSpec):
     # The default is a KL VAE's: the distribution's mode, shifted and scaled.
     vae_config_keys: ClassVar[tuple[str, ...]] = ("scaling_factor", "shift_factor")
     image_notes: ClassVar[dict[str, Any]] = {"latent": "mode"}
+    # The side of the latent patches the denoiser makes tokens of (2: 2x2), by which a pixel
+    # size is a multiple of more than the VAE's downscale; None: the denoiser config's
+    # patch_size (2 where it names none, diffusers' default).
+    latent_patch: ClassVar[int | None] = 1
     tiny_writer: ClassVar[str]  # "module:function" writing the tiny model folder at a path
     lora_modules: ClassVar[str | tuple[str, ...]]  # peft target_modules (a regex or names)
     # The pipeline layers: a function of the denoiser; the denoiser config keys that count its
@@ -119,9 +123,12 @@ class DiffusersFamily(ModelSpec):
 
     def read_configs(self) -> None:
         """Reads the configs training needs, so that a broken folder fails before any worker
-        starts. Default: the VAE's, where the folder has one."""
+        starts. Default: the VAE's, where the folder has one, and the denoiser's where
+        `pixel_multiple` reads its patch size."""
         if "vae" in self.required_parts:
             self.part_config("vae")
+        if self.latent_patch is None:
+            self.part_config(self.denoiser_folder)
 
     def part_config(self, part: str) -> dict[str, Any]:
         """`part`/config.json of the model folder."""
@@ -129,8 +136,14 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def pixel_multiple(self) -> int:
-        """The VAE's downscale: 2 per level after the first."""
-        return 2 ** (len(self.part_config("vae")["block_out_channels"]) - 1)
+        """The VAE's downscale (a KL VAE's 2 per level after the first; a video VAE's, as Wan's
+        and Qwen-Image's, 2 per temporal-downsample entry) times the latent patch."""
+        vae = self.part_config("vae")
+        levels = len(vae["temperal_downsample"]) if "temperal_downsample" in vae \
+            else len(vae["block_out_channels"]) - 1
+        patch = self.latent_patch or int(
+            self.part_config(self.denoiser_folder).get("patch_size", 2))
+        return 2 ** levels * patch
 
     # ---- components ---------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -181,6 +194,11 @@ class DiffusersFamily(ModelSpec):
                  for key, folder in self.text_fingerprint.items()}
         return {"family": self.family, **parts, "max_text_tokens": self.cfg.max_text_tokens,
                 **self.text_notes}
+
+    # ---- caching ------------------------------------------------------------------------------
+    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """A KL VAE's latents (`kl_latents`), which the default `vae_config_keys` describe."""
+        return kl_latents(encoders.vae, pixels)
 
     # ---- training -----------------------------------------------------------------------------
     def lora_targets(self) -> str | list[str]:

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, normalizers, pre_tokenizers
@@ -132,17 +133,17 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
     loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size."""
     vocab, merges = train_clip_bpe()
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
+    write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
     (directory / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     special = {"lstrip": False, "normalized": True, "rstrip": False, "single_word": False}
-    _write_json(directory / "special_tokens_map.json", {
+    write_json(directory / "special_tokens_map.json", {
         "bos_token": {"content": CLIP_BOS, **special},
         "eos_token": {"content": CLIP_EOS, **special},
         "pad_token": CLIP_EOS,
         "unk_token": {"content": CLIP_EOS, **special},
     })
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_prefix_space": False,
         "added_tokens_decoder": {  # the real file has exactly this normalized true/false mix
             str(len(vocab) - 2): {"content": CLIP_BOS, **special, "special": True},
@@ -213,13 +214,13 @@ def save_t5_tokenizer(directory: Path, model_max_length: int = 512) -> int:
                for i, t in enumerate(["<pad>", "</s>", "<unk>"])}
     decoder.update({str(len(vocab) - 1 - i): {"content": t, **plain, "lstrip": True, "rstrip": True,
                                               "special": True} for i, t in enumerate(extras)})
-    _write_json(directory / "special_tokens_map.json", {
+    write_json(directory / "special_tokens_map.json", {
         "additional_special_tokens": extras,
         "eos_token": {"content": "</s>", **plain},
         "pad_token": {"content": "<pad>", **plain},
         "unk_token": {"content": "<unk>", **plain},
     })
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_prefix_space": True,
         "added_tokens_decoder": decoder,
         "additional_special_tokens": extras,
@@ -234,6 +235,26 @@ def save_t5_tokenizer(directory: Path, model_max_length: int = 512) -> int:
         "unk_token": "<unk>",
     })
     return len(vocab)
+
+
+# FLUX.1-dev's scheduler config, which Chroma1-HD and FLUX.2 ship too: the shift grows with the
+# image token count.
+FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                      base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                      max_image_seq_len=4096)
+
+
+def tiny_t5_config(vocab_size: int, width: int, d_ff: int, d_kv: int = 16,
+                   v1_1: bool = True) -> dict[str, Any]:
+    """The T5Config (or UMT5Config) arguments of a tiny T5 encoder of 2 layers of 2 heads with
+    T5's relative-position buckets, laid out as t5-v1_1's and UMT5's (gated GELU, untied
+    embeddings) or, `v1_1` false, as T5 v1.0's (T5-11B, Cosmos' encoder: ReLU, tied)."""
+    return dict(vocab_size=vocab_size, d_model=width, d_ff=d_ff, d_kv=d_kv, num_heads=2,
+                num_layers=2, num_decoder_layers=2,
+                feed_forward_proj="gated-gelu" if v1_1 else "relu",
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                layer_norm_epsilon=1e-6, tie_word_embeddings=not v1_1, pad_token_id=0,
+                eos_token_id=1, decoder_start_token_id=0)
 
 
 @contextlib.contextmanager
@@ -285,5 +306,6 @@ def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], write
     return path
 
 
-def _write_json(path: Path, obj: object) -> None:
+def write_json(path: Path, obj: object) -> None:
+    """`obj` as a tokenizer's JSON files are written: indented, non-ASCII kept."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

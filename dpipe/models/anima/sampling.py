@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.models.common.cosmos import wan_vae_images
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 from dpipe.models.sampling import FamilySampling, SampleRequest
 
@@ -32,14 +33,8 @@ class AnimaSampling(FamilySampling):
         vae = AutoencoderKLQwenImage.from_pretrained(self.path, subfolder="vae", dtype=dtype)
         return vae.to(device).requires_grad_(False).eval()
 
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        c = vae.config
-        shape = (1, c.z_dim, 1, 1, 1)
-        mean = torch.tensor(c.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = torch.tensor(c.latents_std).view(shape).to(latents.device, latents.dtype)
-        x = latents * std + mean
-        return vae.decode(x.to(vae.device, vae.dtype), return_dict=False)[0][0, :, 0].float()
+        return wan_vae_images(vae, latents)  # one frame: the image
 
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:

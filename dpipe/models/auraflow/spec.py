@@ -22,7 +22,6 @@ from torch import nn
 
 from dpipe.models.auraflow.comfyui import comfyui_lora, from_original, native_state_dict
 from dpipe.models.auraflow.layers import AuraFlowJointBlock, AuraFlowSingleBlock, auraflow_layers
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
@@ -47,6 +46,7 @@ class AuraFlowSpec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                       "scheduler")
     text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.auraflow.tiny:make_tiny_auraflow"
     lora_modules = LORA_TARGETS
     layers = auraflow_layers
@@ -58,18 +58,7 @@ class AuraFlowSpec(DiffusersFamily):
     gguf_architectures = ("aura",)
     from_single_file, to_original = from_original, native_state_dict
 
-    def read_configs(self) -> None:
-        super().read_configs()
-        self.part_config("transformer")  # pixel_multiple reads its patch size
-
-    @property
-    def pixel_multiple(self) -> int:
-        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
-
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _mask, _neg, _neg_mask = encoders.encode_prompt(

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.tiny_parts import seeded, tiny_corpus, write_once
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # UMT5 d_model = transformer joint_attention_dim
@@ -102,18 +102,7 @@ def train_sentencepiece_bpe(num_merges: int = 400) -> tuple[list[str], list[tupl
     """
     words = Counter(SP + w for line in tiny_corpus() for w in line.split())
     chars = sorted({c for w in words for c in w} | set(map(chr, range(33, 127))))
-    symbols = {tuple(w): n for w, n in words.items()}
-    merges: list[tuple[str, str]] = []
-    for _ in range(num_merges):
-        pairs: Counter[tuple[str, str]] = Counter()
-        for word, n in symbols.items():
-            for pair in zip(word, word[1:]):
-                pairs[pair] += n
-        best = min(pairs, key=lambda p: (-pairs[p], p), default=None)
-        if best is None or pairs[best] < 2:
-            break
-        merges.append(best)
-        symbols = {_merge(word, best): n for word, n in symbols.items()}
+    merges = list(learn_bpe({tuple(w): n for w, n in words.items()}, num_merges))
     vocab = ["<unk>", "<pad>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars
     seen = set(vocab)
     for a, b in merges:
@@ -121,18 +110,6 @@ def train_sentencepiece_bpe(num_merges: int = 400) -> tuple[list[str], list[tupl
             vocab.append(a + b)
             seen.add(a + b)
     return vocab, merges
-
-
-def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    out, i = [], 0
-    while i < len(word):
-        if word[i:i + 2] == pair:
-            out.append(word[i] + word[i + 1])
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out)
 
 
 def save_sentencepiece_bpe_tokenizer(directory: Path, model_max_length: int) -> int:

@@ -28,8 +28,7 @@ from torch import nn
 from dpipe.models.attention_mask import has_padding, padding_mask, trim_text_padding
 from dpipe.models.chroma.layers import ChromaDoubleBlock, ChromaSingleBlock, chroma_layers
 from dpipe.models.chroma.original import from_original, original_state_dict
-from dpipe.models.common.latent_packing import image_ids, pack
-from dpipe.models.diffusers_folder import kl_latents
+from dpipe.models.common.latent_packing import image_ids, pack, packed_labels
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
@@ -64,6 +63,7 @@ class ChromaSpec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
     text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
     text_notes = {"mask": "prompt+1 pad"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.chroma.tiny:make_tiny_chroma"
     lora_modules = LORA_TARGETS
     layers, block_count_keys = chroma_layers, ("num_layers", "num_single_layers")
@@ -75,14 +75,7 @@ class ChromaSpec(DiffusersFamily):
     gguf_architectures = ("flux", "chroma")
     from_single_file, to_original = from_original, original_state_dict
 
-    @property
-    def pixel_multiple(self) -> int:
-        return 2 * super().pixel_multiple
-
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, _ids, mask, *_negative = encoders.encode_prompt(
@@ -103,11 +96,7 @@ class ChromaSpec(DiffusersFamily):
             mask = torch.cat([mask, torch.ones(b, packed.shape[1], dtype=torch.long)], dim=1)
         txt_ids = torch.zeros(text.shape[1], 3, dtype=torch.long)
         inputs = (packed, batch.timesteps, text, mask, txt_ids, image_ids(h // 2, w // 2))
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

@@ -21,8 +21,9 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.tiny_parts import (
+    FLUX_SCHEDULER, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32
@@ -42,17 +43,10 @@ def _write(out: Path, seed: int) -> None:
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
     t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
-    # Chroma1-HD ships FLUX.1's scheduler config.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(
-            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
-            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
+        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
     with seeded(seed + 1):
         transformer = ChromaTransformer2DModel(
             patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
@@ -62,10 +56,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     pipe = ChromaPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder,
         tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"), transformer=transformer)

@@ -1,7 +1,6 @@
 """What the Cosmos families share above their transformer's layers (`cosmos_layers`): Cosmos-Predict2
 and Cosmos 1.0 (`CosmosFamily`: T5 prompts, CosmosTransformer3DModel, a LoRA loaded as diffusers
-users load one into it), and, with Anima, the Wan-VAE latents and what a Cosmos-Predict2 folder is
-(`CosmosVariant`).
+users load one into it), and, with Anima, what a Cosmos-Predict2 folder is (`CosmosVariant`).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models import diffusers_folder
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
@@ -32,6 +32,8 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LINEARS) + ")"
 # The embedding and head are a few Linears over the tokens: by parameter count the embedding's
 # timestep and text projections would weigh as half a block.
 EDGE_LAYER_COST = 0.02
+# Where Anima's spec imports it from (the function is diffusers_folder's).
+wan_vae_latents = diffusers_folder.wan_vae_latents
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,17 @@ def first_frame_task(path: Path, variant: CosmosVariant, wanted: bool | None) ->
 
 
 @torch.no_grad()
-def wan_vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """(B, 3, F, H, W) in [-1, 1] -> the Wan-layout VAE's mean, normalised as the pipelines do:
-    (z - latents_mean) / latents_std (* sigma_data, which is 1)."""
-    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
-    std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
-    return (latents - mean) / std
+def wan_vae_images(vae, latents: torch.Tensor) -> torch.Tensor:
+    """As the Cosmos2 pipelines and Anima's decode (sigma_data 1): latents (1, C, F, h, w) *
+    latents_std + latents_mean through the Wan-layout VAE: the clip (3, F, H, W), or the image
+    (3, H, W) where F is 1."""
+    c = vae.config
+    shape = (1, c.z_dim, 1, 1, 1)
+    mean = torch.tensor(c.latents_mean).view(shape).to(latents.device, latents.dtype)
+    std = torch.tensor(c.latents_std).view(shape).to(latents.device, latents.dtype)
+    x = latents * std + mean
+    video = vae.decode(x.to(vae.device, vae.dtype), return_dict=False)[0][0].float()
+    return video[:, 0] if video.shape[1] == 1 else video
 
 
 class NoSafetyChecker:

@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from dpipe.models.comfyui import in_original_names
+from dpipe.models.comfyui import in_original_names, original_linear_name
 
 _BLOCK_RENAMES = {
     "attn1.to_q": "self_attn.q_proj", "attn1.to_k": "self_attn.k_proj",
@@ -46,7 +46,7 @@ _TOP_RENAMES = {
 }
 # The Linears among them (the time embedding's norm is an RMSNorm); their halves keep their order:
 # diffusers' converter renames the final layer's modulation without swapping it.
-_TOP_LINEARS = set(_TOP_RENAMES) - {"time_embed.norm"}
+_TOP_LINEARS = {k: v for k, v in _TOP_RENAMES.items() if k != "time_embed.norm"}
 _BLOCK_PARTS = {
     **_BLOCK_RENAMES,
     "attn1.norm_q": "self_attn.q_norm", "attn1.norm_k": "self_attn.k_norm",
@@ -59,12 +59,8 @@ def original_module_name(diffusers_name: str) -> str:
     """NVIDIA's name (without `net.`) of a Linear: in a transformer block, or outside (the patch
     embedder, the time embedder, the final layer); KeyError for anything outside the mapping, so
     a trained weight is never dropped or misnamed silently."""
-    if diffusers_name in _TOP_LINEARS:
-        return _TOP_RENAMES[diffusers_name]
-    match = _BLOCK_MODULE.fullmatch(diffusers_name)
-    if match is None or match.group(2) not in _BLOCK_RENAMES:
-        raise KeyError(f"no ComfyUI name for Cosmos module {diffusers_name!r}")
-    return f"blocks.{match.group(1)}.{_BLOCK_RENAMES[match.group(2)]}"
+    return original_linear_name(diffusers_name, _TOP_LINEARS, _BLOCK_MODULE, _BLOCK_RENAMES,
+                                "Cosmos")
 
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

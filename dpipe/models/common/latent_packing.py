@@ -1,5 +1,6 @@
-"""FLUX's 2x2 latent packing, its inverse and the image tokens' position ids, as FluxPipeline
-makes them; FLUX.1, FLUX.1 Kontext and Chroma share them."""
+"""FLUX's 2x2 latent packing, its inverse, the labels packed alike and the image tokens' position
+ids, as FluxPipeline makes them; FLUX.1, FLUX.1 Kontext, Chroma, Qwen-Image and Krea 2 share
+them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     b, c, h, w = like.shape
     x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c, h, w)
+
+
+def packed_labels(batch) -> tuple[torch.Tensor, ...]:
+    """The loss labels of a micro-batch whose prediction is packed: (target,), or (target,
+    weight) where the dataset gives mask weights (B, 1, h, w), packed as the target is
+    (channel-major groups of the 2x2 patch, so repeated over the channels)."""
+    b, c, h, w = batch.latents.shape
+    weight = getattr(batch, "loss_weight", None)
+    if weight is None:
+        return (pack(batch.target),)
+    return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
 
 
 def image_ids(h: int, w: int) -> torch.Tensor:

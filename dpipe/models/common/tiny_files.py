@@ -55,3 +55,12 @@ def _save(model: torch.nn.Module, directory: Path, shards: int, dtype: torch.dty
     sizes = [t.numel() * t.element_size() for t in unique]
     total = sum(sizes)
     model.save_pretrained(directory, max_shard_size=cap(-(-total // shards), max(sizes), total))
+
+
+def save_parts(out: Path, save, dtype: torch.dtype, scheduler,
+               **parts: tuple[torch.nn.Module, int]) -> None:
+    """The scheduler's config, then each part (`name=(model, shards)`) in its folder of `out`, in
+    `dtype`, by `save`: one of the writers above, whose shard rule the family's folders keep."""
+    scheduler.save_pretrained(out / "scheduler")
+    for name, (model, shards) in parts.items():
+        save(model, out / name, shards=shards, dtype=dtype)

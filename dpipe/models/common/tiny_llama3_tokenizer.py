@@ -11,13 +11,12 @@ drops every space (transformers issue #45488). `load_byte_level_tokenizer` loads
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus, write_json
 
 # Llama-3's pre-tokenizer split (as in its tokenizer.json).
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -65,8 +64,8 @@ def save_llama3_tokenizer(directory: Path, extra_text: tuple[str, ...] = (),
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     special = {"bos_token": bos, "eos_token": "<|end_of_text|>", "pad_token": "<|end_of_text|>"}
-    _write_json(directory / "special_tokens_map.json", special)
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "special_tokens_map.json", special)
+    write_json(directory / "tokenizer_config.json", {
         **special,
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
@@ -83,7 +82,3 @@ def load_byte_level_tokenizer(directory: Path, **kwargs):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(directory, **kwargs)
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

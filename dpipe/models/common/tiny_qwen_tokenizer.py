@@ -9,14 +9,13 @@ the real vocab, and the special tokens follow the BPE vocabulary in the real ord
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Regex, normalizers, pre_tokenizers
 
-from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus
+from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, tiny_corpus, write_json
 
 # transformers' Qwen2Tokenizer pre-tokenizer (the real tokenizer.json has the same regex).
 QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -99,27 +98,32 @@ def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[
     return tuple(vocab), merges
 
 
+def save_vocab_files(directory: Path, vocab, merges, added: list[str]) -> dict[str, int]:
+    """vocab.json, merges.txt and the backend (tokenizer.json, as transformers builds it from
+    vocab and merges) of a Qwen tokenizer, with the `added` tokens after the vocabulary.
+    Returns {added token: id}."""
+    from transformers import Qwen2Tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab_ids = {t: i for i, t in enumerate(vocab)}
+    write_json(directory / "vocab.json", vocab_ids)
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    tok = Qwen2Tokenizer(vocab=vocab_ids, merges=list(merges))
+    tok.add_tokens(added)
+    tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    return {t: len(vocab) + i for i, t in enumerate(added)}
+
+
 def save_qwen_tokenizer(directory: Path, flavor: str, model_max_length: int = 131072) -> dict[str, int]:
     """Write a Qwen tokenizer folder (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json)
     as Qwen-Image's tokenizer/ (flavor "qwen2.5-vl") or Z-Image's tokenizer/ (flavor "qwen3") ship
     it. Returns {token: id} of the added tokens; the vocabulary size is the largest id + 1."""
-    from transformers import Qwen2Tokenizer
-
     if flavor not in ("qwen2.5-vl", "qwen3"):
         raise ValueError(f"unknown Qwen tokenizer flavor {flavor!r}")
     vocab, merges = train_qwen_bpe()
     added = QWEN2_ADDED + (_QWEN3_EXTRA if flavor == "qwen3" else [])
-    ids = {token: len(vocab) + i for i, (token, _) in enumerate(added)}
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab_ids = {t: i for i, t in enumerate(vocab)}
-    _write_json(directory / "vocab.json", vocab_ids)
-    (directory / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    # The backend (tokenizer.json) as transformers builds it from vocab + merges, with the added
-    # tokens at their ids.
-    tok = Qwen2Tokenizer(vocab=vocab_ids, merges=list(merges))
-    tok.add_tokens([t for t, _ in added])
-    tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    ids = save_vocab_files(directory, vocab, merges, [t for t, _ in added])
     plain = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     config = {
         "add_bos_token": False,
@@ -141,9 +145,5 @@ def save_qwen_tokenizer(directory: Path, flavor: str, model_max_length: int = 13
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    _write_json(directory / "tokenizer_config.json", config)
+    write_json(directory / "tokenizer_config.json", config)
     return ids
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -27,7 +27,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real model)
 TEXT_MAX_LENGTH = 512
@@ -58,12 +58,8 @@ def _write(out: Path, seed: int) -> None:
 
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
     with seeded(seed):
-        # T5-11B's encoder is a T5 v1.0 one: ReLU feed-forward, tied embeddings.
-        text_encoder = T5EncoderModel(T5Config(
-            vocab_size=round_up(vocab, 128), d_model=TEXT_DIM, d_ff=64, d_kv=16, num_heads=2,
-            num_layers=2, feed_forward_proj="relu", relative_attention_num_buckets=32,
-            relative_attention_max_distance=128, layer_norm_epsilon=1e-6, pad_token_id=0,
-            eos_token_id=1, decoder_start_token_id=0))
+        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
     with seeded(seed + 1):
         # The real CV8x8x8 VAE's layout with narrow blocks; its latent statistics (the class
         # defaults, Cosmos-1.0-Tokenizer-CV8x8x8's mean_std.pt) kept.

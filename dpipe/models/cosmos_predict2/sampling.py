@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from dpipe.models.common.cosmos import PromptsPass
+from dpipe.models.common.cosmos import PromptsPass, wan_vae_images
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 SIGMA_MAX, SIGMA_MIN, SIGMA_DATA = 80.0, 0.002, 1.0  # set by both Cosmos2 pipelines' __init__
@@ -132,15 +132,8 @@ class CosmosPredict2Sampling(FamilySampling):
         d.state["step"] += 1
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        c = vae.config
-        shape = (1, c.z_dim, 1, 1, 1)
-        mean = torch.tensor(c.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = torch.tensor(c.latents_std).view(shape).to(latents.device, latents.dtype)
-        x = latents * std / SIGMA_DATA + mean
-        video = vae.decode(x.to(vae.device, vae.dtype), return_dict=False)[0][0].float()
-        return video[:, 0] if video.shape[1] == 1 else video
+        return wan_vae_images(vae, latents)
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

@@ -32,11 +32,11 @@ from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.common.cosmos import (
-    CosmosFamily, CosmosVariant, first_frame_task, read_variant, wan_vae_latents)
+    CosmosFamily, CosmosVariant, first_frame_task, read_variant)
 from dpipe.models.common.cosmos_layers import cosmos_layers
 from dpipe.models.common.cosmos_names import file_state_dict, from_original, lora_to_comfyui
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.diffusers_folder import read_json
+from dpipe.models.diffusers_folder import read_json, wan_vae_latents
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes

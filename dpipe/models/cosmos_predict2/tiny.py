@@ -26,8 +26,8 @@ import torch
 
 from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512
@@ -81,12 +81,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, use_karras_sigmas=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
     with seeded(seed):
-        # T5-11B's encoder is a T5 v1.0 one: ReLU feed-forward, tied embeddings.
-        text_encoder = T5EncoderModel(T5Config(
-            vocab_size=round_up(vocab, 128), d_model=TEXT_DIM, d_ff=64, d_kv=16, num_heads=2,
-            num_layers=2, feed_forward_proj="relu", relative_attention_num_buckets=32,
-            relative_attention_max_distance=128, layer_norm_epsilon=1e-6, pad_token_id=0,
-            eos_token_id=1, decoder_start_token_id=0))
+        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
     with seeded(seed + 1):
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
@@ -98,10 +94,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
             rope_scale=v["rope_scale"], concat_padding_mask=True, extra_pos_embed_type=None)
         # diffusers zero-initialises nothing here; random adaLN weights keep every path alive.
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
-    save_exact_shards(transformer, out / "transformer", shards=2, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, text_encoder=(text_encoder, 2),
+               vae=(vae, 1), transformer=(transformer, 2))
     index = {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.ernie_image.spec import bn_stats
+from dpipe.models.common.vae_batch_norm import decoded_patches
+from dpipe.models.ernie_image.spec import BN_EPS
 from dpipe.models.sampling import FamilySampling, SampleRequest
 
 
@@ -38,12 +39,8 @@ class ErnieImageSampling(FamilySampling):
         scheduler.set_timesteps(sigmas=sigmas[:-1], device=latents.device)
         return scheduler.timesteps
 
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        x = latents.to(vae.device, vae.dtype)
-        mean, std = bn_stats(vae)
-        x = unpatchify(x * std.to(x.dtype) + mean.to(x.dtype))
-        return vae.decode(x, return_dict=False)[0][0].float()
+        return decoded_patches(vae, latents, unpatchify, BN_EPS)
 
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:

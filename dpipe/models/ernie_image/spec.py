@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dpipe.models.comfyui import diffusers_named
-from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.common.vae_batch_norm import normalised_patches
 from dpipe.models.ernie_image.layers import ErnieImageBlock, ernie_image_layers
 from dpipe.models.ernie_image.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.family import DiffusersFamily
@@ -42,11 +42,6 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, c * 4, h // 2, w // 2)
 
 
-def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the patchified latents as the pipeline un-normalises: with BN_EPS."""
-    return batch_norm_stats(vae, BN_EPS)
-
-
 class ErnieImageSpec(DiffusersFamily):
     family = "ernie_image"
     title, example = "ERNIE-Image", "baidu/ERNIE-Image"
@@ -58,24 +53,16 @@ class ErnieImageSpec(DiffusersFamily):
     text_notes = {"layout": "pipeline encode_prompt: hidden_states[-2], zero-padded + length"}
     vae_config_keys = ()
     image_notes = {"latent": "mode, 2x2 patchified, batch-norm normalised (eps 1e-5)"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.ernie_image.tiny:make_tiny_ernie_image"
     lora_modules = LORA_TARGETS
     # The embedding is two projections and the timestep MLP, the head one projection: each far
     # below a block, so every stage gets blocks.
     layers, block_types = ernie_image_layers, (ErnieImageBlock,)
     sampler = "dpipe.models.ernie_image.sampling:ErnieImageSampling"
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipeline's vae_scale_factor: the VAE's downscale (x8) times the 2x2 patchify.
-        return 2 * super().pixel_multiple
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
-        mean, std = bn_stats(vae)
-        return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+        return normalised_patches(encoders.vae, pixels, patchify, BN_EPS)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

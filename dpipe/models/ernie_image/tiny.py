@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_vae import tiny_flux2_vae
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_llama3_tokenizer import train_llama3_bpe
 from dpipe.models.tiny_parts import seeded, write_atomically
 
@@ -74,7 +75,7 @@ def save_tokenizer(directory: Path) -> int:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKLFlux2, ErnieImagePipeline, ErnieImageTransformer2DModel,
+        ErnieImagePipeline, ErnieImageTransformer2DModel,
         FlowMatchEulerDiscreteScheduler)
     from transformers import AutoTokenizer, Mistral3Config, Mistral3Model
 
@@ -105,20 +106,10 @@ def _write(out: Path, seed: int) -> None:
             if name.startswith(("adaLN_modulation", "final_linear")):
                 param.data.normal_(0.0, 0.1)
     with seeded(seed + 2):
-        vae = AutoencoderKLFlux2(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
-        # The pipeline un-normalises with the BatchNorm statistics: random ones make a missing
-        # or wrong normalisation show.
-        vae.bn.running_mean.copy_(0.3 * torch.randn(4 * LATENT_CHANNELS))
-        vae.bn.running_var.copy_(0.5 + torch.rand(4 * LATENT_CHANNELS))
+        vae = tiny_flux2_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=1, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 1), vae=(vae, 1))
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     ErnieImagePipeline(transformer=transformer, vae=vae, text_encoder=text_encoder,
                        tokenizer=tokenizer, scheduler=scheduler).save_config(out)

@@ -17,8 +17,8 @@ from torch import nn
 
 from dpipe.config.schema import TrainMode
 from dpipe.models.common.bfl_layout import comfyui_lora, flux1_layout, from_bfl, save_like_source
-from dpipe.models.common.latent_packing import image_ids, pack
-from dpipe.models.diffusers_folder import kl_latents
+from dpipe.models.common.latent_packing import image_ids, pack, packed_labels
+from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.flux.layers import FluxBlock, flux_layers
 from dpipe.models.flux.sizes import SAMPLE_SHAPES, SIZES
@@ -26,15 +26,6 @@ from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import (
     EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 
-# What the community trains for FLUX LoRAs: every Linear of both kinds of blocks (attention,
-# MLPs, modulation), none outside them. A peft regex over diffusers' module names.
-_BLOCK_LINEARS = [
-    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
-    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
-]
-LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
 # Forward + backward time per layer relative to a single-stream block, measured on an H200 at
@@ -59,8 +50,9 @@ class FluxSpec(DiffusersFamily):
     frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"clip": "text_encoder", "t5": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
+    latent_patch = 2
     tiny_writer = "dpipe.models.flux.tiny:make_tiny_flux"
-    lora_modules = LORA_TARGETS
+    lora_modules = DUAL_STREAM_LORA_TARGETS
     layers, block_count_keys = flux_layers, ("num_layers", "num_single_layers")
     sampler = "dpipe.models.flux.sampling:FluxSampling"
     single_file_suffixes = SINGLE_FILE_SUFFIXES
@@ -71,15 +63,7 @@ class FluxSpec(DiffusersFamily):
     def comfyui_lora_name(self) -> str:
         return f"{self.family}_lora_comfyui.safetensors"
 
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downscale (x8 for FLUX.1), then 2x2 patch packing.
-        return 2 * super().pixel_multiple
-
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, pooled, _ids = encoders.encode_prompt(
@@ -113,11 +97,7 @@ class FluxSpec(DiffusersFamily):
         if guidance is None:
             guidance = torch.full((b,), float(self.cfg.guidance))
         inputs = (packed, batch.timesteps, text, batch.text["pooled"], guidance, txt_ids, img_ids)
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        # Packed as the target: channel-major groups of the 2x2 patch, so repeat over channels.
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

@@ -27,8 +27,9 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.colour_vae import colour_flux_vae
-from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import save_clip_tokenizer, save_t5_tokenizer, seeded, write_once
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.tiny_parts import (
+    FLUX_SCHEDULER, save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
@@ -73,10 +74,7 @@ def write_tiny_flux(out: Path, seed: int) -> None:
     clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH)
     t5_vocab = save_t5_tokenizer(out / "tokenizer_2", model_max_length=T5_MAX_LENGTH)
 
-    # FLUX.1-dev's scheduler config: the shift grows with the image token count.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
 
     # Each component gets its own seed, so resizing one leaves the others' weights unchanged.
     with seeded(seed):
@@ -88,13 +86,9 @@ def write_tiny_flux(out: Path, seed: int) -> None:
             # i.e. at the first <|endoftext|>, which the tokenizer puts at the top of its vocab.
             bos_token_id=0, eos_token_id=2, pad_token_id=1))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(
-            # Padded past the tokenizer as t5-v1_1-xxl is (32100 tokens, 32128 rows).
-            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
-            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
+        # The vocabulary padded past the tokenizer's as t5-v1_1-xxl's is (32100 tokens, 32128).
+        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
     with seeded(seed + 2):
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=4 * LATENT_CHANNELS,  # 2x2 latent patches packed per token
@@ -103,13 +97,10 @@ def write_tiny_flux(out: Path, seed: int) -> None:
             axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
     vae = colour_flux_vae()  # set, not drawn: its latents are the picture's colours
 
-    scheduler.save_pretrained(out / "scheduler")
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
     # so code that reads the weight files finds the same names as on the real repo.
-    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_exact_shards(text_encoder_2, out / "text_encoder_2", shards=2, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=1, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder_2=(text_encoder_2, 2), text_encoder=(text_encoder, 1), vae=(vae, 1))
 
     pipe = FluxPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.common.vae_batch_norm import batch_norm_stats, decoded_patches
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -89,16 +89,11 @@ class Flux2Sampling(FamilySampling):
         return unpack(output.float(), d.latents)  # reference tokens (edits) dropped
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline's decode: BatchNorm statistics undone, 2x2 patches unfolded."""
         from diffusers import Flux2Pipeline
 
-        x = latents.to(vae.device, vae.dtype)
-        mean, std = batch_norm_stats(vae)
-        x = Flux2Pipeline._unpatchify_latents(
-            x * std.to(x.device, x.dtype) + mean.to(x.device, x.dtype))
-        return vae.decode(x, return_dict=False)[0][0].float()
+        return decoded_patches(vae, latents, Flux2Pipeline._unpatchify_latents)
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

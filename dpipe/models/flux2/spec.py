@@ -78,6 +78,7 @@ class Flux2Spec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
     vae_config_keys = ()  # the VAE's files hold its BatchNorm statistics
     image_notes = {"latent": "mode, 2x2 patchified, batch-norm normalised"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.flux2.tiny:make_tiny_flux2"
     lora_modules = LORA_TARGETS
     layers, block_count_keys = flux2_layers, ("num_layers", "num_single_layers")
@@ -110,11 +111,6 @@ class Flux2Spec(DiffusersFamily):
     def read_configs(self) -> None:
         self.pipeline_class  # a folder of another pipeline fails here, before the VAE's config
         super().read_configs()
-
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downscale (x8 for the real VAE), then the 2x2 patchify of the latents.
-        return 2 * super().pixel_multiple
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:

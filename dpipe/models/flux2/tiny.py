@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import seeded, tiny_corpus, write_once
+from dpipe.models.common.tiny_vae import tiny_flux2_vae
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.tiny_parts import FLUX_SCHEDULER, seeded, tiny_corpus, write_once
 
 LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
@@ -66,7 +67,7 @@ def make_tiny_flux2(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int) -> None:
     from diffusers import (
-        AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline,
+        FlowMatchEulerDiscreteScheduler, Flux2Pipeline,
         Flux2Transformer2DModel)
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
@@ -74,9 +75,7 @@ def _write(out: Path, seed: int) -> None:
     vocab_size = len(tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
     with seeded(seed):
         text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
             text_config={
@@ -101,20 +100,10 @@ def _write(out: Path, seed: int) -> None:
             timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),
             rope_theta=2000, guidance_embeds=True)
     with seeded(seed + 2):
-        vae = AutoencoderKLFlux2(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
-        # The real BatchNorm statistics normalise the patchified latents; random ones here make
-        # a missing or wrong normalisation show.
-        vae.bn.running_mean.copy_(0.3 * torch.randn(4 * LATENT_CHANNELS))
-        vae.bn.running_var.copy_(0.5 + torch.rand(4 * LATENT_CHANNELS))
+        vae = tiny_flux2_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_exact_shards(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_exact_shards(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_exact_shards(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                   transformer=transformer).save_config(out)
     index = json.loads((out / "model_index.json").read_text())

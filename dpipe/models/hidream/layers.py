@@ -78,12 +78,16 @@ def _rope(pe_embedder, img_ids, text_len):
     return pe_embedder(torch.cat([img_ids.float(), txt_ids], dim=1))
 
 
-class HiDreamDualBlock(PipelineLayer):
+class HiDreamBlockLayer(PipelineLayer):
+    """A block of either stream, with the transformer's rotary embedder."""
+
     def __init__(self, block: nn.Module, pe_embedder: nn.Module, source_name: str):
         super().__init__()
         self.adopt("block", block, source_name)
         self.pe_embedder = pe_embedder  # parameter-free
 
+
+class HiDreamDualBlock(HiDreamBlockLayer):
     def forward(self, inputs):
         hidden, text, temb, img_ids, img_mask, img_sizes, per_block = inputs
         llama = per_block[0]
@@ -98,12 +102,7 @@ class HiDreamDualBlock(PipelineLayer):
                 img_sizes, *_rest(per_block))
 
 
-class HiDreamSingleBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pe_embedder: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.pe_embedder = pe_embedder  # parameter-free
-
+class HiDreamSingleBlock(HiDreamBlockLayer):
     def forward(self, inputs):
         hidden, text, temb, img_ids, img_mask, img_sizes, per_block = inputs
         llama = per_block[0]

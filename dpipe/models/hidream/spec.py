@@ -28,7 +28,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import renamed
-from dpipe.models.diffusers_folder import kl_latents, load_encoders
+from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hidream import costs
 from dpipe.models.hidream.layers import hidream_layers
@@ -69,6 +69,7 @@ class HiDreamSpec(DiffusersFamily):
                       "tokenizer_3")
     frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     text_fingerprint = {part: part for part in TEXT_PARTS}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.hidream.tiny:make_tiny_hidream"
     lora_modules = LORA_TARGETS
     layers = hidream_layers
@@ -88,11 +89,6 @@ class HiDreamSpec(DiffusersFamily):
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'text_encoder_4'} && "
                 f"ln -s /models/Llama-3.1-8B-Instruct {self.path / 'tokenizer_4'}")
         super().read_configs()
-        self.part_config("transformer")  # pixel_multiple reads its patch size
-
-    @property
-    def pixel_multiple(self) -> int:
-        return super().pixel_multiple * int(self.part_config("transformer")["patch_size"])
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -110,9 +106,6 @@ class HiDreamSpec(DiffusersFamily):
                              frozen=self.frozen_parts)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         t5, _, llama, _, pooled, _ = encoders.encode_prompt(

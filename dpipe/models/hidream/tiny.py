@@ -24,7 +24,7 @@ from pathlib import Path
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, write_once)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
 LATENT_CHANNELS = 16
 CLIP_L, CLIP_G, T5_DIM, LLAMA_DIM = 32, 48, 32, 32
@@ -66,10 +66,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 1):
         text_encoder_2 = CLIPTextModelWithProjection(clip(CLIP_G, 3))
     with seeded(seed + 2):
-        text_encoder_3 = T5EncoderModel(T5Config(
-            vocab_size=round_up(t5_vocab, 128), d_model=T5_DIM, d_ff=64, d_kv=16, num_heads=2,
-            num_layers=2, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        text_encoder_3 = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(t5_vocab, 128), T5_DIM, d_ff=64)))
     with seeded(seed + 3):
         text_encoder_4 = LlamaForCausalLM(LlamaConfig(
             vocab_size=round_up(llama_vocab, 64), hidden_size=LLAMA_DIM, intermediate_size=64,

@@ -28,6 +28,7 @@ from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
 from dpipe.models.hunyuan_image.layers import HunyuanImageBlock, hunyuan_image_layers
@@ -40,15 +41,6 @@ log = logging.getLogger(__name__)
 
 COMFYUI_LORA = "hunyuan_image_lora_comfyui.safetensors"
 
-# Every Linear of both kinds of blocks (attention incl. the text stream's, MLPs, AdaLN
-# modulations), none outside them: the token refiner, embedders and head stay frozen.
-_BLOCK_LINEARS = [
-    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
-    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
-]
-LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
@@ -63,7 +55,7 @@ class HunyuanImageSpec(DiffusersFamily):
     text_fingerprint = {part: part for part in TEXT_PARTS}
     vae_config_keys = ("scaling_factor",)
     tiny_writer = "dpipe.models.hunyuan_image.tiny:make_tiny_hunyuan_image"
-    lora_modules = LORA_TARGETS
+    lora_modules = DUAL_STREAM_LORA_TARGETS
     # The embedding runs the first double-stream block; then the other double- and every
     # single-stream block, and the head.
     block_count_keys, edge_layers = ("num_layers", "num_single_layers"), 1

@@ -22,7 +22,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dpipe.models.tiny_parts import bytes_to_unicode, learn_bpe, seeded, tiny_corpus, write_once
+from dpipe.models.tiny_parts import (
+    bytes_to_unicode, learn_bpe, seeded, tiny_corpus, tiny_t5_config, write_json,
+    write_once)
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -69,10 +71,8 @@ def _write(out: Path, seed: int) -> None:
             vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"]))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(byt5), d_model=BYT5_DIM, d_kv=12, d_ff=48, num_layers=2, num_heads=2,
-            feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0,
-            eos_token_id=1, decoder_start_token_id=0))
+        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(len(byt5), BYT5_DIM, 48,
+                                                                  d_kv=12)))
     with seeded(seed + 2):
         transformer = HunyuanImageTransformer2DModel(
             in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=HEADS,
@@ -121,7 +121,6 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
     merges learnt on the test captions plus `template` (so its words are whole tokens).
     Returns {added token: id}."""
     from tokenizers import Regex, normalizers, pre_tokenizers
-    from transformers import Qwen2Tokenizer
 
     from dpipe.models.common import tiny_qwen_tokenizer as qt
 
@@ -138,17 +137,9 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
                     for w, _ in splitter.pre_tokenize_str(normalizers.NFC().normalize_str(line)))
     merges = learn_bpe({tuple(w): n for w, n in words.items()}, 768)
     vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
-    ids = {t: len(vocab) + i for i, t in enumerate(specials)}
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab_ids = {t: i for i, t in enumerate(vocab)}
-    _write_json(directory / "vocab.json", vocab_ids)
-    (directory / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    tok = Qwen2Tokenizer(vocab=vocab_ids, merges=list(merges))
-    tok.add_tokens(specials)
-    tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    ids = qt.save_vocab_files(directory, vocab, merges, specials)
     entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_bos_token": False, "add_prefix_space": False,
         "added_tokens_decoder": {str(ids[t]): {"content": t, **entry, "special": s}
                                  for t, s in qt.QWEN2_ADDED},
@@ -158,7 +149,3 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
         "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
     })
     return ids
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

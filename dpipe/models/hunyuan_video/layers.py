@@ -95,8 +95,10 @@ class HunyuanVideoHead(PipelineLayer):
     def forward(self, inputs):
         hidden, text_hidden, temb, _text_mask, grid = inputs
         out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
-        # The text stream ends unused; it still needs a gradient when the head is alone on a stage.
-        return keep_in_graph(out, text_hidden)
+        # The text stream ends unused; it still needs a gradient when the head is alone on a
+        # stage: through its first token, which is always a valid one (masked tokens may hold
+        # non-finite values that `0 * x` would not cancel). HunyuanVideo 1.5's head too.
+        return keep_in_graph(out, text_hidden[:, 0])
 
 
 def hunyuan_video_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:

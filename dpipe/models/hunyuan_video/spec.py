@@ -21,6 +21,7 @@ from dpipe.errors import DataError
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
+from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.common.shapes import as_video, frames_ok
 from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
@@ -36,15 +37,6 @@ COMFYUI_LORA = "hunyuan_video_lora_comfyui.safetensors"
 # Bump when the way prompts or images are encoded changes, so old cache entries are not reused.
 ENCODING_VERSION = 1
 
-# What the community trains for HunyuanVideo LoRAs: every Linear of the double- and single-stream
-# blocks (attention, MLPs, modulation), none outside them.
-_BLOCK_LINEARS = [
-    r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-    r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
-    r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2",
-    r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear", r"proj_mlp", r"proj_out",
-]
-LORA_TARGETS = r"(?:single_)?transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
 class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
@@ -60,7 +52,7 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
-    lora_modules = LORA_TARGETS
+    lora_modules = DUAL_STREAM_LORA_TARGETS
     # The embedding, every double- and single-stream block, the head.
     block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"

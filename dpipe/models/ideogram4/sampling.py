@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.common.vae_batch_norm import decoded_patches
 from dpipe.models.ideogram4.spec import from_tokens, to_tokens, unpatchify
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -110,12 +110,8 @@ class Ideogram4Sampling(FamilySampling):
         return from_tokens(out.float(), h, w)
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        x = latents.to(vae.device, vae.dtype)
-        mean, std = batch_norm_stats(vae)
-        x = unpatchify(x * std.to(x.dtype) + mean.to(x.dtype))
-        return vae.decode(x, return_dict=False)[0][0].float()
+        return decoded_patches(vae, latents, unpatchify)
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from dpipe.errors import DataError
-from dpipe.models.common.vae_batch_norm import batch_norm_stats
+from dpipe.models.common.vae_batch_norm import normalised_patches
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.ideogram4.comfyui import lora_to_comfyui
 from dpipe.models.ideogram4.layers import Ideogram4Block, ideogram4_layers
 from dpipe.models.ideogram4.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import LoraFormat, lora_scale
-from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
+from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 from dpipe.models.sync_free import carrier, sizes
 
 # Every Linear of every Ideogram4TransformerBlock: attention, the SwiGLU and the AdaLN projection.
@@ -92,24 +92,16 @@ class Ideogram4Spec(DiffusersFamily):
     text_notes = {"layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length"}
     vae_config_keys = ()
     image_notes = {"latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
+    latent_patch = 2
     tiny_writer = "dpipe.models.ideogram4.tiny:make_tiny_ideogram4"
     lora_modules = LORA_TARGETS
     # The embedding is a few projections (the text one over text tokens only), the head one:
     # each below a block, so every stage gets blocks.
     layers, block_types = ideogram4_layers, (Ideogram4Block,)
     sampler = "dpipe.models.ideogram4.sampling:Ideogram4Sampling"
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipeline's vae_scale_factor (2 ** (blocks - 1), 8 for the real VAE) x patch 2.
-        return 2 * super().pixel_multiple
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        latents = patchify(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
-        mean, std = batch_norm_stats(vae)
-        return (latents - mean.to(latents.dtype)) / std.to(latents.dtype)
+        return normalised_patches(encoders.vae, pixels, patchify)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -177,8 +169,5 @@ class Ideogram4Spec(DiffusersFamily):
         """6 (full) or 4 (LoRA) x parameters x packed tokens, plus the blocks' attention: an
         overcount of the text projection, which runs over the text tokens only."""
         image, _t, text = inputs[:3]
-        c = denoiser.config
-        seq = image.shape[1] + text.shape[1]
-        width = c.num_attention_heads * c.attention_head_dim
-        attention = attention_train_flops(seq, width) * c.num_layers
-        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)
+        return joint_attention_train_flops(denoiser, image.shape[0],
+                                           image.shape[1] + text.shape[1], full)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_vae import tiny_flux2_vae
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY, TEXT_DIM, Z_DIM
@@ -59,7 +60,7 @@ def _transformer(seed: int):
 
 
 def _write(out: Path, seed: int) -> None:
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
     from transformers import Qwen2Tokenizer, Qwen3VLModel
 
     added = save_qwen_tokenizer(out / "tokenizer", "qwen3", model_max_length=262144)
@@ -69,21 +70,11 @@ def _write(out: Path, seed: int) -> None:
                                                          vision_blocks=1))
     transformer, unconditional = _transformer(seed + 1), _transformer(seed + 3)
     with seeded(seed + 2):
-        vae = AutoencoderKLFlux2(
-            in_channels=3, out_channels=3, latent_channels=Z_DIM,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
-        # The pipeline un-normalises with the BatchNorm statistics: random ones make a missing
-        # or wrong normalisation show.
-        vae.bn.running_mean.copy_(0.3 * torch.randn(4 * Z_DIM))
-        vae.bn.running_var.copy_(0.5 + torch.rand(4 * Z_DIM))
+        vae = tiny_flux2_vae(Z_DIM)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(unconditional, out / "unconditional_transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               unconditional_transformer=(unconditional, 2), text_encoder=(text_encoder, 2),
+               vae=(vae, 1))
     tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out / "tokenizer")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.common.latent_packing import unpack
-from dpipe.models.diffusers_folder import read_json
+from dpipe.models.diffusers_folder import read_json, wan_vae_decoded
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 DISTILLED_MU = 1.15  # Krea2Pipeline's fixed shift for is_distilled checkpoints
@@ -53,14 +53,8 @@ class Krea2Sampling(FamilySampling):
         return unpack(output.float(), d.latents)
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        c = vae.config
-        x = latents.to(vae.device, vae.dtype)[:, :, None]
-        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        x = x / inv_std + mean
-        return vae.decode(x, return_dict=False)[0][0, :, 0].float()
+        return wan_vae_decoded(vae, latents[:, :, None])[:, 0]  # a video VAE: one frame
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

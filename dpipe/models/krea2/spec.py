@@ -20,14 +20,14 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import diffusers_named
-from dpipe.models.common.latent_packing import pack
-from dpipe.models.diffusers_folder import read_json
+from dpipe.models.common.latent_packing import pack, packed_labels
+from dpipe.models.diffusers_folder import read_json, wan_vae_latents
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.spec import (
-    EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, attention_train_flops, model_params)
+    EDGE_LAYER_TIME, NoisedBatch, PipelineLayer, joint_attention_train_flops)
 from dpipe.models.sync_free import carrier
 
 # Every Linear of every Krea2TransformerBlock: the gated attention's projections and the SwiGLU.
@@ -48,6 +48,7 @@ class Krea2Spec(DiffusersFamily):
                       "scheduler")
     # Normalised per channel with the VAE's statistics (see encode_images).
     vae_config_keys = ("latents_mean", "latents_std")
+    latent_patch = 2
     tiny_writer = "dpipe.models.krea2.tiny:make_tiny_krea2"
     lora_modules = LORA_TARGETS
     layers = krea2_layers
@@ -69,20 +70,10 @@ class Krea2Spec(DiffusersFamily):
                                  "patches, as released")
         super().read_configs()
 
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipeline's vae_scale_factor 2 ** len(temperal_downsample) (8 for the real VAE) x 2.
-        return 2 ** len(self.part_config("vae")["temperal_downsample"]) * 2
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        # A video VAE: one frame. Normalised as the pipeline un-normalises before decoding.
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mode()
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        return ((latents - mean.to(latents.dtype)) / std.to(latents.dtype))[:, :, 0]
+        # A video VAE: one frame.
+        return wan_vae_latents(encoders.vae, pixels[:, :, None])[:, :, 0]
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -107,10 +98,7 @@ class Krea2Spec(DiffusersFamily):
         text = batch.text
         inputs = (pack(batch.noisy), batch.timesteps, text["text"],
                   text["text_mask"].round().long(), carrier(h // 2, w // 2))
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return inputs, (pack(batch.target),)
-        return inputs, (pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c))
+        return inputs, packed_labels(batch)
 
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         # ComfyUI 0.33.0 maps Krea 2 LoRAs by diffusers' module names under `diffusion_model.`
@@ -147,8 +135,5 @@ class Krea2Spec(DiffusersFamily):
         text fusion's parameters are counted over the joint tokens too: an overcount of its
         share (it runs over text only, its layerwise blocks over text x tapped layers)."""
         image, _t, text = inputs[:3]
-        c = denoiser.config
-        seq = image.shape[1] + text.shape[1]
-        width = c.num_attention_heads * c.attention_head_dim
-        attention = attention_train_flops(seq, width) * c.num_layers
-        return image.shape[0] * ((6 if full else 4) * model_params(denoiser) * seq + attention)
+        return joint_attention_train_flops(denoiser, image.shape[0],
+                                           image.shape[1] + text.shape[1], full)

@@ -45,6 +45,15 @@ def text_bias(text_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Non
     return ((1 - text_mask.to(dtype)) * -10000.0).unsqueeze(1)
 
 
+def time_embedding(time_embed: nn.Module, t: torch.Tensor, batch: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(temb, embedded timestep), each (B, 1 or N, D), of the scheduler's timesteps (sigma *
+    1000) as the pipelines pass them: per token where the first frame is a given condition
+    (t (B, N), 0 on its tokens), else per sample (t (B, 1))."""
+    temb, embedded = time_embed((t * 1000).flatten(), batch_size=batch, hidden_dtype=dtype)
+    return temb.view(batch, -1, temb.shape[-1]), embedded.view(batch, -1, embedded.shape[-1])
+
+
 class LTXEmbed(PipelineLayer):
     def __init__(self, transformer: nn.Module):
         super().__init__()
@@ -55,12 +64,7 @@ class LTXEmbed(PipelineLayer):
         packed, t, text, text_mask, grid, rate = inputs
         b = packed.shape[0]
         hidden = self.proj_in(packed)
-        # The pipeline passes the scheduler's timesteps (sigma * 1000), per token when the first
-        # frame is a condition: t has shape (B, 1) or (B, N).
-        temb, embedded = self.time_embed((t * 1000).flatten(), batch_size=b,
-                                         hidden_dtype=hidden.dtype)
-        temb = temb.view(b, -1, temb.shape[-1])
-        embedded = embedded.view(b, -1, embedded.shape[-1])
+        temb, embedded = time_embedding(self.time_embed, t, b, hidden.dtype)
         text_hidden = self.caption_projection(text).view(b, -1, hidden.shape[-1])
         return (needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded),
                 text_mask.long(), grid, rate)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.common.tiny_files import save_parts, save_sharded
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # T5 d_model (caption_channels)
@@ -44,12 +44,8 @@ def _write(out: Path, seed: int) -> None:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.95,
         max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(
-            vocab_size=round_up(t5_vocab, 128), d_model=TEXT_DIM, d_ff=80, d_kv=16, num_heads=2,
-            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
+        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
     with seeded(seed + 1):
         transformer = LTXVideoTransformer3DModel(
             in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, patch_size=1,
@@ -72,10 +68,8 @@ def _write(out: Path, seed: int) -> None:
         vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS) * 0.1)
         vae.latents_std.copy_(torch.rand(LATENT_CHANNELS) + 0.5)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_sharded(transformer, out / "transformer", shards=2)
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    save_sharded(vae, out / "vae", shards=1)
+    save_parts(out, save_sharded, torch.bfloat16, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
 
     pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                        tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.comfyui import fused_pair, peft_pairs
+from dpipe.models.comfyui import fused_qkv_lora_pairs, fused_qkv_state
 
 _TO_NATIVE = [(".attn.to_out.0", ".attention.out"), (".feed_forward.linear_1", ".feed_forward.w1"),
               (".feed_forward.linear_2", ".feed_forward.w2"),
@@ -34,24 +34,18 @@ _TO_NATIVE_WEIGHTS = [
 ]
 
 
+def native_weight_name(key: str) -> str:
+    if key.startswith("context_refiner.") and ".norm1." in key:
+        key = key.replace(".norm1.", ".attention_norm1.")  # no modulation: a plain RMSNorm
+    for diffusers_name, native in _TO_NATIVE_WEIGHTS:
+        key = key.replace(diffusers_name, native)
+    return native_module_name(key)
+
+
 def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers Lumina2Transformer2DModel state dict under the original (ComfyUI) names: the
     inverse of diffusers' `convert_lumina2_to_diffusers` (q/k/v fused into attention.qkv)."""
-    out = {}
-    for key, value in state_dict.items():
-        if ".attn.to_k." in key or ".attn.to_v." in key:
-            continue
-        if ".attn.to_q." in key:
-            base, _, tail = key.partition(".attn.to_q.")
-            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
-                [state_dict[f"{base}.attn.to_{n}.{tail}"] for n in "qkv"], dim=0)
-            continue
-        if key.startswith("context_refiner.") and ".norm1." in key:
-            key = key.replace(".norm1.", ".attention_norm1.")  # no modulation: a plain RMSNorm
-        for diffusers_name, native in _TO_NATIVE_WEIGHTS:
-            key = key.replace(diffusers_name, native)
-        out[native_module_name(key)] = value
-    return out
+    return fused_qkv_state(state_dict, ".attn", native_weight_name)
 
 
 def from_native(native: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,19 +71,4 @@ def from_native(native: dict[str, torch.Tensor], model: nn.Module) -> dict[str, 
 
 def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
     """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
-    pairs = peft_pairs(weights)
-    out = {}
-    for module, (a, b) in pairs.items():
-        if module.endswith((".attn.to_k", ".attn.to_v")):
-            continue
-        if module.endswith(".attn.to_q"):
-            base = module[: -len(".attn.to_q")]
-            parts = [pairs.get(f"{base}.attn.{n}") for n in ("to_q", "to_k", "to_v")]
-            if any(p is None for p in parts):
-                raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
-                                 "(ComfyUI's Lumina 2 has one fused qkv Linear)")
-            fa, fb = fused_pair(parts, [p[1].shape[0] for p in parts], 1.0)
-            out[f"{base}.attention.qkv"] = (fa, fb, alpha * 3)  # alpha / rank unchanged
-        else:
-            out[native_module_name(module)] = (a, b, alpha)
-    return out
+    return fused_qkv_lora_pairs(weights, alpha, ".attn", native_module_name, "Lumina 2")

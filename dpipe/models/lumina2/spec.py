@@ -15,46 +15,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.comfyui import comfy_lora_tensors
-from dpipe.models.common.lumina_layers import lumina_inputs
-from dpipe.models.diffusers_folder import kl_latents
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.common.lumina import LuminaFamily
+from dpipe.models.family import SINGLE_FILE_SUFFIXES
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.lumina2.comfyui import comfy_lora_pairs, from_native
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.refined_joint import (
-    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
-from dpipe.models.spec import NoisedBatch
+from dpipe.models.refined_joint import refined_joint_train_flops
 
-# Every Linear of every Lumina2TransformerBlock (main layers and both refiners): attention, the
-# SwiGLU MLP and the adaLN modulation (norm1.linear; the context refiner has none).
-_BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-                  r"feed_forward\.linear_1", r"feed_forward\.linear_2", r"feed_forward\.linear_3",
-                  r"norm1\.linear"]
-LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
-
-# Weights that see one token per sample (the timestep embedder, the modulations of the blocks
-# and of the head's norm), and the embedder's that see the caption's (layer_costs).
-PER_SAMPLE_WEIGHTS = ("timestep_embedder", "norm1.linear", "norm_out.linear_1")
-TEXT_WEIGHTS = ("caption_embedder",)
 COMFY_LORA = "comfyui_lora.safetensors"
 
 
-class Lumina2Spec(DiffusersFamily):
+class Lumina2Spec(LuminaFamily):
     family = "lumina2"
     title, example = "Lumina-Image 2.0", "Alpha-VLLM/Lumina-Image-2.0"
     pipeline_class, denoiser_class = "Lumina2Pipeline", "Lumina2Transformer2DModel"
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer")
     text_notes = {"layout": "pipeline system prompt, hidden_states[-2], padded + mask"}
     tiny_writer = "dpipe.models.lumina2.tiny:make_tiny_lumina2"
-    lora_modules = LORA_TARGETS
-    # lumina2_layers: the embedding, the caption's and the image's refiner blocks, the join,
-    # every main block, the head.
-    layers, edge_layers = lumina2_layers, 3
-    block_count_keys = ("num_refiner_layers", "num_refiner_layers", "num_layers")
+    layers = lumina2_layers
     sampler = "dpipe.models.lumina2.sampling:Lumina2Sampling"
     # A single file (ComfyUI's / the original layout): not read by diffusers' from_single_file,
     # whose converter splits qkv at the 2B model's sizes only.
@@ -68,9 +48,6 @@ class Lumina2Spec(DiffusersFamily):
         return 8 * self.part_config("transformer").get("patch_size", 2)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask, _, _ = encoders.encode_prompt(
@@ -88,41 +65,13 @@ class Lumina2Spec(DiffusersFamily):
             device=encoders.vae.device, max_sequence_length=self.cfg.max_text_tokens)
         return {"cap": embeds, "cap_mask": mask.float()}
 
-    # ---- training ----------------------------------------------------------------------------
-    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-        # Lumina 2 predicts x0 - noise (the pipeline negates its output before stepping).
-        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
-
-    def layer_costs(self, layers) -> list[float]:
-        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
-        (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
-        caption alone, the timestep embedder and the modulations once per sample."""
-        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens,
-                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
-
-    def make_inputs(self, batch: NoisedBatch):
-        return lumina_inputs(batch), weighted_labels(batch)
-
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
         return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
             comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})]
 
-    # ---- using exported weights ----------------------------------------------------------------
-    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        latents, t_model, cap, cap_len, _cap_mask = inputs
-        mask = torch.arange(cap.shape[1])[None, :] < cap_len[:, None]
-        return denoiser(latents, t_model, cap, mask, return_dict=False)[0]
-
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
-
-    def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
-        mask = torch.zeros(shapes["cap"][0])
-        mask[:shapes["text_tokens"]] = 1.0
-        return torch.randn(shapes["latents"]), {"cap": torch.randn(shapes["cap"]),
-                                                "cap_mask": mask}
+    bench_configs, sample_shapes = SIZES, SAMPLE_SHAPES
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         latents, _t, cap = inputs[:3]

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.lumina2.sizes import LATENT_CHANNELS, TEXT_DIM, LUMINA2_TINY
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
+from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_json, write_once
 
 DTYPE = torch.bfloat16
 # Lumina2Pipeline's default system prompt: in the tokenizer's corpus so that it costs few tokens.
@@ -61,12 +61,12 @@ def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
     plain = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    _write_json(directory / "special_tokens_map.json", {
+    write_json(directory / "special_tokens_map.json", {
         "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
         "bos_token": {"content": "<bos>", **plain}, "eos_token": {"content": "<eos>", **plain},
         "pad_token": {"content": "<pad>", **plain}, "unk_token": {"content": "<unk>", **plain},
     })
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "add_bos_token": True,
         "add_eos_token": False,
         "added_tokens_decoder": {str(i): {"content": t, **plain, "special": True}
@@ -105,10 +105,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS, levels=4)  # Lumina2Pipeline hard-codes 8x
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
 
     pipe = Lumina2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                            tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),
@@ -118,7 +116,3 @@ def _write(out: Path, seed: int) -> None:
     # The real repo names the Fast class (transformers 5 folds it into GemmaTokenizer).
     index["tokenizer"] = ["transformers", "GemmaTokenizerFast"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

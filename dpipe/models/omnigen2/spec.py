@@ -26,37 +26,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
-from dpipe.diffusion.loss import weighted_labels
 from dpipe.errors import ModelLoadError
-from dpipe.models.common.lumina_layers import lumina_inputs
 from dpipe.models.comfyui import renamed
-from dpipe.models.diffusers_folder import kl_latents, read_json
-from dpipe.models.family import DiffusersFamily, diffusers_class
+from dpipe.models.common.lumina import LuminaFamily
+from dpipe.models.diffusers_folder import read_json
+from dpipe.models.family import diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
 from dpipe.models.omnigen2.layers import omnigen2_layers
 from dpipe.models.omnigen2.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.refined_joint import (
-    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.refined_joint import refined_joint_train_flops
 from dpipe.models.single_file import load_or_fail
-from dpipe.models.spec import NoisedBatch, PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "mllm", "processor", "scheduler")
 TRANSFORMER_CLASS = "OmniGen2Transformer2DModel"
 SYSTEM_PROMPT = "You are a helpful assistant that generates high-quality images based on user instructions."
 
-# Every Linear of the text-to-image blocks (main layers and the caption's and image's refiners):
-# attention, the SwiGLU MLP and the adaLN modulation (norm1.linear; the context refiner has none).
-_BLOCK_LINEARS = [r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-                  r"feed_forward\.linear_1", r"feed_forward\.linear_2", r"feed_forward\.linear_3",
-                  r"norm1\.linear"]
-LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
-# The weights of the reference-image path, which no text-to-image layer holds.
+# The weights of the reference-image path, which no text-to-image layer holds (nor the LoRA
+# targets: LuminaFamily's, the text-to-image blocks').
 REFERENCE_IMAGE_WEIGHTS = ("ref_image_patch_embedder.", "ref_image_refiner.",
                            "image_index_embedding")
-
-PER_SAMPLE_WEIGHTS = ("timestep_embedder", "norm1.linear", "norm_out.linear_1")
-TEXT_WEIGHTS = ("caption_embedder",)
 # ComfyUI runs OmniGen2 natively (comfy/ldm/omnigen/omnigen2.py) under the reference's module
 # names, and its LoRA loader maps "diffusion_model.<module>" onto them.
 COMFY_LORA = "comfyui_lora.safetensors"
@@ -76,7 +64,7 @@ def transformer_class():
     return diffusers_class(OmniGen2Spec.denoiser_class)
 
 
-class OmniGen2Spec(DiffusersFamily):
+class OmniGen2Spec(LuminaFamily):
     family = "omnigen2"
     title, example = "OmniGen2", "OmniGen2/OmniGen2"
     # No diffusers class runs OmniGen2 (so no pipeline_class): the transformer is dpipe's, its
@@ -86,17 +74,13 @@ class OmniGen2Spec(DiffusersFamily):
     text_fingerprint = {"mllm": "mllm", "processor": "processor"}
     text_notes = {
         "layout": "chat template with the system prompt, hidden_states[-1], right-padded + mask"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.omnigen2.tiny:make_tiny_omnigen2"
-    lora_modules = LORA_TARGETS
     # Lumina 2's loader mixin writes the same LoRA file for a "transformer" component (keys
     # "transformer.<module>.lora_A.weight", peft's adapter config in the metadata), which the
     # reference's OmniGen2Pipeline.load_lora_weights and this transformer's load_lora_adapter read.
     lora_writer = "diffusers.loaders:Lumina2LoraLoaderMixin"
-    # lumina_layers: the embedding, the caption's and the image's refiner blocks, the join,
-    # every main block, the head.
     layers = omnigen2_layers
-    block_count_keys = ("num_refiner_layers", "num_refiner_layers", "num_layers")
-    edge_layers = 3
     sampler = "dpipe.models.omnigen2.sampling:OmniGen2Sampling"
 
     def read_configs(self) -> None:
@@ -108,11 +92,6 @@ class OmniGen2Spec(DiffusersFamily):
                 f"model.path={self.path} is not an OmniGen2 folder: {config} names {name!r} "
                 f"(model_index.json: {pipeline!r}), not {TRANSFORMER_CLASS!r}; give a download "
                 "of OmniGen2/OmniGen2, or the model.family of that model")
-
-    @property
-    def pixel_multiple(self) -> int:
-        patch = self.part_config("transformer").get("patch_size", 2)
-        return super().pixel_multiple * patch
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> OmniGen2Encoders:
@@ -134,9 +113,6 @@ class OmniGen2Spec(DiffusersFamily):
         return encoders
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: OmniGen2Encoders, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     def chat(self, tokenizer, prompt: str) -> str:
         """The reference pipeline's `_apply_chat_template`."""
         turns = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
@@ -152,20 +128,6 @@ class OmniGen2Spec(DiffusersFamily):
         ids, mask = text.input_ids.to(device), text.attention_mask.to(device)
         hidden = encoders.mllm(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
         return {"cap": hidden, "cap_mask": mask.float()}
-
-    # ---- training ----------------------------------------------------------------------------
-    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-        # OmniGen2 predicts clean - noise (its Euler step adds (t_next - t) * output, t rising).
-        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
-        (`dpipe.models.refined_joint`)."""
-        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens,
-                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
-
-    def make_inputs(self, batch: NoisedBatch):
-        return lumina_inputs(batch), weighted_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
@@ -186,31 +148,19 @@ class OmniGen2Spec(DiffusersFamily):
         return super().export_full([*shards, extra], out_dir)
 
     # ---- using exported weights ----------------------------------------------------------------
-    def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
-        latents, t_model, cap, cap_len, _cap_mask = inputs
-        mask = torch.arange(cap.shape[1])[None, :] < cap_len[:, None]
-        return denoiser(latents, t_model, cap, mask, return_dict=False)[0]
-
     def load_denoiser_with_lora(self, lora_dir: Path) -> nn.Module:
         denoiser = self.load_denoiser(torch.float32)
         denoiser.load_lora_adapter(str(lora_dir), weight_name=DIFFUSERS_LORA, prefix="transformer")
         return denoiser
 
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
+    bench_configs, sample_shapes = SIZES, SAMPLE_SHAPES
 
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
         config = {k: v for k, v in self.bench_configs[size].items() if k != "_class_name"}
         with torch.device(device):
             model = transformer_class()(**config)
         return model.to(dtype)
-
-    def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
-        mask = torch.zeros(shapes["cap"][0])
-        mask[:shapes["text_tokens"]] = 1.0
-        return torch.randn(shapes["latents"]), {"cap": torch.randn(shapes["cap"]),
-                                                "cap_mask": mask}
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """`refined_joint_train_flops`, less the reference-image weights, which text-to-image

@@ -27,7 +27,8 @@ from dpipe.errors import DataError
 from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import diffusers_class
 from dpipe.models.qwen_image.layers import image_grids, text_inputs
-from dpipe.models.qwen_image.spec import REQUIRED_PARTS, QwenImageSpec, pack
+from dpipe.models.common.latent_packing import pack, packed_labels
+from dpipe.models.qwen_image.spec import REQUIRED_PARTS, QwenImageSpec
 from dpipe.models.spec import NoisedBatch
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class QwenImageEditSpec(QwenImageSpec):
         shapes = image_grids((1, h // 2, w // 2), (1, hc // 2, wc // 2))
         inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes,
                   pack(control.to(batch.noisy.dtype)))
-        return inputs, self._labels(batch)
+        return inputs, packed_labels(batch)
 
 
 def load_processor(directory):

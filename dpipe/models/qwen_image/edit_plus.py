@@ -27,7 +27,7 @@ from dpipe.errors import DataError, ModelLoadError
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.qwen_image.edit import QwenImageEditSpec
 from dpipe.models.qwen_image.layers import image_grids, text_inputs
-from dpipe.models.qwen_image.spec import pack
+from dpipe.models.common.latent_packing import pack, packed_labels
 from dpipe.models.spec import NoisedBatch, reference_latents
 
 
@@ -88,4 +88,4 @@ class QwenImageEditPlusSpec(QwenImageEditSpec):
                              *((1, r.shape[-2] // 2, r.shape[-1] // 2) for r in refs))
         inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes,
                   torch.cat([pack(r) for r in refs], dim=1))
-        return inputs, self._labels(batch)
+        return inputs, packed_labels(batch)

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.qwen_image.spec import pack
+from dpipe.models.diffusers_folder import wan_vae_decoded
+from dpipe.models.common.latent_packing import pack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
 
@@ -96,14 +97,8 @@ class QwenImageSampling(FamilySampling):
         return unpack(comb * (cond_norm / noise_norm), d.latents)
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        c = vae.config
-        x = latents.to(vae.device, vae.dtype)[:, :, None]
-        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        x = x / inv_std + mean
-        return vae.decode(x, return_dict=False)[0][0, :, 0].float()
+        return wan_vae_decoded(vae, latents[:, :, None])[:, 0]  # a video VAE: one frame
 
     # ---- the reference -----------------------------------------------------------------------
     def load_pipeline(self, denoiser):

@@ -18,6 +18,8 @@ from torch import nn
 
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import diffusers_named
+from dpipe.models.common.latent_packing import pack, packed_labels
+from dpipe.models.diffusers_folder import wan_vae_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.qwen_image.layers import (
@@ -48,6 +50,7 @@ class QwenImageSpec(DiffusersFamily):
     text_notes = {
         "layout": "pipeline template, hidden_states[-1], template dropped, zero-padded + length"}
     vae_config_keys = ("latents_mean", "latents_std")
+    latent_patch = 2
     tiny_writer = "dpipe.models.qwen_image.tiny:make_tiny_qwen_image"
     lora_modules = LORA_TARGETS
     layers = qwen_image_layers
@@ -56,20 +59,10 @@ class QwenImageSpec(DiffusersFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("qwen_image",)
 
-    @property
-    def pixel_multiple(self) -> int:
-        # The pipelines' VAE factor 2 ** len(temperal_downsample) (8 for the real VAE), then 2x2.
-        return 2 ** len(self.part_config("vae")["temperal_downsample"]) * 2
-
     # ---- caching -----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        vae = encoders.vae
-        # The VAE is a video VAE: one frame. Normalised as the pipelines normalise latents.
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mode()
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        return ((latents - mean.to(latents.dtype)) / std.to(latents.dtype))[:, :, 0]
+        # The VAE is a video VAE: one frame.
+        return wan_vae_latents(encoders.vae, pixels[:, :, None])[:, :, 0]
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -99,14 +92,7 @@ class QwenImageSpec(DiffusersFamily):
         b, c, h, w = batch.latents.shape
         shapes = image_grids((1, h // 2, w // 2))
         inputs = (pack(batch.noisy), batch.timesteps, *text_inputs(batch.text), shapes)
-        return inputs, self._labels(batch)
-
-    def _labels(self, batch) -> tuple[torch.Tensor, ...]:
-        b, c, h, w = batch.latents.shape
-        weight = getattr(batch, "loss_weight", None)  # (B, 1, h, w) from masks, or None
-        if weight is None:
-            return (pack(batch.target),)
-        return pack(batch.target), pack(weight.expand(b, 1, h, w)).repeat(1, 1, c)
+        return inputs, packed_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
@@ -140,10 +126,3 @@ class QwenImageSpec(DiffusersFamily):
         packed, _t, text = inputs[:3]
         return joint_attention_train_flops(denoiser, packed.shape[0],
                                            packed.shape[1] + text.shape[1], full)
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): the pipelines' `_pack_latents`."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)

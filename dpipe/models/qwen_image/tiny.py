@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_vae import tiny_qwen_image_vae
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
 from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY, TEXT_DIM, Z_DIM
@@ -57,7 +58,7 @@ def make_tiny_qwen_image_edit_plus(path: Path, seed: int = 0) -> Path:
 
 def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
     from diffusers import (
-        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+        FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
         QwenImageEditPlusPipeline, QwenImagePipeline, QwenImageTransformer2DModel)
     from transformers import Qwen2Tokenizer
 
@@ -69,16 +70,10 @@ def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
         transformer = QwenImageTransformer2DModel.from_config(
             {**QWEN_IMAGE_TINY, **({"zero_cond_t": True} if plus else {})})
     with seeded(seed + 2):
-        vae = AutoencoderKLQwenImage(
-            base_dim=16, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
-            temperal_downsample=[False, True],  # two levels: 4x (the real VAE: three, 8x)
-            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],  # the real first four channels'
-            latents_std=[2.8184, 1.4541, 2.3275, 2.6558])
+        vae = tiny_qwen_image_vae(Z_DIM)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=3, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 3),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
     tokenizer = Qwen2Tokenizer.from_pretrained(out / "tokenizer")
     parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                  transformer=transformer)

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.models.diffusers_folder import kl_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.sd3.comfyui import comfyui_lora
@@ -53,6 +52,7 @@ class SD3Spec(DiffusersFamily):
     frozen_parts = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     text_fingerprint = {part: part for part in TEXT_PARTS}
     text_notes = {"clip_layer": "penultimate"}
+    latent_patch = None  # the transformer's patch_size
     tiny_writer = "dpipe.models.sd3.tiny:make_tiny_sd3"
     lora_modules = LORA_TARGETS
     layers = sd3_layers
@@ -62,15 +62,7 @@ class SD3Spec(DiffusersFamily):
     gguf_architectures = ("sd3",)
     from_single_file, to_original = from_original, original_state_dict
 
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downscale (x8 for the real VAE), then the transformer's patch size (2).
-        return super().pixel_multiple * int(self.part_config("transformer").get("patch_size", 2))
-
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, _neg, pooled, _neg_pooled = encoders.encode_prompt(

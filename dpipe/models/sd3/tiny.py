@@ -26,7 +26,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, write_once)
+    save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
 
 LATENT_CHANNELS = 4
 CLIP_DIM = 32
@@ -73,12 +73,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 1):
         text_encoder_2 = clip("gelu")  # OpenCLIP bigG
     with seeded(seed + 2):
-        text_encoder_3 = T5EncoderModel(T5Config(
-            vocab_size=round_up(t5_vocab, 128), d_model=T5_DIM, d_ff=96, d_kv=16, num_heads=2,
-            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
+        text_encoder_3 = T5EncoderModel(T5Config(**tiny_t5_config(
+            round_up(t5_vocab, 128), T5_DIM, d_ff=96)))
     with seeded(seed + 3):
         transformer = SD3Transformer2DModel(
             sample_size=32, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,

@@ -30,7 +30,7 @@ from torch import nn
 from dpipe.config.schema import TimestepWeighting
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.common.quantized_files import file_is_quantized
-from dpipe.models.diffusers_folder import kl_latents, read_json
+from dpipe.models.diffusers_folder import read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
@@ -197,9 +197,6 @@ class SDXLSpec(DiffusersFamily):
                            ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}}
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         text, _neg, pooled, _neg_pooled = encoders.encode_prompt(

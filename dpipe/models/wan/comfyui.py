@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from dpipe.models.comfyui import in_original_names
+from dpipe.models.comfyui import in_original_names, original_linear_name
 
 # diffusers module name -> original Wan module name, for every Linear of a block.
 _BLOCK_RENAMES = {
@@ -48,12 +48,8 @@ def original_module_name(diffusers_name: str) -> str:
     """The original Wan name of a Linear ("blocks.3.attn1.to_q" -> "blocks.3.self_attn.q",
     "condition_embedder.time_proj" -> "time_projection.1"); raises KeyError for a module outside
     the mapping, so a trained weight is never dropped or misnamed silently."""
-    if diffusers_name in _TOP_LINEARS:
-        return _TOP_LINEARS[diffusers_name]
-    match = _BLOCK_MODULE.fullmatch(diffusers_name)
-    if match is None or match.group(2) not in _BLOCK_RENAMES:
-        raise KeyError(f"no ComfyUI name for Wan module {diffusers_name!r}")
-    return f"blocks.{match.group(1)}.{_BLOCK_RENAMES[match.group(2)]}"
+    return original_linear_name(diffusers_name, _TOP_LINEARS, _BLOCK_MODULE, _BLOCK_RENAMES,
+                                "Wan")
 
 
 def lora_to_comfyui(weights: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

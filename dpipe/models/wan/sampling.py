@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dpipe.models.diffusers_folder import wan_vae_decoded
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 from dpipe.models.frame_modes import FRAME_MODES
 from dpipe.models.wan.frames import condition_video
@@ -274,15 +275,8 @@ class WanSampling(FamilySampling):
                 torch.cuda.empty_cache()
 
     # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        """As the pipelines: latents / (1 / latents_std) + latents_mean, then the VAE (which
-        clamps to [-1, 1]); (3, F, H, W)."""
-        c = vae.config
-        x = latents.to(vae.device, vae.dtype)
-        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x)
-        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x)
-        return vae.decode(x / inv_std + mean, return_dict=False)[0][0].float()
+        return wan_vae_decoded(vae, latents)
 
     # ---- the reference -----------------------------------------------------------------------
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,

@@ -34,7 +34,7 @@ import torch
 from dpipe.errors import ConfigError
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
 from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim
@@ -122,12 +122,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
 
     # Each component gets its own seed, so resizing one leaves the others' weights unchanged.
     with seeded(seed):
-        text_encoder = UMT5EncoderModel(UMT5Config(
-            vocab_size=round_up(vocab, 128), d_model=TEXT_DIM, d_kv=16, d_ff=64, num_heads=2,
-            num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
+        text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(
+            round_up(vocab, 128), TEXT_DIM, d_ff=64)))
     with seeded(seed + 1):
         vae = AutoencoderKLWan(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True], **v["vae"])

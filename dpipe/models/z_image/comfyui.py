@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.comfyui import fused_pair, peft_pairs
+from dpipe.models.comfyui import fused_qkv_lora_pairs, fused_qkv_state
 
 # Z-Image's caption pad token: in its original files, not in Lumina 2's (which have its blocks).
 Z_IMAGE_KEY = "cap_pad_token"
@@ -39,35 +39,14 @@ def native_module_name(name: str) -> str:
 def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers ZImageTransformer2DModel state dict under the original (ComfyUI) names: the
     inverse of diffusers' single-file conversion (q/k/v fused into qkv, norm_q -> q_norm, ...)."""
-    out = {}
-    for key, value in state_dict.items():
-        if ".attention.to_k." in key or ".attention.to_v." in key:
-            continue
-        if ".attention.to_q." in key:
-            base, _, tail = key.partition(".attention.to_q.")
-            out[f"{base}.attention.qkv.{tail}"] = torch.cat(
-                [state_dict[f"{base}.attention.to_{n}.{tail}"] for n in "qkv"], dim=0)
-            continue
-        key = native_module_name(key).replace(".attention.norm_q.", ".attention.q_norm.")
-        out[key.replace(".attention.norm_k.", ".attention.k_norm.")] = value
-    return out
+    return fused_qkv_state(state_dict, ".attention", native_weight_name)
+
+
+def native_weight_name(key: str) -> str:
+    key = native_module_name(key).replace(".attention.norm_q.", ".attention.q_norm.")
+    return key.replace(".attention.norm_k.", ".attention.k_norm.")
 
 
 def comfy_lora_pairs(weights: dict[str, torch.Tensor], alpha: float):
     """diffusers-named LoRA weights -> {ComfyUI module: (A, B, alpha)}; q/k/v fused into qkv."""
-    pairs = peft_pairs(weights)
-    out = {}
-    for module, (a, b) in pairs.items():
-        if module.endswith((".attention.to_k", ".attention.to_v")):
-            continue
-        if module.endswith(".attention.to_q"):
-            base = module[: -len(".to_q")]
-            parts = [pairs.get(f"{base}.{n}") for n in ("to_q", "to_k", "to_v")]
-            if any(p is None for p in parts):
-                raise ValueError(f"{base}: a ComfyUI LoRA needs all of to_q, to_k and to_v "
-                                 "(ComfyUI's Z-Image has one fused qkv Linear)")
-            fa, fb = fused_pair(parts, [p[1].shape[0] for p in parts], 1.0)
-            out[f"{base}.qkv"] = (fa, fb, alpha * 3)  # alpha / rank stays as it was
-        else:
-            out[native_module_name(module)] = (a, b, alpha)
-    return out
+    return fused_qkv_lora_pairs(weights, alpha, ".attention", native_module_name, "Z-Image")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import seeded, write_once
@@ -59,10 +59,8 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=3, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
+    save_parts(out, save_component, DTYPE, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 3), vae=(vae, 1))
 
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                           tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),

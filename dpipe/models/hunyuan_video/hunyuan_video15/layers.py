@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding, padding_mask, real_tokens
-from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.hunyuan_video.layers import rotary, unpatchify
+from dpipe.models.common.stage_io import needs_grad
+from dpipe.models.hunyuan_video.layers import HunyuanVideoHead, rotary
 from dpipe.models.hunyuan_video.hunyuan_video15.attention import mask_keys_only
 from dpipe.models.spec import PipelineLayer
 from dpipe.models.sync_free import carrier, valid_first
@@ -85,21 +85,6 @@ class HunyuanVideo15Block(PipelineLayer):
         return hidden, text, temb, text_mask, grid
 
 
-class HunyuanVideo15Head(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
-        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
-
-    def forward(self, inputs):
-        hidden, text, temb, _text_mask, grid = inputs
-        out = unpatchify(self.proj_out(self.norm_out(hidden, temb)), grid, self.patch, self.patch_t)
-        # A gradient path for the unused text stream, through its first token, which is always a
-        # valid one (masked tokens may hold non-finite values that `0 * x` would not cancel).
-        return keep_in_graph(out, text[:, 0])
-
-
 def hunyuan_video15_layers(transformer: nn.Module) -> list[PipelineLayer]:
     if transformer.config.use_meanflow:
         raise NotImplementedError("HunyuanVideo 1.5 MeanFlow (super-resolution) transformers are "
@@ -110,5 +95,5 @@ def hunyuan_video15_layers(transformer: nn.Module) -> list[PipelineLayer]:
     for i, block in enumerate(transformer.transformer_blocks):
         layers.append(HunyuanVideo15Block(block, transformer.rope, f"transformer_blocks.{i}",
                                           patch, patch_t))
-    layers.append(HunyuanVideo15Head(transformer))
+    layers.append(HunyuanVideoHead(transformer))
     return layers

@@ -22,7 +22,7 @@ from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
 from dpipe.models.hunyuan_video.hunyuan_video15.sizes import (
     BYT5_DIM, HUNYUAN_VIDEO15_TINY, LATENT_CHANNELS, TEXT_DIM)
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import seeded, tiny_t5_config, write_once
 
 
 def make_tiny_hunyuan_video15(path: Path, seed: int = 0) -> Path:
@@ -56,11 +56,7 @@ def _write(out: Path, seed: int) -> None:
             tie_word_embeddings=False, bos_token_id=added["<|endoftext|>"],
             eos_token_id=added["<|im_end|>"]))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=384, d_model=BYT5_DIM, d_ff=48, d_kv=12, num_heads=2, num_layers=2,
-            feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
-            relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
-            tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(384, BYT5_DIM, 48, d_kv=12)))
     with seeded(seed + 2):
         transformer = HunyuanVideo15Transformer3DModel.from_config(HUNYUAN_VIDEO15_TINY)
     with seeded(seed + 3):

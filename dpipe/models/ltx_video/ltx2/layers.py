@@ -20,7 +20,7 @@ from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.ltx_video.ltx2.keyframes import video_coords
-from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
+from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias, time_embedding
 from dpipe.models.spec import PipelineLayer
 
 
@@ -56,12 +56,8 @@ class LTX2Embed(PipelineLayer):
         packed, t, text, text_mask, grid, rate = inputs
         b = packed.shape[0]
         hidden = self.proj_in(packed)
-        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep, per token
-        # where the first frame is given (t (B, N), 0 on its tokens), and as sigma.
-        temb, embedded = self.time_embed((t * 1000).flatten(), batch_size=b,
-                                         hidden_dtype=hidden.dtype)
-        temb = temb.view(b, -1, temb.shape[-1])
-        embedded = embedded.view(b, -1, embedded.shape[-1])
+        # The pipeline passes the scheduler's timesteps (sigma * 1000) as timestep and as sigma.
+        temb, embedded = time_embedding(self.time_embed, t, b, hidden.dtype)
         text_hidden = (self.caption_projection(text).view(b, -1, hidden.shape[-1])
                        if self.project_text else text)
         out = [needs_grad(hidden), needs_grad(text_hidden), needs_grad(temb), needs_grad(embedded)]
