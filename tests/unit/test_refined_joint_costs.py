@@ -23,8 +23,8 @@ def _family(name):
         import dpipe.models.z_image.spec as module
         import tests.unit.test_tiny_z_image as tests
         from dpipe.models.z_image.tiny import make_tiny_z_image as make
-    else:
-        import dpipe.models.lumina2.spec as module
+    else:  # the weights' names are those of Lumina-Image 2.0's transformer design
+        import dpipe.models.common.lumina as module
         import tests.unit.test_tiny_lumina2 as tests
         from dpipe.models.lumina2.tiny import make_tiny_lumina2 as make
     return module, tests, make
