@@ -199,7 +199,7 @@ def block_dequantized(value: torch.Tensor, state: dict[str, torch.Tensor], layer
                              f"not the 2-D {storage} of {fmt}")
     if fmt == "nvfp4":
         codes = torch.stack([value >> 4, value & 0x0F], dim=-1).reshape(value.shape[0], -1)
-        values = E2M1[codes.long()]
+        values = E2M1.to(codes.device)[codes.long()]  # meta stays meta: no values made
         blocks = scale.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
         tensor_scale = state.get(layer + WEIGHT_SCALE_2)
         if tensor_scale is None:
@@ -220,10 +220,9 @@ def block_dequantized(value: torch.Tensor, state: dict[str, torch.Tensor], layer
 
 def row_table(scale: torch.Tensor, storage: torch.dtype, group: int = 0) -> torch.Tensor:
     """A weight's row table: [scale, storage code, convrot group] per row, float64 (rows, 3)."""
-    rows = scale.shape[0]
-    return torch.stack([scale.double(),
-                        torch.full((rows,), float(_CODES.index(storage)), dtype=torch.float64),
-                        torch.full((rows,), float(group), dtype=torch.float64)], 1)
+    rows, on = scale.shape[0], dict(dtype=torch.float64, device=scale.device)  # meta stays meta
+    return torch.stack([scale.double(), torch.full((rows,), float(_CODES.index(storage)), **on),
+                        torch.full((rows,), float(group), **on)], 1)
 
 
 @dataclass
