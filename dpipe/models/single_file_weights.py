@@ -170,10 +170,13 @@ class FileWeights:
             converted = self._converted(values)
             mapped = (self._tables(values, tables) if self.tabled & set(names) else {})
             for name in names:
-                if name in self.tabled:
-                    form = stored_form(converted[name].detach(), mapped[name])
-                    if form is not None:
-                        self.stored_forms[name] = form
+                form = (stored_form(converted[name].detach(), mapped[name])
+                        if name in self.tabled else None)
+                if form is not None:  # kept once: the weight's values come back from it
+                    form.weight_elided = True
+                    self.stored_forms[name] = form
+                    out[name] = torch.zeros((), dtype=wanted[name]).expand(form.values.shape)
+                    continue
                 value = converted[name].to(wanted[name])
                 # A part of a fused tensor would keep all of it: its own storage instead.
                 whole = value.untyped_storage().nbytes() > value.numel() * value.element_size()

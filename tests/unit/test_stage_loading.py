@@ -48,7 +48,7 @@ def _comfy_quant(plain: Path, out: Path) -> Path:
 
 
 # case -> (model, the file's name as released, its writer, the writer's key prefix, the bytes
-# read per run of the converter, the quantizer of the plain file or None)
+# read per run of the converter, the quantizer of the plain file or None, overrides)
 SINGLE_FILES = {
     # ComfyUI's: BFL's names, fused q/k/v and q/k/v/MLP, the prefix. A batch per fused tensor
     # and the tensors the converter joins to it, as a real file's stage is read BATCH_BYTES at
@@ -67,7 +67,12 @@ SINGLE_FILES = {
                         None, _scaled_fp8),
     "flux_comfy_quant": ("tiny_flux", "flux1-dev.safetensors",
                          "dpipe.models.flux.tiny:write_bfl_single_file",
-                         "model.diffusion_model.", None, _comfy_quant)}
+                         "model.diffusion_model.", None, _comfy_quant),
+    # fp8 matmuls: the file's fp8 layers as stored, its int8 layers quantized from their values
+    "flux_comfy_quant_fp8_compute": ("tiny_flux", "flux1-dev.safetensors",
+                                     "dpipe.models.flux.tiny:write_bfl_single_file",
+                                     "model.diffusion_model.", None, _comfy_quant,
+                                     "model.base_compute=fp8")}
 
 
 @pytest.mark.parametrize("case", list(SINGLE_FILES))
@@ -77,7 +82,7 @@ def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, ca
     from dpipe.models import single_file_weights
     from dpipe.models.family import imported
 
-    model, name, writer, prefix, batch, quantize = SINGLE_FILES[case]
+    model, name, writer, prefix, batch, quantize, *overrides = SINGLE_FILES[case]
     if batch is not None:
         monkeypatch.setattr(single_file_weights, "BATCH_BYTES", batch)
     run = compose_run([f"model={model}"], world_size=2)
@@ -87,7 +92,7 @@ def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, ca
         file = quantize(file, tmp_path / f"{case}.safetensors")
     _assert_stages_read_the_whole_load([f"model={model}", f"model.path={file}",
                                         f"model.single_file_config={run.model.path}",
-                                        "train.precision=bf16"])
+                                        "train.precision=bf16", *overrides])
 
 
 def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:

@@ -228,10 +228,14 @@ def row_table(scale: torch.Tensor, storage: torch.dtype, group: int = 0) -> torc
 @dataclass
 class StoredForm:
     """A Linear's weight as the file stores it: `values` (out, in) in `storage` (fp8 or int8),
-    `scale` (out,) fp32, and the convrot `group` its rows were rotated in (0: none)."""
+    `scale` (out,) fp32, and the convrot `group` its rows were rotated in (0: none).
+    `weight_elided`: the Linear's weight is a placeholder of its shape and dtype holding no
+    memory (a stage read from the file keeps one form of each weight, not two); whoever drops
+    the form without taking it gives the Linear `dequantized()` (`dpipe.train.fp8`)."""
     values: torch.Tensor
     scale: torch.Tensor
     group: int = 0
+    weight_elided: bool = False
 
     def dequantized(self) -> torch.Tensor:
         weight = self.values.to(torch.float32) * self.scale[:, None]
