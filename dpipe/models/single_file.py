@@ -109,12 +109,13 @@ def read_with_row_tables(file: Path, dtype: torch.dtype
 
 
 def dequantized_state(state: dict[str, torch.Tensor], metadata: dict[str, str] | None,
-                      file: Path, dtype: torch.dtype, describe: bool = False
+                      file: Path, dtype: torch.dtype, describe: bool = False, part: bool = False
                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """`read_with_row_tables` of the file's tensors `state` (its header's `metadata`): the
     rules of its quantization layout, whichever it is, applied tensor by tensor, so that a
-    stage's tensors among meta stand-ins for the others come out as the whole file's
-    (`dpipe.models.single_file_weights`). `describe`: log the layout."""
+    stage's tensors come out as the whole file's (`dpipe.models.single_file_weights`).
+    `describe`: log the layout. `part`: `state` is some weights of a file checked whole, with
+    their scales, its comfy_quant entries and its markers."""
     if comfy_quant.has_layers(state, metadata):
         layers = comfy_quant.layer_configs(state, metadata, file)
         if describe:
@@ -122,7 +123,7 @@ def dequantized_state(state: dict[str, torch.Tensor], metadata: dict[str, str] |
                               for c in layers.values()})
             log.info("%s: %d comfy_quant layers (%s), read as their values in %s", file,
                      len(layers), ", ".join(formats), str(dtype).removeprefix("torch."))
-        return comfy_quant.dequantized_layers(state, layers, file, dtype)
+        return comfy_quant.dequantized_layers(state, layers, file, dtype, part)
     fmt = quantized_format(state, file)
     if fmt is not None and describe:
         log.info("%s: %s, dequantized to %s", file, fmt, str(dtype).removeprefix("torch."))

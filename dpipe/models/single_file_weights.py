@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.common.comfy_quant import CONF, StoredForm, stored_form
+from dpipe.models.common.quantized_files import MARKER
 from dpipe.models.safetensors_files import TENSOR_DTYPES, file_header, read_tensors
 from dpipe.models.single_file import (check_names, converter_name, dequantized_state,
                                       mapped_tables)
@@ -36,9 +37,11 @@ from dpipe.models.stage_weights import DenoiserSkeleton, empty_model, skeleton_o
 
 # The suffixes of safetensors files among single files (Wan's releases use .sft).
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
-# The 8-bit dtypes of quantized files' weights (nvfp4 packs two values a byte): read as fp32
-# values, 4 (8) bytes a stored byte, which a batch counts.
-VALUE_BYTES = {"F8_E4M3": 4, "F8_E5M2": 4, "I8": 4, "U8": 8}
+# The 8-bit dtypes of quantized files' weights (nvfp4 packs two values a byte), as a batch
+# counts them: their fp32 values and the converter's copies, 8 (16) bytes a stored byte. Stage 0
+# of 2 of a bf16 LoRA of a 146M-parameter FLUX-style denoiser from its fp8_scaled file rose
+# 219 MB so (315 MB at 4 bytes; its plain file 212 MB; the plan's bound 272 MB).
+VALUE_BYTES = {"F8_E4M3": 8, "F8_E5M2": 8, "I8": 8, "U8": 16}
 # The file's tensors read before each run of the converter: about this many bytes, and the
 # tensors they are joined to. A batch and its converted copies (a fused tensor's parts, cloned)
 # stay within the largest layer that `dpipe.pipeline.memory.loading_bytes` counts in transit
@@ -102,6 +105,13 @@ class FileWeights:
         self.stored_forms: dict[str, StoredForm] = {}
         values, tables = self._values({key: _Traced.make(self._meta(key), frozenset((key,)))
                                        for key in self.stored})
+        # What the converter sees of the tensors a batch does not read: meta tensors of the
+        # whole load's shapes and dtypes, values and row tables (the layout's rules run over
+        # the batch's tensors alone), and the markers those rules look for.
+        self.stand_ins, self.table_stand_ins = ({name: _plain_meta(v) for name, v in d.items()}
+                                                for d in (values, tables))
+        self.markers = {key: self._meta(key) for key in self.stored
+                        if key.rsplit(".", 1)[-1] == MARKER}
         converted = self._converted(values)
         everything = frozenset(self.stored)
         # A weight the converter made by other means than torch's operations: the whole file.
@@ -119,13 +129,13 @@ class FileWeights:
                 self.sources[name] = self.sources[name] | getattr(mapped[name], "sources",
                                                                   everything)
 
-    def _values(self, state: dict[str, torch.Tensor]
+    def _values(self, state: dict[str, torch.Tensor], part: bool = False
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The file's tensors `state` as the converter takes them: dequantized in fp32 by the
         file's layout (as the whole load reads them), with their row tables; each under the
-        converter's name."""
+        converter's name. `part`: some of the file's weights, with their scales."""
         values, tables = dequantized_state({**state, **self.confs}, self.metadata, self.file,
-                                           torch.float32)
+                                           torch.float32, part=part)
         return ({converter_name(k): v for k, v in values.items()},
                 {converter_name(k): v for k, v in tables.items()})
 
@@ -165,10 +175,11 @@ class FileWeights:
         for names, keys in self._batches(wanted):
             real = read_tensors(self.file, {key: TENSOR_DTYPES[self.stored[key]["dtype"]]
                                             for key in keys})
-            values, tables = self._values({key: real[key] if key in real else self._meta(key)
-                                           for key in self.stored})
+            read, tables = self._values({**self.markers, **real}, part=True)
+            values = {name: read.get(name, meta) for name, meta in self.stand_ins.items()}
             converted = self._converted(values)
-            mapped = (self._tables(values, tables) if self.tabled & set(names) else {})
+            mapped = (self._tables(values, {**self.table_stand_ins, **tables})
+                      if self.tabled & set(names) else {})
             for name in names:
                 form = (stored_form(converted[name].detach(), mapped[name])
                         if name in self.tabled else None)
@@ -181,7 +192,7 @@ class FileWeights:
                 # A part of a fused tensor would keep all of it: its own storage instead.
                 whole = value.untyped_storage().nbytes() > value.numel() * value.element_size()
                 out[name] = value.clone() if whole else value
-            del real, values, tables, converted, mapped
+            del real, read, values, tables, converted, mapped
         return out
 
     def _batches(self, wanted: dict[str, torch.dtype]):
@@ -219,6 +230,10 @@ class FileWeights:
                 batch_names, batch_keys, size = [], set(), 0
         if batch_names:
             yield batch_names, batch_keys
+
+
+def _plain_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _read_bytes(entry: dict) -> int:

@@ -131,12 +131,16 @@ def convrot_group(conf: dict) -> int:
 
 
 def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], file: Path,
-                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+                       dtype: torch.dtype, part: bool = False) -> tuple[dict[str, torch.Tensor],
+                                                                        dict]:
     """(`state` with each quantized layer's weight as its true values in `dtype`, computed in
     fp32, and its scales left out; {weight key: its row table}): a row table is a float64
     (rows, 3) tensor of [scale, storage code, convrot group] per output row, which the families'
-    key maps split and stack as they do the weight's rows (float64: no weight of a model is)."""
+    key maps split and stack as they do the weight's rows (float64: no weight of a model is).
+    `part`: `state` is part of a file checked whole, and holds only some of its layers."""
     out, tables = {}, {}
+    if part:
+        layers = {layer: conf for layer, conf in layers.items() if f"{layer}.weight" in state}
     for layer, conf in layers.items():
         weight_key = f"{layer}.weight"
         if weight_key not in state or layer + WEIGHT_SCALE not in state:
