@@ -159,8 +159,8 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def loads_stage_weights(self) -> bool:
-        """From a diffusers folder or a plain single file (float weights in safetensors: a
-        quantized file or a GGUF is read whole), where the family loads its denoiser the
+        """From a diffusers folder or a safetensors single file, plain or quantized (a GGUF
+        is read whole), where the family loads its denoiser the
         default way. A family with its own `load_denoiser` says so itself: where its own is
         for single files only (SDXL), or where it builds its own skeleton (Anima's two
         models)."""
@@ -176,7 +176,8 @@ class DiffusersFamily(ModelSpec):
         model_cls = diffusers_class(self.denoiser_class)
         if self.single_file is not None:
             return file_skeleton(model_cls, self.path / self.denoiser_folder, self.single_file,
-                                 type(self).from_single_file, model_cls.__name__)
+                                 type(self).from_single_file, model_cls.__name__,
+                                 keeps_stored_base(self.cfg))
         return folder_skeleton(model_cls, self.path / self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the

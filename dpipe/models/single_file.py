@@ -105,16 +105,27 @@ def read_with_row_tables(file: Path, dtype: torch.dtype
     from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 
     state = load_single_file_checkpoint(str(file))
-    metadata = _header(file)
+    return dequantized_state(state, _header(file), file, dtype, describe=True)
+
+
+def dequantized_state(state: dict[str, torch.Tensor], metadata: dict[str, str] | None,
+                      file: Path, dtype: torch.dtype, describe: bool = False, part: bool = False
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`read_with_row_tables` of the file's tensors `state` (its header's `metadata`): the
+    rules of its quantization layout, whichever it is, applied tensor by tensor, so that a
+    stage's tensors come out as the whole file's (`dpipe.models.single_file_weights`).
+    `describe`: log the layout. `part`: `state` is some weights of a file checked whole, with
+    their scales, its comfy_quant entries and its markers."""
     if comfy_quant.has_layers(state, metadata):
         layers = comfy_quant.layer_configs(state, metadata, file)
-        formats = sorted({c["format"] + (" convrot" if comfy_quant.convrot_group(c) else "")
-                          for c in layers.values()})
-        log.info("%s: %d comfy_quant layers (%s), read as their values in %s", file, len(layers),
-                 ", ".join(formats), str(dtype).removeprefix("torch."))
-        return comfy_quant.dequantized_layers(state, layers, file, dtype)
+        if describe:
+            formats = sorted({c["format"] + (" convrot" if comfy_quant.convrot_group(c) else "")
+                              for c in layers.values()})
+            log.info("%s: %d comfy_quant layers (%s), read as their values in %s", file,
+                     len(layers), ", ".join(formats), str(dtype).removeprefix("torch."))
+        return comfy_quant.dequantized_layers(state, layers, file, dtype, part)
     fmt = quantized_format(state, file)
-    if fmt is not None:
+    if fmt is not None and describe:
         log.info("%s: %s, dequantized to %s", file, fmt, str(dtype).removeprefix("torch."))
     return dequantized_with_tables(state, file, dtype)
 
@@ -158,7 +169,7 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
                 f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
                 f"(converting its names failed: {err!r})") from None
         if keep_stored:
-            tables = _mapped_tables(convert, with_tables, model, file)
+            tables = mapped_tables(convert, with_tables, model, file)
     if gguf:
         state = keep_quantized(model, state, file, dtype)
     check_names(file, model_cls.__name__, set(model.state_dict()), set(state))
@@ -184,7 +195,7 @@ def check_names(file: Path, title: str, expected: set[str], found: set[str]) -> 
             f"(e.g. {unexpected[:3]})")
 
 
-def _mapped_tables(convert: Callable, with_tables: dict[str, torch.Tensor], model,
+def mapped_tables(convert: Callable, with_tables: dict[str, torch.Tensor], model,
                    file: Path) -> dict[str, torch.Tensor]:
     """The row tables under the diffusers names: the key map run once more on the file's state
     with each table in place of its weight (the map moves rows; the tables are float64)."""

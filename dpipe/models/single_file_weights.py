@@ -10,8 +10,12 @@ tensors each diffusers weight comes from. A stage then reads those tensors only 
 same converter over them, the file's other tensors standing in as meta tensors: one converter,
 and the values exactly those of the whole load.
 
-Plain files only (float weights, safetensors): a quantized file's weights are dequantized with
-their scales, and a GGUF's blocks kept quantized, by the whole load (`load_transformer_file`).
+A quantized file (ComfyUI's scaled fp8, int8 with scales, comfy_quant layers) is read the same
+way: a stage reads its weights with their scales and comfy_quant entries, and the layout's own
+rules (`dpipe.models.single_file.dequantized_state`) run over them, the file's other tensors
+meta, before the converter; a LoRA's frozen base keeps each Linear's stored form
+(`comfy_quant.StoredForm`, from the row tables the converter maps as the whole load maps them).
+A GGUF's blocks are read whole (`load_transformer_file`).
 """
 
 from __future__ import annotations
@@ -24,14 +28,20 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dpipe.errors import ModelLoadError
+from dpipe.models.common.comfy_quant import CONF, StoredForm, stored_form
+from dpipe.models.common.quantized_files import MARKER
 from dpipe.models.safetensors_files import TENSOR_DTYPES, file_header, read_tensors
-from dpipe.models.single_file import check_names, converter_name
+from dpipe.models.single_file import (check_names, converter_name, dequantized_state,
+                                      mapped_tables)
 from dpipe.models.stage_weights import DenoiserSkeleton, empty_model, skeleton_of
 
 # The suffixes of safetensors files among single files (Wan's releases use .sft).
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
-# The float dtypes a plain file stores its weights in.
-PLAIN_DTYPES = ("F32", "F16", "BF16")
+# The 8-bit dtypes of quantized files' weights (nvfp4 packs two values a byte), as a batch
+# counts them: their fp32 values and the converter's copies, 8 (16) bytes a stored byte. Stage 0
+# of 2 of a bf16 LoRA of a 146M-parameter FLUX-style denoiser from its fp8_scaled file rose
+# 219 MB so (315 MB at 4 bytes; its plain file 212 MB; the plan's bound 272 MB).
+VALUE_BYTES = {"F8_E4M3": 8, "F8_E5M2": 8, "I8": 8, "U8": 16}
 # The file's tensors read before each run of the converter: about this many bytes, and the
 # tensors they are joined to. A batch and its converted copies (a fused tensor's parts, cloned)
 # stay within the largest layer that `dpipe.pipeline.memory.loading_bytes` counts in transit
@@ -41,21 +51,10 @@ BATCH_BYTES = 128 << 20
 
 
 def reads_by_tensor(file: Path) -> bool:
-    """Whether a stage can read `file` tensor by tensor: a safetensors file of float weights with
-    no quantization markers (scales, comfy_quant layouts). A file not there yet (a plan made
-    before the download) counts as the plain release it is named as."""
-    from dpipe.models.common.comfy_quant import CONF, HEADER_KEY
-    from dpipe.models.common.quantized_files import is_quantization_key
-
-    if file.suffix not in SAFETENSORS_SUFFIXES:
-        return False
-    if not file.is_file():
-        return True
-    header, metadata = file_header(file)
-    return HEADER_KEY not in metadata and not any(
-        is_quantization_key(key) or key.endswith(CONF) or
-        (entry["dtype"] not in PLAIN_DTYPES and key.endswith(".weight"))
-        for key, entry in header.items())
+    """Whether a stage can read `file` tensor by tensor: a safetensors file, plain or in one of
+    the quantization layouts dpipe reads (a layout it does not read is refused with the whole
+    load's message as the stage's weights are set up)."""
+    return file.suffix in SAFETENSORS_SUFFIXES
 
 
 class _Traced(torch.Tensor):
@@ -93,20 +92,59 @@ class _Traced(torch.Tensor):
 class FileWeights:
     """The weights of one single file in the original layout, under diffusers' names: `convert`
     (the family's `from_single_file(state, model)`, None for a file in diffusers' names) maps
-    the file's names, stripped of ComfyUI's prefix, as the whole load maps them."""
+    the file's names, stripped of ComfyUI's prefix, as the whole load maps them. `keep_stored`:
+    the Linears of a quantized file also keep their stored form (`stored_forms`, filled as
+    they are read), as `load_transformer_file(keep_stored=True)` keeps it."""
 
-    def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str):
+    def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str,
+                 keep_stored: bool = False):
         self.file, self.model, self.convert, self.title = file, model, convert, title
-        self.stored, _ = file_header(file)
-        # The file's names as the converter sees them -> the file's own.
-        self.names = {converter_name(key): key for key in self.stored}
-        converted = self._converted({name: _Traced.make(self._meta(key), frozenset((key,)))
-                                     for name, key in self.names.items()})
+        self.stored, self.metadata = file_header(file)
+        # comfy_quant's per-layer JSON, which the layout's rules read: a few bytes a layer.
+        self.confs = read_tensors(file, {k: torch.uint8 for k in self.stored if k.endswith(CONF)})
+        self.stored_forms: dict[str, StoredForm] = {}
+        values, tables = self._values({key: _Traced.make(self._meta(key), frozenset((key,)))
+                                       for key in self.stored})
+        # What the converter sees of the tensors a batch does not read: meta tensors of the
+        # whole load's shapes and dtypes, values and row tables (the layout's rules run over
+        # the batch's tensors alone), and the markers those rules look for.
+        self.stand_ins, self.table_stand_ins = ({name: _plain_meta(v) for name, v in d.items()}
+                                                for d in (values, tables))
+        self.markers = {key: self._meta(key) for key in self.stored
+                        if key.rsplit(".", 1)[-1] == MARKER}
+        converted = self._converted(values)
         everything = frozenset(self.stored)
         # A weight the converter made by other means than torch's operations: the whole file.
         self.sources = {name: value.sources if isinstance(value, _Traced) else everything
                         for name, value in converted.items()}
         check_names(file, title, set(model.state_dict()), set(converted))
+        # The Linears whose stored form is kept: their row tables pass the converter.
+        self.tabled: set[str] = set()
+        if keep_stored and tables:
+            linears = {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear}
+            mapped = self._tables(values, tables)
+            self.tabled = {n for n, t in mapped.items() if t.dtype == torch.float64
+                           and n in linears}
+            for name in self.tabled:
+                self.sources[name] = self.sources[name] | getattr(mapped[name], "sources",
+                                                                  everything)
+
+    def _values(self, state: dict[str, torch.Tensor], part: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The file's tensors `state` as the converter takes them: dequantized in fp32 by the
+        file's layout (as the whole load reads them), with their row tables; each under the
+        converter's name. `part`: some of the file's weights, with their scales."""
+        values, tables = dequantized_state({**state, **self.confs}, self.metadata, self.file,
+                                           torch.float32, part=part)
+        return ({converter_name(k): v for k, v in values.items()},
+                {converter_name(k): v for k, v in tables.items()})
+
+    def _tables(self, values: dict[str, torch.Tensor], tables: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        """The row tables under diffusers' names, mapped as the whole load maps them."""
+        if self.convert is None:
+            return tables
+        return mapped_tables(self.convert, {**values, **tables}, self.model, self.file)
 
     def _meta(self, key: str) -> torch.Tensor:
         """The file's tensor `key` as a meta tensor of its shape and stored dtype."""
@@ -131,21 +169,30 @@ class FileWeights:
 
     def read(self, wanted: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """The `wanted` weights, a batch of the file's tensors at a time (about BATCH_BYTES):
-        each batch read in its stored dtype, converted with the file's other tensors as meta
-        tensors, then cast."""
+        each batch read in its stored dtype, dequantized and converted with the file's other
+        tensors as meta tensors, then cast; the stored forms of its Linears kept where asked."""
         out: dict[str, torch.Tensor] = {}
         for names, keys in self._batches(wanted):
             real = read_tensors(self.file, {key: TENSOR_DTYPES[self.stored[key]["dtype"]]
                                             for key in keys})
-            state = {name: real[key] if key in real else self._meta(key)
-                     for name, key in self.names.items()}
-            converted = self._converted(state)
+            read, tables = self._values({**self.markers, **real}, part=True)
+            values = {name: read.get(name, meta) for name, meta in self.stand_ins.items()}
+            converted = self._converted(values)
+            mapped = (self._tables(values, {**self.table_stand_ins, **tables})
+                      if self.tabled & set(names) else {})
             for name in names:
+                form = (stored_form(converted[name].detach(), mapped[name])
+                        if name in self.tabled else None)
+                if form is not None:  # kept once: the weight's values come back from it
+                    form.weight_elided = True
+                    self.stored_forms[name] = form
+                    out[name] = torch.zeros((), dtype=wanted[name]).expand(form.values.shape)
+                    continue
                 value = converted[name].to(wanted[name])
                 # A part of a fused tensor would keep all of it: its own storage instead.
                 whole = value.untyped_storage().nbytes() > value.numel() * value.element_size()
                 out[name] = value.clone() if whole else value
-            del real, state, converted
+            del real, read, values, tables, converted, mapped
         return out
 
     def _batches(self, wanted: dict[str, torch.dtype]):
@@ -177,7 +224,7 @@ class FileWeights:
             done |= names
             batch_names += [n for n in names if n in wanted]
             batch_keys |= keys
-            size += sum(_nbytes(self.stored[k]) for k in keys)
+            size += sum(_read_bytes(self.stored[k]) for k in keys)
             if size >= BATCH_BYTES:
                 yield batch_names, batch_keys
                 batch_names, batch_keys, size = [], set(), 0
@@ -185,17 +232,22 @@ class FileWeights:
             yield batch_names, batch_keys
 
 
-def _nbytes(entry: dict) -> int:
+def _plain_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _read_bytes(entry: dict) -> int:
+    """The bytes a file tensor takes once read: its values in fp32 where it is quantized."""
     begin, end = entry["data_offsets"]
-    return end - begin
+    return (end - begin) * VALUE_BYTES.get(entry["dtype"], 1)
 
 
 def file_skeleton(model_cls, config_dir: Path, file: Path, convert: Callable | None,
-                  title: str) -> DenoiserSkeleton | None:
+                  title: str, keep_stored: bool = False) -> DenoiserSkeleton | None:
     """The denoiser of `config_dir`'s config, its weights to be read from the single file
-    `file` stage by stage; None where the file is not a plain safetensors file
-    (`reads_by_tensor`): the whole load reads it."""
+    `file` stage by stage (`keep_stored`: see `FileWeights`); None where the file is not a
+    safetensors file (`reads_by_tensor`): the whole load reads it."""
     if not reads_by_tensor(file):
         return None
     model = empty_model(model_cls, config_dir)
-    return skeleton_of(model, FileWeights(file, model, convert, title))
+    return skeleton_of(model, FileWeights(file, model, convert, title, keep_stored))

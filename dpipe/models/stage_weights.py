@@ -4,7 +4,9 @@ folders; `dpipe.models.single_file_weights.FileWeights`: one file in the origina
 
 A source of weights answers two questions under the model's own parameter names: whether it
 holds a name (`holds`), and the tensors of the names asked for, each cast to its own dtype as it
-is read (`read`); `missing(name)` words the error for a name it lacks.
+is read (`read`); `missing(name)` words the error for a name it lacks. A quantized single file's
+Linear weights read also leave their stored form (`stored_forms`), which the skeleton hands to
+their Linears as the whole load does (`stored_form`, for `dpipe.train.stored_base`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
 class WeightSource(Protocol):
+    stored_forms: dict  # a weight's name -> its Linear's stored form, for the weights read
+
     def holds(self, name: str) -> bool: ...
 
     def read(self, wanted: dict[str, torch.dtype]) -> dict[str, torch.Tensor]: ...
@@ -51,6 +55,11 @@ class DenoiserSkeleton:
         holds; puts every other parameter on the meta device."""
         wanted: dict[str, torch.dtype] = {}
         kept: dict[str, nn.Parameter] = {}
+        weight_of = {}  # a weight's name -> its module (under peft's wrapping, if any)
+        for module in self.model.modules():
+            weight = module._parameters.get("weight")
+            if id(weight) in self.keys and id(weight) in keep:
+                weight_of[self.keys[id(weight)][0]] = module
         for key, param in self.keys.values():
             if id(param) in keep:
                 if not self.weights.holds(key):
@@ -77,6 +86,9 @@ class DenoiserSkeleton:
             else:
                 module, name = buffers[key]
                 module._buffers[name] = tensor
+        for key, form in self.weights.stored_forms.items():
+            weight_of[key].stored_form = form
+        self.weights.stored_forms.clear()
 
 
 def empty_model(model_cls, folder: Path) -> nn.Module:
@@ -122,6 +134,7 @@ class FolderWeights:
 
     def __init__(self, folders: dict[str, Path]):
         self.files: dict[str, tuple[Path, str]] = {}  # name -> (file, its key there)
+        self.stored_forms: dict = {}  # diffusers folders store values only
         self.folders = folders
         for prefix, folder in folders.items():
             for key, file in _weight_files(folder).items():

@@ -151,6 +151,7 @@ def stored_as(linear: nn.Linear, storage: torch.dtype) -> tuple[torch.Tensor, to
     rounding; None elsewhere (the Linear's values are then quantized)."""
     form = linear.__dict__.get("stored_form")
     if form is None or form.group or form.values.dtype != storage:
+        drop_stored_form(linear)  # its values are quantized: they must be there
         return None
     return form.values, form.scale
 
@@ -158,7 +159,15 @@ def stored_as(linear: nn.Linear, storage: torch.dtype) -> tuple[torch.Tensor, to
 def drop_stored_forms(denoiser: nn.Module) -> None:
     """Frees the stored forms no Linear took (those outside the blocks, other formats)."""
     for module in denoiser.modules():
-        module.__dict__.pop("stored_form", None)
+        drop_stored_form(module)
+
+
+def drop_stored_form(module: nn.Module) -> None:
+    """Frees `module`'s stored form; a weight read as a placeholder beside it
+    (`StoredForm.weight_elided`) gets the form's values, which are the file's (bit for bit)."""
+    form = module.__dict__.pop("stored_form", None)
+    if form is not None and form.weight_elided:
+        module.weight.data = form.dequantized().to(module.weight.dtype)
 
 
 def quantize_for_compute(denoiser: nn.Module, compute: str, storage: torch.dtype, fast,

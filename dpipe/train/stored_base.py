@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpipe.models.common.comfy_quant import rotated
-from dpipe.train.fp8 import QuantizedLinear, quantize_frozen_linears
+from dpipe.train.fp8 import QuantizedLinear, drop_stored_forms, quantize_frozen_linears
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ def keep_stored_forms(denoiser: nn.Module) -> int:
     dtype, as with model.base_dtype) are dropped."""
     quantize_frozen_linears(denoiser, make=_stored_linear)
     kept = sum(isinstance(m, QuantizedLinear) for m in denoiser.modules())
-    for module in denoiser.modules():
-        module.__dict__.pop("stored_form", None)
+    drop_stored_forms(denoiser)
     if kept:
         log.info("%d frozen Linears kept as the file stores them (8-bit values, a scale per row)",
                  kept)

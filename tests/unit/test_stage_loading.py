@@ -35,35 +35,64 @@ def test_each_stage_reads_the_weights_the_whole_load_gives(mode):
     _assert_stages_read_the_whole_load(["model=tiny_flux", *mode])
 
 
-# model -> (the file's name as released, its writer, the writer's key prefix, the bytes read
-# per run of the converter)
+def _scaled_fp8(plain: Path, out: Path) -> Path:
+    from dpipe.models.common.quantized_files import write_quantized_copy
+
+    return write_quantized_copy(plain, out, torch.float8_e4m3fn)
+
+
+def _comfy_quant(plain: Path, out: Path) -> Path:
+    from tests.unit.test_comfy_quant import comfy_quant_copy
+
+    return comfy_quant_copy(plain, out)
+
+
+# case -> (model, the file's name as released, its writer, the writer's key prefix, the bytes
+# read per run of the converter, the quantizer of the plain file or None, overrides)
 SINGLE_FILES = {
     # ComfyUI's: BFL's names, fused q/k/v and q/k/v/MLP, the prefix. A batch per fused tensor
     # and the tensors the converter joins to it, as a real file's stage is read BATCH_BYTES at
     # a time.
-    "tiny_flux": ("flux1-dev.safetensors", "dpipe.models.flux.tiny:write_bfl_single_file",
-                  "model.diffusion_model.", 1),
+    "flux": ("tiny_flux", "flux1-dev.safetensors",
+             "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.", 1, None),
     # the Cosmos transformer under NVIDIA's names and the text adapter: two models in one file
-    "tiny_anima": ("anima-preview.safetensors", "dpipe.models.anima.tiny:write_single_file",
-                   "net.", None)}
+    "anima": ("tiny_anima", "anima-preview.safetensors",
+              "dpipe.models.anima.tiny:write_single_file", "net.", None, None),
+    # ComfyUI's fp8_scaled (one scale a tensor, the marker), and its comfy_quant layers (fp8,
+    # int8 tensor-wise and convrot, nvfp4, mxfp8): each Linear's weight read with its scales,
+    # and the LoRA's frozen Linears keep the file's bytes (dpipe.train.stored_base); the stage
+    # in one batch (batches are the plain file's case)
+    "flux_fp8_scaled": ("tiny_flux", "flux1-dev.safetensors",
+                        "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.",
+                        None, _scaled_fp8),
+    "flux_comfy_quant": ("tiny_flux", "flux1-dev.safetensors",
+                         "dpipe.models.flux.tiny:write_bfl_single_file",
+                         "model.diffusion_model.", None, _comfy_quant),
+    # fp8 matmuls: the file's fp8 layers as stored, its int8 layers quantized from their values
+    "flux_comfy_quant_fp8_compute": ("tiny_flux", "flux1-dev.safetensors",
+                                     "dpipe.models.flux.tiny:write_bfl_single_file",
+                                     "model.diffusion_model.", None, _comfy_quant,
+                                     "model.base_compute=fp8")}
 
 
-@pytest.mark.parametrize("model", list(SINGLE_FILES))
-def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, model):
+@pytest.mark.parametrize("case", list(SINGLE_FILES))
+def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, case):
     """A bf16 LoRA from the model's single file: each stage reads only the file's tensors of its
     own weights, mapped by the family's converter."""
     from dpipe.models import single_file_weights
     from dpipe.models.family import imported
 
-    name, writer, prefix, batch = SINGLE_FILES[model]
+    model, name, writer, prefix, batch, quantize, *overrides = SINGLE_FILES[case]
     if batch is not None:
         monkeypatch.setattr(single_file_weights, "BATCH_BYTES", batch)
     run = compose_run([f"model={model}"], world_size=2)
     build_spec(run.model).ensure_available()
     file = imported(writer)(Path(run.model.path), tmp_path / name, prefix)
+    if quantize is not None:
+        file = quantize(file, tmp_path / f"{case}.safetensors")
     _assert_stages_read_the_whole_load([f"model={model}", f"model.path={file}",
                                         f"model.single_file_config={run.model.path}",
-                                        "train.precision=bf16"])
+                                        "train.precision=bf16", *overrides])
 
 
 def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:
@@ -87,6 +116,12 @@ def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:
                     assert torch.equal(value, expected[key]), (i, key)
                 elif key in frozen:  # another stage's base weights: never read
                     assert value.is_meta, (stage, i, key)
+            if local:  # and the buffers not saved: a stored Linear's scales
+                buffers = dict(whole[i].named_buffers())
+                for key, value in layer.named_buffers():
+                    assert torch.equal(value, buffers[key]), (i, key)
+                assert ([type(m) for m in layer.modules()] ==
+                        [type(m) for m in whole[i].modules()]), i
 
 
 # A FLUX.1-style denoiser of 145M parameters (290 MB in bf16, 3 shards): big enough that the

@@ -131,12 +131,16 @@ def convrot_group(conf: dict) -> int:
 
 
 def dequantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], file: Path,
-                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+                       dtype: torch.dtype, part: bool = False) -> tuple[dict[str, torch.Tensor],
+                                                                        dict]:
     """(`state` with each quantized layer's weight as its true values in `dtype`, computed in
     fp32, and its scales left out; {weight key: its row table}): a row table is a float64
     (rows, 3) tensor of [scale, storage code, convrot group] per output row, which the families'
-    key maps split and stack as they do the weight's rows (float64: no weight of a model is)."""
+    key maps split and stack as they do the weight's rows (float64: no weight of a model is).
+    `part`: `state` is part of a file checked whole, and holds only some of its layers."""
     out, tables = {}, {}
+    if part:
+        layers = {layer: conf for layer, conf in layers.items() if f"{layer}.weight" in state}
     for layer, conf in layers.items():
         weight_key = f"{layer}.weight"
         if weight_key not in state or layer + WEIGHT_SCALE not in state:
@@ -199,7 +203,7 @@ def block_dequantized(value: torch.Tensor, state: dict[str, torch.Tensor], layer
                              f"not the 2-D {storage} of {fmt}")
     if fmt == "nvfp4":
         codes = torch.stack([value >> 4, value & 0x0F], dim=-1).reshape(value.shape[0], -1)
-        values = E2M1[codes.long()]
+        values = E2M1.to(codes.device)[codes.long()]  # meta stays meta: no values made
         blocks = scale.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
         tensor_scale = state.get(layer + WEIGHT_SCALE_2)
         if tensor_scale is None:
@@ -220,19 +224,22 @@ def block_dequantized(value: torch.Tensor, state: dict[str, torch.Tensor], layer
 
 def row_table(scale: torch.Tensor, storage: torch.dtype, group: int = 0) -> torch.Tensor:
     """A weight's row table: [scale, storage code, convrot group] per row, float64 (rows, 3)."""
-    rows = scale.shape[0]
-    return torch.stack([scale.double(),
-                        torch.full((rows,), float(_CODES.index(storage)), dtype=torch.float64),
-                        torch.full((rows,), float(group), dtype=torch.float64)], 1)
+    rows, on = scale.shape[0], dict(dtype=torch.float64, device=scale.device)  # meta stays meta
+    return torch.stack([scale.double(), torch.full((rows,), float(_CODES.index(storage)), **on),
+                        torch.full((rows,), float(group), **on)], 1)
 
 
 @dataclass
 class StoredForm:
     """A Linear's weight as the file stores it: `values` (out, in) in `storage` (fp8 or int8),
-    `scale` (out,) fp32, and the convrot `group` its rows were rotated in (0: none)."""
+    `scale` (out,) fp32, and the convrot `group` its rows were rotated in (0: none).
+    `weight_elided`: the Linear's weight is a placeholder of its shape and dtype holding no
+    memory (a stage read from the file keeps one form of each weight, not two); whoever drops
+    the form without taking it gives the Linear `dequantized()` (`dpipe.train.fp8`)."""
     values: torch.Tensor
     scale: torch.Tensor
     group: int = 0
+    weight_elided: bool = False
 
     def dequantized(self) -> torch.Tensor:
         weight = self.values.to(torch.float32) * self.scale[:, None]

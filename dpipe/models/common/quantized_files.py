@@ -140,9 +140,10 @@ def dequantized_with_tables(state: dict[str, torch.Tensor], file: Path, dtype: t
                 f"{WHAT_DPIPE_READS}")
         return state, tables
     out = {}
+    keys = set(state)  # in any order: a weight is popped as it is read, its scale stays
     for key in list(state):
         if is_quantization_key(key):
-            if key.endswith(SCALE) and key.removesuffix(SCALE) + ".weight" not in state:
+            if key.endswith(SCALE) and key.removesuffix(SCALE) + ".weight" not in keys:
                 raise ModelLoadError(f"{file}: {key} scales no weight (no "
                                      f"{key.removesuffix(SCALE)}.weight in the file)")
             continue
