@@ -44,11 +44,11 @@ from dpipe.models.anima.model import (
     COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, anima_skeleton, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.cosmos import (
-    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
-    wan_vae_latents)
+    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant)
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.diffusers_folder import load_or_fail, read_json, write_denoiser_folder
+from dpipe.models.diffusers_folder import (
+    load_or_fail, read_json, wan_vae_latents, write_denoiser_folder)
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
-from dpipe.models import diffusers_folder
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
@@ -32,8 +31,6 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LINEARS) + ")"
 # The embedding and head are a few Linears over the tokens: by parameter count the embedding's
 # timestep and text projections would weigh as half a block.
 EDGE_LAYER_COST = 0.02
-# Where Anima's spec imports it from (the function is diffusers_folder's).
-wan_vae_latents = diffusers_folder.wan_vae_latents
 
 
 @dataclass(frozen=True)
