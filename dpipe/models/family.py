@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
+from dpipe.diffusion.loss import image_loss
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
     check_folder, kl_latents, load_denoiser, load_encoders, read_json, write_denoiser_folder)
@@ -91,6 +91,9 @@ class DiffusersFamily(ModelSpec):
     # Layer classes that cost one block each when stages are balanced (the rest cost
     # EDGE_LAYER_TIME); empty: balance by parameter count.
     block_types: ClassVar[tuple[type, ...]] = ()
+    # The loss of the per-element error given the labels, (target,) or (target, weight, ...):
+    # `image_loss`, or the latents' own (`video_loss`: mask weights broadcast over frames too).
+    error_loss: ClassVar[Callable[[torch.Tensor, tuple], torch.Tensor]] = image_loss
     sampler: ClassVar[str | None] = None  # "module:Class", a dpipe.models.sampling.FamilySampling
     # The diffusers class whose `save_lora_weights` writes the LoRA file (the pipeline where it
     # has a LoRA loader; else a mixin that writes the same layout), and the pipeline's component.
@@ -219,8 +222,8 @@ class DiffusersFamily(ModelSpec):
         return super().layer_costs(layers)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-element loss weights (masks)
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+        # the function itself, not bound to self
+        return type(self).error_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- sampling -----------------------------------------------------------------------------
     def sampling(self):

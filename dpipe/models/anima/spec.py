@@ -43,6 +43,7 @@ from dpipe.models.anima.layers import AnimaEmbed, anima_layers
 from dpipe.models.anima.model import (
     COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, anima_skeleton, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos import (
     BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant)
 from dpipe.models.common.cosmos_layers import CosmosBlock
@@ -75,7 +76,7 @@ LORA_TARGETS = (r"transformer\.transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LI
 TEXT_TOKENS, IMAGE_TOKENS = 512, 4096
 
 
-class AnimaSpec(DiffusersFamily):
+class AnimaSpec(EncodesClips, DiffusersFamily):
     family = "anima"
     title, example = "Anima", REPO
     pipeline_class, denoiser_class = PIPELINE, "CosmosTransformer3DModel"
@@ -160,15 +161,11 @@ class AnimaSpec(DiffusersFamily):
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        # A dataset's clips reach it too (EncodesClips), to be refused naming Anima.
         if pixels.ndim == 5 and pixels.shape[2] > 1:
             raise DataError(f"Anima is an image model: it takes no {pixels.shape[2]}-frame "
                             "clips; give images")
         return wan_vae_latents(encoders.vae, pixels.unsqueeze(2) if pixels.ndim == 4 else pixels)
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W), images as F = 1: a dataset's clips reach `encode_images`, which
-        refuses them naming Anima."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

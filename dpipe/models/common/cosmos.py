@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
@@ -100,7 +101,7 @@ class PromptsPass:
         return True
 
 
-class CosmosFamily(DiffusersFamily):
+class CosmosFamily(EncodesClips, DiffusersFamily):
     """A Cosmos pipeline of a T5 encoder, a VAE (`vae_class`) and CosmosTransformer3DModel."""
 
     vae_class: ClassVar[str]
@@ -136,10 +137,6 @@ class CosmosFamily(DiffusersFamily):
                                            max_sequence_length=self.cfg.max_text_tokens,
                                            device=encoders.text_encoder.device)
         return {"t5": embeds}
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Time per layer relative to a block: the blocks are identical."""

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import video_loss, weighted_labels
-from dpipe.errors import DataError
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
-from dpipe.models.common.shapes import as_video, frames_ok
+from dpipe.models.common.clips import EncodesClips
+from dpipe.models.common.shapes import causal_clips
 from dpipe.models.diffusers_folder import load_encoders
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
 from dpipe.models.hunyuan_video.latents import VideoLatentGrid
@@ -39,7 +39,7 @@ ENCODING_VERSION = 1
 
 
 
-class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
+class HunyuanVideoSpec(VideoLatentGrid, EncodesClips, DiffusersFamily):
     family = "hunyuan_video"
     title, example = "HunyuanVideo", "hunyuanvideo-community/HunyuanVideo"
     pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
@@ -55,6 +55,7 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     lora_modules = DUAL_STREAM_LORA_TARGETS
     # The embedding, every double- and single-stream block, the head.
     block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
+    error_loss = video_loss  # mask weights broadcast over the frames too
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
     # A single file in the original / ComfyUI layout (original.py); its names both ways.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
@@ -87,17 +88,10 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w); images are 1 frame."""
-        video = as_video(pixels)
-        if not frames_ok(video.shape[2], self.temporal_ratio):
-            raise DataError(
-                f"HunyuanVideo's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        video = causal_clips(pixels, self.temporal_ratio, self.title)
         vae = encoders.vae
         latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
         return latents * vae.config.scaling_factor
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -120,10 +114,6 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
         text, text_mask = trim_text_padding(batch.text["llama"], batch.text["mask"].long())
         inputs = (batch.noisy, batch.timesteps, text, text_mask, batch.text["pooled"], guidance)
         return inputs, weighted_labels(batch)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # Video latents: mask weights broadcast over the channels and frames.
-        return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

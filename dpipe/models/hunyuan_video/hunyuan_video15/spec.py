@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import video_loss, weighted_labels
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.errors import ModelLoadError
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
 from dpipe.models.common.key_tables import FINAL_MODULATION
-from dpipe.models.common.shapes import as_video, frames_ok
+from dpipe.models.common.clips import EncodesClips
+from dpipe.models.common.shapes import causal_clips
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_video.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video.hunyuan_video15.original import (
@@ -53,7 +54,7 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
+class HunyuanVideo15Spec(VideoLatentGrid, EncodesClips, DiffusersFamily):
     family = "hunyuan_video15"
     title, example = "HunyuanVideo 1.5", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
     pipeline_class = "HunyuanVideo15Pipeline"
@@ -69,6 +70,7 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     tiny_writer = "dpipe.models.hunyuan_video.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
     lora_modules = LORA_TARGETS
     layers = hunyuan_video15_layers  # the embedding, every block, the head
+    error_loss = video_loss  # mask weights broadcast over the frames too
     sampler = "dpipe.models.hunyuan_video.hunyuan_video15.sampling:HunyuanVideo15Sampling"
     # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
     # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
@@ -100,20 +102,13 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w), scaled as the pipeline
         scales image latents."""
-        video = as_video(pixels)
-        if not frames_ok(video.shape[2], self.temporal_ratio):
-            raise DataError(
-                f"HunyuanVideo 1.5's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        video = causal_clips(pixels, self.temporal_ratio, self.title)
         vae = encoders.vae
         # One clip at a time: the VAE's mid-block attention mask breaks batches > 1 in diffusers
         # 0.42.1 (a missing unsqueeze; diffusers PR #13133).
         latents = torch.cat([vae.encode(clip[None].to(vae.device, vae.dtype)).latent_dist.mode()
                              for clip in video])
         return latents * vae.config.scaling_factor
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -140,10 +135,6 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
         joint = joint_padding_mask((glyph, glyph_mask), (text, mask))
         inputs = (x, batch.timesteps, text, mask.long(), glyph, glyph_mask.long(), joint)
         return inputs, weighted_labels(batch)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # Video latents: mask weights broadcast over the channels and frames.
-        return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:
