@@ -16,20 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import video_loss, weighted_labels
+from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
-from dpipe.models.comfyui import to_comfyui
-from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
-from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.shapes import causal_clips
 from dpipe.models.diffusers_folder import load_encoders
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
-from dpipe.models.hunyuan_video.latents import VideoLatentGrid
+from dpipe.models.family import diffusers_class
+from dpipe.models.hunyuan_video.family import HunyuanVideoFamily
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original, lora_linears, original_state_dict
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import load_or_fail
 from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 
@@ -39,28 +35,25 @@ ENCODING_VERSION = 1
 
 
 
-class HunyuanVideoSpec(VideoLatentGrid, EncodesClips, DiffusersFamily):
+class HunyuanVideoSpec(HunyuanVideoFamily):
     family = "hunyuan_video"
     title, example = "HunyuanVideo", "hunyuanvideo-community/HunyuanVideo"
     pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
-    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                      "tokenizer", "tokenizer_2", "scheduler")
-    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"llama": "text_encoder", "clip": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
     text_notes = {"encoding": ENCODING_VERSION}
-    vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
     lora_modules = DUAL_STREAM_LORA_TARGETS
     # The embedding, every double- and single-stream block, the head.
     block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
-    error_loss = video_loss  # mask weights broadcast over the frames too
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
     # A single file in the original / ComfyUI layout (original.py); its names both ways.
-    single_file_suffixes = SINGLE_FILE_SUFFIXES
-    gguf_architectures = ("hyvid",)
     from_single_file, to_original = from_original, original_state_dict
+    # The original HunyuanVideo names ComfyUI maps back (as diffusion-pipe's and musubi-tuner's
+    # LoRAs have them), and ComfyUI's own names for the embedder MLPs, whose original names its
+    # loader does not map (`original.lora_module`).
+    comfyui_lora, comfyui_mapping = COMFYUI_LORA, lora_linears
 
     def read_configs(self) -> None:
         # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
@@ -115,13 +108,6 @@ class HunyuanVideoSpec(VideoLatentGrid, EncodesClips, DiffusersFamily):
         inputs = (batch.noisy, batch.timesteps, text, text_mask, batch.text["pooled"], guidance)
         return inputs, weighted_labels(batch)
 
-    # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
-            weights, lora_scale(metadata),
-            comfyui_mapping(self.part_config("transformer"), weights),
-            swapped=FINAL_MODULATION), {"format": "comfyui"})]
-
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
         latents, t, text, text_mask, pooled, guidance = inputs
@@ -169,10 +155,3 @@ def prompt_template(tokenizer) -> dict[str, Any]:
     prefix = template.split("{}")[0]
     return {"template": template, "crop_start": len(tokenizer(prefix).input_ids)}
 
-
-def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(LoRA module, diffusers modules it stacks, their output sizes) for every original Linear
-    that holds a module with LoRA weights: the original HunyuanVideo names ComfyUI maps back (as
-    diffusion-pipe's and musubi-tuner's LoRAs have them), and ComfyUI's own names for the
-    embedder MLPs, whose original names its loader does not map (`original.lora_module`)."""
-    return lora_linears(config, weights)

@@ -19,22 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import video_loss, weighted_labels
+from dpipe.diffusion.loss import weighted_labels
 from dpipe.errors import ModelLoadError
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
-from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
-from dpipe.models.common.key_tables import FINAL_MODULATION
-from dpipe.models.common.clips import EncodesClips
+from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.common.shapes import causal_clips
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_video.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video.hunyuan_video15.original import (
-    comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
+    comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.hunyuan_video.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.hunyuan_video.latents import VideoLatentGrid
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.hunyuan_video.family import HunyuanVideoFamily
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import NoisedBatch, attention_train_flops
 
@@ -54,32 +51,32 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideo15Spec(VideoLatentGrid, EncodesClips, DiffusersFamily):
+class HunyuanVideo15Spec(HunyuanVideoFamily):
     family = "hunyuan_video15"
     title, example = "HunyuanVideo 1.5", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
     pipeline_class = "HunyuanVideo15Pipeline"
     denoiser_class = "HunyuanVideo15Transformer3DModel"
-    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                      "tokenizer", "tokenizer_2", "scheduler")
-    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"qwen": "text_encoder", "byt5": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
     text_notes = {"encoding": ENCODING_VERSION}
-    vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
     lora_modules = LORA_TARGETS
     layers = hunyuan_video15_layers  # the embedding, every block, the head
-    error_loss = video_loss  # mask weights broadcast over the frames too
     sampler = "dpipe.models.hunyuan_video.hunyuan_video15.sampling:HunyuanVideo15Sampling"
     # HunyuanVideo15Pipeline has no LoRA loader mixin; the file is diffusers' standard LoRA
     # layout ("transformer." keys + adapter metadata), written by a mixin that has one, and
     # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
     lora_writer = "HunyuanVideoPipeline"
     # A single file in Tencent's original / ComfyUI layout (original.py).
-    single_file_suffixes = SINGLE_FILE_SUFFIXES
-    gguf_architectures = ("hyvid",)  # ComfyUI-GGUF names both HunyuanVideos so
     from_single_file = from_original
+    # ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo code, whose double blocks are
+    # Flux-style (`img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`,
+    # `img_mod.lin` and the same for `txt_`) and whose other modules are the original ones under
+    # its renames (the token refiner's `self_attn.qkv`, the embedder MLPs' `in_layer` /
+    # `out_layer`); its LoRA loader accepts `diffusion_model.<those names>`. The names come from
+    # the one table of original.py, which also maps the single-file weights.
+    comfyui_lora, comfyui_mapping = COMFYUI_LORA, comfyui_mapping
 
     def read_configs(self) -> None:
         config = self.part_config("transformer")
@@ -137,12 +134,6 @@ class HunyuanVideo15Spec(VideoLatentGrid, EncodesClips, DiffusersFamily):
         return inputs, weighted_labels(batch)
 
     # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
-            weights, lora_scale(metadata),
-            comfyui_mapping(self.part_config("transformer"), weights),
-            swapped=FINAL_MODULATION), {"format": "comfyui"})]
-
     def export_single_file(self, folder: Path, out_dir: Path) -> Path:
         # Back in the form of the source file (Tencent's split one, Comfy-Org's fused one), so
         # the tool that loaded the source loads the fine-tune.
@@ -225,14 +216,3 @@ def template_length(tokenizer, system_message: str) -> int:
     text = text[0] if isinstance(text, list) else text
     return len(tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids)
 
-
-def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(ComfyUI module, diffusers modules it stacks, output sizes) of every Linear with a LoRA.
-
-    ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo code, whose double blocks are Flux-style
-    (`img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the
-    same for `txt_`) and whose other modules are the original ones under its renames (the token
-    refiner's `self_attn.qkv`, the embedder MLPs' `in_layer` / `out_layer`); its LoRA loader
-    accepts `diffusion_model.<those names>`. The names come from the one table of original.py,
-    which also maps the single-file weights."""
-    return _comfyui_mapping(config, weights)
