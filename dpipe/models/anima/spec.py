@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,7 +44,7 @@ from dpipe.models.anima.model import (
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos import (
-    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant)
+    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, Predict2Folder)
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 from dpipe.models.diffusers_folder import (
@@ -76,10 +75,11 @@ LORA_TARGETS = (r"transformer\.transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LI
 TEXT_TOKENS, IMAGE_TOKENS = 512, 4096
 
 
-class AnimaSpec(EncodesClips, DiffusersFamily):
+class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
     family = "anima"
     title, example = "Anima", REPO
     pipeline_class, denoiser_class = PIPELINE, "CosmosTransformer3DModel"
+    pipeline_in_index = False  # its index is INDEX, checked to name PIPELINE (read_configs)
     required_parts = REQUIRED_PARTS
     text_fingerprint = {"qwen3": "text_encoder", "tokenizer": "tokenizer",
                         "t5_tokenizer": "t5_tokenizer"}
@@ -115,18 +115,6 @@ class AnimaSpec(EncodesClips, DiffusersFamily):
             raise ModelLoadError(f"{self.path / 'transformer'} is not Anima's Cosmos-Predict2 "
                                  "transformer (Cosmos 1.0 or 2.5 options are set)")
         self.i2v  # noqa: B018 - refuses model.i2v=true: Anima is text-to-image
-
-    @cached_property
-    def variant(self) -> CosmosVariant:
-        return read_variant(lambda name: read_json(self.path / name), PIPELINE)
-
-    @cached_property
-    def i2v(self) -> bool:
-        return first_frame_task(self.path, self.variant, self.cfg.i2v)
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.variant.spatial * self.variant.patch[1]
 
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:

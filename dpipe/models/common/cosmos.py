@@ -1,11 +1,13 @@
 """What the Cosmos families share above their transformer's layers (`cosmos_layers`): Cosmos-Predict2
 and Cosmos 1.0 (`CosmosFamily`: T5 prompts, CosmosTransformer3DModel, a LoRA loaded as diffusers
-users load one into it), and, with Anima, what a Cosmos-Predict2 folder is (`CosmosVariant`).
+users load one into it), and, with Anima, what a Cosmos-Predict2 folder is (`CosmosVariant`,
+read by `Predict2Folder`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -15,6 +17,7 @@ from torch import nn
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos_layers import CosmosBlock
+from dpipe.models.diffusers_folder import read_json
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.spec import PipelineLayer
@@ -69,6 +72,32 @@ def first_frame_task(path: Path, variant: CosmosVariant, wanted: bool | None) ->
         raise ConfigError(f"{path} is a Text2Image model and takes no first frame: "
                           "leave model.i2v unset (or false)")
     return False
+
+
+class Predict2Folder:
+    """A family whose folder holds a Cosmos-Predict2 transformer and a Wan-layout VAE
+    (Cosmos-Predict2's, Anima's): its `variant`, its first-frame task (`i2v`) and pixel multiple."""
+
+    # The variant's pipeline: model_index.json's class (Cosmos-Predict2's two pipelines), or,
+    # where False, the family's `pipeline_class` (Anima's modular pipeline, of another index).
+    pipeline_in_index: ClassVar[bool] = True
+
+    @cached_property
+    def variant(self) -> CosmosVariant:
+        def config(name: str) -> dict:
+            return read_json(self.path / name)
+
+        pipeline = (config("model_index.json")["_class_name"] if self.pipeline_in_index
+                    else self.pipeline_class)
+        return read_variant(config, pipeline)
+
+    @cached_property
+    def i2v(self) -> bool:
+        return first_frame_task(self.path, self.variant, self.cfg.i2v)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.variant.spatial * self.variant.patch[1]
 
 
 @torch.no_grad()
