@@ -66,6 +66,12 @@ def weighted_labels(batch) -> tuple[torch.Tensor, ...]:
     return (batch.target,) if weight is None else (batch.target, weight)
 
 
+def image_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean of the per-element `error` against the target; mask weights (labels[1], where
+    given) broadcast over the channels."""
+    return weighted_mean(error, *labels[1:])
+
+
 def video_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The mean of the per-element `error` against the target of (B, C, F, h, w) latents; mask
     weights (labels[1], (B, 1, h, w)) broadcast over C and F."""

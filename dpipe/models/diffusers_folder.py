@@ -124,6 +124,12 @@ def wan_vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (latents - mean) / std
 
 
+def wan_vae_image_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) images through a Wan-layout video VAE as one frame each -> (B, C, h, w)
+    (Qwen-Image's and Krea 2's latents)."""
+    return wan_vae_latents(vae, pixels[:, :, None])[:, :, 0]
+
+
 @torch.no_grad()
 def wan_vae_decoded(vae, latents: torch.Tensor) -> torch.Tensor:
     """The way back, as the Wan and Qwen-Image pipelines decode: latents (1, C, F, h, w) /

@@ -3,11 +3,12 @@ how that is found, loaded, fingerprinted, exported and sampled.
 
 A family subclasses `DiffusersFamily` and declares (class attributes, see each below): its title
 and a download users know, its diffusers pipeline and denoiser classes, the folder's required
-parts and its frozen encoders, the parts whose files shape cached text and latents, the tiny
-model's writer, the LoRA targets, the pipeline layers and what counts them, and its sampler.
-What it writes itself is what truly differs: how prompts are encoded (`encode_prompts`, and
-`encode_images` where its latents are not a KL VAE's), the denoiser's inputs (`make_inputs`,
-`denoiser_forward`), benchmark samples, and any LoRA format beside diffusers' (`lora_formats`).
+parts and its frozen encoders, how its VAE makes latents and what shapes cached text and
+latents, the tiny model's writer, the LoRA targets, the pipeline layers and what counts them, its
+loss and its sampler. What it writes itself is what truly differs: how prompts are encoded
+(`encode_prompts`, and `encode_images` where images need more than the VAE, as clips' frame
+counts checked), the denoiser's inputs (`make_inputs`, `denoiser_forward`), benchmark samples,
+and any LoRA format beside diffusers' (`lora_formats`).
 Every default is an ordinary method: a family overrides one where it differs, and says why.
 
 Declarations that name code run late ("module:name" strings for the tiny writer and the sampler)
@@ -24,7 +25,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import weighted_mean
+from dpipe.diffusion.loss import image_loss
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
     check_folder, kl_latents, load_denoiser, load_encoders, read_json, write_denoiser_folder)
@@ -73,8 +74,10 @@ class DiffusersFamily(ModelSpec):
     text_fingerprint: ClassVar[dict[str, str | tuple[str, ...]]] = {
         "text_encoder": "text_encoder", "tokenizer": "tokenizer"}
     text_notes: ClassVar[dict[str, Any]] = {}
-    # What shapes cached latents besides the VAE's files: keys of its config, and fixed notes.
-    # The default is a KL VAE's: the distribution's mode, shifted and scaled.
+    # How images become latents, `image_latents(vae, pixels)`, and what shapes cached latents
+    # besides the VAE's files: keys of its config, and fixed notes. The default is a KL VAE's:
+    # the distribution's mode, shifted and scaled.
+    image_latents: ClassVar[Callable[[Any, torch.Tensor], torch.Tensor]] = kl_latents
     vae_config_keys: ClassVar[tuple[str, ...]] = ("scaling_factor", "shift_factor")
     image_notes: ClassVar[dict[str, Any]] = {"latent": "mode"}
     # The side of the latent patches the denoiser makes tokens of (2: 2x2), by which a pixel
@@ -91,6 +94,9 @@ class DiffusersFamily(ModelSpec):
     # Layer classes that cost one block each when stages are balanced (the rest cost
     # EDGE_LAYER_TIME); empty: balance by parameter count.
     block_types: ClassVar[tuple[type, ...]] = ()
+    # The loss of the per-element error given the labels, (target,) or (target, weight, ...):
+    # `image_loss`, or the latents' own (`video_loss`: mask weights broadcast over frames too).
+    error_loss: ClassVar[Callable[[torch.Tensor, tuple], torch.Tensor]] = image_loss
     sampler: ClassVar[str | None] = None  # "module:Class", a dpipe.models.sampling.FamilySampling
     # The diffusers class whose `save_lora_weights` writes the LoRA file (the pipeline where it
     # has a LoRA loader; else a mixin that writes the same layout), and the pipeline's component.
@@ -198,8 +204,8 @@ class DiffusersFamily(ModelSpec):
 
     # ---- caching ------------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """A KL VAE's latents (`kl_latents`), which the default `vae_config_keys` describe."""
-        return kl_latents(encoders.vae, pixels)
+        """The declared `image_latents` of the VAE (the function itself, not bound to self)."""
+        return type(self).image_latents(encoders.vae, pixels)
 
     # ---- training -----------------------------------------------------------------------------
     def lora_targets(self) -> str | list[str]:
@@ -220,8 +226,8 @@ class DiffusersFamily(ModelSpec):
         return super().layer_costs(layers)
 
     def loss(self, outputs, labels) -> torch.Tensor:
-        # labels: (target,) or (target, weight) with per-element loss weights (masks)
-        return weighted_mean(self.element_error(outputs, labels[0]), *labels[1:])
+        # the function itself, not bound to self
+        return type(self).error_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- sampling -----------------------------------------------------------------------------
     def sampling(self):

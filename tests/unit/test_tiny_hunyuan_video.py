@@ -18,7 +18,7 @@ from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.hunyuan_video.spec import (
-    COMFYUI_LORA, HunyuanVideoSpec, comfyui_mapping, prompt_template)
+    COMFYUI_LORA, HunyuanVideoSpec, prompt_template)
 from dpipe.models.hunyuan_video.tiny import make_tiny_hunyuan_video
 from tests.unit.video_checks import (
     CAPTIONS, assert_block_costs_follow_flops, assert_checkpointing_matches, assert_layers_match,
@@ -161,8 +161,8 @@ def test_comfyui_lora_keys_and_weights(spec, exported):
     diffusers_names = lora_state_dict(denoiser)
     parts = deltas(peft_pairs(diffusers_names), scale=8 / 4)
     fused = deltas({k[len("diffusion_model."):]: v for k, v in peft_pairs(comfy).items()})
-    mapping = list(comfyui_mapping(config, {k.replace(".default", ""): v
-                                            for k, v in diffusers_names.items()}))
+    mapping = list(HunyuanVideoSpec.comfyui_mapping(
+        config, {k.replace(".default", ""): v for k, v in diffusers_names.items()}))
     assert len(fused) == len(mapping) == 2 * 10 + 2 * 3
     for original, names, sizes in mapping:
         want = torch.cat([parts.get(n, torch.zeros(s, 32)) for n, s in zip(names, sizes)])

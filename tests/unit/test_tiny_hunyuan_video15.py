@@ -17,7 +17,7 @@ from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.hunyuan_video.hunyuan_video15.spec import (
-    COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideo15Spec, comfyui_mapping, template_length)
+    COMFYUI_LORA, DIFFUSERS_LORA, HunyuanVideo15Spec, template_length)
 from dpipe.models.hunyuan_video.hunyuan_video15.tiny import make_tiny_hunyuan_video15
 from dpipe.pipeline.partition import stage_bounds
 from tests.unit.video_checks import (
@@ -177,7 +177,7 @@ def test_comfyui_lora_keys_and_weights(spec, exported):
     names = {k.replace(".default", ""): v for k, v in lora_state_dict(denoiser).items()}
     parts = deltas(peft_pairs(names), scale=8 / 4)
     fused = deltas({k.removeprefix("diffusion_model."): v for k, v in peft_pairs(comfy).items()})
-    mapping = list(comfyui_mapping(config, names))
+    mapping = list(HunyuanVideo15Spec.comfyui_mapping(config, names))
     assert len(fused) == len(mapping) == 4 * 10
     for original, modules, sizes in mapping:
         want = torch.cat([parts[m] for m in modules])

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
+from dpipe.models.common.lumina import COMFY_LORA
 from dpipe.models.lumina2.comfyui import from_native, native_state_dict
-from dpipe.models.lumina2.spec import COMFY_LORA, Lumina2Spec
+from dpipe.models.lumina2.spec import Lumina2Spec
 from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import (

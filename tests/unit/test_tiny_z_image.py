@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
+from dpipe.models.common.lumina import COMFY_LORA
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.comfyui import native_state_dict
-from dpipe.models.z_image.spec import COMFY_LORA, ZImageSpec
+from dpipe.models.z_image.spec import ZImageSpec
 from dpipe.models.z_image.tiny import make_tiny_z_image
 from tests.unit.video_checks import (
     assert_same_tensors, attention_masks_of_layers_and_diffusers,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,12 +42,13 @@ from dpipe.models.anima.layers import AnimaEmbed, anima_layers
 from dpipe.models.anima.model import (
     COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, anima_skeleton, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos import (
-    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, first_frame_task, read_variant,
-    wan_vae_latents)
+    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, Predict2Folder)
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.diffusers_folder import load_or_fail, read_json, write_denoiser_folder
+from dpipe.models.diffusers_folder import (
+    load_or_fail, read_json, wan_vae_latents, write_denoiser_folder)
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
@@ -75,10 +75,11 @@ LORA_TARGETS = (r"transformer\.transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LI
 TEXT_TOKENS, IMAGE_TOKENS = 512, 4096
 
 
-class AnimaSpec(DiffusersFamily):
+class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
     family = "anima"
     title, example = "Anima", REPO
     pipeline_class, denoiser_class = PIPELINE, "CosmosTransformer3DModel"
+    pipeline_in_index = False  # its index is INDEX, checked to name PIPELINE (read_configs)
     required_parts = REQUIRED_PARTS
     text_fingerprint = {"qwen3": "text_encoder", "tokenizer": "tokenizer",
                         "t5_tokenizer": "t5_tokenizer"}
@@ -115,18 +116,6 @@ class AnimaSpec(DiffusersFamily):
                                  "transformer (Cosmos 1.0 or 2.5 options are set)")
         self.i2v  # noqa: B018 - refuses model.i2v=true: Anima is text-to-image
 
-    @cached_property
-    def variant(self) -> CosmosVariant:
-        return read_variant(lambda name: read_json(self.path / name), PIPELINE)
-
-    @cached_property
-    def i2v(self) -> bool:
-        return first_frame_task(self.path, self.variant, self.cfg.i2v)
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.variant.spatial * self.variant.patch[1]
-
     # ---- components -------------------------------------------------------------------------
     def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The pipeline's text-encoder step components (Qwen3, its tokenizer, the T5 tokenizer)
@@ -160,15 +149,11 @@ class AnimaSpec(DiffusersFamily):
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
+        # A dataset's clips reach it too (EncodesClips), to be refused naming Anima.
         if pixels.ndim == 5 and pixels.shape[2] > 1:
             raise DataError(f"Anima is an image model: it takes no {pixels.shape[2]}-frame "
                             "clips; give images")
         return wan_vae_latents(encoders.vae, pixels.unsqueeze(2) if pixels.ndim == 4 else pixels)
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W), images as F = 1: a dataset's clips reach `encode_images`, which
-        refuses them naming Anima."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -1,11 +1,13 @@
 """What the Cosmos families share above their transformer's layers (`cosmos_layers`): Cosmos-Predict2
 and Cosmos 1.0 (`CosmosFamily`: T5 prompts, CosmosTransformer3DModel, a LoRA loaded as diffusers
-users load one into it), and, with Anima, what a Cosmos-Predict2 folder is (`CosmosVariant`).
+users load one into it), and, with Anima, what a Cosmos-Predict2 folder is (`CosmosVariant`,
+read by `Predict2Folder`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -13,8 +15,9 @@ import torch
 from torch import nn
 
 from dpipe.errors import ConfigError, ModelLoadError
-from dpipe.models import diffusers_folder
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos_layers import CosmosBlock
+from dpipe.models.diffusers_folder import read_json
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.spec import PipelineLayer
@@ -32,8 +35,6 @@ LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(BLOCK_LINEARS) + ")"
 # The embedding and head are a few Linears over the tokens: by parameter count the embedding's
 # timestep and text projections would weigh as half a block.
 EDGE_LAYER_COST = 0.02
-# Where Anima's spec imports it from (the function is diffusers_folder's).
-wan_vae_latents = diffusers_folder.wan_vae_latents
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,32 @@ def first_frame_task(path: Path, variant: CosmosVariant, wanted: bool | None) ->
     return False
 
 
+class Predict2Folder:
+    """A family whose folder holds a Cosmos-Predict2 transformer and a Wan-layout VAE
+    (Cosmos-Predict2's, Anima's): its `variant`, its first-frame task (`i2v`) and pixel multiple."""
+
+    # The variant's pipeline: model_index.json's class (Cosmos-Predict2's two pipelines), or,
+    # where False, the family's `pipeline_class` (Anima's modular pipeline, of another index).
+    pipeline_in_index: ClassVar[bool] = True
+
+    @cached_property
+    def variant(self) -> CosmosVariant:
+        def config(name: str) -> dict:
+            return read_json(self.path / name)
+
+        pipeline = (config("model_index.json")["_class_name"] if self.pipeline_in_index
+                    else self.pipeline_class)
+        return read_variant(config, pipeline)
+
+    @cached_property
+    def i2v(self) -> bool:
+        return first_frame_task(self.path, self.variant, self.cfg.i2v)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.variant.spatial * self.variant.patch[1]
+
+
 @torch.no_grad()
 def wan_vae_images(vae, latents: torch.Tensor) -> torch.Tensor:
     """As the Cosmos2 pipelines and Anima's decode (sigma_data 1): latents (1, C, F, h, w) *
@@ -103,7 +130,7 @@ class PromptsPass:
         return True
 
 
-class CosmosFamily(DiffusersFamily):
+class CosmosFamily(EncodesClips, DiffusersFamily):
     """A Cosmos pipeline of a T5 encoder, a VAE (`vae_class`) and CosmosTransformer3DModel."""
 
     vae_class: ClassVar[str]
@@ -139,10 +166,6 @@ class CosmosFamily(DiffusersFamily):
                                            max_sequence_length=self.cfg.max_text_tokens,
                                            device=encoders.text_encoder.device)
         return {"t5": embeds}
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Time per layer relative to a block: the blocks are identical."""

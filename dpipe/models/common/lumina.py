@@ -1,18 +1,22 @@
-"""What the families of Lumina-Image 2.0's transformer design (Lumina 2, OmniGen2) share above
-their layers (`lumina_layers`): the LoRA targets, the objective, the inputs, stage balancing, the
-transformer's own forward and a benchmark sample (`LuminaFamily`)."""
+"""What the families of Lumina-Image 2.0's transformer design (Lumina 2, OmniGen2, and Z-Image,
+whose own transformer has the same refiners and objective) share above their layers
+(`lumina_layers`): the LoRA targets, the objective, the inputs, stage balancing, the ComfyUI LoRA
+file, the transformer's own forward and a benchmark sample (`LuminaFamily`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_labels
+from dpipe.models.comfyui import comfy_lora_tensors
+from dpipe.models.common.shapes import round_up
 from dpipe.models.common.lumina_layers import lumina_inputs
 from dpipe.models.family import DiffusersFamily
+from dpipe.models.lora_files import LoraFormat
 from dpipe.models.refined_joint import NOMINAL_IMAGE_TOKENS, layer_forward_flops
 from dpipe.models.spec import NoisedBatch, PipelineLayer
 
@@ -28,6 +32,7 @@ LORA_TARGETS = (r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join
 # and of the head's norm), and the embedder's that see the caption's (layer_costs).
 PER_SAMPLE_WEIGHTS = ("timestep_embedder", "norm1.linear", "norm_out.linear_1")
 TEXT_WEIGHTS = ("caption_embedder",)
+COMFY_LORA = "comfyui_lora.safetensors"
 
 
 class LuminaFamily(DiffusersFamily):
@@ -36,6 +41,14 @@ class LuminaFamily(DiffusersFamily):
     # main block, the head.
     block_count_keys = ("num_refiner_layers", "num_refiner_layers", "num_layers")
     edge_layers = 3
+    # layer_costs: the weights that see one token per sample and those that see the caption's,
+    # by module name; the multiple the transformer pads the caption to (Z-Image's 32).
+    per_sample_weights: ClassVar[tuple[str, ...]] = PER_SAMPLE_WEIGHTS
+    text_weights: ClassVar[tuple[str, ...]] = TEXT_WEIGHTS
+    text_token_multiple: ClassVar[int] = 1
+    # The ComfyUI LoRA: `comfy_lora_pairs(diffusers-named weights, alpha)` -> {ComfyUI module:
+    # (A, B, alpha)}; None where the family writes its own (`lora_formats`).
+    comfy_lora_pairs: ClassVar[Callable | None] = None
     # The family's benchmark samples' shapes by size: "latents", "cap", "text_tokens".
     sample_shapes: ClassVar[dict[str, dict[str, Any]]]
 
@@ -48,8 +61,17 @@ class LuminaFamily(DiffusersFamily):
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption
         (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
         caption alone, the timestep embedder and the modulations once per sample."""
-        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS, self.cfg.max_text_tokens,
-                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
+        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS,
+                                   round_up(self.cfg.max_text_tokens, self.text_token_multiple),
+                                   per_sample=self.per_sample_weights,
+                                   text_weights=self.text_weights)
+
+    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
+        pairs = type(self).comfy_lora_pairs  # the function itself, not bound to self
+        if pairs is None:
+            return super().lora_formats(weights, metadata)
+        return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
+            pairs(weights, metadata["lora_alpha"])), {"format": "pt"})]
 
     def make_inputs(self, batch: NoisedBatch):
         return lumina_inputs(batch), weighted_labels(batch)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.errors import DataError
+
 
 def round_up(n: int, multiple: int) -> int:
     """`n` padded up to a multiple: sequence lengths the kernels want (Z-Image's 32), and the
@@ -14,6 +16,17 @@ def round_up(n: int, multiple: int) -> int:
 def frames_ok(frames: int, temporal_ratio: int) -> bool:
     """Causal video VAEs encode the first frame alone, then groups of `temporal_ratio`."""
     return frames >= 1 and (frames - 1) % temporal_ratio == 0
+
+
+def causal_clips(pixels: torch.Tensor, temporal_ratio: int, title: str) -> torch.Tensor:
+    """(B, 3, H, W) images or (B, 3, F, H, W) clips -> clips, refused naming the family
+    (`title`) where the frame count is not one a causal video VAE takes (`frames_ok`)."""
+    video = as_video(pixels)
+    if not frames_ok(video.shape[2], temporal_ratio):
+        r = temporal_ratio
+        raise DataError(f"{title}'s VAE takes {r}k+1 frames (1, {r + 1}, {2 * r + 1}, ...); "
+                        f"got {video.shape[2]}")
+    return video
 
 
 def as_video(pixels: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,7 @@ class Cosmos1Spec(CosmosFamily):
     pipeline_class, vae_class = PIPELINE, "AutoencoderKLCosmos"
     tiny_writer = "dpipe.models.cosmos1.tiny:make_tiny_cosmos1"
     layers = cosmos1_layers  # the same LoRA targets as Cosmos-Predict2's
+    error_loss = video_loss  # mask weights broadcast over the frames too
     sampler = "dpipe.models.cosmos1.sampling:Cosmos1Sampling"
     single_file_suffixes = (".pt", ".safetensors")  # NVIDIA's model.pt / ComfyUI's files
     gguf_architectures = ("cosmos",)
@@ -140,9 +141,6 @@ class Cosmos1Spec(CosmosFamily):
         grid = carrier(frames, height // 2, width // 2, FPS)
         inputs = (batch.noisy, c_noise.to(latents.dtype), batch.text["t5"], grid)
         return inputs, weighted_labels(batch)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return video_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- benchmarks --------------------------------------------------------------------------
     bench_configs = SIZES

@@ -25,18 +25,15 @@ files hold it) with that folder as model.single_file_config for the rest.
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 from torch import nn
 
 from dpipe.errors import DataError, ModelLoadError
-from dpipe.models.common.cosmos import (
-    CosmosFamily, CosmosVariant, first_frame_task, read_variant)
+from dpipe.models.common.cosmos import CosmosFamily, Predict2Folder
 from dpipe.models.common.cosmos_layers import cosmos_layers
 from dpipe.models.common.cosmos_names import file_state_dict, from_original, lora_to_comfyui
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.diffusers_folder import read_json, wan_vae_latents
+from dpipe.models.diffusers_folder import wan_vae_latents
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.sync_free import carrier, sizes
@@ -46,7 +43,7 @@ FPS = 16  # Cosmos2VideoToWorldPipeline's default frame rate, which scales the t
 SIGMA_CONDITIONING = 0.0001  # the pipeline's noise level of the given frames
 
 
-class CosmosPredict2Spec(CosmosFamily):
+class CosmosPredict2Spec(Predict2Folder, CosmosFamily):
     family = "cosmos_predict2"
     title, example = "Cosmos-Predict2", "nvidia/Cosmos-Predict2-2B-Text2Image"
     # Both Cosmos2 pipelines encode prompts with the same code.
@@ -71,21 +68,6 @@ class CosmosPredict2Spec(CosmosFamily):
             raise ModelLoadError(f"{self.path / 'transformer' / 'config.json'} sets "
                                  "img_context_dim_in: a Cosmos 2.5 transformer, not supported")
         self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
-
-    @cached_property
-    def variant(self) -> CosmosVariant:
-        def config(name: str) -> dict:
-            return read_json(self.path / name)
-
-        return read_variant(config, config("model_index.json")["_class_name"])
-
-    @cached_property
-    def i2v(self) -> bool:
-        return first_frame_task(self.path, self.variant, self.cfg.i2v)
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.variant.spatial * self.variant.patch[1]
 
     # ---- caching -----------------------------------------------------------------------------
     def encode_images(self, encoders, pixels: torch.Tensor) -> torch.Tensor:

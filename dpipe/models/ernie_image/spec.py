@@ -15,6 +15,7 @@ default objective).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class ErnieImageSpec(DiffusersFamily):
     # The prompt enhancer (an LLM that rewrites prompts) is never run: not loaded.
     unused_parts = ("pe", "pe_tokenizer")
     text_notes = {"layout": "pipeline encode_prompt: hidden_states[-2], zero-padded + length"}
+    image_latents = partial(normalised_patches, patchify=patchify, eps=BN_EPS)
     vae_config_keys = ()
     image_notes = {"latent": "mode, 2x2 patchified, batch-norm normalised (eps 1e-5)"}
     latent_patch = 2
@@ -61,9 +63,6 @@ class ErnieImageSpec(DiffusersFamily):
     layers, block_types = ernie_image_layers, (ErnieImageBlock,)
     sampler = "dpipe.models.ernie_image.sampling:ErnieImageSampling"
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return normalised_patches(encoders.vae, pixels, patchify, BN_EPS)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         # The pipeline truncates at the tokenizer's model_max_length: here max_text_tokens, so

@@ -16,20 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import video_loss, weighted_labels
-from dpipe.errors import DataError
+from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.attention_mask import real_tokens, trim_text_padding
-from dpipe.models.comfyui import to_comfyui
-from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
-from dpipe.models.common.shapes import as_video, frames_ok
+from dpipe.models.common.shapes import causal_clips
 from dpipe.models.diffusers_folder import load_encoders
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily, diffusers_class
-from dpipe.models.hunyuan_video.latents import VideoLatentGrid
+from dpipe.models.family import diffusers_class
+from dpipe.models.hunyuan_video.family import HunyuanVideoFamily
 from dpipe.models.hunyuan_video.layers import HunyuanVideoBlock, hunyuan_video_layers
 from dpipe.models.hunyuan_video.original import from_original, lora_linears, original_state_dict
 from dpipe.models.hunyuan_video.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import load_or_fail
 from dpipe.models.spec import NoisedBatch, joint_attention_train_flops
 
@@ -39,17 +35,13 @@ ENCODING_VERSION = 1
 
 
 
-class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
+class HunyuanVideoSpec(HunyuanVideoFamily):
     family = "hunyuan_video"
     title, example = "HunyuanVideo", "hunyuanvideo-community/HunyuanVideo"
     pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
-    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                      "tokenizer", "tokenizer_2", "scheduler")
-    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"llama": "text_encoder", "clip": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
     text_notes = {"encoding": ENCODING_VERSION}
-    vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
     lora_modules = DUAL_STREAM_LORA_TARGETS
@@ -57,9 +49,11 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     block_count_keys, block_types = ("num_layers", "num_single_layers"), (HunyuanVideoBlock,)
     sampler = "dpipe.models.hunyuan_video.sampling:HunyuanVideoSampling"
     # A single file in the original / ComfyUI layout (original.py); its names both ways.
-    single_file_suffixes = SINGLE_FILE_SUFFIXES
-    gguf_architectures = ("hyvid",)
     from_single_file, to_original = from_original, original_state_dict
+    # The original HunyuanVideo names ComfyUI maps back (as diffusion-pipe's and musubi-tuner's
+    # LoRAs have them), and ComfyUI's own names for the embedder MLPs, whose original names its
+    # loader does not map (`original.lora_module`).
+    comfyui_lora, comfyui_mapping = COMFYUI_LORA, lora_linears
 
     def read_configs(self) -> None:
         # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.
@@ -87,17 +81,10 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
     @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w); images are 1 frame."""
-        video = as_video(pixels)
-        if not frames_ok(video.shape[2], self.temporal_ratio):
-            raise DataError(
-                f"HunyuanVideo's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        video = causal_clips(pixels, self.temporal_ratio, self.title)
         vae = encoders.vae
         latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
         return latents * vae.config.scaling_factor
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -120,17 +107,6 @@ class HunyuanVideoSpec(VideoLatentGrid, DiffusersFamily):
         text, text_mask = trim_text_padding(batch.text["llama"], batch.text["mask"].long())
         inputs = (batch.noisy, batch.timesteps, text, text_mask, batch.text["pooled"], guidance)
         return inputs, weighted_labels(batch)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # Video latents: mask weights broadcast over the channels and frames.
-        return video_loss(self.element_error(outputs, labels[0]), labels)
-
-    # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
-            weights, lora_scale(metadata),
-            comfyui_mapping(self.part_config("transformer"), weights),
-            swapped=FINAL_MODULATION), {"format": "comfyui"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:
@@ -179,10 +155,3 @@ def prompt_template(tokenizer) -> dict[str, Any]:
     prefix = template.split("{}")[0]
     return {"template": template, "crop_start": len(tokenizer(prefix).input_ids)}
 
-
-def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(LoRA module, diffusers modules it stacks, their output sizes) for every original Linear
-    that holds a module with LoRA weights: the original HunyuanVideo names ComfyUI maps back (as
-    diffusion-pipe's and musubi-tuner's LoRAs have them), and ComfyUI's own names for the
-    embedder MLPs, whose original names its loader does not map (`original.lora_module`)."""
-    return lora_linears(config, weights)

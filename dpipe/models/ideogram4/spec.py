@@ -17,6 +17,7 @@ stays the base one, as the pipeline loads LoRAs into `transformer` alone.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -90,6 +91,7 @@ class Ideogram4Spec(DiffusersFamily):
     # enhancer is never run: neither is loaded.
     unused_parts = ("unconditional_transformer", "prompt_enhancer_head")
     text_notes = {"layout": "pipeline encode_prompt: chat template, left-padded, 13 taps + length"}
+    image_latents = partial(normalised_patches, patchify=patchify)
     vae_config_keys = ()
     image_notes = {"latent": "mode, 2x2 patches (row, col, channel), BatchNorm-normalised"}
     latent_patch = 2
@@ -100,9 +102,6 @@ class Ideogram4Spec(DiffusersFamily):
     layers, block_types = ideogram4_layers, (Ideogram4Block,)
     sampler = "dpipe.models.ideogram4.sampling:Ideogram4Sampling"
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return normalised_patches(encoders.vae, pixels, patchify)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         # The text rows of the pipeline's packed conditioning (a 1x1 grid: the image rows are

@@ -21,7 +21,7 @@ from torch import nn
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import diffusers_named
 from dpipe.models.common.latent_packing import pack, packed_labels
-from dpipe.models.diffusers_folder import read_json, wan_vae_latents
+from dpipe.models.diffusers_folder import read_json, wan_vae_image_latents
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
@@ -47,6 +47,7 @@ class Krea2Spec(DiffusersFamily):
     required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                       "scheduler")
     # Normalised per channel with the VAE's statistics (see encode_images).
+    image_latents = wan_vae_image_latents  # a video VAE: one frame
     vae_config_keys = ("latents_mean", "latents_std")
     latent_patch = 2
     tiny_writer = "dpipe.models.krea2.tiny:make_tiny_krea2"
@@ -71,10 +72,6 @@ class Krea2Spec(DiffusersFamily):
         super().read_configs()
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        # A video VAE: one frame.
-        return wan_vae_latents(encoders.vae, pixels[:, :, None])[:, :, 0]
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         # Every prompt encodes to exactly max_text_tokens (the pipeline's fixed-length block),

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import weighted_mean
-from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding, trim_text_padding
 from dpipe.models.comfyui import renamed
 from dpipe.models.frame_modes import takes_first
-from dpipe.models.common.shapes import as_video, frames_ok
+from dpipe.models.common.clips import EncodesClips
+from dpipe.models.common.shapes import causal_clips
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.ltx_video.layers import ltx_layers, rope_scale
@@ -52,7 +52,7 @@ def ltx_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Ten
     return (weight.float() * error).sum() / (trained.float().sum() * target.shape[-1]).clamp(min=1)
 
 
-class LTXVideoSpec(DiffusersFamily):
+class LTXVideoSpec(EncodesClips, DiffusersFamily):
     family = "ltx_video"
     title, example = "LTX-Video", "Lightricks/LTX-Video"
     pipeline_class, denoiser_class = "LTXPipeline", "LTXVideoTransformer3DModel"
@@ -64,6 +64,7 @@ class LTXVideoSpec(DiffusersFamily):
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.ltx_video.tiny:make_tiny_ltx_video"
     lora_modules = LORA_TARGETS
+    error_loss = ltx_loss  # over the denoised tokens only (image-to-video)
     sampler = "dpipe.models.ltx_video.sampling:LTXVideoSampling"
     # The single file users download (original / ComfyUI names), with model.single_file_config.
     single_file_suffixes = SINGLE_FILE_SUFFIXES
@@ -133,20 +134,12 @@ class LTXVideoSpec(DiffusersFamily):
     @torch.no_grad()
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> normalised (B, C, f, h, w) latents."""
-        video = as_video(pixels)
-        if not frames_ok(video.shape[2], self.temporal_ratio):
-            raise DataError(
-                f"the {self.family} VAE takes {self.temporal_ratio}k+1 frames (1, "
-                f"{self.temporal_ratio + 1}, {2 * self.temporal_ratio + 1}, ...); got {video.shape[2]}")
+        video = causal_clips(pixels, self.temporal_ratio, self.title)
         vae = encoders.vae
         latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
         return (latents - mean) * vae.config.scaling_factor / std
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -193,9 +186,6 @@ class LTXVideoSpec(DiffusersFamily):
             per_pixel = mask_weight.view(b, 1, 1, h, w).expand(b, 1, f, h, w)
             weight = weight * pack(per_pixel, p, pt).repeat(1, 1, c)
         return inputs, (target, weight, trained)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return ltx_loss(self.element_error(outputs, labels[0]), labels)
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights: dict[str, torch.Tensor],

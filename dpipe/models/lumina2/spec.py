@@ -15,16 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.models.comfyui import comfy_lora_tensors
 from dpipe.models.common.lumina import LuminaFamily
 from dpipe.models.family import SINGLE_FILE_SUFFIXES
-from dpipe.models.lora_files import LoraFormat
 from dpipe.models.lumina2.comfyui import comfy_lora_pairs, from_native
 from dpipe.models.lumina2.layers import lumina2_layers
 from dpipe.models.lumina2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.refined_joint import refined_joint_train_flops
-
-COMFY_LORA = "comfyui_lora.safetensors"
 
 
 class Lumina2Spec(LuminaFamily):
@@ -41,6 +37,7 @@ class Lumina2Spec(LuminaFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("lumina2",)
     from_single_file = from_native
+    comfy_lora_pairs = comfy_lora_pairs
 
     @property
     def pixel_multiple(self) -> int:
@@ -64,11 +61,6 @@ class Lumina2Spec(LuminaFamily):
             list(prompts), negative_prompt=list(prompts), do_classifier_free_guidance=True,
             device=encoders.vae.device, max_sequence_length=self.cfg.max_text_tokens)
         return {"cap": embeds, "cap_mask": mask.float()}
-
-    # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
-            comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})]
 
     # ---- benchmarks -------------------------------------------------------------------------
     bench_configs, sample_shapes = SIZES, SAMPLE_SHAPES

@@ -33,6 +33,7 @@ from torch import nn
 from dpipe.diffusion.flow_matching import noisy_latents
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.diffusers_folder import load_or_fail, read_json
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.fingerprint import folder_fingerprint
@@ -91,7 +92,7 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
     return diffusers_state_dict(state, model.config)
 
 
-class MiniMaxH3Spec(DiffusersFamily):
+class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
     family = "minimax_h3"
     trains_audio = True
     title, example = "MiniMax H3", REPO
@@ -230,10 +231,6 @@ class MiniMaxH3Spec(DiffusersFamily):
         z_mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
         z_std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
         return (latents - z_mean) / z_std
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import renamed
-from dpipe.models.common.lumina import LuminaFamily
+from dpipe.models.common.lumina import COMFY_LORA, LuminaFamily
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.family import diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
@@ -47,7 +47,6 @@ REFERENCE_IMAGE_WEIGHTS = ("ref_image_patch_embedder.", "ref_image_refiner.",
                            "image_index_embedding")
 # ComfyUI runs OmniGen2 natively (comfy/ldm/omnigen/omnigen2.py) under the reference's module
 # names, and its LoRA loader maps "diffusion_model.<module>" onto them.
-COMFY_LORA = "comfyui_lora.safetensors"
 
 
 @dataclass

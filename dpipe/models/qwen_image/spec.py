@@ -19,7 +19,7 @@ from torch import nn
 from dpipe.models.attention_mask import padding_mask
 from dpipe.models.comfyui import diffusers_named
 from dpipe.models.common.latent_packing import pack, packed_labels
-from dpipe.models.diffusers_folder import wan_vae_latents
+from dpipe.models.diffusers_folder import wan_vae_image_latents
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.qwen_image.layers import (
@@ -49,6 +49,7 @@ class QwenImageSpec(DiffusersFamily):
     required_parts = REQUIRED_PARTS
     text_notes = {
         "layout": "pipeline template, hidden_states[-1], template dropped, zero-padded + length"}
+    image_latents = wan_vae_image_latents  # a video VAE: one frame
     vae_config_keys = ("latents_mean", "latents_std")
     latent_patch = 2
     tiny_writer = "dpipe.models.qwen_image.tiny:make_tiny_qwen_image"
@@ -60,10 +61,6 @@ class QwenImageSpec(DiffusersFamily):
     gguf_architectures = ("qwen_image",)
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        # The VAE is a video VAE: one frame.
-        return wan_vae_latents(encoders.vae, pixels[:, :, None])[:, :, 0]
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = encoders.encode_prompt(

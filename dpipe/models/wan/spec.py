@@ -44,6 +44,7 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models.common.clips import EncodesClips
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
@@ -80,7 +81,7 @@ class WanEncoders:
     image: Any | None  # WanImageToVideoPipeline with the CLIP image encoder (Wan 2.1 i2v)
 
 
-class WanSpec(DiffusersFamily):
+class WanSpec(EncodesClips, DiffusersFamily):
     family = "wan"
     supports_timestep_range = True
     title, example = "Wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
@@ -262,10 +263,6 @@ class WanSpec(DiffusersFamily):
             shown = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if v.flf2v else [])
             parts.append(pack_tokens(self.clip_tokens(encoders.image, shown), latents.shape))
         return torch.cat([p.to(latents.dtype) for p in parts], dim=1)
-
-    def encode_videos(self, encoders: WanEncoders, pixels: torch.Tensor) -> torch.Tensor:
-        """The data pipeline's hook for video models: (B, 3, F, H, W) clips, images as F = 1."""
-        return self.encode_images(encoders, pixels)
 
     @staticmethod
     def _vae_encode(vae, pixels: torch.Tensor) -> torch.Tensor:

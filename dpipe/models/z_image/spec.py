@@ -17,15 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.diffusion.loss import weighted_labels
-from dpipe.models.comfyui import comfy_lora_tensors
+from dpipe.models.common.lumina import LuminaFamily
 from dpipe.models.common.shapes import round_up
-from dpipe.models.diffusers_folder import kl_latents
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
-from dpipe.models.lora_files import LoraFormat
-from dpipe.models.refined_joint import (
-    NOMINAL_IMAGE_TOKENS, layer_forward_flops, refined_joint_train_flops)
+from dpipe.models.family import SINGLE_FILE_SUFFIXES
+from dpipe.models.refined_joint import refined_joint_train_flops
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.comfyui import comfy_lora_pairs, from_native
 from dpipe.models.z_image.layers import SEQ_MULTI_OF, z_image_layers
@@ -40,10 +36,11 @@ LORA_TARGETS = r"(?:layers|noise_refiner|context_refiner)\.\d+\.(?:" + "|".join(
 # Weights that see one token per sample, and the embedder's that see the caption's (layer_costs).
 PER_SAMPLE_WEIGHTS = ("t_embedder", "adaLN_modulation")
 TEXT_WEIGHTS = ("cap_embedder",)
-COMFY_LORA = "comfyui_lora.safetensors"
 
 
-class ZImageSpec(DiffusersFamily):
+class ZImageSpec(LuminaFamily):
+    """Lumina 2's design in its own transformer class: the same refiners, objective (`noise`),
+    stage balancing and ComfyUI LoRA file; its own module names, caption lengths and inputs."""
     family = "z_image"
     title, example = "Z-Image", "Tongyi-MAI/Z-Image-Turbo"
     pipeline_class, denoiser_class = "ZImagePipeline", "ZImageTransformer2DModel"
@@ -62,6 +59,10 @@ class ZImageSpec(DiffusersFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("lumina2",)
     from_single_file = from_native
+    comfy_lora_pairs = comfy_lora_pairs
+    # layer_costs: diffusers pads each stream to a multiple of 32 tokens, attended (layers.py).
+    per_sample_weights, text_weights = PER_SAMPLE_WEIGHTS, TEXT_WEIGHTS
+    text_token_multiple = SEQ_MULTI_OF
 
     @property
     def pixel_multiple(self) -> int:
@@ -70,9 +71,6 @@ class ZImageSpec(DiffusersFamily):
         return super().pixel_multiple * patch
 
     # ---- caching -----------------------------------------------------------------------------
-    def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return kl_latents(encoders.vae, pixels)
-
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = encoders.encode_prompt(
@@ -88,18 +86,6 @@ class ZImageSpec(DiffusersFamily):
         return {"cap": padded, "cap_len": lengths}
 
     # ---- training ----------------------------------------------------------------------------
-    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-        # Z-Image predicts x0 - noise (the pipeline negates its output before stepping).
-        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
-
-    def layer_costs(self, layers) -> list[float]:
-        """Forward FLOPs per layer at a 1024x1024 image and the longest caption
-        (`dpipe.models.refined_joint`): the caption refiners run a block's weights over the
-        caption alone, the timestep embedder and the modulations once per sample."""
-        return layer_forward_flops(layers, NOMINAL_IMAGE_TOKENS,
-                                   round_up(self.cfg.max_text_tokens, SEQ_MULTI_OF),
-                                   per_sample=PER_SAMPLE_WEIGHTS, text_weights=TEXT_WEIGHTS)
-
     def make_inputs(self, batch: NoisedBatch):
         t_model = 1.0 - batch.timesteps  # the pipeline's (1000 - t) / 1000
         cap_len = batch.text["cap_len"].reshape(-1).round().long()
@@ -113,11 +99,6 @@ class ZImageSpec(DiffusersFamily):
         if bool(cap_mask.all()):
             cap_mask = cap_mask[:, :0]  # nothing to mask (attention_mask.has_padding)
         return (batch.noisy, t_model, cap, cap_len, cap_mask), weighted_labels(batch)
-
-    # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFY_LORA, lambda: comfy_lora_tensors(
-            comfy_lora_pairs(weights, metadata["lora_alpha"])), {"format": "pt"})]
 
     # ---- using exported weights ----------------------------------------------------------------
     def denoiser_forward(self, denoiser: nn.Module, inputs) -> torch.Tensor:

@@ -19,21 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.loss import video_loss, weighted_labels
-from dpipe.errors import DataError, ModelLoadError
+from dpipe.diffusion.loss import weighted_labels
+from dpipe.errors import ModelLoadError
 from dpipe.models.adapters import is_adapter_param
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
-from dpipe.models.comfyui import COMFY_PREFIX, to_comfyui
-from dpipe.models.common.key_tables import FINAL_MODULATION
-from dpipe.models.common.shapes import as_video, frames_ok
-from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
+from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.common.shapes import causal_clips
 from dpipe.models.hunyuan_video.hunyuan_video15.layers import IMAGE_TOKENS, hunyuan_video15_layers
 from dpipe.models.hunyuan_video.hunyuan_video15.original import (
-    comfyui_mapping as _comfyui_mapping, file_form, from_original, original_state_dict)
+    comfyui_mapping, file_form, from_original, original_state_dict)
 from dpipe.models.hunyuan_video.hunyuan_video15.sizes import SAMPLE_SHAPES, SIZES
-from dpipe.models.hunyuan_video.latents import VideoLatentGrid
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.hunyuan_video.family import HunyuanVideoFamily
+from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.single_file import export_like_source
 from dpipe.models.spec import NoisedBatch, attention_train_flops
 
@@ -53,18 +51,14 @@ _BLOCK_LINEARS = [
 LORA_TARGETS = r"transformer_blocks\.\d+\.(?:" + "|".join(_BLOCK_LINEARS) + ")"
 
 
-class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
+class HunyuanVideo15Spec(HunyuanVideoFamily):
     family = "hunyuan_video15"
     title, example = "HunyuanVideo 1.5", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v"
     pipeline_class = "HunyuanVideo15Pipeline"
     denoiser_class = "HunyuanVideo15Transformer3DModel"
-    required_parts = ("model_index.json", "transformer", "vae", "text_encoder", "text_encoder_2",
-                      "tokenizer", "tokenizer_2", "scheduler")
-    frozen_parts = ("vae", "text_encoder", "text_encoder_2")
     text_fingerprint = {"qwen": "text_encoder", "byt5": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
     text_notes = {"encoding": ENCODING_VERSION}
-    vae_config_keys = ("scaling_factor",)
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.hunyuan_video15.tiny:make_tiny_hunyuan_video15"
     lora_modules = LORA_TARGETS
@@ -75,9 +69,14 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     # loads with `HunyuanVideo15Transformer3DModel.load_lora_adapter`.
     lora_writer = "HunyuanVideoPipeline"
     # A single file in Tencent's original / ComfyUI layout (original.py).
-    single_file_suffixes = SINGLE_FILE_SUFFIXES
-    gguf_architectures = ("hyvid",)  # ComfyUI-GGUF names both HunyuanVideos so
     from_single_file = from_original
+    # ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo code, whose double blocks are
+    # Flux-style (`img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`,
+    # `img_mod.lin` and the same for `txt_`) and whose other modules are the original ones under
+    # its renames (the token refiner's `self_attn.qkv`, the embedder MLPs' `in_layer` /
+    # `out_layer`); its LoRA loader accepts `diffusion_model.<those names>`. The names come from
+    # the one table of original.py, which also maps the single-file weights.
+    comfyui_lora, comfyui_mapping = COMFYUI_LORA, comfyui_mapping
 
     def read_configs(self) -> None:
         config = self.part_config("transformer")
@@ -100,20 +99,13 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
     def encode_images(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) or (B, 3, F, H, W) in [-1, 1] -> (B, C, f, h, w), scaled as the pipeline
         scales image latents."""
-        video = as_video(pixels)
-        if not frames_ok(video.shape[2], self.temporal_ratio):
-            raise DataError(
-                f"HunyuanVideo 1.5's VAE takes 4k+1 frames (1, 5, 9, ...); got {video.shape[2]}")
+        video = causal_clips(pixels, self.temporal_ratio, self.title)
         vae = encoders.vae
         # One clip at a time: the VAE's mid-block attention mask breaks batches > 1 in diffusers
         # 0.42.1 (a missing unsqueeze; diffusers PR #13133).
         latents = torch.cat([vae.encode(clip[None].to(vae.device, vae.dtype)).latent_dist.mode()
                              for clip in video])
         return latents * vae.config.scaling_factor
-
-    def encode_videos(self, encoders: Any, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, 3, F, H, W) clips (images as F=1) -> latents: the data pipeline's video hook."""
-        return self.encode_images(encoders, pixels)
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -141,17 +133,7 @@ class HunyuanVideo15Spec(VideoLatentGrid, DiffusersFamily):
         inputs = (x, batch.timesteps, text, mask.long(), glyph, glyph_mask.long(), joint)
         return inputs, weighted_labels(batch)
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        # Video latents: mask weights broadcast over the channels and frames.
-        return video_loss(self.element_error(outputs, labels[0]), labels)
-
     # ---- export ------------------------------------------------------------------------------
-    def lora_formats(self, weights, metadata) -> list[LoraFormat]:
-        return [LoraFormat(COMFYUI_LORA, lambda: to_comfyui(
-            weights, lora_scale(metadata),
-            comfyui_mapping(self.part_config("transformer"), weights),
-            swapped=FINAL_MODULATION), {"format": "comfyui"})]
-
     def export_single_file(self, folder: Path, out_dir: Path) -> Path:
         # Back in the form of the source file (Tencent's split one, Comfy-Org's fused one), so
         # the tool that loaded the source loads the fine-tune.
@@ -234,14 +216,3 @@ def template_length(tokenizer, system_message: str) -> int:
     text = text[0] if isinstance(text, list) else text
     return len(tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids)
 
-
-def comfyui_mapping(config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """(ComfyUI module, diffusers modules it stacks, output sizes) of every Linear with a LoRA.
-
-    ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo code, whose double blocks are Flux-style
-    (`img_attn.qkv` (q, k, v fused), `img_attn.proj`, `img_mlp.0` / `.2`, `img_mod.lin` and the
-    same for `txt_`) and whose other modules are the original ones under its renames (the token
-    refiner's `self_attn.qkv`, the embedder MLPs' `in_layer` / `out_layer`); its LoRA loader
-    accepts `diffusion_model.<those names>`. The names come from the one table of original.py,
-    which also maps the single-file weights."""
-    return _comfyui_mapping(config, weights)
