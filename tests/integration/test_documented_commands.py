@@ -14,7 +14,7 @@ and those that differ only in `model=` run as one `-m` sweep over their models (
 exactly its command). A command that reads another's output (`dpipe-lora merge` of a
 `convert`'s folder) runs after it. Each runs through its console script's `main()` in the test
 process (tests/cli.py: the code of the typed command from its arguments on, the workers real
-processes); the Quick start's first command and the SLURM lines start the console script as a
+processes); README's first `dpipe-train` line and the SLURM lines start the console script as a
 process (`as_typed`), the SLURM lines on the session's local SLURM
 (tests/integration/test_slurm.py's `slurm` fixture). Three commands run in tests that check
 more (RUN_BY_TESTS: README's `-m` sweep, the demo, docs/cluster.md's SLURM sweep).
@@ -582,18 +582,18 @@ LOCAL = [i for i in RUN_HERE if not PROCESSES[i].slurm]
 ON_SLURM = [i for i in RUN_HERE if PROCESSES[i].slurm]
 
 
-# The commands that run as a user types them, a process of the console script: the Quick start's
-# first (README's first dpipe-train line) and the SLURM lines (their jobs are processes anyway).
-# The rest call the console script's main() with the same arguments in this process
+# The commands that run as a user types them, a process of the console script: README's first
+# dpipe-train line (its LoRA line, a sweep with the family pages' LoRA lines) and the SLURM lines
+# (their jobs are processes anyway). The rest call the console script's main() with the same arguments in this process
 # (tests/cli.py): the same code from the arguments on, without each process's ~10 s of CPU
 # importing torch, DeepSpeed, diffusers and Hydra twice (the launcher and its fork server).
 # The shell's part is checked here and by tests/integration/test_quick_start.py (`make demo`).
-QUICK_START = next(c.where for c, program, args in documented()
-                   if c.where.startswith("README.md") and program == "dpipe-train")
+FIRST_TRAIN_LINE = next(c.where for c, program, args in documented()
+                        if c.where.startswith("README.md") and program == "dpipe-train")
 
 
 def as_typed(mapped: Mapped) -> bool:
-    return mapped.slurm or QUICK_START in mapped.wheres
+    return mapped.slurm or FIRST_TRAIN_LINE in mapped.wheres
 
 
 def _id(index: int) -> str:
