@@ -166,8 +166,7 @@ class DiffusersFamily(ModelSpec):
     @property
     def loads_stage_weights(self) -> bool:
         """From a diffusers folder or a safetensors single file, plain or quantized (a GGUF
-        is read whole), where the family loads its denoiser the
-        default way. A family with its own `load_denoiser` says so itself: where its own is
+        is read whole), where the family loads its denoiser the default way. A family with its own `load_denoiser` says so itself: where its own is
         for single files only (SDXL), or where it builds its own skeleton (Anima's two
         models)."""
         if type(self).load_denoiser is not DiffusersFamily.load_denoiser:

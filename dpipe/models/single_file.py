@@ -139,6 +139,18 @@ def _header(file: Path) -> dict[str, str] | None:
         return source.metadata()
 
 
+def converted_or_refused(convert: Callable, state: dict[str, torch.Tensor], model, file: Path,
+                         title: str) -> dict[str, torch.Tensor]:
+    """`convert(state, model)`, a family's single-file names -> diffusers'; a file whose names
+    or sizes are another model's is refused, naming the file."""
+    try:
+        return convert(state, model)
+    except (KeyError, RuntimeError, ValueError) as err:
+        raise ModelLoadError(
+            f"{file} is not a {title} checkpoint in the layout dpipe reads "
+            f"(converting its names failed: {err!r})") from None
+
+
 def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.dtype,
                           convert: Callable | None = None, title: str | None = None,
                           gguf_architectures: tuple[str, ...] = (),
@@ -162,12 +174,7 @@ def load_transformer_file(model_cls, config_dir: Path, file: Path, dtype: torch.
     keep_stored = keep_stored and dtype == torch.float32 and bool(tables)
     if convert is not None:
         with_tables = {**state, **tables} if keep_stored else None
-        try:
-            state = convert(state, model)
-        except (KeyError, RuntimeError, ValueError) as err:  # names or sizes of another model
-            raise ModelLoadError(
-                f"{file} is not a {model_cls.__name__} checkpoint in the layout dpipe reads "
-                f"(converting its names failed: {err!r})") from None
+        state = converted_or_refused(convert, state, model, file, model_cls.__name__)
         if keep_stored:
             tables = mapped_tables(convert, with_tables, model, file)
     if gguf:

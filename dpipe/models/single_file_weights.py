@@ -27,12 +27,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from dpipe.errors import ModelLoadError
 from dpipe.models.common.comfy_quant import CONF, StoredForm, stored_form
 from dpipe.models.common.quantized_files import MARKER
 from dpipe.models.safetensors_files import TENSOR_DTYPES, file_header, read_tensors
-from dpipe.models.single_file import (check_names, converter_name, dequantized_state,
-                                      mapped_tables)
+from dpipe.models.single_file import (check_names, converted_or_refused, converter_name,
+                                      dequantized_state, mapped_tables)
 from dpipe.models.stage_weights import DenoiserSkeleton, empty_model, skeleton_of
 
 # The suffixes of safetensors files among single files (Wan's releases use .sft).
@@ -154,12 +153,7 @@ class FileWeights:
     def _converted(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.convert is None:
             return state
-        try:
-            return self.convert(state, self.model)
-        except (KeyError, RuntimeError, ValueError) as err:  # names or sizes of another model
-            raise ModelLoadError(
-                f"{self.file} is not a {self.title} checkpoint in the layout dpipe reads "
-                f"(converting its names failed: {err!r})") from None
+        return converted_or_refused(self.convert, state, self.model, self.file, self.title)
 
     def holds(self, name: str) -> bool:
         return name in self.sources
