@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dpipe.diffusion.loss import image_loss
+from dpipe.models import tiny_stamp
 from dpipe.models.common.gguf_files import GGUF_SUFFIX, with_plain_linears
 from dpipe.models.diffusers_folder import (
     check_folder, kl_latents, load_denoiser, load_encoders, read_json, write_denoiser_folder)
@@ -121,7 +122,7 @@ class DiffusersFamily(ModelSpec):
 
     # ---- the folder ---------------------------------------------------------------------------
     def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
+        if self.cfg.tiny and tiny_stamp.needs_writing(self.path):
             imported(self.tiny_writer)(self.path)
         check_folder(self.path, self.required_parts, self.title, self.example)
         check_single_file(self.single_file)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -23,6 +24,10 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, normalizers, pre_tokenizers
+
+from dpipe.models import tiny_stamp
+
+log = logging.getLogger(__name__)
 
 _COLOURS = ["red", "green", "blue", "yellow", "orange", "purple", "pink", "black", "white", "gray",
             "brown", "cyan", "magenta", "golden", "silver"]
@@ -293,17 +298,30 @@ def write_atomically(target_dir: Path, writer_fn: Callable[[Path], None]) -> Pat
 
 def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], writer: str) -> Path:
     """The tiny model folder at `path`, written by `writer_fn(tmp_dir)` (atomically) unless it is
-    already there, which its `marker` file (model_index.json, ...) tells. A folder with other
-    files and no marker is not overwritten: it is refused, naming `writer` (the function that
-    writes such tiny models)."""
+    already there as this dpipe writes it, which its `marker` file (model_index.json, ...) and
+    its stamp (`tiny_stamp`) tell. A folder that another dpipe wrote is written again; a folder
+    with other files and no marker is not overwritten: it is refused, naming `writer` (the
+    function that writes such tiny models)."""
     path = Path(path)
+    if (path / marker).is_file() and not tiny_stamp.needs_writing(path):
+        return path
     if not (path / marker).is_file():
         if path.is_dir() and any(path.iterdir()):
             raise FileExistsError(
                 f"{path} exists but has no {marker}, so it is not a tiny model written by"
                 f" {writer}; delete it or choose another folder")
-        write_atomically(path, writer_fn)
-    return path
+    else:  # written by another dpipe: set aside, then deleted, and written again below
+        log.info("%s was written by another dpipe version; writing it again", path)
+        aside = path.with_name(f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with contextlib.suppress(FileNotFoundError):  # another process set it aside first
+            os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def write_stamped(tmp: Path) -> None:
+        writer_fn(tmp)
+        tiny_stamp.write_stamp(tmp, writer)
+
+    return write_atomically(path, write_stamped)
 
 
 def write_json(path: Path, obj: object) -> None:

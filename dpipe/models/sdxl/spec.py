@@ -29,6 +29,7 @@ from torch import nn
 
 from dpipe.config.schema import TimestepWeighting
 from dpipe.errors import ConfigError, ModelLoadError
+from dpipe.models import tiny_stamp
 from dpipe.models.common.quantized_files import file_is_quantized
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.fingerprint import file_fingerprint, folder_fingerprint
@@ -105,10 +106,12 @@ class SDXLSpec(DiffusersFamily):
         return read_json(folder / part / name)
 
     def ensure_available(self) -> None:
-        if self.cfg.tiny and not self.path.exists():
+        if self.cfg.tiny:
             from dpipe.models.sdxl.tiny import SINGLE_FILE, make_tiny_sdxl
 
-            make_tiny_sdxl(self.path.parent if self.path.name == SINGLE_FILE else self.path)
+            folder = self.path.parent if self.path.name == SINGLE_FILE else self.path
+            if tiny_stamp.needs_writing(folder):
+                make_tiny_sdxl(folder)
         if not self.path.exists():
             raise ModelLoadError(
                 f"model.path={self.path} does not exist. Give an SDXL model: its diffusers folder "

@@ -44,6 +44,7 @@ from torch import nn
 
 from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.models import tiny_stamp
 from dpipe.models.common.clips import EncodesClips
 from dpipe.models.diffusers_folder import check_folder, read_json
 from dpipe.models.family import DiffusersFamily, imported
@@ -109,7 +110,7 @@ class WanSpec(EncodesClips, DiffusersFamily):
         # The folder's checks name the setting that gives it (model.single_file_config for a
         # single file), and the tiny variant and the trained expert are checked too.
         check_single_file(self.single_file)
-        if self.cfg.tiny and not self.path.exists():
+        if self.cfg.tiny and tiny_stamp.needs_writing(self.path):
             imported(self.tiny_writer)(self.path, self.root_key)
         check_folder(self.path, REQUIRED_PARTS, self.title, self.example, key=self.root_key)
         if self.variant.clip_tokens:  # Wan 2.1 i2v reads the image with CLIP too
