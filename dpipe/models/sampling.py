@@ -74,8 +74,8 @@ class Denoising:
     @property
     def index(self) -> int:
         """The index in `timesteps` of the step being taken, where the scheduler steps (the last
-        stage: `prediction`, `guide`, `step`): the scheduler's step_index, None before its first
-        step."""
+        stage: `prediction`, `guide`, `step`): the scheduler's step_index (None, here 0, before
+        its first step)."""
         return self.scheduler.step_index or 0
 
 
