@@ -140,7 +140,7 @@ def main() -> None:
         for block in [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]:
             block.compile()
     theirs_s, theirs_gib, packed = timed(theirs, args.repeats)
-    from dpipe.models.flux.sampling import unpack
+    from dpipe.models.common.latent_packing import unpack
 
     reference = unpack(packed.float(), results["dpipe sampler"][2]).float()
     weights = sum(p.numel() * p.element_size() for p in denoiser.parameters()) / 2**30

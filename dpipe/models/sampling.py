@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dpipe.models.common.latent_packing import unpack
 from dpipe.models.diffusers_folder import read_json
 
 
@@ -70,6 +71,13 @@ class Denoising:
     control: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)  # what a family keeps between steps
 
+    @property
+    def index(self) -> int:
+        """The index in `timesteps` of the step being taken, where the scheduler steps (the last
+        stage: `prediction`, `guide`, `step`): the scheduler's step_index (None, here 0, before
+        its first step)."""
+        return self.scheduler.step_index or 0
+
 
 class FamilySampling:
     """A family's sampling recipe; `spec` is its ModelSpec."""
@@ -84,6 +92,15 @@ class FamilySampling:
     # The max_shift that the pipeline's calculate_shift call assumes where the scheduler's
     # config has none (SD3's pipeline: 1.16).
     default_max_shift: ClassVar[float] = 1.15
+    # How the pipeline sets its timesteps: "sigmas", sigmas 1 -> 1/steps shifted by the
+    # scheduler (with mu where it shifts by resolution); "to_zero", sigmas linspace(1, 0,
+    # steps + 1) without the last, shifted by the scheduler's fixed shift; "steps",
+    # `num_inference_steps` alone, spaced by the scheduler itself.
+    schedule: ClassVar[str] = "sigmas"
+    # FLUX's 2x2 packing (`dpipe.models.common.latent_packing`): the denoiser's output and the
+    # pipeline's latents are (1, h/2 * w/2, 4C) tokens (the target's first, where reference
+    # tokens follow them), the sampler's latents (1, C, h, w).
+    packed: ClassVar[bool] = False
     # Video families: frames must be `frame_step` * k + 1; `fps` of the written clips.
     video: ClassVar[bool] = False
     frame_step: ClassVar[int] = 4
@@ -188,10 +205,16 @@ class FamilySampling:
         return cls.from_pretrained(self.path, subfolder="scheduler")
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        """The pipeline's timesteps for `steps` steps. Default: sigmas from 1 to 1/steps, shifted
-        by the scheduler's config (with its resolution-dependent shift where it has one)."""
+        """The pipeline's timesteps for `steps` steps, as `schedule` names them."""
         import numpy as np
 
+        if self.schedule == "steps":
+            scheduler.set_timesteps(steps, device=latents.device)
+            return scheduler.timesteps
+        if self.schedule == "to_zero":
+            sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
+            scheduler.set_timesteps(sigmas=sigmas, device=latents.device)
+            return scheduler.timesteps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting"):
@@ -272,8 +295,11 @@ class FamilySampling:
         return y if isinstance(y, torch.Tensor) else y[0]
 
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
-        """The last layer's output -> the prediction in the latents' layout. Default: the
-        output already is."""
+        """The last layer's output -> the prediction in the latents' layout: unpacked (the
+        target's tokens) where `packed`, else the output already is."""
+        if self.packed:
+            h, w = d.latents.shape[-2:]
+            return unpack(output[:, : (h // 2) * (w // 2)].float(), d.latents)
         return output.reshape(d.latents.shape).float()
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
@@ -321,27 +347,72 @@ class FamilySampling:
         raise NotImplementedError(f"{self.spec.family} makes no sound")
 
     # ---- the reference -----------------------------------------------------------------------
+    # The diffusers pipeline that `diffusers_sample` runs, by its class name in diffusers (a
+    # family whose pipeline depends on the folder or the request overrides `reference_class`);
+    # None: no diffusers reference (or a family that runs its own `diffusers_sample`).
+    reference_pipeline: ClassVar[str | None] = None
+
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         """The family's diffusers pipeline, loaded from the model folder with `denoiser` as its
         transformer, run with the request's prompt, seed and size: its final latents in the
         layout of `Denoising.latents` (before decoding)."""
-        raise NotImplementedError(f"{self.spec.family}: no diffusers reference sampler")
+        if self.reference_class(request) is None:
+            raise NotImplementedError(f"{self.spec.family}: no diffusers reference sampler")
+        pipe = self.load_reference(denoiser, request)
+        out = pipe(**self.reference_arguments(pipe, request, steps, guidance))
+        return self.reference_latents(pipe, out.frames if self.video else out.images, request)
+
+    def reference_class(self, request: SampleRequest) -> str | None:
+        return self.reference_pipeline
+
+    def load_reference(self, denoiser, request: SampleRequest):
+        """The reference pipeline from the model folder in float32, `denoiser` as its
+        transformer, with `reference_parts` in place of the folder's."""
+        import diffusers
+
+        cls = getattr(diffusers, self.reference_class(request))
+        parts = {"transformer": denoiser, **self.reference_parts(denoiser, request)}
+        return cls.from_pretrained(self.path, dtype=torch.float32, **parts)
+
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict[str, Any]:
+        """The pipeline's components loaded otherwise than by its `from_pretrained` (and in
+        place of `transformer=denoiser`, where a family names it): none."""
+        return {}
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict[str, Any]:
+        """The pipeline call's arguments as most pipelines take them: the prompt and negative
+        prompt, the size (and a video's frames), steps, guidance_scale and max_sequence_length
+        (the run's `model.max_text_tokens`), the seed's CPU generator, latents out. A family
+        adds, changes or removes what its pipeline takes otherwise."""
+        arguments = dict(
+            prompt=request.prompt, negative_prompt=request.negative_prompt,
+            height=request.height, width=request.width, num_inference_steps=steps,
+            guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
+            generator=torch.Generator().manual_seed(request.seed), output_type="latent")
+        if self.video:
+            arguments["num_frames"] = request.frames
+        return arguments
+
+    @staticmethod
+    def fitted(path, request: SampleRequest):
+        """The image at `path` fitted to the request's size as training fits control images,
+        8-bit RGB: a reference pipeline's image, as dpipe's sampler sees it."""
+        from dpipe.images import fit, open_rgb
+
+        return fit(open_rgb(path), request.width, request.height)
+
+    def reference_latents(self, pipe, latents: torch.Tensor,
+                          request: SampleRequest) -> torch.Tensor:
+        """The pipeline's output latents -> the layout of `Denoising.latents`: the same, unless a
+        family samples in another layout (`packed` latents are unpacked)."""
+        if self.packed:
+            return unpack(latents.float(), torch.empty(1, *self.latent_shape(request)))
+        return latents
 
     def diffusers_media(self, denoiser, request: SampleRequest, steps: int, guidance: float
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
         """For a family that makes sound: its pipeline's decoded sample, as `diffusers_sample`
         runs it: (frames (3, F, H, W) in [0, 1], (waveform (channels, samples), sample rate))."""
         raise NotImplementedError(f"{self.spec.family}: no diffusers reference with sound")
-
-    def pipeline_latents(self, pipeline_cls, denoiser, request: SampleRequest, steps: int,
-                         guidance: float, **kwargs) -> torch.Tensor:
-        """`diffusers_sample` for a pipeline that takes the request as most do: the prompt and
-        negative prompt, the size, steps, guidance_scale and max_sequence_length (the run's
-        `model.max_text_tokens`), the seed's CPU generator; its latents as it returns them."""
-        pipe = pipeline_cls.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent", **kwargs).images

@@ -6,23 +6,12 @@ scaling factor before decoding (no shift). The transformer takes and returns (B,
 
 from __future__ import annotations
 
-import torch
-
-from dpipe.models.sampling import FamilySampling, SampleRequest
+from dpipe.models.sampling import FamilySampling
 
 
 class AuraFlowSampling(FamilySampling):
     decode_shift = False  # the pipeline divides by the VAE's scale alone
     default_steps = 50
     default_guidance = 3.5
-
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        # The pipeline passes num_inference_steps alone (no sigmas, no mu).
-        scheduler.set_timesteps(steps, device=latents.device)
-        return scheduler.timesteps
-
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import AuraFlowPipeline
-
-        return self.pipeline_latents(AuraFlowPipeline, denoiser, request, steps, guidance)
+    schedule = "steps"  # the pipeline passes num_inference_steps alone (no sigmas, no mu)
+    reference_pipeline = "AuraFlowPipeline"

@@ -17,7 +17,7 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """(B, h/2 * w/2, 4C) -> (B, C, h, w) shaped as `like`: the inverse of FLUX's packing."""
     b, c, h, w = like.shape
-    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    x = packed.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c, h, w)
 
 

@@ -27,6 +27,8 @@ class Cosmos1Sampling(FamilySampling):
     default_steps = 36
     default_guidance = 7.0
     scheduler_class = "EDMEulerScheduler"
+    schedule = "steps"
+    reference_pipeline = "CosmosTextToWorldPipeline"
     video = True
     frame_step = 8
     fps = float(FPS)
@@ -43,15 +45,10 @@ class Cosmos1Sampling(FamilySampling):
         return noise * self.new_scheduler().config.sigma_max
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        scheduler.set_timesteps(steps, device=latents.device)
+        timesteps = super().set_timesteps(scheduler, steps, latents)
         # The step is given x0 directly (as the pipeline does): no model-input scaling warning.
         scheduler.is_scale_input_called = True
-        return scheduler.timesteps
-
-    def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
-        d = super().start(request, steps, guidance, text, uncond, control, device)
-        d.state["step"] = 0  # the step's index on the last stage (prediction, step)
-        return d
+        return timesteps
 
     def _precondition(self, d: Denoising, index: int) -> Preconditioning:
         return Preconditioning(d.scheduler.sigmas[index], d.scheduler.config.sigma_data)
@@ -68,7 +65,7 @@ class Cosmos1Sampling(FamilySampling):
 
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         """The transformer's output F -> x0 = c_skip x + c_out F, as the scheduler computes it."""
-        sigma = d.scheduler.sigmas[d.state["step"]]
+        sigma = d.scheduler.sigmas[d.index]
         return d.scheduler.precondition_outputs(d.latents, output.reshape(d.latents.shape), sigma)
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
@@ -77,7 +74,6 @@ class Cosmos1Sampling(FamilySampling):
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
         d.latents = d.scheduler.step(prediction, t, d.latents, return_dict=False,
                                      pred_original_sample=prediction)[0]
-        d.state["step"] += 1
 
     @torch.no_grad()
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
@@ -87,18 +83,16 @@ class Cosmos1Sampling(FamilySampling):
         video = vae.decode(x.to(vae.device, vae.dtype), return_dict=False)[0][0].float()
         return video[:, 0] if video.shape[1] == 1 else video
 
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
+        return {"safety_checker": PromptsPass()}
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        return {**super().reference_arguments(pipe, request, steps, guidance), "fps": FPS}
+
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
-        from diffusers import CosmosTextToWorldPipeline
-
         from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 
-        pipe = CosmosTextToWorldPipeline.from_pretrained(
-            self.path, transformer=denoiser, dtype=torch.float32, safety_checker=PromptsPass())
         with nearest_resize_without_torchvision():
-            return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                        height=request.height, width=request.width, num_frames=request.frames,
-                        num_inference_steps=steps, guidance_scale=guidance, fps=FPS,
-                        max_sequence_length=self.spec.cfg.max_text_tokens,
-                        generator=torch.Generator().manual_seed(request.seed),
-                        output_type="latent").frames
+            return super().diffusers_sample(denoiser, request, steps, guidance)

@@ -86,11 +86,6 @@ class CosmosPredict2Sampling(FamilySampling):
             scheduler.sigmas[-1] = scheduler.sigmas[-2]
         return scheduler.timesteps
 
-    def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
-        d = super().start(request, steps, guidance, text, uncond, control, device)
-        d.state["step"] = 0  # the step's index on the last stage (prediction, step)
-        return d
-
     @staticmethod
     def _time(d: Denoising, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """sigma and t = sigma / (sigma + 1) of step `index`, as the pipelines compute them."""
@@ -118,7 +113,7 @@ class CosmosPredict2Sampling(FamilySampling):
 
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         """The transformer's output -> x0 = c_skip x + c_out F, the given frame replaced."""
-        _, current_t = self._time(d, d.state["step"])
+        _, current_t = self._time(d, d.index)
         x0 = (1 - current_t) * d.latents + (-current_t) * output.reshape(d.latents.shape).float()
         return self._conditioned(x0, d)
 
@@ -126,38 +121,45 @@ class CosmosPredict2Sampling(FamilySampling):
         return cond + d.guidance * (cond - uncond)  # the Cosmos2 pipelines' form
 
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
-        sigma, _ = self._time(d, d.state["step"])
+        sigma, _ = self._time(d, d.index)
         velocity = (d.latents - prediction) / sigma
         d.latents = d.scheduler.step(velocity, t, d.latents, return_dict=False)[0]
-        d.state["step"] += 1
 
     # ---- decoding ----------------------------------------------------------------------------
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         return wan_vae_images(vae, latents)
 
     # ---- the reference -----------------------------------------------------------------------
+    def reference_class(self, request: SampleRequest) -> str:
+        return self.spec.variant.pipeline
+
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
+        return {"safety_checker": PromptsPass()}
+
+    def load_reference(self, denoiser, request: SampleRequest):
+        pipe = super().load_reference(denoiser, request)
+        if self.spec.variant.video2world:
+            _posterior_mean(pipe.vae)
+        return pipe
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        if self.spec.variant.video2world:
+            arguments.update(image=self.fitted(request.control, request), fps=int(self.fps))
+        return arguments
+
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
-        import diffusers
-
         from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
 
-        cls = getattr(diffusers, self.spec.variant.pipeline)
-        pipe = cls.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32,
-                                   safety_checker=PromptsPass())
-        kwargs = dict(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                      height=request.height, width=request.width, num_inference_steps=steps,
-                      guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
-                      generator=torch.Generator().manual_seed(request.seed), output_type="latent")
         with nearest_resize_without_torchvision():
-            if not self.spec.variant.video2world:
-                return pipe(**kwargs).images.unsqueeze(2)  # (1, C, h, w) -> (1, C, 1, h, w)
-            from dpipe.images import fit, open_rgb
+            return super().diffusers_sample(denoiser, request, steps, guidance)
 
-            _posterior_mean(pipe.vae)
-            image = fit(open_rgb(request.control), request.width, request.height)
-            return pipe(image=image, num_frames=request.frames, fps=int(self.fps),
-                        **kwargs).frames
+    def reference_latents(self, pipe, latents: torch.Tensor,
+                          request: SampleRequest) -> torch.Tensor:
+        # Text2Image's (1, C, h, w) -> (1, C, 1, h, w)
+        return latents if self.video else latents.unsqueeze(2)
 
 
 def _posterior_mean(vae) -> None:

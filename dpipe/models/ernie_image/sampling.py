@@ -28,6 +28,7 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
 class ErnieImageSampling(FamilySampling):
     default_steps = 50  # num_inference_steps
     default_guidance = 4.0  # guidance_scale
+    reference_pipeline = "ErnieImagePipeline"
 
     def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
         factor = self.spec.pixel_multiple  # the pipeline's vae_scale_factor
@@ -42,16 +43,15 @@ class ErnieImageSampling(FamilySampling):
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         return decoded_patches(vae, latents, unpatchify, BN_EPS)
 
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import ErnieImagePipeline
-
-        pipe = ErnieImagePipeline.from_pretrained(self.path, transformer=denoiser,
-                                                  dtype=torch.float32)
+    def load_reference(self, denoiser, request: SampleRequest):
+        pipe = super().load_reference(denoiser, request)
         # The pipeline has no max_sequence_length: its tokenizer truncates at model_max_length,
         # set to the run's max_text_tokens as encode_prompts does.
         pipe.tokenizer.model_max_length = self.spec.cfg.max_text_tokens
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent", use_pe=False).images
+        return pipe
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["max_sequence_length"]
+        return {**arguments, "use_pe": False}

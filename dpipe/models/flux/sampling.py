@@ -5,37 +5,19 @@ FLUX.1 Kontext samples edits the same way (`FluxKontextSampling`)."""
 
 from __future__ import annotations
 
-import torch
-
-from dpipe.models.common.latent_packing import unpack
-from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
+from dpipe.models.sampling import FamilySampling, SampleRequest
 
 
 class FluxSampling(FamilySampling):
     default_steps = 28
     default_guidance = 3.5
+    packed = True
+    reference_pipeline = "FluxPipeline"  # its true CFG is off (true_cfg_scale 1)
 
     @property
     def guidance_kind(self) -> str:  # FLUX.1-dev embeds it; schnell takes none
         config = self.spec.part_config("transformer")
         return "embedded" if config.get("guidance_embeds") else "none"
-
-    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
-        return unpack(output.float(), d.latents)
-
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(self.path, transformer=denoiser,
-                                            dtype=torch.float32)
-        packed = pipe(request.prompt, height=request.height, width=request.width,
-                      num_inference_steps=steps, guidance_scale=guidance,
-                      max_sequence_length=self.spec.cfg.max_text_tokens,
-                      generator=torch.Generator().manual_seed(request.seed),
-                      output_type="latent").images
-        like = torch.empty(1, *self.latent_shape(request))
-        return unpack(packed, like)
 
 
 class FluxKontextSampling(FluxSampling):
@@ -54,26 +36,12 @@ class FluxKontextSampling(FluxSampling):
     default_steps = 28
     default_guidance = 3.5  # FluxKontextPipeline's guidance_scale (embedded); true CFG is off
     needs_control = True
+    reference_pipeline = "FluxKontextPipeline"
 
-    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
-        b, c, h, w = d.latents.shape
-        return unpack(output[:, : (h // 2) * (w // 2)].float(), d.latents)
-
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import FluxKontextPipeline
-
-        from dpipe.images import fit, open_rgb
-
-        # The reference image as training and dpipe's sampler see it: fitted to the request's size.
-        image = fit(open_rgb(request.control), request.width, request.height)
-        pipe = FluxKontextPipeline.from_pretrained(self.path, transformer=denoiser,
-                                                   dtype=torch.float32)
-        packed = pipe(image=image, prompt=request.prompt, height=request.height,
-                      width=request.width, num_inference_steps=steps, guidance_scale=guidance,
-                      max_sequence_length=self.spec.cfg.max_text_tokens,
-                      generator=torch.Generator().manual_seed(request.seed),
-                      max_area=request.width * request.height, _auto_resize=False,
-                      output_type="latent").images
-        like = torch.empty(1, *self.latent_shape(request))
-        return unpack(packed, like)
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        # The reference image as training and dpipe's sampler see it: fitted to the request's
+        # size.
+        return {**super().reference_arguments(pipe, request, steps, guidance),
+                "image": self.fitted(request.control, request), "_auto_resize": False,
+                "max_area": request.width * request.height}

@@ -45,6 +45,9 @@ class Flux2Sampling(FamilySampling):
     def pipeline_name(self) -> str:
         return read_json(self.path / "model_index.json")["_class_name"]
 
+    def reference_class(self, request: SampleRequest) -> str:
+        return self.pipeline_name
+
     @property
     def guidance_kind(self) -> str:
         if self.pipeline_name == "Flux2KleinPipeline":
@@ -96,34 +99,35 @@ class Flux2Sampling(FamilySampling):
         return decoded_patches(vae, latents, Flux2Pipeline._unpatchify_latents)
 
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        import diffusers
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
+        # The tokenizer alone, as `Flux2Spec.load_encoders` loads it (`load_reference`):
+        # FLUX.2-dev names a PixtralProcessor, which needs torchvision to build and of which
+        # only the text tokenizer is used.
+        return {"tokenizer": None}
+
+    def load_reference(self, denoiser, request: SampleRequest):
         from transformers import AutoTokenizer
 
-        # The tokenizer alone, as `Flux2Spec.load_encoders` loads it: FLUX.2-dev names a
-        # PixtralProcessor, which needs torchvision to build and of which only the text
-        # tokenizer is used.
-        pipe = getattr(diffusers, self.pipeline_name).from_pretrained(
-            self.path, transformer=denoiser, dtype=torch.float32, tokenizer=None)
+        pipe = super().load_reference(denoiser, request)
         pipe.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-        kwargs = {}
-        if request.control is not None:  # an edit: the reference images fitted to the size
-            from dpipe.images import fit, open_rgb
+        return pipe
 
-            kwargs["image"] = [fit(open_rgb(path), request.width, request.height)
-                               for path in request.controls]
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["negative_prompt"]
+        if request.control is not None:  # an edit: the reference images fitted to the size
+            arguments["image"] = [self.fitted(path, request) for path in request.controls]
         if self.guidance_kind == "cfg" and guidance > 1:
             # Klein takes no negative prompt text (it encodes ""): give it the request's, encoded
             # by the pipeline's own encoder.
-            kwargs["negative_prompt_embeds"] = pipe.encode_prompt(
+            arguments["negative_prompt_embeds"] = pipe.encode_prompt(
                 request.negative_prompt, device=pipe._execution_device,
                 max_sequence_length=self.spec.cfg.max_text_tokens)[0]
-        packed = pipe(prompt=request.prompt, height=request.height, width=request.width,
-                      num_inference_steps=steps, guidance_scale=guidance,
-                      max_sequence_length=self.spec.cfg.max_text_tokens,
-                      generator=torch.Generator().manual_seed(request.seed),
-                      output_type="latent", **kwargs).images
+        return arguments
+
+    def reference_latents(self, pipe, packed: torch.Tensor,
+                          request: SampleRequest) -> torch.Tensor:
         if packed.ndim == 4:
             # Flux2KleinPipeline's "latent" output is the VAE's: BatchNorm statistics undone and
             # unpatchified. Back to the sampler's layout, as `_encode_vae_image` does it.

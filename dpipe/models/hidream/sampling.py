@@ -9,7 +9,7 @@ decodes latents / scaling + shift.
 One difference, on purpose: the pipeline rescales every requested size to the area of
 `default_sample_size * vae_scale_factor` squared (1024x1024 for the real model; 512x512 for the
 tiny one) before it draws the noise, keeping only the aspect ratio. dpipe samples at the size
-asked for (its samples show the training resolution), so `diffusers_sample` sets the pipeline's
+asked for (its samples show the training resolution), so `load_reference` sets the pipeline's
 `default_sample_size` to the requested area, which makes that rescale the identity: with it, the
 pipeline draws the same noise and runs the same loop as dpipe. At the pipeline's own area
 (1024x1024 for HiDream-I1) the two are equal without that change.
@@ -35,6 +35,7 @@ def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: in
 class HiDreamSampling(FamilySampling):
     default_steps = 50
     default_guidance = 5.0
+    reference_pipeline = "HiDreamImagePipeline"
 
     @property
     def scheduler_class(self) -> str:  # Full ships UniPC, Dev and Fast FlowMatch Euler
@@ -63,22 +64,17 @@ class HiDreamSampling(FamilySampling):
         return -output.reshape(d.latents.shape).float()  # the pipeline's `noise_pred = -noise_pred`
 
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import HiDreamImagePipeline
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
         from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-        llama = {"tokenizer_4": PreTrainedTokenizerFast.from_pretrained(self.path / "tokenizer_4"),
-                 "text_encoder_4": LlamaForCausalLM.from_pretrained(
-                     self.path / "text_encoder_4", dtype=torch.float32)}
-        pipe = HiDreamImagePipeline.from_pretrained(self.path, transformer=denoiser,
-                                                    dtype=torch.float32, **llama)
+        return {"tokenizer_4": PreTrainedTokenizerFast.from_pretrained(self.path / "tokenizer_4"),
+                "text_encoder_4": LlamaForCausalLM.from_pretrained(
+                    self.path / "text_encoder_4", dtype=torch.float32)}
+
+    def load_reference(self, denoiser, request: SampleRequest):
+        pipe = super().load_reference(denoiser, request)
         pipe.default_sample_size = self._identity_sample_size(pipe, request)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, max_sequence_length=self.spec.cfg.max_text_tokens,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").images
+        return pipe
 
     @staticmethod
     def _identity_sample_size(pipe, request: SampleRequest) -> float:

@@ -35,6 +35,8 @@ DISTILLED_GUIDANCE = 3.25  # HunyuanImagePipeline.__call__'s distilled_guidance_
 class HunyuanImageSampling(FamilySampling):
     decode_shift = False  # the pipeline divides by the VAE's scale alone
     default_steps = 50  # HunyuanImagePipeline.__call__ (the distilled model's card uses 8)
+    schedule = "to_zero"
+    reference_pipeline = "HunyuanImagePipeline"
 
     # ---- the model folder ----------------------------------------------------------------------
     def _transformer(self) -> dict:
@@ -114,19 +116,13 @@ class HunyuanImageSampling(FamilySampling):
         return (int(self._transformer()["in_channels"]), request.height // factor,
                 request.width // factor)
 
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        import numpy as np
-
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=latents.device)
-        return scheduler.timesteps
-
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
         guider = self._choose_guider(text, guidance)
         # The negative prompt where the chosen guider combines it (with no negative prompt at
         # hand, the conditional prediction alone).
         d.uncond = uncond if uncond is not None and self._guider_on(guider) else None
-        d.state.update(guider=guider, step=0)
+        d.state["guider"] = guider
         return d
 
     # ---- one step ------------------------------------------------------------------------------
@@ -143,30 +139,19 @@ class HunyuanImageSampling(FamilySampling):
         """The pipeline's guider combines the predictions: CFG (and its momentum) before
         `adaptive_projected_guidance_start_step`, APG after; the conditional prediction alone
         at steps outside its start/stop."""
-        guider, i = d.state["guider"], d.state["step"]
+        guider, i = d.state["guider"], d.index
         guider.set_state(step=i, num_inference_steps=len(d.timesteps), timestep=d.timesteps[i])
         guider.prepare_inputs({})  # at step 0 a fresh momentum buffer, as in the pipeline
         return guider.forward(cond, uncond if guider.num_conditions > 1 else None).pred
 
-    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
-        d.state["step"] += 1  # the guider's step count (the last stage's; `guide` runs there)
-        super().step(d, t, prediction)
-
     # ---- the reference -------------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import HunyuanImagePipeline
-
-        pipe = HunyuanImagePipeline.from_pretrained(self.path, transformer=denoiser,
-                                                    dtype=torch.float32)
-        kwargs = {}
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["guidance_scale"], arguments["max_sequence_length"]
         if self.guidance_kind == "embedded":
-            kwargs["distilled_guidance_scale"] = float(guidance)
-        else:  # the pipeline takes no scale: it is the guiders'
-            for name in ("guider", "ocr_guider"):
-                if getattr(pipe, name, None) is not None:
-                    setattr(pipe, name, getattr(pipe, name).new(guidance_scale=float(guidance)))
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent", **kwargs).images
+            return {**arguments, "distilled_guidance_scale": float(guidance)}
+        for name in ("guider", "ocr_guider"):  # the pipeline takes no scale: it is the guiders'
+            if getattr(pipe, name, None) is not None:
+                setattr(pipe, name, getattr(pipe, name).new(guidance_scale=float(guidance)))
+        return arguments

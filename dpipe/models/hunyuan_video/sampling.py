@@ -9,8 +9,6 @@ model's native rate, as Tencent's sample script writes them; diffusers' example 
 
 from __future__ import annotations
 
-import torch
-
 from dpipe.models.diffusers_folder import read_json
 from dpipe.models.hunyuan_video.spec import prompt_template
 from dpipe.models.sampling import FamilySampling, SampleRequest
@@ -22,6 +20,8 @@ class HunyuanVideoSampling(FamilySampling):
     default_guidance = 6.0
     video = True
     fps = 24.0
+    schedule = "to_zero"
+    reference_pipeline = "HunyuanVideoPipeline"  # its true CFG is off (true_cfg_scale 1)
 
     @property
     def guidance_kind(self) -> str:  # the released model embeds it; a model without takes none
@@ -43,29 +43,17 @@ class HunyuanVideoSampling(FamilySampling):
         return (self.latent_channels(), (request.frames - 1) // t + 1,
                 request.height // s, request.width // s)
 
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        import numpy as np
-
-        sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
-        scheduler.set_timesteps(sigmas=sigmas, device=latents.device)
-        return scheduler.timesteps
-
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import HunyuanVideoPipeline
-
+    # The tokenizer as dpipe loads it (transformers 5 would drop its byte-level pre-tokenizer:
+    # tokenizers.py), and the template cropped where the prompt starts with that tokenizer (the
+    # pipeline's default 95 is the real Llama-3 tokenizer's count).
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
         from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
-        # The tokenizer as dpipe loads it (transformers 5 would drop its byte-level
-        # pre-tokenizer: tokenizers.py), and the template cropped where the prompt starts with
-        # that tokenizer (the pipeline's default 95 is the real Llama-3 tokenizer's count).
-        tokenizer = load_byte_level_tokenizer(self.path / "tokenizer", padding_side="right")
-        pipe = HunyuanVideoPipeline.from_pretrained(self.path, transformer=denoiser,
-                                                    tokenizer=tokenizer, dtype=torch.float32)
-        return pipe(request.prompt, height=request.height, width=request.width,
-                    num_frames=request.frames, num_inference_steps=steps,
-                    guidance_scale=guidance, prompt_template=prompt_template(tokenizer),
-                    max_sequence_length=self.spec.cfg.max_text_tokens,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").frames
+        return {"tokenizer": load_byte_level_tokenizer(self.path / "tokenizer",
+                                                       padding_side="right")}
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        return {**super().reference_arguments(pipe, request, steps, guidance),
+                "prompt_template": prompt_template(pipe.tokenizer)}

@@ -27,6 +27,7 @@ from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 class Ideogram4Sampling(FamilySampling):
     default_steps = 48  # num_inference_steps
     default_guidance = 7.0  # the recommended schedule's value for all but the last 3 steps
+    reference_pipeline = "Ideogram4Pipeline"
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -114,16 +115,12 @@ class Ideogram4Sampling(FamilySampling):
         return decoded_patches(vae, latents, unpatchify)
 
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import Ideogram4Pipeline
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["negative_prompt"]  # the unconditional model takes none
+        return {**arguments, "guidance_schedule": None}
 
-        pipe = Ideogram4Pipeline.from_pretrained(self.path, transformer=denoiser,
-                                                 dtype=torch.float32)
-        out = pipe(request.prompt, height=request.height, width=request.width,
-                   num_inference_steps=steps, guidance_scale=guidance, guidance_schedule=None,
-                   max_sequence_length=self.spec.cfg.max_text_tokens,
-                   generator=torch.Generator().manual_seed(request.seed),
-                   output_type="latent").images
-        c, h, w = self.latent_shape(request)
-        return from_tokens(out.float(), h, w)
+    def reference_latents(self, pipe, latents: torch.Tensor,
+                          request: SampleRequest) -> torch.Tensor:
+        return from_tokens(latents.float(), *self.latent_shape(request)[1:])

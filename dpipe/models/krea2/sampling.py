@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.common.latent_packing import unpack
 from dpipe.models.diffusers_folder import read_json, wan_vae_decoded
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 
@@ -24,6 +23,8 @@ DISTILLED_MU = 1.15  # Krea2Pipeline's fixed shift for is_distilled checkpoints
 class Krea2Sampling(FamilySampling):
     default_steps = 28  # num_inference_steps
     default_guidance = 4.5  # guidance_scale
+    packed = True
+    reference_pipeline = "Krea2Pipeline"
 
     def uses_uncond(self, guidance: float) -> bool:
         return guidance > 0  # the pipeline's do_classifier_free_guidance
@@ -49,17 +50,6 @@ class Krea2Sampling(FamilySampling):
         m = (top - base) / (max_len - base_len)
         return self.image_tokens(latents) * m + base - m * base_len
 
-    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
-        return unpack(output.float(), d.latents)
-
     # ---- decoding ----------------------------------------------------------------------------
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         return wan_vae_decoded(vae, latents[:, :, None])[:, 0]  # a video VAE: one frame
-
-    # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import Krea2Pipeline
-
-        packed = self.pipeline_latents(Krea2Pipeline, denoiser, request, steps, guidance)
-        return unpack(packed.float(), torch.empty(1, *self.latent_shape(request)))

@@ -28,10 +28,10 @@ LTX-Video, whose VAEs have scaling_factor 1.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from dpipe.models.diffusers_folder import read_json
 from dpipe.models.frame_modes import FIRST, NONE
 from dpipe.models.ltx_video.packing import unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
@@ -40,7 +40,10 @@ from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 class FirstFrameSampling(FamilySampling):
     """What LTX-Video and LTX-2 sample alike: latent frames of `temporal_ratio` frames, and
     image-to-video from a first frame (`control` or `first_frame`) with any checkpoint (their
-    image-to-video pipelines take the text-to-video weights), which a model.i2v run needs."""
+    image-to-video pipelines take the text-to-video weights), which a model.i2v run needs; the
+    latents (C, F', h, w), C the transformer's in_channels, and their decode."""
+
+    video = True
 
     @property
     def frame_step(self) -> int:
@@ -52,16 +55,46 @@ class FirstFrameSampling(FamilySampling):
 
     takes_control = True
 
+    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
+        spatial, temporal = self.spec._ratios()
+        channels = self.spec.part_config("transformer")["in_channels"]
+        return (channels, (request.frames - 1) // temporal + 1, request.height // spatial,
+                request.width // spatial)
+
+    @torch.no_grad()
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Un-normalised (x * latents_std / scaling_factor + latents_mean) and decoded at
+        decode_timestep 0 where the VAE is timestep-conditioned (the pipelines' default: its
+        noise scale defaults to that timestep, so no noise is mixed in)."""
+        x = latents.to(vae.device, torch.float32)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
+        x = (x * std / vae.config.scaling_factor + mean).to(vae.dtype)
+        timestep = (torch.zeros(1, device=x.device, dtype=x.dtype)
+                    if vae.config.timestep_conditioning else None)
+        video = vae.decode(x, timestep, return_dict=False)[0][0].float()
+        return video[:, 0] if video.shape[1] == 1 else video
+
     @staticmethod
     def image_to_video(request: SampleRequest) -> bool:
         return request.control is not None
+
+    @staticmethod
+    def loaded_image(path: str, request: SampleRequest):
+        """The image at `path` fitted to the request's size as dpipe loads it (its 8-bit RGB
+        from `load_image`'s pixels): a reference pipeline's conditioning image."""
+        from PIL import Image
+
+        from dpipe.images import load_image
+
+        pixels = load_image(Path(path), request.width, request.height)
+        pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
+        return Image.fromarray(pixels.numpy())
 
 
 class LTXVideoSampling(FirstFrameSampling):
     default_steps = 50
     default_guidance = 3.0
-    video = True
-    decode_timestep = 0.0  # LTXPipeline's default (decode_noise_scale defaults to it)
 
     @property
     def fps(self) -> float:  # the pipeline's frame_rate (25): it scales the rotary positions
@@ -72,12 +105,6 @@ class LTXVideoSampling(FirstFrameSampling):
         return replace(super().batch(d, t, text), frame_mode=torch.tensor([mode]))
 
     # ---- latents -----------------------------------------------------------------------------
-    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
-        spatial, temporal = self.spec._ratios()
-        channels = read_json(self.path / "transformer" / "config.json")["in_channels"]
-        return (channels, (request.frames - 1) // temporal + 1,
-                request.height // spatial, request.width // spatial)
-
     def image_tokens(self, latents: torch.Tensor) -> int:
         """The pipeline's video_sequence_length: latent frames x height x width (unpatched)."""
         return latents.shape[-3] * latents.shape[-2] * latents.shape[-1]
@@ -112,45 +139,20 @@ class LTXVideoSampling(FirstFrameSampling):
         later = d.scheduler.step(prediction[:, :, 1:], t, d.latents[:, :, 1:], return_dict=False)[0]
         d.latents = torch.cat([d.latents[:, :, :1], later], dim=2)
 
-    # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        c = vae.config
-        x = latents.to(vae.device, torch.float32)
-        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
-        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
-        x = (x * std / c.scaling_factor + mean).to(vae.dtype)
-        timestep = None
-        if c.timestep_conditioning:  # noise scale = decode_timestep = 0: no noise mixed in
-            timestep = torch.tensor([self.decode_timestep], device=vae.device, dtype=vae.dtype)
-        return vae.decode(x, timestep, return_dict=False)[0][0].float()
-
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        import diffusers
+    def reference_class(self, request: SampleRequest) -> str:
+        return "LTXImageToVideoPipeline" if self.image_to_video(request) else "LTXPipeline"
 
-        cls = "LTXImageToVideoPipeline" if self.image_to_video(request) else "LTXPipeline"
-        pipe = getattr(diffusers, cls).from_pretrained(self.path, transformer=denoiser,
-                                                       dtype=torch.float32)
-        image = {}
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = {**super().reference_arguments(pipe, request, steps, guidance),
+                     "frame_rate": self.fps}
         if self.image_to_video(request):
-            from pathlib import Path
+            arguments["image"] = self.loaded_image(request.control, request)
+        return arguments
 
-            from PIL import Image
-
-            from dpipe.images import load_image
-
-            # The control image fitted to the request's size as dpipe loads it.
-            pixels = load_image(Path(request.control), request.width, request.height)
-            pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
-            image = {"image": Image.fromarray(pixels.numpy())}
-        packed = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                      height=request.height, width=request.width, num_frames=request.frames,
-                      frame_rate=self.fps, num_inference_steps=steps, guidance_scale=guidance,
-                      max_sequence_length=self.spec.cfg.max_text_tokens,
-                      generator=torch.Generator().manual_seed(request.seed),
-                      output_type="latent", **image).frames
+    def reference_latents(self, pipe, packed: torch.Tensor,
+                          request: SampleRequest) -> torch.Tensor:
         p, pt = self.spec._patches
         _, f, h, w = self.latent_shape(request)
         return unpack(packed, (f // pt, h // p, w // p), p, pt)

@@ -29,6 +29,7 @@ VAE_FACTOR = 8  # Lumina2Pipeline.vae_scale_factor, whatever the VAE
 class Lumina2Sampling(FamilySampling):
     default_steps = 30  # Lumina2Pipeline.__call__'s num_inference_steps
     default_guidance = 4.0  # its guidance_scale
+    reference_pipeline = "Lumina2Pipeline"
     # Lumina2Pipeline.__call__'s defaults.
     cfg_trunc_ratio: float = 1.0
     cfg_normalization: bool = True
@@ -42,20 +43,12 @@ class Lumina2Sampling(FamilySampling):
     def image_tokens(self, latents: torch.Tensor) -> int:
         return int(latents.shape[1])  # the pipeline's image_seq_len = latents.shape[1]
 
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        import numpy as np
-
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device=latents.device,
-                                mu=self.shift_mu(scheduler, latents))
-        return scheduler.timesteps
-
     # ---- one step ------------------------------------------------------------------------------
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         return -output.reshape(d.latents.shape).float()  # the pipeline steps with -output
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
-        i = d.scheduler.step_index or 0  # None before the first step
-        if (i + 1) / len(d.timesteps) > self.cfg_trunc_ratio:
+        if (d.index + 1) / len(d.timesteps) > self.cfg_trunc_ratio:
             return cond  # classifier-free truncation: the pipeline runs no negative prompt here
         pred = uncond + d.guidance * (cond - uncond)
         if self.cfg_normalization:  # on -output: the same numbers, negated
@@ -64,17 +57,8 @@ class Lumina2Sampling(FamilySampling):
         return pred
 
     # ---- the reference -------------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import Lumina2Pipeline
-
-        pipe = Lumina2Pipeline.from_pretrained(self.path, transformer=denoiser,
-                                               dtype=torch.float32)
-        n = self.spec.cfg.max_text_tokens
-        return pipe(height=request.height, width=request.width,
-                    num_inference_steps=steps, guidance_scale=guidance,
-                    cfg_trunc_ratio=self.cfg_trunc_ratio,
-                    cfg_normalization=self.cfg_normalization,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    max_sequence_length=n, output_type="latent", prompt=request.prompt,
-                    negative_prompt=request.negative_prompt).images
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        return {**super().reference_arguments(pipe, request, steps, guidance),
+                "cfg_trunc_ratio": self.cfg_trunc_ratio,
+                "cfg_normalization": self.cfg_normalization}

@@ -35,27 +35,18 @@ from __future__ import annotations
 import torch
 
 from dpipe.models.diffusers_folder import wan_vae_decoded
-from dpipe.models.common.latent_packing import pack
+from dpipe.models.common.latent_packing import pack, unpack
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
-
-
-def unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B, h/2 * w/2, 4C) -> (B, C, h, w) shaped as `like`: the pipelines' `_unpack_latents`
-    (without their frame axis)."""
-    b, c, h, w = like.shape
-    x = packed.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
 
 
 class QwenImageSampling(FamilySampling):
     default_steps = 50  # num_inference_steps
     default_guidance = 4.0  # true_cfg_scale; on only with a negative prompt (see the module doc)
     guidance_kind = "cfg"
+    packed = True  # the pipelines' `_unpack_latents` without their frame axis
 
-    def pipeline_class(self):
-        import diffusers
-
-        return getattr(diffusers, self.spec.pipeline_class)
+    def reference_class(self, request: SampleRequest) -> str:
+        return self.spec.pipeline_class
 
     # ---- guidance: the pipeline's rule -----------------------------------------------------------
     @staticmethod
@@ -86,9 +77,6 @@ class QwenImageSampling(FamilySampling):
                 2 * (request.width // (f * 2)))
 
     # ---- one step ----------------------------------------------------------------------------
-    def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
-        return unpack(output.float(), d.latents)
-
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
         cond, uncond = pack(cond), pack(uncond)
         comb = uncond + d.guidance * (cond - uncond)
@@ -101,26 +89,12 @@ class QwenImageSampling(FamilySampling):
         return wan_vae_decoded(vae, latents[:, :, None])[:, 0]  # a video VAE: one frame
 
     # ---- the reference -----------------------------------------------------------------------
-    def load_pipeline(self, denoiser):
-        return self.pipeline_class().from_pretrained(self.path, transformer=denoiser,
-                                                     dtype=torch.float32, **self.loaded_parts())
-
-    def loaded_parts(self) -> dict:
-        """The pipeline's parts loaded otherwise than by its `from_pretrained`: none."""
-        return {}
-
-    def pipeline_kwargs(self, request: SampleRequest) -> dict:
-        return {"max_sequence_length": self.spec.cfg.max_text_tokens}
-
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        pipe = self.load_pipeline(denoiser)
-        packed = pipe(prompt=request.prompt, negative_prompt=self.negative_prompt(request),
-                      true_cfg_scale=guidance, height=request.height, width=request.width,
-                      num_inference_steps=steps,
-                      generator=torch.Generator().manual_seed(request.seed),
-                      output_type="latent", **self.pipeline_kwargs(request)).images
-        return unpack(packed.float(), torch.empty(1, *self.latent_shape(request)))
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["guidance_scale"]  # the distilled models' input: the scale is true CFG's
+        return {**arguments, "negative_prompt": self.negative_prompt(request),
+                "true_cfg_scale": guidance}
 
 
 class QwenImageEditSampling(QwenImageSampling):
@@ -128,7 +102,7 @@ class QwenImageEditSampling(QwenImageSampling):
 
     needs_control = True
 
-    def loaded_parts(self) -> dict:
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
         # The processor as the spec loads it (Qwen2VLProcessor needs torchvision for its video
         # half; `load_processor` falls back to its image + text part).
         from dpipe.models.qwen_image.edit import load_processor
@@ -148,11 +122,14 @@ class QwenImageEditSampling(QwenImageSampling):
 
         return fit(open_rgb(request.control), *self.control_size(request))
 
-    def pipeline_kwargs(self, request: SampleRequest) -> dict:
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
         # The edit pipeline cuts nothing with max_sequence_length (and refuses > 1024): the
         # image's vision tokens and the instruction are all kept, as encode_prompts_with_controls
         # keeps them.
-        return {"image": self.control_image(request)}
+        del arguments["max_sequence_length"]
+        return {**arguments, "image": self.control_image(request)}
 
 
 class QwenImageEditPlusSampling(QwenImageEditSampling):

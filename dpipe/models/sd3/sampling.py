@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from dpipe.models.sampling import FamilySampling, SampleRequest
+from dpipe.models.sampling import FamilySampling
 
 
 class SD3Sampling(FamilySampling):
     default_steps = 28
     default_guidance = 7.0
     default_max_shift = 1.16  # the pipeline's calculate_shift call's (FLUX's is 1.15)
+    reference_pipeline = "StableDiffusion3Pipeline"
 
     def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
         # The pipeline passes num_inference_steps and no sigmas: the scheduler spaces the
@@ -29,9 +30,3 @@ class SD3Sampling(FamilySampling):
     def image_tokens(self, latents: torch.Tensor) -> int:
         patch = int(self.spec.part_config("transformer").get("patch_size", 2))
         return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
-
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import StableDiffusion3Pipeline
-
-        return self.pipeline_latents(StableDiffusion3Pipeline, denoiser, request, steps, guidance)

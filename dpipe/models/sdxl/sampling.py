@@ -40,6 +40,9 @@ SDXL_VAE = {"latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
 class SDXLSampling(FamilySampling):
     default_steps = 50
     default_guidance = 5.0
+    # The pipeline passes num_inference_steps alone: the config's timestep spacing applies.
+    schedule = "steps"
+    reference_pipeline = "StableDiffusionXLPipeline"  # as the spec builds it (`load_reference`)
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -73,11 +76,6 @@ class SDXLSampling(FamilySampling):
             config = self.spec._pipeline_scheduler_config()
         _, prediction = self.spec._objective()  # model.prediction_type, or the checkpoint's
         return cls.from_config(config, prediction_type=prediction)
-
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        # The pipeline passes num_inference_steps alone: the config's timestep spacing applies.
-        scheduler.set_timesteps(steps, device=latents.device)
-        return scheduler.timesteps
 
     def start(self, request: SampleRequest, steps: int, guidance: float,
               text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None,
@@ -164,10 +162,11 @@ class SDXLSampling(FamilySampling):
         return vae.decode(x, return_dict=False)[0][0].float()
 
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        pipe = self.spec._pipeline(torch.float32, unet=denoiser, scheduler=self.new_scheduler())
-        return pipe(request.prompt, negative_prompt=request.negative_prompt or None,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").images
+    def load_reference(self, denoiser, request: SampleRequest):
+        return self.spec._pipeline(torch.float32, unet=denoiser, scheduler=self.new_scheduler())
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["max_sequence_length"]
+        return {**arguments, "negative_prompt": request.negative_prompt or None}

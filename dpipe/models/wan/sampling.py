@@ -54,6 +54,7 @@ class WanSampling(FamilySampling):
     default_steps = 50  # WanPipeline / WanImageToVideoPipeline defaults
     default_guidance = 5.0
     scheduler_class = "UniPCMultistepScheduler"
+    schedule = "steps"  # as the pipelines call set_timesteps
     video = True
 
     def __init__(self, spec):
@@ -117,10 +118,6 @@ class WanSampling(FamilySampling):
         v = self.variant
         return (v.z_dim, (request.frames - 1) // v.temporal + 1, request.height // v.spatial,
                 request.width // v.spatial)
-
-    def set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> torch.Tensor:
-        scheduler.set_timesteps(steps, device=latents.device)  # as the pipelines call it
-        return scheduler.timesteps
 
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
@@ -279,39 +276,36 @@ class WanSampling(FamilySampling):
         return wan_vae_decoded(vae, latents)
 
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
+    def image_to_video(self, request: SampleRequest) -> bool:
+        """Whether the reference is WanImageToVideoPipeline: an i2v checkpoint, or TI2V-5B given
+        a first frame of a clip."""
+        return self.variant.concat_condition or (
+            self.takes_control and request.control is not None and request.frames > 1)
+
+    def reference_class(self, request: SampleRequest) -> str:
+        return "WanImageToVideoPipeline" if self.image_to_video(request) else "WanPipeline"
+
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
         import diffusers
 
-        v = self.variant
-        image_to_video = v.concat_condition or (self.takes_control and request.control is not None
-                                                and request.frames > 1)
-        cls = diffusers.WanImageToVideoPipeline if image_to_video else diffusers.WanPipeline
-        components = {}
-        if v.boundary is None:
-            components["transformer"] = denoiser
-        else:
-            components[self.spec.expert] = denoiser
+        parts = {}
+        if self.variant.boundary is not None:
+            parts[self.spec.expert] = denoiser
             other = self.other_expert
             if other is None:  # the trained expert alone, at every step
-                components.update(transformer=denoiser, transformer_2=None, boundary_ratio=None)
+                parts.update(transformer=denoiser, transformer_2=None, boundary_ratio=None)
             else:
-                components[other] = diffusers.WanTransformer3DModel.from_pretrained(
+                parts[other] = diffusers.WanTransformer3DModel.from_pretrained(
                     self.path, subfolder=other, dtype=torch.float32)
-        if image_to_video and not v.clip_tokens:
-            components.update(image_encoder=None, image_processor=None)
-        pipe = cls.from_pretrained(self.path, dtype=torch.float32, **components)
-        kwargs = {}
-        if image_to_video:
-            from dpipe.images import fit, open_rgb
+        if self.image_to_video(request) and not self.variant.clip_tokens:
+            parts.update(image_encoder=None, image_processor=None)
+        return parts
 
-            kwargs["image"] = fit(open_rgb(Path(request.control)), request.width, request.height)
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        if self.image_to_video(request):
+            arguments["image"] = self.fitted(request.control, request)
             if request.last_frame is not None:
-                kwargs["last_image"] = fit(open_rgb(Path(request.last_frame)), request.width,
-                                           request.height)
-        return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_frames=request.frames,
-                    num_inference_steps=steps, guidance_scale=guidance,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    max_sequence_length=self.spec.cfg.max_text_tokens, output_type="latent",
-                    **kwargs).frames
+                arguments["last_image"] = self.fitted(request.last_frame, request)
+        return arguments

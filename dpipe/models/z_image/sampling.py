@@ -23,6 +23,7 @@ from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
 class ZImageSampling(FamilySampling):
     default_steps = 50  # ZImagePipeline.__call__'s num_inference_steps
     default_guidance = 5.0  # its guidance_scale
+    reference_pipeline = "ZImagePipeline"
     # ZImagePipeline.__call__'s defaults: no guidance where (1000 - t) / 1000 > cfg_truncation;
     # with cfg_normalization > 0 the guided prediction's norm is capped at that times the
     # conditional one's.
@@ -57,7 +58,7 @@ class ZImageSampling(FamilySampling):
         return -output.reshape(d.latents.shape).float()  # the pipeline steps with -output
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
-        i = d.scheduler.step_index or 0  # None before the first step
+        i = d.index
         t_norm = ((1000 - d.timesteps.float()) / 1000).tolist()[i]
         scale = 0.0 if t_norm > self.cfg_truncation else float(d.guidance)
         if scale <= 0:
@@ -72,15 +73,8 @@ class ZImageSampling(FamilySampling):
         return pred
 
     # ---- the reference -------------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import ZImagePipeline
-
-        pipe = ZImagePipeline.from_pretrained(self.path, transformer=denoiser, dtype=torch.float32)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_inference_steps=steps,
-                    guidance_scale=guidance, cfg_normalization=self.cfg_normalization,
-                    cfg_truncation=self.cfg_truncation,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    max_sequence_length=self.spec.cfg.max_text_tokens,
-                    output_type="latent").images
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        return {**super().reference_arguments(pipe, request, steps, guidance),
+                "cfg_normalization": self.cfg_normalization,
+                "cfg_truncation": self.cfg_truncation}

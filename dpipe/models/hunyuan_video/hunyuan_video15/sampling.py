@@ -26,6 +26,7 @@ GUIDER_DEFAULTS = {"guidance_scale": 6.0, "guidance_rescale": 0.0,
 
 class HunyuanVideo15Sampling(HunyuanVideoSampling):
     guidance_kind = "cfg"
+    reference_pipeline = "HunyuanVideo15Pipeline"
 
     def guider_config(self) -> dict:
         path = self.path / "guider" / "config.json"
@@ -56,36 +57,33 @@ class HunyuanVideo15Sampling(HunyuanVideoSampling):
 
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
-        d.state["step"] = 0
         if d.uncond is not None:
             d.state["guider"] = self.new_guider(guidance)
         return d
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, d: Denoising) -> torch.Tensor:
         guider = d.state["guider"]  # the pipeline's own combination (window, rescale)
-        i = d.state["step"]
+        i = d.index
         guider.set_state(step=i, num_inference_steps=len(d.timesteps), timestep=d.timesteps[i])
         return guider.forward(cond, uncond).pred
 
-    def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
-        super().step(d, t, prediction)
-        d.state["step"] = d.state.get("step", 0) + 1
-
     # ---- the reference -----------------------------------------------------------------------
-    def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
-                         guidance: float) -> torch.Tensor:
-        from diffusers import HunyuanVideo15Pipeline
+    def reference_parts(self, denoiser, request: SampleRequest) -> dict:
+        return {}  # the folder's tokenizer
 
-        pipe = HunyuanVideo15Pipeline.from_pretrained(self.path, transformer=denoiser,
-                                                      dtype=torch.float32)
+    def load_reference(self, denoiser, request: SampleRequest):
+        pipe = super().load_reference(denoiser, request)
         # The prompt encoded as dpipe's cache encodes it (HunyuanVideo15Spec.load_encoders): the
         # chat template cropped where the prompt starts with the tokenizer at hand, the text
         # padded to max_text_tokens (the pipeline's equivalent of max_sequence_length).
         pipe.prompt_template_encode_start_idx = template_length(pipe.tokenizer, pipe.system_message)
         pipe.tokenizer_max_length = self.spec.cfg.max_text_tokens
+        return pipe
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        arguments = super().reference_arguments(pipe, request, steps, guidance)
+        del arguments["guidance_scale"], arguments["max_sequence_length"]
+        del arguments["prompt_template"]
         pipe.guider = pipe.guider.new(guidance_scale=guidance)  # it has no guidance_scale argument
-        return pipe(request.prompt, negative_prompt=request.negative_prompt,
-                    height=request.height, width=request.width, num_frames=request.frames,
-                    num_inference_steps=steps,
-                    generator=torch.Generator().manual_seed(request.seed),
-                    output_type="latent").frames
+        return arguments

@@ -132,7 +132,7 @@ class LTX2AVSampling(LTX2Sampling):
         tokens = video.shape[2] // pt * (video.shape[3] // p) * (video.shape[4] // p)
         x0_video = super().prediction(flat[:video.numel()].reshape(1, tokens, -1),
                                       dataclasses.replace(d, latents=video))
-        sigma = d.state["audio_scheduler"].sigmas[d.state["step"]]
+        sigma = d.state["audio_scheduler"].sigmas[d.index]
         x0_audio = audio - flat[video.numel():].reshape(audio.shape) * sigma
         return joined_latents.join(x0_video, x0_audio)
 
@@ -146,9 +146,9 @@ class LTX2AVSampling(LTX2Sampling):
     def step(self, d: Denoising, t: torch.Tensor, prediction: torch.Tensor) -> None:
         (video, audio), (x0_video, x0_audio) = self.streams(d.latents), self.streams(prediction)
         scheduler = d.state["audio_scheduler"]
-        velocity = (audio - x0_audio) / scheduler.sigmas[d.state["step"]]  # convert_x0_to_velocity
+        velocity = (audio - x0_audio) / scheduler.sigmas[d.index]  # convert_x0_to_velocity
         audio = scheduler.step(velocity, t, audio, return_dict=False)[0]
-        # The video's step, as sampling.py takes it (it counts the step, in the shared state),
+        # The video's step, as sampling.py takes it (its scheduler counts the step),
         # on a copy: a step that fails leaves d.latents whole, as the other stages expect it.
         video_only = dataclasses.replace(d, latents=video)
         super().step(video_only, t, x0_video)
@@ -191,8 +191,9 @@ class LTX2AVSampling(LTX2Sampling):
     # ---- the reference -----------------------------------------------------------------------
     isolate_modalities = False  # the pipeline's transformer calls as they are: the joint ones
 
-    def pipeline_arguments(self, guidance: float, request: SampleRequest) -> dict:
-        return {**super().pipeline_arguments(guidance, request),
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        return {**super().reference_arguments(pipe, request, steps, guidance),
                 "audio_guidance_scale": self.audio_guidance(request),
                 "audio_guidance_rescale": GUIDANCE_RESCALE}
 
@@ -203,7 +204,7 @@ class LTX2AVSampling(LTX2Sampling):
         from diffusers import AutoencoderKLLTX2Audio
 
         final = {}
-        out = self.run_pipeline(denoiser, request, steps, guidance, final, output_type="latent")
+        out = self.run_pipeline(denoiser, request, steps, guidance, final)
         vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae",
                                                      dtype=torch.float32)
         audio = (pack_audio(out.audio.float()) - vae.latents_mean) / vae.latents_std

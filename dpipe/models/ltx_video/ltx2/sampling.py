@@ -80,7 +80,6 @@ def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor,
 class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipeline
     default_steps = 30
     default_guidance = 3.0
-    video = True
     fps = 24.0  # LTX2Pipeline's frame_rate (motion_speed 1): the rotary positions' rate
 
     def check(self, request: SampleRequest) -> str | None:
@@ -94,12 +93,6 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     # ---- latents (kept unpacked, (1, C, F', h, w): the pipeline's element-wise steps and its
     # whole-sample std in the rescale do not depend on the layout) ----------------------------
-    def latent_shape(self, request: SampleRequest) -> tuple[int, ...]:
-        spatial, temporal = self.spec._ratios()
-        channels = self.spec.part_config("transformer")["in_channels"]
-        return (channels, (request.frames - 1) // temporal + 1, request.height // spatial,
-                request.width // spatial)
-
     def image_tokens(self, latents: torch.Tensor) -> int:
         p, pt = self.spec._patches
         f, h, w = latents.shape[-3:]
@@ -132,7 +125,6 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     def start(self, request, steps, guidance, text, uncond, control, device) -> Denoising:
         d = super().start(request, steps, guidance, text, uncond, control, device)
-        d.state["step"] = 0  # the step's index on the last stage (prediction, step)
         if self.image_to_video(request):
             if control is None:
                 raise ValueError(f"{self.spec.family} (i2v) samples from a first frame")
@@ -179,7 +171,7 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     # ---- one step ----------------------------------------------------------------------------
     def _sigma(self, d: Denoising) -> torch.Tensor:
-        return d.scheduler.sigmas[d.state["step"]]
+        return d.scheduler.sigmas[d.index]
 
     def prediction(self, output: torch.Tensor, d: Denoising) -> torch.Tensor:
         """Packed velocity -> x0 = x - sigma v (`convert_velocity_to_x0`), unpacked."""
@@ -201,69 +193,58 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
         stepped = d.scheduler.step(velocity[:, :, start:end], t, d.latents[:, :, start:end],
                                    return_dict=False)[0]
         d.latents = torch.cat([d.latents[:, :, :start], stepped, d.latents[:, :, end:]], dim=2)
-        d.state["step"] += 1
-
-    # ---- decoding ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        x = latents.to(vae.device, torch.float32)
-        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(x)
-        std = vae.latents_std.view(1, -1, 1, 1, 1).to(x)
-        x = (x * std / vae.config.scaling_factor + mean).to(vae.dtype)
-        # decode_timestep 0 with no decode noise, as the pipeline's defaults
-        timestep = (torch.zeros(1, device=x.device, dtype=x.dtype)
-                    if vae.config.timestep_conditioning else None)
-        video = vae.decode(x, timestep, return_dict=False)[0][0].float()
-        return video[:, 0] if video.shape[1] == 1 else video
 
     # ---- the reference -----------------------------------------------------------------------
     # The transformer as dpipe trains it with model.audio=false: video only.
     isolate_modalities = True
 
-    def pipeline_arguments(self, guidance: float, request: SampleRequest) -> dict:
-        """LTX2Pipeline's arguments besides the request's: dpipe's guidance, no spatio-temporal
-        and no modality-isolation guidance."""
-        return {"guidance_scale": guidance, "guidance_rescale": GUIDANCE_RESCALE,
-                "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
-                "audio_modality_scale": 1.0, "max_sequence_length": self.spec.cfg.max_text_tokens}
+    def reference_class(self, request: SampleRequest) -> str:
+        """LTX2Pipeline; LTX2ImageToVideoPipeline given a first frame, LTX2ConditionPipeline
+        given a last one."""
+        return ("LTX2ConditionPipeline" if request.last_frame is not None
+                else "LTX2ImageToVideoPipeline" if self.image_to_video(request) else "LTX2Pipeline")
+
+    def load_reference(self, denoiser, request: SampleRequest):
+        pipe = super().load_reference(denoiser, request)
+        if request.height % 32 or request.width % 32:
+            # The pipeline asks for multiples of 32, its VAE's factor in the real model; a model
+            # with a smaller one (the tiny) samples multiples of its own: the size test (the only
+            # use check_inputs makes of the size) is told a multiple of 32.
+            check_inputs = pipe.check_inputs
+
+            def sizes_of_32(*args, **kwargs):
+                return check_inputs(*args, **{**kwargs, "height": 32, "width": 32})
+
+            pipe.check_inputs = sizes_of_32
+        return pipe
+
+    def reference_arguments(self, pipe, request: SampleRequest, steps: int,
+                            guidance: float) -> dict:
+        """The request's arguments with dpipe's guidance, no spatio-temporal and no
+        modality-isolation guidance; the given frames fitted to the request's size as dpipe
+        loads them, not re-compressed (`image_crf=0`, `crf=0`: see the module's docstring)."""
+        arguments = {**super().reference_arguments(pipe, request, steps, guidance),
+                     "frame_rate": self.fps, "guidance_rescale": GUIDANCE_RESCALE,
+                     "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
+                     "audio_modality_scale": 1.0}
+        if request.last_frame is not None:
+            # LTX2ConditionPipeline's conditions: the first frame (where given) at latent index
+            # 0, the last at -1.
+            from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+            given = [(request.control, 0)] if self.image_to_video(request) else []
+            arguments["conditions"] = [
+                LTX2VideoCondition(self.loaded_image(path, request), index=index, crf=0)
+                for path, index in [*given, (request.last_frame, -1)]]
+        elif self.image_to_video(request):
+            arguments.update(image=self.loaded_image(request.control, request), image_crf=0)
+        return arguments
 
     def diffusers_sample(self, denoiser, request: SampleRequest, steps: int,
                          guidance: float) -> torch.Tensor:
         final = {}
-        self.run_pipeline(denoiser, request, steps, guidance, final, output_type="latent")
+        self.run_pipeline(denoiser, request, steps, guidance, final)
         return self.unpacked(final["latents"], request)
-
-    def first_frame_arguments(self, request: SampleRequest) -> dict:
-        """LTX2ImageToVideoPipeline's image: the first frame fitted to the request's size as
-        dpipe loads it, not re-compressed (`image_crf=0`, see the module's docstring)."""
-        from pathlib import Path
-
-        from PIL import Image
-
-        from dpipe.images import load_image
-
-        pixels = load_image(Path(request.control), request.width, request.height)
-        pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0)
-        return {"image": Image.fromarray(pixels.numpy()), "image_crf": 0}
-
-    def condition_arguments(self, request: SampleRequest) -> dict:
-        """LTX2ConditionPipeline's conditions: the first frame (where given) at latent index 0,
-        the last at -1, each fitted as dpipe loads it and not re-compressed (`crf=0`)."""
-        from pathlib import Path
-
-        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
-        from PIL import Image
-
-        from dpipe.images import load_image
-
-        def fitted(path: str) -> Image.Image:
-            pixels = load_image(Path(path), request.width, request.height)
-            return Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).byte()
-                                   .permute(1, 2, 0).numpy())
-
-        given = [(request.control, 0)] if self.image_to_video(request) else []
-        return {"conditions": [LTX2VideoCondition(fitted(path), index=index, crf=0)
-                               for path, index in [*given, (request.last_frame, -1)]]}
 
     def unpacked(self, packed: torch.Tensor, request: SampleRequest) -> torch.Tensor:
         """The pipeline's packed video latents -> (1, C, F', h, w); (1, C, F' + 1, h, w) with a
@@ -275,30 +256,10 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
 
     def run_pipeline(self, denoiser, request: SampleRequest, steps: int, guidance: float,
                      final: dict, **kwargs):
-        """LTX2Pipeline (LTX2ImageToVideoPipeline given a first frame) from the model folder
-        with `denoiser` as its transformer, run on the request with `pipeline_arguments` and
-        `kwargs`; `final["latents"]` gets its packed, normalised video latents after the last
-        step. Returns its output."""
-        import diffusers
-
-        cls = ("LTX2ConditionPipeline" if request.last_frame is not None
-               else "LTX2ImageToVideoPipeline" if self.image_to_video(request) else "LTX2Pipeline")
-        pipe = getattr(diffusers, cls).from_pretrained(self.path, transformer=denoiser,
-                                                       dtype=torch.float32)
-        if request.last_frame is not None:
-            kwargs = {**self.condition_arguments(request), **kwargs}
-        elif self.image_to_video(request):
-            kwargs = {**self.first_frame_arguments(request), **kwargs}
-        if request.height % 32 or request.width % 32:
-            # The pipeline asks for multiples of 32, its VAE's factor in the real model; a model
-            # with a smaller one (the tiny) samples multiples of its own: the size test (the only
-            # use check_inputs makes of the size) is told a multiple of 32.
-            check_inputs = pipe.check_inputs
-
-            def sizes_of_32(*args, **kwargs):
-                return check_inputs(*args, **{**kwargs, "height": 32, "width": 32})
-
-            pipe.check_inputs = sizes_of_32
+        """The reference pipeline run on the request with `reference_arguments` and `kwargs`;
+        `final["latents"]` gets its packed, normalised video latents after the last step.
+        Returns its output."""
+        pipe = self.load_reference(denoiser, request)
 
         def keep(_pipe, _i, _t, tensors):
             final["latents"] = tensors["latents"]  # packed and normalised, after the step
@@ -314,12 +275,9 @@ class LTX2Sampling(FirstFrameSampling):  # image-to-video: LTX2ImageToVideoPipel
         if self.isolate_modalities:
             denoiser.forward = isolated
         try:
-            return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                        height=request.height, width=request.width, num_frames=request.frames,
-                        frame_rate=self.fps, num_inference_steps=steps,
-                        generator=torch.Generator().manual_seed(request.seed),
-                        callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
-                        **self.pipeline_arguments(guidance, request), **kwargs)
+            return pipe(**{**self.reference_arguments(pipe, request, steps, guidance),
+                           "callback_on_step_end": keep,
+                           "callback_on_step_end_tensor_inputs": ["latents"], **kwargs})
         finally:
             if forward is None:
                 denoiser.__dict__.pop("forward", None)
