@@ -39,7 +39,9 @@ from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized_w
 log = logging.getLogger(__name__)
 
 # Prefixes in front of the original names in the files users hold: ComfyUI's saves, NVIDIA's.
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
+# The prefixes single files keep the denoiser's keys behind: ComfyUI's checkpoints and
+# diffusion models, NVIDIA's (Cosmos, Anima).
+FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
 
 SINGLE_FILE_SUFFIXES = (".safetensors",)
 
@@ -316,7 +318,7 @@ def plain_header(source: Path) -> dict[str, str]:
 
 
 def _unprefixed(key: str) -> str:
-    for prefix in _PREFIXES:
+    for prefix in FILE_PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
