@@ -154,8 +154,8 @@ class ComfyModel:
     compared with the file's, and the LoRA's patches are computed by ComfyUI's own
     `comfy.lora.calculate_weight` on the file's tiny tensors."""
 
-    def __init__(self, file: Path, scale: int = 8):
-        self.scale = scale
+    def __init__(self, file: Path, scale: int = 8, sizes: dict[int, int] | None = None):
+        self.scale, self.sizes = scale, sizes or {}
         with comfy_log() as lines:
             # as the Load Diffusion Model node reads a file: its header too (LTX-2, Wan and
             # MiniMax H3 files carry their config there)
@@ -196,10 +196,18 @@ class ComfyModel:
     # ComfyUI tells these apart by the exact width (Lumina 2: 2304, Z-Image: 3840); the tiny
     # widths (48, 32) are scaled to them
     SCALES = {"lumina2": 2304 // 48, "z_image": 3840 // 32}
+    # Sizes ComfyUI matches exactly, given for the tiny ones: SD3's 16 latent channels (tiny 4)
+    # and width 64 per block (tiny 16, 3 blocks); AuraFlow's text width 2048 (tiny 32); Cosmos'
+    # 16 + 1 input channels in 2x2 patches (68, as the tiny ones) and widths (Cosmos-Predict2
+    # 2048, Cosmos 1 7B 4096; tiny 32)
+    SIZES = {"sd3": {4: 16, 16: 192}, "auraflow": {32: 2048},
+             "cosmos_predict2": {32: 2048, 68: 68}, "cosmos1": {32: 4096, 68: 68}}
+
+    def _size(self, d: int) -> int:
+        return self.sizes.get(d, d * self.scale if d >= 4 else d)
 
     def _meta_model(self, stripped):
-        shapes = {k: torch.empty(tuple(d * self.scale if d >= 4 else d for d in v.shape),
-                                 device="meta")
+        shapes = {k: torch.empty(tuple(self._size(d) for d in v.shape), device="meta")
                   for k, v in stripped.items()}
         try:
             config = comfy.model_detection.model_config_from_unet(shapes, "",
@@ -330,7 +338,7 @@ def check_lora_run(run_dir: Path, work: Path) -> dict:
            "kind": str(getattr(run.model.lora, "kind", ""))}
     with fp32_kept():
         base = write(folder, work / "base.safetensors")
-    model = ComfyModel(base, ComfyModel.SCALES.get(family, 8))
+    model = ComfyModel(base, ComfyModel.SCALES.get(family, 8), ComfyModel.SIZES.get(family))
     row["model"] = model.summary()
     if model.model is None:
         return row
@@ -380,7 +388,8 @@ def check_full_run(run_dir: Path, work: Path) -> dict:
     if not files:
         row["model"] = {"detected": None, "error": "no single file exported"}
         return row
-    model = ComfyModel(files[0], ComfyModel.SCALES.get(family, 8))
+    model = ComfyModel(files[0], ComfyModel.SCALES.get(family, 8),
+                       ComfyModel.SIZES.get(family))
     row["model"] = model.summary()
     if model.model is not None:
         work.mkdir(parents=True, exist_ok=True)
