@@ -217,7 +217,8 @@ def save_comfy_lora(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]], 
 def apply_comfy_lora(native: dict[str, torch.Tensor], lora: dict[str, torch.Tensor],
                      strength: float = 1.0) -> dict[str, torch.Tensor]:
     """Merge a ComfyUI LoRA into a state dict with ComfyUI's own key names, as ComfyUI does
-    (W += strength * alpha / rank * B @ A). For tests and for users merging by hand."""
+    (W += strength * alpha / rank * B @ A, the product shaped as W: a convolution's too). For
+    tests and for users merging by hand."""
     out = dict(native)
     for key, a in lora.items():
         if not key.endswith(".lora_A.weight"):
@@ -230,5 +231,6 @@ def apply_comfy_lora(native: dict[str, torch.Tensor], lora: dict[str, torch.Tens
         if name not in out:
             raise KeyError(f"the LoRA targets {name}, which the model does not have")
         w = out[name]
-        out[name] = (w.float() + strength * scale * (b.float() @ a.float())).to(w.dtype)
+        delta = (b.float().flatten(1) @ a.float().flatten(1)).reshape(w.shape)
+        out[name] = (w.float() + strength * scale * delta).to(w.dtype)
     return out

@@ -121,10 +121,12 @@ def layer_shapes(denoiser: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
-    """The family's table for the modules `shapes` names (`layer_shapes`, or a folder's weight
-    shapes), from its LoRA writers (`spec.lora_formats`). The writers learn the convolutions'
-    names in a probe of their own: a writer made for Linears that refuses them still gives the
-    Linears' names."""
+    """The family's table for the modules `shapes` names (`layer_shapes`, or a folder's or single
+    file's weight shapes), from its LoRA writers (`spec.lora_formats`). The writers learn the
+    convolutions' names in a probe of their own: a writer made for Linears that refuses them
+    still gives the Linears' names. A family whose single files ComfyUI renames on loading
+    (`spec.comfyui_file_module`: the HunyuanVideo family's `mlp.fc1` -> `mlp.0`, ...) has its
+    ComfyUI LoRAs name the renamed modules: those names place a file's modules too."""
     from dpipe.models.lora_read import strip_prefix
 
     linears = {m: s for m, s in shapes.items() if len(s) == 2}
@@ -136,6 +138,12 @@ def lora_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
         for modules in format_modules(spec.lora_formats, probed).values():
             for name, parts in modules.items():
                 formats.setdefault(strip_prefix(name)[0], parts)
+    renamed = getattr(spec, "comfyui_file_module", None)
+    for module, shape in shapes.items() if renamed is not None else ():
+        alias = renamed(module)
+        if alias != module and alias not in shapes:
+            rows = torch.arange(shape[0])
+            formats.setdefault(alias, [Part(module, rows, rows, 0, 1)])
     return LoraNames(shapes, formats)
 
 

@@ -27,8 +27,8 @@ from dpipe.errors import UserError
 from dpipe.io import atomic_write, replace_dir
 from dpipe.models.lora_names import LoraNames, split_key
 from dpipe.models.lora_read import LoraLayoutError, read_lora
+from dpipe.models.single_file import FILE_PREFIXES
 
-SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 Progress = Callable  # an iterable wrapper: tqdm, or `lambda items, **_: items`
 
 
@@ -53,7 +53,7 @@ def module_name(key: str) -> str | None:
     """The module a weight key belongs to, None for other keys."""
     if not key.endswith(".weight"):
         return None
-    for prefix in SINGLE_FILE_PREFIXES:
+    for prefix in FILE_PREFIXES:
         key = key.removeprefix(prefix)
     return key.removesuffix(".weight")
 

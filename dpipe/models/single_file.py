@@ -39,7 +39,9 @@ from dpipe.models.common.quantized_files import (QUANTIZED_DTYPES, dequantized_w
 log = logging.getLogger(__name__)
 
 # Prefixes in front of the original names in the files users hold: ComfyUI's saves, NVIDIA's.
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
+# The prefixes single files keep the denoiser's keys behind: ComfyUI's checkpoints and
+# diffusion models, NVIDIA's (Cosmos, Anima).
+FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
 
 SINGLE_FILE_SUFFIXES = (".safetensors",)
 
@@ -271,7 +273,8 @@ def export_like_source(folder: Path, source: Path, to_original: Callable, out_di
     source.name`, laid out as `source`. `to_original` maps diffusers names to the original
     names without prefix. Returns the file written. A quantized source's scaled weights are
     written in bf16 without their scales and marker: a plain file that loads where the source
-    did (its scales were fitted to the base weights, not the trained ones)."""
+    did (its scales were fitted to the base weights, not the trained ones), with the source's
+    header (`plain_header`)."""
     from diffusers.loaders.single_file_utils import load_single_file_checkpoint
     from safetensors.torch import load_file, save_file
 
@@ -299,12 +302,23 @@ def export_like_source(folder: Path, source: Path, to_original: Callable, out_di
     if source.suffix == ".pt":
         torch.save(out, path)
     else:
-        save_file(out, path, metadata={"format": "pt"})
+        save_file(out, path, metadata=plain_header(source))
     return path
 
 
+def plain_header(source: Path) -> dict[str, str]:
+    """The header metadata of a plain file written in `source`'s layout: the source's, which
+    tools read the model from (ComfyUI builds LTX-2 / 2.3's transformer and VAE from its
+    `config`, MiniMax H3's and some Wan variants' too: `comfy/model_detection.py`, 783545f6),
+    without its comfy_quant layout, since the file written holds no scales."""
+    header = dict(_header(source) or {})
+    header.pop(comfy_quant.HEADER_KEY, None)
+    header.setdefault("format", "pt")
+    return header
+
+
 def _unprefixed(key: str) -> str:
-    for prefix in _PREFIXES:
+    for prefix in FILE_PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix):]
     return key

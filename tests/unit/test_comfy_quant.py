@@ -415,8 +415,13 @@ def test_a_full_fine_tune_goes_out_as_a_plain_bf16_file_in_the_source_s_layout(t
     from dpipe.models.common.bfl_layout import source_format
     from dpipe.models.single_file import export_like_source
 
+    from safetensors import safe_open
+
+    from dpipe.models.common.comfy_quant import HEADER_KEY
+
     _, plain = tiny
-    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors")
+    # the layout in the header, as some files keep it: the plain export leaves it out
+    file = comfy_quant_copy(plain, tmp_path / "flux1-dev-mixed.safetensors", in_header=True)
     assert source_format(file) == (PREFIX, torch.bfloat16)
     stored = load_file(file)
     trained = {k.removeprefix(PREFIX): torch.ones(v.shape[0], 32) for k, v in stored.items()
@@ -425,7 +430,12 @@ def test_a_full_fine_tune_goes_out_as_a_plain_bf16_file_in_the_source_s_layout(t
     folder.mkdir()
     save_file(trained, str(folder / "model.safetensors"))
     (tmp_path / "out").mkdir()
-    out = load_file(export_like_source(folder, file, lambda weights: weights, tmp_path / "out"))
+    exported = export_like_source(folder, file, lambda weights: weights, tmp_path / "out")
+    with safe_open(file, "pt") as source, safe_open(exported, "pt") as written:
+        assert HEADER_KEY in source.metadata() and HEADER_KEY not in written.metadata()
+        assert written.metadata() == {k: v for k, v in source.metadata().items()
+                                      if k != HEADER_KEY} | {"format": "pt"}
+    out = load_file(exported)
     assert not any(k.endswith(("comfy_quant", "weight_scale", "weight_scale_2", "input_scale"))
                    for k in out)
     for key in trained:  # nvfp4's packed bytes and fp8 values alike

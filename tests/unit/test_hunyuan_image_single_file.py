@@ -172,3 +172,36 @@ def test_comfyui_lora_names_are_comfyuis_renames_of_the_file(folder, tmp_path):
         assert f"{module}.weight" in renamed and f"{module}.bias" in renamed, module
     assert "double_blocks.0.img_attn.qkv" in modules and "single_blocks.1.modulation.lin" in modules
     assert "time_in.in_layer" in modules and "txt_in.individual_token_refiner.blocks.0.self_attn.qkv" in modules
+
+
+def test_dpipe_lora_merges_the_comfyui_lora_into_the_file_as_comfyui_applies_it(folder, tmp_path):
+    """`dpipe-lora merge base=<the file> lora=<the family's ComfyUI LoRA>`: the LoRA names the
+    modules ComfyUI renames the file's to on loading (`img_mlp.0` for `img_mlp.fc1`, ...), so
+    the merge places each on the file's own weight and adds what ComfyUI adds there (its rule,
+    `apply_comfy_lora`, on the file's weights under ComfyUI's names). ComfyUI 0.33.0 applied
+    every key of such a file (docs/bench-results/comfyui-0.33.0-loads)."""
+    from dpipe.models import lora_tools
+    from dpipe.models.comfyui import apply_comfy_lora
+    from dpipe.models.lora_names import layer_shapes, lora_names
+
+    file = write_single_file(folder, tmp_path / FILE)
+    spec = _spec(file, single_file_config=str(folder))
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for module, shape in layer_shapes(spec.load_denoiser(torch.float32)).items():
+        weights[f"{module}.lora_A.weight"] = torch.randn(2, shape[1], generator=generator)
+        weights[f"{module}.lora_B.weight"] = torch.randn(shape[0], 2, generator=generator)
+    comfy_format, = spec.lora_formats(weights, {"r": 2, "lora_alpha": 4})
+    lora = comfy_format.build()
+    save_file(lora, tmp_path / "lora.safetensors")
+    names = lora_names(spec, lora_tools.weight_shapes(lora_tools.weight_files(file)))
+    merged = lora_tools.merge(file, [(tmp_path / "lora.safetensors", 1.0)],
+                              tmp_path / "merged.safetensors", names=names,
+                              family="hunyuan_image")
+    base = {comfyui_key(k): v for k, v in _keys(file).items()}
+    want = apply_comfy_lora(base, lora)
+    got = {comfyui_key(k): v for k, v in _keys(merged).items()}
+    changed = [k for k in base if not torch.equal(want[k], base[k])]
+    assert len(changed) == len([k for k in lora if k.endswith(".lora_A.weight")])
+    for key in base:
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=1e-2, atol=1e-2)

@@ -161,3 +161,33 @@ def test_bad_arguments_say_what_to_give(tmp_path, capsys):
         capsys, "resize", f"lora={tmp_path}", "rank=x", f"out={tmp_path}")
     assert "give model=<family>" in _fails(capsys, "convert", f"lora={tmp_path}",
                                            f"out={tmp_path / 'o'}", "model.path=/x")
+
+
+def test_merge_places_a_comfyui_lora_on_a_file_behind_nvidias_prefix(tmp_path, capsys):
+    """A single file whose keys sit behind `net.` (NVIDIA's Cosmos-Predict2 and Anima files, as
+    ComfyUI loads them) takes a ComfyUI LoRA (`diffusion_model.<module>`, its alpha): each
+    weight becomes W + alpha / rank * B @ A under its own key. dpipe's Anima ComfyUI file was
+    refused on such a file (every module "fit no module")."""
+    generator = torch.Generator().manual_seed(0)
+    base = {"net.blocks.0.attn.q_proj.weight": torch.randn(8, 6, generator=generator),
+            "net.blocks.0.attn.q_proj.bias": torch.randn(8, generator=generator),
+            "net.blocks.0.mlp.layer1.weight": torch.randn(12, 8, generator=generator)}
+    save_file(base, tmp_path / "anima.safetensors")
+    lora = {}
+    for module in ("blocks.0.attn.q_proj", "blocks.0.mlp.layer1"):
+        rows, cols = base[f"net.{module}.weight"].shape
+        lora[f"diffusion_model.{module}.lora_A.weight"] = torch.randn(2, cols, generator=generator)
+        lora[f"diffusion_model.{module}.lora_B.weight"] = torch.randn(rows, 2, generator=generator)
+        lora[f"diffusion_model.{module}.alpha"] = torch.tensor(4.0)
+    save_file(lora, tmp_path / "lora.safetensors")
+    _run(capsys, "merge", f"base={tmp_path / 'anima.safetensors'}",
+         f"lora={tmp_path / 'lora.safetensors'}", f"out={tmp_path / 'merged.safetensors'}")
+    merged = load_file(tmp_path / "merged.safetensors")
+    assert sorted(merged) == sorted(base)
+    for module in ("blocks.0.attn.q_proj", "blocks.0.mlp.layer1"):
+        a = lora[f"diffusion_model.{module}.lora_A.weight"]
+        b = lora[f"diffusion_model.{module}.lora_B.weight"]
+        torch.testing.assert_close(merged[f"net.{module}.weight"],
+                                   base[f"net.{module}.weight"] + 4.0 / 2 * b @ a)
+    bias = "net.blocks.0.attn.q_proj.bias"
+    assert torch.equal(merged[bias], base[bias])

@@ -4,6 +4,7 @@ the layout users download: each tiny transformer written under its original name
 diffusers' converter), loaded through the spec with model.single_file_config naming the diffusers
 folder, gives exactly the folder's weights; the wrong family's file fails naming the file."""
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -279,6 +280,7 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, file
 
     exported, source = out / files[family].name, _keys(source_file)
     got = _keys(exported)
+    assert _header(exported) == _header(source_file) == RELEASE_HEADER
     assert list(got) == list(source)
     assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in source.items()}
     changed = [k for k in source if not torch.equal(got[k], source[k])]
@@ -294,16 +296,29 @@ def test_full_export_of_a_single_file_model_writes_that_layout_too(folders, file
         torch.testing.assert_close(folder[name], value)
 
 
+# A released file's header: Lightricks' LTX-2 files carry the model's config, from which ComfyUI
+# builds the transformer (LTX-2.3's gated attention, ...) and the VAE (comfy/model_detection.py,
+# ComfyUI 783545f6); an export without it loads there as another model.
+RELEASE_HEADER = {"format": "pt", "config": json.dumps({"transformer": {
+    "apply_gated_attention": True, "caption_proj_before_connector": True}})}
+
+
 def _fine_tune(file: Path, out: Path) -> Path:
-    """`file` with every transformer weight changed: someone's fine-tune in the same layout."""
+    """`file` with every transformer weight changed: someone's fine-tune in the same layout, with
+    a released file's header."""
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(0)
     tensors = {k: v if k.startswith(OTHERS) else
                (v.float() + 0.05 * torch.randn(v.shape, generator=generator)).to(v.dtype)
                for k, v in _keys(file).items()}
-    save_file(tensors, out)
+    save_file(tensors, out, metadata=RELEASE_HEADER)
     return out
+
+
+def _header(file: Path) -> dict[str, str]:
+    with safe_open(file, "pt") as f:
+        return f.metadata()
 
 
 @pytest.mark.parametrize("family", LOADED)

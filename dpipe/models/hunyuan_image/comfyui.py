@@ -13,8 +13,9 @@ match). Outside the blocks the same renames give the token refiner's `self_attn.
 `self_attn.proj`, `mlp.0` / `.2`, the embedder MLPs' `in_layer` / `out_layer` (`time_in`,
 `txt_in.t_embedder`, `txt_in.c_embedder`), and leave `txt_in.input_embedder`, `byt5_in.fc1..3`
 and `final_layer.linear` / `.adaLN_modulation.1` as they are; the final modulation is
-(shift, scale) there, so its B's halves are exchanged. Read in both sources, not run against a
-ComfyUI build here.
+(shift, scale) there, so its B's halves are exchanged. Read in both sources; ComfyUI 0.33.0
+applied every key of the tiny model's file, each weight as dpipe's merge
+(docs/bench-results/comfyui-0.33.0-loads).
 
 ComfyUI's LoRA loader takes `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` for any
 model. LoRAs on the separate diffusers projections become one exact LoRA on the fused Linear

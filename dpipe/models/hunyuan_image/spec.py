@@ -28,6 +28,7 @@ from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.attention_mask import (
     joint_padding_mask, real_tokens, trim_or_drop, trim_text_padding)
 from dpipe.models.comfyui import COMFY_PREFIX
+from dpipe.models.common.comfyui_hunyuan import comfyui_module
 from dpipe.models.common.lora_targets import DUAL_STREAM_LORA_TARGETS
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.hunyuan_image.comfyui import comfyui_lora
@@ -69,6 +70,8 @@ class HunyuanImageSpec(DiffusersFamily):
     single_file_suffixes = SINGLE_FILE_SUFFIXES
     gguf_architectures = ("hunyuan_image",)  # not among ComfyUI-GGUF's names
     from_single_file = from_original
+    # ComfyUI runs it on its HunyuanVideo code, renaming a file's keys alike (`lora_names`)
+    comfyui_file_module = staticmethod(comfyui_module)
 
     def read_configs(self) -> None:
         # The transformer's too: the pixel multiple and the ComfyUI LoRA's names come from it.

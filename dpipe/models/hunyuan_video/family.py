@@ -12,6 +12,7 @@ import torch
 from dpipe.diffusion.loss import video_loss
 from dpipe.models.comfyui import to_comfyui
 from dpipe.models.common.clips import EncodesClips
+from dpipe.models.common.comfyui_hunyuan import comfyui_module
 from dpipe.models.common.key_tables import FINAL_MODULATION
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
 from dpipe.models.lora_files import LoraFormat, lora_scale
@@ -30,6 +31,9 @@ class HunyuanVideoFamily(EncodesClips, DiffusersFamily):
     # every Linear holding a module with a LoRA.
     comfyui_lora: ClassVar[str]
     comfyui_mapping: ClassVar[Callable[..., Any]]
+    # ComfyUI renames a single file's keys on loading (its HunyuanVideo code): the name of a
+    # file's module there, which LoRAs made for ComfyUI address (`lora_names`)
+    comfyui_file_module = staticmethod(comfyui_module)
 
     @property
     def pixel_multiple(self) -> int:
