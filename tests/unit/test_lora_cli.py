@@ -62,7 +62,10 @@ def test_extract_then_merge_gives_the_fine_tune_within_the_rank_s_error(tmp_path
         error = (merged[key] - value).norm()
         torch.testing.assert_close(error, s[4:].norm(), rtol=1e-3, atol=1e-4)
         kept, left = kept + float((s[:4] ** 2).sum()), left + float((s[4:] ** 2).sum())
-    assert f"energy kept: {kept / (kept + left):.4%} in all" in said, said
+    # The figure is printed to 4 decimals; its last one depends on the SVD's summation order
+    # (the thread count), so it is compared within one unit of that decimal.
+    printed = float(re.search(r"energy kept: ([\d.]+)% in all", said).group(1))
+    assert abs(printed - 100 * kept / (kept + left)) <= 1e-4 + 5e-5, said
 
     said = _run(capsys, "resize", f"lora={tmp_path / 'lora.safetensors'}", "rank=2",
                 f"out={tmp_path / 'rank2.safetensors'}")
@@ -78,7 +81,7 @@ def test_extract_then_merge_gives_the_fine_tune_within_the_rank_s_error(tmp_path
         torch.testing.assert_close((delta(small) - delta(lora)).norm(), s[2:].norm(),
                                    rtol=1e-3, atol=1e-4)
         kept, total = kept + float((s[:2] ** 2).sum()), total + float((s ** 2).sum())
-    assert shown == f"{100 * kept / total:.4f}", said
+    assert abs(float(shown) - 100 * kept / total) <= 1e-4 + 5e-5, said  # as above
 
     said = _fails(capsys, "resize", f"lora={tmp_path / 'lora.safetensors'}", "rank=5",
                   f"out={tmp_path / 'rank5.safetensors'}")
