@@ -47,6 +47,16 @@ def _comfy_quant(plain: Path, out: Path) -> Path:
     return comfy_quant_copy(plain, out)
 
 
+def _gguf(quant: str, arch: str):
+    """A writer of the plain file as a `quant` GGUF of `arch` (test_gguf_files' writers)."""
+    def write(plain: Path, out: Path) -> Path:
+        from tests.unit.test_gguf_files import gguf_copy
+
+        return gguf_copy(plain, out.with_suffix(".gguf"), quant, arch)
+
+    return write
+
+
 # case -> (model, the file's name as released, its writer, the writer's key prefix, the bytes
 # read per run of the converter, the quantizer of the plain file or None, overrides)
 SINGLE_FILES = {
@@ -72,7 +82,20 @@ SINGLE_FILES = {
     "flux_comfy_quant_fp8_compute": ("tiny_flux", "flux1-dev.safetensors",
                                      "dpipe.models.flux.tiny:write_bfl_single_file",
                                      "model.diffusion_model.", None, _comfy_quant,
-                                     "model.base_compute=fp8")}
+                                     "model.base_compute=fp8"),
+    # GGUF (city96's layout: BFL's names, no prefix): Q8_0 blocks moved whole by the converter
+    # (fused q/k/v split along rows), kept in GGUF Linears; K-quant blocks where rows are 256
+    # wide (the time and guidance embeddings); the F32 tensors cast. A batch per fused tensor.
+    "flux_gguf_q8_0": ("tiny_flux", "flux1-dev.safetensors",
+                       "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.",
+                       1, _gguf("Q8_0", "flux")),
+    "flux_gguf_q4_k": ("tiny_flux", "flux1-dev.safetensors",
+                       "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.",
+                       None, _gguf("Q4_K", "flux")),
+    # Anima's own skeleton (two models in one file), NVIDIA's names
+    "anima_gguf": ("tiny_anima", "anima-preview.safetensors",
+                   "dpipe.models.anima.tiny:write_single_file", "net.", None,
+                   _gguf("Q8_0", "cosmos"))}
 
 
 @pytest.mark.parametrize("case", list(SINGLE_FILES))
