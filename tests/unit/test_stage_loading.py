@@ -161,9 +161,12 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     resident memory's peak while it loads (VmHWM, from a reset), against
     `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure): from the diffusers
     folder, then from the same weights as ComfyUI's single file in BFL's layout (its fused
-    tensors split by the converter)."""
+    tensors split by the converter), as its fp8_scaled file and as a Q8_0 GGUF, whose block
+    Linears the LoRA keeps as stored (1 and 34/32 bytes a value): a lower bound than bf16's."""
     from diffusers import FluxTransformer2DModel
 
+    from dpipe.models.common.gguf_files import write_gguf_copy
+    from dpipe.models.common.quantized_files import write_quantized_copy
     from dpipe.models.flux.tiny import write_bfl_single_file
 
     folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
@@ -176,16 +179,25 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     del model
     file = write_bfl_single_file(folder, tmp_path / "flux1-dev.safetensors",
                                  "model.diffusion_model.")
+    files = [file, write_quantized_copy(file, tmp_path / "flux1-dev-fp8.safetensors",
+                                        torch.float8_e4m3fn),
+             write_gguf_copy(file, tmp_path / "flux1-dev-Q8_0.gguf", "Q8_0", "flux")]
     run = ["model=tiny_flux", "pipeline.stages=2", "train.precision=bf16"]
+    groups = [[*run, f"model.path={folder}"]] + [
+        ["--", *run, f"model.path={f}", f"model.single_file_config={folder}"] for f in files]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *run,
-         f"model.path={folder}", "--", *run, f"model.path={file}",
-         f"model.single_file_config={folder}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *sum(groups, [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)})
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-2:]]
-    assert measured[0]["bound"] == measured[1]["bound"]
-    assert 100e6 < measured[0]["bound"] < 290e6  # about half the bf16 weights, one layer in transit
+    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-4:]]
+    print("RSS rise / bound (MB): folder, plain, fp8_scaled, Q8_0 GGUF:",
+          [(round(m["rise"] / 1e6), round(m["bound"] / 1e6)) for m in measured])
+    folder_bound, plain, fp8, gguf = (m["bound"] for m in measured)
+    assert folder_bound == plain
+    assert 100e6 < plain < 290e6  # about half the bf16 weights, one layer in transit
+    # the blocks' Linears at 1 and 34/32 bytes, not 2 (the fp8 file's batches, dequantized in
+    # fp32, take more than its largest layer in transit)
+    assert gguf < plain and fp8 < plain
     for folder_or_file in measured:
         assert folder_or_file["rise"] <= folder_or_file["bound"], measured

@@ -76,14 +76,33 @@ def check_architecture(file: Path, title: str, architectures: tuple[str, ...]) -
 def gguf_header(file: Path) -> dict[str, dict]:
     """{tensor: its entry} of a GGUF file, none of its tensors read: its GGML `type`, the
     `shape` and torch `dtype` its data is read as (a block type's rows as bytes, as the `gguf`
-    package's reader lays them out) and the file offsets of its bytes (`data_offsets`)."""
+    package's reader lays them out), its number of `values`, and the file offsets of its bytes
+    (`data_offsets`)."""
     import numpy as np
     from gguf import GGUFReader
 
     return {t.name: {"type": t.tensor_type, "shape": tuple(t.data.shape),
                      "dtype": torch.from_numpy(np.empty(0, t.data.dtype)).dtype,
+                     "values": int(t.n_elements),
                      "data_offsets": (t.data_offset, t.data_offset + t.n_bytes)}
             for t in GGUFReader(str(file)).tensors}
+
+
+def stored_value_bytes(file: Path) -> float:
+    """Bytes a value of the GGUF file's 2-D weights takes as a LoRA run keeps them: a block
+    type's as stored (Q8_0 34 bytes a 32-value block, Q4_K 144 a 256-value one; the Linears
+    keep them), F32 / F16 ones in bf16, 2. From the header alone."""
+    from gguf import GGMLQuantizationType
+
+    stored = values = 0
+    for key, entry in gguf_header(file).items():
+        if not key.endswith(".weight") or len(entry["shape"]) != 2:
+            continue
+        begin, end = entry["data_offsets"]
+        plain = entry["type"] in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+        stored += 2 * entry["values"] if plain else end - begin
+        values += entry["values"]
+    return stored / values if values else 2.0
 
 
 def read_gguf_tensors(file: Path, header: dict[str, dict], keys) -> dict[str, torch.Tensor]:
