@@ -118,6 +118,26 @@ def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, ca
                                         "train.precision=bf16", *overrides])
 
 
+@pytest.mark.parametrize("quantize", [None, _scaled_fp8])
+def test_each_stage_reads_its_unet_weights_of_an_sdxl_checkpoint(tmp_path, quantize):
+    """SDXL's whole pipeline in one file (Stability's names, the UNet under
+    "model.diffusion_model.", the VAE and both text encoders beside it), plain and as
+    ComfyUI's fp8_scaled: each stage reads its UNet tensors alone, mapped by the converter
+    diffusers' from_single_file runs. A full fine-tune: SDXL's LoRA layers take seconds to
+    count."""
+    from dpipe.models.sdxl.tiny import SINGLE_FILE
+
+    run = compose_run(["model=tiny_sdxl"], world_size=2)
+    build_spec(run.model).ensure_available()
+    folder = Path(run.model.path)
+    file = folder / SINGLE_FILE
+    if quantize is not None:
+        file = quantize(file, tmp_path / SINGLE_FILE)
+    _assert_stages_read_the_whole_load(["model=tiny_sdxl", f"model.path={file}",
+                                        f"model.single_file_config={folder}",
+                                        "model.mode=full"])
+
+
 def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:
     run = compose_run([*overrides, "pipeline.stages=2"], world_size=2)
     spec = build_spec(run.model)
