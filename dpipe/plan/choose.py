@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dpipe.config.schema import BaseCompute, OptimizerName, Precision, RunConfig, TrainMode
+from dpipe.config.schema import (Adapter, BaseCompute, OptimizerName, Precision, RunConfig,
+                                 TrainMode)
 from dpipe.pipeline.memory import (PROCESS_HOST, LayerCost, fragmentation_margin,
                                    in_flight_micro_batches, loading_bytes, plan_swap,
                                    read_layer_bytes)
@@ -299,9 +300,13 @@ def stage_loading_bytes(layers, run: RunConfig) -> int:
     from dpipe.models.single_file_weights import BATCH_BYTES
 
     value_bytes = stored_value_bytes(run)
-    base_bytes = 2 if run.train.precision == Precision.bf16 else 4  # a frozen value as kept
-    sizes = [read_layer_bytes(x.frozen_bytes, x.quantizable, x.trainable_bytes, value_bytes,
-                              base_bytes) for x in layers]
+    bf16 = run.train.precision == Precision.bf16
+    # A bf16 DoRA reads its base in fp32 (its magnitudes are the fp32 base's norms), then casts.
+    widen = 2 if bf16 and run.model.mode == TrainMode.lora and run.model.adapter == Adapter.dora \
+        else 1
+    base_bytes = (2 if bf16 else 4) * widen  # a frozen value as read
+    sizes = [read_layer_bytes(x.frozen_bytes * widen, x.quantizable, x.trainable_bytes,
+                              value_bytes, base_bytes) for x in layers]
     path = Path(str(run.model.path)).expanduser()
     dequantized = path.is_file() and file_is_quantized(path)
     return loading_bytes(sizes, BATCH_BYTES if dequantized else 0)

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
                                   ["model.adapter=lokr", "train.precision=bf16",
                                    "model.base_dtype=fp8"],
                                   ["model=tiny_z_image", "train.precision=bf16"],
+                                  # magnitudes from the fp32 base's norms, as the whole load's
+                                  ["model.adapter=dora", "train.precision=bf16"],
                                   # a full fine-tune: SDXL's LoRA layers take seconds to count
                                   ["model=tiny_sdxl", "model.mode=full"],
                                   ["model=tiny_omnigen2", "train.precision=bf16"],
@@ -83,6 +85,10 @@ SINGLE_FILES = {
                                      "dpipe.models.flux.tiny:write_bfl_single_file",
                                      "model.diffusion_model.", None, _comfy_quant,
                                      "model.base_compute=fp8"),
+    # DoRA: magnitudes from the file's values, its Linears holding their stored forms
+    "flux_fp8_scaled_dora": ("tiny_flux", "flux1-dev.safetensors",
+                             "dpipe.models.flux.tiny:write_bfl_single_file",
+                             "model.diffusion_model.", None, _scaled_fp8, "model.adapter=dora"),
     # GGUF (city96's layout: BFL's names, no prefix): Q8_0 blocks moved whole by the converter
     # (fused q/k/v split along rows), kept in GGUF Linears; K-quant blocks where rows are 256
     # wide (the time and guidance embeddings); the F32 tensors cast. A batch per fused tensor.
