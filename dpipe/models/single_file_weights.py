@@ -302,7 +302,8 @@ def _plain_meta(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _read_bytes(entry: dict) -> int:
-    """The bytes a file tensor takes once read: its values in fp32 where it is quantized."""
+    """The bytes a file tensor takes once read: its values in fp32 where it is quantized (a
+    GGUF's entries name torch dtypes: as stored, its blocks staying blocks)."""
     begin, end = entry["data_offsets"]
     return (end - begin) * VALUE_BYTES.get(entry["dtype"], 1)
 
