@@ -101,7 +101,14 @@ SINGLE_FILES = {
     # Anima's own skeleton (two models in one file), NVIDIA's names
     "anima_gguf": ("tiny_anima", "anima-preview.safetensors",
                    "dpipe.models.anima.tiny:write_single_file", "net.", None,
-                   _gguf("Q8_0", "cosmos"))}
+                   _gguf("Q8_0", "cosmos")),
+    # the other families with GGUF files in test_gguf_files: their converters over blocks
+    "z_image_gguf": ("tiny_z_image", "z_image_turbo_bf16.safetensors",
+                     "dpipe.models.z_image.tiny:write_single_file", "model.diffusion_model.",
+                     None, _gguf("Q8_0", "lumina2")),
+    "minimax_h3_gguf": ("tiny_minimax_h3", "minimax_h3.safetensors",
+                        "dpipe.models.minimax_h3.tiny:write_single_file",
+                        "model.diffusion_model.", None, _gguf("Q8_0", "minimax_h3"))}
 
 
 @pytest.mark.parametrize("case", list(SINGLE_FILES))
