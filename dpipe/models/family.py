@@ -166,10 +166,10 @@ class DiffusersFamily(ModelSpec):
 
     @property
     def loads_stage_weights(self) -> bool:
-        """From a diffusers folder or a safetensors single file, plain or quantized (a GGUF
-        is read whole), where the family loads its denoiser the default way. A family with its own `load_denoiser` says so itself: where its own is
-        for single files only (SDXL), or where it builds its own skeleton (Anima's two
-        models)."""
+        """From a diffusers folder, or a safetensors single file (plain or quantized) or a GGUF
+        file, where the family loads its denoiser the default way. A family with its own
+        `load_denoiser` says so itself: where its own is for single files only (SDXL), or
+        where it builds its own skeleton (Anima's two models)."""
         if type(self).load_denoiser is not DiffusersFamily.load_denoiser:
             return False
         return self.single_file is None or reads_by_tensor(self.single_file)
@@ -183,7 +183,7 @@ class DiffusersFamily(ModelSpec):
         if self.single_file is not None:
             return file_skeleton(model_cls, self.path / self.denoiser_folder, self.single_file,
                                  type(self).from_single_file, model_cls.__name__,
-                                 keeps_stored_base(self.cfg))
+                                 keeps_stored_base(self.cfg), self.gguf_architectures)
         return folder_skeleton(model_cls, self.path / self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the

@@ -15,7 +15,12 @@ way: a stage reads its weights with their scales and comfy_quant entries, and th
 rules (`dpipe.models.single_file.dequantized_state`) run over them, the file's other tensors
 meta, before the converter; a LoRA's frozen base keeps each Linear's stored form
 (`comfy_quant.StoredForm`, from the row tables the converter maps as the whole load maps them).
-A GGUF's blocks are read whole (`load_transformer_file`).
+
+A GGUF file (`GGUFWeights`) is read the same way from its header's offsets, its quantized
+tensors as diffusers' `GGUFParameter`s (a stand-in is one on the meta device), which the
+converter moves whole as in the whole load: the Linears whose weights come out quantized become
+GGUF Linears before any adapter wraps them (learnt from the converter's run over the stand-ins)
+and take the file's blocks as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from dpipe.models.common.comfy_quant import CONF, StoredForm, stored_form
+from dpipe.models.common.gguf_files import (GGUF_SUFFIX, as_read, check_architecture,
+                                            dequantize, gguf_header, is_gguf_quantized,
+                                            quantized_linears, read_gguf_tensors)
 from dpipe.models.common.quantized_files import MARKER
 from dpipe.models.safetensors_files import TENSOR_DTYPES, file_header, read_tensors
 from dpipe.models.single_file import (check_names, converted_or_refused, converter_name,
@@ -52,8 +60,8 @@ BATCH_BYTES = 128 << 20
 def reads_by_tensor(file: Path) -> bool:
     """Whether a stage can read `file` tensor by tensor: a safetensors file, plain or in one of
     the quantization layouts dpipe reads (a layout it does not read is refused with the whole
-    load's message as the stage's weights are set up)."""
-    return file.suffix in SAFETENSORS_SUFFIXES
+    load's message as the stage's weights are set up), or a GGUF file."""
+    return file.suffix in (*SAFETENSORS_SUFFIXES, GGUF_SUFFIX)
 
 
 class _Traced(torch.Tensor):
@@ -98,9 +106,7 @@ class FileWeights:
     def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str,
                  keep_stored: bool = False):
         self.file, self.model, self.convert, self.title = file, model, convert, title
-        self.stored, self.metadata = file_header(file)
-        # comfy_quant's per-layer JSON, which the layout's rules read: a few bytes a layer.
-        self.confs = read_tensors(file, {k: torch.uint8 for k in self.stored if k.endswith(CONF)})
+        self.stored, self.metadata, self.confs = self._header()
         self.stored_forms: dict[str, StoredForm] = {}
         values, tables = self._values({key: _Traced.make(self._meta(key), frozenset((key,)))
                                        for key in self.stored})
@@ -127,6 +133,22 @@ class FileWeights:
             for name in self.tabled:
                 self.sources[name] = self.sources[name] | getattr(mapped[name], "sources",
                                                                   everything)
+
+    def _header(self) -> tuple[dict[str, dict], dict[str, str], dict[str, torch.Tensor]]:
+        """(the file's header entries, its metadata, comfy_quant's per-layer JSON, which the
+        layout's rules read: a few bytes a layer)."""
+        stored, metadata = file_header(self.file)
+        return stored, metadata, read_tensors(self.file, {k: torch.uint8 for k in stored
+                                                          if k.endswith(CONF)})
+
+    def _read(self, keys: set[str]) -> dict[str, torch.Tensor]:
+        """The file's tensors `keys`, each as stored."""
+        return read_tensors(self.file, {key: TENSOR_DTYPES[self.stored[key]["dtype"]]
+                                        for key in keys})
+
+    def _kept(self, name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The converted weight `name` as the stage keeps it: cast to `dtype`."""
+        return value.to(dtype)
 
     def _values(self, state: dict[str, torch.Tensor], part: bool = False
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -167,8 +189,7 @@ class FileWeights:
         tensors as meta tensors, then cast; the stored forms of its Linears kept where asked."""
         out: dict[str, torch.Tensor] = {}
         for names, keys in self._batches(wanted):
-            real = read_tensors(self.file, {key: TENSOR_DTYPES[self.stored[key]["dtype"]]
-                                            for key in keys})
+            real = self._read(keys)
             read, tables = self._values({**self.markers, **real}, part=True)
             values = {name: read.get(name, meta) for name, meta in self.stand_ins.items()}
             converted = self._converted(values)
@@ -182,7 +203,7 @@ class FileWeights:
                     self.stored_forms[name] = form
                     out[name] = torch.zeros((), dtype=wanted[name]).expand(form.values.shape)
                     continue
-                value = converted[name].to(wanted[name])
+                value = self._kept(name, converted[name], wanted[name])
                 # A part of a fused tensor would keep all of it: its own storage instead.
                 whole = value.untyped_storage().nbytes() > value.numel() * value.element_size()
                 out[name] = value.clone() if whole else value
@@ -226,22 +247,75 @@ class FileWeights:
             yield batch_names, batch_keys
 
 
+class GGUFWeights(FileWeights):
+    """The weights of one GGUF file (its names the original layout's, as `FileWeights`'), its
+    Linears' quantized weights kept in their blocks as `load_transformer_file` keeps them: the
+    model's Linears that take them become GGUF Linears as this source is made."""
+
+    def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str,
+                 architectures: tuple[str, ...]):
+        check_architecture(file, title, architectures)
+        super().__init__(file, model, convert, title)
+        # What the converter sees of a tensor a batch does not read: the whole load's tensor,
+        # a `GGUFParameter` of its block type, on the meta device; their converted forms
+        # say which Linears keep blocks.
+        self.stand_ins = {converter_name(key): as_read(self._meta(key), entry, key)
+                          for key, entry in self.stored.items()}
+        self.quantized = quantized_linears(model, self._converted(self.stand_ins), file)
+
+    def _header(self) -> tuple[dict[str, dict], dict[str, str], dict[str, torch.Tensor]]:
+        return gguf_header(self.file), {}, {}
+
+    def _meta(self, key: str) -> torch.Tensor:
+        entry = self.stored[key]
+        return torch.empty(entry["shape"], dtype=entry["dtype"], device="meta")
+
+    def _read(self, keys: set[str]) -> dict[str, torch.Tensor]:
+        return read_gguf_tensors(self.file, self.stored, keys)
+
+    def _values(self, state: dict[str, torch.Tensor], part: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return {converter_name(k): v for k, v in state.items()}, {}  # no layout's rules
+
+    def _kept(self, name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A GGUF Linear's weight: its blocks as stored. Another quantized tensor: dequantized
+        in fp32 (as the whole load reads it), then cast to `dtype`."""
+        if name in self.quantized:
+            return value.as_tensor()
+        if is_gguf_quantized(value):
+            return dequantize(value, value.quant_type, torch.float32).to(dtype)
+        return value.to(dtype)
+
+
+def file_weights(file: Path, model: nn.Module, convert: Callable | None, title: str,
+                 keep_stored: bool = False, gguf_architectures: tuple[str, ...] = ()
+                 ) -> FileWeights:
+    """The source of the single file `file`'s weights: `GGUFWeights` for a GGUF file (of one of
+    the family's `gguf_architectures`), else `FileWeights` (`keep_stored`: see there)."""
+    if file.suffix == GGUF_SUFFIX:
+        return GGUFWeights(file, model, convert, title, gguf_architectures)
+    return FileWeights(file, model, convert, title, keep_stored)
+
+
 def _plain_meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _read_bytes(entry: dict) -> int:
-    """The bytes a file tensor takes once read: its values in fp32 where it is quantized."""
+    """The bytes a file tensor takes once read: its values in fp32 where it is quantized (a
+    GGUF's entries name torch dtypes: as stored, its blocks staying blocks)."""
     begin, end = entry["data_offsets"]
     return (end - begin) * VALUE_BYTES.get(entry["dtype"], 1)
 
 
 def file_skeleton(model_cls, config_dir: Path, file: Path, convert: Callable | None,
-                  title: str, keep_stored: bool = False) -> DenoiserSkeleton | None:
+                  title: str, keep_stored: bool = False,
+                  gguf_architectures: tuple[str, ...] = ()) -> DenoiserSkeleton | None:
     """The denoiser of `config_dir`'s config, its weights to be read from the single file
-    `file` stage by stage (`keep_stored`: see `FileWeights`); None where the file is not a
-    safetensors file (`reads_by_tensor`): the whole load reads it."""
+    `file` stage by stage (`file_weights`); None where the file is neither a safetensors nor a
+    GGUF file (`reads_by_tensor`): the whole load reads it."""
     if not reads_by_tensor(file):
         return None
     model = empty_model(model_cls, config_dir)
-    return skeleton_of(model, FileWeights(file, model, convert, title, keep_stored))
+    return skeleton_of(model, file_weights(file, model, convert, title, keep_stored,
+                                           gguf_architectures))

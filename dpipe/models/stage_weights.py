@@ -64,7 +64,8 @@ class DenoiserSkeleton:
             if id(param) in keep:
                 if not self.weights.holds(key):
                     raise ModelLoadError(self.weights.missing(key))
-                wanted[key] = dtype_of(param)
+                # A GGUF Linear's weight is its file's bytes: read as stored, never cast.
+                wanted[key] = dtype_of(param) if param.is_floating_point() else param.dtype
                 kept[key] = param
         meta: dict[int, nn.Parameter] = {}  # a placeholder -> its meta parameter
         for module in self.model.modules():

@@ -39,13 +39,24 @@ GiB = 1 << 30
 PROCESS_HOST = 3 * GiB
 
 
-def loading_bytes(layer_bytes: list[int]) -> int:
+def loading_bytes(layer_bytes: list[int], batch: int = 0) -> int:
     """Host bytes a worker holds while it reads its stage's weights (`dpipe.train.trainable`),
-    from each of the stage's layers' bytes as training keeps them (a bf16 LoRA's frozen base in
-    bf16, trained weights in their dtype; an fp8 base is quantized after the stage is read in
-    bf16): all of them, and the largest layer's once more for the tensor in transit (read in its
-    stored dtype, then cast)."""
-    return sum(layer_bytes) + max(layer_bytes, default=0)
+    from each of the stage's layers' bytes as it reads them (`read_layer_bytes`): all of them,
+    and in transit the largest layer's once more (read in its stored dtype, then cast) or the
+    `batch` of tensors read at once, with their converted copies, if that is more."""
+    return sum(layer_bytes) + max(max(layer_bytes, default=0), batch)
+
+
+def read_layer_bytes(frozen: int, quantizable: int, trainable: int,
+                     value_bytes: float | None, base_bytes: int = 2) -> int:
+    """A layer's bytes as a worker reads them: its `frozen` weights as training keeps them
+    (`base_bytes` a value: 2 for a bf16 LoRA's base, 4 in fp32; an fp8 base is quantized after
+    the stage is read so), but for the `quantizable` values of its frozen Linears,
+    `value_bytes` each where a LoRA keeps a quantized file's Linears as the file stores them
+    (None: none kept so); and its `trainable` bytes."""
+    if value_bytes is None:
+        return frozen + trainable
+    return frozen - round(quantizable * (base_bytes - value_bytes)) + trainable
 
 
 # Measured >= 1.11 (8.1 / 7.3 GiB) on FLUX.1-dev, compiled, before the OOM, when an eager

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dpipe.config.schema import BaseCompute, OptimizerName, Precision, RunConfig, TrainMode
+from dpipe.config.schema import (Adapter, BaseCompute, OptimizerName, Precision, RunConfig,
+                                 TrainMode)
 from dpipe.pipeline.memory import (PROCESS_HOST, LayerCost, fragmentation_margin,
-                                   in_flight_micro_batches, loading_bytes, plan_swap)
+                                   in_flight_micro_batches, loading_bytes, plan_swap,
+                                   read_layer_bytes)
 from dpipe.pipeline.partition import stage_bounds
 from dpipe.plan.footprint import ModelFootprint
 from dpipe.plan.machine import GiB, HOST_TO_DEVICE, Machine, size
@@ -169,8 +171,7 @@ def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int
 
     if footprint.stage_loading and reads_stage_only(run):
         out = {"loading the denoiser (each process its stage)": data_parallel * sum(
-            loading_bytes([x.frozen_bytes + x.trainable_bytes
-                           for x in footprint.layers[slice(*s.layers)]]) + PROCESS_HOST
+            stage_loading_bytes(footprint.layers[slice(*s.layers)], run) + PROCESS_HOST
             for s in stage_plans)}
     else:
         out = {"loading the denoiser (fp32, every process)":
@@ -265,6 +266,50 @@ def keeps_file_base(run: RunConfig) -> bool:
 
     path = Path(str(run.model.path)).expanduser()
     return keeps_stored_base(run.model) and path.is_file() and stores_8bit_linears(path)
+
+
+def stored_value_bytes(run: RunConfig) -> float | None:
+    """Bytes of a frozen Linear value as a worker reads the run's base, where a LoRA keeps a
+    quantized file's Linears as the file stores them: 1 for an 8-bit file (`keeps_file_base`;
+    its scales, < 0.1%, left out), a GGUF file's mean over its Linear weights
+    (`gguf_files.stored_value_bytes`); None where the base is read as training keeps it (an fp8
+    base is made from the values read)."""
+    from pathlib import Path
+
+    from dpipe.models.common.gguf_files import GGUF_SUFFIX
+    from dpipe.models.common.gguf_files import stored_value_bytes as gguf_value_bytes
+
+    if keeps_file_base(run):
+        return 1.0
+    path = Path(str(run.model.path)).expanduser()
+    if run.model.mode == TrainMode.lora and path.suffix == GGUF_SUFFIX and path.is_file():
+        return gguf_value_bytes(path)
+    return None
+
+
+def stage_loading_bytes(layers, run: RunConfig) -> int:
+    """Host bytes a worker holds while it reads its stage's `layers` (each with its
+    `frozen_bytes`, `quantizable` and `trainable_bytes`, as `LayerFootprint`): each layer as it
+    is read (`read_layer_bytes`: where a LoRA keeps a quantized file's Linears as stored, at
+    their stored bytes), and in transit the largest layer or, from a quantized safetensors
+    file, a batch of its tensors dequantized in fp32 (`single_file_weights.BATCH_BYTES`),
+    whichever is more (`loading_bytes`)."""
+    from pathlib import Path
+
+    from dpipe.models.common.quantized_files import file_is_quantized
+    from dpipe.models.single_file_weights import BATCH_BYTES
+
+    value_bytes = stored_value_bytes(run)
+    bf16 = run.train.precision == Precision.bf16
+    # A bf16 DoRA reads its base in fp32 (its magnitudes are the fp32 base's norms), then casts.
+    widen = 2 if bf16 and run.model.mode == TrainMode.lora and run.model.adapter == Adapter.dora \
+        else 1
+    base_bytes = (2 if bf16 else 4) * widen  # a frozen value as read
+    sizes = [read_layer_bytes(x.frozen_bytes * widen, x.quantizable, x.trainable_bytes,
+                              value_bytes, base_bytes) for x in layers]
+    path = Path(str(run.model.path)).expanduser()
+    dequantized = path.is_file() and file_is_quantized(path)
+    return loading_bytes(sizes, BATCH_BYTES if dequantized else 0)
 
 
 def choose(footprint: ModelFootprint, run: RunConfig, machine: Machine,

@@ -138,7 +138,7 @@ def _as_compute(x, dtype):
     return tuple(out)
 
 
-def _block_linears(denoiser: nn.Module) -> set[int]:
+def block_linears(denoiser: nn.Module) -> set[int]:
     """The nn.Linear modules inside the denoiser's repeated blocks: those whose frozen weights
     model.base_dtype=fp8 stores in 8 bits (`dpipe.train.fp8.quantize_frozen_linears`' rule)."""
     out = set()
@@ -207,16 +207,20 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
         latent_bytes=2 * tokens * shape[0], stage_loading=spec.loads_stage_weights)
 
 
-def layer_weights(layer: nn.Module) -> dict[str, int]:
+def layer_weights(layer: nn.Module, blocks: set[int] = frozenset()) -> dict[str, int]:
     """A trainable layer's weights as `LayerFootprint` counts them (what needs no forward): its
-    parameters, the trained ones and their bytes, its frozen weights' and buffers' bytes."""
+    parameters, the trained ones and their bytes, its frozen weights' and buffers' bytes, and
+    the values of its frozen Linear weights among `blocks` (`block_linears` of its denoiser:
+    what 8-bit storage quantizes)."""
     from dpipe.pipeline.block_swap import frozen_bytes
 
     trained = [p for p in layer.parameters() if p.requires_grad]
     return {"params": sum(p.numel() for p in layer.parameters()),
             "trainable": sum(p.numel() for p in trained),
             "trainable_bytes": sum(p.numel() * p.element_size() for p in trained),
-            "frozen_bytes": frozen_bytes(layer)}
+            "frozen_bytes": frozen_bytes(layer),
+            "quantizable": sum(m.weight.numel() for m in layer.modules()
+                               if id(m) in blocks and not m.weight.requires_grad)}
 
 
 def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool,
@@ -229,7 +233,7 @@ def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: boo
     from dpipe.train.trainable import trainable_layers
 
     denoiser = spec.random_denoiser(size, torch.float32, torch.device("meta"))
-    blocks = _block_linears(denoiser)
+    blocks = block_linears(denoiser)
     with torch.device("meta"):  # LoRA's weights too: nothing of the model takes host memory
         layers = trainable_layers(spec, run, denoiser)
     compute = torch.bfloat16 if run.train.precision == Precision.bf16 else torch.float32
@@ -254,9 +258,7 @@ def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: boo
             params = {id(p) for p in layer.parameters()} | {id(b) for b in layer.buffers()}
             kept = {id(t): t.numel() * t.element_size() for t in saved if id(t) not in params}
             out.append(LayerFootprint(
-                **layer_weights(layer),
-                quantizable=sum(m.weight.numel() for m in layer.modules()
-                                if id(m) in blocks and not m.weight.requires_grad) if lora else 0,
+                **layer_weights(layer, blocks if lora else set()),
                 activations=int(mbs * ACTIVATION_CALIBRATION * sum(kept.values())),
                 flops=float(mbs * flops.get_total_flops()), cost=0.0))
     return [_kind(layer, lora) for layer in layers], out

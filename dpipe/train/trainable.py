@@ -33,11 +33,11 @@ def load_denoiser(spec, run: RunConfig, stage: int | None = None):
 
 def reads_stage_only(run: RunConfig) -> bool:
     """Whether the run lets a rank read only its stage's weights: not where the whole base is
-    needed before the adapters exist (adapters merged into it; DoRA, whose magnitudes start from
-    the base weights' norms). The family must also build its denoiser from a diffusers folder's
-    safetensors files (`ModelSpec.denoiser_skeleton`)."""
-    lora = run.model.mode == TrainMode.lora
-    return not run.model.merge_adapters and not (lora and run.model.adapter == Adapter.dora)
+    needed before the adapters exist (adapters merged into it). A DoRA adapter's magnitudes,
+    which start from the base weights' norms, are made again once the stage is read
+    (`_read_stage_weights`). The family must also build its denoiser from files it reads
+    tensor by tensor (`ModelSpec.denoiser_skeleton`)."""
+    return not run.model.merge_adapters
 
 
 def trainable_layers(spec, run: RunConfig, denoiser=None, stage: int | None = None) -> list:
@@ -106,10 +106,33 @@ def _read_stage_weights(skeleton, spec, run: RunConfig, stage: int) -> None:
     bf16 = run.train.precision == Precision.bf16
     lora = run.model.mode == TrainMode.lora
     whole_bf16 = bf16 and not lora and not run.optim.master_weights
+    # DoRA's magnitudes are the norms of the base as loaded whole (fp32): read so, cast after.
+    dora = lora and run.model.adapter == Adapter.dora
 
     def dtype_of(param) -> torch.dtype:
-        if (bf16 and lora and not param.requires_grad) or whole_bf16:
+        if (bf16 and lora and not param.requires_grad and not dora) or whole_bf16:
             return torch.bfloat16
         return param.dtype
 
     skeleton.load(keep, dtype_of)
+    if dora and not run.model.lora.init_from:  # a file's magnitudes are the file's
+        _dora_magnitudes(layers[bounds[stage]:bounds[stage + 1]])
+
+
+def _dora_magnitudes(layers: list) -> None:
+    """Each DoRA module's magnitudes made again, as peft made them when it wrapped the
+    module (over a placeholder here): the norms of its base weight plus its adapter's delta.
+    A base weight read as a placeholder beside a quantized file's stored form is its form's
+    values meanwhile (the file's, as the whole load read them)."""
+    for layer in layers:
+        for module in layer.modules():
+            for name, magnitude in getattr(module, "lora_magnitude_vector", {}).items():
+                base = module.get_base_layer()
+                form = base.__dict__.get("stored_form")
+                placeholder = base.weight.data
+                if form is not None and form.weight_elided:
+                    base.weight.data = form.dequantized()
+                magnitude.update_layer(base_layer=base, lora_A=module.lora_A[name].weight,
+                                       lora_B=module.lora_B[name].weight,
+                                       scaling=module.scaling[name])
+                base.weight.data = placeholder

@@ -10,6 +10,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -41,22 +42,25 @@ def measure(stage: int, overrides: list[str]) -> dict[str, int]:
     from dpipe.config.compose import compose_run
     from dpipe.models.registry import build_spec
     from dpipe.pipeline.partition import stage_bounds
-    from dpipe.pipeline.memory import loading_bytes
-    from dpipe.plan.footprint import layer_weights
+    from dpipe.plan.choose import stage_loading_bytes
+    from dpipe.plan.footprint import block_linears, layer_weights
     from dpipe.train.trainable import trainable_layers
 
     run = compose_run(overrides, world_size=run_stages(overrides))
     spec = build_spec(run.model)
-    # The plan's bound: this stage's layers' weights as training keeps them, from the model
-    # built on the meta device (as dpipe.plan.footprint builds it), nothing read.
+    # The plan's bound: this stage's layers' weights as a worker reads them (a quantized
+    # file's Linears as stored, where the LoRA keeps them so), from the model built on the meta
+    # device (as dpipe.plan.footprint builds it), nothing read.
     skeleton = spec.denoiser_skeleton()
     with torch.device("meta"):
         meta = type(skeleton.model).from_config(skeleton.model.config)
+        blocks = block_linears(meta)
         layers = trainable_layers(spec, run, meta)
     p = run.pipeline
     bounds = stage_bounds(spec.layer_costs(layers), p.stages, p.partition, p.split)
-    weights = [layer_weights(layer) for layer in layers[bounds[stage]:bounds[stage + 1]]]
-    bound = loading_bytes([w["frozen_bytes"] + w["trainable_bytes"] for w in weights])
+    weights = [SimpleNamespace(**layer_weights(layer, blocks))
+               for layer in layers[bounds[stage]:bounds[stage + 1]]]
+    bound = stage_loading_bytes(weights, run)
     del skeleton, meta, layers
 
     Path("/proc/self/clear_refs").write_text("5")  # the peak counts from here

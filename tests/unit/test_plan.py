@@ -348,3 +348,68 @@ def test_a_cache_disk_too_small_is_refused_with_the_space_it_needs(tmp_path):
                        r"MiB free"):
         check_fits(run, spec, parse(f"1x24,disk={0.01 / 1024}"), 1)
     assert "cache 0." in check_fits(run, spec, parse("1x24,disk=1"), 1)
+
+
+def real_size_gguf(out, quant: str = "Q8_0"):
+    """FLUX.1-dev's transformer as a `quant` GGUF in city96's layout (BFL's names, each 2-D
+    weight whose rows split into blocks in `quant`, the rest F32): its real header, the data
+    never written (a sparse file of the size the header says)."""
+    import gguf
+    import numpy as np
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from dpipe.models.common.bfl_layout import flux1_layout, to_bfl
+    from dpipe.models.flux.sizes import FLUX1_DEV
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**{k: v for k, v in FLUX1_DEV.items()
+                                          if not k.startswith("_")})
+    qtype = gguf.GGMLQuantizationType[quant]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    writer = gguf.GGUFWriter(str(out), arch="flux")
+    data = 0
+    for name, t in to_bfl(model.state_dict(), flux1_layout(FLUX1_DEV)).items():
+        if name.endswith(".weight") and t.dim() == 2 and t.shape[1] % block == 0:
+            shape = (t.shape[0], t.shape[1] // block * size)
+            writer.add_tensor_info(name, shape, np.dtype(np.uint8), shape[0] * shape[1],
+                                   raw_dtype=qtype)
+            data += shape[0] * shape[1]
+        else:
+            writer.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), 4 * t.numel())
+            data += 4 * t.numel()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(out, "r+b") as f:  # room for every tensor and its alignment
+        f.truncate(out.stat().st_size + data + 32 * (len(model.state_dict()) + 1))
+    return out
+
+
+def test_the_plan_counts_a_gguf_base_as_stored(tmp_path):
+    """FLUX.1-dev LoRA from a Q8_0 GGUF on a 24 GB card in a 32 GiB host: each worker reads
+    its stage's tensors of the file, its block Linears kept as stored (34 bytes a 32-value
+    block), so loading takes 15.8 GiB, not the 26.5 GiB of the same stage in bf16 (the plain
+    file's figure), nor the 48 GiB of the whole fp32 load every process made before."""
+    from dpipe.config.compose import compose_run
+    from dpipe.models.common.gguf_files import stored_value_bytes
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    folder = tmp_path / "FLUX.1-dev"  # the configs' folder: the plan reads none of it
+    folder.mkdir()
+    file = real_size_gguf(tmp_path / "flux1-dev-Q8_0.gguf")
+    assert stored_value_bytes(file) == 34 / 32
+    peaks = {}
+    for path in ("/models/flux1-dev.safetensors", file):
+        run = compose_run(["model=flux", f"model.path={path}",
+                           f"model.single_file_config={folder}", "dataset.resolutions=[1024]",
+                           "train.precision=bf16", "pipeline.stages=1"], world_size=1)
+        plan = plan_run(build_spec(run.model), run, parse("1x24,host=32"), set()).plan
+        assert plan.fits and (plan.stages, plan.data_parallel) == (1, 1)
+        peaks[str(path)] = plan.host_peak
+    assert peaks["/models/flux1-dev.safetensors"] == (
+        "loading the denoiser (each process its stage)", pytest.approx(26.5 * GiB, rel=0.01))
+    assert peaks[str(file)] == (
+        "loading the denoiser (each process its stage)", pytest.approx(15.8 * GiB, rel=0.01))

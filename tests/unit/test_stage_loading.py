@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
                                   ["model.adapter=lokr", "train.precision=bf16",
                                    "model.base_dtype=fp8"],
                                   ["model=tiny_z_image", "train.precision=bf16"],
+                                  # magnitudes from the fp32 base's norms, as the whole load's
+                                  ["model.adapter=dora", "train.precision=bf16"],
                                   # a full fine-tune: SDXL's LoRA layers take seconds to count
                                   ["model=tiny_sdxl", "model.mode=full"],
                                   ["model=tiny_omnigen2", "train.precision=bf16"],
@@ -45,6 +47,16 @@ def _comfy_quant(plain: Path, out: Path) -> Path:
     from tests.unit.test_comfy_quant import comfy_quant_copy
 
     return comfy_quant_copy(plain, out)
+
+
+def _gguf(quant: str, arch: str):
+    """A writer of the plain file as a `quant` GGUF of `arch` (test_gguf_files' writers)."""
+    def write(plain: Path, out: Path) -> Path:
+        from tests.unit.test_gguf_files import gguf_copy
+
+        return gguf_copy(plain, out.with_suffix(".gguf"), quant, arch)
+
+    return write
 
 
 # case -> (model, the file's name as released, its writer, the writer's key prefix, the bytes
@@ -72,7 +84,31 @@ SINGLE_FILES = {
     "flux_comfy_quant_fp8_compute": ("tiny_flux", "flux1-dev.safetensors",
                                      "dpipe.models.flux.tiny:write_bfl_single_file",
                                      "model.diffusion_model.", None, _comfy_quant,
-                                     "model.base_compute=fp8")}
+                                     "model.base_compute=fp8"),
+    # DoRA: magnitudes from the file's values, its Linears holding their stored forms
+    "flux_fp8_scaled_dora": ("tiny_flux", "flux1-dev.safetensors",
+                             "dpipe.models.flux.tiny:write_bfl_single_file",
+                             "model.diffusion_model.", None, _scaled_fp8, "model.adapter=dora"),
+    # GGUF (city96's layout: BFL's names, no prefix): Q8_0 blocks moved whole by the converter
+    # (fused q/k/v split along rows), kept in GGUF Linears; K-quant blocks where rows are 256
+    # wide (the time and guidance embeddings); the F32 tensors cast. A batch per fused tensor.
+    "flux_gguf_q8_0": ("tiny_flux", "flux1-dev.safetensors",
+                       "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.",
+                       1, _gguf("Q8_0", "flux")),
+    "flux_gguf_q4_k": ("tiny_flux", "flux1-dev.safetensors",
+                       "dpipe.models.flux.tiny:write_bfl_single_file", "model.diffusion_model.",
+                       None, _gguf("Q4_K", "flux")),
+    # Anima's own skeleton (two models in one file), NVIDIA's names
+    "anima_gguf": ("tiny_anima", "anima-preview.safetensors",
+                   "dpipe.models.anima.tiny:write_single_file", "net.", None,
+                   _gguf("Q8_0", "cosmos")),
+    # the other families with GGUF files in test_gguf_files: their converters over blocks
+    "z_image_gguf": ("tiny_z_image", "z_image_turbo_bf16.safetensors",
+                     "dpipe.models.z_image.tiny:write_single_file", "model.diffusion_model.",
+                     None, _gguf("Q8_0", "lumina2")),
+    "minimax_h3_gguf": ("tiny_minimax_h3", "minimax_h3.safetensors",
+                        "dpipe.models.minimax_h3.tiny:write_single_file",
+                        "model.diffusion_model.", None, _gguf("Q8_0", "minimax_h3"))}
 
 
 @pytest.mark.parametrize("case", list(SINGLE_FILES))
@@ -93,6 +129,26 @@ def test_each_stage_reads_its_weights_of_a_single_file(tmp_path, monkeypatch, ca
     _assert_stages_read_the_whole_load([f"model={model}", f"model.path={file}",
                                         f"model.single_file_config={run.model.path}",
                                         "train.precision=bf16", *overrides])
+
+
+@pytest.mark.parametrize("quantize", [None, _scaled_fp8])
+def test_each_stage_reads_its_unet_weights_of_an_sdxl_checkpoint(tmp_path, quantize):
+    """SDXL's whole pipeline in one file (Stability's names, the UNet under
+    "model.diffusion_model.", the VAE and both text encoders beside it), plain and as
+    ComfyUI's fp8_scaled: each stage reads its UNet tensors alone, mapped by the converter
+    diffusers' from_single_file runs. A full fine-tune: SDXL's LoRA layers take seconds to
+    count."""
+    from dpipe.models.sdxl.tiny import SINGLE_FILE
+
+    run = compose_run(["model=tiny_sdxl"], world_size=2)
+    build_spec(run.model).ensure_available()
+    folder = Path(run.model.path)
+    file = folder / SINGLE_FILE
+    if quantize is not None:
+        file = quantize(file, tmp_path / SINGLE_FILE)
+    _assert_stages_read_the_whole_load(["model=tiny_sdxl", f"model.path={file}",
+                                        f"model.single_file_config={folder}",
+                                        "model.mode=full"])
 
 
 def _assert_stages_read_the_whole_load(overrides: list[str]) -> None:
@@ -138,9 +194,12 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     resident memory's peak while it loads (VmHWM, from a reset), against
     `dpipe.pipeline.memory.loading_bytes` for that stage (the plan's figure): from the diffusers
     folder, then from the same weights as ComfyUI's single file in BFL's layout (its fused
-    tensors split by the converter)."""
+    tensors split by the converter), as its fp8_scaled file and as a Q8_0 GGUF, whose block
+    Linears the LoRA keeps as stored (1 and 34/32 bytes a value): a lower bound than bf16's."""
     from diffusers import FluxTransformer2DModel
 
+    from dpipe.models.common.gguf_files import write_gguf_copy
+    from dpipe.models.common.quantized_files import write_quantized_copy
     from dpipe.models.flux.tiny import write_bfl_single_file
 
     folder = tmp_path / "flux"  # the denoiser's folder is all that loading reads
@@ -153,16 +212,25 @@ def test_a_stage_loads_within_the_host_memory_the_plan_states(tmp_path):
     del model
     file = write_bfl_single_file(folder, tmp_path / "flux1-dev.safetensors",
                                  "model.diffusion_model.")
+    files = [file, write_quantized_copy(file, tmp_path / "flux1-dev-fp8.safetensors",
+                                        torch.float8_e4m3fn),
+             write_gguf_copy(file, tmp_path / "flux1-dev-Q8_0.gguf", "Q8_0", "flux")]
     run = ["model=tiny_flux", "pipeline.stages=2", "train.precision=bf16"]
+    groups = [[*run, f"model.path={folder}"]] + [
+        ["--", *run, f"model.path={f}", f"model.single_file_config={folder}"] for f in files]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *run,
-         f"model.path={folder}", "--", *run, f"model.path={file}",
-         f"model.single_file_config={folder}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "tests.unit.stage_loading_worker", "0", *sum(groups, [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)})
     assert result.returncode == 0, result.stderr[-3000:]
-    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-2:]]
-    assert measured[0]["bound"] == measured[1]["bound"]
-    assert 100e6 < measured[0]["bound"] < 290e6  # about half the bf16 weights, one layer in transit
+    measured = [json.loads(line) for line in result.stdout.strip().splitlines()[-4:]]
+    print("RSS rise / bound (MB): folder, plain, fp8_scaled, Q8_0 GGUF:",
+          [(round(m["rise"] / 1e6), round(m["bound"] / 1e6)) for m in measured])
+    folder_bound, plain, fp8, gguf = (m["bound"] for m in measured)
+    assert folder_bound == plain
+    assert 100e6 < plain < 290e6  # about half the bf16 weights, one layer in transit
+    # the blocks' Linears at 1 and 34/32 bytes, not 2 (the fp8 file's batches, dequantized in
+    # fp32, take more than its largest layer in transit)
+    assert gguf < plain and fp8 < plain
     for folder_or_file in measured:
         assert folder_or_file["rise"] <= folder_or_file["bound"], measured

@@ -73,11 +73,11 @@ def anima_skeleton(folder: Path, single_file: Path | None):
     """The denoiser with no weights read, each stage to read its own from the folder's
     `transformer/` and `text_conditioner/`, or from Anima's single file through its converter
     (`dpipe.models.stage_weights`); None where the folder holds no safetensors weights or the
-    file is not a plain one (`reads_by_tensor`)."""
+    file is neither a safetensors nor a GGUF file (`reads_by_tensor`)."""
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 
     from dpipe.models.anima.comfyui import from_original
-    from dpipe.models.single_file_weights import FileWeights, reads_by_tensor
+    from dpipe.models.single_file_weights import file_weights, reads_by_tensor
     from dpipe.models.stage_weights import (FolderWeights, empty_model, holds_safetensors,
                                             skeleton_of)
 
@@ -90,8 +90,9 @@ def anima_skeleton(folder: Path, single_file: Path | None):
     if single_file is None:
         weights = FolderWeights({f"{part}.": folder / part for part in COMPONENTS})
     else:
-        weights = FileWeights(single_file, denoiser,
-                              lambda state, _: from_original(state, single_file), "Anima")
+        weights = file_weights(single_file, denoiser,
+                               lambda state, _: from_original(state, single_file), "Anima",
+                               gguf_architectures=GGUF_ARCHITECTURES)
     return skeleton_of(denoiser, weights)
 
 

@@ -5,10 +5,12 @@ its weight.
 Such a file holds the original checkpoint's names (as the family's single files do), Linear
 weights in a GGML block type (Q8_0, Q4_0/Q5_0, Q4_K/Q5_K/Q6_K, ...: each row cut into blocks of
 32 or 256 values sharing a scale) or F16/BF16, and small tensors (norms, biases) in F32; its
-`general.architecture` names the model ("flux", "wan", ...). diffusers reads the tensors
-(`load_gguf_checkpoint`: a quantized tensor is a `GGUFParameter`, its bytes with its type, which
-keeps the type through the families' name maps' splits and concatenations along rows) and
-defines the GGUF Linear peft wraps (`GGUFLinear`).
+`general.architecture` names the model ("flux", "wan", ...). Its tensors are read as diffusers'
+`load_gguf_checkpoint` reads them (a quantized tensor is diffusers' `GGUFParameter`, its bytes
+with its type, which keeps the type through the families' name maps' splits and concatenations
+along rows), but tensor by tensor from the header's offsets (`read_gguf_tensors`), so that a
+pipeline stage reads its own (`dpipe.models.single_file_weights.GGUFWeights`); diffusers defines
+the GGUF Linear peft wraps (`GGUFLinear`).
 
 `GGUFStoredLinear` changes what diffusers' Linear does at each matmul in two ways: it dequantizes
 through fp32, where diffusers' CPU path multiplies the block scales in fp16 (~5e-4 relative
@@ -51,10 +53,16 @@ def architecture(file: Path) -> str | None:
 
 def read_gguf(file: Path, title: str, architectures: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The tensors of `file`, quantized ones as diffusers' `GGUFParameter`, F16/F32 ones as
-    tensors; refuses a file whose architecture is another model's (`architectures`: the names
-    the family's files carry)."""
-    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+    tensors (as diffusers' `load_gguf_checkpoint` reads them); refuses a file whose architecture
+    is another model's (`architectures`: the names the family's files carry)."""
+    check_architecture(file, title, architectures)
+    header = gguf_header(file)
+    return read_gguf_tensors(file, header, header)
 
+
+def check_architecture(file: Path, title: str, architectures: tuple[str, ...]) -> None:
+    """Refuses a GGUF text encoder, or a transformer of an architecture the family does not
+    read."""
     arch = architecture(file)
     if arch in TEXT_ARCHITECTURES:
         raise ModelLoadError(f"{file} is a GGUF text encoder ({arch}), not a {title} transformer:"
@@ -63,7 +71,70 @@ def read_gguf(file: Path, title: str, architectures: tuple[str, ...]) -> dict[st
         raise ModelLoadError(
             f"{file} is a GGUF of another architecture ({arch!r} in general.architecture), not a "
             f"{title} transformer ({' or '.join(map(repr, architectures))})")
-    return load_gguf_checkpoint(str(file))
+
+
+def gguf_header(file: Path) -> dict[str, dict]:
+    """{tensor: its entry} of a GGUF file, none of its tensors read: its GGML `type`, the
+    `shape` and torch `dtype` its data is read as (a block type's rows as bytes, as the `gguf`
+    package's reader lays them out), its number of `values`, and the file offsets of its bytes
+    (`data_offsets`)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    return {t.name: {"type": t.tensor_type, "shape": tuple(t.data.shape),
+                     "dtype": torch.from_numpy(np.empty(0, t.data.dtype)).dtype,
+                     "values": int(t.n_elements),
+                     "data_offsets": (t.data_offset, t.data_offset + t.n_bytes)}
+            for t in GGUFReader(str(file)).tensors}
+
+
+def stored_value_bytes(file: Path) -> float:
+    """Bytes a value of the GGUF file's 2-D weights takes as a LoRA run keeps them: a block
+    type's as stored (Q8_0 34 bytes a 32-value block, Q4_K 144 a 256-value one; the Linears
+    keep them), F32 / F16 ones in bf16, 2. From the header alone."""
+    from gguf import GGMLQuantizationType
+
+    stored = values = 0
+    for key, entry in gguf_header(file).items():
+        if not key.endswith(".weight") or len(entry["shape"]) != 2:
+            continue
+        begin, end = entry["data_offsets"]
+        plain = entry["type"] in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+        stored += 2 * entry["values"] if plain else end - begin
+        values += entry["values"]
+    return stored / values if values else 2.0
+
+
+def read_gguf_tensors(file: Path, header: dict[str, dict], keys) -> dict[str, torch.Tensor]:
+    """The GGUF tensors `keys` of `file` (`header`: its `gguf_header`), each read on its own
+    with plain file reads, not mapped (a mapped file's pages count in the process's memory
+    while it stays open)."""
+    out = {}
+    with open(file, "rb") as f:
+        for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):
+            entry = header[key]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(begin)
+            f.readinto(memoryview(raw.numpy()))
+            out[key] = as_read(raw.view(entry["dtype"]).reshape(entry["shape"]), entry, key)
+    return out
+
+
+def as_read(data: torch.Tensor, entry: dict, key: str) -> torch.Tensor:
+    """A GGUF tensor's `data` as diffusers' loader gives it: a `GGUFParameter` of its block
+    type, or as it is for F32 and F16; a block type diffusers cannot dequantize is refused."""
+    from gguf import GGMLQuantizationType
+
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFParameter
+
+    quant_type = entry["type"]
+    if quant_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return data
+    if quant_type not in SUPPORTED_GGUF_QUANT_TYPES:
+        raise ModelLoadError(f"{key} is stored as {quant_type.name}, which diffusers does not "
+                             "dequantize: use a file of another quantization")
+    return GGUFParameter(data, quant_type=quant_type)
 
 
 def is_gguf_quantized(value: torch.Tensor) -> bool:
@@ -192,10 +263,21 @@ def gguf_linear_class():
 
 def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Puts a GGUF Linear in `model` wherever `state` holds a quantized Linear weight
+    (`quantized_linears`); returns `state` with those Linears' bytes as plain tensors and the
+    quantized tensors that no Linear takes (convolutions, embeddings, norms stored in BF16)
+    dequantized to `dtype`."""
+    taken = quantized_linears(model, state, file)
+    return {key: value.as_tensor() if key in taken
+            else dequantize(value, value.quant_type, dtype) if is_gguf_quantized(value)
+            else value for key, value in state.items()}
+
+
+def quantized_linears(model: nn.Module, state: dict[str, torch.Tensor], file: Path) -> set[str]:
     """Puts a GGUF Linear in `model` (built on the meta device) wherever `state` (diffusers'
-    names) holds a quantized Linear weight, after checking its shape is the Linear's; returns
-    `state` with the quantized tensors that no Linear takes (convolutions, embeddings, norms
-    stored in BF16) dequantized to `dtype`."""
+    names; the file's tensors, or meta tensors of their shapes and types) holds a quantized
+    Linear weight, after checking its shape is the Linear's; returns the names of those
+    weights."""
     linear_class = gguf_linear_class()
     taken = set()
     for name, module in list(model.named_modules()):
@@ -218,9 +300,7 @@ def keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], file: Path,
         values = sum(math.prod(state[k].quant_shape) for k in taken)
         log.info("%s: %d Linears kept quantized (%s): %.1f MiB as stored, %.1f MiB in bf16",
                  file, len(taken), ", ".join(kinds), stored / 2 ** 20, 2 * values / 2 ** 20)
-    return {key: value.as_tensor() if key in taken
-            else dequantize(value, value.quant_type, dtype) if is_gguf_quantized(value)
-            else value for key, value in state.items()}
+    return taken
 
 
 def write_gguf_copy(file: Path, out: Path, quant_type: str, arch: str) -> Path:

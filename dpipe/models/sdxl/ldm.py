@@ -138,6 +138,18 @@ def clip_g_to_open_clip(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
     return {CLIP_G_PREFIX + k: v for k, v in out.items()}
 
 
+def unet_from_single_file(state: dict[str, torch.Tensor], unet) -> dict[str, torch.Tensor]:
+    """The UNet's weights under diffusers' names from a checkpoint's tensors `state`, by the
+    converter diffusers' `from_single_file` runs (`convert_ldm_unet_checkpoint`), for `unet`'s
+    config. `state` comes without the UNet's prefix (`single_file.converter_name` strips it):
+    every key gets it back, as that converter picks the UNet's tensors by it and reads them by
+    name (the VAE's and text encoders' keys, prefixed so too, are never read)."""
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    return convert_ldm_unet_checkpoint({UNET_PREFIX + k: v for k, v in state.items()},
+                                       dict(unet.config))
+
+
 def single_file_state_dict(unet, vae, text_encoder, text_encoder_2) -> dict[str, torch.Tensor]:
     """The four models in the layout of `sd_xl_base_1.0.safetensors`."""
     sd = unet_to_sgm(unet.state_dict(), dict(unet.config))

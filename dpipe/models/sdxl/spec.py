@@ -38,7 +38,9 @@ from dpipe.models.lora_files import LoraFormat
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.costs import nominal_inputs
 from dpipe.models.sdxl.layers import sdxl_layers
+from dpipe.models.sdxl.ldm import unet_from_single_file
 from dpipe.models.single_file import read_single_file
+from dpipe.models.single_file_weights import file_skeleton, reads_by_tensor
 from dpipe.models.spec import NoisedBatch, PipelineLayer, counted_layer_flops, denoiser_config
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
@@ -160,8 +162,22 @@ class SDXLSpec(DiffusersFamily):
     @property
     def loads_stage_weights(self) -> bool:
         # Its load_denoiser is the default for a diffusers folder (its own is for single files
-        # only): each stage reads its weights from a folder as every default family does.
-        return self.single_file is None
+        # only): each stage reads its weights from a folder as every default family does, and
+        # from a safetensors checkpoint whose configs are a local folder (a hub id's configs
+        # are diffusers' to fetch, in the whole load).
+        if self.single_file is None:
+            return True
+        return self._config_dir is not None and reads_by_tensor(self.single_file)
+
+    def denoiser_skeleton(self):
+        """From a folder as every family; from a checkpoint through diffusers' own converter
+        (`ldm.unet_from_single_file`), the file's UNet tensors of the stage alone."""
+        if self.single_file is None or not self.loads_stage_weights:
+            return super().denoiser_skeleton()
+        from diffusers import UNet2DConditionModel
+
+        return file_skeleton(UNet2DConditionModel, self._config_dir / "unet", self.single_file,
+                             unet_from_single_file, "UNet2DConditionModel")
 
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         if self.single_file is None:
