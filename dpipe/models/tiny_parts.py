@@ -3,12 +3,14 @@
 No weights can be downloaded in CI, so each family has a factory that writes a tiny random model in
 exactly the on-disk layout of its real checkpoint; the real loading code then runs on it unchanged.
 This module holds what those factories share: in-process trained tokenizers saved the way the real
-repos ship them, seeded weight initialisation, and an atomic folder write.
+repos ship them, the tiny CLIP and T5 text encoders, seeded weight initialisation, the index files
+(model_index.json, modular_model_index.json) and the write-once decorator `tiny_writer`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -244,17 +246,41 @@ FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=
                       max_image_seq_len=4096)
 
 
-def tiny_t5_config(vocab_size: int, width: int, d_ff: int, d_kv: int = 16,
-                   v1_1: bool = True) -> dict[str, Any]:
-    """The T5Config (or UMT5Config) arguments of a tiny T5 encoder of 2 layers of 2 heads with
-    T5's relative-position buckets, laid out as t5-v1_1's and UMT5's (gated GELU, untied
-    embeddings) or, `v1_1` false, as T5 v1.0's (T5-11B, Cosmos' encoder: ReLU, tied)."""
-    return dict(vocab_size=vocab_size, d_model=width, d_ff=d_ff, d_kv=d_kv, num_heads=2,
-                num_layers=2, num_decoder_layers=2,
-                feed_forward_proj="gated-gelu" if v1_1 else "relu",
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                layer_norm_epsilon=1e-6, tie_word_embeddings=not v1_1, pad_token_id=0,
-                eos_token_id=1, decoder_start_token_id=0)
+def tiny_clip_text_config(vocab_size: int, width: int, heads: int = 2, act: str = "quick_gelu",
+                          positions: int = 77):
+    """The CLIPTextConfig of a tiny 2-layer CLIP text encoder of `width` (MLP 4x, projection
+    `width`) for `save_clip_tokenizer`'s vocabulary: CLIP-L's quick GELU, or OpenCLIP bigG's "gelu"."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+        num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=positions,
+        hidden_act=act, projection_dim=width,
+        # The real configs' legacy ids: eos_token_id=2 makes CLIP pool at argmax(input_ids),
+        # i.e. at the first <|endoftext|>, which the tokenizer puts at the top of its vocab.
+        bos_token_id=0, eos_token_id=2, pad_token_id=1)
+
+
+def tiny_t5_encoder(vocab_size: int, width: int, d_ff: int, d_kv: int = 16, v1_1: bool = True,
+                    umt5: bool = False):
+    """A random T5EncoderModel (UMT5EncoderModel, `umt5`) of 2 layers of 2 heads with T5's
+    relative-position buckets, for a tokenizer of `vocab_size` tokens (seed torch first). Laid
+    out as t5-v1_1's and UMT5's (gated GELU, untied embeddings) or, `v1_1` false, as T5 v1.0's
+    (T5-11B, Cosmos' encoder: ReLU, tied). The vocabulary is padded to a multiple of 128, as
+    t5-v1_1-xxl's is (32100 tokens, 32128)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    from dpipe.models.common.shapes import round_up
+
+    config = dict(vocab_size=round_up(vocab_size, 128), d_model=width, d_ff=d_ff, d_kv=d_kv,
+                  num_heads=2, num_layers=2, num_decoder_layers=2,
+                  feed_forward_proj="gated-gelu" if v1_1 else "relu",
+                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                  layer_norm_epsilon=1e-6, tie_word_embeddings=not v1_1, pad_token_id=0,
+                  eos_token_id=1, decoder_start_token_id=0)
+    if umt5:
+        return UMT5EncoderModel(UMT5Config(**config))
+    return T5EncoderModel(T5Config(**config))
 
 
 @contextlib.contextmanager
@@ -309,3 +335,49 @@ def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], write
 def write_json(path: Path, obj: object) -> None:
     """`obj` as a tokenizer's JSON files are written: indented, non-ASCII kept."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def tiny_writer(write: Callable[..., None] | None = None, *, marker: str = "model_index.json"):
+    """Decorator of a tiny model's writer `write(out, seed, ...)`, which fills the empty folder
+    `out`: the decorated name is `make(path, seed=0, ...) -> path`, which writes the folder at
+    `path` once (`write_once`; its `marker` file tells a complete one)."""
+    if write is None:
+        return functools.partial(tiny_writer, marker=marker)
+
+    @functools.wraps(write)
+    def make(path: Path, seed: int = 0, *args: Any, **kwargs: Any) -> Path:
+        return write_once(path, marker, lambda tmp: write(tmp, seed, *args, **kwargs),
+                          write.__name__)
+
+    return make
+
+
+def write_config(path: Path, obj: object) -> None:
+    """`obj` as diffusers writes its configs (model_index.json, config.json): indented, keys
+    sorted."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def save_model_index(pipe, out: Path, **entries: Any) -> dict[str, Any]:
+    """model_index.json as `pipe.save_pretrained` writes it, with `entries` set over it (where the
+    real repo names another class than transformers 5 does, or lists slots the pipeline leaves
+    out); returns the index."""
+    pipe.save_config(out)
+    index = {**json.loads((out / "model_index.json").read_text()), **entries}
+    if entries:
+        write_config(out / "model_index.json", index)
+    return index
+
+
+def save_modular_index(out: Path, pipeline: str, blocks: str, repo: str,
+                       components: dict[str, tuple[str, str]]) -> None:
+    """modular_model_index.json of a modular-pipeline repo: each component ({name: (library,
+    class)}) with its loading spec, the subfolder of the hub `repo` (a local download keeps the
+    hub's; diffusers loads every component found in the folder from the folder)."""
+    index: dict[str, Any] = {"_blocks_class_name": blocks, "_class_name": pipeline,
+                             "_diffusers_version": "0.42.1"}
+    for name, (library, cls) in components.items():
+        index[name] = [library, cls, {"pretrained_model_name_or_path": repo, "revision": None,
+                                      "subfolder": name, "type_hint": [library, cls],
+                                      "variant": None}]
+    write_config(out / "modular_model_index.json", index)

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from dpipe.errors import ConfigError
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.tiny_parts import (
+    save_t5_tokenizer, seeded, tiny_t5_encoder, write_config, write_once)
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512
@@ -69,11 +69,8 @@ def make_tiny_cosmos_predict2_v2w(path: Path, seed: int = 0) -> Path:
 
 
 def _write(out: Path, seed: int, variant: str) -> None:
-    import json
-
     from diffusers import (AutoencoderKLWan, CosmosTransformer3DModel,
                            FlowMatchEulerDiscreteScheduler)
-    from transformers import T5Config, T5EncoderModel
 
     v = VARIANTS[variant]
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
@@ -81,8 +78,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, use_karras_sigmas=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
+        text_encoder = tiny_t5_encoder(vocab, TEXT_DIM, d_ff=64, v1_1=False)  # T5-11B's: v1.0
     with seeded(seed + 1):
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
@@ -96,7 +92,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
 
     save_parts(out, save_exact_shards, DTYPE, scheduler, text_encoder=(text_encoder, 2),
                vae=(vae, 1), transformer=(transformer, 2))
-    index = {
+    write_config(out / "model_index.json", {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",
         "safety_checker": [None, None],
@@ -105,8 +101,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "CosmosTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    })
 
 
 # Buffers of NVIDIA's training code in its checkpoints, which diffusers' converter drops.
