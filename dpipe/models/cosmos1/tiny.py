@@ -20,14 +20,13 @@ latent frames.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.common.tiny_files import save_parts, save_sharded
+from dpipe.models.tiny_parts import (
+    save_t5_tokenizer, seeded, tiny_t5_encoder, tiny_writer, write_config)
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real model)
 TEXT_MAX_LENGTH = 512
@@ -43,23 +42,14 @@ TRANSFORMER = dict(in_channels=16, out_channels=16, num_attention_heads=2, atten
                    concat_padding_mask=True, extra_pos_embed_type="learnable")
 
 
-def make_tiny_cosmos1(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Cosmos 1.0 Text2World folder at `path`; return `path`.
-
-    An existing complete folder is returned untouched; the build happens in a temporary sibling
-    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
-    """
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_cosmos1")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_cosmos1(out: Path, seed: int) -> None:
+    """A tiny random Cosmos 1.0 Text2World folder."""
     from diffusers import AutoencoderKLCosmos, CosmosTransformer3DModel, EDMEulerScheduler
-    from transformers import T5Config, T5EncoderModel
 
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
+        text_encoder = tiny_t5_encoder(vocab, TEXT_DIM, d_ff=64, v1_1=False)  # T5-11B's: v1.0
     with seeded(seed + 1):
         # The real CV8x8x8 VAE's layout with narrow blocks; its latent statistics (the class
         # defaults, Cosmos-1.0-Tokenizer-CV8x8x8's mean_std.pt) kept.
@@ -75,11 +65,9 @@ def _write(out: Path, seed: int) -> None:
         for param in transformer.learnable_pos_embed.parameters():
             torch.nn.init.normal_(param)
 
-    EDMEulerScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    save_sharded(vae, out / "vae", shards=1)
-    save_sharded(transformer, out / "transformer", shards=2)
-    index = {
+    save_parts(out, save_sharded, torch.bfloat16, EDMEulerScheduler(**SCHEDULER),
+               text_encoder=(text_encoder, 2), vae=(vae, 1), transformer=(transformer, 2))
+    write_config(out / "model_index.json", {
         "_class_name": PIPELINE,
         "_diffusers_version": "0.33.0.dev0",
         "safety_checker": [None, None],
@@ -88,8 +76,7 @@ def _write(out: Path, seed: int) -> None:
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "CosmosTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLCosmos"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    })
 
 
 # Buffers and heads of NVIDIA's training code in its Cosmos 1.0 checkpoints (model.pt), which
