@@ -24,24 +24,21 @@ import json
 from pathlib import Path
 
 from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
-from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_once
+from dpipe.models.tiny_parts import (
+    save_clip_tokenizer, seeded, tiny_clip_text_config, tiny_writer)
 
 SINGLE_FILE = "sd_xl_base_1.0.safetensors"
 CLIP_L_DIM, CLIP_G_DIM = 32, 48
 TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
 
 
-def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random SDXL folder (diffusers + single file) at `path`; return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_sdxl")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_sdxl(out: Path, seed: int) -> None:
+    """A tiny random SDXL folder (diffusers + single file)."""
     from diffusers import (
         AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
     from safetensors.torch import save_file
-    from transformers import (
-        CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer)
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     vocab = save_clip_tokenizer(out / "tokenizer")
     save_clip_tokenizer(out / "tokenizer_2")
@@ -51,17 +48,11 @@ def _write(out: Path, seed: int) -> None:
         beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
         timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False)
 
-    def clip(width: int, heads: int, act: str, **extra) -> CLIPTextConfig:
-        return CLIPTextConfig(
-            vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
-            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act,
-            bos_token_id=0, eos_token_id=2, pad_token_id=1, **extra)
-
     with seeded(seed):
-        text_encoder = CLIPTextModel(clip(CLIP_L_DIM, 2, "quick_gelu", projection_dim=CLIP_L_DIM))
+        text_encoder = CLIPTextModel(tiny_clip_text_config(vocab, CLIP_L_DIM))
     with seeded(seed + 1):
         text_encoder_2 = CLIPTextModelWithProjection(
-            clip(CLIP_G_DIM, 3, "gelu", projection_dim=CLIP_G_DIM))
+            tiny_clip_text_config(vocab, CLIP_G_DIM, heads=3, act="gelu"))
     with seeded(seed + 2):
         unet = UNet2DConditionModel(
             sample_size=16, in_channels=4, out_channels=4,
