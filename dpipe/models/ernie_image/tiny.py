@@ -27,7 +27,7 @@ import torch
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
 from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_llama3_tokenizer import train_llama3_bpe
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.tiny_parts import seeded, tiny_writer
 
 LATENT_CHANNELS = 4  # the VAE's (32 in the real one); the transformer sees 4x after patchify
 TEXT_DIM = 32  # Mistral hidden size = the transformer's text_in_dim
@@ -36,18 +36,6 @@ SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[IMG]")  # Mistral's order: bos 1,
 # A fixed shift, no dynamic shifting: the pipeline passes no mu, so a real config has none; the
 # real shift value is not confirmed offline (3.0 here).
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-
-
-def make_tiny_ernie_image(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random ERNIE-Image diffusers folder at `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_ernie_image; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
 
 
 def save_tokenizer(directory: Path) -> int:
@@ -73,7 +61,9 @@ def save_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_ernie_image(out: Path, seed: int) -> None:
+    """A tiny random ERNIE-Image diffusers folder."""
     from diffusers import (
         ErnieImagePipeline, ErnieImageTransformer2DModel,
         FlowMatchEulerDiscreteScheduler)
