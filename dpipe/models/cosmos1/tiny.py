@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.tiny_files import save_parts, save_sharded
+from dpipe.models.cosmos1.sizes import COSMOS1_TINY
 from dpipe.models.tiny_parts import (
     save_t5_tokenizer, seeded, tiny_t5_encoder, tiny_writer, write_config)
 
@@ -35,11 +36,6 @@ PIPELINE = "CosmosTextToWorldPipeline"
 SCHEDULER = dict(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5, sigma_schedule="karras",
                  num_train_timesteps=1000, prediction_type="epsilon", rho=7.0,
                  final_sigmas_type="sigma_min")
-# The tiny transformer; the real 7B one is in sizes.py.
-TRANSFORMER = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
-                   num_layers=2, mlp_ratio=2.0, text_embed_dim=TEXT_DIM, adaln_lora_dim=8,
-                   max_size=(128, 240, 240), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0),
-                   concat_padding_mask=True, extra_pos_embed_type="learnable")
 
 
 @tiny_writer
@@ -59,7 +55,7 @@ def make_tiny_cosmos1(out: Path, seed: int) -> None:
             num_layers=1, patch_size=4, patch_type="haar", spatial_compression_ratio=8,
             temporal_compression_ratio=8)
     with seeded(seed + 2):
-        transformer = CosmosTransformer3DModel(**TRANSFORMER)
+        transformer = CosmosTransformer3DModel.from_config(COSMOS1_TINY)
         # The learnable position embedding starts at zero in diffusers; random values keep its
         # path (and its gradient) visible in the tests.
         for param in transformer.learnable_pos_embed.parameters():

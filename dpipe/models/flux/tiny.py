@@ -26,11 +26,11 @@ import torch
 
 from dpipe.models.common.colour_vae import colour_flux_vae
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.flux.sizes import FLUX1_TINY
 from dpipe.models.tiny_parts import (
     FLUX_SCHEDULER, save_clip_tokenizer, save_model_index, save_t5_tokenizer, seeded,
     tiny_clip_text_config, tiny_t5_encoder, tiny_writer)
 
-LATENT_CHANNELS = 4
 TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
 CLIP_MAX_LENGTH = 77  # FluxPipeline pads CLIP prompts to tokenizer.model_max_length
 T5_MAX_LENGTH = 512  # FLUX.1-dev's tokenizer_2 limit; pipelines ask for less (max_sequence_length)
@@ -70,11 +70,7 @@ def _write(out: Path, seed: int, pipeline: str) -> None:
     with seeded(seed + 1):
         text_encoder_2 = tiny_t5_encoder(t5_vocab, TEXT_DIM, d_ff=80)
     with seeded(seed + 2):
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=4 * LATENT_CHANNELS,  # 2x2 latent patches packed per token
-            num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        transformer = FluxTransformer2DModel.from_config(FLUX1_TINY)
     vae = colour_flux_vae()  # set, not drawn: its latents are the picture's colours
 
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,

@@ -25,13 +25,12 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.common.tiny_vae import tiny_flux_vae
+from dpipe.models.hidream.sizes import (
+    CLIP_G, CLIP_L, HIDREAM_TINY, LATENT_CHANNELS, LLAMA_DIM, LLAMA_LAYERS, T5_DIM)
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_model_index, save_t5_tokenizer, seeded, tiny_clip_text_config,
     tiny_t5_encoder, tiny_writer)
 
-LATENT_CHANNELS = 16
-CLIP_L, CLIP_G, T5_DIM, LLAMA_DIM = 32, 48, 32, 32
-LLAMA_LAYERS = 4
 TEXT_TOKENS = 128  # HiDreamImagePipeline's max_sequence_length for all four encoders
 CLIP_POSITIONS = 248  # HiDream's CLIPs are long-context (Long-CLIP)
 
@@ -67,12 +66,7 @@ def make_tiny_hidream(out: Path, seed: int) -> None:
             max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
             bos_token_id=llama_vocab - 5, eos_token_id=llama_vocab - 4))
     with seeded(seed + 4):
-        transformer = HiDreamImageTransformer2DModel(
-            patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=2,
-            num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-            caption_channels=[T5_DIM, LLAMA_DIM], text_emb_dim=CLIP_L + CLIP_G,
-            num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(8, 4, 4),
-            max_resolution=(32, 32), llama_layers=list(range(LLAMA_LAYERS)))
+        transformer = HiDreamImageTransformer2DModel.from_config(HIDREAM_TINY)
     with seeded(seed + 5):
         vae = tiny_flux_vae(LATENT_CHANNELS)
 

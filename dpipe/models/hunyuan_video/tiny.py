@@ -20,6 +20,7 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
 from dpipe.models.common.tiny_llama3_tokenizer import LLAMA3_SPECIALS, save_llama3_tokenizer
+from dpipe.models.hunyuan_video.sizes import HUNYUAN_VIDEO_TINY
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, save_model_index, seeded, tiny_clip_text_config, tiny_writer)
 
@@ -55,12 +56,7 @@ def make_tiny_hunyuan_video(out: Path, seed: int) -> None:
     with seeded(seed + 1):
         text_encoder_2 = CLIPTextModel(tiny_clip_text_config(clip_vocab, TEXT_DIM))
     with seeded(seed + 2):
-        transformer = HunyuanVideoTransformer3DModel(
-            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=2,
-            attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
-            mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
-            text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, rope_theta=256.0,
-            rope_axes_dim=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        transformer = HunyuanVideoTransformer3DModel.from_config(HUNYUAN_VIDEO_TINY)
     with seeded(seed + 3):
         vae = AutoencoderKLHunyuanVideo(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
