@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from tokenizers import Regex, normalizers, pre_tokenizers
 
+from dpipe.errors import ConfigError
+
 _COLOURS = ["red", "green", "blue", "yellow", "orange", "purple", "pink", "black", "white", "gray",
             "brown", "cyan", "magenta", "golden", "silver"]
 _SHAPES = ["circle", "square", "triangle", "star", "hexagon", "rectangle", "ring", "cross", "heart",
@@ -350,6 +352,17 @@ def tiny_writer(write: Callable[..., None] | None = None, *, marker: str = "mode
                           write.__name__)
 
     return make
+
+
+def named_variant(path: Path, prefix: str, variants: dict[str, Any], family: str,
+                  key: str = "model.path") -> str:
+    """The variant a tiny folder's name gives (`prefix` + variant, model.tiny=true) of a family
+    whose tiny writer writes several; `key` is the setting that names the folder."""
+    variant = path.name.removeprefix(prefix)
+    if variant not in variants:
+        raise ConfigError(f"{key}={path}: a tiny {family} folder is named {prefix}<variant>, "
+                          f"variant in {sorted(variants)}")
+    return variant
 
 
 def write_config(path: Path, obj: object) -> None:

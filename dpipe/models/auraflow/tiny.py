@@ -24,6 +24,7 @@ import torch
 
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.common.tiny_vae import tiny_sdxl_vae
 from dpipe.models.tiny_parts import (
     learn_bpe, save_model_index, seeded, tiny_corpus, tiny_writer)
 
@@ -38,8 +39,7 @@ SP = "\u2581"  # SentencePiece's word-start marker
 def make_tiny_auraflow(out: Path, seed: int) -> None:
     """A tiny random AuraFlow diffusers folder."""
     from diffusers import (
-        AuraFlowPipeline, AuraFlowTransformer2DModel, AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler)
+        AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler)
     from transformers import LlamaTokenizerFast, UMT5Config, UMT5EncoderModel
 
     vocab_size = save_sentencepiece_bpe_tokenizer(out / "tokenizer", MAX_TOKENS)
@@ -58,12 +58,7 @@ def make_tiny_auraflow(out: Path, seed: int) -> None:
             caption_projection_dim=HEADS * HEAD_DIM,
             pos_embed_max_size=256)  # a 16x16 grid of patch positions: up to 128x128 pixels
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
-            sample_size=64, force_upcast=True,
-            scaling_factor=0.13025)  # the SDXL VAE's scale; it has quant convs and no shift
+        vae = tiny_sdxl_vae()  # the SDXL VAE's design, as the real one
 
     # fp32; the transformer in two files, as the real one is sharded.
     save_parts(out, save_exact_shards, torch.float32, scheduler, transformer=(transformer, 2),

@@ -20,14 +20,14 @@ per latent frame; 5 frames -> 2 latent frames.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from dpipe.errors import ConfigError
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import (
-    save_t5_tokenizer, seeded, tiny_t5_encoder, write_config, write_once)
+    named_variant, save_t5_tokenizer, seeded, tiny_t5_encoder, write_config, write_once)
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512
@@ -57,15 +57,11 @@ def make_tiny_cosmos_predict2(path: Path, seed: int = 0, variant: str = "text2im
 def make_named_tiny_cosmos_predict2(path: Path) -> Path:
     """The tiny model of the variant the folder's name gives: .../tiny-cosmos_predict2_<variant>
     (model.tiny=true)."""
-    variant = path.name.removeprefix("tiny-cosmos_predict2_")
-    if variant not in VARIANTS:
-        raise ConfigError(f"model.path={path}: a tiny Cosmos-Predict2 folder is named "
-                          f"tiny-cosmos_predict2_<variant>, variant in {sorted(VARIANTS)}")
-    return make_tiny_cosmos_predict2(path, variant=variant)
+    return make_tiny_cosmos_predict2(path, variant=named_variant(
+        path, "tiny-cosmos_predict2_", VARIANTS, "Cosmos-Predict2"))
 
 
-def make_tiny_cosmos_predict2_v2w(path: Path, seed: int = 0) -> Path:
-    return make_tiny_cosmos_predict2(path, seed, "video2world")
+make_tiny_cosmos_predict2_v2w = functools.partial(make_tiny_cosmos_predict2, variant="video2world")
 
 
 def _write(out: Path, seed: int, variant: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dpipe.models.common.tiny_vae import tiny_sdxl_vae
 from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
 from dpipe.models.tiny_parts import (
     save_clip_tokenizer, seeded, tiny_clip_text_config, tiny_writer)
@@ -36,7 +37,7 @@ TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
 def make_tiny_sdxl(out: Path, seed: int) -> None:
     """A tiny random SDXL folder (diffusers + single file)."""
     from diffusers import (
-        AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
+        EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
     from safetensors.torch import save_file
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -64,11 +65,7 @@ def make_tiny_sdxl(out: Path, seed: int) -> None:
             addition_embed_type="text_time", addition_time_embed_dim=TIME_DIM,
             projection_class_embeddings_input_dim=6 * TIME_DIM + CLIP_G_DIM)
     with seeded(seed + 3):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
-            sample_size=64, force_upcast=True, scaling_factor=0.13025)
+        vae = tiny_sdxl_vae()
 
     scheduler.save_pretrained(out / "scheduler")
     unet.save_pretrained(out / "unet")

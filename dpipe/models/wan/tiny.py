@@ -26,14 +26,14 @@ frame; 5 frames -> 2 latent frames. Text: UMT5 with d_model 32, padded to 512 to
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from dpipe.errors import ConfigError
 from dpipe.models.common.tiny_files import save_exact_shards
 from dpipe.models.tiny_parts import (
-    save_model_index, save_t5_tokenizer, seeded, tiny_t5_encoder, write_once)
+    named_variant, save_model_index, save_t5_tokenizer, seeded, tiny_t5_encoder, write_once)
 from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim
@@ -79,31 +79,14 @@ def make_tiny_wan(path: Path, seed: int = 0, variant: str = "wan21_t2v") -> Path
 def make_named_tiny_wan(path: Path, key: str = "model.path") -> Path:
     """The tiny model of the variant the folder's name gives: .../tiny-<variant>, e.g.
     tiny-wan22_ti2v (model.tiny=true); `key` is the setting that names the folder."""
-    variant = path.name.removeprefix("tiny-")
-    if variant not in VARIANTS:
-        raise ConfigError(f"{key}={path}: a tiny Wan folder is named "
-                          f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
-    return make_tiny_wan(path, variant=variant)
+    return make_tiny_wan(path, variant=named_variant(path, "tiny-", VARIANTS, "Wan", key))
 
 
-def make_tiny_wan_i2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan21_i2v")
-
-
-def make_tiny_wan_flf2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan21_flf2v")
-
-
-def make_tiny_wan22_ti2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_ti2v")
-
-
-def make_tiny_wan22_a14b(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_a14b")
-
-
-def make_tiny_wan22_i2v_a14b(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_i2v_a14b")
+make_tiny_wan_i2v = functools.partial(make_tiny_wan, variant="wan21_i2v")
+make_tiny_wan_flf2v = functools.partial(make_tiny_wan, variant="wan21_flf2v")
+make_tiny_wan22_ti2v = functools.partial(make_tiny_wan, variant="wan22_ti2v")
+make_tiny_wan22_a14b = functools.partial(make_tiny_wan, variant="wan22_a14b")
+make_tiny_wan22_i2v_a14b = functools.partial(make_tiny_wan, variant="wan22_i2v_a14b")
 
 
 def _write(out: Path, seed: int, variant: str) -> None:
