@@ -251,7 +251,8 @@ FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=
 def tiny_clip_text_config(vocab_size: int, width: int, heads: int = 2, act: str = "quick_gelu",
                           positions: int = 77):
     """The CLIPTextConfig of a tiny 2-layer CLIP text encoder of `width` (MLP 4x, projection
-    `width`) for `save_clip_tokenizer`'s vocabulary: CLIP-L's quick GELU, or OpenCLIP bigG's "gelu"."""
+    `width`) for `save_clip_tokenizer`'s vocabulary: CLIP-L's quick GELU, or OpenCLIP bigG's
+    "gelu"."""
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(

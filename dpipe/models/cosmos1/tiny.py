@@ -85,21 +85,12 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
     """The tiny folder's transformer in NVIDIA's Cosmos 1.0 layout (`net.blocks.block0.blocks.0.
     block.attn.to_q.0.weight`, ...), with the training buffers, bf16; `prefix` "" writes the
     names without `net.`. A .safetensors file, or a .pt (a plain state dict, torch.save)."""
-    from diffusers import CosmosTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.cosmos1.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for name, shape in _TRAINING_EXTRAS.items():
-        tensors[prefix + name] = torch.zeros(shape)
+    extras = {prefix + name: torch.zeros(shape) for name, shape in _TRAINING_EXTRAS.items()}
     # Transformer Engine's metadata of an attention module, as NVIDIA's checkpoints carry it
-    tensors[prefix + "blocks.block0.blocks.0.block.attn.attn_op._extra_state"] = torch.zeros(
+    extras[prefix + "blocks.block0.blocks.0.block.attn.attn_op._extra_state"] = torch.zeros(
         4, dtype=torch.uint8)
-    if file.suffix == ".pt":
-        torch.save(tensors, file)
-    else:
-        save_file(tensors, file)
-    return file
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, extras, format_metadata=False)

@@ -110,18 +110,10 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
     """The tiny folder's transformer in NVIDIA's single-file layout: `net.`-prefixed names (as
     NVIDIA's checkpoints and ComfyUI's repackaged files hold them; `prefix` changes it) with the
     training buffers, bf16; a .safetensors file, or a .pt (a plain state dict, torch.save)."""
-    from diffusers import CosmosTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.common.cosmos_names import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {k: v.to(DTYPE).contiguous()
-               for k, v in original_state_dict(model.state_dict(), prefix=prefix).items()}
-    for name in _TRAINING_BUFFERS:
-        tensors[prefix + name] = torch.arange(4, dtype=torch.float32)
-    if file.suffix == ".pt":
-        torch.save(tensors, file)
-    else:
-        save_file(tensors, file)
-    return file
+    buffers = {prefix + name: torch.arange(4, dtype=torch.float32) for name in _TRAINING_BUFFERS}
+    return write_transformer_file(Path(folder) / "transformer", file,
+                                  lambda weights: original_state_dict(weights, prefix=prefix), "",
+                                  DTYPE, buffers, format_metadata=False)

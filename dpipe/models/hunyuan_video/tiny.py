@@ -86,12 +86,8 @@ def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The transformer of the tiny folder at `folder` as one file in the original layout
     (hunyuan_video_720_cfgdistill_bf16.safetensors: original names, bf16), keys behind `prefix`
     ("model.diffusion_model." as ComfyUI saves it)."""
-    from diffusers import HunyuanVideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.hunyuan_video.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = HunyuanVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    weights = original_state_dict(model.state_dict())
-    save_file({prefix + k: v.to(DTYPE).contiguous() for k, v in weights.items()}, file)
-    return file
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  DTYPE, format_metadata=False)

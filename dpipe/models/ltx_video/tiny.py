@@ -77,16 +77,11 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     (ltx-video-2b-v0.9.5.safetensors): original names behind `prefix`, bf16, next to `vae.` keys.
     The VAE part is a stand-in (its marker keys, not the tiny VAE in LTX's own layout): loaders
     of the transformer must skip it, and the VAE is read from the diffusers folder."""
-    from diffusers import LTXVideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.ltx_video.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = LTXVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for key in ("vae.decoder.last_scale_shift_table", "vae.per_channel_statistics.mean-of-means",
-                "vae.per_channel_statistics.std-of-means"):
-        tensors[key] = torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16)
-    save_file(tensors, file)
-    return file
+    vae = {key: torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16) for key in (
+        "vae.decoder.last_scale_shift_table", "vae.per_channel_statistics.mean-of-means",
+        "vae.per_channel_statistics.std-of-means")}
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, vae, format_metadata=False)

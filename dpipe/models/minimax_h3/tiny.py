@@ -120,17 +120,11 @@ def make_tiny_minimax_h3(out: Path, seed: int) -> None:
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The tiny folder's transformer as the published single files hold it: the original names
     (`comfyui.original_state_dict`), q, k, v stacked, the release's dtypes."""
-    from safetensors.torch import load_file, save_file
-
     from dpipe.models.minimax_h3.comfyui import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    weights = {}
-    for shard in sorted((folder / "transformer").glob("*.safetensors")):
-        weights.update(load_file(shard))
-    tensors = original_state_dict(weights, TRANSFORMER)
-    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, file,
-              metadata={"format": "pt"})
-    return file
+    return write_transformer_file(folder / "transformer", file,
+                                  lambda weights: original_state_dict(weights, TRANSFORMER), prefix)
 
 
 # Qwen3-VL's pixel conventions (patch 16, 2x2 merge, 2-frame temporal patches, mean = std = 0.5).

@@ -33,7 +33,8 @@ def make_tiny_hunyuan_video15(out: Path, seed: int) -> None:
     from diffusers import (
         AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer
+    from transformers import (
+        ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer)
 
     from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 

@@ -175,16 +175,11 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     (ltx-2-19b-dev.safetensors): original names behind `prefix`, bf16, next to `vae.`,
     `audio_vae.` and `vocoder.` keys. Those are stand-ins (marker keys, not the tiny components
     in Lightricks' layout): loaders of the transformer must skip them."""
-    from diffusers import LTX2VideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.ltx_video.ltx2.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for key in ("vae.per_channel_statistics.mean-of-means", "audio_vae.per_channel_statistics"
-                ".mean-of-means", "vocoder.conv_pre.weight"):
-        tensors[key] = torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16)
-    save_file(tensors, file)
-    return file
+    others = {key: torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16) for key in (
+        "vae.per_channel_statistics.mean-of-means",
+        "audio_vae.per_channel_statistics.mean-of-means", "vocoder.conv_pre.weight")}
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, others, format_metadata=False)
