@@ -131,10 +131,13 @@ def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, 
     return tuple(out)
 
 
-def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
+def save_clip_tokenizer(directory: Path, model_max_length: int = 77, pad: str = CLIP_EOS,
+                        pad_entry: bool = False) -> int:
     """Write a CLIP tokenizer folder as openai/clip-vit-large-patch14 and FLUX's tokenizer/ ship it
     (vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json; no tokenizer.json),
-    loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size."""
+    loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size. `pad` "!" (id
+    0): OpenCLIP bigG's (SDXL's and SD3's tokenizer_2), which special_tokens_map.json names by a
+    full token entry in SDXL's folder (`pad_entry`)."""
     vocab, merges = train_clip_bpe()
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
@@ -144,7 +147,7 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
     write_json(directory / "special_tokens_map.json", {
         "bos_token": {"content": CLIP_BOS, **special},
         "eos_token": {"content": CLIP_EOS, **special},
-        "pad_token": CLIP_EOS,
+        "pad_token": {"content": pad, **special, "normalized": False} if pad_entry else pad,
         "unk_token": {"content": CLIP_EOS, **special},
     })
     write_json(directory / "tokenizer_config.json", {
@@ -160,7 +163,7 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
         "eos_token": CLIP_EOS,
         "errors": "replace",
         "model_max_length": model_max_length,
-        "pad_token": CLIP_EOS,
+        "pad_token": pad,
         "tokenizer_class": "CLIPTokenizer",
         "unk_token": CLIP_EOS,
     })

@@ -19,14 +19,12 @@ vocabularies, the VAE's 32x compression (4x here, so 64x64 images give 16x16 lat
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
-from dpipe.models.tiny_parts import (
-    bytes_to_unicode, learn_bpe, seeded, tiny_corpus, tiny_t5_encoder, tiny_writer, write_json)
+from dpipe.models.tiny_parts import seeded, tiny_t5_encoder, tiny_writer, write_json
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -113,23 +111,14 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
     """A Qwen2.5-VL tokenizer folder as `dpipe.models.common.tiny_qwen_tokenizer` writes it, with
     merges learnt on the test captions plus `template` (so its words are whole tokens).
     Returns {added token: id}."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
-
     from dpipe.models.common import tiny_qwen_tokenizer as qt
 
-    splitter = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(qt.QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
     specials = [t for t, _ in qt.QWEN2_ADDED]
     plain = template
     for s in specials:
         plain = plain.replace(s, "\n")  # split there, as the added tokens split the text
-    lines = tiny_corpus() + [plain] * 4  # seen often enough for every word to merge fully
-    words = Counter(w for line in lines
-                    for w, _ in splitter.pre_tokenize_str(normalizers.NFC().normalize_str(line)))
-    merges = learn_bpe({tuple(w): n for w, n in words.items()}, 768)
-    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    # Seen often enough for every word to merge fully.
+    vocab, merges = qt.train_qwen_bpe(768, (plain,) * 4)
     ids = qt.save_vocab_files(directory, vocab, merges, specials)
     entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     write_json(directory / "tokenizer_config.json", {

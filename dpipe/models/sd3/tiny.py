@@ -18,7 +18,6 @@ and T5 (d_model 64 = joint attention dim, which the 2x32 CLIP features are padde
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -45,8 +44,7 @@ def make_tiny_sd3(out: Path, seed: int) -> None:
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5TokenizerFast
 
     clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH)
-    save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_MAX_LENGTH)
-    _pad_with_exclamation_mark(out / "tokenizer_2")
+    save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_MAX_LENGTH, pad="!")
     t5_vocab = save_t5_tokenizer(out / "tokenizer_3", model_max_length=T5_MAX_LENGTH)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
@@ -80,15 +78,6 @@ def make_tiny_sd3(out: Path, seed: int) -> None:
     # As the real repo has them: tokenizer_3's Fast class, the unused image slots as nulls.
     save_model_index(pipe, out, tokenizer_3=["transformers", "T5TokenizerFast"],
                      image_encoder=[None, None], feature_extractor=[None, None])
-
-
-def _pad_with_exclamation_mark(directory: Path) -> None:
-    """SD3's tokenizer_2 (OpenCLIP bigG's) pads with "!" (id 0), not with <|endoftext|>."""
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        path = directory / name
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data["pad_token"] = "!"
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

@@ -20,7 +20,6 @@ Sizes: 64x64 images -> VAE (4x, 4 channels) -> 16x16 latents -> UNet levels 16, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dpipe.models.common.tiny_vae import tiny_sdxl_vae
@@ -42,8 +41,7 @@ def make_tiny_sdxl(out: Path, seed: int) -> None:
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     vocab = save_clip_tokenizer(out / "tokenizer")
-    save_clip_tokenizer(out / "tokenizer_2")
-    _pad_with_bang(out / "tokenizer_2")
+    save_clip_tokenizer(out / "tokenizer_2", pad="!", pad_entry=True)
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
         beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
@@ -86,13 +84,3 @@ def make_tiny_sdxl(out: Path, seed: int) -> None:
     # The real file is fp16; the tiny keeps fp32 so folder and file compare exactly.
     save_file(single_file_state_dict(unet, vae, text_encoder, text_encoder_2), out / SINGLE_FILE)
 
-
-def _pad_with_bang(directory: Path) -> None:
-    """SDXL's tokenizer_2 (OpenCLIP's) pads with "!" (id 0), not with <|endoftext|>."""
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = directory / name
-        data = json.loads(path.read_text())
-        data["pad_token"] = "!" if name == "tokenizer_config.json" else {
-            "content": "!", "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False}
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
