@@ -289,6 +289,26 @@ def tiny_t5_encoder(vocab_size: int, width: int, d_ff: int, d_kv: int = 16, v1_1
     return T5EncoderModel(T5Config(**config))
 
 
+def tiny_mistral3_config(width: int, layers: int, image_token: int, text: dict[str, Any],
+                         **extra: Any):
+    """The Mistral3Config of FLUX.2's and ERNIE-Image's tiny text encoders: a Mistral language
+    model of `layers` layers of `width` (MLP 2x, 2 heads of width / 2, 1 key/value head) with the
+    `text` config keys (vocabulary, token ids, ...), and a 1-block Pixtral vision tower for
+    32-pixel images in 8-pixel patches. `extra`: further Mistral3Config keys."""
+    from transformers import Mistral3Config
+
+    return Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": width, "intermediate_size": 2 * width,
+                     "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": width // 2, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": False, **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
+                       "patch_size": 8, "num_channels": 3, "head_dim": 8},
+        image_token_index=image_token, spatial_merge_size=2, vision_feature_layer=-1,
+        projector_hidden_act="gelu", multimodal_projector_bias=False, **extra)
+
+
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Seed torch's global RNG (which model constructors draw their initial weights from) for the

@@ -29,7 +29,8 @@ import torch
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import (
-    FLUX_SCHEDULER, save_model_index, seeded, tiny_corpus, tiny_writer, write_config)
+    FLUX_SCHEDULER, save_model_index, seeded, tiny_corpus, tiny_mistral3_config, tiny_writer,
+    write_config)
 
 LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
@@ -65,30 +66,19 @@ def make_tiny_flux2(out: Path, seed: int) -> None:
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, Flux2Pipeline,
         Flux2Transformer2DModel)
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
     tokenizer = save_processor(out / "tokenizer")
     vocab_size = len(tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    token_ids = dict(bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
 
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
     with seeded(seed):
-        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
-            text_config={
-                "model_type": "mistral", "vocab_size": vocab_size, "hidden_size": TEXT_HIDDEN,
-                "intermediate_size": 32, "num_hidden_layers": TEXT_LAYERS,
-                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-                "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-                "rope_theta": 1000000000.0, "sliding_window": None,
-                "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
-                "pad_token_id": ids["<pad>"], "tie_word_embeddings": False},
-            vision_config={
-                "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
-                "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
-                "patch_size": 8, "num_channels": 3, "head_dim": 8},
-            image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1,
-            projector_hidden_act="gelu", multimodal_projector_bias=False,
-            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]))
+        text_encoder = Mistral3ForConditionalGeneration(tiny_mistral3_config(
+            TEXT_HIDDEN, TEXT_LAYERS, ids["[IMG]"], dict(
+                vocab_size=vocab_size, max_position_embeddings=1024, rope_theta=1000000000.0,
+                sliding_window=None, **token_ids), **token_ids))
     with seeded(seed + 1):
         transformer = Flux2Transformer2DModel(
             patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
