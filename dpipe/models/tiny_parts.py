@@ -3,8 +3,9 @@
 No weights can be downloaded in CI, so each family has a factory that writes a tiny random model in
 exactly the on-disk layout of its real checkpoint; the real loading code then runs on it unchanged.
 This module holds what those factories share: in-process trained tokenizers saved the way the real
-repos ship them, the tiny CLIP and T5 text encoders, seeded weight initialisation, the index files
-(model_index.json, modular_model_index.json) and the write-once decorator `tiny_writer`.
+repos ship them, the tiny CLIP, T5 and Mistral 3 text encoders, seeded weight initialisation,
+the index files (model_index.json, modular_model_index.json) and the write-once decorator
+`tiny_writer`.
 """
 
 from __future__ import annotations
