@@ -253,18 +253,27 @@ def load_or_fail(fn: Callable[[], Any], what: Path):
 
 
 def write_transformer_file(transformer_dir: Path, file: Path, to_original: Callable,
-                           prefix: str = "", dtype: torch.dtype | None = None) -> Path:
+                           prefix: str = "", dtype: torch.dtype | None = None,
+                           extra: dict[str, torch.Tensor] | None = None,
+                           format_metadata: bool = True) -> Path:
     """The diffusers transformer in `transformer_dir` (its safetensors shards) as one file of the
-    original layout: names mapped by `to_original`, each key after `prefix` ("model.diffusion_model."
-    as ComfyUI saves), in `dtype` (None: as stored). The tiny factories' single files."""
+    original layout: names mapped by `to_original`, each key after `prefix`
+    ("model.diffusion_model." as ComfyUI saves), in `dtype` (None: as stored), with the `extra`
+    tensors (full names: the released file's other parts or training buffers). A .pt `file` is a
+    plain state dict (torch.save); a safetensors one has the metadata {"format": "pt"} unless
+    `format_metadata` is false. The tiny factories' single files."""
     from safetensors.torch import load_file, save_file
 
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted(Path(transformer_dir).glob("*.safetensors")):
         weights.update(load_file(shard))
-    save_file({prefix + k: (v if dtype is None else v.to(dtype)).contiguous()
-               for k, v in to_original(weights).items()},
-              file, metadata={"format": "pt"})
+    tensors = {prefix + k: (v if dtype is None else v.to(dtype)).contiguous()
+               for k, v in to_original(weights).items()}
+    tensors.update(extra or {})
+    if file.suffix == ".pt":
+        torch.save(tensors, file)
+    else:
+        save_file(tensors, file, metadata={"format": "pt"} if format_metadata else None)
     return file
 
 

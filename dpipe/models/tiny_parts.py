@@ -3,12 +3,15 @@
 No weights can be downloaded in CI, so each family has a factory that writes a tiny random model in
 exactly the on-disk layout of its real checkpoint; the real loading code then runs on it unchanged.
 This module holds what those factories share: in-process trained tokenizers saved the way the real
-repos ship them, seeded weight initialisation, and an atomic folder write.
+repos ship them, the tiny CLIP, T5 and Mistral 3 text encoders, seeded weight initialisation,
+the index files (model_index.json, modular_model_index.json) and the write-once decorator
+`tiny_writer`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 from tokenizers import Regex, normalizers, pre_tokenizers
 
+from dpipe.errors import ConfigError
 from dpipe.models import tiny_stamp
 
 log = logging.getLogger(__name__)
@@ -132,10 +136,13 @@ def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, 
     return tuple(out)
 
 
-def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
+def save_clip_tokenizer(directory: Path, model_max_length: int = 77, pad: str = CLIP_EOS,
+                        pad_entry: bool = False) -> int:
     """Write a CLIP tokenizer folder as openai/clip-vit-large-patch14 and FLUX's tokenizer/ ship it
     (vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json; no tokenizer.json),
-    loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size."""
+    loadable by CLIPTokenizer and CLIPTokenizerFast. Returns the vocabulary size. `pad` "!" (id
+    0): OpenCLIP bigG's (SDXL's and SD3's tokenizer_2), which special_tokens_map.json names by a
+    full token entry in SDXL's folder (`pad_entry`)."""
     vocab, merges = train_clip_bpe()
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / "vocab.json", {t: i for i, t in enumerate(vocab)})
@@ -145,7 +152,7 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
     write_json(directory / "special_tokens_map.json", {
         "bos_token": {"content": CLIP_BOS, **special},
         "eos_token": {"content": CLIP_EOS, **special},
-        "pad_token": CLIP_EOS,
+        "pad_token": {"content": pad, **special, "normalized": False} if pad_entry else pad,
         "unk_token": {"content": CLIP_EOS, **special},
     })
     write_json(directory / "tokenizer_config.json", {
@@ -161,7 +168,7 @@ def save_clip_tokenizer(directory: Path, model_max_length: int = 77) -> int:
         "eos_token": CLIP_EOS,
         "errors": "replace",
         "model_max_length": model_max_length,
-        "pad_token": CLIP_EOS,
+        "pad_token": pad,
         "tokenizer_class": "CLIPTokenizer",
         "unk_token": CLIP_EOS,
     })
@@ -249,17 +256,62 @@ FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=
                       max_image_seq_len=4096)
 
 
-def tiny_t5_config(vocab_size: int, width: int, d_ff: int, d_kv: int = 16,
-                   v1_1: bool = True) -> dict[str, Any]:
-    """The T5Config (or UMT5Config) arguments of a tiny T5 encoder of 2 layers of 2 heads with
-    T5's relative-position buckets, laid out as t5-v1_1's and UMT5's (gated GELU, untied
-    embeddings) or, `v1_1` false, as T5 v1.0's (T5-11B, Cosmos' encoder: ReLU, tied)."""
-    return dict(vocab_size=vocab_size, d_model=width, d_ff=d_ff, d_kv=d_kv, num_heads=2,
-                num_layers=2, num_decoder_layers=2,
-                feed_forward_proj="gated-gelu" if v1_1 else "relu",
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                layer_norm_epsilon=1e-6, tie_word_embeddings=not v1_1, pad_token_id=0,
-                eos_token_id=1, decoder_start_token_id=0)
+def tiny_clip_text_config(vocab_size: int, width: int, heads: int = 2, act: str = "quick_gelu",
+                          positions: int = 77):
+    """The CLIPTextConfig of a tiny 2-layer CLIP text encoder of `width` (MLP 4x, projection
+    `width`) for `save_clip_tokenizer`'s vocabulary: CLIP-L's quick GELU, or OpenCLIP bigG's
+    "gelu"."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+        num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=positions,
+        hidden_act=act, projection_dim=width,
+        # The real configs' legacy ids: eos_token_id=2 makes CLIP pool at argmax(input_ids),
+        # i.e. at the first <|endoftext|>, which the tokenizer puts at the top of its vocab.
+        bos_token_id=0, eos_token_id=2, pad_token_id=1)
+
+
+def tiny_t5_encoder(vocab_size: int, width: int, d_ff: int, d_kv: int = 16, v1_1: bool = True,
+                    umt5: bool = False):
+    """A random T5EncoderModel (UMT5EncoderModel, `umt5`) of 2 layers of 2 heads with T5's
+    relative-position buckets, for a tokenizer of `vocab_size` tokens (seed torch first). Laid
+    out as t5-v1_1's and UMT5's (gated GELU, untied embeddings) or, `v1_1` false, as T5 v1.0's
+    (T5-11B, Cosmos' encoder: ReLU, tied). The vocabulary is padded to a multiple of 128, as
+    t5-v1_1-xxl's is (32100 tokens, 32128)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    from dpipe.models.common.shapes import round_up
+
+    config = dict(vocab_size=round_up(vocab_size, 128), d_model=width, d_ff=d_ff, d_kv=d_kv,
+                  num_heads=2, num_layers=2, num_decoder_layers=2,
+                  feed_forward_proj="gated-gelu" if v1_1 else "relu",
+                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                  layer_norm_epsilon=1e-6, tie_word_embeddings=not v1_1, pad_token_id=0,
+                  eos_token_id=1, decoder_start_token_id=0)
+    if umt5:
+        return UMT5EncoderModel(UMT5Config(**config))
+    return T5EncoderModel(T5Config(**config))
+
+
+def tiny_mistral3_config(width: int, layers: int, image_token: int, text: dict[str, Any],
+                         **extra: Any):
+    """The Mistral3Config of FLUX.2's and ERNIE-Image's tiny text encoders: a Mistral language
+    model of `layers` layers of `width` (MLP 2x, 2 heads of width / 2, 1 key/value head) with the
+    `text` config keys (vocabulary, token ids, ...), and a 1-block Pixtral vision tower for
+    32-pixel images in 8-pixel patches. `extra`: further Mistral3Config keys."""
+    from transformers import Mistral3Config
+
+    return Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": width, "intermediate_size": 2 * width,
+                     "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": width // 2, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": False, **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
+                       "patch_size": 8, "num_channels": 3, "head_dim": 8},
+        image_token_index=image_token, spatial_merge_size=2, vision_feature_layer=-1,
+        projector_hidden_act="gelu", multimodal_projector_bias=False, **extra)
 
 
 @contextlib.contextmanager
@@ -327,3 +379,60 @@ def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], write
 def write_json(path: Path, obj: object) -> None:
     """`obj` as a tokenizer's JSON files are written: indented, non-ASCII kept."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def tiny_writer(write: Callable[..., None] | None = None, *, marker: str = "model_index.json"):
+    """Decorator of a tiny model's writer `write(out, seed, ...)`, which fills the empty folder
+    `out`: the decorated name is `make(path, seed=0, ...) -> path`, which writes the folder at
+    `path` once (`write_once`; its `marker` file tells a complete one)."""
+    if write is None:
+        return functools.partial(tiny_writer, marker=marker)
+
+    @functools.wraps(write)
+    def make(path: Path, seed: int = 0, *args: Any, **kwargs: Any) -> Path:
+        return write_once(path, marker, lambda tmp: write(tmp, seed, *args, **kwargs),
+                          write.__name__)
+
+    return make
+
+
+def named_variant(path: Path, prefix: str, variants: dict[str, Any], family: str,
+                  key: str = "model.path") -> str:
+    """The variant a tiny folder's name gives (`prefix` + variant, model.tiny=true) of a family
+    whose tiny writer writes several; `key` is the setting that names the folder."""
+    variant = path.name.removeprefix(prefix)
+    if variant not in variants:
+        raise ConfigError(f"{key}={path}: a tiny {family} folder is named {prefix}<variant>, "
+                          f"with a variant in {sorted(variants)}")
+    return variant
+
+
+def write_config(path: Path, obj: object) -> None:
+    """`obj` as diffusers writes its configs (model_index.json, config.json): indented, keys
+    sorted."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def save_model_index(pipe, out: Path, **entries: Any) -> dict[str, Any]:
+    """model_index.json as `pipe.save_pretrained` writes it, with `entries` set over it (where the
+    real repo names another class than transformers 5 does, or lists slots the pipeline leaves
+    out); returns the index."""
+    pipe.save_config(out)
+    index = {**json.loads((out / "model_index.json").read_text()), **entries}
+    if entries:
+        write_config(out / "model_index.json", index)
+    return index
+
+
+def save_modular_index(out: Path, pipeline: str, blocks: str, repo: str,
+                       components: dict[str, tuple[str, str]]) -> None:
+    """modular_model_index.json of a modular-pipeline repo: each component ({name: (library,
+    class)}) with its loading spec, the subfolder of the hub `repo` (a local download keeps the
+    hub's; diffusers loads every component found in the folder from the folder)."""
+    index: dict[str, Any] = {"_blocks_class_name": blocks, "_class_name": pipeline,
+                             "_diffusers_version": "0.42.1"}
+    for name, (library, cls) in components.items():
+        index[name] = [library, cls, {"pretrained_model_name_or_path": repo, "revision": None,
+                                      "subfolder": name, "type_hint": [library, cls],
+                                      "variant": None}]
+    write_config(out / "modular_model_index.json", index)

@@ -17,15 +17,14 @@ to 512 tokens as the real one (`min_sequence_length`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_component
+from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, write_once
+from dpipe.models.tiny_parts import save_modular_index, save_t5_tokenizer, seeded, tiny_writer
 
 REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"
 QWEN_DIM = 32  # Qwen3 hidden size (1024 in Qwen3-0.6B) = the adapter's source_dim
@@ -53,15 +52,9 @@ COMPONENTS = {  # name -> (library, class), as modular_model_index.json lists th
 }
 
 
-def make_tiny_anima(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Anima folder at `path`; return `path`. An existing complete
-    folder is returned untouched; the build happens in a temporary sibling folder renamed into
-    place, so concurrent callers (pytest workers, pipeline ranks) are safe."""
-    return write_once(path, "modular_model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_anima")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer(marker="modular_model_index.json")
+def make_tiny_anima(out: Path, seed: int) -> None:
+    """A tiny random Anima folder."""
     from diffusers import (AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel,
                            FlowMatchEulerDiscreteScheduler)
     from transformers import Qwen3Config, Qwen3Model
@@ -85,18 +78,10 @@ def _write(out: Path, seed: int) -> None:
         vae = AutoencoderKLQwenImage(
             base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
             temperal_downsample=[False, True, True])
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
-    save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
-    save_component(conditioner, out / "text_conditioner", shards=1, dtype=DTYPE)
-    save_component(text_encoder, out / "text_encoder", shards=2, dtype=DTYPE)
-    save_component(vae, out / "vae", shards=1, dtype=DTYPE)
-    index = {"_blocks_class_name": "AnimaAutoBlocks", "_class_name": "AnimaModularPipeline",
-             "_diffusers_version": "0.42.1"}
-    for name, (library, cls) in COMPONENTS.items():
-        index[name] = [library, cls, {"pretrained_model_name_or_path": REPO, "revision": None,
-                                      "subfolder": name, "type_hint": [library, cls],
-                                      "variant": None}]
-    (out / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    save_parts(out, save_component, DTYPE, FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+               transformer=(transformer, 2), text_conditioner=(conditioner, 1),
+               text_encoder=(text_encoder, 2), vae=(vae, 1))
+    save_modular_index(out, "AnimaModularPipeline", "AnimaAutoBlocks", REPO, COMPONENTS)
 
 
 # Anima's single file (circlestone-labs/Anima split_files/diffusion_models/*.safetensors, as

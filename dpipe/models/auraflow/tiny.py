@@ -16,7 +16,6 @@ tokens of width 32, plus 8 register tokens and the prompt's tokens (UMT5 d_model
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +23,10 @@ from pathlib import Path
 import torch
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.common.tiny_vae import tiny_sdxl_vae
+from dpipe.models.tiny_parts import (
+    learn_bpe, save_model_index, seeded, tiny_corpus, tiny_writer)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # UMT5 d_model = transformer joint_attention_dim
@@ -33,19 +35,11 @@ MAX_TOKENS = 256  # AuraFlowPipeline's default max_sequence_length
 SP = "\u2581"  # SentencePiece's word-start marker
 
 
-def make_tiny_auraflow(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random AuraFlow diffusers folder at `path` and return `path`.
-
-    An existing complete folder is returned untouched; the build is atomic (see
-    `tiny_parts.write_once`), so concurrent callers are safe.
-    """
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_auraflow")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_auraflow(out: Path, seed: int) -> None:
+    """A tiny random AuraFlow diffusers folder."""
     from diffusers import (
-        AuraFlowPipeline, AuraFlowTransformer2DModel, AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler)
+        AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler)
     from transformers import LlamaTokenizerFast, UMT5Config, UMT5EncoderModel
 
     vocab_size = save_sentencepiece_bpe_tokenizer(out / "tokenizer", MAX_TOKENS)
@@ -64,30 +58,16 @@ def _write(out: Path, seed: int) -> None:
             caption_projection_dim=HEADS * HEAD_DIM,
             pos_embed_max_size=256)  # a 16x16 grid of patch positions: up to 128x128 pixels
     with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
-            sample_size=64, force_upcast=True,
-            scaling_factor=0.13025)  # the SDXL VAE's scale; it has quant convs and no shift
+        vae = tiny_sdxl_vae()  # the SDXL VAE's design, as the real one
 
-    scheduler.save_pretrained(out / "scheduler")
-    transformer.save_pretrained(out / "transformer", max_shard_size=_half(transformer))
-    text_encoder.save_pretrained(out / "text_encoder")
-    vae.save_pretrained(out / "vae")
+    # fp32; the transformer in two files, as the real one is sharded.
+    save_parts(out, save_exact_shards, torch.float32, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 1), vae=(vae, 1))
     pipe = AuraFlowPipeline(
         tokenizer=LlamaTokenizerFast.from_pretrained(out / "tokenizer"), text_encoder=text_encoder,
         vae=vae, transformer=transformer, scheduler=scheduler)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]  # as the real repo names it
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _half(model: torch.nn.Module) -> int:
-    """A shard size that splits the weights into two files, as the real transformer is sharded."""
-    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
-    return -(-sum(sizes) // 2) + max(sizes)
+    # As the real repo names it.
+    save_model_index(pipe, out, tokenizer=["transformers", "LlamaTokenizerFast"])
 
 
 # ---- a SentencePiece-style BPE tokenizer (Llama / Pile-T5 layout) ------------------------------

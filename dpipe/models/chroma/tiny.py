@@ -14,16 +14,14 @@ Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents ->
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.tiny_parts import (
-    FLUX_SCHEDULER, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
+    FLUX_SCHEDULER, save_model_index, save_t5_tokenizer, seeded, tiny_t5_encoder, tiny_writer)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32
@@ -31,22 +29,16 @@ T5_MAX_LENGTH = 512
 DTYPE = torch.bfloat16
 
 
-def make_tiny_chroma(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Chroma diffusers folder at `path` and return `path` (an existing
-    complete folder is left untouched; concurrent callers are safe)."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_chroma")
-
-
-def _write(out: Path, seed: int) -> None:
-    from diffusers import (
-        ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler)
-    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+@tiny_writer
+def make_tiny_chroma(out: Path, seed: int) -> None:
+    """A tiny random Chroma diffusers folder."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5TokenizerFast
 
     t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
+        text_encoder = tiny_t5_encoder(t5_vocab, TEXT_DIM, d_ff=80)
     with seeded(seed + 1):
         transformer = ChromaTransformer2DModel(
             patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
@@ -61,12 +53,8 @@ def _write(out: Path, seed: int) -> None:
     pipe = ChromaPipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder,
         tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"), transformer=transformer)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
-    index.setdefault("image_encoder", [None, None])
-    index.setdefault("feature_extractor", [None, None])
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_model_index(pipe, out, tokenizer=["transformers", "T5TokenizerFast"],
+                     image_encoder=[None, None], feature_extractor=[None, None])
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

@@ -78,19 +78,23 @@ TEMPLATES = [
 ]
 
 
+# The pipelines' prompt templates, twice (BPE merges need a pair to occur twice): each of their
+# words becomes one token as in the real vocab, so the templates have their real token counts,
+# which the pipelines rely on (they drop the first 34 or 64 tokens of the encoding).
+_TEMPLATE_LINES = tuple(t.replace("{}", "") for t in TEMPLATES) * 2
+
+
 @lru_cache(maxsize=2)
-def train_qwen_bpe(num_merges: int = 512) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+def train_qwen_bpe(num_merges: int = 512, extra_lines: tuple[str, ...] = _TEMPLATE_LINES
+                   ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """(vocab, merges): the 256 byte symbols, then one token per merge, learnt on `tiny_corpus()`
-    (plus the chat-template words) split as Qwen splits text."""
+    plus `extra_lines` (the chat-template words) split as Qwen splits text."""
     splitter = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     normalizer = normalizers.NFC()
-    # The pipelines' prompt templates, twice (BPE merges need a pair to occur twice): each of their
-    # words becomes one token as in the real vocab, so the templates have their real token counts,
-    # which the pipelines rely on (they drop the first 34 or 64 tokens of the encoding).
-    lines = tiny_corpus() + [t.replace("{}", "") for t in TEMPLATES] * 2
+    lines = tiny_corpus() + list(extra_lines)
     words = Counter(word for line in lines
                     for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
     merges = learn_bpe({tuple(w): n for w, n in words.items()}, num_merges)

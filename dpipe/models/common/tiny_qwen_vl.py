@@ -6,7 +6,10 @@ MiniMax H3 (`tiny_qwen3_vl_config`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
 
 
 def tiny_qwen25_vl(added: dict[str, int], text_dim: int):
@@ -31,6 +34,22 @@ def tiny_qwen25_vl(added: dict[str, int], text_dim: int):
         image_token_id=added["<|image_pad|>"], video_token_id=added["<|video_pad|>"],
         vision_start_token_id=added["<|vision_start|>"],
         vision_end_token_id=added["<|vision_end|>"]))
+
+
+def save_qwen25_vl_processor(directory: Path) -> dict[str, int]:
+    """A Qwen2.5-VL processor folder as Qwen-Image-Edit's processor/ and OmniGen2's ship it: the
+    tokenizer files, the image processor's preprocessor_config.json (the real Qwen2.5-VL pixel
+    limits) and the chat template. Not reproduced: video_preprocessor_config.json (written by a
+    video processor, which needs torchvision). Returns the tokenizer's {added token: id}."""
+    from transformers import Qwen2VLImageProcessor
+
+    added = save_qwen_tokenizer(directory, "qwen2.5-vl", model_max_length=131072)
+    Qwen2VLImageProcessor(
+        min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    return added
 
 
 def tiny_qwen3_vl_config(added: dict[str, int], text_dim: int, layers: int, mlp: int = 64,

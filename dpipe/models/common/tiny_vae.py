@@ -1,6 +1,7 @@
 """The tiny VAEs that several families share: the AutoencoderKL of FLUX.1's VAE design, no 1x1
 quant convs and a latent scale and shift (FLUX.1, Chroma, HiDream-I1, Z-Image, Lumina 2,
-OmniGen2: FLUX.1's own VAE; SD3: its own scale and shift); FLUX.2's; Qwen-Image's."""
+OmniGen2: FLUX.1's own VAE; SD3: its own scale and shift), and the same design as the SDXL VAE
+(SDXL, AuraFlow: quant convs, SDXL's scale, no shift); FLUX.2's; Qwen-Image's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ LEVEL_CHANNELS = {3: (16, 32, 32), 4: (8, 16, 16, 16)}
 
 
 def tiny_flux_vae(latent_channels: int, levels: int = 3, scaling_factor: float = FLUX_SCALE,
-                  shift_factor: float = FLUX_SHIFT):
+                  shift_factor: float | None = FLUX_SHIFT, quant_convs: bool = False):
     """A random tiny VAE (seed the caller's RNG first: its weights are drawn here)."""
     from diffusers import AutoencoderKL
 
@@ -22,7 +23,12 @@ def tiny_flux_vae(latent_channels: int, levels: int = 3, scaling_factor: float =
         block_out_channels=LEVEL_CHANNELS[levels], layers_per_block=1, norm_num_groups=8,
         act_fn="silu", sample_size=64, force_upcast=True, mid_block_add_attention=True,
         scaling_factor=scaling_factor, shift_factor=shift_factor,
-        use_quant_conv=False, use_post_quant_conv=False)
+        use_quant_conv=quant_convs, use_post_quant_conv=quant_convs)
+
+
+def tiny_sdxl_vae():
+    """The tiny VAE of SDXL's design: 4 latent channels, SDXL's scale, quant convs, no shift."""
+    return tiny_flux_vae(4, scaling_factor=0.13025, shift_factor=None, quant_convs=True)
 
 
 def tiny_flux2_vae(latent_channels: int):

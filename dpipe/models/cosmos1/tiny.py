@@ -20,14 +20,14 @@ latent frames.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.common.tiny_files import save_parts, save_sharded
+from dpipe.models.cosmos1.sizes import COSMOS1_TINY
+from dpipe.models.tiny_parts import (
+    save_t5_tokenizer, seeded, tiny_t5_encoder, tiny_writer, write_config)
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real model)
 TEXT_MAX_LENGTH = 512
@@ -36,30 +36,16 @@ PIPELINE = "CosmosTextToWorldPipeline"
 SCHEDULER = dict(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5, sigma_schedule="karras",
                  num_train_timesteps=1000, prediction_type="epsilon", rho=7.0,
                  final_sigmas_type="sigma_min")
-# The tiny transformer; the real 7B one is in sizes.py.
-TRANSFORMER = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
-                   num_layers=2, mlp_ratio=2.0, text_embed_dim=TEXT_DIM, adaln_lora_dim=8,
-                   max_size=(128, 240, 240), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0),
-                   concat_padding_mask=True, extra_pos_embed_type="learnable")
 
 
-def make_tiny_cosmos1(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Cosmos 1.0 Text2World folder at `path`; return `path`.
-
-    An existing complete folder is returned untouched; the build happens in a temporary sibling
-    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
-    """
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_cosmos1")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_cosmos1(out: Path, seed: int) -> None:
+    """A tiny random Cosmos 1.0 Text2World folder."""
     from diffusers import AutoencoderKLCosmos, CosmosTransformer3DModel, EDMEulerScheduler
-    from transformers import T5Config, T5EncoderModel
 
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
+        text_encoder = tiny_t5_encoder(vocab, TEXT_DIM, d_ff=64, v1_1=False)  # T5-11B's: v1.0
     with seeded(seed + 1):
         # The real CV8x8x8 VAE's layout with narrow blocks; its latent statistics (the class
         # defaults, Cosmos-1.0-Tokenizer-CV8x8x8's mean_std.pt) kept.
@@ -69,17 +55,15 @@ def _write(out: Path, seed: int) -> None:
             num_layers=1, patch_size=4, patch_type="haar", spatial_compression_ratio=8,
             temporal_compression_ratio=8)
     with seeded(seed + 2):
-        transformer = CosmosTransformer3DModel(**TRANSFORMER)
+        transformer = CosmosTransformer3DModel.from_config(COSMOS1_TINY)
         # The learnable position embedding starts at zero in diffusers; random values keep its
         # path (and its gradient) visible in the tests.
         for param in transformer.learnable_pos_embed.parameters():
             torch.nn.init.normal_(param)
 
-    EDMEulerScheduler(**SCHEDULER).save_pretrained(out / "scheduler")
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    save_sharded(vae, out / "vae", shards=1)
-    save_sharded(transformer, out / "transformer", shards=2)
-    index = {
+    save_parts(out, save_sharded, torch.bfloat16, EDMEulerScheduler(**SCHEDULER),
+               text_encoder=(text_encoder, 2), vae=(vae, 1), transformer=(transformer, 2))
+    write_config(out / "model_index.json", {
         "_class_name": PIPELINE,
         "_diffusers_version": "0.33.0.dev0",
         "safety_checker": [None, None],
@@ -88,8 +72,7 @@ def _write(out: Path, seed: int) -> None:
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "CosmosTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLCosmos"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    })
 
 
 # Buffers and heads of NVIDIA's training code in its Cosmos 1.0 checkpoints (model.pt), which
@@ -102,21 +85,12 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
     """The tiny folder's transformer in NVIDIA's Cosmos 1.0 layout (`net.blocks.block0.blocks.0.
     block.attn.to_q.0.weight`, ...), with the training buffers, bf16; `prefix` "" writes the
     names without `net.`. A .safetensors file, or a .pt (a plain state dict, torch.save)."""
-    from diffusers import CosmosTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.cosmos1.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for name, shape in _TRAINING_EXTRAS.items():
-        tensors[prefix + name] = torch.zeros(shape)
+    extras = {prefix + name: torch.zeros(shape) for name, shape in _TRAINING_EXTRAS.items()}
     # Transformer Engine's metadata of an attention module, as NVIDIA's checkpoints carry it
-    tensors[prefix + "blocks.block0.blocks.0.block.attn.attn_op._extra_state"] = torch.zeros(
+    extras[prefix + "blocks.block0.blocks.0.block.attn.attn_op._extra_state"] = torch.zeros(
         4, dtype=torch.uint8)
-    if file.suffix == ".pt":
-        torch.save(tensors, file)
-    else:
-        save_file(tensors, file)
-    return file
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, extras, format_metadata=False)

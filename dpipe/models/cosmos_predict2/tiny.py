@@ -20,14 +20,14 @@ per latent frame; 5 frames -> 2 latent frames.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from dpipe.errors import ConfigError
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.tiny_parts import (
+    named_variant, save_t5_tokenizer, seeded, tiny_t5_encoder, write_config, write_once)
 
 TEXT_DIM = 32  # T5 d_model = the transformer's text_embed_dim (1024 in the real models)
 TEXT_MAX_LENGTH = 512
@@ -57,23 +57,16 @@ def make_tiny_cosmos_predict2(path: Path, seed: int = 0, variant: str = "text2im
 def make_named_tiny_cosmos_predict2(path: Path) -> Path:
     """The tiny model of the variant the folder's name gives: .../tiny-cosmos_predict2_<variant>
     (model.tiny=true)."""
-    variant = path.name.removeprefix("tiny-cosmos_predict2_")
-    if variant not in VARIANTS:
-        raise ConfigError(f"model.path={path}: a tiny Cosmos-Predict2 folder is named "
-                          f"tiny-cosmos_predict2_<variant>, variant in {sorted(VARIANTS)}")
-    return make_tiny_cosmos_predict2(path, variant=variant)
+    return make_tiny_cosmos_predict2(path, variant=named_variant(
+        path, "tiny-cosmos_predict2_", VARIANTS, "Cosmos-Predict2"))
 
 
-def make_tiny_cosmos_predict2_v2w(path: Path, seed: int = 0) -> Path:
-    return make_tiny_cosmos_predict2(path, seed, "video2world")
+make_tiny_cosmos_predict2_v2w = functools.partial(make_tiny_cosmos_predict2, variant="video2world")
 
 
 def _write(out: Path, seed: int, variant: str) -> None:
-    import json
-
     from diffusers import (AutoencoderKLWan, CosmosTransformer3DModel,
                            FlowMatchEulerDiscreteScheduler)
-    from transformers import T5Config, T5EncoderModel
 
     v = VARIANTS[variant]
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
@@ -81,8 +74,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, use_karras_sigmas=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(vocab, 128), TEXT_DIM, d_ff=64, v1_1=False)))  # T5-11B's: a v1.0 one
+        text_encoder = tiny_t5_encoder(vocab, TEXT_DIM, d_ff=64, v1_1=False)  # T5-11B's: v1.0
     with seeded(seed + 1):
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
@@ -96,7 +88,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
 
     save_parts(out, save_exact_shards, DTYPE, scheduler, text_encoder=(text_encoder, 2),
                vae=(vae, 1), transformer=(transformer, 2))
-    index = {
+    write_config(out / "model_index.json", {
         "_class_name": v["pipeline"],
         "_diffusers_version": "0.34.0.dev0",
         "safety_checker": [None, None],
@@ -105,8 +97,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "CosmosTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    })
 
 
 # Buffers of NVIDIA's training code in its checkpoints, which diffusers' converter drops.
@@ -119,18 +110,10 @@ def write_single_file(folder: Path, file: Path, prefix: str = "net.") -> Path:
     """The tiny folder's transformer in NVIDIA's single-file layout: `net.`-prefixed names (as
     NVIDIA's checkpoints and ComfyUI's repackaged files hold them; `prefix` changes it) with the
     training buffers, bf16; a .safetensors file, or a .pt (a plain state dict, torch.save)."""
-    from diffusers import CosmosTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.common.cosmos_names import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {k: v.to(DTYPE).contiguous()
-               for k, v in original_state_dict(model.state_dict(), prefix=prefix).items()}
-    for name in _TRAINING_BUFFERS:
-        tensors[prefix + name] = torch.arange(4, dtype=torch.float32)
-    if file.suffix == ".pt":
-        torch.save(tensors, file)
-    else:
-        save_file(tensors, file)
-    return file
+    buffers = {prefix + name: torch.arange(4, dtype=torch.float32) for name in _TRAINING_BUFFERS}
+    return write_transformer_file(Path(folder) / "transformer", file,
+                                  lambda weights: original_state_dict(weights, prefix=prefix), "",
+                                  DTYPE, buffers, format_metadata=False)

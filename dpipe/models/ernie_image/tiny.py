@@ -27,7 +27,7 @@ import torch
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
 from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_llama3_tokenizer import train_llama3_bpe
-from dpipe.models.tiny_parts import seeded, write_atomically
+from dpipe.models.tiny_parts import seeded, tiny_mistral3_config, tiny_writer
 
 LATENT_CHANNELS = 4  # the VAE's (32 in the real one); the transformer sees 4x after patchify
 TEXT_DIM = 32  # Mistral hidden size = the transformer's text_in_dim
@@ -36,18 +36,6 @@ SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[IMG]")  # Mistral's order: bos 1,
 # A fixed shift, no dynamic shifting: the pipeline passes no mu, so a real config has none; the
 # real shift value is not confirmed offline (3.0 here).
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-
-
-def make_tiny_ernie_image(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random ERNIE-Image diffusers folder at `path`."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no model_index.json, so it is not a tiny model written by"
-                " make_tiny_ernie_image; delete it or choose another folder")
-        write_atomically(path, lambda tmp: _write(tmp, seed))
-    return path
 
 
 def save_tokenizer(directory: Path) -> int:
@@ -73,31 +61,22 @@ def save_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_ernie_image(out: Path, seed: int) -> None:
+    """A tiny random ERNIE-Image diffusers folder."""
     from diffusers import (
         ErnieImagePipeline, ErnieImageTransformer2DModel,
         FlowMatchEulerDiscreteScheduler)
-    from transformers import AutoTokenizer, Mistral3Config, Mistral3Model
+    from transformers import AutoTokenizer, Mistral3Model
 
     from dpipe.models.ernie_image.sizes import ERNIE_IMAGE_TINY  # imports this module's sizes
 
     vocab = save_tokenizer(out / "tokenizer")
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     with seeded(seed):
-        text_encoder = Mistral3Model(Mistral3Config(
-            text_config={
-                "model_type": "mistral", "vocab_size": vocab, "hidden_size": TEXT_DIM,
-                "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
-                "tie_word_embeddings": False},
-            vision_config={
-                "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
-                "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
-                "patch_size": 8, "num_channels": 3, "head_dim": 8},
-            image_token_index=SPECIALS.index("[IMG]"), spatial_merge_size=2,
-            vision_feature_layer=-1, projector_hidden_act="gelu",
-            multimodal_projector_bias=False))
+        text_encoder = Mistral3Model(tiny_mistral3_config(
+            TEXT_DIM, 3, SPECIALS.index("[IMG]"), dict(
+                vocab_size=vocab, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)))
     with seeded(seed + 1):
         transformer = ErnieImageTransformer2DModel.from_config(ERNIE_IMAGE_TINY)
         # The modulation and output projections start at zero: a random model would output

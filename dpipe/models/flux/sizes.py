@@ -16,9 +16,11 @@ FLUX1_DEV = {
 }
 FLUX1_SCHNELL = {**FLUX1_DEV, "guidance_embeds": False}
 
-# The tiny test model's transformer (dpipe.models.flux.tiny), for CPU smoke tests of benchmarks.
+# The tiny test model's transformer (dpipe.models.flux.tiny builds it), for CPU smoke tests.
 FLUX1_TINY = {
-    **FLUX1_DEV, "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6], "in_channels": 16,
+    **FLUX1_DEV, "attention_head_dim": 16,
+    "axes_dims_rope": [4, 6, 6],  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+    "in_channels": 16,  # 2x2 patches of 4 latent channels packed per token
     "joint_attention_dim": 32, "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 2,
     "pooled_projection_dim": 32,
 }

@@ -20,18 +20,17 @@ Sizes: 64x64 images -> VAE (4x downscale, 4 latent channels) -> 16x16 latents ->
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.colour_vae import colour_flux_vae
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.flux.sizes import FLUX1_TINY
 from dpipe.models.tiny_parts import (
-    FLUX_SCHEDULER, save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
+    FLUX_SCHEDULER, save_clip_tokenizer, save_model_index, save_t5_tokenizer, seeded,
+    tiny_clip_text_config, tiny_t5_encoder, tiny_writer)
 
-LATENT_CHANNELS = 4
 TEXT_DIM = 32  # CLIP hidden size (pooled projection input) and T5 d_model (joint attention input)
 CLIP_MAX_LENGTH = 77  # FluxPipeline pads CLIP prompts to tokenizer.model_max_length
 T5_MAX_LENGTH = 512  # FLUX.1-dev's tokenizer_2 limit; pipelines ask for less (max_sequence_length)
@@ -39,37 +38,26 @@ T5_MAX_LENGTH = 512  # FLUX.1-dev's tokenizer_2 limit; pipelines ask for less (m
 DTYPE = torch.bfloat16
 
 
-def make_tiny_flux(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random FLUX.1-dev diffusers folder at `path` and return `path`.
-
-    An existing complete folder is returned untouched; the build happens in a temporary sibling
-    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
-    """
-    return write_once(path, "model_index.json", lambda tmp: write_tiny_flux(tmp, seed),
-                      "make_tiny_flux")
+@tiny_writer
+def make_tiny_flux(out: Path, seed: int) -> None:
+    """A tiny random FLUX.1-dev diffusers folder."""
+    _write(out, seed, "FluxPipeline")
 
 
-def make_tiny_flux_kontext(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random FLUX.1-Kontext-dev diffusers folder at `path` and return it.
+@tiny_writer
+def make_tiny_flux_kontext(out: Path, seed: int) -> None:
+    """A tiny random FLUX.1-Kontext-dev diffusers folder.
 
     black-forest-labs/FLUX.1-Kontext-dev has exactly FLUX.1-dev's layout and architecture (the
     same component classes, scheduler and VAE; a FluxTransformer2DModel with guidance embedding);
     only model_index.json names the FluxKontextPipeline. So this is the tiny FLUX.1-dev with the
     Kontext pipeline named in its model_index.json."""
-    def write(out: Path) -> None:
-        write_tiny_flux(out, seed)
-        index = json.loads((out / "model_index.json").read_text())
-        index["_class_name"] = "FluxKontextPipeline"
-        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-    return write_once(path, "model_index.json", write, "make_tiny_flux_kontext")
+    _write(out, seed, "FluxKontextPipeline")
 
 
-def write_tiny_flux(out: Path, seed: int) -> None:
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel)
-    from transformers import (
-        CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast)
+def _write(out: Path, seed: int, pipeline: str) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, CLIPTokenizer, T5TokenizerFast
 
     clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH)
     t5_vocab = save_t5_tokenizer(out / "tokenizer_2", model_max_length=T5_MAX_LENGTH)
@@ -78,23 +66,11 @@ def write_tiny_flux(out: Path, seed: int) -> None:
 
     # Each component gets its own seed, so resizing one leaves the others' weights unchanged.
     with seeded(seed):
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            vocab_size=clip_vocab, hidden_size=TEXT_DIM, intermediate_size=4 * TEXT_DIM,
-            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-            hidden_act="quick_gelu", projection_dim=TEXT_DIM,
-            # The real config's legacy ids: eos_token_id=2 makes CLIP pool at argmax(input_ids),
-            # i.e. at the first <|endoftext|>, which the tokenizer puts at the top of its vocab.
-            bos_token_id=0, eos_token_id=2, pad_token_id=1))
+        text_encoder = CLIPTextModel(tiny_clip_text_config(clip_vocab, TEXT_DIM))
     with seeded(seed + 1):
-        # The vocabulary padded past the tokenizer's as t5-v1_1-xxl's is (32100 tokens, 32128).
-        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
+        text_encoder_2 = tiny_t5_encoder(t5_vocab, TEXT_DIM, d_ff=80)
     with seeded(seed + 2):
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=4 * LATENT_CHANNELS,  # 2x2 latent patches packed per token
-            num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        transformer = FluxTransformer2DModel.from_config(FLUX1_TINY)
     vae = colour_flux_vae()  # set, not drawn: its latents are the picture's colours
 
     # The real transformer (3 shards) and T5 (2 shards) come sharded with an index file: keep that,
@@ -106,12 +82,10 @@ def write_tiny_flux(out: Path, seed: int) -> None:
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
         tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
         tokenizer_2=T5TokenizerFast.from_pretrained(out / "tokenizer_2"), transformer=transformer)
-    pipe.save_config(out)  # model_index.json, as FluxPipeline.save_pretrained writes it
-    index = json.loads((out / "model_index.json").read_text())
     # transformers 5 folds T5TokenizerFast into T5Tokenizer; the real repo names the Fast class,
     # which every transformers version can load.
-    index["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_model_index(pipe, out, _class_name=pipeline,
+                     tokenizer_2=["transformers", "T5TokenizerFast"])
 
 
 def write_bfl_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

@@ -21,7 +21,6 @@ latents of 16 channels -> 64 image tokens; text: hidden 16 x 3 stacked layers = 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +28,9 @@ import torch
 
 from dpipe.models.common.tiny_vae import tiny_flux2_vae
 from dpipe.models.common.tiny_files import save_exact_shards, save_parts
-from dpipe.models.tiny_parts import FLUX_SCHEDULER, seeded, tiny_corpus, write_once
+from dpipe.models.tiny_parts import (
+    FLUX_SCHEDULER, save_model_index, seeded, tiny_corpus, tiny_mistral3_config, tiny_writer,
+    write_config)
 
 LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
@@ -59,40 +60,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_flux2(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random FLUX.2-dev diffusers folder at `path` and return `path` (an
-    existing complete folder is left untouched; concurrent callers are safe)."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_flux2")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_flux2(out: Path, seed: int) -> None:
+    """A tiny random FLUX.2-dev diffusers folder."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, Flux2Pipeline,
         Flux2Transformer2DModel)
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
     tokenizer = save_processor(out / "tokenizer")
     vocab_size = len(tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    token_ids = dict(bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
 
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
     with seeded(seed):
-        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
-            text_config={
-                "model_type": "mistral", "vocab_size": vocab_size, "hidden_size": TEXT_HIDDEN,
-                "intermediate_size": 32, "num_hidden_layers": TEXT_LAYERS,
-                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-                "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-                "rope_theta": 1000000000.0, "sliding_window": None,
-                "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
-                "pad_token_id": ids["<pad>"], "tie_word_embeddings": False},
-            vision_config={
-                "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
-                "num_attention_heads": 2, "intermediate_size": 32, "image_size": 32,
-                "patch_size": 8, "num_channels": 3, "head_dim": 8},
-            image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-1,
-            projector_hidden_act="gelu", multimodal_projector_bias=False,
-            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]))
+        text_encoder = Mistral3ForConditionalGeneration(tiny_mistral3_config(
+            TEXT_HIDDEN, TEXT_LAYERS, ids["[IMG]"], dict(
+                vocab_size=vocab_size, max_position_embeddings=1024, rope_theta=1000000000.0,
+                sliding_window=None, **token_ids), **token_ids))
     with seeded(seed + 1):
         transformer = Flux2Transformer2DModel(
             patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=2, num_single_layers=2,
@@ -104,11 +90,10 @@ def _write(out: Path, seed: int) -> None:
 
     save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 3),
                text_encoder=(text_encoder, 2), vae=(vae, 1))
-    Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                  transformer=transformer).save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer"] = ["transformers", "PixtralProcessor"]  # as the real repo names it
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=transformer)
+    # As the real repo names it.
+    save_model_index(pipe, out, tokenizer=["transformers", "PixtralProcessor"])
 
 
 def save_processor(directory: Path):
@@ -141,11 +126,11 @@ def save_processor(directory: Path):
         pad_token="<pad>", model_max_length=131072, padding_side="right")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)  # tokenizer.json, configs, chat_template.jinja
-    _write_json(directory / "processor_config.json", {
+    write_config(directory / "processor_config.json", {
         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
         "image_token": "[IMG]", "patch_size": 8, "processor_class": "PixtralProcessor",
         "spatial_merge_size": 2})
-    _write_json(directory / "preprocessor_config.json", {
+    write_config(directory / "preprocessor_config.json", {
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_processor_type": "PixtralImageProcessor",
@@ -154,6 +139,3 @@ def save_processor(directory: Path):
         "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 64}})
     return tokenizer
 
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -1,8 +1,10 @@
 """HiDream-I1 transformer configs at real size (the published HiDream-ai/HiDream-I1-Full folder;
 Dev and Fast share it), for benchmarks with random weights: no download needed."""
 
-from dpipe.models.hidream.tiny import (
-    CLIP_G, CLIP_L, LATENT_CHANNELS, LLAMA_DIM, LLAMA_LAYERS, T5_DIM)
+# The tiny test model's sizes (dpipe.models.hidream.tiny writes it).
+LATENT_CHANNELS = 16
+CLIP_L, CLIP_G, T5_DIM, LLAMA_DIM = 32, 48, 32, 32
+LLAMA_LAYERS = 4
 
 HIDREAM_I1 = {
     "_class_name": "HiDreamImageTransformer2DModel",
@@ -23,7 +25,7 @@ HIDREAM_I1 = {
     "text_emb_dim": 2048,
 }
 
-# The tiny test model's transformer (dpipe.models.hidream.tiny), for CPU smoke tests.
+# The tiny test model's transformer (dpipe.models.hidream.tiny builds it), for CPU smoke tests.
 HIDREAM_TINY = {
     **HIDREAM_I1, "attention_head_dim": 16, "axes_dims_rope": [8, 4, 4],
     "caption_channels": [T5_DIM, LLAMA_DIM], "in_channels": LATENT_CHANNELS,

@@ -19,12 +19,12 @@ vocabularies, the VAE's 32x compression (4x here, so 64x64 images give 16x16 lat
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
-from dpipe.models.tiny_parts import (
-    bytes_to_unicode, learn_bpe, seeded, tiny_corpus, tiny_t5_config, write_json,
-    write_once)
+import torch
+
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
+from dpipe.models.tiny_parts import seeded, tiny_t5_encoder, tiny_writer, write_json
 
 LATENT_CHANNELS = 16
 QWEN_DIM, BYT5_DIM = 32, 24
@@ -36,20 +36,15 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
 TEMPLATE_TOKENS = 34
 
 
-def make_tiny_hunyuan_image(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random HunyuanImage 2.1 diffusers folder at `path`; return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_hunyuan_image")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_hunyuan_image(out: Path, seed: int) -> None:
+    """A tiny random HunyuanImage 2.1 diffusers folder."""
     from diffusers import (
         AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline,
         HunyuanImageTransformer2DModel)
     from diffusers.guiders import AdaptiveProjectedMixGuidance
     from transformers import (
-        ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
-        T5Config, T5EncoderModel)
+        ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer)
 
     ids = save_qwen_tokenizer_with(out / "tokenizer", TEMPLATE.format(""))
     byt5 = ByT5Tokenizer()
@@ -71,8 +66,7 @@ def _write(out: Path, seed: int) -> None:
             vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"]))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(len(byt5), BYT5_DIM, 48,
-                                                                  d_kv=12)))
+        text_encoder_2 = tiny_t5_encoder(len(byt5), BYT5_DIM, 48, d_kv=12)  # ByT5's 384 ids
     with seeded(seed + 2):
         transformer = HunyuanImageTransformer2DModel(
             in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=HEADS,
@@ -88,11 +82,8 @@ def _write(out: Path, seed: int) -> None:
     guider = AdaptiveProjectedMixGuidance(guidance_scale=3.5)
     ocr_guider = AdaptiveProjectedMixGuidance(guidance_scale=3.5)
 
-    scheduler.save_pretrained(out / "scheduler")
-    transformer.save_pretrained(out / "transformer")
-    vae.save_pretrained(out / "vae")
-    text_encoder.save_pretrained(out / "text_encoder")
-    text_encoder_2.save_pretrained(out / "text_encoder_2")
+    save_parts(out, save_exact_shards, torch.float32, scheduler, transformer=(transformer, 1),
+               vae=(vae, 1), text_encoder=(text_encoder, 1), text_encoder_2=(text_encoder_2, 1))
     guider.save_pretrained(out / "guider")
     ocr_guider.save_pretrained(out / "ocr_guider")
     pipe = HunyuanImagePipeline(
@@ -120,23 +111,14 @@ def save_qwen_tokenizer_with(directory: Path, template: str) -> dict[str, int]:
     """A Qwen2.5-VL tokenizer folder as `dpipe.models.common.tiny_qwen_tokenizer` writes it, with
     merges learnt on the test captions plus `template` (so its words are whole tokens).
     Returns {added token: id}."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
-
     from dpipe.models.common import tiny_qwen_tokenizer as qt
 
-    splitter = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(qt.QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
     specials = [t for t, _ in qt.QWEN2_ADDED]
     plain = template
     for s in specials:
         plain = plain.replace(s, "\n")  # split there, as the added tokens split the text
-    lines = tiny_corpus() + [plain] * 4  # seen often enough for every word to merge fully
-    words = Counter(w for line in lines
-                    for w, _ in splitter.pre_tokenize_str(normalizers.NFC().normalize_str(line)))
-    merges = learn_bpe({tuple(w): n for w, n in words.items()}, 768)
-    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    # Seen often enough for every word to merge fully.
+    vocab, merges = qt.train_qwen_bpe(768, (plain,) * 4)
     ids = qt.save_vocab_files(directory, vocab, merges, specials)
     entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     write_json(directory / "tokenizer_config.json", {

@@ -21,11 +21,14 @@ HUNYUAN_VIDEO_13B = {
     "text_embed_dim": 4096,
 }
 
-# The tiny test model's transformer (dpipe.models.hunyuan_video.tiny), for CPU smoke tests.
+# The tiny test model's transformer (dpipe.models.hunyuan_video.tiny builds it), for CPU smoke
+# tests.
 HUNYUAN_VIDEO_TINY = {
     **HUNYUAN_VIDEO_13B, "attention_head_dim": 16, "in_channels": 4, "num_attention_heads": 2,
     "num_layers": 2, "num_refiner_layers": 1, "num_single_layers": 2, "out_channels": 4,
-    "pooled_projection_dim": 32, "rope_axes_dim": [4, 6, 6], "text_embed_dim": 32,
+    "pooled_projection_dim": 32,
+    "rope_axes_dim": [4, 6, 6],  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+    "text_embed_dim": 32,
 }
 
 SIZES = {"13b": HUNYUAN_VIDEO_13B, "tiny": HUNYUAN_VIDEO_TINY}

@@ -13,7 +13,6 @@ latents per latent frame -> 2x2 patches -> 64 tokens of width 32 per latent fram
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,7 +20,9 @@ import torch
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_sharded
 from dpipe.models.common.tiny_llama3_tokenizer import LLAMA3_SPECIALS, save_llama3_tokenizer
-from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_once
+from dpipe.models.hunyuan_video.sizes import HUNYUAN_VIDEO_TINY
+from dpipe.models.tiny_parts import (
+    save_clip_tokenizer, save_model_index, seeded, tiny_clip_text_config, tiny_writer)
 
 LATENT_CHANNELS = 4
 TEXT_DIM = 32  # LLaMA hidden size (text_embed_dim) and CLIP hidden size (pooled_projection_dim)
@@ -29,21 +30,14 @@ CLIP_MAX_LENGTH = 77
 DTYPE = torch.bfloat16  # as the real repo stores the transformer; loaders pass the compute dtype
 
 
-def make_tiny_hunyuan_video(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random HunyuanVideo diffusers folder at `path` and return `path`.
-
-    An existing complete folder is returned untouched; concurrent callers are safe (the folder is
-    built in a temporary sibling and renamed into place)."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_hunyuan_video")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_hunyuan_video(out: Path, seed: int) -> None:
+    """A tiny random HunyuanVideo diffusers folder."""
     from diffusers import (
         AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
         HunyuanVideoTransformer3DModel)
     from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
+    from transformers import CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
 
     from dpipe.models.common.tiny_llama3_tokenizer import load_byte_level_tokenizer
 
@@ -60,18 +54,9 @@ def _write(out: Path, seed: int) -> None:
             bos_token_id=llama_vocab - len(LLAMA3_SPECIALS),
             eos_token_id=llama_vocab - len(LLAMA3_SPECIALS) + 1, tie_word_embeddings=False))
     with seeded(seed + 1):
-        text_encoder_2 = CLIPTextModel(CLIPTextConfig(
-            vocab_size=clip_vocab, hidden_size=TEXT_DIM, intermediate_size=4 * TEXT_DIM,
-            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-            hidden_act="quick_gelu", projection_dim=TEXT_DIM, bos_token_id=0, eos_token_id=2,
-            pad_token_id=1))
+        text_encoder_2 = CLIPTextModel(tiny_clip_text_config(clip_vocab, TEXT_DIM))
     with seeded(seed + 2):
-        transformer = HunyuanVideoTransformer3DModel(
-            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=2,
-            attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
-            mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
-            text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM, rope_theta=256.0,
-            rope_axes_dim=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        transformer = HunyuanVideoTransformer3DModel.from_config(HUNYUAN_VIDEO_TINY)
     with seeded(seed + 3):
         vae = AutoencoderKLHunyuanVideo(
             in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
@@ -93,23 +78,16 @@ def _write(out: Path, seed: int) -> None:
         text_encoder=text_encoder, tokenizer=load_byte_level_tokenizer(out / "tokenizer"),
         transformer=transformer, vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
         tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"))
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
     # The real folder names LlamaTokenizerFast (which transformers 5 loads wrongly; see tokenizers.py).
-    index["tokenizer"] = ["transformers", "LlamaTokenizerFast"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_model_index(pipe, out, tokenizer=["transformers", "LlamaTokenizerFast"])
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The transformer of the tiny folder at `folder` as one file in the original layout
     (hunyuan_video_720_cfgdistill_bf16.safetensors: original names, bf16), keys behind `prefix`
     ("model.diffusion_model." as ComfyUI saves it)."""
-    from diffusers import HunyuanVideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.hunyuan_video.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = HunyuanVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    weights = original_state_dict(model.state_dict())
-    save_file({prefix + k: v.to(DTYPE).contiguous() for k, v in weights.items()}, file)
-    return file
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  DTYPE, format_metadata=False)

@@ -23,7 +23,7 @@ from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.ideogram4.sizes import IDEOGRAM4_TINY, TEXT_DIM, Z_DIM
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import seeded, tiny_writer
 
 TEXT_LAYERS = 36  # as Qwen3-VL-8B: the pipeline's tapped layers go up to 35
 DTYPE = torch.bfloat16
@@ -46,12 +46,6 @@ CHAT_TEMPLATE = (
 SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 
 
-def make_tiny_ideogram4(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Ideogram 4 diffusers folder at `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_ideogram4")
-
-
 def _transformer(seed: int):
     from diffusers import Ideogram4Transformer2DModel
 
@@ -59,7 +53,9 @@ def _transformer(seed: int):
         return Ideogram4Transformer2DModel.from_config(IDEOGRAM4_TINY)
 
 
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_ideogram4(out: Path, seed: int) -> None:
+    """A tiny random Ideogram 4 diffusers folder."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
     from transformers import Qwen2Tokenizer, Qwen3VLModel
 

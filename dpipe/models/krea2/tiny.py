@@ -25,7 +25,7 @@ from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
 from dpipe.models.krea2.sizes import KREA2_TINY, SELECT_LAYERS, TEXT_DIM, Z_DIM
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import seeded, tiny_writer
 
 DTYPE = torch.bfloat16
 # The scheduler config the pipeline's docstring requires: dynamic (exponential) shifting with the
@@ -34,12 +34,9 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True,
                  max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400)
 
 
-def make_tiny_krea2(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Krea 2 diffusers folder at `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_krea2")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_krea2(out: Path, seed: int) -> None:
+    """A tiny random Krea 2 diffusers folder."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
         Krea2Transformer2DModel)

@@ -12,31 +12,26 @@ Sizes: 64x64 images (or 8k+1 frames of them, the real VAE's rule) -> VAE (8x spa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_parts, save_sharded
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.tiny_parts import (
+    save_model_index, save_t5_tokenizer, seeded, tiny_t5_encoder, tiny_writer)
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # T5 d_model (caption_channels)
 T5_MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 
 
-def make_tiny_ltx_video(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random LTX-Video diffusers folder at `path` and return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_ltx_video")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_ltx_video(out: Path, seed: int) -> None:
+    """A tiny random LTX-Video diffusers folder."""
     from diffusers import (
         AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
         LTXVideoTransformer3DModel)
-    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+    from transformers import T5TokenizerFast
 
     t5_vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=T5_MAX_LENGTH)
     # LTX-Video's scheduler config: the shift grows with the video token count.
@@ -44,8 +39,7 @@ def _write(out: Path, seed: int) -> None:
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.95,
         max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
     with seeded(seed):
-        text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(t5_vocab, 128), TEXT_DIM, d_ff=80)))
+        text_encoder = tiny_t5_encoder(t5_vocab, TEXT_DIM, d_ff=80)
     with seeded(seed + 1):
         transformer = LTXVideoTransformer3DModel(
             in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, patch_size=1,
@@ -74,10 +68,8 @@ def _write(out: Path, seed: int) -> None:
     pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                        tokenizer=T5TokenizerFast.from_pretrained(out / "tokenizer"),
                        transformer=transformer)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer"] = ["transformers", "T5TokenizerFast"]  # as the real folder names it
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    # As the real folder names it.
+    save_model_index(pipe, out, tokenizer=["transformers", "T5TokenizerFast"])
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_model.") -> Path:
@@ -85,16 +77,11 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     (ltx-video-2b-v0.9.5.safetensors): original names behind `prefix`, bf16, next to `vae.` keys.
     The VAE part is a stand-in (its marker keys, not the tiny VAE in LTX's own layout): loaders
     of the transformer must skip it, and the VAE is read from the diffusers folder."""
-    from diffusers import LTXVideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.ltx_video.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = LTXVideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for key in ("vae.decoder.last_scale_shift_table", "vae.per_channel_statistics.mean-of-means",
-                "vae.per_channel_statistics.std-of-means"):
-        tensors[key] = torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16)
-    save_file(tensors, file)
-    return file
+    vae = {key: torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16) for key in (
+        "vae.decoder.last_scale_shift_table", "vae.per_channel_statistics.mean-of-means",
+        "vae.per_channel_statistics.std-of-means")}
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, vae, format_metadata=False)

@@ -15,7 +15,6 @@ and 2 main blocks.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -25,18 +24,14 @@ from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.lumina2.sizes import LATENT_CHANNELS, TEXT_DIM, LUMINA2_TINY
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_json, write_once
+from dpipe.models.tiny_parts import (
+    learn_bpe, save_model_index, seeded, tiny_corpus, tiny_writer, write_json)
 
 DTYPE = torch.bfloat16
 # Lumina2Pipeline's default system prompt: in the tokenizer's corpus so that it costs few tokens.
 SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree"
                  " of image-text alignment based on textual prompts or user prompts.")
 _SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
-
-
-def make_tiny_lumina2(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Lumina 2 diffusers folder at `path` and return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_lumina2")
 
 
 def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
@@ -87,7 +82,9 @@ def save_gemma_tokenizer(directory: Path, model_max_length: int = 8192) -> int:
     return len(vocab)
 
 
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_lumina2(out: Path, seed: int) -> None:
+    """A tiny random Lumina 2 diffusers folder."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel)
     from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
@@ -111,8 +108,5 @@ def _write(out: Path, seed: int) -> None:
     pipe = Lumina2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                            tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),
                            transformer=transformer)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
     # The real repo names the Fast class (transformers 5 folds it into GemmaTokenizer).
-    index["tokenizer"] = ["transformers", "GemmaTokenizerFast"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_model_index(pipe, out, tokenizer=["transformers", "GemmaTokenizerFast"])

@@ -25,7 +25,7 @@ import torch
 from dpipe.models.common.tiny_files import save_component
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_qwen_vl import tiny_qwen3_vl_config
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import save_modular_index, seeded, tiny_writer
 
 REPO = "MiniMaxAI/MiniMax-H3"
 INDEX = "modular_model_index.json"
@@ -66,13 +66,6 @@ COMPONENTS = {  # name -> (library, class), as modular_model_index.json lists th
 }
 
 
-def make_tiny_minimax_h3(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random MiniMax H3 folder at `path`; return `path`. An existing complete
-    folder is returned untouched; the build happens in a temporary sibling folder renamed into
-    place, so concurrent callers (pytest workers, pipeline ranks) are safe."""
-    return write_once(path, INDEX, lambda tmp: _write(tmp, seed), "make_tiny_minimax_h3")
-
-
 def save_transformer(transformer: torch.nn.Module, directory: Path) -> None:
     """bf16 but for the modules the release keeps in float32 (`_keep_in_fp32_modules`)."""
     torch.nn.Module.to(transformer, DTYPE)
@@ -96,7 +89,9 @@ def _random_transformer(seed: int) -> torch.nn.Module:
     return transformer
 
 
-def _write(out: Path, seed: int) -> None:
+@tiny_writer(marker=INDEX)
+def make_tiny_minimax_h3(out: Path, seed: int) -> None:
+    """A tiny random MiniMax H3 folder."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -119,29 +114,17 @@ def _write(out: Path, seed: int) -> None:
     save_component(vae, out / "vae", shards=1, dtype=torch.float32)  # the release's VAEs: fp32
     save_component(audio_vae, out / "audio_vae", shards=1, dtype=torch.float32)
     _save_processor(out / "processor")
-    index = {"_blocks_class_name": "MiniMaxH3Blocks", "_class_name": "MiniMaxH3ModularPipeline",
-             "_diffusers_version": "0.42.1"}
-    for name, (library, cls) in COMPONENTS.items():
-        index[name] = [library, cls, {"pretrained_model_name_or_path": REPO, "revision": None,
-                                      "subfolder": name, "type_hint": [library, cls],
-                                      "variant": None}]
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    save_modular_index(out, "MiniMaxH3ModularPipeline", "MiniMaxH3Blocks", REPO, COMPONENTS)
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:
     """The tiny folder's transformer as the published single files hold it: the original names
     (`comfyui.original_state_dict`), q, k, v stacked, the release's dtypes."""
-    from safetensors.torch import load_file, save_file
-
     from dpipe.models.minimax_h3.comfyui import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    weights = {}
-    for shard in sorted((folder / "transformer").glob("*.safetensors")):
-        weights.update(load_file(shard))
-    tensors = original_state_dict(weights, TRANSFORMER)
-    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, file,
-              metadata={"format": "pt"})
-    return file
+    return write_transformer_file(folder / "transformer", file,
+                                  lambda weights: original_state_dict(weights, TRANSFORMER), prefix)
 
 
 # Qwen3-VL's pixel conventions (patch 16, 2x2 merge, 2-frame temporal patches, mean = std = 0.5).

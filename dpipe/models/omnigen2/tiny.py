@@ -16,17 +16,15 @@ tower). 1 context-, 1 noise- and 1 reference-image-refiner block, 2 main blocks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from dpipe.models.common.tiny_files import save_component
-from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
-from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
+from dpipe.models.common.tiny_qwen_vl import save_qwen25_vl_processor, tiny_qwen25_vl
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.omnigen2.sizes import LATENT_CHANNELS, OMNIGEN2_TINY, TEXT_DIM
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import seeded, tiny_writer, write_config
 
 DTYPE = torch.bfloat16
 # model_index.json: the parts the reference's OmniGen2Pipeline registers. Its library entries are
@@ -45,23 +43,12 @@ SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_versi
              "dynamic_time_shift": True, "num_train_timesteps": 1000}
 
 
-def make_tiny_omnigen2(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random OmniGen2 folder at `path` and return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_omnigen2")
-
-
-def _write(out: Path, seed: int) -> None:
-    from transformers import Qwen2VLImageProcessor
-
+@tiny_writer
+def make_tiny_omnigen2(out: Path, seed: int) -> None:
+    """A tiny random OmniGen2 folder."""
     from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
 
-    added = save_qwen_tokenizer(out / "processor", "qwen2.5-vl", model_max_length=131072)
-    Qwen2VLImageProcessor(
-        min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.48145466, 0.4578275, 0.40821073],
-        image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(out / "processor")
-    (out / "processor" / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    added = save_qwen25_vl_processor(out / "processor")
     with seeded(seed):
         mllm = tiny_qwen25_vl(added, TEXT_DIM)
     with seeded(seed + 1):
@@ -70,13 +57,10 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 2):
         vae = tiny_flux_vae(LATENT_CHANNELS, levels=4)
 
+    # The scheduler: the reference's own class, its config written as JSON.
+    (out / "scheduler").mkdir()
+    write_config(out / "scheduler" / "scheduler_config.json", SCHEDULER)
     save_component(transformer, out / "transformer", shards=2, dtype=DTYPE)
     save_component(mllm, out / "mllm", shards=2, dtype=DTYPE)
     save_component(vae, out / "vae", shards=1, dtype=DTYPE)
-    (out / "scheduler").mkdir()
-    _write_json(out / "scheduler" / "scheduler_config.json", SCHEDULER)
-    _write_json(out / "model_index.json", MODEL_INDEX)
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_config(out / "model_index.json", MODEL_INDEX)

@@ -17,17 +17,16 @@ packing -> 64 image tokens of 16 channels; transformer 2 blocks of 2 heads x 16;
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from dpipe.models.common.tiny_vae import tiny_qwen_image_vae
 from dpipe.models.common.tiny_files import save_component, save_parts
-from dpipe.models.common.tiny_qwen_vl import tiny_qwen25_vl
-from dpipe.models.common.tiny_qwen_tokenizer import QWEN2_VL_CHAT_TEMPLATE, save_qwen_tokenizer
+from dpipe.models.common.tiny_qwen_vl import save_qwen25_vl_processor, tiny_qwen25_vl
+from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.qwen_image.sizes import QWEN_IMAGE_TINY, TEXT_DIM, Z_DIM
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import save_model_index, seeded, tiny_writer
 
 DTYPE = torch.bfloat16
 # The real Qwen-Image scheduler: resolution-dependent (exponential) shift.
@@ -36,24 +35,23 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True,
                  shift_terminal=0.02, time_shift_type="exponential")
 
 
-def make_tiny_qwen_image(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Qwen-Image (text-to-image) diffusers folder at `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, edit=False),
-                      "make_tiny_qwen_image")
+@tiny_writer
+def make_tiny_qwen_image(out: Path, seed: int) -> None:
+    """A tiny random Qwen-Image (text-to-image) diffusers folder."""
+    _write(out, seed, edit=False)
 
 
-def make_tiny_qwen_image_edit(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Qwen-Image-Edit diffusers folder at `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, edit=True),
-                      "make_tiny_qwen_image_edit")
+@tiny_writer
+def make_tiny_qwen_image_edit(out: Path, seed: int) -> None:
+    """A tiny random Qwen-Image-Edit diffusers folder."""
+    _write(out, seed, edit=True)
 
 
-def make_tiny_qwen_image_edit_plus(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Qwen-Image-Edit-2511 diffusers folder at `path` (2509's layout
-    but for the transformer's `zero_cond_t`, which 2511 sets)."""
-    return write_once(path, "model_index.json",
-                      lambda tmp: _write(tmp, seed, edit=True, plus=True),
-                      "make_tiny_qwen_image_edit_plus")
+@tiny_writer
+def make_tiny_qwen_image_edit_plus(out: Path, seed: int) -> None:
+    """A tiny random Qwen-Image-Edit-2511 diffusers folder (2509's layout but for the
+    transformer's `zero_cond_t`, which 2511 sets)."""
+    _write(out, seed, edit=True, plus=True)
 
 
 def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
@@ -78,32 +76,14 @@ def _write(out: Path, seed: int, edit: bool, plus: bool = False) -> None:
     parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                  transformer=transformer)
     if edit:
-        parts["processor"] = _save_processor(out / "processor")
+        from dpipe.models.qwen_image.edit import load_processor
+
+        save_qwen25_vl_processor(out / "processor")
+        parts["processor"] = load_processor(out / "processor")
         pipe = (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(**parts)
     else:
         pipe = QwenImagePipeline(**parts)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
+    # The processor named as in the real repo, whichever processor object stood in while writing.
+    index = save_model_index(pipe, out, **(
+        {"processor": ["transformers", "Qwen2VLProcessor"]} if edit else {}))
     assert index["text_encoder"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"], index
-    if edit:  # named as in the real repo, whichever processor object stood in while writing
-        index["processor"] = ["transformers", "Qwen2VLProcessor"]
-        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _save_processor(directory: Path):
-    """processor/ as Qwen-Image-Edit ships it: the tokenizer files, the image processor's
-    preprocessor_config.json (the real Qwen2.5-VL pixel limits) and the chat template. Not
-    reproduced: video_preprocessor_config.json (written by a video processor, which needs
-    torchvision). Returns the processor as `load_processor` loads it."""
-    from transformers import Qwen2VLImageProcessor
-
-    from dpipe.models.qwen_image.edit import load_processor
-
-    save_qwen_tokenizer(directory, "qwen2.5-vl", model_max_length=131072)
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.48145466, 0.4578275, 0.40821073],
-        image_std=[0.26862954, 0.26130258, 0.27577711])
-    image_processor.save_pretrained(directory)
-    (directory / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
-    return load_processor(directory)

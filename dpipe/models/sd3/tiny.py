@@ -18,15 +18,15 @@ and T5 (d_model 64 = joint attention dim, which the 2x32 CLIP features are padde
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from dpipe.models.common.shapes import round_up
+from dpipe.models.common.tiny_files import save_exact_shards, save_parts
 from dpipe.models.common.tiny_vae import tiny_flux_vae
 from dpipe.models.tiny_parts import (
-    save_clip_tokenizer, save_t5_tokenizer, seeded, tiny_t5_config, write_once)
+    save_clip_tokenizer, save_model_index, save_t5_tokenizer, seeded, tiny_clip_text_config,
+    tiny_t5_encoder, tiny_writer)
 
 LATENT_CHANNELS = 4
 CLIP_DIM = 32
@@ -36,45 +36,25 @@ T5_MAX_LENGTH = 512
 DTYPE = torch.bfloat16
 
 
-def make_tiny_sd3(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random SD3.5-medium diffusers folder at `path` and return `path`.
-
-    An existing complete folder is returned untouched; the build happens in a temporary sibling
-    folder renamed into place, so concurrent callers (pytest workers, pipeline ranks) are safe.
-    """
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_sd3")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_sd3(out: Path, seed: int) -> None:
+    """A tiny random SD3.5-medium diffusers folder."""
     from diffusers import (
-        FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-        StableDiffusion3Pipeline)
-    from transformers import (
-        CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
-        T5TokenizerFast)
+        FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5TokenizerFast
 
     clip_vocab = save_clip_tokenizer(out / "tokenizer", model_max_length=CLIP_MAX_LENGTH)
-    save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_MAX_LENGTH)
-    _pad_with_exclamation_mark(out / "tokenizer_2")
+    save_clip_tokenizer(out / "tokenizer_2", model_max_length=CLIP_MAX_LENGTH, pad="!")
     t5_vocab = save_t5_tokenizer(out / "tokenizer_3", model_max_length=T5_MAX_LENGTH)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-
-    def clip(act: str) -> CLIPTextModelWithProjection:
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=clip_vocab, hidden_size=CLIP_DIM, intermediate_size=4 * CLIP_DIM,
-            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
-            hidden_act=act, projection_dim=CLIP_DIM,
-            # The real configs' legacy ids: pooling at argmax(input_ids), the first <|endoftext|>.
-            bos_token_id=0, eos_token_id=2, pad_token_id=1))
-
-    with seeded(seed):
-        text_encoder = clip("quick_gelu")  # CLIP ViT-L/14
-    with seeded(seed + 1):
-        text_encoder_2 = clip("gelu")  # OpenCLIP bigG
+    with seeded(seed):  # CLIP ViT-L/14
+        text_encoder = CLIPTextModelWithProjection(tiny_clip_text_config(clip_vocab, CLIP_DIM))
+    with seeded(seed + 1):  # OpenCLIP bigG
+        text_encoder_2 = CLIPTextModelWithProjection(
+            tiny_clip_text_config(clip_vocab, CLIP_DIM, act="gelu"))
     with seeded(seed + 2):
-        text_encoder_3 = T5EncoderModel(T5Config(**tiny_t5_config(
-            round_up(t5_vocab, 128), T5_DIM, d_ff=96)))
+        text_encoder_3 = tiny_t5_encoder(t5_vocab, T5_DIM, d_ff=96)
     with seeded(seed + 3):
         transformer = SD3Transformer2DModel(
             sample_size=32, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
@@ -85,13 +65,9 @@ def _write(out: Path, seed: int) -> None:
     with seeded(seed + 4):
         vae = tiny_flux_vae(LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609)
 
-    scheduler.save_pretrained(out / "scheduler")
-    _save(transformer, out / "transformer", shards=1)
-    _save(vae, out / "vae", shards=1)
-    _save(text_encoder, out / "text_encoder", shards=1)
-    _save(text_encoder_2, out / "text_encoder_2", shards=1)
-    _save(text_encoder_3, out / "text_encoder_3", shards=2)
-
+    save_parts(out, save_exact_shards, DTYPE, scheduler, transformer=(transformer, 1),
+               vae=(vae, 1), text_encoder=(text_encoder, 1), text_encoder_2=(text_encoder_2, 1),
+               text_encoder_3=(text_encoder_3, 2))
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae,
         text_encoder=text_encoder, tokenizer=CLIPTokenizer.from_pretrained(out / "tokenizer"),
@@ -99,31 +75,9 @@ def _write(out: Path, seed: int) -> None:
         tokenizer_2=CLIPTokenizer.from_pretrained(out / "tokenizer_2"),
         text_encoder_3=text_encoder_3,
         tokenizer_3=T5TokenizerFast.from_pretrained(out / "tokenizer_3"))
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]  # as the real repo names it
-    index.setdefault("image_encoder", [None, None])
-    index.setdefault("feature_extractor", [None, None])
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _pad_with_exclamation_mark(directory: Path) -> None:
-    """SD3's tokenizer_2 (OpenCLIP bigG's) pads with "!" (id 0), not with <|endoftext|>."""
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        path = directory / name
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data["pad_token"] = "!"
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _save(model: torch.nn.Module, directory: Path, shards: int) -> None:
-    torch.nn.Module.to(model, DTYPE)
-    if shards == 1:
-        model.save_pretrained(directory)
-        return
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}.values()
-    sizes = [t.numel() * t.element_size() for t in unique]
-    model.save_pretrained(directory, max_shard_size=-(-sum(sizes) // shards) + max(sizes))
+    # As the real repo has them: tokenizer_3's Fast class, the unused image slots as nulls.
+    save_model_index(pipe, out, tokenizer_3=["transformers", "T5TokenizerFast"],
+                     image_encoder=[None, None], feature_extractor=[None, None])
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "") -> Path:

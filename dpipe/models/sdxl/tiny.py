@@ -20,48 +20,38 @@ Sizes: 64x64 images -> VAE (4x, 4 channels) -> 16x16 latents -> UNet levels 16, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dpipe.models.common.tiny_vae import tiny_sdxl_vae
 from dpipe.models.sdxl.ldm import single_file_state_dict, with_text_model_prefix
-from dpipe.models.tiny_parts import save_clip_tokenizer, seeded, write_once
+from dpipe.models.tiny_parts import (
+    save_clip_tokenizer, seeded, tiny_clip_text_config, tiny_writer)
 
 SINGLE_FILE = "sd_xl_base_1.0.safetensors"
 CLIP_L_DIM, CLIP_G_DIM = 32, 48
 TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
 
 
-def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random SDXL folder (diffusers + single file) at `path`; return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_sdxl")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_sdxl(out: Path, seed: int) -> None:
+    """A tiny random SDXL folder (diffusers + single file)."""
     from diffusers import (
-        AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
+        EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel)
     from safetensors.torch import save_file
-    from transformers import (
-        CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer)
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     vocab = save_clip_tokenizer(out / "tokenizer")
-    save_clip_tokenizer(out / "tokenizer_2")
-    _pad_with_bang(out / "tokenizer_2")
+    save_clip_tokenizer(out / "tokenizer_2", pad="!", pad_entry=True)
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
         beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
         timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False)
 
-    def clip(width: int, heads: int, act: str, **extra) -> CLIPTextConfig:
-        return CLIPTextConfig(
-            vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
-            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act,
-            bos_token_id=0, eos_token_id=2, pad_token_id=1, **extra)
-
     with seeded(seed):
-        text_encoder = CLIPTextModel(clip(CLIP_L_DIM, 2, "quick_gelu", projection_dim=CLIP_L_DIM))
+        text_encoder = CLIPTextModel(tiny_clip_text_config(vocab, CLIP_L_DIM))
     with seeded(seed + 1):
         text_encoder_2 = CLIPTextModelWithProjection(
-            clip(CLIP_G_DIM, 3, "gelu", projection_dim=CLIP_G_DIM))
+            tiny_clip_text_config(vocab, CLIP_G_DIM, heads=3, act="gelu"))
     with seeded(seed + 2):
         unet = UNet2DConditionModel(
             sample_size=16, in_channels=4, out_channels=4,
@@ -73,11 +63,7 @@ def _write(out: Path, seed: int) -> None:
             addition_embed_type="text_time", addition_time_embed_dim=TIME_DIM,
             projection_class_embeddings_input_dim=6 * TIME_DIM + CLIP_G_DIM)
     with seeded(seed + 3):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, act_fn="silu",
-            sample_size=64, force_upcast=True, scaling_factor=0.13025)
+        vae = tiny_sdxl_vae()
 
     scheduler.save_pretrained(out / "scheduler")
     unet.save_pretrained(out / "unet")
@@ -98,13 +84,3 @@ def _write(out: Path, seed: int) -> None:
     # The real file is fp16; the tiny keeps fp32 so folder and file compare exactly.
     save_file(single_file_state_dict(unet, vae, text_encoder, text_encoder_2), out / SINGLE_FILE)
 
-
-def _pad_with_bang(directory: Path) -> None:
-    """SDXL's tokenizer_2 (OpenCLIP's) pads with "!" (id 0), not with <|endoftext|>."""
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = directory / name
-        data = json.loads(path.read_text())
-        data["pad_token"] = "!" if name == "tokenizer_config.json" else {
-            "content": "!", "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False}
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -26,15 +26,14 @@ frame; 5 frames -> 2 latent frames. Text: UMT5 with d_model 32, padded to 512 to
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
 
 import torch
 
-from dpipe.errors import ConfigError
-from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_exact_shards
-from dpipe.models.tiny_parts import save_t5_tokenizer, seeded, tiny_t5_config, write_once
+from dpipe.models.tiny_parts import (
+    named_variant, save_model_index, save_t5_tokenizer, seeded, tiny_t5_encoder, write_once)
 from dpipe.models.wan.sizes import HEAD_DIM, HEADS, TEXT_DIM, WAN_TINY
 
 IMAGE_DIM = 32  # CLIP vision hidden size = the i2v transformer's image_dim
@@ -80,37 +79,20 @@ def make_tiny_wan(path: Path, seed: int = 0, variant: str = "wan21_t2v") -> Path
 def make_named_tiny_wan(path: Path, key: str = "model.path") -> Path:
     """The tiny model of the variant the folder's name gives: .../tiny-<variant>, e.g.
     tiny-wan22_ti2v (model.tiny=true); `key` is the setting that names the folder."""
-    variant = path.name.removeprefix("tiny-")
-    if variant not in VARIANTS:
-        raise ConfigError(f"{key}={path}: a tiny Wan folder is named "
-                          f"tiny-<variant> with a variant in {sorted(VARIANTS)}")
-    return make_tiny_wan(path, variant=variant)
+    return make_tiny_wan(path, variant=named_variant(path, "tiny-", VARIANTS, "Wan", key))
 
 
-def make_tiny_wan_i2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan21_i2v")
-
-
-def make_tiny_wan_flf2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan21_flf2v")
-
-
-def make_tiny_wan22_ti2v(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_ti2v")
-
-
-def make_tiny_wan22_a14b(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_a14b")
-
-
-def make_tiny_wan22_i2v_a14b(path: Path, seed: int = 0) -> Path:
-    return make_tiny_wan(path, seed, "wan22_i2v_a14b")
+make_tiny_wan_i2v = functools.partial(make_tiny_wan, variant="wan21_i2v")
+make_tiny_wan_flf2v = functools.partial(make_tiny_wan, variant="wan21_flf2v")
+make_tiny_wan22_ti2v = functools.partial(make_tiny_wan, variant="wan22_ti2v")
+make_tiny_wan22_a14b = functools.partial(make_tiny_wan, variant="wan22_a14b")
+make_tiny_wan22_i2v_a14b = functools.partial(make_tiny_wan, variant="wan22_i2v_a14b")
 
 
 def _write(out: Path, seed: int, variant: str) -> None:
     from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
                            WanPipeline, WanTransformer3DModel)
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers import T5TokenizerFast
 
     v = VARIANTS[variant]
     vocab = save_t5_tokenizer(out / "tokenizer", model_max_length=TEXT_MAX_LENGTH)
@@ -122,8 +104,7 @@ def _write(out: Path, seed: int, variant: str) -> None:
 
     # Each component gets its own seed, so resizing one leaves the others' weights unchanged.
     with seeded(seed):
-        text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(
-            round_up(vocab, 128), TEXT_DIM, d_ff=64)))
+        text_encoder = tiny_t5_encoder(vocab, TEXT_DIM, d_ff=64, umt5=True)
     with seeded(seed + 1):
         vae = AutoencoderKLWan(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True], **v["vae"])
@@ -155,11 +136,8 @@ def _write(out: Path, seed: int, variant: str) -> None:
                                        image_processor=image_processor, **parts)
     else:
         pipe = WanPipeline(**parts)
-    pipe.save_config(out)  # model_index.json, as save_pretrained writes it
-    index = json.loads((out / "model_index.json").read_text())
     # transformers 5 folds T5TokenizerFast into T5Tokenizer; the real repos name the Fast class.
-    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_model_index(pipe, out, tokenizer=["transformers", "T5TokenizerFast"])
 
 
 def _clip_parts(out: Path, seed: int):

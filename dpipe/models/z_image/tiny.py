@@ -13,7 +13,6 @@ state). 2 noise-refiner, 2 context-refiner and 2 main blocks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -22,18 +21,15 @@ from dpipe.models.common.shapes import round_up
 from dpipe.models.common.tiny_files import save_component, save_parts
 from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 from dpipe.models.common.tiny_vae import tiny_flux_vae
-from dpipe.models.tiny_parts import seeded, write_once
+from dpipe.models.tiny_parts import save_model_index, seeded, tiny_writer
 from dpipe.models.z_image.sizes import LATENT_CHANNELS, TEXT_DIM, Z_IMAGE_TINY
 
 DTYPE = torch.bfloat16  # as the real repo stores its weights
 
 
-def make_tiny_z_image(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random Z-Image diffusers folder at `path` and return `path`."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed), "make_tiny_z_image")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_z_image(out: Path, seed: int) -> None:
+    """A tiny random Z-Image diffusers folder."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel)
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
@@ -65,8 +61,7 @@ def _write(out: Path, seed: int) -> None:
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                           tokenizer=AutoTokenizer.from_pretrained(out / "tokenizer"),
                           transformer=transformer)
-    pipe.save_config(out)  # model_index.json, as save_pretrained writes it
-    index = json.loads((out / "model_index.json").read_text())
+    index = save_model_index(pipe, out)
     assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index
     assert index["text_encoder"] == ["transformers", "Qwen3Model"], index
 

@@ -18,26 +18,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
+from dpipe.models.common.tiny_files import save_parts, save_sharded
 from dpipe.models.hunyuan_video.hunyuan_video15.sizes import (
     BYT5_DIM, HUNYUAN_VIDEO15_TINY, LATENT_CHANNELS, TEXT_DIM)
-from dpipe.models.tiny_parts import seeded, tiny_t5_config, write_once
+from dpipe.models.tiny_parts import save_model_index, seeded, tiny_t5_encoder, tiny_writer
 
 
-def make_tiny_hunyuan_video15(path: Path, seed: int = 0) -> Path:
-    """Write (once) a tiny random HunyuanVideo 1.5 t2v diffusers folder at `path`; return it."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed),
-                      "make_tiny_hunyuan_video15")
-
-
-def _write(out: Path, seed: int) -> None:
+@tiny_writer
+def make_tiny_hunyuan_video15(out: Path, seed: int) -> None:
+    """A tiny random HunyuanVideo 1.5 t2v diffusers folder."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
     from transformers import (
-        ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
-        T5EncoderModel)
+        ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer)
 
     from dpipe.models.common.tiny_qwen_tokenizer import save_qwen_tokenizer
 
@@ -56,7 +53,7 @@ def _write(out: Path, seed: int) -> None:
             tie_word_embeddings=False, bos_token_id=added["<|endoftext|>"],
             eos_token_id=added["<|im_end|>"]))
     with seeded(seed + 1):
-        text_encoder_2 = T5EncoderModel(T5Config(**tiny_t5_config(384, BYT5_DIM, 48, d_kv=12)))
+        text_encoder_2 = tiny_t5_encoder(384, BYT5_DIM, 48, d_kv=12)  # ByT5's 384 ids
     with seeded(seed + 2):
         transformer = HunyuanVideo15Transformer3DModel.from_config(HUNYUAN_VIDEO15_TINY)
     with seeded(seed + 3):
@@ -66,19 +63,15 @@ def _write(out: Path, seed: int) -> None:
             block_out_channels=(8, 16, 16, 16), layers_per_block=1, spatial_compression_ratio=8,
             temporal_compression_ratio=4, scaling_factor=1.03682)
 
-    scheduler.save_pretrained(out / "scheduler")
     guider.save_pretrained(out / "guider")
-    save_sharded(transformer, out / "transformer", shards=2)
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    save_sharded(text_encoder_2, out / "text_encoder_2", shards=1)
-    save_sharded(vae, out / "vae", shards=1)
+    save_parts(out, save_sharded, torch.bfloat16, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), text_encoder_2=(text_encoder_2, 1), vae=(vae, 1))
 
     pipe = HunyuanVideo15Pipeline(
         text_encoder=text_encoder, tokenizer=Qwen2Tokenizer.from_pretrained(out / "tokenizer"),
         transformer=transformer, vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
         tokenizer_2=ByT5Tokenizer.from_pretrained(out / "tokenizer_2"), guider=guider)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
+    index = save_model_index(pipe, out)
     assert index["tokenizer"] == ["transformers", "Qwen2Tokenizer"], index
 
 

@@ -14,7 +14,6 @@ channels) -> 8x8 latents per latent frame -> 64 video tokens of width 32.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ import torch
 from tokenizers import processors
 
 from dpipe.models.common.shapes import round_up
-from dpipe.models.common.tiny_files import save_sharded
-from dpipe.models.tiny_parts import learn_bpe, seeded, tiny_corpus, write_once
+from dpipe.models.common.tiny_files import save_parts, save_sharded
+from dpipe.models.tiny_parts import learn_bpe, save_model_index, seeded, tiny_corpus, tiny_writer
 
 LATENT_CHANNELS = 8
 TEXT_DIM = 32  # Gemma 3 hidden size (3840 for the 12B)
@@ -75,15 +74,6 @@ VOCODER = {
 }
 
 
-def make_tiny_ltx2(path: Path, seed: int = 0, **overrides: dict[str, Any]) -> Path:
-    """Write (once) a tiny random LTX-2 diffusers folder at `path` and return `path`.
-    `overrides`: {part: config changes} for a later release of the same classes (LTX-2.3,
-    `dpipe.models.ltx_video.ltx2.ltx23_tiny`): `transformer`, `connectors`, `vae`, `vocoder` (a `class` key
-    there names another vocoder class of diffusers.pipelines.ltx2.vocoder)."""
-    return write_once(path, "model_index.json", lambda tmp: _write(tmp, seed, overrides),
-                      "make_tiny_ltx2")
-
-
 @lru_cache(maxsize=1)
 def _gemma_bpe(num_merges: int = 512):
     """SentencePiece-style BPE as Gemma's: spaces become "▁" and nothing splits the text, so
@@ -112,7 +102,12 @@ def save_gemma_tokenizer(directory: Path) -> dict[str, int]:
     return {t: tok.convert_tokens_to_ids(t) for t in _IMAGE_TOKENS} | {"vocab_size": len(tok)}
 
 
-def _write(out: Path, seed: int, overrides: dict[str, dict[str, Any]]) -> None:
+@tiny_writer
+def make_tiny_ltx2(out: Path, seed: int, **overrides: dict[str, Any]) -> None:
+    """A tiny random LTX-2 diffusers folder. `overrides`: {part: config changes} for a later
+    release of the same classes (LTX-2.3, `dpipe.models.ltx_video.ltx2.ltx23_tiny`):
+    `transformer`, `connectors`, `vae`, `vocoder` (a `class` key there names another vocoder
+    class of diffusers.pipelines.ltx2.vocoder)."""
     from diffusers import (
         AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
         LTX2Pipeline, LTX2VideoTransformer3DModel)
@@ -163,21 +158,16 @@ def _write(out: Path, seed: int, overrides: dict[str, dict[str, Any]]) -> None:
         vocoder_config = {**VOCODER, **overrides.get("vocoder", {})}
         vocoder = getattr(vocoders, vocoder_config.pop("class", "LTX2Vocoder"))(**vocoder_config)
 
-    scheduler.save_pretrained(out / "scheduler")
-    save_sharded(transformer, out / "transformer", shards=2)
-    save_sharded(text_encoder, out / "text_encoder", shards=2)
-    for name, module in (("connectors", connectors), ("vae", vae), ("audio_vae", audio_vae),
-                         ("vocoder", vocoder)):
-        save_sharded(module, out / name, shards=1)
+    save_parts(out, save_sharded, torch.bfloat16, scheduler, transformer=(transformer, 2),
+               text_encoder=(text_encoder, 2), connectors=(connectors, 1), vae=(vae, 1),
+               audio_vae=(audio_vae, 1), vocoder=(vocoder, 1))
 
     pipe = LTX2Pipeline(
         scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
         tokenizer=GemmaTokenizer.from_pretrained(out / "tokenizer"), connectors=connectors,
         transformer=transformer, vocoder=vocoder)
-    pipe.save_config(out)
-    index = json.loads((out / "model_index.json").read_text())
-    index["tokenizer"] = ["transformers", "GemmaTokenizerFast"]  # as the real folder names it
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    # As the real folder names it.
+    save_model_index(pipe, out, tokenizer=["transformers", "GemmaTokenizerFast"])
 
 
 def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_model.") -> Path:
@@ -185,16 +175,11 @@ def write_single_file(folder: Path, file: Path, prefix: str = "model.diffusion_m
     (ltx-2-19b-dev.safetensors): original names behind `prefix`, bf16, next to `vae.`,
     `audio_vae.` and `vocoder.` keys. Those are stand-ins (marker keys, not the tiny components
     in Lightricks' layout): loaders of the transformer must skip them."""
-    from diffusers import LTX2VideoTransformer3DModel
-    from safetensors.torch import save_file
-
     from dpipe.models.ltx_video.ltx2.original import original_state_dict
+    from dpipe.models.single_file import write_transformer_file
 
-    model = LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
-    tensors = {prefix + k: v.to(torch.bfloat16).contiguous()
-               for k, v in original_state_dict(model.state_dict()).items()}
-    for key in ("vae.per_channel_statistics.mean-of-means", "audio_vae.per_channel_statistics"
-                ".mean-of-means", "vocoder.conv_pre.weight"):
-        tensors[key] = torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16)
-    save_file(tensors, file)
-    return file
+    others = {key: torch.zeros(LATENT_CHANNELS, dtype=torch.bfloat16) for key in (
+        "vae.per_channel_statistics.mean-of-means",
+        "audio_vae.per_channel_statistics.mean-of-means", "vocoder.conv_pre.weight")}
+    return write_transformer_file(Path(folder) / "transformer", file, original_state_dict, prefix,
+                                  torch.bfloat16, others, format_metadata=False)
