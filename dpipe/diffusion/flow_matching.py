@@ -14,3 +14,9 @@ def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tor
 def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """d x_t / d t: what the model predicts."""
     return noise - x0
+
+
+def data_velocity(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """-d x_t / d t = x0 - noise: what a model predicts whose step moves towards the data
+    (x0 = x_t + t * prediction), as Lumina 2's, OmniGen2's and MiniMax H3's do."""
+    return x0 - noise

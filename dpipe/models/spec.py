@@ -324,6 +324,11 @@ class ModelSpec(abc.ABC):
     # The denoiser's diffusers configs by size name: published ones, and "tiny" (the test
     # model's, for CPU smoke tests); each names its class in "_class_name". None by default.
     bench_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    # One sample's shapes at each benchmark size, by name ("latents", "audio", the text
+    # entries'): what `random_sample` and `random_audio` draw. Empty by default. The text
+    # entries `random_sample` draws by default, after the latents, in this order.
+    sample_shapes: ClassVar[dict[str, dict[str, Any]]] = {}
+    random_text: ClassVar[tuple[str, ...]] = ()
     # The VAE's (spatial, temporal) downscale at the benchmark sizes: a sample's latent shape at
     # another resolution and frame count (dpipe.plan sizes activations with it).
     latent_scale: ClassVar[tuple[int, int]] = (8, 4)
@@ -351,13 +356,21 @@ class ModelSpec(abc.ABC):
         return model.to(dtype)
 
     def random_sample(self, size: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One sample's (latents, text embeddings) at the size's training resolution, random."""
-        raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
+        """One sample's (latents, text embeddings) at the size's training resolution, random:
+        of the `sample_shapes` of "latents" and of each of `random_text`."""
+        if not self.random_text:
+            raise NotImplementedError(f"{self.family}: no real-size configs for benchmarks")
+        shapes = self.sample_shapes[size]
+        latents = torch.randn(shapes["latents"])
+        return latents, {key: torch.randn(shapes[key]) for key in self.random_text}
 
     def random_audio(self, size: str) -> torch.Tensor:
         """One sample's audio latents at the size's clip, random (dpipe-bench with
-        model.audio=true); families whose benchmark sizes carry sound give them."""
-        raise NotImplementedError(f"{self.family}: no audio at its benchmark sizes")
+        model.audio=true): of the shape `sample_shapes` gives as "audio"."""
+        shape = self.sample_shapes.get(size, {}).get("audio")
+        if shape is None:
+            raise NotImplementedError(f"{self.family}: no audio at its benchmark sizes")
+        return torch.randn(shape)
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """Model FLOPs of one training step on `inputs` (a micro-batch): 6 x params x tokens for
@@ -428,12 +441,14 @@ def denoiser_config(folder: Path, class_name: str, *keys: str) -> list[Any]:
 EDGE_LAYER_TIME = 0.18
 
 
-def block_costs(layers: list[PipelineLayer], block_types) -> list[float]:
-    """Equal costs for every transformer block, EDGE_LAYER_TIME for the other layers: for
-    families whose double-stream blocks (separate weights per stream) do the FLOPs per token of
-    their single-stream blocks, though they hold ~2.4x the parameters. Measured on FLUX.1-dev, a
-    double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA."""
-    return [1.0 if isinstance(layer, block_types) else EDGE_LAYER_TIME for layer in layers]
+def block_costs(layers: list[PipelineLayer], block_types,
+                edge: float = EDGE_LAYER_TIME) -> list[float]:
+    """Equal costs for every transformer block, `edge` for the other layers: for families whose
+    blocks are alike in work (double-stream blocks, with separate weights per stream, do the
+    FLOPs per token of single-stream ones, though they hold ~2.4x the parameters; measured on
+    FLUX.1-dev, a double block takes 1.07x a single one (full fine-tune), 1.21x with LoRA) and
+    whose other layers are a few Linears over the tokens."""
+    return [1.0 if isinstance(layer, block_types) else edge for layer in layers]
 
 
 def counted_layer_flops(layers: list[PipelineLayer], inputs: tuple[torch.Tensor, ...],

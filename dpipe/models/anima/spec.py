@@ -26,7 +26,6 @@ model.single_file_config.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,17 +42,14 @@ from dpipe.models.anima.model import (
     COMPONENTS, GGUF_ARCHITECTURES, AnimaDenoiser, anima_skeleton, load_anima_denoiser)
 from dpipe.models.anima.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.common.clips import EncodesClips
-from dpipe.models.common.cosmos import (
-    BLOCK_LINEARS, EDGE_LAYER_COST, CosmosVariant, Predict2Folder)
+from dpipe.models.common.cosmos import BLOCK_LINEARS, EDGE_LAYER_COST, Predict2Folder
 from dpipe.models.common.cosmos_layers import CosmosBlock
 from dpipe.models.common.cosmos_padding import nearest_resize_without_torchvision
-from dpipe.models.diffusers_folder import (
-    load_or_fail, read_json, wan_vae_latents, write_denoiser_folder)
+from dpipe.models.diffusers_folder import load_or_fail, wan_vae_latents, write_denoiser_folder
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.lora_files import (
     DIFFUSERS_LORA, lora_scale, LoraFormat, peft_to_diffusers, write_lora_files)
 from dpipe.models.single_file import export_like_source
-from dpipe.models.single_file_weights import reads_by_tensor
 from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
 from dpipe.models.sync_free import carrier
 
@@ -80,7 +76,8 @@ class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
     title, example = "Anima", REPO
     pipeline_class, denoiser_class = PIPELINE, "CosmosTransformer3DModel"
     pipeline_in_index = False  # its index is INDEX, checked to name PIPELINE (read_configs)
-    required_parts = REQUIRED_PARTS
+    index_file, required_parts = INDEX, REQUIRED_PARTS
+    other_folder_advice = {"Cosmos2": "train Cosmos-Predict2 with model=cosmos_predict2"}
     text_fingerprint = {"qwen3": "text_encoder", "tokenizer": "tokenizer",
                         "t5_tokenizer": "t5_tokenizer"}
     vae_config_keys = ("latents_mean", "latents_std")
@@ -91,25 +88,8 @@ class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
     single_file_suffixes = (".safetensors",)
     gguf_architectures = GGUF_ARCHITECTURES
 
-    def ensure_available(self) -> None:
-        # A (non-modular) diffusers folder of another model is named before it is found
-        # incomplete.
-        other = self.path / "model_index.json"
-        if self.path.is_dir() and not (self.path / INDEX).is_file() and other.is_file():
-            name = read_json(other).get("_class_name")
-            raise ModelLoadError(
-                f"model.path={self.path} is a {name} folder ({other}), not Anima: an Anima folder "
-                f"is a modular pipeline with {INDEX} (AnimaModularPipeline) and a "
-                f"text_conditioner/, as {REPO}" + (
-                    "; train Cosmos-Predict2 with model=cosmos_predict2"
-                    if str(name).startswith("Cosmos2") else ""))
-        super().ensure_available()
-
     def read_configs(self) -> None:
-        index = read_json(self.path / INDEX)
-        if index.get("_class_name") != PIPELINE:
-            raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
-                                 "AnimaModularPipeline: not an Anima folder")
+        super().read_configs()
         config = self.part_config("transformer")
         if config.get("extra_pos_embed_type") or config.get("img_context_dim_in"):
             raise ModelLoadError(f"{self.path / 'transformer'} is not Anima's Cosmos-Predict2 "
@@ -136,13 +116,10 @@ class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
         return SimpleNamespace(tokenizer=tokenizer, t5_tokenizer=t5_tokenizer,
                                text_encoder=text_encoder, vae=vae, _execution_device=device)
 
+    # Its own load_denoiser joins two models, and its own skeleton too: each stage reads its
+    # own weights (`loads_stage_weights`).
     def load_denoiser(self, dtype: torch.dtype) -> nn.Module:
         return load_anima_denoiser(self.path, self.single_file, dtype)
-
-    @property
-    def loads_stage_weights(self) -> bool:
-        # Its own load_denoiser joins two models (and its own skeleton too).
-        return self.single_file is None or reads_by_tensor(self.single_file)
 
     def denoiser_skeleton(self):
         return anima_skeleton(self.path, self.single_file)
@@ -228,14 +205,11 @@ class AnimaSpec(Predict2Folder, EncodesClips, DiffusersFamily):
         return torch.randn(shapes["latents"]), {"qwen": qwen, "qwen_mask": mask,
                                                 "t5_ids": ids, "t5_mask": mask.clone()}
 
-    def for_benchmark(self, size: str) -> "AnimaSpec":
-        """The benchmark runs without a folder: the variant from the size's configs."""
-        spec = copy.copy(self)
+    def bench_folder(self, size: str) -> dict[str, dict[str, Any]]:
+        """The size's transformer and the Qwen-Image VAE (8x, 4x in time): its `variant`."""
         t = self.bench_configs[size]["transformer"]
-        spec.__dict__["variant"] = CosmosVariant(  # the Qwen-Image VAE: 8x, 4x in time
-            pipeline="AnimaModularPipeline", z_dim=t["out_channels"], spatial=8, temporal=4,
-            patch=tuple(t["patch_size"]), video2world=False)
-        return spec
+        return {"transformer/config.json": t, "vae/config.json": {
+            "z_dim": t["out_channels"], "temperal_downsample": [False, True, True]}}
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """6 (full) or 4 (LoRA) x parameters x tokens: the transformer's over the image tokens,

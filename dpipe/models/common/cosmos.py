@@ -17,10 +17,8 @@ from torch import nn
 from dpipe.errors import ConfigError, ModelLoadError
 from dpipe.models.common.clips import EncodesClips
 from dpipe.models.common.cosmos_layers import CosmosBlock
-from dpipe.models.diffusers_folder import read_json
 from dpipe.models.family import DiffusersFamily, diffusers_class
 from dpipe.models.lora_files import DIFFUSERS_LORA
-from dpipe.models.spec import PipelineLayer
 
 REQUIRED_PARTS = ("model_index.json", "transformer", "vae", "text_encoder", "tokenizer",
                   "scheduler")
@@ -84,9 +82,7 @@ class Predict2Folder:
 
     @cached_property
     def variant(self) -> CosmosVariant:
-        def config(name: str) -> dict:
-            return read_json(self.path / name)
-
+        config = self.folder_config  # DiffusersFamily's: the folder's, or a benchmark size's
         pipeline = (config("model_index.json")["_class_name"] if self.pipeline_in_index
                     else self.pipeline_class)
         return read_variant(config, pipeline)
@@ -139,6 +135,8 @@ class CosmosFamily(EncodesClips, DiffusersFamily):
     text_fingerprint = {"t5": "text_encoder", "tokenizer": "tokenizer"}
     vae_config_keys = ("latents_mean", "latents_std")
     lora_modules = LORA_TARGETS
+    # Time per layer relative to a block: the blocks are identical.
+    block_types, edge_layer_cost = (CosmosBlock,), EDGE_LAYER_COST
     # The Cosmos pipelines have no `load_lora_weights`; their LoRA loader mixin writes the file.
     lora_writer = "diffusers.loaders.lora_pipeline:CosmosLoraLoaderMixin"
 
@@ -166,10 +164,6 @@ class CosmosFamily(EncodesClips, DiffusersFamily):
                                            max_sequence_length=self.cfg.max_text_tokens,
                                            device=encoders.text_encoder.device)
         return {"t5": embeds}
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Time per layer relative to a block: the blocks are identical."""
-        return [1.0 if isinstance(layer, CosmosBlock) else EDGE_LAYER_COST for layer in layers]
 
     def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
         """As diffusers users load a LoRA into a Cosmos transformer, whose pipelines have no

@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
+from dpipe.diffusion.flow_matching import data_velocity
 from dpipe.diffusion.loss import weighted_labels
 from dpipe.models.comfyui import comfy_lora_tensors
 from dpipe.models.common.shapes import round_up
@@ -51,11 +51,9 @@ class LuminaFamily(DiffusersFamily):
     comfy_lora_pairs: ClassVar[Callable | None] = None
     # The family's benchmark samples' shapes by size: "latents", "cap", "text_tokens".
     sample_shapes: ClassVar[dict[str, dict[str, Any]]]
-
-    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-        # The transformer predicts x0 - noise (Lumina 2's pipeline steps with -output; OmniGen2's
-        # Euler step adds (t_next - t) * output, t rising).
-        return noisy_latents(x0, noise, t), -velocity_target(x0, noise)
+    # The transformer predicts x0 - noise (Lumina 2's pipeline steps with -output; OmniGen2's
+    # Euler step adds (t_next - t) * output, t rising).
+    flow_target = data_velocity
 
     def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
         """Forward FLOPs per layer at a 1024x1024 image and the longest caption

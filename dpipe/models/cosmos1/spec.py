@@ -143,7 +143,7 @@ class Cosmos1Spec(CosmosFamily):
         return inputs, weighted_labels(batch)
 
     # ---- benchmarks --------------------------------------------------------------------------
-    bench_configs = SIZES
+    bench_configs, sample_shapes, random_text = SIZES, SAMPLE_SHAPES, ("t5",)
 
     def for_benchmark(self, size: str) -> "Cosmos1Spec":
         """Without a folder: the released scheduler's sigma_data and VAE ratios."""
@@ -152,10 +152,6 @@ class Cosmos1Spec(CosmosFamily):
         spec = copy.copy(self)
         spec.__dict__.update(sigma_data=SIGMA_DATA, _vae={"spatial_compression_ratio": 8})
         return spec
-
-    def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
-        return torch.randn(shapes["latents"]), {"t5": torch.randn(shapes["t5"])}
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """6 (full) or 4 (LoRA) x parameters x video tokens, plus self-attention over the video

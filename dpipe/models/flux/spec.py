@@ -119,13 +119,7 @@ class FluxSpec(DiffusersFamily):
         )[0]
 
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
-
-    def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
-        latents = torch.randn(shapes["latents"])
-        text = {"t5": torch.randn(shapes["t5"]), "pooled": torch.randn(shapes["pooled"])}
-        return latents, text
+    bench_configs, sample_shapes, random_text = SIZES, SAMPLE_SHAPES, ("t5", "pooled")
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         packed, _t, text = inputs[:3]

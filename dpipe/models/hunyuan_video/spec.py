@@ -41,7 +41,6 @@ class HunyuanVideoSpec(HunyuanVideoFamily):
     pipeline_class, denoiser_class = "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel"
     text_fingerprint = {"llama": "text_encoder", "clip": "text_encoder_2",
                         "tokenizers": ("tokenizer", "tokenizer_2")}
-    text_notes = {"encoding": ENCODING_VERSION}
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode"}
     tiny_writer = "dpipe.models.hunyuan_video.tiny:make_tiny_hunyuan_video"
     lora_modules = DUAL_STREAM_LORA_TARGETS
@@ -70,12 +69,10 @@ class HunyuanVideoSpec(HunyuanVideoFamily):
         return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
                              frozen=self.frozen_parts, tokenizer=tokenizer)
 
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
+    @property
+    def text_notes(self) -> dict[str, Any]:
         # The pipeline's prompt template shapes the text too: read from diffusers when asked.
-        fingerprint = super().encoder_fingerprint(kind)
-        if kind == "text":
-            fingerprint["template"] = default_template()
-        return fingerprint
+        return {"encoding": ENCODING_VERSION, "template": default_template()}
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -30,14 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpipe.diffusion.flow_matching import noisy_latents
+from dpipe.diffusion.flow_matching import data_velocity
 from dpipe.diffusion.loss import per_sample_weight, weighted_mean
-from dpipe.errors import ConfigError, DataError, ModelLoadError
+from dpipe.errors import ConfigError, DataError
 from dpipe.models.common.clips import EncodesClips
 from dpipe.models.diffusers_folder import load_or_fail, read_json
 from dpipe.models.family import SINGLE_FILE_SUFFIXES, DiffusersFamily
-from dpipe.models.fingerprint import folder_fingerprint
-from dpipe.models.lora_files import DIFFUSERS_LORA, LoraFormat, lora_scale
+from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.minimax_h3.comfyui import (
     diffusers_state_dict, lora_to_comfyui, original_state_dict)
 from dpipe.models.minimax_h3.layers import (
@@ -56,6 +55,10 @@ REQUIRED_PARTS = (INDEX, "transformer", "vae", "audio_vae", "text_encoder", "tok
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the pipeline's, ImageNet's
 SAMPLE_RATE = 32000
+# The release's video VAE as `vae_geometry` reads it (16x in space; 17-frame clips, 5 latent
+# frames each), for the benchmark sizes, which have no folder.
+RELEASE_VAE = {"spatial_downsample_factors": [2, 2, 2, 2, 1, 1],
+               "temporal_downsample_factors": [1, 2, 2, 1, 1, 1], "clip_length": 17}
 COMFYUI_LORA = "minimax_h3_lora_comfyui.safetensors"
 # The unconditional prompt of CFG-augmented training: a single space, the near-empty probe that
 # musubi-tuner's MiniMax H3 guidance loss found to behave as the distillation's uncond (PR #1045).
@@ -87,6 +90,28 @@ def _prod(patch) -> int:
     return int(patch[0] * patch[1] * patch[2])
 
 
+@torch.no_grad()
+def stereo_audio_rows(encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
+    """Stereo waveforms (B, 2, samples) -> (B, 2 * n, C) audio rows, channel-major (the
+    left channel's n latents, then the right's), normalised: the layout of the pipeline's
+    audio rows, whose decode step inverts it. Each channel is encoded as a mono clip (the
+    audio VAE is mono; the pipeline passes the two channels as two batch items), the
+    posterior's mean as the pipeline takes it."""
+    vae = encoders.audio_vae
+    b, channels, samples = waveforms.shape
+    if channels != AUDIO_CHANNELS:
+        raise DataError(f"MiniMax H3 trains on stereo audio; got {channels} channel(s)")
+    mono = waveforms.reshape(b * channels, 1, samples).to(vae.device, vae.dtype)
+    latents = vae.encode(mono).latent_dist.mode().float()  # (B * 2, C, n)
+    # The VAE pads to a whole hop; the pipeline gives a clip round(seconds * 40) latents.
+    latents = latents[..., :max(1, round(samples / vae.hop_length))]
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1)
+    std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1)
+    latents = (latents - mean) / std
+    c, n = latents.shape[1:]
+    return latents.reshape(b, channels, c, n).permute(0, 1, 3, 2).reshape(b, channels * n, c)
+
+
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """A single file's original names -> diffusers', for `model`'s config."""
     return diffusers_state_dict(state, model.config)
@@ -97,13 +122,20 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
     trains_audio = True
     title, example = "MiniMax H3", REPO
     pipeline_class, denoiser_class = "MiniMaxH3ModularPipeline", "MiniMaxH3Transformer3DModel"
-    required_parts = REQUIRED_PARTS
+    index_file, required_parts = INDEX, REQUIRED_PARTS
     text_fingerprint = {"qwen3_vl": "text_encoder", "tokenizer": "tokenizer"}
-    text_notes = {"layer": TEXT_LAYER}
     vae_config_keys = ("latents_mean", "latents_std")
     image_notes = {"latent": "mode", "pixels": [PIXEL_MEAN, PIXEL_STD]}
+    flow_target = data_velocity  # x0 = x_t + sigma * v: MiniMaxH3Scheduler's convention
+    audio_latents = stereo_audio_rows
+    # The audio rows' layout (`encode_audio`) and normalisation.
+    audio_config_keys = ("latents_mean", "latents_std")
+    audio_notes = {"latent": "mode", "layout": "rows"}
     tiny_writer = "dpipe.models.minimax_h3.tiny:make_tiny_minimax_h3"
     lora_modules = LORA_TARGETS
+    # A block is 1; the embedding (projections and the two text-refiner blocks over the
+    # prompt's few hundred tokens against the media's thousands) and the head are small.
+    block_types, edge_layer_cost = (MiniMaxH3Block,), 0.05
     sampler = "dpipe.models.minimax_h3.sampling:MiniMaxH3Sampling"
     # A single-file transformer (Comfy-Org/MiniMax-H3's diffusion_models/*) trains with the
     # rest from the diffusers folder named by model.single_file_config.
@@ -127,33 +159,21 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
         """CFG-augmented training (model.guidance > 1)."""
         return self.cfg.guidance > 1
 
-    def ensure_available(self) -> None:
-        # Before the check for missing parts: a diffusers folder of another model lacks INDEX.
-        if self.path.is_dir() and not (self.path / INDEX).is_file() and (
-                self.path / "model_index.json").is_file():
-            name = read_json(self.path / "model_index.json").get("_class_name")
-            raise ModelLoadError(
-                f"model.path={self.path} is a {name} folder, not MiniMax H3: a MiniMax H3 folder "
-                f"is a modular pipeline with {INDEX} (MiniMaxH3ModularPipeline), as {REPO}")
-        super().ensure_available()
-
-    def read_configs(self) -> None:
-        index = read_json(self.path / INDEX)
-        if index.get("_class_name") != "MiniMaxH3ModularPipeline":
-            raise ModelLoadError(f"{self.path / INDEX} names {index.get('_class_name')}, not "
-                                 "MiniMaxH3ModularPipeline: not a MiniMax H3 folder")
+    @property
+    def text_notes(self) -> dict[str, Any]:
+        # The unconditional prompt cached beside each caption, if any.
+        return {"layer": TEXT_LAYER, "uncond": UNCOND_PROBE if self.guided else None}
 
     @cached_property
     def patch(self) -> tuple[int, int, int]:
-        return tuple(read_json(self.path / "transformer" / "config.json")
-                     .get("patch_size", (1, 2, 2)))
+        return tuple(self.part_config("transformer").get("patch_size", (1, 2, 2)))
 
     @cached_property
     def vae_geometry(self) -> tuple[int, int, int]:
         """(spatial factor, clip_length, latent frames per chunk) of the video VAE."""
         import math
 
-        vae = read_json(self.path / "vae" / "config.json")
+        vae = self.part_config("vae")
         spatial = math.prod(vae.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
         temporal = math.prod(vae.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
         clip = vae.get("clip_length", 17)
@@ -196,17 +216,6 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
         keys = ("num_layers", "num_refiner_layers", "num_attention_heads", "attention_head_dim")
         values = denoiser_config(self.path / "transformer", "MiniMaxH3Transformer3DModel", *keys)
         return dict(zip(keys, values))
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "audio":
-            vae = self.part_config("audio_vae")
-            return {"family": self.family, "audio_vae": folder_fingerprint(self.path / "audio_vae"),
-                    "latents_mean": vae.get("latents_mean"),
-                    "latents_std": vae.get("latents_std"), "latent": "mode", "layout": "rows"}
-        out = super().encoder_fingerprint(kind)
-        if kind == "text":  # the unconditional prompt cached beside each caption, if any
-            out["uncond"] = UNCOND_PROBE if self.guided else None
-        return out
 
     # ---- caching -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -285,39 +294,9 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
         rate = read_json(self.path / "audio_vae" / "config.json").get("sampling_rate", SAMPLE_RATE)
         return AudioFormat(sample_rate=rate, channels=AUDIO_CHANNELS)
 
-    @torch.no_grad()
-    def encode_audio(self, encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
-        """Stereo waveforms (B, 2, samples) -> (B, 2 * n, C) audio rows, channel-major (the
-        left channel's n latents, then the right's), normalised: the layout of the pipeline's
-        audio rows, whose decode step inverts it. Each channel is encoded as a mono clip (the
-        audio VAE is mono; the pipeline passes the two channels as two batch items), the
-        posterior's mean as the pipeline takes it."""
-        vae = encoders.audio_vae
-        b, channels, samples = waveforms.shape
-        if channels != AUDIO_CHANNELS:
-            raise DataError(f"MiniMax H3 trains on stereo audio; got {channels} channel(s)")
-        mono = waveforms.reshape(b * channels, 1, samples).to(vae.device, vae.dtype)
-        latents = vae.encode(mono).latent_dist.mode().float()  # (B * 2, C, n)
-        # The VAE pads to a whole hop; the pipeline gives a clip round(seconds * 40) latents.
-        latents = latents[..., :max(1, round(samples / vae.hop_length))]
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1)
-        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1)
-        latents = (latents - mean) / std
-        c, n = latents.shape[1:]
-        return latents.reshape(b, channels, c, n).permute(0, 1, 3, 2).reshape(b, channels * n, c)
-
     # ---- training ----------------------------------------------------------------------------
-    def noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-        # MiniMax H3 predicts the data-ward velocity: x0 = x_t + sigma * v.
-        return noisy_latents(x0, noise, t), x0 - noise
-
     def pipeline_layers(self, denoiser: nn.Module) -> list[PipelineLayer]:
         return minimax_h3_layers(denoiser, self.cfg.guidance)
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """A block is 1; the embedding (projections and the two text-refiner blocks over the
-        prompt's few hundred tokens against the media's thousands) and the head are small."""
-        return [1.0 if isinstance(layer, MiniMaxH3Block) else 0.05 for layer in layers]
 
     def make_inputs(self, batch: NoisedBatch):
         latents = batch.latents
@@ -389,12 +368,15 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
         return super().loss(outputs, labels)
 
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
+    bench_configs, sample_shapes = SIZES, SAMPLE_SHAPES
+
+    def bench_folder(self, size: str) -> dict[str, dict[str, Any]]:
+        return {"transformer/config.json": SIZES[size], "vae/config.json": RELEASE_VAE}
 
     def random_sample(self, size: str):
         """The size's latents and prompt; with model.guidance > 1, the unconditional prompt
         beside it, one token (the single-space probe's length is the text encoder's)."""
-        shapes = SAMPLE_SHAPES[size]
+        shapes = self.sample_shapes[size]
         n, valid = shapes["text"], shapes["valid"]
         mask = torch.zeros(n, dtype=torch.long)
         mask[:valid] = 1
@@ -403,17 +385,6 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
             text["uncond"] = torch.randn(1, shapes["text_dim"])
             text["uncond_mask"] = torch.ones(1, dtype=torch.long)
         return torch.randn(shapes["latents"]), text
-
-    def random_audio(self, size: str) -> torch.Tensor:
-        return torch.randn(SAMPLE_SHAPES[size]["audio"])
-
-    def for_benchmark(self, size: str) -> "MiniMaxH3Spec":
-        import copy
-
-        spec = copy.copy(self)
-        spec.__dict__["patch"] = tuple(SIZES[size]["patch_size"])
-        spec.__dict__["vae_geometry"] = (16, 17, 5)
-        return spec
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """6 (full) or 4 (LoRA) x parameters x rows, plus self-attention over the packed rows."""
@@ -471,18 +442,3 @@ class MiniMaxH3Spec(EncodesClips, DiffusersFamily):
         if audio is not None:
             out = torch.cat([out.flatten(1), torch.cat(audios).flatten(1)], dim=1)
         return cfg_augmented(out, b, self.cfg.guidance) if guided else out
-
-    def _pipeline(self):
-        from diffusers import MiniMaxH3ModularPipeline
-
-        return MiniMaxH3ModularPipeline.from_pretrained(str(self.path))
-
-    def load_denoiser_with_lora(self, lora_dir: Path, weight_name: str | None = None) -> nn.Module:
-        """As diffusers users load a MiniMax H3 LoRA: the modular pipeline's `load_lora_weights`
-        (MiniMaxH3LoraLoaderMixin), into its `transformer` (the pipeline's other components play
-        no part in loading a LoRA and stay unloaded)."""
-        denoiser = self.load_denoiser(torch.float32)
-        pipe = self._pipeline()
-        pipe.update_components(transformer=denoiser)
-        pipe.load_lora_weights(str(lora_dir), weight_name=weight_name or DIFFUSERS_LORA)
-        return pipe.transformer

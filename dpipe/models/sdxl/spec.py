@@ -53,6 +53,15 @@ LORA_TARGETS = (r"(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)\.attentions\.\d+
                 r"|ff\.net\.0\.proj|ff\.net\.2))")
 
 
+def ddpm_loss(error: torch.Tensor, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Each sample's mean per-element `error` (times the per-pixel mask weights, where given),
+    weighted by the sample's min-SNR / debiased weight. Labels: (target, weights[, mask])."""
+    _target, weights, *mask = labels
+    if mask:
+        error = error * mask[0].float()
+    return (error.flatten(1).mean(1) * weights.float()).mean()
+
+
 class SDXLSpec(DiffusersFamily):
     family = "sdxl"
     title, example = "SDXL", "stabilityai/stable-diffusion-xl-base-1.0"
@@ -62,6 +71,7 @@ class SDXLSpec(DiffusersFamily):
                       "tokenizer", "tokenizer_2", "scheduler")
     lora_modules = LORA_TARGETS
     layers = sdxl_layers
+    error_loss = ddpm_loss
     sampler = "dpipe.models.sdxl.sampling:SDXLSampling"
     # model.path may be one checkpoint of the whole pipeline (UNet, VAE and both text encoders in
     # Stability's names), read through diffusers' from_single_file: `self.single_file` says so,
@@ -316,13 +326,6 @@ class SDXLSpec(DiffusersFamily):
     def _vae_scale(self) -> int:
         vae = self._json("vae")
         return 8 if vae is None else 2 ** (len(vae["block_out_channels"]) - 1)
-
-    def loss(self, outputs, labels) -> torch.Tensor:
-        target, weights, *mask = labels  # per-sample (min-SNR) weights; per-pixel mask weights
-        error = self.element_error(outputs, target)
-        if mask:
-            error = error * mask[0].float()
-        return (error.flatten(1).mean(1) * weights.float()).mean()
 
     # ---- export ------------------------------------------------------------------------------
     def lora_formats(self, weights, metadata) -> list[LoraFormat]:

@@ -32,7 +32,6 @@ fill (`_pack` / `_unpack`).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,13 +45,13 @@ from dpipe.diffusion.flow_matching import noisy_latents, velocity_target
 from dpipe.errors import ConfigError, DataError, ModelLoadError
 from dpipe.models import tiny_stamp
 from dpipe.models.common.clips import EncodesClips
-from dpipe.models.diffusers_folder import check_folder, read_json
+from dpipe.models.diffusers_folder import check_folder
 from dpipe.models.family import DiffusersFamily, imported
 from dpipe.models.fingerprint import folder_fingerprint
 from dpipe.models.frame_modes import FIRST, FRAME_MODES
 from dpipe.models.lora_files import LoraFormat, lora_scale
 from dpipe.models.single_file import check_single_file
-from dpipe.models.spec import NoisedBatch, PipelineLayer, attention_train_flops, model_params
+from dpipe.models.spec import NoisedBatch, attention_train_flops, model_params
 from dpipe.models.wan.comfyui import from_original, lora_to_comfyui, original_state_dict
 from dpipe.models.wan.layers import WanBlock, wan_layers
 from dpipe.models.wan.sizes import SAMPLE_SHAPES, SIZES, T2V_FOLDER
@@ -94,6 +93,10 @@ class WanSpec(EncodesClips, DiffusersFamily):
     tiny_writer = "dpipe.models.wan.tiny:make_named_tiny_wan"
     lora_modules = LORA_TARGETS
     layers = wan_layers
+    # The blocks are identical, and the embedding and head are a few Linears over the tokens
+    # (parameter counts would weigh the embedding's large timestep and text projections as half
+    # a block).
+    block_types, edge_layer_cost = (WanBlock,), 0.02
     sampler = "dpipe.models.wan.sampling:WanSampling"
     # A single-file transformer (the original / ComfyUI layout, e.g.
     # wan2.1_t2v_14B_bf16.safetensors) trains with everything else from a diffusers folder.
@@ -125,12 +128,9 @@ class WanSpec(EncodesClips, DiffusersFamily):
         self.i2v  # noqa: B018 - refuses a task the checkpoint cannot do, before training
 
     # ---- what the folder is ------------------------------------------------------------------
-    def _config(self, name: str) -> dict[str, Any]:
-        return read_json(self.path / name)
-
     @cached_property
     def variant(self) -> WanVariant:
-        return read_variant(self._config)
+        return read_variant(self.folder_config)
 
     @cached_property
     def expert(self) -> str:
@@ -226,7 +226,7 @@ class WanSpec(EncodesClips, DiffusersFamily):
         from diffusers import WanImageToVideoPipeline
 
         # The classes model_index.json names (CLIPVisionModelWithProjection in the repos).
-        index = self._config("model_index.json")
+        index = self.folder_config("model_index.json")
         try:
             processor = getattr(transformers, index["image_processor"][1]).from_pretrained(
                 self.path / "image_processor")
@@ -300,12 +300,6 @@ class WanSpec(EncodesClips, DiffusersFamily):
         z = self.variant.z_dim
         x, n = x0[:, :z], noise[:, :z]
         return noisy_latents(x, n, self.train_timesteps(t)), velocity_target(x, n)
-
-    def layer_costs(self, layers: list[PipelineLayer]) -> list[float]:
-        """Time per layer relative to a block: the blocks are identical, and the embedding and
-        head are a few Linears over the tokens (parameter counts would weigh the embedding's large
-        timestep and text projections as half a block)."""
-        return [1.0 if isinstance(layer, WanBlock) else 0.02 for layer in layers]
 
     def make_inputs(self, batch: NoisedBatch):
         v, z = self.variant, self.variant.z_dim
@@ -393,18 +387,11 @@ class WanSpec(EncodesClips, DiffusersFamily):
         return getattr(pipe, self.expert)
 
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
+    bench_configs, sample_shapes, random_text = SIZES, SAMPLE_SHAPES, ("umt5",)
 
-    def for_benchmark(self, size: str) -> "WanSpec":
+    def bench_folder(self, size: str) -> dict[str, dict[str, Any]]:
         # What the model is comes from its folder (`variant`); a size stands for Wan 2.1 T2V.
-        folder = {**T2V_FOLDER, "transformer/config.json": SIZES[size]}
-        spec = copy.copy(self)
-        spec.__dict__["variant"] = read_variant(folder.__getitem__)  # the cached property's slot
-        return spec
-
-    def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
-        return torch.randn(shapes["latents"]), {"umt5": torch.randn(shapes["umt5"])}
+        return {**T2V_FOLDER, "transformer/config.json": SIZES[size]}
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         hidden, _t, text = inputs[:3]

@@ -16,7 +16,6 @@ audio and cross-modal attentions' ones) next to LTX-2's Linears, and a full fine
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -56,27 +55,11 @@ class LTX23Spec(LTX2Spec):
     # runs both streams: the blocks stay equal.
     block_types = (LTX2VideoBlock, LTX2AVBlock)
 
-    # ---- the configs: the folder's, or a benchmark size's -----------------------------------
-    _bench_size: str | None = None
-
-    def part_config(self, part: str) -> dict[str, Any]:
-        sized = {"transformer": SIZES, "vae": VAES}.get(part)
-        if self._bench_size and sized:
-            return sized[self._bench_size]
-        return super().part_config(part)
-
-    def pipeline_layer_count(self) -> int:
-        if self._bench_size:
-            return 2 + SIZES[self._bench_size]["num_layers"]
-        return super().pipeline_layer_count()
-
     # ---- benchmarks -------------------------------------------------------------------------
-    bench_configs = SIZES
+    bench_configs, sample_shapes = SIZES, SAMPLE_SHAPES
 
-    def for_benchmark(self, size: str) -> "LTX23Spec":
-        spec = copy.copy(self)
-        spec._bench_size = size  # the size's configs stand for the folder's
-        return spec
+    def bench_folder(self, size: str) -> dict[str, dict[str, Any]]:
+        return {"transformer/config.json": SIZES[size], "vae/config.json": VAES[size]}
 
     def random_denoiser(self, size: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """Made in `dtype` directly: 22B parameters in fp32 (88 GB) would not fit an 80 GB GPU
@@ -89,16 +72,13 @@ class LTX23Spec(LTX2Spec):
             torch.set_default_dtype(default)
 
     def random_sample(self, size: str):
-        shapes = SAMPLE_SHAPES[size]
+        shapes = self.sample_shapes[size]
         tokens = shapes["video_text"][0]
         text = {"video_text": torch.randn(shapes["video_text"]),
                 "mask": torch.ones(tokens, dtype=torch.long)}
         if self.cfg.audio:  # the audio stream's prompt tokens, as encode_prompts caches them
             text[AUDIO_TEXT_KEY] = torch.randn(shapes["audio_text"])
         return torch.randn(self.cached_latent_shape(shapes["latents"])), text
-
-    def random_audio(self, size: str) -> torch.Tensor:
-        return torch.randn(SAMPLE_SHAPES[size]["audio"])
 
     def train_flops(self, denoiser: nn.Module, inputs: tuple, full: bool) -> float:
         """The streams that run: their weights x the tokens each sees (the text keys and values

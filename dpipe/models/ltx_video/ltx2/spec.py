@@ -34,9 +34,7 @@ from dpipe.errors import DataError
 from dpipe.models.attention_mask import has_padding
 from dpipe.models.comfyui import COMFY_PREFIX
 from dpipe.models.common.stage_io import keep_in_graph
-from dpipe.models.diffusers_folder import load_encoders, read_json
-from dpipe.models.family import diffusers_class
-from dpipe.models.fingerprint import folder_fingerprint
+from dpipe.models.diffusers_folder import read_json
 from dpipe.models.frame_modes import takes_last
 from dpipe.models.ltx_video.ltx2.audio import N_FFT, encode_audio, pack_audio
 from dpipe.models.ltx_video.ltx2.av_layers import ltx2_av_layers
@@ -90,7 +88,11 @@ class LTX2Spec(LTXVideoSpec):
     text_fingerprint = {"gemma": "text_encoder", "connectors": "connectors",
                         "tokenizer": "tokenizer"}
     tiny_writer = "dpipe.models.ltx_video.ltx2.tiny:make_tiny_ltx2"
-    # The video path's targets; with model.audio also the audio ones (`lora_targets`).
+    # The audio VAE encodes the clips' sound with model.audio=true; the vocoder only plays.
+    frozen_parts = ("vae", "text_encoder", "connectors")
+    unused_parts, audio_parts = ("vocoder",), ("audio_vae",)
+    audio_latents = encode_audio
+    # The video path's targets; with model.audio also the audio ones.
     lora_modules, audio_lora_modules = LORA_TARGETS, AUDIO_LORA_TARGETS
     sampler = "dpipe.models.ltx_video.ltx2.av_sampling:ltx2_sampling"  # with sound where model.audio
     from_single_file = staticmethod(from_original)
@@ -105,6 +107,15 @@ class LTX2Spec(LTXVideoSpec):
     # A clip's entry ends with its last frame's own latent (`encode_videos`): other entries than
     # those of clips cached without it.
     image_notes = {"encoding": ENCODING_VERSION, "latent": "mode", "last_frame_latent": True}
+    # Cached sound: the audio VAE's weights (latents_mean/std among them) and how audio.py reads
+    # the waveform.
+    audio_notes = {"encoding": AUDIO_ENCODING_VERSION, "latent": "mode", "n_fft": N_FFT}
+
+    @property
+    def text_notes(self) -> dict[str, Any]:
+        # model.audio=true caches the audio prompt tokens too (`encode_prompts`): other entries;
+        # those of model.audio=false keep their keys.
+        return {"encoding": ENCODING_VERSION, **({"audio_prompts": True} if self.cfg.audio else {})}
 
     # A given last frame adds tokens (keyframes.py), which every sample of a micro-batch has.
     frame_mode_groups = (("none", "first"), ("last", "both"))
@@ -134,35 +145,12 @@ class LTX2Spec(LTXVideoSpec):
         check_release(self.path, self.single_file, self.release)  # before any other config
         super().read_configs()
 
-    def load_encoders(self, device: torch.device, dtype: torch.dtype) -> Any:
-        # The audio VAE encodes the clips' sound with model.audio=true; the vocoder only plays.
-        sound = {} if self.cfg.audio else {"audio_vae": None}
-        return load_encoders(diffusers_class(self.pipeline_class), self.path, device, dtype,
-                             frozen=("vae", "text_encoder", "connectors")
-                             + (("audio_vae",) if self.cfg.audio else ()),
-                             vocoder=None, **sound)
-
     def audio_format(self) -> AudioFormat | None:
         """Stereo or mono as the audio VAE takes it (its in_channels), at its sample rate."""
         if not self.cfg.audio:
             return None
         config = read_json(self.path / "audio_vae" / "config.json")
         return AudioFormat(int(config["sample_rate"]), int(config["in_channels"]))
-
-    def encode_audio(self, encoders: Any, waveforms: torch.Tensor) -> torch.Tensor:
-        return encode_audio(encoders, waveforms)
-
-    def encoder_fingerprint(self, kind: str) -> dict[str, Any]:
-        if kind == "audio":  # the audio VAE's weights (latents_mean/std among them), its config
-            return {"family": self.family, "encoding": AUDIO_ENCODING_VERSION,
-                    "audio_vae": folder_fingerprint(self.path / "audio_vae"), "latent": "mode",
-                    "n_fft": N_FFT}
-        fingerprint = super().encoder_fingerprint(kind)
-        if kind != "image" and self.cfg.audio:
-            # model.audio=true caches the audio prompt tokens too (`encode_prompts`): other
-            # entries; those of model.audio=false keep their keys.
-            fingerprint["audio_prompts"] = True
-        return fingerprint
 
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -175,9 +163,6 @@ class LTX2Spec(LTXVideoSpec):
         if self.cfg.audio:  # the audio stream's prompt tokens (one mask for both)
             text[AUDIO_TEXT_KEY] = audio
         return text
-
-    def lora_targets(self) -> str:
-        return self.lora_modules + self.audio_lora_modules if self.cfg.audio else self.lora_modules
 
     def pipeline_layers(self, denoiser: nn.Module):
         return ltx2_av_layers(denoiser) if self.cfg.audio else ltx2_layers(denoiser)
