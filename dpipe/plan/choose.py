@@ -58,6 +58,7 @@ class StagePlan:
     swapped_bytes: int  # their bytes, pinned on the host
     seconds: float  # per micro-batch, forward and backward
     planned: int  # what the run's memory plan reserves: its safety factor and margin included
+    loading: int = 0  # host bytes its worker holds while reading (`process_loading_bytes`)
 
     @property
     def peak(self) -> int:
@@ -90,6 +91,14 @@ class Plan:
     @property
     def split(self) -> list[int]:
         return [s.layers[0] for s in self.stage_plans[1:]]
+
+    @property
+    def loading_per_process(self) -> list[int]:
+        """Each process's host bytes while it reads the denoiser, in rank order: its stage's."""
+        from dpipe.pipeline.engine import stage_of
+
+        return [self.stage_plans[stage_of(rank, self.stages, self.data_parallel)].loading
+                for rank in range(self.stages * self.data_parallel)]
 
     @property
     def host_peak(self) -> tuple[str, int]:
@@ -212,7 +221,8 @@ def _stage(footprint: ModelFootprint, run: RunConfig, machine: Machine, first: i
     peak = on_device + trainable + in_flight * kept + transient
     return StagePlan((first, end), on_device, trainable, in_flight * kept, transient,
                      len(chosen_recompute), len(chosen_swap), sum(moved), per_micro_batch,
-                     planned if planned is not None else peak + fragmentation_margin(budget))
+                     planned if planned is not None else peak + fragmentation_margin(budget),
+                     process_loading_bytes(footprint, run, layers))
 
 
 def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int,
@@ -221,15 +231,9 @@ def _host(footprint: ModelFootprint, run: RunConfig, stage_plans, processes: int
     where the family and the run allow (`dpipe.train.trainable.reads_stage_only`), else loads
     the whole denoiser in fp32 before keeping its stage; the cache is built with the encoders
     loaded; training pins the swapped weights of each stage of each replica."""
-    from dpipe.train.trainable import reads_stage_only
-
-    if footprint.stage_loading and reads_stage_only(run):
-        out = {"loading the denoiser (each process its stage)": data_parallel * sum(
-            stage_loading_bytes(footprint.layers[slice(*s.layers)], run) + PROCESS_HOST
-            for s in stage_plans)}
-    else:
-        out = {"loading the denoiser (fp32, every process)":
-               processes * (4 * footprint.params + PROCESS_HOST)}
+    step = ("loading the denoiser (each process its stage)" if reads_stage(footprint, run)
+            else "loading the denoiser (fp32, every process)")
+    out = {step: data_parallel * sum(s.loading for s in stage_plans)}
     if encoders is not None:
         out["caching (encoders loaded)"] = encoders + PROCESS_HOST
     out["training (pinned swap buffers)"] = processes * PROCESS_HOST + data_parallel * sum(
@@ -350,6 +354,23 @@ def stored_value_bytes(run: RunConfig) -> float | None:
     if gguf_base(run):
         return gguf_value_bytes(Path(str(run.model.path)).expanduser())
     return None
+
+
+def reads_stage(footprint: ModelFootprint, run: RunConfig) -> bool:
+    """Whether each worker reads its stage's weights alone (the family and the run allow it:
+    `dpipe.train.trainable.reads_stage_only`), not the whole denoiser in fp32."""
+    from dpipe.train.trainable import reads_stage_only
+
+    return footprint.stage_loading and reads_stage_only(run)
+
+
+def process_loading_bytes(footprint: ModelFootprint, run: RunConfig, layers) -> int:
+    """Host bytes the worker of a stage of `layers` holds while it reads the denoiser, a
+    process's allowance included: its stage's (`stage_loading_bytes`), or the whole denoiser in
+    fp32."""
+    if reads_stage(footprint, run):
+        return stage_loading_bytes(layers, run) + PROCESS_HOST
+    return 4 * footprint.params + PROCESS_HOST
 
 
 def stage_loading_bytes(layers, run: RunConfig) -> int:

@@ -520,3 +520,39 @@ def test_a_gguf_run_that_does_not_fit_is_told_what_applies_to_it(tmp_path, capsy
     assert "base weights GGUF file" in out and "base_dtype" not in out, out
     assert "smallest change that fits: pipeline.activation_checkpointing=auto " \
            "pipeline.blocks_to_swap=auto" in out and "base GGUF file" in out, out
+
+
+def test_plan_json_predicts_the_host_peaks_plan_prints(tmp_path, capsys, monkeypatch):
+    """FLUX.1-dev LoRA from a Q8_0 GGUF in two stages on 2x24 GiB: the host peak per process
+    the launcher writes to <run>/plan.json before the workers start is each stage's loading
+    figure of the plan `dpipe-train --plan` prints for the same command (before: each worker
+    wrote its own estimate, its 8-bit Linears in bf16 and no batch in transit)."""
+    import sys
+
+    from dpipe.cli import train
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    folder = tmp_path / "FLUX.1-dev"
+    folder.mkdir()
+    file = real_size_gguf(tmp_path / "flux1-dev-Q8_0.gguf")
+    args = ["model=flux", f"model.path={file}", f"model.single_file_config={folder}",
+            "dataset.resolutions=[1024]", "train.precision=bf16", "pipeline.stages=2",
+            "pipeline.data_parallel=1", "pipeline.partition=balanced",
+            f"dataset.path={tmp_path / 'none'}"]
+    machine = parse("2x24,host=64")
+    run = compose_run(args, world_size=2)
+    spec = build_spec(run.model)
+    check_fits(run, spec, machine, 1, tmp_path)
+    predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]
+    plan = plan_run(spec, run, machine, {"pipeline.stages", "pipeline.data_parallel"}).plan
+    assert predicted["host_peak_per_process"] == plan.loading_per_process
+    step = "loading the denoiser (each process its stage)"
+    assert sum(plan.loading_per_process) == plan.host[step]
+    monkeypatch.setattr(sys, "argv", ["dpipe-train", "--plan", "--machine", "2x24,host=64",
+                                      *args])
+    train.main()
+    printed = f"{step} {sum(predicted['host_peak_per_process']) / GiB:.1f};"
+    assert printed in capsys.readouterr().out
