@@ -120,6 +120,10 @@ def train_task(cfg: DictConfig) -> int:
                               run_dir)
             if planned is None:  # pipeline=auto logged its plan already
                 log.info(fits)
+        else:  # a fresh record all the same: the workers' estimates go in it
+            from dpipe.train.plan_file import write_launch_prediction
+
+            write_launch_prediction(run_dir, None, None)
         save_run_config(run, run_dir)
         log.info("run dir: %s; starting %d worker processes", run_dir, world)
         code = launch_workers(run_dir, world, graceful_stop=True)

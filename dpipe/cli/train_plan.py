@@ -172,7 +172,8 @@ def check_fits(run, spec, machine, data_parallel: int, run_dir: Path | None = No
     if run_dir is not None:  # the prediction the run's end compares with (<run>/plan.json)
         from dpipe.train.plan_file import write_launch_prediction
 
-        write_launch_prediction(run_dir, [s.peak for s in plan.stage_plans], plan.disk)
+        write_launch_prediction(run_dir, [s.peak for s in plan.stage_plans], plan.disk,
+                                plan.loading_per_process)
     step, host = plan.host_peak
     peaks = " / ".join(gib(s.peak) for s in plan.stage_plans)
     cache = f"cache {size(plan.disk)}" if plan.disk is not None else "cache not known"

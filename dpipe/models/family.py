@@ -246,7 +246,8 @@ class DiffusersFamily(ModelSpec):
         if self.single_file is not None:
             return file_skeleton(model_cls, self.path / self.denoiser_folder, self.single_file,
                                  type(self).from_single_file, model_cls.__name__,
-                                 keeps_stored_base(self.cfg), self.gguf_architectures)
+                                 keeps_stored_base(self.cfg), self.gguf_architectures,
+                                 self.title)
         return folder_skeleton(model_cls, self.path / self.denoiser_folder)
 
     # A single file's names -> diffusers' (`convert(state, model)`), where they differ; and the

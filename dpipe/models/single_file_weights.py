@@ -253,8 +253,10 @@ class GGUFWeights(FileWeights):
     model's Linears that take them become GGUF Linears as this source is made."""
 
     def __init__(self, file: Path, model: nn.Module, convert: Callable | None, title: str,
-                 architectures: tuple[str, ...]):
-        check_architecture(file, title, architectures)
+                 architectures: tuple[str, ...], family_title: str | None = None):
+        # A file of another architecture is named against the family's title (`family_title`:
+        # "FLUX.1"), as the whole load's `read_gguf` names it; the names' checks say `title`.
+        check_architecture(file, family_title or title, architectures)
         super().__init__(file, model, convert, title)
         # What the converter sees of a tensor a batch does not read: the whole load's tensor,
         # a `GGUFParameter` of its block type, on the meta device; their converted forms
@@ -288,12 +290,13 @@ class GGUFWeights(FileWeights):
 
 
 def file_weights(file: Path, model: nn.Module, convert: Callable | None, title: str,
-                 keep_stored: bool = False, gguf_architectures: tuple[str, ...] = ()
-                 ) -> FileWeights:
+                 keep_stored: bool = False, gguf_architectures: tuple[str, ...] = (),
+                 family_title: str | None = None) -> FileWeights:
     """The source of the single file `file`'s weights: `GGUFWeights` for a GGUF file (of one of
-    the family's `gguf_architectures`), else `FileWeights` (`keep_stored`: see there)."""
+    the family's `gguf_architectures`; another is refused naming `family_title`), else
+    `FileWeights` (`keep_stored`: see there)."""
     if file.suffix == GGUF_SUFFIX:
-        return GGUFWeights(file, model, convert, title, gguf_architectures)
+        return GGUFWeights(file, model, convert, title, gguf_architectures, family_title)
     return FileWeights(file, model, convert, title, keep_stored)
 
 
@@ -310,7 +313,8 @@ def _read_bytes(entry: dict) -> int:
 
 def file_skeleton(model_cls, config_dir: Path, file: Path, convert: Callable | None,
                   title: str, keep_stored: bool = False,
-                  gguf_architectures: tuple[str, ...] = ()) -> DenoiserSkeleton | None:
+                  gguf_architectures: tuple[str, ...] = (),
+                  family_title: str | None = None) -> DenoiserSkeleton | None:
     """The denoiser of `config_dir`'s config, its weights to be read from the single file
     `file` stage by stage (`file_weights`); None where the file is neither a safetensors nor a
     GGUF file (`reads_by_tensor`): the whole load reads it."""
@@ -318,4 +322,4 @@ def file_skeleton(model_cls, config_dir: Path, file: Path, convert: Callable | N
         return None
     model = empty_model(model_cls, config_dir)
     return skeleton_of(model, file_weights(file, model, convert, title, keep_stored,
-                                           gguf_architectures))
+                                           gguf_architectures, family_title))

@@ -1,8 +1,8 @@
 """For a run that does not fit: the smallest change that would, with the plan it gives.
 
 Tried in order, from what costs the user least to what costs most: the planner's own choices
-where the user fixed them (fp8 base weights, recompute and block swap "auto"), a lower
-resolution, more GPUs of the same kind, more host memory.
+where the user fixed them (fp8 base weights, but for a quantized file's base; recompute and
+block swap "auto"), a lower resolution, more GPUs of the same kind, more host memory.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dpipe.config.schema import TrainMode
-from dpipe.plan.choose import Plan, choose
+from dpipe.plan.choose import Plan, base_storage, choose
 from dpipe.plan.footprint import ModelFootprint
 from dpipe.plan.machine import GiB, Machine, size
 
@@ -34,8 +34,10 @@ def smallest_change(footprint: ModelFootprint, run, machine: Machine, fixed: set
         tries.append((f"{size(need)} free on the cache disk (this one: "
                       f"{size(int(machine.disk_gib * GiB))}; or dataset.cache_dir on another "
                       "disk)", footprint, replace(machine, disk_gib=need / GiB), fixed))
+    # Not for a quantized file's base (a GGUF's blocks, a file's 8-bit Linears): its storage is
+    # the file's, whatever model.base_dtype says.
     if run.model.mode == TrainMode.lora and "model.base_dtype" in fixed \
-            and not run.model.base_dtype.quantized:
+            and not run.model.base_dtype.quantized and not base_storage(run, False).from_file:
         tries.append(("model.base_dtype=fp8 (8-bit frozen base weights)",
                       footprint, machine, fixed - {"model.base_dtype"}))
     freed = fixed - {"pipeline.activation_checkpointing", "pipeline.blocks_to_swap",

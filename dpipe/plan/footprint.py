@@ -41,11 +41,8 @@ class LayerFootprint:
     activations: int  # bytes it keeps for backward per micro-batch when not recomputed
     flops: float  # its forward's FLOPs per micro-batch
     cost: float  # the family's relative time (`layer_costs`), which balances the stages
-
-    def frozen(self, fp8: bool) -> int:
-        """Frozen bytes with the blocks' Linear weights in 8 bits (`dpipe.train.fp8`: one byte per
-        weight instead of bf16's two; the per-row scales are < 0.1%)."""
-        return self.frozen_bytes - self.quantizable if fp8 else self.frozen_bytes
+    quantizable_rows: int = 0  # their rows: an 8-bit base keeps an fp32 scale for each
+    largest_linear: int = 0  # elements of the largest of them: one is dequantized at a time
 
 
 @dataclass(frozen=True)
@@ -178,7 +175,7 @@ def measure(spec, run: RunConfig, size: str, resolution: int, frames: int) -> Mo
     real-size blocks trainable would take tens of seconds)."""
     spec = spec.for_benchmark(size)
     run = replace(run, model=replace(run.model, base_dtype=BaseDtype.auto,
-                                     base_compute=BaseCompute.auto))  # frozen(fp8) says fp8's
+                                     base_compute=BaseCompute.auto))  # the plan counts 8-bit storage
     real = spec.pipeline_layers(spec.random_denoiser(size, torch.float32, torch.device("meta")))
     costs = spec.layer_costs(real)
     bench_latents, text = spec.random_sample(size)
@@ -211,16 +208,19 @@ def layer_weights(layer: nn.Module, blocks: set[int] = frozenset()) -> dict[str,
     """A trainable layer's weights as `LayerFootprint` counts them (what needs no forward): its
     parameters, the trained ones and their bytes, its frozen weights' and buffers' bytes, and
     the values of its frozen Linear weights among `blocks` (`block_linears` of its denoiser:
-    what 8-bit storage quantizes)."""
+    what 8-bit storage quantizes), their rows and the largest one's values."""
     from dpipe.pipeline.block_swap import frozen_bytes
 
     trained = [p for p in layer.parameters() if p.requires_grad]
+    quantizable = [m.weight for m in layer.modules()
+                   if id(m) in blocks and not m.weight.requires_grad]
     return {"params": sum(p.numel() for p in layer.parameters()),
             "trainable": sum(p.numel() for p in trained),
             "trainable_bytes": sum(p.numel() * p.element_size() for p in trained),
             "frozen_bytes": frozen_bytes(layer),
-            "quantizable": sum(m.weight.numel() for m in layer.modules()
-                               if id(m) in blocks and not m.weight.requires_grad)}
+            "quantizable": sum(w.numel() for w in quantizable),
+            "quantizable_rows": sum(w.shape[0] for w in quantizable),
+            "largest_linear": max((w.numel() for w in quantizable), default=0)}
 
 
 def _measured(spec, run: RunConfig, size: str, shape: tuple[int, ...], lora: bool,

@@ -1,9 +1,11 @@
 """`<run>/plan.json`: what the run was predicted to use, and what it used.
 
-Before the workers start, the launcher of a GPU run writes the plan's GPU peak per stage and
-cache disk (`dpipe-train`, from the plan it checks the run against). At the start of training
-each rank's host memory is predicted with the plan's own figure (`loading_bytes` of its stage's
-layers and a process's allowance, as `dpipe-train --plan` states it) and rank 0 writes them all.
+Before the workers start, the launcher of a GPU run writes the plan's GPU peak per stage, each
+process's host peak while loading and the cache disk (`dpipe-train`, from the plan it checks the
+run against: the figures `dpipe-train --plan` prints for that layout). Where it wrote none (a
+run without GPUs, or ranks someone else started), each rank's host memory is estimated at the
+start of training from its loaded layers (`loading_bytes` of its stage's layers and a
+process's allowance) and rank 0 writes them all.
 At the end every process's host peak (its resident memory's high-water mark), each stage's GPU
 peak (`torch.cuda.max_memory_allocated`, where CUDA exists) and the cache folder's bytes are
 added, and rank 0 logs how far each was from its prediction.
@@ -36,9 +38,13 @@ def write(run_dir: Path, record: dict) -> None:
 
 
 def write_launch_prediction(run_dir: Path, gpu_peaks: list[int] | None,
-                            cache_disk: int | None) -> None:
-    """The launcher's part, before any worker starts (a new launch's record replaces the last)."""
-    write(run_dir, {"predicted": {"gpu_peak_per_stage": gpu_peaks, "cache_disk": cache_disk}})
+                            cache_disk: int | None, host_peaks: list[int] | None = None) -> None:
+    """The launcher's part, before any worker starts (a new launch's record replaces the last);
+    `host_peaks`: each process's while loading, in rank order."""
+    predicted = {"gpu_peak_per_stage": gpu_peaks, "cache_disk": cache_disk}
+    if host_peaks is not None:
+        predicted["host_peak_per_process"] = host_peaks
+    write(run_dir, {"predicted": predicted})
 
 
 def bytes_as_read(layer: torch.nn.Module) -> int:
@@ -60,7 +66,8 @@ def bytes_as_read(layer: torch.nn.Module) -> int:
 
 def record_start(run_dir: Path, local_layers: list, all_layers: list, stage_only: bool) -> None:
     """Each rank's predicted host peak (a collective): its stage read alone (`stage_only`), or
-    the whole denoiser in fp32, and a process's allowance; rank 0 adds them to plan.json."""
+    the whole denoiser in fp32, and a process's allowance; rank 0 adds them to plan.json
+    where the launcher's plan wrote none (that one is the plan's own figure)."""
     if stage_only:
         need = loading_bytes([bytes_as_read(layer) for layer in local_layers])
     else:
@@ -70,7 +77,7 @@ def record_start(run_dir: Path, local_layers: list, all_layers: list, stage_only
     if dist.get_rank() == 0:
         record = read(run_dir)
         predicted = record.get("predicted", {})
-        predicted["host_peak_per_process"] = everyone
+        predicted.setdefault("host_peak_per_process", everyone)
         write(run_dir, {"predicted": predicted})
 
 

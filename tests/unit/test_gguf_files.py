@@ -194,6 +194,9 @@ def test_a_gguf_of_another_architecture_is_named(tiny, tmp_path):
         with pytest.raises(ModelLoadError, match=r"not a FLUX\.1 transformer") as err:
             spec.load_denoiser(torch.float32)
         assert said in str(err.value) and str(file) in str(err.value), err.value
+        with pytest.raises(ModelLoadError) as per_stage:  # a worker reading its stage alone
+            spec.denoiser_skeleton()
+        assert str(per_stage.value) == str(err.value)
 
 
 def test_a_gguf_base_trains_a_lora_only(tiny, tmp_path):

@@ -413,3 +413,146 @@ def test_the_plan_counts_a_gguf_base_as_stored(tmp_path):
         "loading the denoiser (each process its stage)", pytest.approx(26.5 * GiB, rel=0.01))
     assert peaks[str(file)] == (
         "loading the denoiser (each process its stage)", pytest.approx(15.8 * GiB, rel=0.01))
+
+
+def real_size_fp8_scaled(out):
+    """FLUX.1-dev's transformer as ComfyUI's scaled-fp8 single file (BFL's names under its
+    prefix, the blocks' 2-D weights F8_E4M3 with a `scale_weight` each, the rest BF16, the
+    `scaled_fp8` marker): its real header, the data never written (a sparse file)."""
+    import struct
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from dpipe.models.common.bfl_layout import flux1_layout, to_bfl
+    from dpipe.models.flux.sizes import FLUX1_DEV
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**{k: v for k, v in FLUX1_DEV.items()
+                                          if not k.startswith("_")})
+    header, end = {}, 0
+
+    def add(name, dtype, shape, size):
+        nonlocal end
+        header["model.diffusion_model." + name] = {"dtype": dtype, "shape": list(shape),
+                                                   "data_offsets": [end, end + size]}
+        end += size
+
+    for name, t in to_bfl(model.state_dict(), flux1_layout(FLUX1_DEV)).items():
+        if name.endswith(".weight") and t.dim() == 2 and "blocks." in name:
+            add(name, "F8_E4M3", t.shape, t.numel())
+            add(name.removesuffix(".weight") + ".scale_weight", "F32", (), 4)
+        else:
+            add(name, "BF16", t.shape, 2 * t.numel())
+    add("scaled_fp8", "F8_E4M3", (0,), 0)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + end)
+    return out
+
+
+def test_the_gpu_holds_a_quantized_base_as_stored(tmp_path):
+    """FLUX.1-dev LoRA on one 80 GB card, no block swap: the frozen base on the GPU is its
+    blocks' Linears as the run keeps them: bf16 from a folder; from a scaled-fp8 file its 8-bit
+    values and an fp32 scale a row; from a Q8_0 GGUF its blocks, 34 bytes a 32-value block
+    (model.base_dtype does not apply to a GGUF, and is none of its plan's keys). A matmul's
+    dequantized weight adds to the transient: the largest Linear at 2 bytes a value from the
+    8-bit file (cast to bf16), 12 from the GGUF (dequantized in fp32, then cast)."""
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    folder = tmp_path / "FLUX.1-dev"  # the configs' folder: the plan reads none of it
+    folder.mkdir()
+    files = {"fp8_scaled": real_size_fp8_scaled(tmp_path / "flux1-dev-fp8_scaled.safetensors"),
+             "Q8_0": real_size_gguf(tmp_path / "flux1-dev-Q8_0.gguf")}
+    fixed = {"pipeline.stages", "pipeline.blocks_to_swap", "model.base_dtype"}
+    plans = {}
+    for name, path in {"folder": "/models/FLUX.1-dev", **files}.items():
+        single = [f"model.single_file_config={folder}"] if name in files else []
+        run = compose_run(["model=flux", f"model.path={path}", *single,
+                           "dataset.resolutions=[1024]", "train.precision=bf16",
+                           "pipeline.stages=1", "pipeline.blocks_to_swap=0"], world_size=1)
+        plans[name] = plan_run(build_spec(run.model), run, parse("1x80,host=64"), fixed)
+    layers = plans["folder"].footprint.layers
+    values = sum(x.quantizable for x in layers)  # the blocks' frozen Linear weights
+    rows = sum(x.quantizable_rows for x in layers)
+    largest = max(x.largest_linear for x in layers)
+    assert (values, largest) == (11_834_228_736, 3072 * 18432)  # norm1.linear's 6 x 3072 rows
+    stage = {name: rp.plan.stage_plans[0] for name, rp in plans.items()}
+    assert {name: rp.plan.base for name, rp in plans.items()} == {
+        "folder": "bf16", "fp8_scaled": "8-bit file", "Q8_0": "GGUF file"}
+    assert stage["folder"].weights / GiB == pytest.approx(22.17, abs=0.01)
+    assert stage["fp8_scaled"].weights == pytest.approx(
+        stage["folder"].weights - values + 4 * rows, abs=len(layers))
+    assert stage["Q8_0"].weights == pytest.approx(
+        stage["folder"].weights - values * (2 - 34 / 32), abs=len(layers))
+    assert stage["Q8_0"].weights / GiB == pytest.approx(11.84, abs=0.01)
+    assert stage["fp8_scaled"].transient - stage["folder"].transient == 2 * largest
+    assert stage["Q8_0"].transient - stage["folder"].transient == 12 * largest
+    assert not any("base_dtype" in key for key in plans["Q8_0"].plan.overrides)
+
+
+def test_a_gguf_run_that_does_not_fit_is_told_what_applies_to_it(tmp_path, capsys,
+                                                                  monkeypatch):
+    """FLUX.1-dev LoRA from a Q8_0 GGUF on a 16 GB card with recompute and swap fixed off: the
+    change that fits is recompute and block swap, never model.base_dtype (a GGUF's blocks are
+    its storage: dpipe.config.checks refuses the key with one), and the plan of the change keeps
+    the GGUF's blocks."""
+    import sys
+
+    from dpipe.cli import train
+
+    folder = tmp_path / "FLUX.1-dev"
+    folder.mkdir()
+    file = real_size_gguf(tmp_path / "flux1-dev-Q8_0.gguf")
+    monkeypatch.setattr(sys, "argv", [
+        "dpipe-train", "--plan", "--machine", "1x16,host=64", "model=flux", f"model.path={file}",
+        f"model.single_file_config={folder}", "dataset.resolutions=[1024]",
+        "train.precision=bf16", "model.base_dtype=auto", "pipeline.activation_checkpointing=none",
+        "pipeline.blocks_to_swap=0"])
+    with pytest.raises(SystemExit) as info:
+        train.main()
+    out = capsys.readouterr().out
+    assert info.value.code == 1, out
+    assert "base weights GGUF file" in out and "base_dtype" not in out, out
+    assert "smallest change that fits: pipeline.activation_checkpointing=auto " \
+           "pipeline.blocks_to_swap=auto" in out and "base GGUF file" in out, out
+
+
+def test_plan_json_predicts_the_host_peaks_plan_prints(tmp_path, capsys, monkeypatch):
+    """FLUX.1-dev LoRA from a Q8_0 GGUF in two stages on 2x24 GiB: the host peak per process
+    the launcher writes to <run>/plan.json before the workers start is each stage's loading
+    figure of the plan `dpipe-train --plan` prints for the same command (before: each worker
+    wrote its own estimate, its 8-bit Linears in bf16 and no batch in transit)."""
+    import sys
+
+    from dpipe.cli import train
+    from dpipe.cli.train_plan import check_fits
+    from dpipe.config.compose import compose_run
+    from dpipe.models.registry import build_spec
+    from dpipe.plan.for_run import plan_run
+
+    folder = tmp_path / "FLUX.1-dev"
+    folder.mkdir()
+    file = real_size_gguf(tmp_path / "flux1-dev-Q8_0.gguf")
+    args = ["model=flux", f"model.path={file}", f"model.single_file_config={folder}",
+            "dataset.resolutions=[1024]", "train.precision=bf16", "pipeline.stages=2",
+            "pipeline.data_parallel=1", "pipeline.partition=balanced",
+            f"dataset.path={tmp_path / 'none'}"]
+    machine = parse("2x24,host=64")
+    run = compose_run(args, world_size=2)
+    spec = build_spec(run.model)
+    check_fits(run, spec, machine, 1, tmp_path)
+    predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]
+    plan = plan_run(spec, run, machine, {"pipeline.stages", "pipeline.data_parallel"}).plan
+    assert predicted["host_peak_per_process"] == plan.loading_per_process
+    step = "loading the denoiser (each process its stage)"
+    assert sum(plan.loading_per_process) == plan.host[step]
+    monkeypatch.setattr(sys, "argv", ["dpipe-train", "--plan", "--machine", "2x24,host=64",
+                                      *args])
+    train.main()
+    printed = f"{step} {sum(predicted['host_peak_per_process']) / GiB:.1f};"
+    assert printed in capsys.readouterr().out
