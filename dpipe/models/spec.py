@@ -97,8 +97,7 @@ class PipelineLayer(nn.Module):
     Submodules are attached with `adopt(attr, module, source_name)`, which records where they live
     in the denoiser, so weights gathered from every stage can be exported under their public names.
     `PipelineLayer(transformer)` adopts the transformer's top-level modules named in `parts`, each
-    under its own name (one the transformer holds as None, left out by its config, is None in
-    the layer too); a block layer, `PipelineLayer(transformer, block, source_name)`
+    under its own name; a block layer, `PipelineLayer(transformer, block, source_name)`
     (`block_layers` makes one per block), adopts its block first, as `block`, then the `parts`
     (where it has some: the rotary module every block shares, parameter-free).
     """
@@ -112,17 +111,15 @@ class PipelineLayer(nn.Module):
         if block is not None:
             self.adopt("block", block, source_name)
         for name in self.parts:
-            module = getattr(transformer, name)
-            if module is None:
-                setattr(self, name, None)
-            else:
-                self.adopt(name, module, name)
+            self.adopt(name, getattr(transformer, name), name)
 
-    def adopt(self, attr: str, module: nn.Module | nn.Parameter, source_name: str) -> None:
+    def adopt(self, attr: str, module: nn.Module | nn.Parameter | None, source_name: str) -> None:
         """Attaches a submodule, or a parameter that the denoiser holds directly (a pad or
-        register token, a modulation table), under `attr`; `source_name` is its name there."""
+        register token, a modulation table), under `attr`; `source_name` is its name there.
+        None (a module the model's config leaves out) is set as None, nothing adopted."""
         setattr(self, attr, module)
-        self.source_names[attr] = source_name
+        if module is not None:
+            self.source_names[attr] = source_name
 
     def source_named_parameters(self):
         """(name in the diffusers model, parameter) of each of the layer's parameters."""

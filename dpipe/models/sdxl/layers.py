@@ -58,10 +58,7 @@ class SDXLDown(PipelineLayer):
         super().__init__()
         for attr, module, name in zip(("resnet", "attention", "downsampler"),
                                       (resnet, attention, downsampler), (*names, None, None)):
-            if module is not None:
-                self.adopt(attr, module, name)
-            else:
-                setattr(self, attr, None)
+            self.adopt(attr, module, name)
 
     def forward(self, inputs):
         emb, text, *stack = inputs
@@ -93,10 +90,7 @@ class SDXLUp(PipelineLayer):
         super().__init__()
         for attr, module, name in zip(("resnet", "attention", "upsampler"),
                                       (resnet, attention, upsampler), (*names, None, None)):
-            if module is not None:
-                self.adopt(attr, module, name)
-            else:
-                setattr(self, attr, None)
+            self.adopt(attr, module, name)
         self.overall_up_factor = 2 ** upsamplers
 
     def forward(self, inputs):

@@ -30,7 +30,7 @@ from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.ltx_video.ltx2.keyframes import video_coords as coords_of
-from dpipe.models.ltx_video.ltx2.layers import sample_sigma, video_path
+from dpipe.models.ltx_video.ltx2.layers import prompt_modulation, sample_sigma, video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
 from dpipe.models.spec import PipelineLayer, block_layers
 
@@ -81,11 +81,6 @@ _NOT_READ_BY_HEAD = ("text", "temb", "temb_prompt", "audio_text", "audio_temb",
 
 def has_sound(state: AVState) -> bool:
     return state.audio.shape[1] > 0
-
-
-def prompt_modulation(transformer: nn.Module) -> bool:
-    """LTX-2.3-style checkpoints: the prompt tokens modulated by the sigma's own embedding."""
-    return bool(transformer.prompt_modulation and transformer.config.use_prompt_adaln_single)
 
 
 class LTX2AVEmbed(PipelineLayer):

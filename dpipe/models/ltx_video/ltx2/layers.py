@@ -38,11 +38,15 @@ def sample_sigma(t: torch.Tensor) -> torch.Tensor:
     return t.amax(dim=1) * 1000
 
 
+def prompt_modulation(transformer: nn.Module) -> bool:
+    """LTX-2.3-style checkpoints: the prompt tokens modulated by the sigma's own embedding."""
+    return bool(transformer.prompt_modulation and transformer.config.use_prompt_adaln_single)
+
+
 class LTX2Embed(PipelineLayer):
     def __init__(self, transformer: nn.Module):
         super().__init__()
-        self.prompt_modulation = bool(transformer.prompt_modulation
-                                      and transformer.config.use_prompt_adaln_single)
+        self.prompt_modulation = prompt_modulation(transformer)
         # LTX-2.0 projects the prompt tokens here; LTX-2.3's connectors already give them at the
         # transformer's width (`use_prompt_embeddings=False`, no caption_projection).
         self.project_text = bool(transformer.config.use_prompt_embeddings)
