@@ -102,14 +102,14 @@ def fused_qkv_lora_pairs(weights: dict[str, torch.Tensor], alpha: float, attenti
 
 def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
                mapping: Iterable[tuple[str, list[str], list[int | None]]],
-               swapped: Collection[str] = ()) -> dict[str, torch.Tensor]:
+               swapped: Collection[str] = (), what: str = "ComfyUI") -> dict[str, torch.Tensor]:
     """ComfyUI LoRA weights from diffusers-named ones. `mapping` lists (original module name,
     the diffusers modules it stacks, their output sizes, None for a part's own); diffusers
     modules with a LoRA that no entry covers raise NotInFormat (with the weights of the others),
     so a trained weight is never dropped silently. The original modules in `swapped` hold the
     diffusers module's two output halves exchanged (a final modulation's (shift, scale) against
     diffusers' (scale, shift)): swap(W + B A) = swap(W) + swap(B) A, so their B's halves are
-    exchanged."""
+    exchanged. `what` names the format in that error."""
     pairs = peft_pairs(state_dict)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -124,7 +124,7 @@ def to_comfyui(state_dict: dict[str, torch.Tensor], scale: float,
             swap_halves(b).contiguous() if original in swapped else b)
     left = sorted(set(pairs) - used)
     if left:
-        raise NotInFormat("ComfyUI", left, out)
+        raise NotInFormat(what, left, out)
     return out
 
 

@@ -375,3 +375,24 @@ class FusedWeights:
                 raise KeyError(f"{key} needs {', '.join(missing)} as well")
             out[key] = torch.cat([found[p] for p in parts], dim=0)
         return out
+
+
+# The single blocks' fused `linear1` of the FLUX-style original layouts (Chroma's, HunyuanVideo's):
+# q, k, v and the MLP input stacked, in that order.
+SINGLE_LINEAR1 = re.compile(r"single_blocks\.(\d+)\.linear1\.(weight|bias)")
+LINEAR1_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+
+
+def split_linear1(key: str, value: torch.Tensor, model) -> dict[str, torch.Tensor]:
+    """A single block's fused `linear1` weight or bias (`key` matches SINGLE_LINEAR1) -> its
+    diffusers parts, split at `model`'s own sizes (diffusers' converters split it at the width of
+    their one released model); ValueError where the rows differ (another model's file)."""
+    index, param = SINGLE_LINEAR1.fullmatch(key).groups()
+    block = model.single_transformer_blocks[int(index)]
+    sizes = [block.attn.to_q.out_features, block.attn.to_k.out_features,
+             block.attn.to_v.out_features, block.proj_mlp.out_features]
+    if value.shape[0] != sum(sizes):
+        raise ValueError(f"{key} has {value.shape[0]} rows; this model's config gives "
+                         f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+    return {f"single_transformer_blocks.{index}.{part}.{param}": piece
+            for part, piece in zip(LINEAR1_PARTS, value.split(sizes, dim=0))}

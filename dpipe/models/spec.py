@@ -21,7 +21,7 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -96,17 +96,30 @@ class PipelineLayer(nn.Module):
 
     Submodules are attached with `adopt(attr, module, source_name)`, which records where they live
     in the denoiser, so weights gathered from every stage can be exported under their public names.
+    `PipelineLayer(transformer)` adopts the transformer's top-level modules named in `parts`, each
+    under its own name; a block layer, `PipelineLayer(transformer, block, source_name)`
+    (`block_layers` makes one per block), adopts its block first, as `block`, then the `parts`
+    (where it has some: the rotary module every block shares, parameter-free).
     """
 
-    def __init__(self):
+    parts: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, transformer: nn.Module | None = None, block: nn.Module | None = None,
+                 source_name: str = ""):
         super().__init__()
         self.source_names: dict[str, str] = {}
+        if block is not None:
+            self.adopt("block", block, source_name)
+        for name in self.parts:
+            self.adopt(name, getattr(transformer, name), name)
 
-    def adopt(self, attr: str, module: nn.Module | nn.Parameter, source_name: str) -> None:
+    def adopt(self, attr: str, module: nn.Module | nn.Parameter | None, source_name: str) -> None:
         """Attaches a submodule, or a parameter that the denoiser holds directly (a pad or
-        register token, a modulation table), under `attr`; `source_name` is its name there."""
+        register token, a modulation table), under `attr`; `source_name` is its name there.
+        None (a module the model's config leaves out) is set as None, nothing adopted."""
         setattr(self, attr, module)
-        self.source_names[attr] = source_name
+        if module is not None:
+            self.source_names[attr] = source_name
 
     def source_named_parameters(self):
         """(name in the diffusers model, parameter) of each of the layer's parameters."""
@@ -118,6 +131,14 @@ class PipelineLayer(nn.Module):
     def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.source_named_parameters()
                 if param.requires_grad or not trainable_only}
+
+
+def block_layers(layer: Callable[..., PipelineLayer], transformer: nn.Module, *lists: str,
+                 **extra: Any) -> list[PipelineLayer]:
+    """`layer(transformer, block, "<list>.<i>", **extra)` for each block of the transformer's
+    block lists named in `lists`, in their order."""
+    return [layer(transformer, block, f"{name}.{i}", **extra)
+            for name in lists for i, block in enumerate(getattr(transformer, name))]
 
 
 class ModelSpec(abc.ABC):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from dpipe.models.common.key_tables import swap_halves
+
 _DOUBLE = {
     "attn.to_q": "attn.w2q", "attn.to_k": "attn.w2k", "attn.to_v": "attn.w2v",
     "attn.to_out.0": "attn.w2o",
@@ -53,11 +55,6 @@ def native_module_name(name: str) -> str:
     return f"{native}.{index}.{table[rest]}"
 
 
-def _swap_rows(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers AuraFlow transformer state dict under the original names (the inverse of
     diffusers' single-file converter)."""
@@ -67,7 +64,7 @@ def native_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
         if key in _GLOBAL:
             out[_GLOBAL[key]] = value
             continue
-        out[f"{native_module_name(module)}.{param}"] = _swap_rows(value) if module == SWAPPED else value
+        out[f"{native_module_name(module)}.{param}"] = swap_halves(value) if module == SWAPPED else value
     return out
 
 
@@ -79,7 +76,7 @@ def comfyui_lora(weights: dict[str, torch.Tensor], scale: float) -> dict[str, to
     for module, (a, b) in peft_pairs(weights).items():
         b = b * scale
         if module == SWAPPED:  # W' = swap(W + B A) = swap(W) + swap(B) A
-            b = _swap_rows(b)
+            b = swap_halves(b)
         name = f"{COMFY_PREFIX}{native_module_name(module)}"
         out[f"{name}.lora_A.weight"] = a.contiguous()
         out[f"{name}.lora_B.weight"] = b.contiguous()

@@ -22,11 +22,7 @@ from dpipe.models.spec import PipelineLayer
 
 
 class ChromaEmbed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "time_text_embed", "distilled_guidance_layer",
-                     "context_embedder"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("x_embedder", "time_text_embed", "distilled_guidance_layer", "context_embedder")
 
     def forward(self, inputs):
         packed, t, text, mask, txt_ids, img_ids = inputs
@@ -38,11 +34,11 @@ class ChromaEmbed(PipelineLayer):
 
 
 class ChromaDoubleBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str,
+    parts = ("pos_embed",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
                  img_mod: int, txt_mod: int):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")  # parameter-free
+        super().__init__(transformer, block, source_name)
         self.img_mod, self.txt_mod = img_mod, txt_mod
 
     def forward(self, inputs):
@@ -56,10 +52,10 @@ class ChromaDoubleBlock(PipelineLayer):
 
 
 class ChromaSingleBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str, mod: int):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")
+    parts = ("pos_embed",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str, mod: int):
+        super().__init__(transformer, block, source_name)
         self.mod = mod
 
     def forward(self, inputs):
@@ -72,10 +68,7 @@ class ChromaSingleBlock(PipelineLayer):
 
 
 class ChromaHead(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+    parts = ("norm_out", "proj_out")
 
     def forward(self, inputs):
         hidden, text_hidden, mods, _ids, _mask = inputs
@@ -88,12 +81,9 @@ def chroma_layers(transformer: nn.Module) -> list[PipelineLayer]:
     doubles, singles = transformer.transformer_blocks, transformer.single_transformer_blocks
     img_offset = 3 * len(singles)  # the approximator's rows: singles, double image, double text
     txt_offset = img_offset + 6 * len(doubles)
-    layers: list[PipelineLayer] = [ChromaEmbed(transformer)]
-    for i, block in enumerate(doubles):
-        layers.append(ChromaDoubleBlock(block, transformer.pos_embed, f"transformer_blocks.{i}",
-                                        img_offset + 6 * i, txt_offset + 6 * i))
-    for i, block in enumerate(singles):
-        layers.append(ChromaSingleBlock(block, transformer.pos_embed,
-                                        f"single_transformer_blocks.{i}", 3 * i))
-    layers.append(ChromaHead(transformer))
-    return layers
+    return [ChromaEmbed(transformer),
+            *(ChromaDoubleBlock(transformer, block, f"transformer_blocks.{i}", img_offset + 6 * i,
+                                txt_offset + 6 * i) for i, block in enumerate(doubles)),
+            *(ChromaSingleBlock(transformer, block, f"single_transformer_blocks.{i}", 3 * i)
+              for i, block in enumerate(singles)),
+            ChromaHead(transformer)]

@@ -19,13 +19,12 @@ import re
 import torch
 from torch import nn
 
-from dpipe.models.single_file import FusedWeights, block_original_module
+from dpipe.models.single_file import (LINEAR1_PARTS, SINGLE_LINEAR1, FusedWeights,
+                                      block_original_module, split_linear1)
 
 # A key every original Chroma transformer has (diffusers detects the family by it).
 MARKER = "distilled_guidance_layer.in_proj.bias"
 
-_SINGLE_LINEAR1 = re.compile(r"single_blocks\.(\d+)\.linear1\.(weight|bias)")
-_SINGLE_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 # The width diffusers' converter splits linear1 at (Chroma's 3072), and its MLP ratio.
 _CONVERTER_WIDTH, _MLP_RATIO = 3072, 4
 
@@ -41,20 +40,11 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
         return state
     state, ours = dict(state), {}
     rows = _CONVERTER_WIDTH * (3 + _MLP_RATIO)
-    for key in [k for k in state if _SINGLE_LINEAR1.fullmatch(k)]:
-        index, param = _SINGLE_LINEAR1.fullmatch(key).groups()
-        block = model.single_transformer_blocks[int(index)]
-        sizes = [block.attn.to_q.out_features, block.attn.to_k.out_features,
-                 block.attn.to_v.out_features, block.proj_mlp.out_features]
-        value = state[key]
-        if value.shape[0] != sum(sizes):
-            raise ValueError(f"{key} has {value.shape[0]} rows; this model's config gives "
-                             f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
-        for part, piece in zip(_SINGLE_PARTS, value.split(sizes, dim=0)):
-            ours[f"single_transformer_blocks.{index}.{part}.{param}"] = piece
+    for key in [k for k in state if SINGLE_LINEAR1.fullmatch(k)]:
+        ours.update(split_linear1(key, state[key], model))
         # diffusers' converter pops every linear1 and splits it at its fixed width: give it a
         # placeholder of that size that costs no memory (meta), and replace what it makes of it.
-        state[key] = torch.empty((rows, *value.shape[1:]), device="meta")
+        state[key] = torch.empty((rows, *state[key].shape[1:]), device="meta")
     converted = convert_chroma_transformer_checkpoint_to_diffusers(state)
     converted.update(ours)
     return converted
@@ -80,7 +70,7 @@ _BLOCKS = [
     ("transformer_blocks", "double_blocks", _DOUBLE,
      {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
       "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}),
-    ("single_transformer_blocks", "single_blocks", _SINGLE, {"linear1": _SINGLE_PARTS}),
+    ("single_transformer_blocks", "single_blocks", _SINGLE, {"linear1": LINEAR1_PARTS}),
 ]
 
 

@@ -25,15 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.shapes import per_token
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import sizes
-
-
-def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
-    """(B, F', D) per latent frame -> (B, F' * tokens_per_frame, D) per token (frame-major)."""
-    b, f, d = x.shape
-    return x.unsqueeze(2).expand(b, f, tokens_per_frame, d).reshape(b, f * tokens_per_frame, d)
 
 
 def _rotary(rope: nn.Module, grid: torch.Tensor, patch, device: torch.device):
@@ -44,10 +39,10 @@ def _rotary(rope: nn.Module, grid: torch.Tensor, patch, device: torch.device):
 
 
 class CosmosEmbed(PipelineLayer):
+    parts = ("patch_embed", "time_embed")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("patch_embed", transformer.patch_embed, "patch_embed")
-        self.adopt("time_embed", transformer.time_embed, "time_embed")
+        super().__init__(transformer)
         self.projects_text = bool(transformer.config.use_crossattn_projection)
         if self.projects_text:
             self.adopt("crossattn_proj", transformer.crossattn_proj, "crossattn_proj")
@@ -70,12 +65,12 @@ class CosmosEmbed(PipelineLayer):
 
 
 class CosmosBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, patch_size, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        # CosmosRotaryPosEmbed has neither weights nor buffers: safe to share across stages.
-        self.rope = rope
-        self.patch_size = tuple(patch_size)
+    # CosmosRotaryPosEmbed has neither weights nor buffers: safe to share across stages.
+    parts = ("rope",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
+        self.patch_size = tuple(transformer.config.patch_size)
 
     def forward(self, inputs):
         hidden, text, temb, embedded, grid = inputs
@@ -83,17 +78,17 @@ class CosmosBlock(PipelineLayer):
         block_temb, block_embedded = temb, embedded
         if temb.ndim == 3:  # one timestep per latent frame: the block wants one per token
             per_frame = hidden.shape[1] // temb.shape[1]
-            block_temb = _per_token(temb, per_frame)
-            block_embedded = _per_token(embedded, per_frame)
+            block_temb = per_token(temb, per_frame)
+            block_embedded = per_token(embedded, per_frame)
         hidden = self.block(hidden, text, block_embedded, block_temb, rotary)
         return hidden, text, temb, embedded, grid
 
 
 class CosmosHead(PipelineLayer):
+    parts = ("norm_out", "proj_out")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        super().__init__(transformer)
         self.patch_size = tuple(transformer.config.patch_size)
 
     def forward(self, inputs):
@@ -101,7 +96,7 @@ class CosmosHead(PipelineLayer):
         frames, height, width, _ = sizes(grid)
         if temb.ndim == 3:
             per_frame = hidden.shape[1] // temb.shape[1]
-            temb, embedded = _per_token(temb, per_frame), _per_token(embedded, per_frame)
+            temb, embedded = per_token(temb, per_frame), per_token(embedded, per_frame)
         out = self.proj_out(self.norm_out(hidden, embedded, temb))
         p_t, p_h, p_w = self.patch_size
         out = out.unflatten(2, (p_h, p_w, p_t, -1)).unflatten(1, (frames, height, width))
@@ -118,9 +113,5 @@ def cosmos_layers(transformer: nn.Module) -> list[PipelineLayer]:
     if transformer.config.img_context_dim_in or transformer.config.controlnet_block_every_n:
         raise ValueError("CosmosTransformer3DModel with image context or control blocks "
                          "(Cosmos 2.5) is not supported")
-    patch = transformer.config.patch_size
-    layers: list[PipelineLayer] = [CosmosEmbed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(CosmosBlock(block, transformer.rope, patch, f"transformer_blocks.{i}"))
-    layers.append(CosmosHead(transformer))
-    return layers
+    return [CosmosEmbed(transformer), *block_layers(CosmosBlock, transformer, "transformer_blocks"),
+            CosmosHead(transformer)]

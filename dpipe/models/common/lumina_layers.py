@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from dpipe.models.attention_mask import has_padding, key_mask, padding_mask, trim_text_padding
+from dpipe.models.common.shapes import patchify, unpatchify
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import NoisedBatch, PipelineLayer, denoiser_config
+from dpipe.models.spec import NoisedBatch, PipelineLayer, block_layers, denoiser_config
 from dpipe.models.sync_free import carrier, sizes
 
 
@@ -37,20 +38,6 @@ class RotaryPositions(Protocol):
 
     def rotations(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, L, 3) positions -> the blocks' complex RoPE rotations (B, L, head_dim / 2)."""
-
-
-def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/p * W/p, p*p*C), features ordered (row in patch, column, channel)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
-    return x.reshape(b, (h // p) * (w // p), p * p * c)
-
-
-def unpatchify(tokens: torch.Tensor, h: int, w: int, p: int, channels: int) -> torch.Tensor:
-    """The inverse of `patchify` for h x w patches."""
-    b = tokens.shape[0]
-    x = tokens.view(b, h, w, p, p, channels).permute(0, 5, 1, 3, 2, 4)
-    return x.reshape(b, channels, h * p, w * p)
 
 
 def image_ids(cap_len: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -99,10 +86,10 @@ class LuminaEmbed(PipelineLayer):
     """Patches through `x_embedder`; t and the caption through `time_caption_embed`, whose
     call each family gives in `time_and_caption`."""
 
+    parts = ("time_caption_embed", "x_embedder")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("time_caption_embed", transformer.time_caption_embed, "time_caption_embed")
-        self.adopt("x_embedder", transformer.x_embedder, "x_embedder")
+        super().__init__(transformer)
         self.patch = transformer.config.patch_size
 
     def time_and_caption(self, latents: torch.Tensor, t: torch.Tensor, cap: torch.Tensor):
@@ -122,10 +109,9 @@ class LuminaRefiner(PipelineLayer):
     """A context_refiner block (caption tokens, masked to each caption's length) or a
     noise_refiner block (image tokens, modulated by t)."""
 
-    def __init__(self, block: nn.Module, positions: RotaryPositions, source_name: str,
-                 stream: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
+                 positions: RotaryPositions, stream: str):
+        super().__init__(transformer, block, source_name)
         self.positions, self.stream = positions, stream
 
     def forward(self, inputs):
@@ -161,9 +147,9 @@ class LuminaJoin(PipelineLayer):
 
 
 class LuminaBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, positions: RotaryPositions, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
+                 positions: RotaryPositions):
+        super().__init__(transformer, block, source_name)
         self.positions = positions
 
     def forward(self, inputs):
@@ -173,9 +159,10 @@ class LuminaBlock(PipelineLayer):
 
 
 class LuminaHead(PipelineLayer):
+    parts = ("norm_out",)
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
+        super().__init__(transformer)
         self.patch = transformer.config.patch_size
         self.out_channels = transformer.out_channels
 
@@ -190,16 +177,14 @@ def lumina_layers(transformer: nn.Module, embed: PipelineLayer,
                   positions: RotaryPositions) -> list[PipelineLayer]:
     """`embed`, the refiners, the join, the main blocks and the head of `transformer`, which
     holds Lumina 2's `context_refiner`, `noise_refiner`, `layers` and `norm_out`."""
-    layers: list[PipelineLayer] = [embed]
-    for i, block in enumerate(transformer.context_refiner):
-        layers.append(LuminaRefiner(block, positions, f"context_refiner.{i}", "caption"))
-    for i, block in enumerate(transformer.noise_refiner):
-        layers.append(LuminaRefiner(block, positions, f"noise_refiner.{i}", "image"))
-    layers.append(LuminaJoin(positions))
-    for i, block in enumerate(transformer.layers):
-        layers.append(LuminaBlock(block, positions, f"layers.{i}"))
-    layers.append(LuminaHead(transformer))
-    return layers
+    return [embed,
+            *block_layers(LuminaRefiner, transformer, "context_refiner", positions=positions,
+                          stream="caption"),
+            *block_layers(LuminaRefiner, transformer, "noise_refiner", positions=positions,
+                          stream="image"),
+            LuminaJoin(positions),
+            *block_layers(LuminaBlock, transformer, "layers", positions=positions),
+            LuminaHead(transformer)]
 
 
 def lumina_layer_count(transformer_folder: Path, class_name: str) -> int:

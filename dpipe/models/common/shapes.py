@@ -1,4 +1,5 @@
-"""Shape rules several families share: padded lengths, valid frame counts, images as videos."""
+"""Shape rules several families share: padded lengths, valid frame counts, images as videos,
+image patches as tokens and back, per-frame values per token."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def as_video(pixels: torch.Tensor) -> torch.Tensor:
     if pixels.ndim == 5:
         return pixels
     raise ValueError(f"expected pixels of shape (B, 3, H, W) or (B, 3, F, H, W), got {tuple(pixels.shape)}")
+
+
+def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/p * W/p, p*p*C), features ordered (row in patch, column, channel)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(tokens: torch.Tensor, h: int, w: int, p: int, channels: int = -1) -> torch.Tensor:
+    """The inverse of `patchify` for h x w patches: (B, h*w, p*p*C) -> (B, C, h*p, w*p), as the
+    diffusers image transformers end (SD3, AuraFlow, HiDream, ERNIE-Image, Lumina 2)."""
+    b = tokens.shape[0]
+    x = tokens.reshape(b, h, w, p, p, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, -1, h * p, w * p).contiguous()  # a view when p = 1
+
+
+def per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
+    """(B, F', ...) per latent frame -> (B, F' * tokens_per_frame, ...) per token (frame-major,
+    as the patch tokens of a video are ordered)."""
+    b, f = x.shape[:2]
+    return x.unsqueeze(2).expand(b, f, tokens_per_frame, *x.shape[2:]).reshape(
+        b, f * tokens_per_frame, *x.shape[2:])

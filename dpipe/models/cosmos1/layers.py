@@ -19,14 +19,12 @@ from torch import nn
 
 from dpipe.models.common.cosmos_layers import CosmosBlock, CosmosEmbed, CosmosHead
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import sizes
 
 
 class Cosmos1Embed(CosmosEmbed):
-    def __init__(self, transformer: nn.Module):
-        super().__init__(transformer)
-        self.adopt("learnable_pos_embed", transformer.learnable_pos_embed, "learnable_pos_embed")
+    parts = (*CosmosEmbed.parts, "learnable_pos_embed")
 
     def forward(self, inputs):
         latents, _, _, grid = inputs
@@ -62,11 +60,7 @@ def cosmos1_layers(transformer: nn.Module) -> list[PipelineLayer]:
     if c.img_context_dim_in or c.controlnet_block_every_n or c.use_crossattn_projection:
         raise ValueError("CosmosTransformer3DModel with image context, control blocks or a text "
                          "projection (Cosmos 2.5) is not Cosmos 1.0")
-    layers: list[PipelineLayer] = [Cosmos1Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(Cosmos1Block(block, transformer.rope, c.patch_size,
-                                   f"transformer_blocks.{i}"))
-    layers.append(Cosmos1Head(transformer))
-    return layers
+    return [Cosmos1Embed(transformer), *block_layers(Cosmos1Block, transformer, "transformer_blocks"),
+            Cosmos1Head(transformer)]
 
 

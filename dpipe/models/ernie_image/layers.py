@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.common.shapes import unpatchify
+from dpipe.models.common.stage_io import keep_in_graph, needs_grad
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
@@ -58,14 +59,11 @@ def key_mask(text_lens: torch.Tensor, text_tokens: int, image_tokens: int) -> to
 
 
 class ErnieImageEmbed(PipelineLayer):
+    # text_proj is None where text_in_dim == hidden_size.
+    parts = ("x_embedder", "text_proj", "time_proj", "time_embedding", "adaLN_modulation")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "text_proj", "time_proj", "time_embedding",
-                     "adaLN_modulation"):
-            module = getattr(transformer, name)
-            if module is not None:  # text_proj is None where text_in_dim == hidden_size
-                self.adopt(name, module, name)
-        self.has_text_proj = transformer.text_proj is not None
+        super().__init__(transformer)
         self.patch_size = transformer.config.patch_size
 
     def forward(self, inputs):
@@ -75,7 +73,7 @@ class ErnieImageEmbed(PipelineLayer):
         _, _, h, w = image.shape
         hidden = self.x_embedder(image).transpose(0, 1).contiguous()
         text = text.to(image.dtype)
-        if self.has_text_proj and text.numel() > 0:
+        if self.text_proj is not None and text.numel() > 0:
             text = self.text_proj(text)
         hidden = torch.cat([hidden, text.transpose(0, 1).contiguous()], dim=0)
         temb = self.time_embedding(self.time_proj(t * 1000).to(image.dtype))
@@ -85,10 +83,7 @@ class ErnieImageEmbed(PipelineLayer):
 
 
 class ErnieImageBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")  # no weights
+    parts = ("pos_embed",)
 
     def forward(self, inputs):
         hidden, temb, modulation, text_lens, grid = inputs
@@ -103,29 +98,24 @@ class ErnieImageBlock(PipelineLayer):
 
 
 class ErnieImageHead(PipelineLayer):
+    parts = ("final_norm", "final_linear")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("final_norm", transformer.final_norm, "final_norm")
-        self.adopt("final_linear", transformer.final_linear, "final_linear")
+        super().__init__(transformer)
         self.patch_size = transformer.config.patch_size
         self.out_channels = transformer.config.out_channels
 
     def forward(self, inputs):
         hidden, temb, modulation, _text_lens, grid = inputs
         h, w = sizes(grid)
-        b, p = hidden.shape[1], self.patch_size
         x = self.final_norm(hidden, temb).type_as(hidden)
         patches = self.final_linear(x)[:h * w].transpose(0, 1).contiguous()
-        out = (patches.view(b, h, w, p, p, self.out_channels).permute(0, 5, 1, 3, 2, 4)
-               .contiguous().view(b, self.out_channels, h * p, w * p))
+        out = unpatchify(patches, h, w, self.patch_size, self.out_channels)
         # The block modulation ends unused here; alone on the last stage it still needs a
         # gradient.
-        return out + 0.0 * modulation.sum()
+        return keep_in_graph(out, modulation)
 
 
 def ernie_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [ErnieImageEmbed(transformer)]
-    for i, block in enumerate(transformer.layers):
-        layers.append(ErnieImageBlock(block, transformer.pos_embed, f"layers.{i}"))
-    layers.append(ErnieImageHead(transformer))
-    return layers
+    return [ErnieImageEmbed(transformer), *block_layers(ErnieImageBlock, transformer, "layers"),
+            ErnieImageHead(transformer)]

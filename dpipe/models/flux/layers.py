@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 
 
 class FluxEmbed(PipelineLayer):
+    parts = ("x_embedder", "time_text_embed", "context_embedder")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "time_text_embed", "context_embedder"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         self.has_guidance = bool(transformer.config.guidance_embeds)
 
     def forward(self, inputs):
@@ -37,10 +37,7 @@ class FluxEmbed(PipelineLayer):
 class FluxBlock(PipelineLayer):
     """A double-stream or single-stream block; both take and return (text, image) streams."""
 
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")  # parameter-free
+    parts = ("pos_embed",)
 
     def forward(self, inputs):
         hidden, text_hidden, temb, ids = inputs
@@ -55,10 +52,7 @@ class FluxBlock(PipelineLayer):
 
 
 class FluxHead(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+    parts = ("norm_out", "proj_out")
 
     def forward(self, inputs):
         hidden, text_hidden, temb, _ids = inputs
@@ -69,10 +63,6 @@ class FluxHead(PipelineLayer):
 
 
 def flux_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [FluxEmbed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(FluxBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
-    for i, block in enumerate(transformer.single_transformer_blocks):
-        layers.append(FluxBlock(block, transformer.pos_embed, f"single_transformer_blocks.{i}"))
-    layers.append(FluxHead(transformer))
-    return layers
+    return [FluxEmbed(transformer),
+            *block_layers(FluxBlock, transformer, "transformer_blocks", "single_transformer_blocks"),
+            FluxHead(transformer)]

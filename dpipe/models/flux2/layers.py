@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 
 
 def _rotary(pos_embed: nn.Module, ids: torch.Tensor, text_len: int):
@@ -30,12 +30,12 @@ def _rotary(pos_embed: nn.Module, ids: torch.Tensor, text_len: int):
 
 
 class Flux2Embed(PipelineLayer):
+    parts = ("x_embedder", "context_embedder", "time_guidance_embed",
+             "double_stream_modulation_img", "double_stream_modulation_txt",
+             "single_stream_modulation")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "context_embedder", "time_guidance_embed",
-                     "double_stream_modulation_img", "double_stream_modulation_txt",
-                     "single_stream_modulation"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         self.has_guidance = bool(transformer.config.guidance_embeds)
 
     def forward(self, inputs):
@@ -54,10 +54,7 @@ class Flux2Embed(PipelineLayer):
 
 
 class Flux2DoubleBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")  # parameter-free
+    parts = ("pos_embed",)
 
     def forward(self, inputs):
         hidden, text_hidden, temb, mod_img, mod_txt, mod_single, ids = inputs
@@ -69,11 +66,11 @@ class Flux2DoubleBlock(PipelineLayer):
 
 
 class Flux2SingleBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str, first: bool):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")
-        self.first = first
+    parts = ("pos_embed",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
+        self.first = block is transformer.single_transformer_blocks[0]
 
     def forward(self, inputs):
         if self.first:
@@ -90,10 +87,7 @@ class Flux2SingleBlock(PipelineLayer):
 
 
 class Flux2Head(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+    parts = ("norm_out", "proj_out")
 
     def forward(self, inputs):
         hidden, text_hidden, temb, mod_single, _ids = inputs
@@ -106,11 +100,7 @@ class Flux2Head(PipelineLayer):
 def flux2_layers(transformer: nn.Module) -> list[PipelineLayer]:
     if not len(transformer.single_transformer_blocks):
         raise ValueError("FLUX.2 transformers without single-stream blocks are not supported")
-    layers: list[PipelineLayer] = [Flux2Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(Flux2DoubleBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
-    for i, block in enumerate(transformer.single_transformer_blocks):
-        layers.append(Flux2SingleBlock(block, transformer.pos_embed,
-                                       f"single_transformer_blocks.{i}", first=i == 0))
-    layers.append(Flux2Head(transformer))
-    return layers
+    return [Flux2Embed(transformer),
+            *block_layers(Flux2DoubleBlock, transformer, "transformer_blocks"),
+            *block_layers(Flux2SingleBlock, transformer, "single_transformer_blocks"),
+            Flux2Head(transformer)]

@@ -23,17 +23,18 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from dpipe.models.common.shapes import unpatchify
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.hidream.moe import make_sync_free
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
 class HiDreamEmbed(PipelineLayer):
+    parts = ("x_embedder", "t_embedder", "p_embedder", "caption_projection")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "t_embedder", "p_embedder", "caption_projection"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         # diffusers' patchify reads only the patch size and max_seq; calling it on a stand-in
         # keeps this layer from holding the whole transformer.
         self._patchify = type(transformer).patchify
@@ -81,10 +82,7 @@ def _rope(pe_embedder, img_ids, text_len):
 class HiDreamBlockLayer(PipelineLayer):
     """A block of either stream, with the transformer's rotary embedder."""
 
-    def __init__(self, block: nn.Module, pe_embedder: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.pe_embedder = pe_embedder  # parameter-free
+    parts = ("pe_embedder",)
 
 
 class HiDreamDualBlock(HiDreamBlockLayer):
@@ -121,31 +119,25 @@ class HiDreamSingleBlock(HiDreamBlockLayer):
 
 
 class HiDreamHead(PipelineLayer):
+    parts = ("final_layer",)
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("final_layer", transformer.final_layer, "final_layer")
+        super().__init__(transformer)
         self.patch = int(transformer.config.patch_size)
 
     def forward(self, inputs):
         hidden, text, temb, _ids, _mask, img_sizes = inputs
         out = self.final_layer(hidden, temb)
-        p = self.patch
         ph, pw = sizes(img_sizes)
         # As diffusers' unpatchify at inference (each sample's valid tokens, patch-major).
-        x = out[:, :ph * pw].reshape(out.shape[0], ph, pw, p, p, -1).permute(0, 5, 1, 3, 2, 4)
-        images = x.reshape(out.shape[0], -1, ph * p, pw * p)
+        images = unpatchify(out[:, :ph * pw], ph, pw, self.patch)
         # The text stream ends here; crossing a stage boundary it still needs a gradient path.
-        return keep_in_graph(images.contiguous(), text)
+        return keep_in_graph(images, text)
 
 
 def hidream_layers(transformer: nn.Module) -> list[PipelineLayer]:
     make_sync_free(transformer)  # diffusers' MoE syncs the host per expert (moe.py)
-    layers: list[PipelineLayer] = [HiDreamEmbed(transformer)]
-    for i, block in enumerate(transformer.double_stream_blocks):
-        layers.append(HiDreamDualBlock(block, transformer.pe_embedder,
-                                       f"double_stream_blocks.{i}"))
-    for i, block in enumerate(transformer.single_stream_blocks):
-        layers.append(HiDreamSingleBlock(block, transformer.pe_embedder,
-                                         f"single_stream_blocks.{i}"))
-    layers.append(HiDreamHead(transformer))
-    return layers
+    return [HiDreamEmbed(transformer),
+            *block_layers(HiDreamDualBlock, transformer, "double_stream_blocks"),
+            *block_layers(HiDreamSingleBlock, transformer, "single_stream_blocks"),
+            HiDreamHead(transformer)]

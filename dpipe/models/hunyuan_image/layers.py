@@ -22,7 +22,7 @@ from torch import nn
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask, padding_mask, real_tokens
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes, valid_first
 
 
@@ -41,17 +41,12 @@ class HunyuanImageEmbed(PipelineLayer):
     and a stage holding them alone would have nothing to train (the ByT5 projection's fixed
     2048-wide MLP outweighs every block of a small model)."""
 
+    parts = ("rope", "x_embedder", "context_embedder", "time_guidance_embed",  # rope: no weights
+             "context_embedder_2")
+
     def __init__(self, transformer: nn.Module, attention: AttentionKernel):
-        super().__init__()
+        super().__init__(transformer, transformer.transformer_blocks[0], "transformer_blocks.0")
         self.attention = attention
-        self.adopt("block", transformer.transformer_blocks[0], "transformer_blocks.0")
-        self.rope = transformer.rope  # parameter-free
-        for name in ("x_embedder", "context_embedder", "time_guidance_embed"):
-            self.adopt(name, getattr(transformer, name), name)
-        if transformer.context_embedder_2 is not None:
-            self.adopt("context_embedder_2", transformer.context_embedder_2, "context_embedder_2")
-        else:
-            self.context_embedder_2 = None
         self.guidance = bool(transformer.config.guidance_embeds)
         self.meanflow = bool(transformer.config.use_meanflow)
 
@@ -94,11 +89,11 @@ def run_block(block: nn.Module, rope: nn.Module, attention: AttentionKernel, inp
 class HunyuanImageBlock(PipelineLayer):
     """A dual-stream or single-stream block; both take and return (image, text) streams."""
 
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str,
+    parts = ("rope",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
                  attention: AttentionKernel):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.rope = rope  # parameter-free
+        super().__init__(transformer, block, source_name)
         self.attention = attention
 
     def forward(self, inputs):
@@ -106,10 +101,10 @@ class HunyuanImageBlock(PipelineLayer):
 
 
 class HunyuanImageHead(PipelineLayer):
+    parts = ("norm_out", "proj_out")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        super().__init__(transformer)
         self.patch = tuple(int(p) for p in transformer.config.patch_size)
         self.out_channels = int(transformer.config.out_channels)
 
@@ -127,14 +122,7 @@ class HunyuanImageHead(PipelineLayer):
 def hunyuan_image_layers(transformer: nn.Module, attention: AttentionKernel) -> list[PipelineLayer]:
     if len(transformer.config.patch_size) != 2:
         raise ValueError("dpipe's hunyuan_image family trains image (2-D patch) transformers only")
-    layers: list[PipelineLayer] = [HunyuanImageEmbed(transformer, attention)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        if i == 0:
-            continue  # runs in the embed layer
-        layers.append(HunyuanImageBlock(block, transformer.rope, f"transformer_blocks.{i}",
-                                        attention))
-    for i, block in enumerate(transformer.single_transformer_blocks):
-        layers.append(HunyuanImageBlock(block, transformer.rope,
-                                        f"single_transformer_blocks.{i}", attention))
-    layers.append(HunyuanImageHead(transformer))
-    return layers
+    blocks = block_layers(HunyuanImageBlock, transformer, "transformer_blocks",
+                          "single_transformer_blocks", attention=attention)
+    # The first block runs in the embed layer.
+    return [HunyuanImageEmbed(transformer, attention), *blocks[1:], HunyuanImageHead(transformer)]

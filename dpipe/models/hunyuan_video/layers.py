@@ -16,7 +16,7 @@ from torch import nn
 from dpipe.config.schema import AttentionKernel
 from dpipe.models.attention_mask import has_padding, key_padding_mask
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
@@ -43,10 +43,10 @@ def unpatchify(x: torch.Tensor, grid: torch.Tensor, patch: int, patch_t: int) ->
 
 
 class HunyuanVideoEmbed(PipelineLayer):
+    parts = ("x_embedder", "context_embedder", "time_text_embed")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "context_embedder", "time_text_embed"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         self.guidance = bool(transformer.config.guidance_embeds)
         self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
 
@@ -66,12 +66,12 @@ class HunyuanVideoEmbed(PipelineLayer):
 class HunyuanVideoBlock(PipelineLayer):
     """A double-stream or single-stream block: both take and return (image, text) streams."""
 
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
-                 patch_t: int, attention: AttentionKernel):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("rope", rope, "rope")  # parameter-free
-        self.patch, self.patch_t = patch, patch_t
+    parts = ("rope",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
+                 attention: AttentionKernel):
+        super().__init__(transformer, block, source_name)
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
         self.attention = attention
 
     def forward(self, inputs):
@@ -86,10 +86,10 @@ class HunyuanVideoBlock(PipelineLayer):
 
 
 class HunyuanVideoHead(PipelineLayer):
+    parts = ("norm_out", "proj_out")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        super().__init__(transformer)
         self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
 
     def forward(self, inputs):
@@ -107,11 +107,7 @@ def hunyuan_video_layers(transformer: nn.Module, attention: AttentionKernel) -> 
             "HunyuanVideo image-to-video transformers (image_condition_type="
             f"{transformer.config.image_condition_type!r}) are not supported yet; use the "
             "text-to-video model")
-    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
-    layers: list[PipelineLayer] = [HunyuanVideoEmbed(transformer)]
-    for kind in ("transformer_blocks", "single_transformer_blocks"):
-        for i, block in enumerate(getattr(transformer, kind)):
-            layers.append(HunyuanVideoBlock(block, transformer.rope, f"{kind}.{i}", patch, patch_t,
-                                            attention))
-    layers.append(HunyuanVideoHead(transformer))
-    return layers
+    return [HunyuanVideoEmbed(transformer),
+            *block_layers(HunyuanVideoBlock, transformer, "transformer_blocks",
+                          "single_transformer_blocks", attention=attention),
+            HunyuanVideoHead(transformer)]

@@ -13,18 +13,16 @@ export), checked against diffusers' converter.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from dpipe.models.common.comfyui_hunyuan import comfyui_module
-from dpipe.models.single_file import FusedWeights, block_original_module
+from dpipe.models.common.key_tables import swap_halves
+from dpipe.models.single_file import (LINEAR1_PARTS, SINGLE_LINEAR1, FusedWeights,
+                                      block_original_module, split_linear1)
 
 # A key every original HunyuanVideo transformer has (diffusers detects the family by it).
 MARKER = "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias"
-
-_SINGLE_LINEAR1 = re.compile(r"single_blocks\.(\d+)\.linear1\.(weight|bias)")
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,17 +32,9 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
 
     if MARKER not in state and set(state) <= set(model.state_dict()):
         return state
-    state = dict(state)
-    out = {}
-    for key in [k for k in state if _SINGLE_LINEAR1.fullmatch(k)]:
-        index, param = _SINGLE_LINEAR1.fullmatch(key).groups()
-        block = model.single_transformer_blocks[int(index)]
-        sizes = [block.attn.to_q.out_features, block.attn.to_k.out_features,
-                 block.attn.to_v.out_features, block.proj_mlp.out_features]
-        prefix = f"single_transformer_blocks.{index}"
-        parts = state.pop(key).split(sizes, dim=0)
-        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts):
-            out[f"{prefix}.{name}.{param}"] = part
+    state, out = dict(state), {}
+    for key in [k for k in state if SINGLE_LINEAR1.fullmatch(k)]:
+        out.update(split_linear1(key, state.pop(key), model))
     out.update(convert_hunyuan_video_transformer_to_diffusers(state))
     return out
 
@@ -88,7 +78,7 @@ _BLOCKS = [
      {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
       "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}),
     (r"single_transformer_blocks", "single_blocks", _SINGLE,
-     {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}),
+     {"linear1": LINEAR1_PARTS}),
 ]
 
 
@@ -103,8 +93,7 @@ def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         original, parts, part = _original_module(key, module)
         if parts is None:
             if module == "norm_out.linear":
-                scale, shift = value.chunk(2, dim=0)
-                value = torch.cat([shift, scale], dim=0)
+                value = swap_halves(value)
             out[f"{original}.{param}"] = value
         else:
             fused.add(f"{original}.{param}", parts, part, value)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import sizes
 
 # From diffusers' transformer_ideogram4 (the values the pipeline's _prepare_ids writes).
@@ -71,11 +71,8 @@ def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Ideogram4Embed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("input_proj", "llm_cond_norm", "llm_cond_proj", "t_embedding",
-                     "adaln_proj", "embed_image_indicator"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("input_proj", "llm_cond_norm", "llm_cond_proj", "t_embedding", "adaln_proj",
+             "embed_image_indicator")
 
     def forward(self, inputs):
         image, t, text, text_lens, grid = inputs
@@ -95,9 +92,9 @@ class Ideogram4Embed(PipelineLayer):
 
 
 class Ideogram4Block(PipelineLayer):
-    def __init__(self, block: nn.Module, config, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
+        config = transformer.config
         self.rope = (config.rope_theta, config.attention_head_dim, tuple(config.mrope_section))
 
     def forward(self, inputs):
@@ -108,9 +105,7 @@ class Ideogram4Block(PipelineLayer):
 
 
 class Ideogram4Head(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("final_layer", transformer.final_layer, "final_layer")
+    parts = ("final_layer",)
 
     def forward(self, inputs):
         hidden, adaln, _position_ids, _segment_ids, grid = inputs
@@ -120,8 +115,5 @@ class Ideogram4Head(PipelineLayer):
 
 
 def ideogram4_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [Ideogram4Embed(transformer)]
-    for i, block in enumerate(transformer.layers):
-        layers.append(Ideogram4Block(block, transformer.config, f"layers.{i}"))
-    layers.append(Ideogram4Head(transformer))
-    return layers
+    return [Ideogram4Embed(transformer), *block_layers(Ideogram4Block, transformer, "layers"),
+            Ideogram4Head(transformer)]

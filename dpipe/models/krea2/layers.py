@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import sizes
 
 
@@ -38,10 +38,7 @@ def rotary(rotary_emb: nn.Module, text_tokens: int, grid: torch.Tensor, device) 
 
 
 class Krea2Embed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("img_in", "time_embed", "time_mod_proj", "text_fusion", "txt_in"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("img_in", "time_embed", "time_mod_proj", "text_fusion", "txt_in")
 
     def forward(self, inputs):
         image, t, text, text_mask, grid = inputs
@@ -56,10 +53,7 @@ class Krea2Embed(PipelineLayer):
 
 
 class Krea2Block(PipelineLayer):
-    def __init__(self, block: nn.Module, rotary_emb: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("rotary_emb", rotary_emb, "rotary_emb")  # no weights
+    parts = ("rotary_emb",)
 
     def forward(self, inputs):
         hidden, temb, temb_mod, text_mask, grid = inputs
@@ -71,9 +65,7 @@ class Krea2Block(PipelineLayer):
 
 
 class Krea2Head(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("final_layer", transformer.final_layer, "final_layer")
+    parts = ("final_layer",)
 
     def forward(self, inputs):
         hidden, temb, temb_mod, text_mask, _grid = inputs
@@ -84,8 +76,5 @@ class Krea2Head(PipelineLayer):
 
 
 def krea2_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [Krea2Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(Krea2Block(block, transformer.rotary_emb, f"transformer_blocks.{i}"))
-    layers.append(Krea2Head(transformer))
-    return layers
+    return [Krea2Embed(transformer), *block_layers(Krea2Block, transformer, "transformer_blocks"),
+            Krea2Head(transformer)]

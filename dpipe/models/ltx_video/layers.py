@@ -17,7 +17,7 @@ from torch import nn
 
 from dpipe.models.attention_mask import has_padding
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import sizes
 
 
@@ -55,10 +55,7 @@ def time_embedding(time_embed: nn.Module, t: torch.Tensor, batch: int,
 
 
 class LTXEmbed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("proj_in", "time_embed", "caption_projection"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("proj_in", "time_embed", "caption_projection")
 
     def forward(self, inputs):
         packed, t, text, text_mask, grid, rate = inputs
@@ -71,11 +68,11 @@ class LTXEmbed(PipelineLayer):
 
 
 class LTXBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str,
+    parts = ("rope",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
                  ratios: tuple[int, int]):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("rope", rope, "rope")  # parameter-free
+        super().__init__(transformer, block, source_name)
         self.ratios = ratios  # the VAE's (spatial, temporal) compression
 
     def forward(self, inputs):
@@ -89,24 +86,8 @@ class LTXBlock(PipelineLayer):
 
 
 class LTXHead(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
-        # A bare parameter of the transformer, kept under its own (dot-free) name.
-        self.adopt("scale_shift_table", transformer.scale_shift_table, "scale_shift_table")
-
-    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, param in self.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
-            if "." not in name:  # a top-level parameter of the denoiser: the same name there
-                out[name] = param.detach()
-            else:
-                attr, rest = name.split(".", 1)
-                out[f"{self.source_names[attr]}.{rest}"] = param.detach()
-        return out
+    # scale_shift_table: a bare parameter of the transformer, kept under its own (dot-free) name.
+    parts = ("norm_out", "proj_out", "scale_shift_table")
 
     def forward(self, inputs):
         hidden, text_hidden, temb, embedded = inputs[:4]  # then the mask, grid, rate
@@ -119,8 +100,6 @@ class LTXHead(PipelineLayer):
 
 
 def ltx_layers(transformer: nn.Module, ratios: tuple[int, int]) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [LTXEmbed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(LTXBlock(block, transformer.rope, f"transformer_blocks.{i}", ratios))
-    layers.append(LTXHead(transformer))
-    return layers
+    return [LTXEmbed(transformer),
+            *block_layers(LTXBlock, transformer, "transformer_blocks", ratios=ratios),
+            LTXHead(transformer)]

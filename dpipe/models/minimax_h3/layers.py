@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import on_host, sizes
 
 AUDIO_CHANNELS = 2  # stereo, packed channel-major (MINIMAX_H3_AUDIO_CHANNELS)
@@ -96,12 +96,8 @@ def _stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 class MiniMaxH3Embed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.patch = tuple(transformer.config.patch_size)
-        for name in ("proj_in", "audio_proj_in", "context_embedder", "time_proj", "time_embedder",
-                     "token_refiner"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("proj_in", "audio_proj_in", "context_embedder", "time_proj", "time_embedder",
+             "token_refiner")
 
     def forward(self, inputs):
         if len(inputs) == 6:
@@ -138,10 +134,9 @@ def compute_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
 
 
 class MiniMaxH3Block(PipelineLayer):
-    def __init__(self, transformer: nn.Module, index: int):
-        super().__init__()
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
         self.patch = tuple(transformer.config.patch_size)
-        self.adopt("block", transformer.transformer_blocks[index], f"transformer_blocks.{index}")
         # Its own copy of the rotary module (no parameters; a computed inv_freq buffer): a shared
         # one would go to the meta device with the layers of other stages.
         self.rope = copy.deepcopy(transformer.rope)
@@ -159,12 +154,12 @@ class MiniMaxH3Block(PipelineLayer):
 
 
 class MiniMaxH3Head(PipelineLayer):
+    parts = ("norm_out", "proj_out", "audio_proj_out")
+
     def __init__(self, transformer: nn.Module, guidance: float = 1.0):
-        super().__init__()
+        super().__init__(transformer)
         self.patch = tuple(transformer.config.patch_size)
         self.guidance = guidance
-        for name in ("norm_out", "proj_out", "audio_proj_out"):
-            self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
         hidden, temb, text_lengths, layout = inputs
@@ -195,7 +190,6 @@ def cfg_augmented(predictions: torch.Tensor, b: int, scale: float) -> torch.Tens
 def minimax_h3_layers(transformer: nn.Module, guidance: float = 1.0) -> list[PipelineLayer]:
     """`guidance`: the CFG-augmented training scale s (used where a batch holds unconditional
     sequences)."""
-    blocks = len(transformer.transformer_blocks)
-    return ([MiniMaxH3Embed(transformer)]
-            + [MiniMaxH3Block(transformer, i) for i in range(blocks)]
-            + [MiniMaxH3Head(transformer, guidance)])
+    return [MiniMaxH3Embed(transformer),
+            *block_layers(MiniMaxH3Block, transformer, "transformer_blocks"),
+            MiniMaxH3Head(transformer, guidance)]

@@ -35,8 +35,8 @@ from diffusers.models.normalization import LuminaLayerNormContinuous
 from diffusers.models.transformers.transformer_lumina2 import Lumina2TransformerBlock
 from torch import nn
 
-from dpipe.models.common.lumina_layers import (
-    image_ids, image_tokens, join, joint_ids, patchify, unpatchify)
+from dpipe.models.common.lumina_layers import image_ids, image_tokens, join, joint_ids
+from dpipe.models.common.shapes import patchify, unpatchify
 
 ROPE_THETA = 10000.0
 MAX_REFERENCE_IMAGES = 5  # rows of image_index_embedding

@@ -23,7 +23,7 @@ from torch import nn
 
 from dpipe.models.attention_mask import key_mask, padding_mask, trim_text_padding
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
@@ -66,10 +66,10 @@ def _tables_on(pos_embed: nn.Module, device: torch.device) -> nn.Module:
 
 
 class QwenImageEmbed(PipelineLayer):
+    parts = ("img_in", "txt_norm", "txt_in", "time_text_embed")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("img_in", "txt_norm", "txt_in", "time_text_embed"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         self.zero_cond_t = bool(transformer.config.get("zero_cond_t"))
 
     def forward(self, inputs):
@@ -87,10 +87,7 @@ class QwenImageEmbed(PipelineLayer):
 
 
 class QwenImageBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, pos_embed: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("pos_embed", pos_embed, "pos_embed")  # no weights
+    parts = ("pos_embed",)
 
     def forward(self, inputs):
         hidden, text_hidden, temb, text_mask, shapes = inputs
@@ -107,10 +104,7 @@ class QwenImageBlock(PipelineLayer):
 
 
 class QwenImageHead(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+    parts = ("norm_out", "proj_out")
 
     def forward(self, inputs):
         hidden, text_hidden, temb, _text_mask, shapes = inputs
@@ -138,8 +132,6 @@ def qwen_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
             f"this QwenImageTransformer2DModel sets {', '.join(unsupported) or 'guidance_embeds'} "
             "(Qwen-Image-Layered), which dpipe does not train yet; Qwen-Image, Qwen-Image-Edit "
             "and Qwen-Image-Edit-2509/2511 are supported")
-    layers: list[PipelineLayer] = [QwenImageEmbed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(QwenImageBlock(block, transformer.pos_embed, f"transformer_blocks.{i}"))
-    layers.append(QwenImageHead(transformer))
-    return layers
+    return [QwenImageEmbed(transformer),
+            *block_layers(QwenImageBlock, transformer, "transformer_blocks"),
+            QwenImageHead(transformer)]

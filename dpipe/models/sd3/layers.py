@@ -12,16 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpipe.models.common.shapes import unpatchify
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
 class SD3Embed(PipelineLayer):
-    def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("pos_embed", "time_text_embed", "context_embedder"):
-            self.adopt(name, getattr(transformer, name), name)
+    parts = ("pos_embed", "time_text_embed", "context_embedder")
 
     def forward(self, inputs):
         latents, t, text, pooled = inputs
@@ -43,9 +41,8 @@ class SD3Embed(PipelineLayer):
 
 
 class SD3Block(PipelineLayer):
-    def __init__(self, block: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
         self.last = bool(block.context_pre_only)
 
     def forward(self, inputs):
@@ -58,27 +55,20 @@ class SD3Block(PipelineLayer):
 
 
 class SD3Head(PipelineLayer):
+    parts = ("norm_out", "proj_out")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        super().__init__(transformer)
         self.patch = int(transformer.config.patch_size)
         self.channels = int(transformer.out_channels)
 
     def forward(self, inputs):
         hidden, temb, size = inputs
         out = self.proj_out(self.norm_out(hidden, temb))
-        p, c = self.patch, self.channels
-        h, w = (n // p for n in sizes(size))
-        # Unpatchify as SD3Transformer2DModel does: (B, h*w, p*p*C) -> (B, C, h*p, w*p).
-        out = out.reshape(out.shape[0], h, w, p, p, c)
-        out = torch.einsum("nhwpqc->nchpwq", out)
-        return out.reshape(out.shape[0], c, h * p, w * p)
+        h, w = (n // self.patch for n in sizes(size))
+        return unpatchify(out, h, w, self.patch, self.channels)
 
 
 def sd3_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [SD3Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(SD3Block(block, f"transformer_blocks.{i}"))
-    layers.append(SD3Head(transformer))
-    return layers
+    return [SD3Embed(transformer), *block_layers(SD3Block, transformer, "transformer_blocks"),
+            SD3Head(transformer)]

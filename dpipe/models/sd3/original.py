@@ -16,24 +16,58 @@ import re
 import torch
 from torch import nn
 
-from dpipe.models.sd3.comfyui import _BLOCK_MAP, TOP_LINEARS
+from dpipe.models.common.key_tables import FINAL_MODULATION, FusedLinear, to_original
 
 # A key every original SD3 transformer has (diffusers detects the family by it).
 MARKER = "joint_blocks.0.context_block.adaLN_modulation.1.bias"
 
-# diffusers -> original, for weights outside the joint blocks.
-_TOP = {
-    "pos_embed.pos_embed": "pos_embed",
-    "pos_embed.proj": "x_embedder.proj",
-    **TOP_LINEARS,  # the embedders' and final layer's Linears; norm_out.linear's halves swapped
+# original module -> diffusers module (its .weight/.bias follow), outside the joint blocks: the
+# embedders' and final layer's Linears (the LoRA's too) and the patch embedding.
+TOP_LINEARS = {
+    "t_embedder.mlp.0": "time_text_embed.timestep_embedder.linear_1",
+    "t_embedder.mlp.2": "time_text_embed.timestep_embedder.linear_2",
+    "y_embedder.mlp.0": "time_text_embed.text_embedder.linear_1",
+    "y_embedder.mlp.2": "time_text_embed.text_embedder.linear_2",
+    "context_embedder": "context_embedder",
+    "final_layer.linear": "proj_out",
+    "final_layer.adaLN_modulation.1": "norm_out.linear",  # (scale, shift) -> (shift, scale)
 }
-# The q/k norms (SD3.5), not in the LoRA table.
-_NORMS = {
-    "attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
-    "attn.norm_added_q": "context_block.attn.ln_q", "attn.norm_added_k": "context_block.attn.ln_k",
-    "attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.attn2.ln_k",
+_PATCH_EMBED = ("x_embedder.proj", "pos_embed.proj")
+# In a joint block: original module -> the diffusers modules stacked in it (q, k, v in one `qkv`).
+# The q/k norms (`ln_*`, no LoRA target) are SD3.5's, `attn2` the dual-attention blocks' (SD3.5
+# Medium); rows of modules a model lacks are passed over.
+_BLOCK = {
+    "x_block.attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "x_block.attn.proj": ["attn.to_out.0"],
+    "context_block.attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "context_block.attn.proj": ["attn.to_add_out"],
+    "x_block.attn2.qkv": ["attn2.to_q", "attn2.to_k", "attn2.to_v"],
+    "x_block.attn2.proj": ["attn2.to_out.0"],
+    "x_block.adaLN_modulation.1": ["norm1.linear"],
+    "context_block.adaLN_modulation.1": ["norm1_context.linear"],
+    "x_block.mlp.fc1": ["ff.net.0.proj"], "x_block.mlp.fc2": ["ff.net.2"],
+    "context_block.mlp.fc1": ["ff_context.net.0.proj"],
+    "context_block.mlp.fc2": ["ff_context.net.2"],
+    "x_block.attn.ln_q": ["attn.norm_q"], "x_block.attn.ln_k": ["attn.norm_k"],
+    "context_block.attn.ln_q": ["attn.norm_added_q"],
+    "context_block.attn.ln_k": ["attn.norm_added_k"],
+    "x_block.attn2.ln_q": ["attn2.norm_q"], "x_block.attn2.ln_k": ["attn2.norm_k"],
 }
-_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.(.+)")
+_BLOCK_KEY = re.compile(r"transformer_blocks\.(\d+)\.")
+
+
+def layout(num_layers: int) -> tuple[list[FusedLinear], set[str]]:
+    """(rows: original module, the diffusers modules stacked in it, their sizes (None: each
+    part's own), original modules whose output halves are swapped) of an SD3 transformer with
+    `num_layers` joint blocks. The last block's context modulation is (shift, scale) in the
+    original only."""
+    rows = [(o, [d], [None]) for o, d in TOP_LINEARS.items()]
+    for i in range(num_layers):
+        o, d = f"joint_blocks.{i}", f"transformer_blocks.{i}"
+        rows += [(f"{o}.{name}", [f"{d}.{p}" for p in parts], [None] * len(parts))
+                 for name, parts in _BLOCK.items()]
+    last = f"joint_blocks.{num_layers - 1}.context_block.adaLN_modulation.1"
+    return rows, {*FINAL_MODULATION, last}
 
 
 def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,44 +81,11 @@ def from_original(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
     return convert_sd3_transformer_checkpoint_to_diffusers(dict(state))
 
 
-def _swap(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def original_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers SD3Transformer2DModel state dict under the original names (q/k/v concatenated
-    along the output dimension). Raises KeyError for a weight it has no name for."""
-    last = max(int(m.group(1)) for k in weights if (m := _BLOCK.match(k)))
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in weights.items():
-        module, _, param = key.rpartition(".")
-        if key == "pos_embed.pos_embed":
-            out["pos_embed"] = value
-            continue
-        if module in _TOP:
-            out[f"{_TOP[module]}.{param}"] = _swap(value) if module == "norm_out.linear" else value
-            continue
-        match = _BLOCK.fullmatch(module)
-        if match is None:
-            raise KeyError(f"no original SD3 name for {key!r}")
-        index, part = match.groups()
-        block = f"joint_blocks.{index}"
-        if part in _NORMS:
-            out[f"{block}.{_NORMS[part]}.{param}"] = value
-            continue
-        if part not in _BLOCK_MAP:
-            raise KeyError(f"no original SD3 name for {key!r}")
-        original, chunk = _BLOCK_MAP[part]
-        if chunk is None:
-            # The last block's context modulation is (shift, scale) in the original only.
-            swapped = int(index) == last and part == "norm1_context.linear"
-            out[f"{block}.{original}.{param}"] = _swap(value) if swapped else value
-        else:
-            fused.setdefault(f"{block}.{original}.{param}", {})[chunk] = value
-    for key, chunks in fused.items():
-        if sorted(chunks) != [0, 1, 2]:
-            raise KeyError(f"{key} needs all of q, k and v")
-        out[key] = torch.cat([chunks[i] for i in range(3)], dim=0)
-    return out
+    along the output dimension). Raises ValueError for a weight it has no name for."""
+    num_layers = 1 + max(int(m.group(1)) for k in weights if (m := _BLOCK_KEY.match(k)))
+    rows, swapped = layout(num_layers)
+    rows.append((_PATCH_EMBED[0], [_PATCH_EMBED[1]], [None]))
+    renames = {"pos_embed": "pos_embed.pos_embed"} if "pos_embed.pos_embed" in weights else {}
+    return to_original(weights, rows, "original SD3", renames, swapped)

@@ -27,19 +27,16 @@ from dpipe.models.spec import PipelineLayer
 
 
 class SDXLEmbed(PipelineLayer):
+    parts = ("time_proj", "time_embedding", "add_time_proj", "add_embedding", "conv_in",
+             "time_embed_act")
+
     def __init__(self, unet: nn.Module):
-        super().__init__()
         c = unet.config
         if c.addition_embed_type != "text_time" or unet.class_embedding is not None \
                 or unet.encoder_hid_proj is not None or c.center_input_sample:
             raise ValueError("this UNet is not in SDXL's layout (text_time conditioning, no class "
                              "embedding or encoder projection); dpipe's sdxl family cannot split it")
-        for name in ("time_proj", "time_embedding", "add_time_proj", "add_embedding", "conv_in"):
-            self.adopt(name, getattr(unet, name), name)
-        if unet.time_embed_act is not None:
-            self.adopt("time_embed_act", unet.time_embed_act, "time_embed_act")
-        else:
-            self.time_embed_act = None
+        super().__init__(unet)
 
     def forward(self, inputs):
         sample, timesteps, text, pooled, time_ids = inputs
@@ -61,10 +58,7 @@ class SDXLDown(PipelineLayer):
         super().__init__()
         for attr, module, name in zip(("resnet", "attention", "downsampler"),
                                       (resnet, attention, downsampler), (*names, None, None)):
-            if module is not None:
-                self.adopt(attr, module, name)
-            else:
-                setattr(self, attr, None)
+            self.adopt(attr, module, name)
 
     def forward(self, inputs):
         emb, text, *stack = inputs
@@ -96,10 +90,7 @@ class SDXLUp(PipelineLayer):
         super().__init__()
         for attr, module, name in zip(("resnet", "attention", "upsampler"),
                                       (resnet, attention, upsampler), (*names, None, None)):
-            if module is not None:
-                self.adopt(attr, module, name)
-            else:
-                setattr(self, attr, None)
+            self.adopt(attr, module, name)
         self.overall_up_factor = 2 ** upsamplers
 
     def forward(self, inputs):
@@ -120,10 +111,10 @@ class SDXLUp(PipelineLayer):
 
 
 class SDXLHead(PipelineLayer):
+    parts = ("conv_norm_out", "conv_out")
+
     def __init__(self, unet: nn.Module):
-        super().__init__()
-        self.adopt("conv_norm_out", unet.conv_norm_out, "conv_norm_out")
-        self.adopt("conv_out", unet.conv_out, "conv_out")
+        super().__init__(unet)
         self.act = unet.conv_act  # parameter-free
 
     def forward(self, inputs):

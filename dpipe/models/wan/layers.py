@@ -25,25 +25,18 @@ import copy
 import torch
 from torch import nn
 
+from dpipe.models.common.shapes import per_token
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 from dpipe.models.wan.frames import image_embedder_input
 
 
-def _per_token(x: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
-    """(B, F', ...) per latent frame -> (B, F' * tokens_per_frame, ...) per token (frame-major,
-    as the patch tokens are ordered)."""
-    b, f = x.shape[:2]
-    return x.unsqueeze(2).expand(b, f, tokens_per_frame, *x.shape[2:]).reshape(
-        b, f * tokens_per_frame, *x.shape[2:])
-
-
 class WanEmbed(PipelineLayer):
+    parts = ("patch_embedding", "condition_embedder")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("patch_embedding", transformer.patch_embedding, "patch_embedding")
-        self.adopt("condition_embedder", transformer.condition_embedder, "condition_embedder")
+        super().__init__(transformer)
         self.patch_size = tuple(transformer.config.patch_size)
 
     def forward(self, inputs):
@@ -86,11 +79,11 @@ class RotaryTables:
 
 
 class WanBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: RotaryTables, patch_size, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str,
+                 rope: RotaryTables):
+        super().__init__(transformer, block, source_name)
         self.rope = rope
-        self.patch_size = tuple(patch_size)
+        self.patch_size = tuple(transformer.config.patch_size)
 
     def forward(self, inputs):
         hidden, context, proj, temb, grid = inputs
@@ -98,7 +91,7 @@ class WanBlock(PipelineLayer):
         rotary = self.rope(frames, height, width, hidden.device)
         block_proj = proj
         if proj.ndim == 4:  # one timestep per latent frame: the block wants one per token
-            block_proj = _per_token(proj, hidden.shape[1] // proj.shape[1])
+            block_proj = per_token(proj, hidden.shape[1] // proj.shape[1])
         hidden = self.block(hidden, context, block_proj, rotary)
         return hidden, context, proj, temb, grid
 
@@ -112,10 +105,10 @@ class _Table(nn.Module):
 
 
 class WanHead(PipelineLayer):
+    parts = ("norm_out", "proj_out")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.adopt("norm_out", transformer.norm_out, "norm_out")
-        self.adopt("proj_out", transformer.proj_out, "proj_out")
+        super().__init__(transformer)
         # At the transformer's top level: "" gives it its public name with no prefix. (Kept in
         # a module, not adopted as a parameter, so checkpoints keep their key names.)
         self.adopt("table", _Table(transformer.scale_shift_table), "")
@@ -126,7 +119,7 @@ class WanHead(PipelineLayer):
         frames, height, width = sizes(grid)
         table = self.table.scale_shift_table
         if temb.ndim == 3:  # per latent frame
-            temb = _per_token(temb, hidden.shape[1] // temb.shape[1])
+            temb = per_token(temb, hidden.shape[1] // temb.shape[1])
             shift, scale = (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
             shift, scale = shift.squeeze(2), scale.squeeze(2)
         else:
@@ -142,10 +135,6 @@ class WanHead(PipelineLayer):
 
 
 def wan_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    patch = transformer.config.patch_size
-    rope = RotaryTables(transformer.rope)
-    layers: list[PipelineLayer] = [WanEmbed(transformer)]
-    for i, block in enumerate(transformer.blocks):
-        layers.append(WanBlock(block, rope, patch, f"blocks.{i}"))
-    layers.append(WanHead(transformer))
-    return layers
+    return [WanEmbed(transformer),
+            *block_layers(WanBlock, transformer, "blocks", rope=RotaryTables(transformer.rope)),
+            WanHead(transformer)]

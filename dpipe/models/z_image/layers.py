@@ -26,7 +26,7 @@ from torch import nn
 from dpipe.models.attention_mask import has_padding, padding_mask
 from dpipe.models.common.shapes import round_up
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF
@@ -51,15 +51,6 @@ class ZImageEmbed(PipelineLayer):
         self.adopt("x_pad_token", transformer.x_pad_token, "x_pad_token")
         self.adopt("cap_pad_token", transformer.cap_pad_token, "cap_pad_token")
         self.t_scale = float(cfg.t_scale)
-
-    def denoiser_state_dict(self, trainable_only: bool) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, param in self.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
-            attr, dot, rest = name.partition(".")
-            out[f"{self.source_names[attr]}.{rest}" if dot else name] = param.detach()
-        return out
 
     def forward(self, inputs):
         latents, t, cap, cap_len, cap_mask = inputs
@@ -111,10 +102,9 @@ class ZImageEmbed(PipelineLayer):
 class ZImageRefiner(PipelineLayer):
     """A noise_refiner block (image tokens, modulated by t) or a context_refiner block (caption)."""
 
-    def __init__(self, block: nn.Module, rope, source_name: str, stream: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.rope = rope  # diffusers' RopeEmbedder: not a Module, no weights
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str, stream: str):
+        super().__init__(transformer, block, source_name)
+        self.rope = transformer.rope_embedder  # diffusers' RopeEmbedder: not a Module, no weights
         self.stream = stream
 
     def forward(self, inputs):
@@ -144,10 +134,9 @@ class ZImageJoin(PipelineLayer):
 
 
 class ZImageBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.rope = rope
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
+        self.rope = transformer.rope_embedder
 
     def forward(self, inputs):
         unified, adaln, ids, mask, grid = inputs
@@ -181,14 +170,9 @@ def _freqs(rope, ids: torch.Tensor) -> torch.Tensor:
 
 
 def z_image_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    rope = transformer.rope_embedder
-    layers: list[PipelineLayer] = [ZImageEmbed(transformer)]
-    for i, block in enumerate(transformer.noise_refiner):
-        layers.append(ZImageRefiner(block, rope, f"noise_refiner.{i}", "image"))
-    for i, block in enumerate(transformer.context_refiner):
-        layers.append(ZImageRefiner(block, rope, f"context_refiner.{i}", "caption"))
-    layers.append(ZImageJoin())
-    for i, block in enumerate(transformer.layers):
-        layers.append(ZImageBlock(block, rope, f"layers.{i}"))
-    layers.append(ZImageHead(transformer))
-    return layers
+    return [ZImageEmbed(transformer),
+            *block_layers(ZImageRefiner, transformer, "noise_refiner", stream="image"),
+            *block_layers(ZImageRefiner, transformer, "context_refiner", stream="caption"),
+            ZImageJoin(),
+            *block_layers(ZImageBlock, transformer, "layers"),
+            ZImageHead(transformer)]

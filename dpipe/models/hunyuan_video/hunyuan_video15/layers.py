@@ -22,7 +22,7 @@ from dpipe.models.attention_mask import has_padding, padding_mask, real_tokens
 from dpipe.models.common.stage_io import needs_grad
 from dpipe.models.hunyuan_video.layers import HunyuanVideoHead, rotary
 from dpipe.models.hunyuan_video.hunyuan_video15.attention import mask_keys_only
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, valid_first
 
 # HunyuanVideo15Pipeline.vision_num_semantic_tokens: the SigLIP tokens the pipeline always passes
@@ -31,11 +31,11 @@ IMAGE_TOKENS = 729
 
 
 class HunyuanVideo15Embed(PipelineLayer):
+    parts = ("x_embedder", "image_embedder", "context_embedder", "context_embedder_2",
+             "time_embed", "cond_type_embed")
+
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        for name in ("x_embedder", "image_embedder", "context_embedder", "context_embedder_2",
-                     "time_embed", "cond_type_embed"):
-            self.adopt(name, getattr(transformer, name), name)
+        super().__init__(transformer)
         self.image_dim = transformer.config.image_embed_dim
         self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
 
@@ -70,12 +70,11 @@ class HunyuanVideo15Embed(PipelineLayer):
 
 
 class HunyuanVideo15Block(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str, patch: int,
-                 patch_t: int):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("rope", rope, "rope")  # parameter-free
-        self.patch, self.patch_t = patch, patch_t
+    parts = ("rope",)
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
+        self.patch, self.patch_t = transformer.config.patch_size, transformer.config.patch_size_t
 
     def forward(self, inputs):
         hidden, text, temb, text_mask, grid = inputs
@@ -90,10 +89,6 @@ def hunyuan_video15_layers(transformer: nn.Module) -> list[PipelineLayer]:
         raise NotImplementedError("HunyuanVideo 1.5 MeanFlow (super-resolution) transformers are "
                                   "not supported; use a 480p/720p text-to-video checkpoint")
     mask_keys_only(transformer)  # diffusers' processor builds an S x S mask per call
-    patch, patch_t = transformer.config.patch_size, transformer.config.patch_size_t
-    layers: list[PipelineLayer] = [HunyuanVideo15Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(HunyuanVideo15Block(block, transformer.rope, f"transformer_blocks.{i}",
-                                          patch, patch_t))
-    layers.append(HunyuanVideoHead(transformer))
-    return layers
+    return [HunyuanVideo15Embed(transformer),
+            *block_layers(HunyuanVideo15Block, transformer, "transformer_blocks"),
+            HunyuanVideoHead(transformer)]

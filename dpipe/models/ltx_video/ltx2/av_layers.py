@@ -30,9 +30,9 @@ from torch import nn
 
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.ltx_video.ltx2.keyframes import video_coords as coords_of
-from dpipe.models.ltx_video.ltx2.layers import sample_sigma, video_path
+from dpipe.models.ltx_video.ltx2.layers import prompt_modulation, sample_sigma, video_path
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 
 
 @dataclass
@@ -81,11 +81,6 @@ _NOT_READ_BY_HEAD = ("text", "temb", "temb_prompt", "audio_text", "audio_temb",
 
 def has_sound(state: AVState) -> bool:
     return state.audio.shape[1] > 0
-
-
-def prompt_modulation(transformer: nn.Module) -> bool:
-    """LTX-2.3-style checkpoints: the prompt tokens modulated by the sigma's own embedding."""
-    return bool(transformer.prompt_modulation and transformer.config.use_prompt_adaln_single)
 
 
 class LTX2AVEmbed(PipelineLayer):
@@ -148,13 +143,12 @@ class LTX2AVEmbed(PipelineLayer):
 class LTX2AVBlock(PipelineLayer):
     """One `LTX2VideoTransformerBlock` with both streams and both cross-modal attentions."""
 
-    def __init__(self, block: nn.Module, transformer: nn.Module, source_name: str):
-        super().__init__()
+    # Parameter-free: the positions of each stream and of the cross-modal attentions.
+    parts = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
+
+    def __init__(self, transformer: nn.Module, block: nn.Module, source_name: str):
+        super().__init__(transformer, block, source_name)
         self.prompt_modulation = prompt_modulation(transformer)
-        self.adopt("block", block, source_name)
-        # Parameter-free: the positions of each stream and of the cross-modal attentions.
-        for name in ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope"):
-            self.adopt(name, getattr(transformer, name), name)
 
     def forward(self, inputs):
         s = AVState.unpack(inputs, self.prompt_modulation)
@@ -190,13 +184,11 @@ class LTX2AVHead(LTXHead):
     """Both output layers: (video prediction, audio prediction); the audio one is (B, 0, C) for a
     micro-batch without sound."""
 
+    parts = (*LTXHead.parts, "audio_norm_out", "audio_proj_out", "audio_scale_shift_table")
+
     def __init__(self, transformer: nn.Module):
         super().__init__(transformer)
         self.prompt_modulation = prompt_modulation(transformer)
-        self.adopt("audio_norm_out", transformer.audio_norm_out, "audio_norm_out")
-        self.adopt("audio_proj_out", transformer.audio_proj_out, "audio_proj_out")
-        self.adopt("audio_scale_shift_table", transformer.audio_scale_shift_table,
-                   "audio_scale_shift_table")
 
     def forward(self, inputs):
         s = AVState.unpack(inputs, self.prompt_modulation)
@@ -218,8 +210,5 @@ def _output(hidden, embedded, table, norm, proj):
 
 
 def ltx2_av_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [LTX2AVEmbed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(LTX2AVBlock(block, transformer, f"transformer_blocks.{i}"))
-    layers.append(LTX2AVHead(transformer))
-    return layers
+    return [LTX2AVEmbed(transformer), *block_layers(LTX2AVBlock, transformer, "transformer_blocks"),
+            LTX2AVHead(transformer)]

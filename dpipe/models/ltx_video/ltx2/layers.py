@@ -21,7 +21,7 @@ from torch import nn
 from dpipe.models.common.stage_io import keep_in_graph, needs_grad
 from dpipe.models.ltx_video.ltx2.keyframes import video_coords
 from dpipe.models.ltx_video.layers import LTXHead, frame_rate, text_bias, time_embedding
-from dpipe.models.spec import PipelineLayer
+from dpipe.models.spec import PipelineLayer, block_layers
 
 
 def video_rotary(rope: nn.Module, grid: torch.Tensor, hidden: torch.Tensor, rate: torch.Tensor):
@@ -38,11 +38,15 @@ def sample_sigma(t: torch.Tensor) -> torch.Tensor:
     return t.amax(dim=1) * 1000
 
 
+def prompt_modulation(transformer: nn.Module) -> bool:
+    """LTX-2.3-style checkpoints: the prompt tokens modulated by the sigma's own embedding."""
+    return bool(transformer.prompt_modulation and transformer.config.use_prompt_adaln_single)
+
+
 class LTX2Embed(PipelineLayer):
     def __init__(self, transformer: nn.Module):
         super().__init__()
-        self.prompt_modulation = bool(transformer.prompt_modulation
-                                      and transformer.config.use_prompt_adaln_single)
+        self.prompt_modulation = prompt_modulation(transformer)
         # LTX-2.0 projects the prompt tokens here; LTX-2.3's connectors already give them at the
         # transformer's width (`use_prompt_embeddings=False`, no caption_projection).
         self.project_text = bool(transformer.config.use_prompt_embeddings)
@@ -69,10 +73,7 @@ class LTX2Embed(PipelineLayer):
 
 
 class LTX2VideoBlock(PipelineLayer):
-    def __init__(self, block: nn.Module, rope: nn.Module, source_name: str):
-        super().__init__()
-        self.adopt("block", block, source_name)
-        self.adopt("rope", rope, "rope")  # parameter-free
+    parts = ("rope",)
 
     def forward(self, inputs):
         hidden, text, temb, embedded, *prompt, text_mask, grid, rate = inputs
@@ -121,8 +122,5 @@ class LTX2Head(LTXHead):
 
 
 def ltx2_layers(transformer: nn.Module) -> list[PipelineLayer]:
-    layers: list[PipelineLayer] = [LTX2Embed(transformer)]
-    for i, block in enumerate(transformer.transformer_blocks):
-        layers.append(LTX2VideoBlock(block, transformer.rope, f"transformer_blocks.{i}"))
-    layers.append(LTX2Head(transformer))
-    return layers
+    return [LTX2Embed(transformer), *block_layers(LTX2VideoBlock, transformer, "transformer_blocks"),
+            LTX2Head(transformer)]
