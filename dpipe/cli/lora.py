@@ -143,11 +143,11 @@ def lora_command(command: str, args: list[str]) -> str:
             loras.append((_existing(path, "lora"), weight))
         names, family = None, "the base"
         if overrides:
-            from dpipe.models.lora_names import lora_names
+            from dpipe.models.lora_names import base_names
 
             spec = _spec(overrides)
             base = _existing(one["base"], "base")
-            names = lora_names(spec, lora_tools.weight_shapes(lora_tools.weight_files(base)))
+            names = base_names(spec, lora_tools.weight_shapes(lora_tools.weight_files(base)))
             family = spec.cfg.family
         written = lora_tools.merge(_existing(one["base"], "base"), loras, out, names=names,
                                    family=family, device=device, progress=progress)
