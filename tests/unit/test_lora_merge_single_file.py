@@ -16,9 +16,10 @@ from dpipe.cli.lora import main
 from dpipe.config.compose import compose_run
 from dpipe.models import lora_tools
 from dpipe.models.lora_files import DIFFUSERS_LORA
-from dpipe.models.lora_names import lora_names
+from dpipe.models.lora_names import flat, lora_names, split_key
+from dpipe.models.lora_read import strip_prefix
 from dpipe.models.registry import build_spec
-from tests.exports import adapted, adapter_state, comfyui_as_kohya, export_lora
+from tests.exports import adapted, adapter_state, export_lora
 
 FAMILIES = ["chroma", "krea2", "sd3", "wan", "hunyuan_video", "ltx_video", "ltx2", "cosmos1",
             "cosmos_predict2", "auraflow"]
@@ -37,6 +38,23 @@ def _file_names(to_original, state: dict[str, torch.Tensor]) -> dict[str, torch.
             except KeyError:
                 continue
         return kept
+
+
+def _as_kohya(comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ComfyUI LoRA as kohya's sd-scripts and musubi-tuner name theirs: `lora_unet_` and the
+    module's name (after `diffusion_model.` or `transformer.`, ComfyUI takes both) with dots as
+    underscores, lora_down / lora_up, and an `.alpha` each: the file's, or its rank where the
+    file folds its scale into B."""
+    parts = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight",
+             "alpha": "alpha"}
+    out = {}
+    for key, value in comfy.items():
+        module, part = split_key(key)
+        name = "lora_unet_" + flat(strip_prefix(module)[0])
+        out[f"{name}.{parts[part]}"] = value
+        if part == "lora_A.weight" and f"{module}.alpha" not in comfy:
+            out[f"{name}.alpha"] = torch.tensor(float(value.shape[0]))
+    return out
 
 
 def _folder_weights(folder) -> dict[str, torch.Tensor]:
@@ -58,7 +76,7 @@ def test_every_lora_format_merges_into_the_single_file_as_into_the_folder(family
     loras = [p for p in written if p.suffix == ".safetensors"]
     comfy = [p for p in loras if p.name != DIFFUSERS_LORA]
     assert comfy, f"{family} writes no ComfyUI LoRA"
-    save_file(comfyui_as_kohya(load_file(comfy[0])), tmp_path / "kohya.safetensors")
+    save_file(_as_kohya(load_file(comfy[0])), tmp_path / "kohya.safetensors")
     loras.append(tmp_path / "kohya.safetensors")
 
     to_original = type(spec).to_original
