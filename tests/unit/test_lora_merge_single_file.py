@@ -102,3 +102,17 @@ def test_every_lora_format_merges_into_the_single_file_as_into_the_folder(family
             torch.testing.assert_close(merged[key], expected[key],
                                        msg=lambda m: f"{lora.name}, {key}: {m}")
     capsys.readouterr()
+
+    # a module the family lacks is named, nothing written
+    odd = load_file(tmp_path / "export" / DIFFUSERS_LORA)
+    odd["transformer.no_such_block.lora_A.weight"] = torch.zeros(4, 8)
+    odd["transformer.no_such_block.lora_B.weight"] = torch.zeros(8, 4)
+    save_file(odd, tmp_path / "odd.safetensors")
+    with pytest.raises(SystemExit):
+        main(["merge", f"base={tmp_path / 'file.safetensors'}",
+              f"lora={tmp_path / 'odd.safetensors'}", f"model=tiny_{family}",
+              f"out={tmp_path / 'odd-merged.safetensors'}"])
+    said = capsys.readouterr().err
+    assert "1 of its" in said and "fit no module of" in said
+    assert "transformer.no_such_block" in said
+    assert not (tmp_path / "odd-merged.safetensors").exists()
