@@ -11,7 +11,7 @@ musubi-tuner, LyCORIS) into every format the family writes, as a run's export (m
 model.* as for dpipe-train). merge: LoRAs (each times its weight, default 1) added to a base's
 weights, written in the base's layout (a quantized single file's, ComfyUI's 8-bit or GGUF, quantized
 again in its own format); the LoRA's names are the base's, or give model= for another format's
-names. extract: a rank-r LoRA of the difference of two weights of one layout,
+names (diffusers-named LoRAs on a single file in the family's original names too). extract: a rank-r LoRA of the difference of two weights of one layout,
 by SVD. resize: a LoRA at a lower rank, in its own format. ema: the post-hoc EMA of a run's step
 exports (train.export_every_steps). extract and resize print the energy (squared singular
 values) kept.
@@ -143,11 +143,11 @@ def lora_command(command: str, args: list[str]) -> str:
             loras.append((_existing(path, "lora"), weight))
         names, family = None, "the base"
         if overrides:
-            from dpipe.models.lora_names import lora_names
+            from dpipe.models.lora_names import base_names
 
             spec = _spec(overrides)
             base = _existing(one["base"], "base")
-            names = lora_names(spec, lora_tools.weight_shapes(lora_tools.weight_files(base)))
+            names = base_names(spec, lora_tools.weight_shapes(lora_tools.weight_files(base)))
             family = spec.cfg.family
         written = lora_tools.merge(_existing(one["base"], "base"), loras, out, names=names,
                                    family=family, device=device, progress=progress)

@@ -201,3 +201,108 @@ def _decoded(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, 
         if found:
             out[raw] = found
     return out
+
+
+def base_names(spec, shapes: dict[str, tuple[int, ...]]) -> LoraNames:
+    """The family's table for a base whose modules `shapes` names: `lora_names` where they are
+    the diffusers modules; for a single file in the family's original names (those its
+    `to_original` writes: Chroma's `double_blocks.N.img_attn.qkv`, ...), every name the family's
+    table places on its diffusers modules (diffusers', each format's) carried on through that
+    converter onto the file's modules and rows, so that a diffusers-named LoRA (ComfyUI applies
+    Chroma's and Krea 2's by diffusers names) lands on the file's fused weights. The file's own
+    names place too."""
+    own = lora_names(spec, shapes)
+    to_original = getattr(type(spec), "to_original", None)
+    if to_original is None:
+        return own
+    diffusers = _diffusers_shapes(spec)
+    if set(shapes) >= set(diffusers):  # the base is in diffusers' names
+        return own
+    moved = converted_rows(to_original, diffusers)
+    if not moved:
+        return own
+    table = lora_names(spec, diffusers)
+    formats: dict[str, list[Part]] = {}
+    for source in (table.formats, table.diffusers):
+        for name, parts in source.items():
+            carried = _carried(parts, moved)
+            if carried:
+                formats.setdefault(name, carried)
+    for name, parts in own.formats.items():
+        formats.setdefault(name, parts)
+    return LoraNames(shapes, formats)
+
+
+def _diffusers_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """{module: weight shape} of the family's diffusers denoiser, built on the meta device from
+    its config (a single file's `model.single_file_config` folder has it)."""
+    from dpipe.models.family import diffusers_class
+    from dpipe.models.stage_weights import empty_model
+
+    model = empty_model(diffusers_class(spec.denoiser_class), spec.path / spec.denoiser_folder)
+    return layer_shapes(model)
+
+
+# A probe row's value: its module's number times this, plus its row number (from 1); exact in
+# float64 for any module count and width a denoiser has.
+_ROW_BASE = 2 ** 24
+
+
+def converted_rows(to_original, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Part]]:
+    """{diffusers module: where its rows land among the file's modules} for the converter
+    `to_original` (diffusers-named weights -> the file's), learnt as `format_modules` learns a
+    writer: each module's weight probed as one column, row i of module number n holding
+    n * 2**24 + i + 1, which every rename, concatenation, split or reordering of rows keeps.
+    Empty where the converter takes no such probe (it names what stopped it in the log)."""
+    from dpipe.models.lora_tools import module_name
+
+    modules = sorted(m for m, s in shapes.items() if len(s) == 2)
+    probe = {f"{m}.weight": (n * _ROW_BASE + torch.arange(1, shapes[m][0] + 1,
+                                                          dtype=torch.float64))[:, None]
+             for n, m in enumerate(modules, start=1)}
+    try:
+        converted = to_original(probe)
+    except Exception as err:  # a converter that needs the other weights: no names learnt
+        log.debug("no file names learnt from %s (%s: %s)", to_original, type(err).__name__, err)
+        return {}
+    moved: dict[str, list[Part]] = {}
+    for key, value in converted.items():
+        target = module_name(key)
+        if target is None or value.dtype != torch.float64 or value.dim() != 2 \
+                or value.shape[1] != 1:
+            continue
+        value = value[:, 0]
+        numbers = torch.div(value, _ROW_BASE, rounding_mode="floor").long()
+        rows = (value - numbers * _ROW_BASE).long() - 1
+        for number in numbers.unique().tolist():
+            if not 1 <= number <= len(modules):
+                continue
+            at = (numbers == number).nonzero().flatten()
+            moved.setdefault(modules[number - 1], []).append(
+                Part(target, rows[at], at, 0, 1))
+    return moved
+
+
+def _carried(parts: list[Part], moved: dict[str, list[Part]]) -> list[Part] | None:
+    """A format module's parts on the diffusers modules carried on to the file's modules: each
+    row of the format module goes where the converter puts its diffusers row. None where a part's
+    module has no place in the file."""
+    out = []
+    for part in parts:
+        targets = moved.get(part.module)
+        if targets is None:
+            return None
+        for target in targets:
+            # target: rows target.file_rows of the diffusers module are rows target.rows of the
+            # file's module; part: rows part.file_rows of the format module are the diffusers
+            # module's rows part.rows.
+            at = torch.full((int(target.file_rows.max()) + 1,), -1, dtype=torch.long)
+            at[target.file_rows] = torch.arange(len(target.file_rows))
+            inside = part.rows < len(at)
+            index = torch.full_like(part.rows, -1)
+            index[inside] = at[part.rows[inside]]
+            kept = index >= 0
+            if kept.any():
+                out.append(Part(target.module, part.file_rows[kept], target.rows[index[kept]],
+                                part.index, part.parts))
+    return out or None

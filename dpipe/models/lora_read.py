@@ -172,10 +172,14 @@ def read_lora(path: Path, names: LoraNames, family: str = "this family") -> Lora
                 continue
             parts["lora_magnitude_vector"] = magnitude
         for module, share in _shares(parts, found, kind, names.shapes):
-            if share is None or module in modules:
+            placed = scale
+            if share is not None and module in modules:
+                share = _stacked(modules[module], scales[module], share, scale, kind)
+                placed = 1.0  # both scales are folded into the stacked B
+            if share is None:
                 unfit.append(raw)
                 break
-            modules[module], scales[module] = share, scale
+            modules[module], scales[module] = share, placed
     if unread:
         raise LoraLayoutError(
             f"{len(unread)} key(s) of a {kind.value} file that dpipe cannot place: "
@@ -241,12 +245,12 @@ def _row_magnitude(dora_scale: torch.Tensor, shape) -> torch.Tensor | None:
 def _shares(parts: dict[str, torch.Tensor], found: list[Part], kind: Adapter, shapes):
     """(diffusers module, its parts or None where it has no exact form) for each of a file
     module's parts."""
-    if len(found) == 1 and found[0].whole:
+    if len(found) == 1 and _whole(found[0], shapes):
         yield found[0].module, parts
         return
     if kind not in (Adapter.lora, Adapter.dora) or "lora_magnitude_vector" in parts \
             or "lora_mid.weight" in parts:
-        if len(found) == 1 and found[0].whole:
+        if len(found) == 1 and _whole(found[0], shapes):
             yield found[0].module, parts
         else:
             yield found[0].module, None
@@ -264,6 +268,30 @@ def _shares(parts: dict[str, torch.Tensor], found: list[Part], kind: Adapter, sh
         b_part = b.new_zeros((shapes[part.module][0], rows.shape[1]))
         b_part[part.rows] = rows
         yield part.module, {"lora_A.weight": a_part.contiguous(), "lora_B.weight": b_part}
+
+
+def _whole(part: Part, shapes) -> bool:
+    """The file module is the part's module, row for row: every row of it (a module the file
+    fuses with others, Chroma's `img_attn.qkv` for to_q, has more)."""
+    return part.whole and len(part.rows) == shapes[part.module][0]
+
+
+def _stacked(first: dict[str, torch.Tensor], first_scale: float, second: dict[str, torch.Tensor],
+             second_scale: float, kind: Adapter) -> dict[str, torch.Tensor] | None:
+    """One LoRA on a module from two that change disjoint rows of it (the file's module fuses
+    several diffusers modules: Chroma's `img_attn.qkv` takes a LoRA's to_q, to_k and to_v): A's
+    rows stacked, B's columns side by side with each one's scale folded in (fp32), so that B @ A
+    is the sum. None where they are no plain LoRAs or share a row (the same module twice)."""
+    plain = {"lora_A.weight", "lora_B.weight"}
+    if kind != Adapter.lora or set(first) != plain or set(second) != plain:
+        return None
+    b1, b2 = first["lora_B.weight"], second["lora_B.weight"]
+    if b1.shape[0] != b2.shape[0] or (b1.flatten(1).any(1) & b2.flatten(1).any(1)).any():
+        return None
+    return {"lora_A.weight": torch.cat([first["lora_A.weight"].float(),
+                                        second["lora_A.weight"].float()]),
+            "lora_B.weight": torch.cat([first_scale * b1.float(), second_scale * b2.float()],
+                                       dim=1)}
 
 
 def _block_diagonal(b: torch.Tensor, found: list[Part], size: int) -> bool:

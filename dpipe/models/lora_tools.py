@@ -7,7 +7,8 @@ or a single file (plain, one of ComfyUI's 8-bit quantized layouts, or a GGUF, wh
 back in its layout); its module names are its weights' keys without `.weight` (and without a
 single file's `model.diffusion_model.` / `diffusion_model.` prefix). A LoRA is read by
 `dpipe.models.lora_read`, placed by the base's own names, or by a family's (`names`) where
-its names are another format's.
+its names are another format's (`lora_names.base_names`: on a single file in the family's
+original names, through the family's `to_original` converter).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from dpipe.models.common.latent_packing import pack, packed_labels
 from dpipe.models.diffusers_folder import read_json, wan_vae_image_latents
 from dpipe.models.family import DiffusersFamily
 from dpipe.models.krea2.layers import Krea2Block, Krea2Embed, krea2_layers
+from dpipe.models.krea2.original import original_state_dict
 from dpipe.models.krea2.sizes import SAMPLE_SHAPES, SIZES
 from dpipe.models.lora_files import LoraFormat
 from dpipe.models.spec import (
@@ -52,6 +53,9 @@ class Krea2Spec(DiffusersFamily):
     latent_patch = 2
     tiny_writer = "dpipe.models.krea2.tiny:make_tiny_krea2"
     lora_modules = LORA_TARGETS
+    # krea-ai's names of the Linears, as the single files ComfyUI loads hold them: dpipe reads
+    # no Krea 2 single file, but `dpipe-lora merge` places Krea 2 LoRAs on one through them.
+    to_original = staticmethod(original_state_dict)
     layers = krea2_layers
     sampler = "dpipe.models.krea2.sampling:Krea2Sampling"
 
