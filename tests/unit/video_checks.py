@@ -1,12 +1,15 @@
-"""Checks shared by the families' unit tests (HunyuanVideo, LTX-Video, Qwen-Image, Chroma, ...):
-the pipeline layers against the diffusers forward on video-shaped latents, activation
-checkpointing, the exactness of exported LoRA files, and which attention calls get a mask."""
+"""Checks shared by the families' unit tests (HunyuanVideo, LTX-Video, Qwen-Image, Chroma, ...): the
+tiny model configs' specs, the pipeline layers against the diffusers forward on video-shaped
+latents, activation checkpointing, the exactness of exported LoRA files, and which attention calls
+get a mask."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
+import yaml
 from torch.utils.checkpoint import checkpoint
 
 from dpipe.config.schema import LoraConfig, TrainMode
@@ -31,6 +34,21 @@ def tiny_spec(path, family: str, **values):
     spec = build_spec(cfg)
     spec.ensure_available()
     return spec
+
+
+# Every tiny model config (conf/model/tiny_*.yaml) by name: its family, the name its folder takes,
+# and its values.
+TINY_CONFIGS = {}
+for _file in sorted((Path(__file__).resolve().parents[2] / "conf/model").glob("tiny_*.yaml")):
+    _values = yaml.safe_load(_file.read_text())
+    TINY_CONFIGS[_file.stem] = (_values.pop("family"), _values.pop("path").rsplit("/", 1)[1],
+                                {k: v for k, v in _values.items() if k != "defaults"})
+
+
+def tiny_config_spec(models: Path, config: str):
+    """The spec of the tiny model config `config` (a TINY_CONFIGS key), its folder in `models`."""
+    family, folder, values = TINY_CONFIGS[config]
+    return tiny_spec(models / folder, family, **values)
 
 
 def lora_denoiser(spec, rank: int = 4, alpha: float = 8.0, seed: int = 0):
