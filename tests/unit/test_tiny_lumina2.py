@@ -19,7 +19,8 @@ from dpipe.models.lumina2.comfyui import from_native, native_state_dict
 from dpipe.models.lumina2.spec import Lumina2Spec
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import (
-    attention_masks_of_layers_and_diffusers, noised_images, tiny_spec)
+    assert_layers_match_each_item_alone, attention_masks_of_layers_and_diffusers, noised_images,
+    tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -54,16 +55,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     lengths = inputs[3].tolist()
     assert len(set(lengths)) == 3 and max(lengths) == 48  # the last is cut at max_text_tokens
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target)
 
 
 @pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2]])

@@ -19,7 +19,8 @@ from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.omnigen2.sizes import OMNIGEN2_4B, OMNIGEN2_TINY
 from dpipe.models.omnigen2.spec import COMFY_LORA, OmniGen2Spec
 from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-from tests.unit.video_checks import noised_images, tiny_spec
+from tests.unit.video_checks import (
+    assert_layers_match_each_item_alone, noised_images, tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -148,16 +149,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     inputs, (target,) = _inputs(spec, encoders, CAPTIONS)
     assert len(set(inputs[3].tolist())) == 3
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target)
     assert len(spec.pipeline_layers(denoiser)) == spec.pipeline_layer_count()
 
 

@@ -18,7 +18,8 @@ from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.comfyui import native_state_dict
 from dpipe.models.z_image.spec import ZImageSpec
 from tests.unit.video_checks import (
-    assert_same_tensors, attention_masks_of_layers_and_diffusers, noised_images, tiny_spec)
+    assert_layers_match_each_item_alone, assert_same_tensors,
+    attention_masks_of_layers_and_diffusers, noised_images, tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -55,17 +56,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     # Within one 32-token unit, and past it: the last is cut at max_text_tokens=34.
     assert len(set(lengths)) == 3 and max(lengths) == 34 and min(lengths) < 32
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    # Padding to the batch's or the run's length leaves each item's result as computed alone.
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=1e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target, alone_atol=1e-6)
 
 
 @pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2], CAPTIONS])

@@ -150,6 +150,20 @@ def assert_layers_match(spec, denoiser, inputs, rtol=1e-5, atol=1e-5) -> torch.T
     return got
 
 
+def assert_layers_match_each_item_alone(spec, denoiser, inputs, target, alone_atol=2e-6) -> None:
+    """The pipeline layers give the denoiser's forward on `inputs` (the shape of `target`), and
+    each item's result is as the forward computes it alone: padding the text to the batch's or the
+    run's length changes nothing."""
+    with torch.no_grad():
+        x = run(spec.pipeline_layers(denoiser), inputs)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
+                 for i in range(len(target))]
+    assert x.shape == target.shape
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=alone_atol)
+
+
 def assert_checkpointing_matches(spec, denoiser, inputs, labels) -> None:
     """Per-layer activation checkpointing gives the same loss and LoRA gradients."""
     layers = spec.pipeline_layers(denoiser)
