@@ -28,6 +28,16 @@ def tiny_models(dpipe_cache) -> Path:
     return dpipe_cache / "models"
 
 
+@pytest.fixture(scope="module")
+def tiny(request, tiny_models) -> Path:
+    """The folder of the tiny model config named as the module: conf/model/tiny_<family>.yaml for
+    tests/unit/test_tiny_<family>.py, made once a session where that config puts it."""
+    from tests.unit.video_checks import tiny_config_spec
+
+    config = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return tiny_config_spec(tiny_models, config).path
+
+
 def pytest_configure(config):
     """Each xdist worker's own torch work gets its share of the cores: with torch's default of
     every core per worker, two workers' in-process tests (and the training processes they start)

@@ -4,22 +4,13 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
-from transformers import LlamaTokenizerFast, UMT5EncoderModel
+from diffusers import AuraFlowPipeline
 
-from dpipe.models.auraflow.tiny import make_tiny_auraflow
 
 CAPTION = "a red circle on a blue background"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_auraflow(tiny_models / "tiny-auraflow")
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +18,7 @@ def pipe(tiny) -> AuraFlowPipeline:
     return AuraFlowPipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
-def test_layout_and_components(tiny, pipe):
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert index["_class_name"] == "AuraFlowPipeline"
-    assert index["tokenizer"] == ["transformers", "LlamaTokenizerFast"]
-    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
-    assert isinstance(pipe.text_encoder, UMT5EncoderModel)
-    assert isinstance(pipe.tokenizer, LlamaTokenizerFast)
-    assert isinstance(pipe.transformer, AuraFlowTransformer2DModel)
-    assert len(list((tiny / "transformer").glob("*-of-00002.safetensors"))) == 2
+def test_scheduler_and_vae_as_the_release(pipe):
     assert pipe.scheduler.config.shift == pytest.approx(1.73)
     assert pipe.vae.config.scaling_factor == pytest.approx(0.13025)
 
@@ -50,13 +33,6 @@ def test_prompt_tokens(pipe):
     assert embeds.shape == (1, 32, 32)
     assert (embeds[0, len(ids):] == 0).all()  # the pipeline zeroes the padding's embeddings
     assert int(mask.sum()) == len(ids) * 32  # its mask comes back expanded over the width
-
-
-def test_deterministic(tmp_path, tiny):
-    again = make_tiny_auraflow(tmp_path / "again", seed=0)
-    for rel in ["transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
-                "text_encoder/model.safetensors", "tokenizer/tokenizer.json"]:
-        assert (tiny / rel).read_bytes() == (again / rel).read_bytes(), rel
 
 
 def test_layers_reproduce_the_transformer(tiny):

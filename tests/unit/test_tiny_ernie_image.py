@@ -6,27 +6,19 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
 
-from dpipe.config.schema import ModelConfig
 from dpipe.models.ernie_image.sampling import unpatchify
 from dpipe.models.ernie_image.spec import ErnieImageSpec, patchify
-from dpipe.models.ernie_image.tiny import make_tiny_ernie_image
 from dpipe.models.sampling import SampleRequest
-from tests.unit.video_checks import noised_images
+from tests.unit.video_checks import noised_images, tiny_spec
 
 CAPTIONS = ["a red circle on a blue background", "a cat"]
 TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_ernie_image(tiny_models / "tiny-ernie-image")
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +27,10 @@ def pipe(tiny) -> ErnieImagePipeline:
 
 
 def _spec(path: Path, tokens: int = TOKENS) -> ErnieImageSpec:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "ernie_image", "path": str(path), "max_text_tokens": tokens})
-    return ErnieImageSpec(OmegaConf.to_object(cfg))
+    return tiny_spec(path, "ernie_image", max_text_tokens=tokens)
 
 
-def test_parts_and_files_as_the_release(tiny, pipe):
-    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKLFlux2",
-                "text_encoder": "Mistral3Model", "transformer": "ErnieImageTransformer2DModel"}
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert {name: index[name][1] for name in expected} == expected
-    assert index["tokenizer"] == ["transformers", "TokenizersBackend"]
-    for rel in ["tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "text_encoder/model.safetensors", "vae/diffusion_pytorch_model.safetensors"]:
-        assert (tiny / rel).is_file(), rel
+def test_tokens_and_schedule_as_the_pipeline_takes_them(pipe):
     assert pipe.tokenizer("a cat")["input_ids"][0] == pipe.tokenizer.bos_token_id == 1
     assert not pipe.scheduler.config.use_dynamic_shifting  # the pipeline passes no mu
 

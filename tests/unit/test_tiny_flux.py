@@ -26,14 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(tiny_models) -> Path:
-    return make_tiny_flux(tiny_models / "tiny-flux")
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_flux) -> FluxPipeline:
+def pipe(tiny) -> FluxPipeline:
     # Weights are stored in bf16 like the real repo; compute in fp32 on CPU.
-    return FluxPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
+    return FluxPipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
 def test_its_vae_encodes_pictures(pipe):
@@ -54,23 +49,8 @@ def test_its_vae_encodes_pictures(pipe):
     assert abs(normalized.mean()) < 0.1 and 0.8 < normalized.std() < 1.2
 
 
-def test_parts_and_files_as_the_release(tiny_flux):
-    expected = {
-        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
-        "text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
-        "text_encoder_2": "T5EncoderModel", "tokenizer_2": "T5TokenizerFast",
-        "transformer": "FluxTransformer2DModel",
-    }
-    index = json.loads((tiny_flux / "model_index.json").read_text())
-    assert {name: index[name][1] for name in expected} == expected
-    # Same files as black-forest-labs/FLUX.1-dev: CLIP vocab/merges, sharded weights with an index.
-    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer_2/tokenizer.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "text_encoder_2/model.safetensors.index.json", "text_encoder/model.safetensors",
-                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
-        assert (tiny_flux / rel).is_file(), rel
-    assert len(list((tiny_flux / "transformer").glob("*-of-00003.safetensors"))) == 3
-    with safe_open(tiny_flux / "text_encoder/model.safetensors", "pt") as f:
+def test_text_encoder_is_stored_in_bf16(tiny):
+    with safe_open(tiny / "text_encoder/model.safetensors", "pt") as f:
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
 
 
@@ -88,10 +68,10 @@ def test_shapes_match_the_declared_config(pipe):
     assert len(clip_ids) == len(CAPTION.split()) + 2  # every word is one token, plus bos/eos
 
 
-def test_another_seed_makes_another_model(tmp_path, tiny_flux):
+def test_another_seed_makes_another_model(tmp_path, tiny):
     other = make_tiny_flux(tmp_path / "other", seed=1)
     shard = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"
-    assert (other / shard).read_bytes() != (tiny_flux / shard).read_bytes()
+    assert (other / shard).read_bytes() != (tiny / shard).read_bytes()
 
 
 def test_tokenizers_are_the_same_in_every_process():

@@ -5,7 +5,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,27 +14,21 @@ from diffusers import FluxKontextPipeline
 from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.flux.kontext import FluxKontextSpec
-from dpipe.models.flux.tiny import make_tiny_flux_kontext
 
 CAPTION = "make the circle green"
 
 
 @pytest.fixture(scope="module")
-def tiny_kontext(tiny_models) -> Path:
-    return make_tiny_flux_kontext(tiny_models / "tiny-flux-kontext")
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_kontext) -> FluxKontextSpec:
-    spec = FluxKontextSpec(ModelConfig(family="flux_kontext", path=str(tiny_kontext),
+def spec(tiny) -> FluxKontextSpec:
+    spec = FluxKontextSpec(ModelConfig(family="flux_kontext", path=str(tiny),
                                        max_text_tokens=32, guidance=2.5))
     spec.ensure_available()
     return spec
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_kontext) -> FluxKontextPipeline:
-    return FluxKontextPipeline.from_pretrained(tiny_kontext, dtype=torch.float32)
+def pipe(tiny) -> FluxKontextPipeline:
+    return FluxKontextPipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
 def test_refuses_a_flux1_dev_folder(tmp_path):

@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,16 +19,10 @@ from dpipe.config.schema import LoraConfig, ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.hidream.moe import SyncFreeMoE
 from dpipe.models.hidream.spec import COMFYUI_FILE, HiDreamSpec
-from dpipe.models.hidream.tiny import make_tiny_hidream
 from dpipe.train.lora import make_trainable
 from tests.exports import export_lora
 
 PROMPTS = ["a red circle on a blue background", "a photo of two green stars"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_hidream(tiny_models / "tiny-hidream")
 
 
 def _spec(tiny, **kw) -> HiDreamSpec:

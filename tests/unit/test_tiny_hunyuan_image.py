@@ -6,7 +6,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +13,13 @@ from diffusers import HunyuanImagePipeline
 
 from dpipe.config.schema import LoraConfig, ModelConfig
 from dpipe.models.hunyuan_image.spec import HunyuanImageSpec
-from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS, make_tiny_hunyuan_image
+from dpipe.models.hunyuan_image.tiny import TEMPLATE, TEMPLATE_TOKENS
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
 from tests.unit.video_checks import attention_masks_of_layers_and_diffusers
 from tests.exports import export_lora
 
 PROMPTS = ["a red circle on a blue background", 'a sign that says "hello" on a wall']
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_hunyuan_image(tiny_models / "tiny-hunyuan-image")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +15,12 @@ from dpipe.config.schema import ModelConfig
 from dpipe.errors import DataError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx_video.ltx2.spec import COMFYUI_LORA, LTX2Spec
-from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.sync_free import sizes
 from tests.unit.video_checks import (
     CAPTIONS, assert_checkpointing_matches, assert_layers_match, deltas, lora_denoiser,
     lora_state_dict, micro_batch)
 from tests.exports import export_lora
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_ltx2(tiny_models / "tiny-ltx2")
 
 
 def make_spec(tiny, **values):
@@ -50,13 +42,9 @@ def encoders(spec):
     return spec.load_encoders(torch.device("cpu"), torch.float32)
 
 
-def test_layout_as_the_real_repo(tiny):
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert index["_class_name"] == "LTX2Pipeline"
-    assert index["text_encoder"] == ["transformers", "Gemma3ForConditionalGeneration"]
+def test_parts_as_the_real_repo(tiny):
     for part in ("connectors", "audio_vae", "vocoder", "vae", "scheduler", "tokenizer"):
         assert (tiny / part).is_dir(), part
-    assert (tiny / "transformer/diffusion_pytorch_model.safetensors.index.json").is_file()
 
 
 def test_encoders(spec, encoders):

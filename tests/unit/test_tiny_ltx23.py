@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +22,11 @@ from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import peft_pairs
 from dpipe.models.ltx_video.ltx2.ltx23 import COMFYUI_LORA, LTX23Spec
-from dpipe.models.ltx_video.ltx2.ltx23_tiny import make_tiny_ltx23
 from dpipe.models.ltx_video.ltx2.tiny import make_tiny_ltx2, write_single_file
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from tests.unit.video_checks import (
     CAPTIONS, assert_layers_match, deltas, lora_denoiser, lora_state_dict, micro_batch, tiny_spec)
 from tests.exports import export_lora
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_ltx23(tiny_models / "tiny-ltx23")
 
 
 def make_spec(path, family="ltx23", **values):

@@ -5,7 +5,6 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 import re
 from pathlib import Path
 
@@ -14,15 +13,14 @@ import torch
 from diffusers import Lumina2Pipeline
 from safetensors.torch import load_file
 
-from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.common.lumina import COMFY_LORA
 from dpipe.models.lumina2.comfyui import from_native, native_state_dict
 from dpipe.models.lumina2.spec import Lumina2Spec
-from dpipe.models.lumina2.tiny import make_tiny_lumina2
 from dpipe.models.spec import NoisedBatch
 from tests.unit.video_checks import (
-    attention_masks_of_layers_and_diffusers, noised_images)
+    assert_layers_match_each_item_alone, attention_masks_of_layers_and_diffusers, noised_images,
+    tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -30,35 +28,15 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_lumina2(tiny_models / "tiny-lumina2")
-
-
-@pytest.fixture(scope="module")
 def pipe(tiny) -> Lumina2Pipeline:
     return Lumina2Pipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
-def _spec(path: Path, **overrides) -> Lumina2Spec:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "lumina2", "path": str(path), "max_text_tokens": 48,
-                           **overrides})
-    return Lumina2Spec(OmegaConf.to_object(cfg))
+def _spec(path: Path, **values) -> Lumina2Spec:
+    return tiny_spec(path, "lumina2", max_text_tokens=48, **values)
 
 
-def test_parts_and_files_as_the_release(tiny, pipe):
-    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
-                "text_encoder": "Gemma2Model", "tokenizer": "GemmaTokenizerFast",
-                "transformer": "Lumina2Transformer2DModel"}
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert {name: index[name][1] for name in expected} == expected
-    for rel in ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "text_encoder/model.safetensors.index.json",
-                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
-        assert (tiny / rel).is_file(), rel
+def test_tokens_and_vae_as_the_pipeline_takes_them(pipe):
     # Gemma's form: <bos> first, "▁" for spaces, whole words; the VAE downscales 8x as the
     # pipeline assumes.
     tokens = pipe.tokenizer.convert_ids_to_tokens(pipe.tokenizer(CAPTIONS[0]).input_ids)
@@ -77,16 +55,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     lengths = inputs[3].tolist()
     assert len(set(lengths)) == 3 and max(lengths) == 48  # the last is cut at max_text_tokens
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target)
 
 
 @pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2]])

@@ -14,14 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpipe.config.schema import ModelConfig
 from dpipe.errors import ModelLoadError
 from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.omnigen2.sizes import OMNIGEN2_4B, OMNIGEN2_TINY
 from dpipe.models.omnigen2.spec import COMFY_LORA, OmniGen2Spec
-from dpipe.models.omnigen2.tiny import make_tiny_omnigen2
 from dpipe.models.omnigen2.transformer import OmniGen2Transformer2DModel
-from tests.unit.video_checks import noised_images
+from tests.unit.video_checks import (
+    assert_layers_match_each_item_alone, noised_images, tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -93,18 +92,8 @@ REFERENCE_FIELDS = {"patch_size", "in_channels", "out_channels", "hidden_size", 
                     "text_feat_dim", "timestep_scale"}
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_omnigen2(tiny_models / "tiny-omnigen2")
-
-
-def _spec(path: Path, **overrides) -> OmniGen2Spec:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "omnigen2", "path": str(path), "max_text_tokens": 64,
-                           **overrides})
-    return OmniGen2Spec(OmegaConf.to_object(cfg))
+def _spec(path: Path, **values) -> OmniGen2Spec:
+    return tiny_spec(path, "omnigen2", max_text_tokens=64, **values)
 
 
 def test_keys_shapes_and_config_equal_the_reference(tiny):
@@ -127,15 +116,7 @@ def test_real_size_has_the_published_parameter_count():
     assert 3.9e9 < total < 4.1e9
 
 
-def test_layout(tiny):
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert index["_class_name"] == "OmniGen2Pipeline"
-    assert index["mllm"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"]
-    for rel in ["transformer/config.json", "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "mllm/config.json", "mllm/model.safetensors.index.json", "vae/config.json",
-                "processor/tokenizer.json", "processor/preprocessor_config.json",
-                "scheduler/scheduler_config.json"]:
-        assert (tiny / rel).is_file(), rel
+def test_mllm_width_is_the_transformers_text_width(tiny):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "mllm")
@@ -168,16 +149,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     inputs, (target,) = _inputs(spec, encoders, CAPTIONS)
     assert len(set(inputs[3].tolist())) == 3
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=2e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target)
     assert len(spec.pipeline_layers(denoiser)) == spec.pipeline_layer_count()
 
 

@@ -5,7 +5,6 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 import re
 from pathlib import Path
 
@@ -14,13 +13,11 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from dpipe.config.schema import ModelConfig
 from dpipe.models.lora_files import DIFFUSERS_LORA
 from dpipe.models.qwen_image.spec import COMFY_LORA, QwenImageSpec, pack
-from dpipe.models.qwen_image.tiny import make_tiny_qwen_image
 from dpipe.models.common.tiny_qwen_tokenizer import TEMPLATES
 from tests.unit.video_checks import (
-    attention_masks_of_layers_and_diffusers, noised_images)
+    attention_masks_of_layers_and_diffusers, noised_images, tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -28,35 +25,15 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_qwen_image(tiny_models / "tiny-qwen-image")
-
-
-@pytest.fixture(scope="module")
 def pipe(tiny) -> QwenImagePipeline:
     return QwenImagePipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
-def _spec(path: Path, **overrides) -> QwenImageSpec:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "qwen_image", "path": str(path), "max_text_tokens": 24,
-                           **overrides})
-    return QwenImageSpec(OmegaConf.to_object(cfg))
+def _spec(path: Path, **values) -> QwenImageSpec:
+    return tiny_spec(path, "qwen_image", max_text_tokens=24, **values)
 
 
-def test_parts_and_files_as_the_release(tiny, pipe):
-    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKLQwenImage",
-                "text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": "Qwen2Tokenizer",
-                "transformer": "QwenImageTransformer2DModel"}
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert {name: index[name][1] for name in expected} == expected
-    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer/tokenizer.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "text_encoder/model.safetensors.index.json",
-                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
-        assert (tiny / rel).is_file(), rel
+def test_vae_and_schedule_as_the_pipeline_takes_them(pipe):
     assert pipe.vae_scale_factor == 4 and pipe.scheduler.config.use_dynamic_shifting
 
 

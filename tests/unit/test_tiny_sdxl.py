@@ -16,17 +16,12 @@ from dpipe.config.schema import LoraConfig, ModelConfig
 from dpipe.errors import ConfigError
 from dpipe.models.sdxl import ddpm
 from dpipe.models.sdxl.spec import KOHYA_FILE, LORA_TARGETS, SDXLSpec
-from dpipe.models.sdxl.tiny import SINGLE_FILE, make_tiny_sdxl
+from dpipe.models.sdxl.tiny import SINGLE_FILE
 from dpipe.models.spec import NoisedBatch
 from dpipe.train.lora import make_trainable
 from tests.exports import export_lora
 
 CAPTION = "a red circle on a blue background"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_sdxl(tiny_models / "tiny-sdxl")
 
 
 @pytest.fixture(scope="module")

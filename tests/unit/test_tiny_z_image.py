@@ -5,7 +5,6 @@ import os
 # Before any Hugging Face import: a hub lookup offline would stall ~48 s on retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,14 @@ import torch
 from diffusers import ZImagePipeline
 from safetensors.torch import load_file
 
-from dpipe.config.schema import ModelConfig
 from dpipe.models.comfyui import apply_comfy_lora
 from dpipe.models.common.lumina import COMFY_LORA
 from dpipe.models.spec import NoisedBatch
 from dpipe.models.z_image.comfyui import native_state_dict
 from dpipe.models.z_image.spec import ZImageSpec
-from dpipe.models.z_image.tiny import make_tiny_z_image
 from tests.unit.video_checks import (
-    assert_same_tensors, attention_masks_of_layers_and_diffusers,
-    noised_images)
+    assert_layers_match_each_item_alone, assert_same_tensors,
+    attention_masks_of_layers_and_diffusers, noised_images, tiny_spec)
 from tests.exports import export_lora
 
 CAPTIONS = ["a red circle on a blue background", "a cat",
@@ -30,36 +27,16 @@ CAPTIONS = ["a red circle on a blue background", "a cat",
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models) -> Path:
-    return make_tiny_z_image(tiny_models / "tiny-z-image")
-
-
-@pytest.fixture(scope="module")
 def pipe(tiny) -> ZImagePipeline:
     return ZImagePipeline.from_pretrained(tiny, dtype=torch.float32)
 
 
-def _spec(path: Path, **overrides) -> ZImageSpec:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"family": "z_image", "path": str(path), "max_text_tokens": 34,
-                           **overrides})
-    return ZImageSpec(OmegaConf.to_object(cfg))
+def _spec(path: Path, **values) -> ZImageSpec:
+    return tiny_spec(path, "z_image", max_text_tokens=34, **values)
 
 
-def test_parts_and_files_as_the_release(tiny, pipe):
-    expected = {"scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL",
-                "text_encoder": "Qwen3Model", "tokenizer": "Qwen2Tokenizer",
-                "transformer": "ZImageTransformer2DModel"}
-    index = json.loads((tiny / "model_index.json").read_text())
-    assert {name: index[name][1] for name in expected} == expected
-    for rel in ["tokenizer/vocab.json", "tokenizer/merges.txt", "tokenizer/tokenizer.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json",
-                "text_encoder/model.safetensors.index.json",
-                "vae/diffusion_pytorch_model.safetensors", "scheduler/scheduler_config.json"]:
-        assert (tiny / rel).is_file(), rel
-    # The prompt format: Qwen3's chat template, every caption word a whole token.
+def test_prompt_format(pipe):
+    # Qwen3's chat template, every caption word a whole token.
     text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": CAPTIONS[0]}],
                                               tokenize=False, add_generation_prompt=True)
     assert text == f"<|im_start|>user\n{CAPTIONS[0]}<|im_end|>\n<|im_start|>assistant\n"
@@ -79,17 +56,7 @@ def test_layers_match_the_forward_for_captions_of_any_length(tiny):
     # Within one 32-token unit, and past it: the last is cut at max_text_tokens=34.
     assert len(set(lengths)) == 3 and max(lengths) == 34 and min(lengths) < 32
     denoiser = spec.load_denoiser(torch.float32)
-    with torch.no_grad():
-        x = inputs
-        for layer in spec.pipeline_layers(denoiser):
-            x = layer(x)
-        expected = spec.denoiser_forward(denoiser, inputs)
-        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
-                 for i in range(len(CAPTIONS))]
-    assert x.shape == target.shape
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-    # Padding to the batch's or the run's length leaves each item's result as computed alone.
-    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=1e-6)
+    assert_layers_match_each_item_alone(spec, denoiser, inputs, target, alone_atol=1e-6)
 
 
 @pytest.mark.parametrize("captions", [CAPTIONS[:1], CAPTIONS[:2], CAPTIONS])

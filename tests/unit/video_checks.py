@@ -1,12 +1,15 @@
-"""Checks shared by the families' unit tests (HunyuanVideo, LTX-Video, Qwen-Image, Chroma, ...):
-the pipeline layers against the diffusers forward on video-shaped latents, activation
-checkpointing, the exactness of exported LoRA files, and which attention calls get a mask."""
+"""Checks shared by the families' unit tests (HunyuanVideo, LTX-Video, Qwen-Image, Chroma, ...): the
+tiny model configs' specs, the pipeline layers against the diffusers forward on video-shaped
+latents, activation checkpointing, the exactness of exported LoRA files, and which attention calls
+get a mask."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
+import yaml
 from torch.utils.checkpoint import checkpoint
 
 from dpipe.config.schema import LoraConfig, TrainMode
@@ -31,6 +34,21 @@ def tiny_spec(path, family: str, **values):
     spec = build_spec(cfg)
     spec.ensure_available()
     return spec
+
+
+# Every tiny model config (conf/model/tiny_*.yaml) by name: its family, the name its folder takes,
+# and its values.
+TINY_CONFIGS = {}
+for _file in sorted((Path(__file__).resolve().parents[2] / "conf/model").glob("tiny_*.yaml")):
+    _values = yaml.safe_load(_file.read_text())
+    TINY_CONFIGS[_file.stem] = (_values.pop("family"), _values.pop("path").rsplit("/", 1)[1],
+                                {k: v for k, v in _values.items() if k != "defaults"})
+
+
+def tiny_config_spec(models: Path, config: str):
+    """The spec of the tiny model config `config` (a TINY_CONFIGS key), its folder in `models`."""
+    family, folder, values = TINY_CONFIGS[config]
+    return tiny_spec(models / folder, family, **values)
 
 
 def lora_denoiser(spec, rank: int = 4, alpha: float = 8.0, seed: int = 0):
@@ -130,6 +148,20 @@ def assert_layers_match(spec, denoiser, inputs, rtol=1e-5, atol=1e-5) -> torch.T
         got = run(spec.pipeline_layers(denoiser), inputs)
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     return got
+
+
+def assert_layers_match_each_item_alone(spec, denoiser, inputs, target, alone_atol=2e-6) -> None:
+    """The pipeline layers give the denoiser's forward on `inputs` (the shape of `target`), and
+    each item's result is as the forward computes it alone: padding the text to the batch's or the
+    run's length changes nothing."""
+    with torch.no_grad():
+        x = run(spec.pipeline_layers(denoiser), inputs)
+        expected = spec.denoiser_forward(denoiser, inputs)
+        alone = [spec.denoiser_forward(denoiser, tuple(v[i:i + 1] for v in inputs))
+                 for i in range(len(target))]
+    assert x.shape == target.shape
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, torch.cat(alone), rtol=1e-5, atol=alone_atol)
 
 
 def assert_checkpointing_matches(spec, denoiser, inputs, labels) -> None:
