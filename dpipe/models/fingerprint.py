@@ -34,11 +34,17 @@ _CHUNK = 8 << 20
 _unwritable_warned = False
 
 
-def index_dir() -> Path:
-    """Where the digest indexes live: beside the default latent cache (`dataset.cache_dir`)."""
+def dpipe_cache() -> Path:
+    """dpipe's own cache folder: `$DPIPE_CACHE`, by default `~/.cache/dpipe` (as the configs'
+    `${oc.env:DPIPE_CACHE,...}` paths name it)."""
     base = os.environ.get("DPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                          "dpipe")
-    return Path(base).expanduser() / INDEX_DIR
+    return Path(base).expanduser()
+
+
+def index_dir() -> Path:
+    """Where the digest indexes live: beside the default latent cache (`dataset.cache_dir`)."""
+    return dpipe_cache() / INDEX_DIR
 
 
 def sha256_of(path: str | Path) -> str:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from dpipe.models.fingerprint import dpipe_cache
 
 STAMP = "dpipe-tiny.json"
 # The libraries whose versions change a tiny model's files (configs carry `_diffusers_version`
@@ -71,5 +72,4 @@ def owned_by_dpipe(folder: Path) -> bool:
     `~/.cache/dpipe/models/`), where the configs put them: a folder there without a stamp was
     written by a dpipe from before the stamp, and may be written again. Elsewhere a folder without
     one may be the user's own, and is never replaced."""
-    cache = os.environ.get("DPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dpipe")
-    return Path(folder).resolve().parent == (Path(cache) / "models").resolve()
+    return Path(folder).resolve().parent == (dpipe_cache() / "models").resolve()
