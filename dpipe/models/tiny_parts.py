@@ -355,19 +355,19 @@ def write_once(path: Path, marker: str, writer_fn: Callable[[Path], None], write
     with other files and no marker is not overwritten: it is refused, naming `writer` (the
     function that writes such tiny models)."""
     path = Path(path)
-    if (path / marker).is_file() and not tiny_stamp.needs_writing(path):
+    complete = (path / marker).is_file()
+    if complete and not tiny_stamp.needs_writing(path):
         return path
-    if not (path / marker).is_file():
-        if path.is_dir() and any(path.iterdir()):
-            raise FileExistsError(
-                f"{path} exists but has no {marker}, so it is not a tiny model written by"
-                f" {writer}; delete it or choose another folder")
-    else:  # written by another dpipe: set aside, then deleted, and written again below
+    if complete:  # written by another dpipe: set aside, then deleted, and written again below
         log.info("%s was written by another dpipe version; writing it again", path)
         aside = path.with_name(f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         with contextlib.suppress(FileNotFoundError):  # another process set it aside first
             os.rename(path, aside)
         shutil.rmtree(aside, ignore_errors=True)
+    elif path.is_dir() and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path} exists but has no {marker}, so it is not a tiny model written by"
+            f" {writer}; delete it or choose another folder")
 
     def write_stamped(tmp: Path) -> None:
         writer_fn(tmp)
