@@ -19,7 +19,6 @@ and grid is the latent (height, width) in patches, carried in a shape (`dpipe.mo
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 from dpipe.models.attention_mask import has_padding, key_mask, padding_mask, trim_text_padding
 from dpipe.models.common.shapes import patchify, unpatchify
 from dpipe.models.common.stage_io import needs_grad
-from dpipe.models.spec import NoisedBatch, PipelineLayer, block_layers, denoiser_config
+from dpipe.models.spec import NoisedBatch, PipelineLayer, block_layers
 from dpipe.models.sync_free import carrier, sizes
 
 
@@ -185,14 +184,6 @@ def lumina_layers(transformer: nn.Module, embed: PipelineLayer,
             LuminaJoin(positions),
             *block_layers(LuminaBlock, transformer, "layers", positions=positions),
             LuminaHead(transformer)]
-
-
-def lumina_layer_count(transformer_folder: Path, class_name: str) -> int:
-    """len(lumina_layers(...)) from the transformer's config.json: the embedding, the caption's
-    and the image's refiner blocks, the join, every main block, the head."""
-    refiners, blocks = denoiser_config(transformer_folder, class_name, "num_refiner_layers",
-                                       "num_layers")
-    return 3 + 2 * refiners + blocks
 
 
 def lumina_inputs(batch: NoisedBatch) -> tuple[torch.Tensor, ...]:

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from dpipe.diffusion.edm import Preconditioning, t_of_sigma
+from dpipe.diffusion.edm import t_of_sigma
 from dpipe.models.common.cosmos import PromptsPass
 from dpipe.models.cosmos1.latents import FPS, latent_statistics
 from dpipe.models.sampling import Denoising, FamilySampling, SampleRequest
@@ -49,9 +49,6 @@ class Cosmos1Sampling(FamilySampling):
         # The step is given x0 directly (as the pipeline does): no model-input scaling warning.
         scheduler.is_scale_input_called = True
         return timesteps
-
-    def _precondition(self, d: Denoising, index: int) -> Preconditioning:
-        return Preconditioning(d.scheduler.sigmas[index], d.scheduler.config.sigma_data)
 
     def batch(self, d: Denoising, t: torch.Tensor, text: dict[str, torch.Tensor]):
         index = int((d.timesteps == t).nonzero()[0, 0])
